@@ -1,0 +1,5 @@
+import sys
+
+from outlierscope.cli import main
+
+sys.exit(main())

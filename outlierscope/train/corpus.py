@@ -1,0 +1,71 @@
+"""Streaming readers for training text: ``.jsonl`` / ``.jsonl.xz`` / ``.jsonl.gz`` with a ``text`` field, or ``.txt``."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import lzma
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from outlierscope.errors import OutlierscopeError
+
+SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz", ".txt", ".txt.xz", ".txt.gz")
+
+
+def _open(path: Path):
+    name = path.name
+    if name.endswith(".xz"):
+        return lzma.open(path, "rt", encoding="utf-8")
+    if name.endswith(".gz"):
+        return gzip.open(path, "rt", encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def check_corpus(paths: list[str | os.PathLike]) -> list[Path]:
+    """Validate corpus paths up front: they exist, have a known suffix and are not empty."""
+    if not paths:
+        raise OutlierscopeError("no corpus files given; pass --corpus FILE [FILE ...]")
+    out = []
+    for p in map(Path, paths):
+        if not p.is_file():
+            raise OutlierscopeError(f"corpus file not found: {p}")
+        if not p.name.endswith(SUFFIXES):
+            raise OutlierscopeError(f"corpus file {p}: unsupported format; expected one of {', '.join(SUFFIXES)}")
+        if p.stat().st_size == 0:
+            raise OutlierscopeError(f"corpus file {p} is empty")
+        out.append(p)
+    return out
+
+
+def iter_documents(paths: list[str | os.PathLike]) -> Iterator[str]:
+    """Yield documents one at a time (a jsonl line's ``text``, or a whole .txt file split on blank lines)."""
+    for path in check_corpus(paths):
+        is_jsonl = ".jsonl" in path.name
+        try:
+            with _open(path) as f:
+                if is_jsonl:
+                    for lineno, line in enumerate(f, 1):
+                        if not line.strip():
+                            continue
+                        try:
+                            row = json.loads(line)
+                        except json.JSONDecodeError as e:
+                            raise OutlierscopeError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
+                        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                            raise OutlierscopeError(f"{path} line {lineno}: expected an object with a string field 'text'")
+                        if row["text"].strip():
+                            yield row["text"]
+                else:
+                    para: list[str] = []
+                    for line in f:
+                        if line.strip():
+                            para.append(line)
+                        elif para:
+                            yield "".join(para).strip()
+                            para = []
+                    if para:
+                        yield "".join(para).strip()
+        except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:
+            raise OutlierscopeError(f"cannot read corpus file {path}: {e}") from None

@@ -1,0 +1,491 @@
+"""`outlierscope train`: both models of a preset, identical data order, seed and schedule.
+
+The two models are trained interleaved, step by step, on the very same batches: the only
+difference between them is the attention class. A run directory holds::
+
+    tokenizer.json           byte-level BPE shared by both models
+    transformer/ diff/       Hugging Face checkpoints (safetensors) + tokenizer + model card
+    train_log.csv            step, tokens, loss, lr, tokens/s, wall, val_loss (one row per role and log step)
+    run.json                 every setting, the corpus, token counts, decontamination
+    state/                   optimizer, scheduler, RNG and step of each model: what --resume needs
+    data/                    the tokenized training and validation text (uint16), not for shipping
+
+Resume is bit-for-bit: data position is a pure function of the step (a seeded permutation
+of packed sequences), and the state directory is swapped in atomically.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.io import replace_dir, write_json, write_text
+from outlierscope.models.presets import EOS_ID, ROLES, PairConfig
+from outlierscope.train.corpus import check_corpus, iter_documents
+from outlierscope.train.decontam import NgramIndex
+from outlierscope.train.tokenizer import batched, load_tokenizer, train_bpe
+
+LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss"]
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    preset: str
+    corpus: tuple[str, ...]
+    tokens: int
+    out: str
+    val_corpus: tuple[str, ...] = ()
+    device: str = "cpu"
+    seed: int = 0
+    resume: bool = False
+    eval_every: int = 250
+    val_tokens: int = 131_072
+    log_every: int = 10
+    ckpt_minutes: float = 10.0
+    tokenizer_chars: int = 50_000_000
+    stop_at_step: int | None = None
+    time_limit_minutes: float | None = None
+    threads: int | None = None
+    command: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _lr_lambda(cfg: PairConfig, total_steps: int):
+    def f(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def _optimizer(model, cfg: PairConfig):
+    import torch
+
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr, betas=cfg.betas, eps=1e-8, fused=False, foreach=False,
+    )
+
+
+def _tokenize_to_file(tokenizer, docs, path: Path, limit: int, on_doc=None) -> tuple[int, int]:
+    """Tokenize documents (EOS after each) into a uint16 file until ``limit`` tokens; returns (tokens, docs)."""
+    n_tok = n_doc = 0
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        for chunk in batched(docs, 64):
+            enc = tokenizer(chunk, add_special_tokens=False)["input_ids"]
+            for doc, ids in zip(chunk, enc):
+                if n_tok >= limit:
+                    break
+                if on_doc:
+                    on_doc(doc)
+                arr = np.asarray(ids + [EOS_ID], dtype=np.uint16)[: limit - n_tok]
+                f.write(arr.tobytes())
+                n_tok += len(arr)
+                n_doc += 1
+            if n_tok >= limit:
+                break
+    os.replace(tmp, path)
+    return n_tok, n_doc
+
+
+class PackedData:
+    """Sequences of ``seq_len + 1`` tokens packed from a token file; batch ``step`` is a pure function of the step."""
+
+    def __init__(self, path: Path, seq_len: int, batch_size: int, seed: int):
+        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
+        self.seq = seq_len + 1
+        self.batch_size = batch_size
+        self.n_seq = len(self.tokens) // self.seq
+        if self.n_seq < batch_size:
+            raise OutlierscopeError(
+                f"the corpus gives {self.n_seq} sequences of {self.seq} tokens, fewer than one batch ({batch_size}); "
+                "add text or lower the batch size"
+            )
+        self.seed = seed
+        self._perm_epoch = -1
+        self._perm = None
+
+    def _perm_for(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_seq)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def batch(self, step: int) -> np.ndarray:
+        idx = []
+        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
+            epoch, j = divmod(i, self.n_seq)
+            idx.append(self._perm_for(epoch)[j])
+        return np.stack([self.tokens[k * self.seq : (k + 1) * self.seq] for k in idx]).astype(np.int64)  # (B, S+1)
+
+
+def _check_args(args: TrainArgs, cfg: PairConfig) -> Path:
+    out = Path(args.out)
+    per_step = cfg.batch_size * cfg.seq_len
+    if args.tokens < per_step:
+        raise OutlierscopeError(
+            f"--tokens must be at least one batch ({cfg.batch_size} x {cfg.seq_len} = {per_step} tokens), got {args.tokens}"
+        )
+    check_corpus(list(args.corpus))
+    if args.val_corpus:
+        check_corpus(list(args.val_corpus))
+    if args.resume:
+        if not (out / "run.json").exists():
+            raise OutlierscopeError(f"--resume: {out} holds no training run (no run.json); start without --resume")
+    elif out.exists() and any(out.iterdir()):
+        raise OutlierscopeError(f"output directory {out} exists and is not empty; pass --resume to continue it or choose a new --out")
+    if args.device not in ("cpu", "cuda"):
+        raise OutlierscopeError(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise OutlierscopeError("--device cuda: no CUDA device is available; use --device cpu")
+    return out
+
+
+def _versions() -> dict:
+    import tokenizers
+    import torch
+    import transformers
+
+    import outlierscope
+
+    return {
+        "outlierscope": outlierscope.__version__, "torch": torch.__version__,
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def _hardware(device: str) -> str:
+    import torch
+
+    if device == "cuda":
+        return torch.cuda.get_device_name(0)
+    return f"{platform.processor() or platform.machine()} CPU, {torch.get_num_threads()} threads"
+
+
+def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
+    """Tokenizer, token files and decontamination of a new run; returns the run record."""
+    from outlierscope.eval.data import hellaswag_path, load_hellaswag
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "data").mkdir(exist_ok=True)
+    t0 = time.time()
+    tok = train_bpe(iter_documents(list(args.corpus)), cfg.vocab_size, args.tokenizer_chars)
+    tok.backend_tokenizer.save(str(out / "tokenizer.json"))
+    steps = math.ceil(args.tokens / (cfg.batch_size * cfg.seq_len))
+    need = steps * cfg.batch_size * (cfg.seq_len + 1)
+
+    index = None
+    if hellaswag_path().exists():
+        index = NgramIndex.from_hellaswag(load_hellaswag())
+    n_train, n_docs = _tokenize_to_file(
+        tok, iter_documents(list(args.corpus)), out / "data" / "train.bin", need, on_doc=index.scan if index else None
+    )
+    n_val = n_val_docs = 0
+    if args.val_corpus:
+        n_val, n_val_docs = _tokenize_to_file(tok, iter_documents(list(args.val_corpus)), out / "data" / "val.bin", args.val_tokens)
+    decontam = (
+        {"ngram": index.n, "items_with_overlap": len(index.hits), "items": index.n_items, "overlap_items": sorted(index.hits)}
+        if index
+        else {"ngram": 13, "items_with_overlap": None, "note": "not computed: HellaSwag data not cached (run `outlierscope data fetch`)"}
+    )
+    run = {
+        "preset": cfg.to_dict(),
+        "args": {k: v for k, v in asdict(args).items() if k not in ("resume", "extra")},
+        "steps": steps,
+        "tokens_per_step": cfg.batch_size * cfg.seq_len,
+        "train_pool_tokens": n_train,
+        "train_pool_docs": n_docs,
+        "val_tokens": n_val,
+        "val_docs": n_val_docs,
+        "decontamination": decontam,
+        "prepare_seconds": round(time.time() - t0, 1),
+        "versions": _versions(),
+    }
+    write_json(out / "run.json", run)
+    return run
+
+
+def _save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
+    import torch
+
+    tmp = out / "state.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    for role in models:
+        torch.save(
+            {
+                "model": models[role].state_dict(),
+                "optimizer": opts[role].state_dict(),
+                "scheduler": scheds[role].state_dict(),
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            tmp / f"{role}.pt",
+        )
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall}))
+    replace_dir(tmp, out / "state")
+
+
+def _load_state(out: Path, models: dict, opts: dict, scheds: dict) -> tuple[int, float]:
+    import torch
+
+    state = out / "state"
+    if not (state / "meta.json").exists() and (out / "state.old" / "meta.json").exists():
+        state = out / "state.old"  # a crash during the swap: the previous checkpoint is complete
+    if not (state / "meta.json").exists():
+        return 0, 0.0
+    meta = json.loads((state / "meta.json").read_text())
+    for role in models:
+        ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
+        models[role].load_state_dict(ck["model"])
+        opts[role].load_state_dict(ck["optimizer"])
+        scheds[role].load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["rng_cpu"])
+        if ck["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng_cuda"])
+    return meta["step"], meta["wall_s"]
+
+
+def _read_log(path: Path, upto_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if int(r["step"]) <= upto_step]
+
+
+def _write_log(path: Path, rows: list[dict]) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LOG_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def _export(out: Path, role: str, model, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> None:
+    """Save one role as a Hugging Face directory with tokenizer and model card (atomically)."""
+    tmp = out / f"{role}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok = load_tokenizer(out / "tokenizer.json")
+    tok.save_pretrained(tmp)
+    write_text(tmp / "README.md", model_card(role, run, step, wall, rows, hardware))
+    replace_dir(tmp, out / role)
+
+
+def _last(rows: list[dict], role: str, key: str):
+    vals = [r[key] for r in rows if r["role"] == role and r.get(key) not in (None, "")]
+    return vals[-1] if vals else None
+
+
+def model_card(role: str, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> str:
+    cfg = PairConfig.from_dict(run["preset"])
+    steps = run["steps"]
+    tokens = step * run["tokens_per_step"]
+    cls = "LlamaForCausalLM" if role == "transformer" else "DiffLlamaForCausalLM"
+    status = "finished" if step >= steps else f"IN PROGRESS: step {step} of {steps} (resume with `--resume`)"
+    vals = {r: _last(rows, r, "val_loss") for r in ROLES}
+    if all(v is not None for v in vals.values()):
+        a, b = float(vals["transformer"]), float(vals["diff"])
+        lower = "transformer" if a < b else "diff"
+        comparison = (
+            f"At the last evaluation the **{lower}** model reached the lower validation loss "
+            f"(transformer {a:.4f}, diff {b:.4f} nats/token; difference {abs(a - b):.4f})."
+        )
+    else:
+        comparison = "No validation loss recorded yet."
+    dc = run["decontamination"]
+    dc_line = (
+        f"{dc['items_with_overlap']} of {dc['items']} HellaSwag validation items share a {dc['ngram']}-gram "
+        "(lowercased, whitespace-normalised words) of their context or an ending with the training text."
+        if dc.get("items_with_overlap") is not None
+        else dc.get("note", "not computed")
+    )
+    return f"""# {cfg.name}:{role}
+
+A `{cls}` trained by `outlierscope train` as one half of the matched pair `{cfg.name}`
+(Transformer and Diff Transformer with identical data order, seed, schedule and
+hyperparameters; they differ in the attention class only).
+
+| | |
+|---|---|
+| status | {status} |
+| preset | `{cfg.name}`: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads of {cfg.head_dim} ({'%d differential heads' % (cfg.n_heads // 2) if role == 'diff' else 'standard softmax attention'}), SwiGLU {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.seq_len} |
+| parameters | {cfg.n_params(role):,} |
+| tokens seen | {tokens:,} |
+| steps | {step:,} of {steps:,} (batch {cfg.batch_size} x {cfg.seq_len} tokens) |
+| optimizer | AdamW lr {cfg.lr}, betas {cfg.betas}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_steps} steps, cosine to {cfg.min_lr_ratio}x, clip {cfg.grad_clip} |
+| final training loss | {_last(rows, role, 'loss') or 'n/a'} nats/token |
+| final validation loss | {_last(rows, role, 'val_loss') or 'n/a'} nats/token ({run['val_tokens']:,} held-out tokens) |
+| wall time (both models, interleaved) | {wall / 60:.1f} min |
+| hardware | {hardware} |
+| decontamination | {dc_line} |
+| versions | {', '.join(f'{k} {v}' for k, v in run['versions'].items())} |
+
+{comparison}
+
+Training data: the `text` of {run['train_pool_docs']:,} documents ({run['train_pool_tokens']:,} tokens) read in order from
+{', '.join(Path(c).name for c in run['args']['corpus'])}; validation: {', '.join(Path(c).name for c in run['args']['val_corpus']) or 'none'}.
+The text itself is not shipped.
+
+Command:
+
+```
+{run['args'].get('command') or 'outlierscope train ...'}
+```
+
+The log of the run is `../train_log.csv`.
+"""
+
+
+def train(args: TrainArgs) -> dict:
+    """Train (or resume) both models of a preset; returns a summary dict."""
+    import torch
+    import transformers
+    from tqdm.auto import tqdm
+
+    transformers.utils.logging.disable_progress_bar()
+
+    cfg = PairConfig.from_name(args.preset)
+    out = _check_args(args, cfg)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.resume:
+        run = json.loads((out / "run.json").read_text())
+        if run["preset"] != cfg.to_dict() or run["args"]["tokens"] != args.tokens or run["args"]["seed"] != args.seed:
+            raise OutlierscopeError(
+                f"--resume: {out} was started with another preset, --tokens or --seed; resume with the same settings"
+            )
+    else:
+        try:
+            run = prepare(args, cfg, out)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written
+            raise
+    steps = run["steps"]
+    data = PackedData(out / "data" / "train.bin", cfg.seq_len, cfg.batch_size, args.seed)
+    val = PackedData(out / "data" / "val.bin", cfg.seq_len, cfg.batch_size, args.seed) if run["val_tokens"] else None
+    dev = torch.device(args.device)
+
+    models, opts, scheds = {}, {}, {}
+    for role in ROLES:
+        models[role] = cfg.build(role, seed=args.seed).to(dev).train()
+        opts[role] = _optimizer(models[role], cfg)
+        scheds[role] = torch.optim.lr_scheduler.LambdaLR(opts[role], _lr_lambda(cfg, steps))
+    start, wall0 = _load_state(out, models, opts, scheds)
+    log_path = out / "train_log.csv"
+    rows = _read_log(log_path, start)
+    hardware = _hardware(args.device)
+    stop = min(steps, args.stop_at_step) if args.stop_at_step is not None else steps
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+
+    def loss_of(model, batch):
+        x = torch.from_numpy(batch).to(dev)
+        with autocast:
+            logits = model(input_ids=x[:, :-1]).logits  # (B, S, V)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+    @torch.no_grad()
+    def evaluate(model) -> float:
+        model.eval()
+        total = 0.0
+        for i in range(val.n_seq // cfg.batch_size):
+            total += loss_of(model, _val_batch(val, i)).item()
+        model.train()
+        return total / max(1, val.n_seq // cfg.batch_size)
+
+    t_start = time.time()
+    last_ckpt = time.time()
+    acc = {r: 0.0 for r in ROLES}
+    n_acc = 0
+    t_log = time.time()
+    bar = tqdm(total=steps, initial=start, desc=f"train {cfg.name}", unit="step", dynamic_ncols=True, disable=None)
+    step = start
+    reason = "finished"
+    try:
+        while step < stop:
+            batch = data.batch(step)
+            for role in ROLES:
+                loss = loss_of(models[role], batch)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(models[role].parameters(), cfg.grad_clip)
+                opts[role].step()
+                scheds[role].step()
+                opts[role].zero_grad(set_to_none=True)
+                acc[role] += loss.item()
+            n_acc += 1
+            step += 1
+            bar.update(1)
+            do_eval = val is not None and (step % args.eval_every == 0 or step == steps)
+            if step % args.log_every == 0 or step == stop or do_eval:
+                now = time.time()
+                tps = n_acc * cfg.batch_size * cfg.seq_len * len(ROLES) / max(now - t_log, 1e-9)
+                wall = wall0 + now - t_start
+                vals = {r: evaluate(models[r]) for r in ROLES} if do_eval else {}
+                for role in ROLES:
+                    rows.append({
+                        "role": role, "step": step, "tokens": step * cfg.batch_size * cfg.seq_len,
+                        "loss": f"{acc[role] / n_acc:.5f}", "lr": f"{scheds[role].get_last_lr()[0]:.6g}",
+                        "tokens_per_s": f"{tps:.0f}", "wall_s": f"{wall:.1f}",
+                        "val_loss": f"{vals[role]:.5f}" if role in vals else "",
+                    })
+                _write_log(log_path, rows)
+                bar.set_postfix({**{f"loss_{r[0]}": f"{acc[r] / n_acc:.3f}" for r in ROLES}, "tok/s": f"{tps:.0f}"})
+                acc = {r: 0.0 for r in ROLES}
+                n_acc = 0
+                t_log = time.time()
+            if time.time() - last_ckpt > args.ckpt_minutes * 60 and step < stop:
+                _checkpoint(out, models, opts, scheds, step, wall0 + time.time() - t_start, run, rows, hardware)
+                last_ckpt = time.time()
+            if args.time_limit_minutes is not None and time.time() - t_start > args.time_limit_minutes * 60:
+                reason = "time limit"
+                break
+        if step < steps and reason == "finished":
+            reason = "stop-at-step"
+    except KeyboardInterrupt:
+        reason = "interrupted"
+    finally:
+        bar.close()
+    wall = wall0 + time.time() - t_start
+    if step > start or not (out / "state").exists():
+        _checkpoint(out, models, opts, scheds, step, wall, run, rows, hardware)
+    return {"out": str(out), "step": step, "steps": steps, "reason": reason, "wall_s": wall}
+
+
+def _val_batch(val: PackedData, i: int) -> np.ndarray:
+    """Validation batches in file order (no permutation): the same sequences every time."""
+    seq = val.seq
+    lo = i * val.batch_size
+    return np.stack([val.tokens[k * seq : (k + 1) * seq] for k in range(lo, lo + val.batch_size)]).astype(np.int64)
+
+
+def _checkpoint(out, models, opts, scheds, step, wall, run, rows, hardware) -> None:
+    _save_state(out, models, opts, scheds, step, wall)
+    for role in ROLES:
+        _export(out, role, models[role], run, step, wall, rows, hardware)
+
+
+def main_argv() -> str:
+    return " ".join(["outlierscope", *sys.argv[1:]])
