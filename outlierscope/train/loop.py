@@ -332,7 +332,7 @@ hyperparameters; they differ in the attention class only).
 | | |
 |---|---|
 | status | {status} |
-| preset | `{cfg.name}`: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads of {cfg.head_dim} ({'%d differential heads' % (cfg.n_heads // 2) if role == 'diff' else 'standard softmax attention'}), SwiGLU {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.seq_len} |
+| preset | `{cfg.name}`: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads of {cfg.head_dim} ({f'{cfg.n_heads // 2} differential heads' if role == 'diff' else 'standard softmax attention'}), SwiGLU {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.seq_len} |
 | parameters | {cfg.n_params(role):,} |
 | tokens seen | {tokens:,} |
 | steps | {step:,} of {steps:,} (batch {cfg.batch_size} x {cfg.seq_len} tokens) |

@@ -1,0 +1,40 @@
+# The whole set-up on a fresh machine (Python >= 3.10, pip, make): `make reproduce` and `make test`.
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+REPRODUCE_ARGS ?=
+
+.PHONY: install data reproduce test lint bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# torch is installed explicitly first: a bare `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+data: $(STAMP)
+	$(BIN)/outlierscope data fetch
+
+reproduce: install data
+	$(BIN)/outlierscope reproduce $(REPRODUCE_ARGS)
+
+lint: install
+	$(BIN)/ruff check .
+
+test: install data lint
+	$(BIN)/python -m pytest -q
+
+bench: install data
+	$(BIN)/python bench/profile.py
+	$(BIN)/python bench/quant.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
