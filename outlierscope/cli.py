@@ -45,6 +45,15 @@ def _cmd_generate(a) -> None:
     print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
 
 
+def _cmd_profile(a) -> None:
+    from outlierscope.analysis.profile import ProfileSettings, profile, table5_markdown
+
+    settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k)
+    t5, facts = profile(a.model, settings, a.out)
+    print(table5_markdown(t5, facts))
+    print(f"results written to {a.out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
 
@@ -84,6 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, metavar="MIN", help="checkpoint and stop after MIN minutes of this invocation")
     s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     s.set_defaults(func=_cmd_train)
+
+    s = sub.add_parser("profile", help="activation outliers of attention logits and hidden states (Table 5 and finer)")
+    s.add_argument("--model", action="append", required=True, metavar="SPEC",
+                   help="preset role (pair-tiny:diff) or HF model directory; repeat for several models")
+    s.add_argument("--tokens", type=int, default=400_000, help="tokens to stream per model (default 400000, as the paper)")
+    s.add_argument("--text", default="hellaswag", help="hellaswag (validation contexts + gold endings) or a .txt/.jsonl(.xz) file")
+    s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
+    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--seed", type=int, default=0, help="seeds the document order")
+    s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(func=_cmd_profile)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
     s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")

@@ -1,0 +1,258 @@
+"""Streaming outlier statistics of attention logits and hidden states (Table 5 and finer).
+
+:class:`OutlierStats` is a reducer for :func:`outlierscope.hooks.capture`. Per observation
+point it keeps, with memory independent of the number of tokens:
+
+* exact top-k of |x| with locations: pooled over all layers (k, default 100) and per layer (``layer_k``);
+  logits: (layer, head, sequence, query, key); hidden states: (layer, channel, sequence, token);
+* a log-spaced histogram of |x| per layer and head (logits) or per layer (hidden states), from
+  which medians are estimated with relative error <= ``bins.rel_error_bound`` (0.4988%);
+* float64 power sums of x (count, mean, std, Pearson kurtosis) and max |x|, per layer and head
+  (logits) or per layer and channel (hidden states);
+* hidden states: per (layer, channel) counts of |x| >= 6 (LLM.int8 outlier features) and |x| > 100,
+  per (layer, position) counts of |x| >= 6; massive activations (Sun et al. 2024) are the
+  recorded top values above 100 and above 1000 x the layer's median |x|.
+
+Only valid entries count: masked (future, padding, outside-window) logits and padding tokens are
+excluded. Pooled statistics are over all layers, heads (both maps of a differential head) and
+tokens, the paper's Table 5 method.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import torch
+
+from outlierscope.analysis.reducers import LogBins, Moments, TopK
+from outlierscope.hooks.capture import Observation
+
+INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
+INT8_LAYER_SHARE = 0.25  # ... in at least 25% of layers
+INT8_TOKEN_SHARE = 0.06  # ... and at least 6% of token positions
+MASSIVE_ABS = 100.0  # Sun et al. 2024: massive activation magnitude
+MASSIVE_REL = 1000.0  # ... and this many times the median |x|
+TABLE5_RANKS = (1, 2, 3, 10, 100)
+KIND_LABEL = {"attn.logits": "Attention Logits", "hidden": "Hidden States"}
+
+
+class OutlierStats:
+    """Streaming statistics for the logits and hidden states of one model; call it with observations."""
+
+    def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
+                 layer_k: int = 10, bins: LogBins = LogBins()):
+        if k < max(TABLE5_RANKS):
+            raise ValueError(f"k must be at least {max(TABLE5_RANKS)} for Table 5, got {k}")
+        self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
+        self.k, self.bins = k, bins
+        L, H, C, nb = n_layers, n_heads, hidden_size, bins.n + 2
+        self.is_diff = False
+        self.top = {"attn.logits": TopK(k, 5), "hidden": TopK(k, 4)}
+        self.layer_top = {kind: [TopK(layer_k, self.top[kind].locs.shape[1]) for _ in range(L)] for kind in self.top}
+        self.hist = {"attn.logits": torch.zeros(L, H, nb, dtype=torch.int64), "hidden": torch.zeros(L, 1, nb, dtype=torch.int64)}
+        self.moments = {"attn.logits": Moments((L, H)), "hidden": Moments((L, C))}
+        self.ge6 = torch.zeros(L, C, dtype=torch.int64)
+        self.gt100 = torch.zeros(L, C, dtype=torch.int64)
+        self.ge6_pos = torch.zeros(L, seq_len, dtype=torch.int64)
+        self.tokens_pos = torch.zeros(L, seq_len, dtype=torch.int64)
+        self.seen = {"attn.logits": False, "hidden": False}
+
+    @classmethod
+    def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
+        c = model.config
+        return cls(c.num_hidden_layers, c.num_attention_heads, c.hidden_size, seq_len, **kw)
+
+    # -- streaming -------------------------------------------------------------------------
+    def __call__(self, obs: Observation) -> None:
+        x = obs.x
+        if not torch.isfinite(x).all():
+            from outlierscope.errors import OutlierscopeError
+
+            bad = (~torch.isfinite(x)).sum().item()
+            raise OutlierscopeError(
+                f"{obs.point.name}: {bad} non-finite values (NaN/inf) in the activations; "
+                "the model or its dtype overflows: load it in float32 or check its weights"
+            )
+        self.seen[obs.point.kind] = True
+        if obs.point.kind == "attn.logits":
+            self._logits(obs)
+        else:
+            self._hidden(obs)
+
+    def _logits(self, obs: Observation) -> None:
+        x, layer = obs.x, obs.point.layer  # (B, H, T, S)
+        self.is_diff = obs.is_diff
+        valid = obs.valid.expand_as(x)
+        absx = x.abs()
+        off = obs.seq_offset
+
+        def coords(m):  # (N, 4) of (b, h, t, s) -> (layer, head, seq, query, key)
+            s_len = x.shape[-1]
+            t_len = x.shape[-2]
+            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off,
+                                m[:, 2] + (s_len - t_len), m[:, 3]], 1)
+
+        self.top["attn.logits"].update_dense(absx, valid, coords)
+        self.layer_top["attn.logits"][layer].update_dense(absx, valid, coords)
+        idx = self.bins.index(absx)[valid]  # (N,) bins of valid entries
+        heads = torch.arange(x.shape[1]).view(1, -1, 1, 1).expand_as(x)[valid]
+        nb = self.bins.n + 2
+        self.hist["attn.logits"][layer] += torch.bincount(heads * nb + idx, minlength=x.shape[1] * nb).view(x.shape[1], nb)
+        self.moments["attn.logits"].update(x, valid, (0, 2, 3), layer)
+
+    def _hidden(self, obs: Observation) -> None:
+        x, layer = obs.x, obs.point.layer  # (B, T, C)
+        valid3 = obs.valid[:, :, None].expand_as(x)
+        absx = x.abs()
+        off = obs.seq_offset
+
+        def coords(m):  # (b, t, c) -> (layer, channel, seq, token)
+            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1)
+
+        self.top["hidden"].update_dense(absx, valid3, coords)
+        self.layer_top["hidden"][layer].update_dense(absx, valid3, coords)
+        nb = self.bins.n + 2
+        self.hist["hidden"][layer, 0] += torch.bincount(self.bins.index(absx)[valid3], minlength=nb)
+        self.moments["hidden"].update(x, valid3, (0, 1), layer)
+        big = (absx >= INT8_THRESHOLD) & valid3
+        self.ge6[layer] += big.sum((0, 1))
+        self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1))
+        T = min(x.shape[1], self.seq_len)
+        self.ge6_pos[layer, :T] += big.any(-1)[:, :T].sum(0)
+        self.tokens_pos[layer, :T] += obs.valid[:, :T].sum(0)
+
+    # -- results ---------------------------------------------------------------------------
+    def kinds(self) -> list[str]:
+        return [k for k in ("attn.logits", "hidden") if self.seen[k]]
+
+    def median(self, kind: str, layer: int | None = None, head: int | None = None) -> float:
+        h = self.hist[kind]
+        h = h if layer is None else h[layer : layer + 1]
+        h = h if head is None else h[:, head : head + 1]
+        return self.bins.quantile(h.sum((0, 1)).numpy(), 0.5)
+
+    def count(self, kind: str) -> int:
+        return int(self.hist[kind].sum())
+
+    def table5(self) -> pd.DataFrame:
+        """Rows per activation type: Top-1, -2, -3, -10, -100 (k-th largest |x|) and Median, pooled."""
+        rows = []
+        for kind in self.kinds():
+            top = self.top[kind]
+            row = {"activation": KIND_LABEL[kind], "point": kind}
+            row.update({f"top{r}": top.kth(r) for r in TABLE5_RANKS})
+            row["median"] = self.median(kind)
+            row["count"] = self.count(kind)
+            rows.append(row)
+        return pd.DataFrame(rows)
+
+    def _head_label(self, h: int) -> tuple[str, int]:
+        if not self.is_diff:
+            return "", h
+        half = self.n_heads // 2
+        return ("map1" if h < half else "map2"), h % half
+
+    def per_layer(self) -> pd.DataFrame:
+        rows = []
+        for kind in self.kinds():
+            m = self.moments[kind]
+            for layer in range(self.n_layers):
+                c = m.count[layer].sum().item()
+                s = [m.sums[i, layer].sum().item() for i in range(4)]
+                d = Moments.describe(c, *s)
+                lt = self.layer_top[kind][layer]
+                rows.append({"point": kind, "layer": layer, "count": int(c), "mean": float(d["mean"]),
+                             "std": float(d["std"]), "kurtosis": float(d["kurtosis"]),
+                             "max": float(m.maxabs[layer].max()), "top1": lt.kth(1), "top3": lt.kth(3),
+                             "top10": lt.kth(10), "median": self.median(kind, layer)})
+        return pd.DataFrame(rows)
+
+    def per_head(self) -> pd.DataFrame:
+        if not self.seen["attn.logits"]:
+            return pd.DataFrame()
+        m = self.moments["attn.logits"]
+        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)))
+        rows = []
+        for layer in range(self.n_layers):
+            for h in range(self.n_heads):
+                mp, pair = self._head_label(h)
+                rows.append({"layer": layer, "head": h, "map": mp, "diff_head": pair if self.is_diff else None,
+                             "count": int(m.count[layer, h]), "mean": d["mean"][layer, h], "std": d["std"][layer, h],
+                             "kurtosis": d["kurtosis"][layer, h], "max": float(m.maxabs[layer, h]),
+                             "median": self.median("attn.logits", layer, h)})
+        return pd.DataFrame(rows)
+
+    def per_channel(self) -> pd.DataFrame:
+        if not self.seen["hidden"]:
+            return pd.DataFrame()
+        m = self.moments["hidden"]
+        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)))
+        L, C = m.count.shape
+        layer, ch = np.meshgrid(np.arange(L), np.arange(C), indexing="ij")
+        count = m.count.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = self.ge6.numpy() / count
+        return pd.DataFrame({
+            "layer": layer.ravel(), "channel": ch.ravel(), "count": count.ravel().astype(np.int64),
+            "mean": d["mean"].ravel(), "std": d["std"].ravel(), "kurtosis": d["kurtosis"].ravel(),
+            "max": m.maxabs.numpy().ravel(), "n_ge6": self.ge6.numpy().ravel(), "share_ge6": share.ravel(),
+            "n_gt100": self.gt100.numpy().ravel(),
+        })
+
+    def outlier_features(self) -> pd.DataFrame:
+        """LLM.int8 outlier features: channels with |x| >= 6 on >= 6% of tokens in >= 25% of layers."""
+        if not self.seen["hidden"]:
+            return pd.DataFrame(columns=["channel", "layers", "n_layers", "max_share_ge6", "positions_ge6"])
+        count = self.moments["hidden"].count.numpy()
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = self.ge6.numpy() / count  # (L, C)
+        hit = share >= INT8_TOKEN_SHARE
+        need = math.ceil(INT8_LAYER_SHARE * self.n_layers)
+        rows = []
+        for c in np.flatnonzero(hit.sum(0) >= need):
+            layers = np.flatnonzero(hit[:, c]).tolist()
+            pos = self.ge6_pos[layers].sum(0)
+            rows.append({"channel": int(c), "layers": layers, "n_layers": len(layers),
+                         "max_share_ge6": float(np.nanmax(share[:, c])),
+                         "positions_ge6": np.flatnonzero(pos.numpy()).tolist()[:64]})
+        return pd.DataFrame(rows, columns=["channel", "layers", "n_layers", "max_share_ge6", "positions_ge6"])
+
+    def massive_activations(self) -> pd.DataFrame:
+        """Recorded top hidden values with |x| > 100 and > 1000 x their layer's median |x| (Sun et al. 2024)."""
+        df = self.topk_frame("hidden")
+        if df.empty:
+            return df
+        med = {layer: self.median("hidden", layer) for layer in range(self.n_layers)}
+        ratio = df["value"] / df["layer"].map(med)
+        out = df[(df["value"] > MASSIVE_ABS) & (ratio > MASSIVE_REL)].copy()
+        out["times_median"] = ratio[out.index]
+        return out
+
+    def topk_frame(self, kind: str) -> pd.DataFrame:
+        if not self.seen[kind]:
+            return pd.DataFrame()
+        top = self.top[kind]
+        cols = ["layer", "head", "seq", "query", "key"] if kind == "attn.logits" else ["layer", "channel", "seq", "token"]
+        df = pd.DataFrame(top.locs.numpy(), columns=cols)
+        df.insert(0, "value", top.values.numpy())
+        df.insert(0, "rank", np.arange(1, len(df) + 1))
+        if kind == "attn.logits" and self.is_diff:
+            df["map"] = ["map1" if h < self.n_heads // 2 else "map2" for h in df["head"]]
+        return df
+
+    def histograms(self) -> pd.DataFrame:
+        """Non-empty bins of |x| per point kind, layer and head (head -1 for hidden states)."""
+        edges = self.bins.edges()
+        hi = np.append(edges[1:], np.inf)
+        rows = []
+        for kind in self.kinds():
+            h = self.hist[kind].numpy()
+            L, H, _ = h.shape
+            for layer in range(L):
+                for head in range(H):
+                    nz = np.flatnonzero(h[layer, head])
+                    rows.append(pd.DataFrame({"point": kind, "layer": layer, "head": head if kind == "attn.logits" else -1,
+                                              "bin": nz, "lo": edges[nz], "hi": hi[nz], "count": h[layer, head, nz]}))
+        return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()

@@ -1,0 +1,70 @@
+"""Text for profiling: HellaSwag contexts with their gold endings, or any corpus file, packed into sequences."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+
+
+def hellaswag_documents(path=None) -> Iterator[str]:
+    """Each validation item as lm-eval's query followed by its gold continuation."""
+    from outlierscope.eval.data import load_hellaswag
+    from outlierscope.eval.hellaswag import build_doc
+
+    for item in load_hellaswag(path):
+        doc = build_doc(item)
+        yield doc.query + " " + doc.choices[doc.label]
+
+
+def text_documents(source: str) -> Iterator[str]:
+    """``hellaswag`` or a path to a .txt / .jsonl(.xz/.gz) file."""
+    if source == "hellaswag":
+        return hellaswag_documents()
+    from outlierscope.train.corpus import iter_documents
+
+    return iter_documents([source])
+
+
+def shuffled(docs: Iterable[str], seed: int, buffer: int = 1000) -> Iterator[str]:
+    """Seeded shuffle through a bounded buffer (memory stays bounded for any corpus size)."""
+    rng = random.Random(seed)
+    buf: list[str] = []
+    for d in docs:
+        buf.append(d)
+        if len(buf) >= buffer:
+            i = rng.randrange(len(buf))
+            buf[i], buf[-1] = buf[-1], buf[i]
+            yield buf.pop()
+    rng.shuffle(buf)
+    yield from buf
+
+
+def pack_sequences(tokenizer, docs: Iterable[str], seq_len: int, n_tokens: int) -> torch.Tensor:
+    """Tokenize documents (EOS between them) and cut into ``ceil(n_tokens / seq_len)`` sequences of ``seq_len``.
+
+    Returns (N, seq_len) int64. Fewer sequences if the text runs out; an error if not even one fits.
+    """
+    if seq_len <= 0:
+        raise OutlierscopeError(f"seq_len must be positive, got {seq_len}")
+    if n_tokens <= 0:
+        raise OutlierscopeError(f"tokens must be positive, got {n_tokens}")
+    n_seq = -(-n_tokens // seq_len)
+    need = n_seq * seq_len
+    eos = tokenizer.eos_token_id
+    buf: list[int] = []
+    for d in docs:
+        ids = tokenizer(d, add_special_tokens=False)["input_ids"]
+        buf.extend(ids)
+        if eos is not None:
+            buf.append(eos)
+        if len(buf) >= need:
+            break
+    have = len(buf) // seq_len
+    if have == 0:
+        raise OutlierscopeError(f"the text gives {len(buf)} tokens, fewer than one sequence of {seq_len}; use more text or a smaller --seq-len")
+    n = min(have, n_seq)
+    return torch.tensor(buf[: n * seq_len], dtype=torch.int64).view(n, seq_len)  # (N, T)

@@ -1,0 +1,169 @@
+"""An attention function for transformers' ``AttentionInterface`` that exposes the logits.
+
+No forward is monkey-patched: inside :func:`attention_stages` a model is switched (with
+``set_attn_implementation``) to a uniquely named attention function, registered together
+with a boolean mask function in ``AttentionMaskInterface``; both are unregistered and the
+original implementation is restored in ``finally``.
+
+The function computes, per layer::
+
+    logits = (query @ repeat_kv(key)^T) * scaling      # (B, H, T, S), fp32 accumulate as eager
+    for stage in stages: logits = stage(ctx, logits)    # observe and/or quantize, in entry order
+    logits = softcap * tanh(logits / softcap)           # only for models with logit soft-capping
+    probs  = softmax(where(valid, logits, min), float32)
+    out    = probs @ repeat_kv(value)
+
+Stages see the logits after scaling and before soft-capping and masking. With no stage its
+output equals transformers' eager attention. DiffLlama calls the function twice per layer
+with the same query and key (once per half of the value); the second call reuses the
+probabilities of the first, so stages run once per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.points import decoder_layers
+
+# kwargs transformers passes for bookkeeping; they do not change the attention arithmetic
+_IGNORED_KWARGS = {
+    "position_ids", "use_cache", "cache_position", "output_attentions", "output_hidden_states",
+    "num_items_in_batch", "is_causal", "sliding_window", "layer_idx", "cache", "past_key_values",
+    "return_dict", "position_embeddings",
+}
+_PREFIX = "outlierscope-"
+_counter = itertools.count()
+
+
+@dataclass
+class LogitContext:
+    """What a stage learns about the logits it gets."""
+
+    module: nn.Module
+    layer: int
+    valid: torch.Tensor  # (B, 1 or H, T, S) bool: causal, not padding, inside the window
+    n_heads: int
+    is_diff: bool
+
+
+Stage = Callable[[LogitContext, torch.Tensor], torch.Tensor]
+
+
+def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    if n_rep == 1:
+        return x
+    b, h, s, d = x.shape
+    return x[:, :, None].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)  # (B, H, S, d)
+
+
+def _bool_mask(*args, **kwargs):
+    """``sdpa_mask`` that always materialises the boolean mask (never skips it for ``is_causal``)."""
+    from transformers.masking_utils import sdpa_mask
+
+    kwargs["allow_is_causal_skip"] = False
+    kwargs["allow_is_bidirectional_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def _valid_from_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    if mask is None:  # no mask given: plain causal (aligned to the end, as with a cache)
+        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+    if mask.dtype == torch.bool:
+        return mask[..., :k_len]
+    return mask[..., :k_len] == 0  # additive float mask: 0 where valid, min/-inf where masked
+
+
+class _AttentionFunction:
+    """The registered callable: one per active stack of stages."""
+
+    def __init__(self, model: nn.Module, stages: tuple[Stage, ...]):
+        self.model_name = type(model).__name__
+        self.stages = stages
+        self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
+        self.is_diff = model.config.model_type == "diffllama"
+        self._memo: tuple | None = None  # (module, query, key, probs) of the last call, for DiffLlama's second call
+
+    def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                 position_bias=None, **kwargs):
+        unknown = [k for k, v in kwargs.items() if k not in _IGNORED_KWARGS and v is not None and v is not False]
+        if position_bias is not None:
+            unknown.append("position_bias")
+        if dropout and module.training:
+            unknown.append(f"dropout={dropout}")
+        if unknown:
+            raise OutlierscopeError(
+                f"{self.model_name}: the outlierscope attention function does not support {', '.join(sorted(unknown))}; "
+                "its logits would be computed wrongly, so this model cannot be observed or quantized"
+            )
+        memo = self._memo
+        if memo is not None and memo[0] is module and memo[1] is query and memo[2] is key:
+            probs = memo[3]  # DiffLlama's second call: same logits, stages already ran
+        else:
+            probs = self._probs(module, query, key, attention_mask, scaling, softcap)
+            self._memo = (module, query, key, probs) if self.is_diff else None
+        v = _repeat_kv(value, query.shape[1] // value.shape[1])  # (B, H, S, d)
+        out = torch.matmul(probs, v)  # (B, H, T, d)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d)
+
+    def _probs(self, module, query, key, attention_mask, scaling, softcap):
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        k = _repeat_kv(key, query.shape[1] // key.shape[1])  # (B, H, S, d)
+        logits = torch.matmul(query, k.transpose(2, 3)) * scaling  # (B, H, T, S)
+        valid = _valid_from_mask(attention_mask, logits.shape[2], logits.shape[3], logits.device)
+        layer = self.layer_of.get(id(module))
+        if layer is None:
+            raise OutlierscopeError(f"{self.model_name}: attention module {type(module).__name__} is not inside a decoder layer")
+        ctx = LogitContext(module, layer, valid, logits.shape[1], self.is_diff)
+        for stage in self.stages:
+            logits = stage(ctx, logits)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+
+
+def _current_function(model: nn.Module):
+    from transformers import AttentionInterface
+
+    name = model.config._attn_implementation
+    if name and name.startswith(_PREFIX):
+        return AttentionInterface._global_mapping[name]
+    return None
+
+
+@contextlib.contextmanager
+def attention_stages(model: nn.Module, stage: Stage) -> Iterator[None]:
+    """Run ``model`` with its attention through our function, ``stage`` added after any active ones."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "set_attn_implementation"):
+        raise OutlierscopeError(
+            f"{type(model).__name__} does not route its attention through transformers' AttentionInterface; "
+            "its attention logits cannot be observed or quantized"
+        )
+    previous = model.config._attn_implementation
+    outer = _current_function(model)
+    fn = _AttentionFunction(model, (*(outer.stages if outer else ()), stage))
+    name = f"{_PREFIX}{next(_counter)}"
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, _bool_mask)
+    try:
+        model.set_attn_implementation(name)
+        if model.config._attn_implementation != name:
+            raise OutlierscopeError(f"{type(model).__name__} refused a custom attention implementation; its logits cannot be observed")
+        yield
+    finally:
+        try:
+            model.set_attn_implementation(previous)
+        finally:
+            AttentionInterface._global_mapping.pop(name, None)
+            AttentionMaskInterface._global_mapping.pop(name, None)
