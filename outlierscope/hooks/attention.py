@@ -73,11 +73,17 @@ def _bool_mask(*args, **kwargs):
 
 
 def _valid_from_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
+    """Boolean (B, 1|H, T, S) of the entries that count: allowed by the mask *and* in a non-padding query row.
+
+    transformers' masks only hide padding keys; a padding query (right padding) still sees the real
+    keys. A token always attends to itself unless it is padding, so the mask's diagonal (offset
+    S - T, as with a cache) marks the real queries.
+    """
     if mask is None:  # no mask given: plain causal (aligned to the end, as with a cache)
         return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
-    if mask.dtype == torch.bool:
-        return mask[..., :k_len]
-    return mask[..., :k_len] == 0  # additive float mask: 0 where valid, min/-inf where masked
+    valid = mask[..., :k_len] if mask.dtype == torch.bool else mask[..., :k_len] == 0  # float: 0 where valid
+    own = torch.diagonal(valid, offset=k_len - q_len, dim1=-2, dim2=-1)  # (B, 1|H, T)
+    return valid & own[..., None]
 
 
 class _AttentionFunction:

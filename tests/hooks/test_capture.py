@@ -1,0 +1,219 @@
+"""Captured logits against a brute-force float64 recomputation from each layer's own q/k projections."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.capture import capture
+from outlierscope.hooks.points import decoder_layers, resolve_points
+
+SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def make(model_type: str):
+    from transformers import (DiffLlamaConfig, Gemma2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
+                              Phi3Config, Qwen2Config)
+
+    cfgs = {
+        "llama": lambda: LlamaConfig(**SMALL, num_key_value_heads=2),
+        "diffllama": lambda: DiffLlamaConfig(**SMALL, num_key_value_heads=4),
+        "qwen2": lambda: Qwen2Config(**SMALL, num_key_value_heads=2),
+        "mistral": lambda: MistralConfig(**SMALL, num_key_value_heads=2, sliding_window=5),
+        "gemma2": lambda: Gemma2Config(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                       attn_logit_softcapping=2.0, final_logit_softcapping=None, query_pre_attn_scalar=12),
+        "olmo2": lambda: Olmo2Config(**SMALL, num_key_value_heads=4),
+        "gpt_neox": lambda: GPTNeoXConfig(**SMALL, rotary_pct=0.5),
+        "phi3": lambda: Phi3Config(**SMALL, num_key_value_heads=2, pad_token_id=0),
+    }
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfgs[model_type](), attn_implementation="eager").eval()
+    with torch.no_grad():  # larger weights so that logits are not all tiny
+        for n, p in model.named_parameters():
+            if "norm" not in n and "layernorm" not in n and p.ndim == 2:
+                p.mul_(3.0)
+            if "lambda" in n:
+                p.normal_(0, 0.3)
+    return model
+
+
+def rope64(x, rot_dim, theta, pos):
+    """Rotate-half RoPE on the first ``rot_dim`` channels, float64. x: (B, H, T, d)."""
+    inv = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    ang = pos[:, None].double() * inv[None]  # (T, rot/2)
+    cos, sin = torch.cat([ang.cos()] * 2, -1), torch.cat([ang.sin()] * 2, -1)
+    xr, xp = x[..., :rot_dim], x[..., rot_dim:]
+    rot = torch.cat([-xr[..., rot_dim // 2 :], xr[..., : rot_dim // 2]], -1)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
+def projections(attn, x, cfg):
+    """Pre-RoPE q (B, H, T, d) and k (B, Hkv, T, d) from the attention module's own weights, float64."""
+    B, T, _ = x.shape
+    H = cfg.num_attention_heads
+    Hkv = getattr(cfg, "num_key_value_heads", None) or H
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    lin = lambda m, v: v @ m.weight.double().T + (m.bias.double() if m.bias is not None else 0)  # noqa: E731
+    if cfg.model_type == "gpt_neox":
+        qkv = lin(attn.query_key_value, x).view(B, T, H, 3 * d)  # (B, T, H, 3d)
+        q, k = qkv[..., :d], qkv[..., d : 2 * d]
+        return q.transpose(1, 2), k.transpose(1, 2)
+    if cfg.model_type == "phi3":
+        qkv = lin(attn.qkv_proj, x)
+        q, k = qkv[..., : H * d], qkv[..., H * d : (H + Hkv) * d]
+    else:
+        q, k = lin(attn.q_proj, x), lin(attn.k_proj, x)
+    if cfg.model_type == "olmo2":
+        q, k = attn.q_norm.double()(q), attn.k_norm.double()(k)
+    return q.view(B, T, H, d).transpose(1, 2), k.view(B, T, Hkv, d).transpose(1, 2)
+
+
+def attention_module(model, layer):
+    return [m for m in decoder_layers(model)[layer].modules() if hasattr(m, "scaling")][0]
+
+
+def reference_logits(model, layer, x):
+    """x: the attention module's input (after the layer's input norm)."""
+    cfg = model.config
+    attn = attention_module(model, layer)
+    q, k = projections(attn, x.double(), cfg)
+    d = q.shape[-1]
+    rot = int(d * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+    pos = torch.arange(x.shape[1])
+    q, k = rope64(q, rot, cfg.rope_parameters["rope_theta"], pos), rope64(k, rot, cfg.rope_parameters["rope_theta"], pos)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: (B, H, T, d)
+    return (q @ k.transpose(-1, -2)) * attn.scaling  # (B, H, T, T)
+
+
+ARCHS = ["llama", "diffllama", "qwen2", "mistral", "gemma2", "olmo2", "gpt_neox", "phi3"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_equal_bruteforce_and_outputs_unchanged(arch):
+    model = make(arch)
+    ids = torch.randint(0, 101, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding on the second sequence
+    with torch.no_grad():
+        ref_out = model(input_ids=ids, attention_mask=mask).logits
+    inputs, seen = {}, []
+    hooks = [attention_module(model, i).register_forward_pre_hook(
+        lambda m, a, kw, i=i: inputs.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True)
+        for i in range(model.config.num_hidden_layers)]
+    try:
+        with torch.no_grad(), capture(model, ["layers.*.attn.logits"], reducers=seen.append):
+            out = model(input_ids=ids, attention_mask=mask).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=1e-5)
+    assert [o.point.name for o in seen] == ["layers.0.attn.logits", "layers.1.attn.logits"]  # once per layer (Diff too)
+    for obs in seen:
+        ref = reference_logits(model, obs.point.layer, inputs[obs.point.layer])
+        assert obs.x.shape == ref.shape
+        torch.testing.assert_close(obs.x.double(), ref, atol=1e-4, rtol=1e-4)
+        # the valid mask: causal, not padding, inside the sliding window where the layer has one
+        T = ids.shape[1]
+        t, s = torch.arange(T)[:, None], torch.arange(T)[None]
+        expect = (s <= t).expand(2, T, T).clone()
+        expect[1, :, :2] = False  # padding keys
+        expect[1, :2, :] = False  # padding queries
+        window = None
+        if arch == "mistral":
+            window = 5
+        if arch == "gemma2" and model.config.layer_types[obs.point.layer] == "sliding_attention":
+            window = 4
+        if window:
+            expect &= (t - s < window)
+        got = obs.valid.expand(2, -1, T, T)[:, 0]
+        assert torch.equal(got, expect)
+    assert model.config._attn_implementation == "eager"
+
+
+def test_diff_maps_labelled():
+    model = make("diffllama")
+    seen = []
+    with torch.no_grad(), capture(model, "layers.0.attn.logits", reducers=seen.append):
+        model(input_ids=torch.randint(0, 101, (1, 5)))
+    assert seen[0].is_diff and seen[0].n_heads == 4
+
+
+def test_hidden_states_are_layer_outputs():
+    model = make("llama")
+    ids = torch.randint(0, 101, (2, 7))
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_hidden_states=True).hidden_states
+    seen = []
+    with torch.no_grad(), capture(model, "layers.*.hidden", reducers=seen.append):
+        model(input_ids=ids)
+    assert len(seen) == 2
+    torch.testing.assert_close(seen[0].x, ref[1])  # output of layer 0 = input of layer 1
+    assert seen[0].valid.shape == (2, 7) and seen[0].valid.all()
+
+
+def test_cleanup_after_exception():
+    model = make("llama")
+    before = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    from transformers import AttentionInterface
+
+    n_registered = len(AttentionInterface._global_mapping)
+
+    def boom(obs):
+        raise RuntimeError("reducer failed")
+
+    with pytest.raises(RuntimeError, match="reducer failed"):
+        with capture(model, reducers=boom):
+            model(input_ids=torch.randint(0, 101, (1, 4)))
+    after = {n: (len(m._forward_hooks), len(m._forward_pre_hooks)) for n, m in model.named_modules()}
+    assert before == after
+    assert model.config._attn_implementation == "eager"
+    assert len(AttentionInterface._global_mapping) == n_registered
+
+
+@pytest.mark.parametrize("bad,hint", [("layers.9.hidden", "expected layers.{0..1}"), ("layers.*.attn.logit", "did you mean layers.*.attn.logits"),
+                                      ("layer.0.hidden", "did you mean layers.0.hidden")])
+def test_unknown_points(bad, hint):
+    model = make("llama")
+    with pytest.raises(OutlierscopeError, match=re_escape(hint)):
+        resolve_points(model, [bad])
+
+
+def re_escape(s):
+    import re
+
+    return re.escape(s)
+
+
+def test_unsupported_kwarg_is_an_error():
+    from outlierscope.hooks.attention import _AttentionFunction
+
+    model = make("llama")
+    fn = _AttentionFunction(model, ())
+    attn = decoder_layers(model)[0].self_attn
+    q = torch.zeros(1, 4, 3, 8)
+    with pytest.raises(OutlierscopeError, match=r"LlamaForCausalLM.*s_aux"):
+        fn(attn, q, q[:, :2], q[:, :2], None, scaling=1.0, s_aux=torch.zeros(4))
+
+
+def test_model_without_interface():
+    class Plain(torch.nn.Module):
+        config = type("C", (), {"num_hidden_layers": 1})()
+
+    with pytest.raises(OutlierscopeError):
+        with capture(Plain(), ["layers.0.attn.logits"]):
+            pass
+
+
+def test_nan_is_reported():
+    from outlierscope.analysis.outliers import OutlierStats
+
+    model = make("llama")
+    stats = OutlierStats.for_model(model, seq_len=8)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = math.nan
+    with pytest.raises(OutlierscopeError, match="non-finite"):
+        with torch.no_grad(), capture(model, "layers.0.hidden", reducers=stats):
+            model(input_ids=torch.randint(0, 101, (1, 5)))
