@@ -42,12 +42,12 @@ class OutlierStats:
     """Streaming statistics for the logits and hidden states of one model; call it with observations."""
 
     def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
-                 layer_k: int = 10, bins: LogBins = LogBins()):
+                 layer_k: int = 10, bins: LogBins | None = None):
         if k < max(TABLE5_RANKS):
             raise ValueError(f"k must be at least {max(TABLE5_RANKS)} for Table 5, got {k}")
         self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
-        self.k, self.bins = k, bins
-        L, H, C, nb = n_layers, n_heads, hidden_size, bins.n + 2
+        self.k, self.bins = k, bins or LogBins()
+        L, H, C, nb = n_layers, n_heads, hidden_size, self.bins.n + 2
         self.is_diff = False
         self.top = {"attn.logits": TopK(k, 5), "hidden": TopK(k, 4)}
         self.layer_top = {kind: [TopK(layer_k, self.top[kind].locs.shape[1]) for _ in range(L)] for kind in self.top}

@@ -15,8 +15,16 @@ SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_la
 
 
 def make(model_type: str):
-    from transformers import (DiffLlamaConfig, Gemma2Config, GPTNeoXConfig, LlamaConfig, MistralConfig, Olmo2Config,
-                              Phi3Config, Qwen2Config)
+    from transformers import (
+        DiffLlamaConfig,
+        Gemma2Config,
+        GPTNeoXConfig,
+        LlamaConfig,
+        MistralConfig,
+        Olmo2Config,
+        Phi3Config,
+        Qwen2Config,
+    )
 
     cfgs = {
         "llama": lambda: LlamaConfig(**SMALL, num_key_value_heads=2),
