@@ -1,0 +1,79 @@
+"""Apply quantization to a model: attention logits (our primitives) and weights (bitsandbytes)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.attention import LogitContext, attention_stages
+from outlierscope.quant.spec import QuantSpec
+
+WEIGHT_MODES = ("none", "int8", "nf4")
+
+
+@contextlib.contextmanager
+def quantize_attention(model: nn.Module, spec: QuantSpec) -> Iterator[QuantSpec]:
+    """Quantize ``layers.{i}.attn.logits`` after scaling, before soft-capping, masking and softmax.
+
+    For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
+    [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages run in the order the
+    contexts were entered, so ``quantize_attention`` outside ``capture`` profiles the quantized logits.
+    Everything is restored in ``finally``.
+    """
+    n_layers = model.config.num_hidden_layers
+    if spec.layers is not None and max(spec.layers) >= n_layers:
+        raise OutlierscopeError(f"layers {list(spec.layers)} out of range: the model has layers 0..{n_layers - 1}")
+
+    def stage(ctx: LogitContext, logits):
+        return spec(logits, ctx.valid) if spec.applies_to(ctx.layer) else logits
+
+    if spec.is_identity:  # 16 bits: still route through the same attention function, for identical arithmetic
+        with attention_stages(model, lambda ctx, logits: logits):
+            yield spec
+        return
+    with attention_stages(model, stage):
+        yield spec
+
+
+def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
+    """Replace the decoder's ``nn.Linear`` layers (not embeddings or the LM head) by bitsandbytes
+    ``Linear8bitLt`` (int8, absmax per output row) or ``Linear4bit`` (NF4, block 64), in place.
+
+    Works on x86 CPUs with bitsandbytes >= 0.47. Returns the model.
+    """
+    if mode not in WEIGHT_MODES:
+        raise OutlierscopeError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
+    if mode == "none":
+        return model
+    try:
+        import bitsandbytes as bnb
+    except ImportError as e:
+        raise OutlierscopeError(f"weight quantization needs bitsandbytes: {e}") from None
+    from outlierscope.hooks.points import decoder_layers
+
+    dtype = next(model.parameters()).dtype
+    for layer in decoder_layers(model):
+        for child in list(layer.modules()):
+            for cname, lin in list(child.named_children()):
+                if type(lin) is not nn.Linear:
+                    continue
+                if mode == "int8":
+                    new = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                              has_fp16_weights=False, threshold=0.0)
+                else:
+                    new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                            compute_dtype=dtype, quant_type="nf4")
+                new.load_state_dict(lin.state_dict())
+                new = new.to(lin.weight.device)  # quantizes the weights
+                setattr(child, cname, new)
+    try:
+        import torch
+
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+    except Exception as e:  # a backend that does not run here: say so instead of failing later
+        raise OutlierscopeError(f"bitsandbytes {mode} weights do not run on this device ({type(e).__name__}: {e})") from None
+    return model

@@ -1,0 +1,80 @@
+"""Pure tensor primitives of absmax quantization (torchao style: no state, never mutate the input).
+
+* ``absmax_scale(x, bits, dims, valid)``: max |x| over ``dims`` among valid entries / qmax, where
+  qmax = 2^(bits-1) - 1 for integers and the largest finite value for FP8 formats. Computed in
+  float32 at least (float64 for float64 input), kept with ``keepdim=True``.
+* ``fake_quant(x, scale, bits)``: symmetric round-to-nearest onto [-qmax, qmax] * scale, ties to
+  even (``torch.round``), dequantized back to ``x``'s dtype. FP8: the cast to ``float8_e4m3fn`` /
+  ``float8_e5m2`` (round to nearest even) after dividing by the scale.
+
+A zero scale (all zeros, or no valid entry) returns the input unchanged: never NaN or inf.
+A non-finite scale (an inf in the input) also returns the input unchanged.
+Invalid (masked) entries do not enter the scale and come back unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT_BITS = tuple(range(2, 16))  # integer absmax formats; 16 means "unquantized"
+UNQUANTIZED_BITS = 16
+FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+FORMATS = ("int", *FP8_FORMATS)
+
+
+def check_bits(bits: int, fmt: str = "int") -> None:
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if fmt == "int" and (not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= UNQUANTIZED_BITS):
+        raise ValueError(f"bits must be in 2..16 (16 = unquantized), got {bits!r}")
+    if fmt != "int" and bits not in (8, UNQUANTIZED_BITS):
+        raise ValueError(f"bits for format {fmt} must be 8 (or 16 = unquantized), got {bits!r}")
+
+
+def qmax(bits: int, fmt: str = "int") -> float:
+    """Largest representable magnitude on the quantization grid."""
+    check_bits(bits, fmt)
+    if fmt == "int":
+        return float(2 ** (bits - 1) - 1)
+    return float(torch.finfo(FP8_FORMATS[fmt]).max)
+
+
+def _work_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def absmax_scale(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
+    """Absmax scale over ``dims`` (keepdim) among ``valid`` entries; zero where nothing is valid."""
+    a = x.to(_work_dtype(x)).abs()
+    if valid is not None:
+        a = a.masked_fill(~valid, 0.0)
+    return a.amax(dim=dims, keepdim=True) / qmax(bits, fmt)
+
+
+def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int",
+               valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Quantize-dequantize ``x`` with ``scale`` (broadcastable); returns a new tensor in ``x``'s dtype."""
+    check_bits(bits, fmt)
+    if bits == UNQUANTIZED_BITS:
+        return x.clone()
+    w = x.to(_work_dtype(x))
+    ok = (scale > 0) & torch.isfinite(scale)  # zero or non-finite scale: the input comes back unchanged
+    safe = torch.where(ok, scale, torch.ones_like(scale))
+    y = w / safe
+    m = qmax(bits, fmt)
+    if fmt == "int":
+        q = torch.round(y).clamp_(-m, m)  # round half to even
+    else:
+        q = y.clamp(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
+    out = torch.where(ok, q * safe, w)
+    if valid is not None:
+        out = torch.where(valid, out, w)
+    return out.to(x.dtype)
+
+
+def quantize_absmax(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
+    """``fake_quant(x, absmax_scale(x, ...))``: dynamic absmax quantization over ``dims``."""
+    if bits == UNQUANTIZED_BITS:
+        check_bits(bits, fmt)
+        return x.clone()
+    return fake_quant(x, absmax_scale(x, bits, dims, valid, fmt), bits, fmt, valid)
