@@ -54,6 +54,23 @@ def _cmd_profile(a) -> None:
     print(f"results written to {a.out}")
 
 
+def _cmd_sweep(a) -> None:
+    from outlierscope.eval.sweep import SweepSettings, sweep, sweep_table
+    from outlierscope.quant.spec import parse_layers
+
+    try:
+        layers = parse_layers(a.layers)
+    except ValueError as e:
+        raise OutlierscopeError(str(e)) from None
+    s = SweepSettings(models=tuple(a.model or ("pair-tiny:transformer", "pair-tiny:diff")), bits=tuple(a.bits),
+                      format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
+                      sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
+                      batch_size=a.batch_size)
+    table = sweep(s, a.out)
+    print(sweep_table(table))
+    print(f"results written to {a.out} (16 bits = unquantized)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
 
@@ -105,6 +122,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=_cmd_profile)
+
+    s = sub.add_parser("sweep", help="HellaSwag accuracy with attention logits quantized to several bit widths (Figure 8)")
+    s.add_argument("--model", action="append", metavar="SPEC",
+                   help="preset role or HF model directory; repeat (default: pair-tiny:transformer and pair-tiny:diff)")
+    s.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4], help="bit widths; 16 = unquantized (default 16 8 6 4)")
+    s.add_argument("--format", default="int", choices=["int", "e4m3", "e5m2"], help="int absmax or FP8 (bits 8)")
+    s.add_argument("--granularity", default="per_tensor", choices=["per_tensor", "per_head", "per_row"],
+                   help="one scale per sequence and layer / per head / per query row (default per_tensor)")
+    s.add_argument("--layers", help="quantize only these layers, e.g. 0-3 or 0,2 (default all)")
+    s.add_argument("--weights", default="none", choices=["none", "int8", "nf4"], help="also quantize linear weights (bitsandbytes)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--limit", type=int, help="first N validation items")
+    g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
+    s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
+    s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
+    s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
+    s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.set_defaults(func=_cmd_sweep)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
     s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")

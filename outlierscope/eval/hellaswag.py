@@ -50,3 +50,106 @@ def build_doc(item: HellaSwagItem) -> Doc:
         choices=tuple(preprocess(e) for e in item.endings),
         label=item.label,
     )
+
+
+# -- requests and tokenisation (lm-eval HFLM rules) ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One item's token ids: the context (shared by the 4 choices) and each choice's continuation.
+
+    ``inputs[j]`` is what the model reads for choice j: ``(ctx + cont_j)[-(max_length + 1):][:-1]``
+    (lm-eval's left truncation); the continuation's log-probabilities are read at its last
+    ``len(conts[j])`` positions.
+    """
+
+    index: int
+    label: int
+    ctx: tuple[int, ...]
+    conts: tuple[tuple[int, ...], ...]
+    choice_chars: tuple[int, ...]
+    max_length: int
+
+    def inputs(self, j: int) -> list[int]:
+        return list(self.ctx + self.conts[j])[-(self.max_length + 1) :][:-1]
+
+    @property
+    def truncated(self) -> bool:
+        return any(len(self.ctx) + len(c) > self.max_length + 1 for c in self.conts)
+
+
+def lmeval_max_length(model, tokenizer=None) -> int:
+    """lm-eval's ``resolve_max_length``: n_positions, max_position_embeddings, n_ctx, tokenizer, 2048."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
+        v = getattr(cfg, attr, None)
+        if v is not None:
+            return int(v)
+    mml = getattr(tokenizer, "model_max_length", None)
+    if mml is not None and mml < 1e29:
+        return int(mml)
+    return 2048
+
+
+class Encoder:
+    """lm-eval's ``tok_encode`` / ``_encode_pair`` for a causal model (tokenizer's default special tokens)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.prefix_id = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        self.prefix_str = tokenizer.decode(self.prefix_id) if self.prefix_id is not None else None
+
+    def encode(self, text: str) -> list[int]:
+        kw = {}
+        if self.prefix_str and text.startswith(self.prefix_str):
+            kw["add_special_tokens"] = False
+        return self.tok.encode(text, **kw)
+
+    def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        if context == "":
+            cont = self.tok.encode(continuation, add_special_tokens=False)
+            return ([self.prefix_id], cont) if self.prefix_id != cont[0] else (cont[:1], cont[1:])
+        n_spaces = len(context) - len(context.rstrip())
+        if n_spaces > 0:
+            continuation = context[-n_spaces:] + continuation
+            context = context[:-n_spaces]
+        whole = self.encode(context + continuation)
+        ctx = self.encode(context)
+        return ctx, whole[len(ctx) :]
+
+
+def build_requests(items, tokenizer, max_length: int) -> list[Request]:
+    enc = Encoder(tokenizer)
+    out = []
+    for item in items:
+        doc = build_doc(item)
+        pairs = [enc.pair(doc.query, " " + c) for c in doc.choices]
+        ctx = pairs[0][0]
+        assert all(p[0] == ctx for p in pairs)  # the context is tokenised on its own: same for every choice
+        out.append(Request(doc.index, doc.label, tuple(ctx), tuple(tuple(p[1]) for p in pairs),
+                           tuple(len(c) for c in doc.choices), max_length))
+    return out
+
+
+# -- metrics -------------------------------------------------------------------------------
+
+
+def predictions(scores, choice_chars):
+    """acc and acc_norm predictions from (N, 4) summed log-probs; first maximum wins ties."""
+    import numpy as np
+
+    scores = np.asarray(scores, dtype=np.float64)
+    pred = scores.argmax(1)
+    pred_norm = (scores / np.asarray(choice_chars, dtype=np.float64)).argmax(1)
+    return pred, pred_norm
+
+
+def accuracy(correct) -> tuple[float, float]:
+    """Mean and standard error (sample std with n-1, over sqrt(n)) of 0/1 outcomes."""
+    import numpy as np
+
+    c = np.asarray(correct, dtype=np.float64)
+    if len(c) < 2:
+        return float(c.mean()) if len(c) else float("nan"), float("nan")
+    return float(c.mean()), float(c.std(ddof=1) / np.sqrt(len(c)))

@@ -1,0 +1,160 @@
+"""Fast loglikelihood scoring of HellaSwag requests, numerically the lm-eval computation.
+
+Two layouts, same numbers (up to float summation order):
+
+* ``shared``: one row per item, ``[ctx | cont_0[:-1] | ... | cont_3[:-1]]`` with a tree-shaped
+  boolean mask (each continuation sees the context and its own earlier tokens) and positions that
+  restart after the context. The context is run once for its 4 endings. Exact when every row's
+  attention depends on its own keys only: unquantized or ``per_row`` logit quantization.
+* ``separate``: one row per (item, choice), as lm-eval builds it. Needed for ``per_tensor`` and
+  ``per_head`` quantization (the scale sees the whole sequence) and for items lm-eval truncates.
+
+The language-model head and log-softmax are computed only at continuation positions. Rows are
+sorted by length and batched; per-item results do not depend on batch size or padding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.eval.hellaswag import Request
+from outlierscope.hooks.attention import attention_stages
+
+LAYOUTS = ("shared", "separate")
+
+
+def _identity(ctx, logits):
+    return logits
+
+
+def _head(model):
+    head = model.get_output_embeddings()
+    if head is None:
+        raise OutlierscopeError(f"{type(model).__name__} has no output embeddings (LM head); expected a causal LM")
+    cap = getattr(model.config, "final_logit_softcapping", None)
+    scale = getattr(model.config, "logit_scale", None)
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        logits = head(h)
+        if scale is not None:
+            logits = logits * scale
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return apply
+
+
+def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
+    """Run one padded batch; each row dict has ids, pos, mask (L x L bool or None), gathers [(positions, targets)]."""
+    L = max(len(r["ids"]) for r in rows)
+    B = len(rows)
+    ids = torch.zeros(B, L, dtype=torch.long)
+    pos = torch.zeros(B, L, dtype=torch.long)
+    tree = rows[0]["mask"] is not None
+    mask = torch.zeros(B, 1, L, L, dtype=torch.bool) if tree else torch.zeros(B, L, dtype=torch.long)
+    for b, r in enumerate(rows):
+        n = len(r["ids"])
+        ids[b, :n] = torch.tensor(r["ids"])
+        pos[b, :n] = torch.tensor(r["pos"])
+        pos[b, n:] = torch.arange(r["pos"][-1] + 1, r["pos"][-1] + 1 + L - n)  # padding continues the count
+        if tree:
+            mask[b, 0, :n, :n] = r["mask"]
+        else:
+            mask[b, :n] = 1
+    dev = next(model.parameters()).device
+    out = model.base_model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, D)
+    b_idx, p_idx, tgt, owner = [], [], [], []
+    for b, r in enumerate(rows):
+        for j, (ps, ts) in enumerate(r["gathers"]):
+            b_idx += [b] * len(ps)
+            p_idx += ps
+            tgt += ts
+            owner += [(b, j)] * len(ps)
+    logp = torch.log_softmax(head(hidden[torch.tensor(b_idx), torch.tensor(p_idx)]), dim=-1)  # (N, V)
+    tok_lp = logp.gather(1, torch.tensor(tgt, device=logp.device)[:, None])[:, 0].double().cpu().numpy()
+    sums = [np.zeros(len(r["gathers"])) for r in rows]
+    for (b, j), v in zip(owner, tok_lp):
+        sums[b][j] += v
+    return sums
+
+
+def _shared_row(req: Request) -> dict:
+    c = len(req.ctx)
+    ids, pos = list(req.ctx), list(range(c))
+    segs = []
+    for cont in req.conts:
+        start = len(ids)
+        ids += list(cont[:-1])
+        pos += list(range(c, c + len(cont) - 1))
+        segs.append((start, len(cont) - 1))
+    n = len(ids)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    m[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+    gathers = []
+    for (start, k), cont in zip(segs, req.conts):
+        m[start : start + k, :c] = True
+        m[start : start + k, start : start + k] = torch.ones(k, k, dtype=torch.bool).tril()
+        gathers.append(([c - 1] + list(range(start, start + k)), list(cont)))
+    return {"ids": ids, "pos": pos, "mask": m, "gathers": gathers}
+
+
+def _separate_row(req: Request, j: int) -> dict:
+    inp = req.inputs(j)
+    n, k = len(inp), len(req.conts[j])
+    if k > n:
+        raise OutlierscopeError(
+            f"item {req.index}: continuation of {k} tokens does not fit the model's context of {req.max_length}; "
+            "lm-eval cannot score it either"
+        )
+    return {"ids": inp, "pos": list(range(n)), "mask": None, "gathers": [(list(range(n - k, n)), list(req.conts[j]))]}
+
+
+@torch.no_grad()
+def score_requests(model, requests: Sequence[Request], layout: str = "shared", batch_size: int = 32,
+                   progress=None) -> np.ndarray:
+    """Summed log-probabilities (N, 4) of each item's continuations, in the order of ``requests``.
+
+    ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates
+    always use ``separate``. ``progress(n_items)`` is called as items finish.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if batch_size <= 0:
+        raise OutlierscopeError(f"batch size must be positive, got {batch_size}")
+    scores = np.zeros((len(requests), 4))
+    units = []  # (length, item index, choice or None)
+    for i, r in enumerate(requests):
+        if layout == "shared" and not r.truncated:
+            units.append((len(r.ctx) + sum(len(c) - 1 for c in r.conts), i, None))
+        else:
+            units += [(len(r.inputs(j)), i, j) for j in range(len(r.conts))]
+    units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))
+    head = _head(model)
+    done_parts = np.zeros(len(requests), dtype=np.int64)
+    need = np.array([1 if layout == "shared" and not r.truncated else len(r.conts) for r in requests])
+    with attention_stages(model, _identity):
+        for s in range(0, len(units), batch_size):
+            chunk = units[s : s + batch_size]
+            shared = [u for u in chunk if u[2] is None]
+            sep = [u for u in chunk if u[2] is not None]
+            for group, make in ((shared, lambda u: _shared_row(requests[u[1]])),
+                                (sep, lambda u: _separate_row(requests[u[1]], u[2]))):
+                if not group:
+                    continue
+                sums = _score_rows(model, head, [make(u) for u in group])
+                for u, v in zip(group, sums):
+                    if u[2] is None:
+                        scores[u[1]] = v
+                    else:
+                        scores[u[1], u[2]] = v[0]
+                    done_parts[u[1]] += 1
+            if progress is not None:
+                finished = int((done_parts == need).sum())
+                progress(finished)
+    return scores
