@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPRODUCE_ARGS ?=
 
-.PHONY: install data reproduce test lint bench clean
+.PHONY: install data reproduce test lint bench lmeval-venv lmeval-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,18 @@ test: install data lint
 bench: install data
 	$(BIN)/python bench/profile.py
 	$(BIN)/python bench/quant.py
+
+# lm-evaluation-harness 0.4.13 in its own venv (its pins differ from ours), for bench/eval_vs_lmeval.py
+.venv-lmeval/.installed:
+	$(PYTHON) -m venv .venv-lmeval
+	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "lm_eval[hf]==0.4.13" "transformers>=5,<6"
+	touch $@
+
+lmeval-venv: .venv-lmeval/.installed
+
+lmeval-compare: install data lmeval-venv
+	$(BIN)/python bench/eval_vs_lmeval.py --model outlierscope/pretrained/pair-tiny/diff $(LMEVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
