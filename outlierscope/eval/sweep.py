@@ -71,8 +71,9 @@ class SweepSettings:
                 raise OutlierscopeError(str(e)) from None
 
     def spec(self, bits: int) -> QuantSpec:
-        return QuantSpec(bits=bits, format=self.format if bits != 16 else "int", granularity=self.granularity,
-                         layers=self.layers)
+        if bits == 16:  # unquantized: format, granularity and layers do not apply
+            return QuantSpec(bits=16)
+        return QuantSpec(bits=bits, format=self.format, granularity=self.granularity, layers=self.layers)
 
 
 def layout_for(spec: QuantSpec) -> str:
@@ -81,8 +82,9 @@ def layout_for(spec: QuantSpec) -> str:
 
 
 def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str) -> dict:
-    return {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": spec.format,
-            "granularity": spec.granularity, "layers": list(spec.layers) if spec.layers else None,
+    ident = spec.is_identity
+    return {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
+            "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
             "weights": s.weights, "items_sha256": items_sha, "text": s.text,
             "text_tokens": s.text_tokens if s.text else None}
 

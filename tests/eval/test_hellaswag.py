@@ -1,0 +1,105 @@
+import numpy as np
+import pytest
+
+from outlierscope.eval.data import HellaSwagItem
+from outlierscope.eval.hellaswag import Encoder, accuracy, build_doc, build_requests, predictions, preprocess
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ("  Hello world  ", "Hello world"),
+    ("How to cook [title] Boil water.", "How to cook. Boil water."),
+    ("[header] How to x [title] Do y [step] now", " How to x. Do y now"),  # strip runs first: a space stays
+    ("a  b   c", "a b  c"),  # only the first pass of double spaces, once
+    ("keep [unclosed bracket", "keep [unclosed bracket"),
+    ("tag[a] and [b]c", "tag and c"),
+])
+def test_preprocess(raw, expected):
+    assert preprocess(raw) == expected
+
+
+def test_doc_rules_with_empty_ctx_b():
+    item = HellaSwagItem(7, "Home and Garden", "[header] How to clean [title] Fill it.", "", ("[step] a.", "b", "c", "d"), 2)
+    doc = build_doc(item)
+    # ctx = ctx_a + " " + "" -> trailing space; the query is preprocessed (stripped)
+    assert doc.query == "Home and Garden: How to clean. Fill it."
+    assert doc.choices == (" a.", "b", "c", "d") and doc.label == 2 and doc.index == 7  # lm-eval keeps the space
+
+
+def test_ctx_b_capitalised():
+    item = HellaSwagItem(0, "Running", "A woman runs.", "then she", ("x", "y", "z", "w"), 0)
+    assert build_doc(item).query == "Running: A woman runs. Then she"
+
+
+class FakeTok:
+    """Whitespace-and-punctuation tokenizer with BOS, so that special tokens and splits are visible."""
+
+    bos_token_id, eos_token_id = 1, 2
+
+    def __init__(self):
+        self.vocab = {}
+
+    def _id(self, piece):
+        return self.vocab.setdefault(piece, 10 + len(self.vocab))
+
+    def encode(self, text, add_special_tokens=True):
+        import re
+
+        ids = [self._id(p) for p in re.findall(r" ?[A-Za-z']+| ?[^A-Za-z' ]| +", text)]
+        return ([self.bos_token_id] if add_special_tokens else []) + ids
+
+    def decode(self, i):
+        return "<s>" if i == 1 else "</s>"
+
+
+def lmeval_encode_pair(tok, context, continuation):
+    """lm-eval 0.4.13 `_encode_pair` + `tok_encode` (add_bos_token=None), written out literally."""
+    def tok_encode(s):
+        kw = {}
+        if s.startswith(tok.decode(tok.bos_token_id)):
+            kw["add_special_tokens"] = False
+        return tok.encode(s, **kw)
+
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces > 0:
+        continuation = context[-n_spaces:] + continuation
+        context = context[:-n_spaces]
+    whole = tok_encode(context + continuation)
+    ctx = tok_encode(context)
+    return ctx, whole[len(ctx):]
+
+
+@pytest.mark.parametrize("ctx,cont", [("Roofing: A man is on a roof. He", " starts pulling."),
+                                      ("trailing space ", " x."), ("<s>starts with bos", " y"), ("a", " b c d")])
+def test_encode_pair_matches_reference(ctx, cont):
+    tok = FakeTok()
+    assert Encoder(tok).pair(ctx, cont) == lmeval_encode_pair(tok, ctx, cont)
+
+
+def test_empty_context_uses_prefix_token():
+    tok = FakeTok()
+    ctx, cont = Encoder(tok).pair("", " hello")
+    assert ctx == [1] and cont == tok.encode(" hello", add_special_tokens=False)
+
+
+def test_requests_share_context_and_truncate_like_lmeval():
+    tok = FakeTok()
+    item = HellaSwagItem(0, "A", "one two three four", "five", ("six seven", "eight", "nine ten eleven", "x"), 1)
+    (r,) = build_requests([item], tok, max_length=5)
+    assert r.ctx[0] == 1  # BOS from the tokenizer's default special tokens
+    for j, cont in enumerate(r.conts):
+        assert r.inputs(j) == list(r.ctx + cont)[-6:][:-1]
+    assert r.truncated and r.choice_chars == (9, 5, 15, 1)
+
+
+def test_predictions_ties_and_norm():
+    scores = np.array([[-1.0, -1.0, -3.0, -4.0], [-10.0, -9.0, -8.0, -8.0]])
+    chars = [(1, 1, 1, 1), (10, 3, 4, 2)]
+    pred, pred_norm = predictions(scores, chars)
+    assert pred.tolist() == [0, 2]  # first maximum wins
+    assert pred_norm.tolist() == [0, 0]  # -1.0 vs -3.0 vs -2.0 vs -4.0
+
+
+def test_accuracy_stderr():
+    c = np.array([1, 0, 1, 1, 0, 1, 1, 1])
+    acc, se = accuracy(c)
+    assert acc == 0.75 and se == pytest.approx(np.std(c, ddof=1) / np.sqrt(8))

@@ -1,0 +1,140 @@
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError
+from outlierscope.eval import sweep as sw
+from outlierscope.eval.sweep import SweepSettings, mcnemar_exact, paired_bootstrap, sweep
+
+
+def _settings(tiny_pair, hs_jsonl, **kw):
+    base = dict(models=(str(tiny_pair["transformer"]), str(tiny_pair["diff"])), bits=(16, 4, 2), data=str(hs_jsonl),
+                batch_size=8)
+    base.update(kw)
+    return SweepSettings(**base)
+
+
+@pytest.fixture(scope="module")
+def full(tiny_pair, hs_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("sweep") / "full"
+    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None)
+    return out, table
+
+
+def test_table_contents(full):
+    out, table = full
+    assert set(table["bits"]) == {16, 4, 2} and set(table["metric"]) >= {"acc", "acc_norm", "flip_rate", "mean_abs_score_change"}
+    acc16 = table[(table.bits == 16) & (table.metric == "acc")]
+    assert (acc16["label"] == "16 (unquantized)").all() and acc16["delta_vs_16"].isna().all()
+    q = table[(table.bits == 2) & (table.metric == "acc_norm")]
+    assert (q["ci_low"] <= q["delta_vs_16"]).all() and (q["delta_vs_16"] <= q["ci_high"]).all()
+    assert q["mcnemar_p"].between(0, 1).all()
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["settings"]["bits"] == [16, 4, 2] and meta["n_items"] == 12 and "versions" in meta
+    cells = list((out / "cells").glob("*.csv"))
+    assert len(cells) == 6
+    res = pd.read_csv(cells[0])
+    assert list(res.columns) == ["index", "label", *[f"score{j}" for j in range(4)], *[f"tokens{j}" for j in range(4)], "pred", "pred_norm"]
+
+
+def test_metrics_recomputed_from_cells(full):
+    out, table = full
+    meta = json.loads((out / "sweep.json").read_text())
+    for c in meta["cells"]:
+        res = pd.read_csv(out / "cells" / f"{c['cell']}.csv")
+        assert c["acc"] == pytest.approx((res.pred == res.label).mean())
+        assert c["acc_norm"] == pytest.approx((res.pred_norm == res.label).mean())
+
+
+def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
+    out = tmp_path / "resumed"
+    real = sw.run_cell
+    calls = {"n": 0}
+
+    def crash_after_one(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt  # Ctrl-C in the second cell
+        return real(*a, **k)
+
+    monkeypatch.setattr(sw, "run_cell", crash_after_one)
+    with pytest.raises(KeyboardInterrupt):
+        sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None)
+    assert len(list((out / "cells").glob("*.json"))) == 1 and not (out / "sweep.csv").exists()
+    monkeypatch.setattr(sw, "run_cell", real)
+    logs = []
+    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=logs.append)
+    assert sum("skipped" in m for m in logs) == 1
+    pd.testing.assert_frame_equal(table.drop(columns="cell"), full[1].drop(columns="cell"))
+
+
+def test_changed_settings_recompute(tiny_pair, hs_jsonl, tmp_path):
+    out = tmp_path / "s"
+    sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4)), out, progress=False, log=lambda *_: None)
+    logs = []
+    sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4), granularity="per_head"), out, progress=False, log=logs.append)
+    assert sum("skipped" in m for m in logs) == 2  # the two 16-bit cells only
+
+
+def test_text_loss(tiny_pair, hs_jsonl, tmp_path, tiny_corpus):
+    table = sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 2), models=(str(tiny_pair["diff"]),),
+                            text=str(tiny_corpus / "val.jsonl"), text_tokens=2048), tmp_path / "t", progress=False,
+                  log=lambda *_: None)
+    loss = table[table.metric == "lm_loss"].set_index("bits")["value"]
+    assert loss[16] > 0 and loss[2] != loss[16]
+
+
+def test_statistics():
+    a = np.array([1, 1, 0, 0, 1, 0, 1, 1, 0, 1] * 10, bool)
+    b = a.copy()
+    b[:7] = ~b[:7]
+    lo, hi = paired_bootstrap(a, b, reps=2000, seed=1)
+    d = b.mean() - a.mean()
+    assert lo <= d <= hi
+    n01 = int((a & ~b).sum())
+    n10 = int((~a & b).sum())
+    from scipy.stats import binom
+
+    k = min(n01, n10)
+    expected = min(1.0, 2 * binom.cdf(k, n01 + n10, 0.5))
+    assert mcnemar_exact(a, b) == pytest.approx(expected)
+    assert mcnemar_exact(a, a) == 1.0
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--model", "pair-tny:diff"], "did you mean pair-tiny:diff"),
+    (["--bits", "17"], "bits must be in 2..16"),
+    (["--bits", "4", "--format", "e4m3"], "bits for format e4m3 must be 8"),
+    (["--limit", "0"], "--limit must be in 1..10042"),
+    (["--limit", "10043"], "--limit must be in 1..10042"),
+])
+def test_cli_errors(argv, msg, tmp_path, capsys):
+    out = tmp_path / "o"
+    rc = main(["sweep", *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.count("\n") == 1
+    assert not (out / "sweep.csv").exists()
+
+
+def test_cli_malformed_data(tiny_pair, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"activity_label": "a", "ctx_a": "b", "ctx_b": "c", "endings": ["x"], "label": 0}\n')
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--data", str(bad), "--out", str(tmp_path / "o")])
+    assert rc == 2 and "line 1: expected 4 string endings, got 1" in capsys.readouterr().err
+
+
+def test_cli_unwritable_dir(tiny_pair, hs_jsonl, tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--data", str(hs_jsonl), "--out", str(blocker / "sub")])
+    assert rc == 2 and "cannot write to output directory" in capsys.readouterr().err
+
+
+def test_settings_validation():
+    with pytest.raises(OutlierscopeError, match="given twice"):
+        SweepSettings(models=("a", "a"))
+    with pytest.raises(OutlierscopeError, match="exclude each other"):
+        SweepSettings(limit=3, sample=3)
