@@ -71,6 +71,29 @@ def _cmd_sweep(a) -> None:
     print(f"results written to {a.out} (16 bits = unquantized)")
 
 
+def _cmd_plot(a) -> None:
+    from outlierscope.analysis.report import load_run, render_figures
+
+    written, skipped = render_figures(load_run(a.run_dir), svg=a.svg)
+    for title, path in written:
+        print(f"wrote {path}  ({title})")
+    for msg in skipped:
+        print(f"skipped {msg}")
+
+
+def _cmd_report(a) -> None:
+    from outlierscope.analysis.report import write_report
+
+    print(f"report written to {write_report(a.run_dir, svg=a.svg)}")
+
+
+def _cmd_reproduce(a) -> None:
+    from outlierscope.reproduce import ReproduceSettings, reproduce
+
+    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text))
+    print(f"report: {path}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
 
@@ -142,6 +165,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=32)
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     s.set_defaults(func=_cmd_sweep)
+
+    s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
+    s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")
+    s.add_argument("--svg", action="store_true", help="also write SVG files")
+    s.set_defaults(func=_cmd_plot)
+
+    s = sub.add_parser("report", help="write report.md (tables, intervals, figures, outcome in plain words)")
+    s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")
+    s.add_argument("--svg", action="store_true", help="also write SVG figures")
+    s.set_defaults(func=_cmd_report)
+
+    s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair: profile, sweep, plot, report")
+    s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
+    s.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
+    s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")
+    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
+    s.set_defaults(func=_cmd_reproduce)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
     s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")

@@ -1,0 +1,197 @@
+"""Figures from the tidy tables written by ``profile`` and ``sweep`` (seaborn; they never run a model).
+
+Every function takes DataFrames and returns a matplotlib ``Figure``. Colours come from seaborn's
+colour-blind-safe palette; each model keeps its colour across figures.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg", force=False)
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+PALETTE = "colorblind"
+STAT_COLUMNS = [("top1", "Top-1"), ("top2", "Top-2"), ("top3", "Top-3"), ("top10", "Top-10"), ("top100", "Top-100"),
+                ("median", "Median")]
+POINT_LABEL = {"attn.logits": "attention logits", "hidden": "hidden states"}
+
+
+def _colors(models) -> dict:
+    models = list(dict.fromkeys(models))
+    return dict(zip(models, sns.color_palette(PALETTE, max(len(models), 3))))
+
+
+def _short(name: str) -> str:
+    return name.split("/")[-1]
+
+
+def bits_label(b: int) -> str:
+    return "16\n(unquantized)" if int(b) == 16 else str(int(b))
+
+
+def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure:
+    """Zero-shot HellaSwag accuracy against the bit width of the attention logits (the paper's Figure 8)."""
+    df = sweep[sweep["metric"] == metric].copy()
+    bits = sorted(df["bits"].unique(), reverse=True)
+    pos = {b: i for i, b in enumerate(bits)}
+    colors = _colors(df["model"])
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+    markers = ["o", "s", "^", "D", "v"]
+    for k, (model, g) in enumerate(df.groupby("model", sort=False)):
+        g = g.sort_values("bits", ascending=False)
+        ax.errorbar([pos[b] for b in g["bits"]], g["value"] * 100, yerr=g["stderr"] * 100, marker=markers[k % 5],
+                    capsize=4, lw=1.8, color=colors[model], label=_short(model))
+    ax.axhline(25, color="0.4", ls="--", lw=1)
+    ax.text(len(bits) - 1, 25, "chance (25%)", va="bottom", ha="right", fontsize=8, color="0.3")
+    ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
+    ax.set_xlabel("bits of the attention logits (dynamic absmax PTQ)")
+    ax.set_ylabel(f"HellaSwag {metric} (%)")
+    gran = ", ".join(sorted(set(sweep.loc[sweep["bits"] != 16, "granularity"].dropna())))
+    n = int(df["n_items"].iloc[0]) if "n_items" in df else None
+    ax.set_title(f"Zero-shot HellaSwag vs logit bits ({gran or 'unquantized'}{f', {n:,} items' if n else ''})", fontsize=10)
+    ax.legend(frameon=False)
+    ax.grid(axis="y", alpha=0.3)
+    return fig
+
+
+def table5_bars(table5: pd.DataFrame) -> plt.Figure:
+    """Table 5 as grouped bars on a log scale: k-th largest |x| and median, per model and activation type."""
+    long = table5.melt(id_vars=["model", "activation"], value_vars=[c for c, _ in STAT_COLUMNS], var_name="stat",
+                       value_name="value")
+    long["stat"] = long["stat"].map(dict(STAT_COLUMNS))
+    long["model"] = long["model"].map(_short)
+    kinds = list(dict.fromkeys(long["activation"]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    colors = _colors(long["model"])
+    for ax, kind in zip(axes[0], kinds):
+        sns.barplot(long[long["activation"] == kind], x="stat", y="value", hue="model", palette=colors, ax=ax)
+        ax.set_yscale("log")
+        ax.set_title(kind, fontsize=10)
+        ax.set_xlabel("")
+        ax.set_ylabel("|activation|")
+        ax.grid(axis="y", alpha=0.3, which="both")
+        ax.legend(frameon=False, fontsize=8, title=None)
+    fig.suptitle("Largest activation values (Table 5): k-th largest |x| and median", fontsize=11)
+    return fig
+
+
+def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
+    """Top-1, top-3 and median |x| per layer for each model (as in Sun et al. 2024)."""
+    kinds = list(dict.fromkeys(per_layer["point"]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    colors = _colors(per_layer["model"])
+    styles = {"top1": ("-", "o"), "top3": ("--", "s"), "median": (":", "^")}
+    for ax, kind in zip(axes[0], kinds):
+        d = per_layer[per_layer["point"] == kind]
+        for model, g in d.groupby("model", sort=False):
+            for stat, (ls, mk) in styles.items():
+                ax.plot(g["layer"], g[stat], ls=ls, marker=mk, color=colors[model], ms=4,
+                        label=f"{_short(model)} {stat.replace('top', 'top-')}")
+        ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("|activation|")
+        ax.set_title(POINT_LABEL.get(kind, kind), fontsize=10)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.grid(alpha=0.3, which="both")
+    axes[0][-1].legend(frameon=False, fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    fig.suptitle("Per-layer magnitudes: top-1, top-3 and median |x|", fontsize=11)
+    return fig
+
+
+def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
+    """Layer x head heatmap of max |logit|; a Diff model shows map 1 and map 2 side by side."""
+    panels = []
+    for model, g in per_head.groupby("model", sort=False):
+        if g["map"].fillna("").astype(str).str.startswith("map").any():
+            for mp in ("map1", "map2"):
+                h = g[g["map"] == mp].pivot(index="layer", columns="diff_head", values=stat)
+                panels.append((f"{_short(model)}: {mp.replace('map', 'map ')}", h, "differential head"))
+        else:
+            panels.append((_short(model), g.pivot(index="layer", columns="head", values=stat), "head"))
+    vmax = max(float(np.nanmax(p[1].to_numpy())) for p in panels)
+    vmin = min(float(np.nanmin(p[1].to_numpy())) for p in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.2 + 1.9 * len(panels), 3.4), layout="constrained", squeeze=False)
+    for ax, (title, h, xl) in zip(axes[0], panels):
+        sns.heatmap(h, ax=ax, cmap="viridis", vmin=vmin, vmax=vmax, annot=h.size <= 64, fmt=".1f",
+                    cbar=ax is axes[0][-1], cbar_kws={"label": f"{stat} |logit|"}, annot_kws={"fontsize": 7})
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel(xl)
+        ax.set_ylabel("layer")
+    fig.suptitle("Max |attention logit| per layer and head", fontsize=11)
+    return fig
+
+
+def histograms(hist: pd.DataFrame) -> plt.Figure:
+    """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid."""
+    kinds = list(dict.fromkeys(hist["point"]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    colors = _colors(hist["model"])
+    for ax, kind in zip(axes[0], kinds):
+        d = hist[(hist["point"] == kind) & (hist["lo"] > 0) & np.isfinite(hist["hi"])]
+        for model, g in d.groupby("model", sort=False):
+            agg = g.groupby(["lo", "hi"], as_index=False)["count"].sum()
+            # coarsen the 1% bins by 10x for a readable curve
+            edges = np.geomspace(agg["lo"].min(), agg["hi"].max(), 80)
+            idx = np.clip(np.searchsorted(edges, agg["lo"], side="right") - 1, 0, len(edges) - 2)
+            counts = np.bincount(idx, weights=agg["count"], minlength=len(edges) - 1)
+            widths = np.diff(edges)
+            dens = counts / counts.sum() / widths
+            centers = np.sqrt(edges[:-1] * edges[1:])
+            keep = dens > 0
+            ax.plot(centers[keep], dens[keep], color=colors[model], lw=1.6, label=_short(model))
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"|{POINT_LABEL.get(kind, kind)}|")
+        ax.set_ylabel("density")
+        ax.set_title(POINT_LABEL.get(kind, kind), fontsize=10)
+        ax.grid(alpha=0.3, which="major")
+        ax.legend(frameon=False, fontsize=8)
+    fig.suptitle("Distribution of |x| (all layers pooled, valid positions)", fontsize=11)
+    return fig
+
+
+def lambda_per_layer(lam: pd.DataFrame) -> plt.Figure:
+    """Learned lambda and lambda_init per layer of the Diff models."""
+    fig, ax = plt.subplots(figsize=(5.6, 3.6), layout="constrained")
+    colors = _colors(lam["model"])
+    for model, g in lam.groupby("model", sort=False):
+        ax.plot(g["layer"], g["lambda"], marker="o", color=colors[model], label=f"{_short(model)}: learned λ")
+        ax.plot(g["layer"], g["lambda_init"], ls="--", marker="x", color=colors[model], alpha=0.7,
+                label=f"{_short(model)}: λ_init")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("λ")
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_title("Differential attention: λ per layer", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+    return fig
+
+
+def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
+    """Flip rate and mean |score change| vs 16 bits (and LM loss when present), per model."""
+    metrics = [("flip_rate_norm", "flip rate of acc_norm choices (%)", 100.0),
+               ("mean_abs_score_change", "mean |Δ log-likelihood| per choice (nats)", 1.0)]
+    if "lm_loss" in set(sweep["metric"]):
+        metrics.append(("lm_loss", "LM loss on held-out text (nats/token)", 1.0))
+    bits = sorted(sweep["bits"].unique(), reverse=True)
+    pos = {b: i for i, b in enumerate(bits)}
+    colors = _colors(sweep["model"])
+    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.6), layout="constrained", squeeze=False)
+    for ax, (m, label, scale) in zip(axes[0], metrics):
+        d = sweep[sweep["metric"] == m]
+        for model, g in d.groupby("model", sort=False):
+            g = g.sort_values("bits", ascending=False)
+            ax.plot([pos[b] for b in g["bits"]], g["value"] * scale, marker="o", color=colors[model], label=_short(model))
+        ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
+        ax.set_xlabel("bits of the attention logits")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
+        if m != "lm_loss":
+            ax.set_yscale("symlog", linthresh=1e-3 * scale if scale == 1 else 0.1)
+    fig.suptitle("Quantization damage relative to 16 bits (unquantized)", fontsize=11)
+    return fig

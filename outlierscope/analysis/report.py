@@ -1,0 +1,204 @@
+"""``outlierscope plot`` and ``report``: figures and a markdown report from a run directory.
+
+A run directory holds a profile (``table5.csv``, ``per_layer.csv``, ...) and/or a sweep
+(``sweep.csv``), either at its top level or in ``profile/`` and ``sweep/`` subdirectories (the
+layout of ``outlierscope reproduce``). Figures go to ``RUN_DIR/figures``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.io import atomic_path, write_text
+
+
+@dataclass
+class RunResults:
+    root: Path
+    profile_dir: Path | None = None
+    sweep_dir: Path | None = None
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    profile_meta: dict | None = None
+    sweep_meta: dict | None = None
+
+
+def _read(p: Path) -> pd.DataFrame | None:
+    if not p.exists():
+        return None
+    try:
+        df = pd.read_csv(p)
+    except pd.errors.EmptyDataError:
+        return None
+    return None if df.empty else df
+
+
+def load_run(run_dir: str | Path) -> RunResults:
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise OutlierscopeError(f"run directory not found: {root}; pass the --out of a profile, sweep or reproduce run")
+    res = RunResults(root)
+    for cand in (root, root / "profile"):
+        if (cand / "profile.json").exists():
+            res.profile_dir = cand
+            res.profile_meta = json.loads((cand / "profile.json").read_text())
+            for name in ("table5", "per_layer", "per_head", "histograms", "lambda"):
+                df = _read(cand / f"{name}.csv")
+                if df is not None:
+                    res.tables[name] = df
+            break
+    for cand in (root, root / "sweep"):
+        if (cand / "sweep.csv").exists():
+            res.sweep_dir = cand
+            res.sweep_meta = json.loads((cand / "sweep.json").read_text()) if (cand / "sweep.json").exists() else None
+            df = _read(cand / "sweep.csv")
+            if df is not None:
+                res.tables["sweep"] = df
+            break
+    if res.profile_dir is None and res.sweep_dir is None:
+        raise OutlierscopeError(f"{root} holds no profile.json or sweep.csv (also looked in profile/ and sweep/)")
+    return res
+
+
+FIGURES = [
+    # (file stem, required table, function name, title)
+    ("figure8_acc_norm", "sweep", "figure8", "HellaSwag acc_norm vs logit bits (Figure 8)"),
+    ("figure8_acc", "sweep", "figure8_acc", "HellaSwag acc vs logit bits"),
+    ("quantization_damage", "sweep", "quantization_damage", "Quantization damage vs 16 bits"),
+    ("table5_bars", "table5", "table5_bars", "Largest activation values (Table 5)"),
+    ("per_layer", "per_layer", "per_layer_lines", "Per-layer top-1, top-3 and median |x|"),
+    ("head_heatmap", "per_head", "head_heatmap", "Max |logit| per layer and head"),
+    ("histograms", "histograms", "histograms", "Distribution of |x|"),
+    ("lambda", "lambda", "lambda_per_layer", "λ per layer (Diff models)"),
+]
+
+
+def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
+    """Write every figure the run supports; returns (written [(title, png path)], skipped messages)."""
+    import matplotlib.pyplot as plt
+
+    from outlierscope.analysis import plots
+
+    out = run.root / "figures"
+    out.mkdir(exist_ok=True)
+    written, skipped = [], []
+    for stem, table, fn, title in FIGURES:
+        df = run.tables.get(table)
+        if df is None:
+            skipped.append(f"{stem}: no {table} data in {run.root}")
+            continue
+        fig = plots.figure8(df, "acc") if fn == "figure8_acc" else getattr(plots, fn)(df)
+        try:
+            for ext in ("png", "svg") if svg else ("png",):
+                with atomic_path(out / f"{stem}.{ext}") as tmp:
+                    fig.savefig(tmp, dpi=150, format=ext)
+        finally:
+            plt.close(fig)
+        written.append((title, out / f"{stem}.png"))
+    return written, skipped
+
+
+def _model_kinds(run: RunResults) -> dict[str, str]:
+    """model name -> 'transformer' | 'diff' | 'other' from the profile facts or the spec."""
+    kinds = {}
+    if run.profile_meta:
+        for name, f in run.profile_meta["models"].items():
+            kinds[name] = "diff" if f.get("is_diff") or f.get("model_type") == "diffllama" else (
+                "transformer" if f.get("model_type") == "llama" else "other")
+    if "sweep" in run.tables:
+        for m in run.tables["sweep"]["model"].unique():
+            kinds.setdefault(m, "diff" if m.endswith(":diff") else "transformer" if m.endswith(":transformer") else "other")
+    return kinds
+
+
+def outcome_paragraph(run: RunResults) -> str:
+    """Plain-words statement of the measured outcome, generated from the numbers."""
+    kinds = _model_kinds(run)
+    sentences = []
+    t5 = run.tables.get("table5")
+    tr = [m for m, k in kinds.items() if k == "transformer"]
+    df = [m for m, k in kinds.items() if k == "diff"]
+    if t5 is not None and tr and df and tr[0] in set(t5["model"]) and df[0] in set(t5["model"]):
+        for act in t5["activation"].unique():
+            a = t5[(t5.model == tr[0]) & (t5.activation == act)].iloc[0]
+            b = t5[(t5.model == df[0]) & (t5.activation == act)].iloc[0]
+            big, small = (a, b) if a["top1"] >= b["top1"] else (b, a)
+            ratio = big["top1"] / small["top1"] if small["top1"] > 0 else float("inf")
+            sentences.append(
+                f"For {act.lower()}, the {'Transformer' if big is a else 'Diff Transformer'} has the larger top-1 "
+                f"|value| ({big['top1']:.2f} vs {small['top1']:.2f}, {ratio:.2f}x); medians are "
+                f"{a['median']:.3g} (Transformer) and {b['median']:.3g} (Diff Transformer), so the top-1/median "
+                f"ratio is {a['top1'] / a['median']:.0f} vs {b['top1'] / b['median']:.0f}."
+            )
+    sw = run.tables.get("sweep")
+    if sw is not None:
+        acc = sw[sw.metric == "acc_norm"]
+        low = acc["bits"].min()
+        for model, g in acc.groupby("model", sort=False):
+            base = g[g.bits == 16]
+            q = g[g.bits == low]
+            if base.empty or q.empty or low == 16:
+                continue
+            q = q.iloc[0]
+            sig = "significant" if q["mcnemar_p"] < 0.05 else "not significant"
+            sentences.append(
+                f"{model}: acc_norm {base.iloc[0]['value'] * 100:.2f}% at 16 bits and {q['value'] * 100:.2f}% at "
+                f"{int(low)} bits, a change of {q['delta_vs_16'] * 100:+.2f} points (95% CI "
+                f"{q['ci_low'] * 100:+.2f} to {q['ci_high'] * 100:+.2f}; McNemar p = {q['mcnemar_p']:.3g}, {sig} at 5%)."
+            )
+        flips = sw[(sw.metric == "flip_rate_norm") & (sw.bits == low)]
+        if len(flips) >= 2:
+            f = flips.set_index("model")["value"]
+            hi, lo = f.idxmax(), f.idxmin()
+            sentences.append(
+                f"At {int(low)} bits, {f[hi] * 100:.2f}% of {hi}'s acc_norm choices change versus {f[lo] * 100:.2f}% "
+                f"for {lo}."
+            )
+    return " ".join(sentences) if sentences else "No results to summarise."
+
+
+def write_report(run_dir: str | Path, svg: bool = False) -> Path:
+    """Render figures and write ``report.md`` into the run directory."""
+    from outlierscope.analysis.profile import table5_markdown
+    from outlierscope.eval.sweep import sweep_table
+
+    run = load_run(run_dir)
+    written, skipped = render_figures(run, svg)
+    parts = ["# outlierscope report", ""]
+    parts += ["## Outcome", "", outcome_paragraph(run), ""]
+    if run.profile_meta:
+        s = run.profile_meta["settings"]
+        parts += ["## Activation outliers (Table 5)", "",
+                  f"Text: `{s['text']}`, {s['tokens']:,} tokens requested per model, seed {s['seed']}, batch {s['batch_size']}.", ""]
+        if "table5" in run.tables:
+            parts += [table5_markdown(run.tables["table5"], run.profile_meta["models"]), ""]
+        parts += ["| model | spec | weights sha256 | tokens | seq len | tokens/s |", "|---|---|---|---|---|---|"]
+        for name, f in run.profile_meta["models"].items():
+            parts.append(f"| {name} | `{f['spec']}` | `{f['weights_sha256'][:16]}` | {f['tokens']:,} | {f['seq_len']} | {f['tokens_per_s']:,.0f} |")
+        parts.append("")
+    if "sweep" in run.tables:
+        s = run.sweep_meta["settings"] if run.sweep_meta else {}
+        parts += ["## Quantized attention logits on HellaSwag (Figure 8)", "",
+                  f"Dynamic absmax post-training quantization of the pre-softmax attention logits, format `{s.get('format')}`, "
+                  f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, "
+                  f"{run.sweep_meta['n_items'] if run.sweep_meta else '?'} validation items, zero-shot, lm-eval 0.4.13 scoring. "
+                  "16 bits = unquantized. Intervals: 95% paired bootstrap "
+                  f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test.", "",
+                  sweep_table(run.tables["sweep"]), ""]
+    if written:
+        parts += ["## Figures", ""]
+        for title, path in written:
+            parts += [f"### {title}", "", f"![{title}]({path.relative_to(run.root).as_posix()})", ""]
+    if skipped:
+        parts += ["Skipped figures: " + "; ".join(skipped), ""]
+    versions = (run.profile_meta or run.sweep_meta or {}).get("versions", {})
+    parts += ["## Settings", "", "```json", json.dumps({"profile": run.profile_meta and run.profile_meta["settings"],
+                                                        "sweep": run.sweep_meta and run.sweep_meta["settings"],
+                                                        "versions": versions}, indent=2), "```", ""]
+    path = run.root / "report.md"
+    write_text(path, "\n".join(parts))
+    return path

@@ -1,0 +1,50 @@
+"""``outlierscope reproduce``: Table 5 and Figure 8 of the Diff Transformer paper on the bundled pair."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from outlierscope.errors import OutlierscopeError
+
+PAIR = ("pair-tiny:transformer", "pair-tiny:diff")
+
+
+@dataclass(frozen=True)
+class ReproduceSettings:
+    out: str = "runs/reproduce"
+    tokens: int = 400_000
+    limit: int | None = None
+    bits: tuple[int, ...] = (16, 8, 6, 4)
+    granularity: str = "per_tensor"
+    models: tuple[str, ...] = PAIR
+    batch_size: int = 32
+    text: str | None = None
+
+
+def reproduce(s: ReproduceSettings, log=print) -> Path:
+    """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused."""
+    from outlierscope.analysis.profile import ProfileSettings, profile
+    from outlierscope.analysis.report import write_report
+    from outlierscope.eval.sweep import SweepSettings, sweep
+    from outlierscope.models.loading import bundled_specs
+
+    missing = [m for m in s.models if ":" in m and m not in bundled_specs()]
+    if missing:
+        raise OutlierscopeError(f"bundled model(s) {', '.join(missing)} not installed; reinstall the package (make reproduce)")
+    out = Path(s.out)
+    t0 = time.time()
+    log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
+    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8), out / "profile")
+    t1 = time.time()
+    log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
+        f"{s.limit or 'all 10,042'} HellaSwag items (Figure 8)")
+    sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
+                        batch_size=s.batch_size, text=s.text), out / "sweep", log=log)
+    t2 = time.time()
+    log("[3/3] plotting and writing the report")
+    path = write_report(out)
+    log(f"timings: profile {t1 - t0:.0f} s, sweep {t2 - t1:.0f} s, report {time.time() - t2:.0f} s, "
+        f"total {(time.time() - t0) / 60:.1f} min")
+    return path
