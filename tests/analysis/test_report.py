@@ -1,0 +1,70 @@
+import pandas as pd
+import pytest
+
+from outlierscope.analysis.profile import ProfileSettings, profile
+from outlierscope.analysis.report import load_run, outcome_paragraph, render_figures, write_report
+from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError
+from outlierscope.eval.sweep import SweepSettings, sweep
+
+
+@pytest.fixture(scope="module")
+def run_dir(tiny_pair, hs_jsonl, tiny_corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    specs = [str(tiny_pair["transformer"]), str(tiny_pair["diff"])]
+    profile(specs, ProfileSettings(tokens=2048, text=str(tiny_corpus / "train.jsonl"), seq_len=64), root / "profile",
+            progress=False)
+    sweep(SweepSettings(models=tuple(specs), bits=(16, 6, 2), data=str(hs_jsonl), batch_size=8), root / "sweep",
+          progress=False, log=lambda *_: None)
+    return root
+
+
+def test_profile_files(run_dir):
+    p = run_dir / "profile"
+    for f in ("table5.csv", "table5.md", "per_layer.csv", "per_head.csv", "per_channel.csv", "histograms.csv",
+              "topk_logits.csv", "topk_hidden.csv", "outlier_features.csv", "massive_activations.csv", "lambda.csv",
+              "profile.json"):
+        assert (p / f).exists(), f
+    t5 = pd.read_csv(p / "table5.csv")
+    assert list(t5.columns[:3]) == ["model", "activation", "point"] and len(t5) == 4
+    assert (t5["top1"] >= t5["top2"]).all() and (t5["top10"] >= t5["top100"]).all() and (t5["top100"] >= t5["median"]).all()
+    ph = pd.read_csv(p / "per_head.csv")
+    diff = ph[ph["model"] == "diff"]
+    assert set(diff["map"]) == {"map1", "map2"} and set(diff["diff_head"]) == {0, 1}
+    assert not (p / ".profile-").exists() and not list(p.glob(".profile-*"))
+
+
+def test_figures_and_report(run_dir):
+    written, skipped = render_figures(load_run(run_dir), svg=True)
+    assert len(written) == 8 and not skipped
+    for _, png in written:
+        assert png.stat().st_size > 10_000 and png.with_suffix(".svg").exists()
+    report = write_report(run_dir).read_text()
+    assert "## Outcome" in report and "| Model | Activation Type |" in report and "McNemar" in report
+    assert report.count("![") == 8
+    para = outcome_paragraph(load_run(run_dir))
+    assert "Transformer" in para and "acc_norm" in para
+
+
+def test_plot_skips_missing(run_dir, capsys):
+    assert main(["plot", str(run_dir / "sweep")]) == 0
+    out = capsys.readouterr().out
+    assert "wrote" in out and "skipped table5_bars: no table5 data" in out
+
+
+def test_missing_run_dir(tmp_path):
+    with pytest.raises(OutlierscopeError, match="run directory not found"):
+        load_run(tmp_path / "nope")
+    with pytest.raises(OutlierscopeError, match="holds no profile.json or sweep.csv"):
+        load_run(tmp_path)
+
+
+def test_profile_cli_errors(tiny_pair, tmp_path, capsys):
+    rc = main(["profile", "--model", str(tiny_pair["diff"]), "--tokens", "0", "--out", str(tmp_path / "o")])
+    assert rc == 2 and "--tokens must be positive" in capsys.readouterr().err
+    short = tmp_path / "short.txt"
+    short.write_text("just a few words")
+    rc = main(["profile", "--model", str(tiny_pair["diff"]), "--text", str(short), "--out", str(tmp_path / "o2")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "fewer than one sequence" in err
+    assert not (tmp_path / "o2" / "table5.csv").exists()
