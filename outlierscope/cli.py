@@ -71,9 +71,16 @@ def _cmd_sweep(a) -> None:
     print(f"results written to {a.out} (16 bits = unquantized)")
 
 
+def _headless() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # the CLI only writes files
+
+
 def _cmd_plot(a) -> None:
     from outlierscope.analysis.report import load_run, render_figures
 
+    _headless()
     written, skipped = render_figures(load_run(a.run_dir), svg=a.svg)
     for title, path in written:
         print(f"wrote {path}  ({title})")
@@ -84,12 +91,14 @@ def _cmd_plot(a) -> None:
 def _cmd_report(a) -> None:
     from outlierscope.analysis.report import write_report
 
+    _headless()
     print(f"report written to {write_report(a.run_dir, svg=a.svg)}")
 
 
 def _cmd_reproduce(a) -> None:
     from outlierscope.reproduce import ReproduceSettings, reproduce
 
+    _headless()
     path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text))
     print(f"report: {path}")
 

@@ -25,7 +25,7 @@ def test_notebooks_are_stripped():
 def test_notebook_runs(path, tmp_path, monkeypatch):
     if not {"pair-tiny:transformer", "pair-tiny:diff"} <= set(bundled_specs()):
         pytest.skip("bundled pair-tiny models not present")
-    env = {"OS_NB_TOKENS": "4096", "OS_NB_LIMIT": "24", "OS_NB_BITS": "16,4", "MPLBACKEND": "Agg",
+    env = {"OS_NB_TOKENS": "4096", "OS_NB_LIMIT": "24", "OS_NB_BITS": "16,4",
            "OS_NB_OUT": str(tmp_path / "out"), "OS_NB_RUN": str(tmp_path / "run")}
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -6,13 +6,10 @@ colour-blind-safe palette; each model keeps its colour across figures.
 
 from __future__ import annotations
 
-import matplotlib
-
-matplotlib.use("Agg", force=False)
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-import pandas as pd  # noqa: E402
-import seaborn as sns  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
 
 PALETTE = "colorblind"
 STAT_COLUMNS = [("top1", "Top-1"), ("top2", "Top-2"), ("top3", "Top-3"), ("top10", "Top-10"), ("top100", "Top-100"),
