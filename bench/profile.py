@@ -10,6 +10,11 @@ Usage: python bench/profile.py [--model pair-tiny:diff] [--tokens 100000]
 
 from __future__ import annotations
 
+import sys
+
+# this folder holds profile.py, which would shadow the standard library's `profile` (imported by torch)
+sys.path[:] = [x for x in sys.path if not x.rstrip("/").endswith("bench")]
+
 import argparse
 import json
 import subprocess

@@ -11,6 +11,11 @@ Usage: python bench/quant.py [--model pair-tiny:diff]
 
 from __future__ import annotations
 
+import sys
+
+# this folder holds profile.py, which would shadow the standard library's `profile` (imported by torch)
+sys.path[:] = [x for x in sys.path if not x.rstrip("/").endswith("bench")]
+
 import argparse
 import json
 import time

@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from outlierscope.analysis.reducers import LogBins, Moments, TopK
+from outlierscope.analysis.reducers import LogBins, Moments, TopK, dense_candidates
 from outlierscope.hooks.capture import Observation
 
 INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
@@ -36,6 +36,26 @@ MASSIVE_ABS = 100.0  # Sun et al. 2024: massive activation magnitude
 MASSIVE_REL = 1000.0  # ... and this many times the median |x|
 TABLE5_RANKS = (1, 2, 3, 10, 100)
 KIND_LABEL = {"attn.logits": "Attention Logits", "hidden": "Hidden States"}
+
+
+def pooled_moments(m: Moments, layer: int) -> dict:
+    """Moments of one layer pooled over its groups (heads or channels): raw moments about 0 combined
+    exactly from each group's shifted sums (binomial expansion, float64)."""
+    n = m.count[layer].numpy()
+    c = m.shift[layer].numpy()
+    s1, s2, s3, s4 = (m.sums[i, layer].numpy() for i in range(4))
+    # sums of x^k = sum of (y + c)^k with y = x - c
+    r1 = s1 + n * c
+    r2 = s2 + 2 * c * s1 + n * c**2
+    r3 = s3 + 3 * c * s2 + 3 * c**2 * s1 + n * c**3
+    r4 = s4 + 4 * c * s3 + 6 * c**2 * s2 + 4 * c**3 * s1 + n * c**4
+    total = n.sum()
+    mu = r1.sum() / total
+    # re-centre the pooled raw sums on the pooled mean
+    t2 = r2.sum() - 2 * mu * r1.sum() + total * mu**2
+    t3 = r3.sum() - 3 * mu * r2.sum() + 3 * mu**2 * r1.sum() - total * mu**3
+    t4 = r4.sum() - 4 * mu * r3.sum() + 6 * mu**2 * r2.sum() - 4 * mu**3 * r1.sum() + total * mu**4
+    return Moments.describe(total, 0.0, t2, t3, t4, shift=mu)
 
 
 class OutlierStats:
@@ -66,55 +86,66 @@ class OutlierStats:
 
     # -- streaming -------------------------------------------------------------------------
     def __call__(self, obs: Observation) -> None:
-        x = obs.x
-        if not torch.isfinite(x).all():
-            from outlierscope.errors import OutlierscopeError
-
-            bad = (~torch.isfinite(x)).sum().item()
-            raise OutlierscopeError(
-                f"{obs.point.name}: {bad} non-finite values (NaN/inf) in the activations; "
-                "the model or its dtype overflows: load it in float32 or check its weights"
-            )
         self.seen[obs.point.kind] = True
         if obs.point.kind == "attn.logits":
             self._logits(obs)
         else:
             self._hidden(obs)
 
+    @staticmethod
+    def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
+        if not torch.isfinite(rowmax).all():  # NaN propagates through max, inf is its own max
+            from outlierscope.errors import OutlierscopeError
+
+            bad = int((~torch.isfinite(obs.x)).sum())
+            raise OutlierscopeError(
+                f"{obs.point.name}: {bad} non-finite values (NaN/inf) in the activations; "
+                "the model or its dtype overflows: load it in float32 or check its weights"
+            )
+
     def _logits(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, H, T, S)
+        B, H, T, S = x.shape
         self.is_diff = obs.is_diff
-        valid = obs.valid.expand_as(x)
+        valid = obs.valid  # (B, 1|H, T, S): kept compact, broadcast by each op
+        invalid = ~valid
         absx = x.abs()
+        absm = absx.masked_fill(invalid, -1.0)
         off = obs.seq_offset
 
         def coords(m):  # (N, 4) of (b, h, t, s) -> (layer, head, seq, query, key)
-            s_len = x.shape[-1]
-            t_len = x.shape[-2]
-            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off,
-                                m[:, 2] + (s_len - t_len), m[:, 3]], 1)
+            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off, m[:, 2] + (S - T), m[:, 3]], 1)
 
-        self.top["attn.logits"].update_dense(absx, valid, coords)
-        self.layer_top["attn.logits"][layer].update_dense(absx, valid, coords)
-        idx = self.bins.index(absx)[valid]  # (N,) bins of valid entries
-        heads = torch.arange(x.shape[1]).view(1, -1, 1, 1).expand_as(x)[valid]
+        rowmax = absm.amax(-1)  # (B, H, T)
+        self._check_finite(obs, rowmax)
+        vals, locs = dense_candidates(absm, self.k, coords)
+        self.top["attn.logits"].update(vals, locs)
+        self.layer_top["attn.logits"][layer].update(vals, locs)
         nb = self.bins.n + 2
-        self.hist["attn.logits"][layer] += torch.bincount(heads * nb + idx, minlength=x.shape[1] * nb).view(x.shape[1], nb)
-        self.moments["attn.logits"].update(x, valid, (0, 2, 3), layer)
+        idx = self.bins.index(absx).masked_fill_(invalid, nb)  # invalid entries go to a sentinel bin
+        idx += (torch.arange(H, dtype=torch.int32) * (nb + 1)).view(1, H, 1, 1)
+        counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)
+        self.hist["attn.logits"][layer] += counts[:, :nb]
+        self.moments["attn.logits"].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
 
     def _hidden(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, T, C)
-        valid3 = obs.valid[:, :, None].expand_as(x)
+        valid3 = obs.valid[:, :, None]  # (B, T, 1)
         absx = x.abs()
         off = obs.seq_offset
 
         def coords(m):  # (b, t, c) -> (layer, channel, seq, token)
             return torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1)
 
-        self.top["hidden"].update_dense(absx, valid3, coords)
-        self.layer_top["hidden"][layer].update_dense(absx, valid3, coords)
+        absm = absx.masked_fill(~valid3, -1.0)
+        rowmax = absm.amax(-1)  # (B, T)
+        self._check_finite(obs, rowmax)
+        vals, locs = dense_candidates(absm, self.k, coords)
+        self.top["hidden"].update(vals, locs)
+        self.layer_top["hidden"][layer].update(vals, locs)
         nb = self.bins.n + 2
-        self.hist["hidden"][layer, 0] += torch.bincount(self.bins.index(absx)[valid3], minlength=nb)
+        idx = self.bins.index(absx).masked_fill_(~valid3, nb)
+        self.hist["hidden"][layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb]
         self.moments["hidden"].update(x, valid3, (0, 1), layer)
         big = (absx >= INT8_THRESHOLD) & valid3
         self.ge6[layer] += big.sum((0, 1))
@@ -159,9 +190,8 @@ class OutlierStats:
         for kind in self.kinds():
             m = self.moments[kind]
             for layer in range(self.n_layers):
+                d = pooled_moments(m, layer)
                 c = m.count[layer].sum().item()
-                s = [m.sums[i, layer].sum().item() for i in range(4)]
-                d = Moments.describe(c, *s)
                 lt = self.layer_top[kind][layer]
                 rows.append({"point": kind, "layer": layer, "count": int(c), "mean": float(d["mean"]),
                              "std": float(d["std"]), "kurtosis": float(d["kurtosis"]),
@@ -173,7 +203,7 @@ class OutlierStats:
         if not self.seen["attn.logits"]:
             return pd.DataFrame()
         m = self.moments["attn.logits"]
-        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)))
+        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)), shift=m.shift.numpy())
         rows = []
         for layer in range(self.n_layers):
             for h in range(self.n_heads):
@@ -188,7 +218,7 @@ class OutlierStats:
         if not self.seen["hidden"]:
             return pd.DataFrame()
         m = self.moments["hidden"]
-        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)))
+        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)), shift=m.shift.numpy())
         L, C = m.count.shape
         layer, ch = np.meshgrid(np.arange(L), np.arange(C), indexing="ij")
         count = m.count.numpy()

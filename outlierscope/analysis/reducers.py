@@ -12,6 +12,26 @@ import numpy as np
 import torch
 
 
+def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest entries of ``absm`` (invalid entries set to -1) with their locations.
+
+    Two stages, exact: the k largest entries lie in the k rows (last dim) with the largest row
+    maxima, so a top-k over row maxima picks the rows and a top-k inside them the entries.
+    """
+    S = absm.shape[-1]
+    flat_rows = absm.reshape(-1, S)  # (R, S)
+    rowmax = flat_rows.amax(-1)  # (R,)
+    kr = min(k, rowmax.numel())
+    _, rows = torch.topk(rowmax, kr, sorted=False)
+    cand = flat_rows[rows]  # (kr, S)
+    vals, cols = torch.topk(cand.reshape(-1), min(k, cand.numel()), sorted=False)
+    keep = vals >= 0
+    vals, cols = vals[keep], cols[keep]
+    flat_idx = rows[cols // S] * S + cols % S
+    multi = torch.stack(torch.unravel_index(flat_idx, absm.shape), dim=1)  # (N, ndim)
+    return vals, coord_fn(multi)
+
+
 class TopK:
     """Exact running top-k of values, each with an integer location row (e.g. layer, head, seq, query, key)."""
 
@@ -34,17 +54,7 @@ class TopK:
     def update_dense(self, absx: torch.Tensor, valid: torch.Tensor, coord_fn) -> None:
         """Candidates from a dense tensor: the top-k valid entries of ``absx``; ``coord_fn(idx)`` maps
         their multi-indices (N, ndim) to location rows."""
-        flat = absx.masked_fill(~valid, -1.0).reshape(-1)
-        n = min(self.k, flat.numel())
-        if n == 0:
-            return
-        vals, idx = torch.topk(flat, n, sorted=False)
-        keep = vals >= 0
-        vals, idx = vals[keep], idx[keep]
-        if not len(vals):
-            return
-        multi = torch.stack(torch.unravel_index(idx, absx.shape), dim=1)  # (N, ndim)
-        self.update(vals, coord_fn(multi))
+        self.update(*dense_candidates(absx.masked_fill(~valid, -1.0), self.k, coord_fn))
 
     def merged(self, other: TopK) -> TopK:
         out = TopK(max(self.k, other.k), self.locs.shape[1])
@@ -75,10 +85,12 @@ class LogBins:
         return math.sqrt(self.ratio) - 1
 
     def index(self, absx: torch.Tensor) -> torch.Tensor:
+        """Bin of each |x| (int32, same shape)."""
         a = absx.float()
-        idx = torch.floor(torch.log(a.clamp_min(self.lo) / self.lo) / math.log(self.ratio)).long() + 1
-        idx = idx.clamp(1, self.n + 1)
-        return torch.where(a < self.lo, torch.zeros_like(idx), idx)
+        t = torch.log(a.clamp_min(self.lo))
+        t.sub_(math.log(self.lo)).mul_(1.0 / math.log(self.ratio)).floor_().add_(1).clamp_(1, self.n + 1)
+        idx = t.to(torch.int32)
+        return idx.masked_fill_(a < self.lo, 0)
 
     def edges(self) -> np.ndarray:
         """Lower edges of bins 0..n+1 (bin 0 starts at 0)."""
@@ -102,32 +114,61 @@ class LogBins:
 
 
 class Moments:
-    """Float64 power sums of x over a reduction, kept per group (e.g. per layer and head)."""
+    """Moments of x per group (e.g. per layer and head), streamed: count, shifted power sums, max |x|.
+
+    The power sums are of ``x - shift``, where ``shift`` is each group's mean in the first batch
+    that has valid entries for it: with the data centred, the sums do not cancel catastrophically
+    when a group has a large mean. Powers are summed along the last dimension in float32 (rows of at
+    most a few thousand entries) and those row sums are accumulated in float64 over everything else,
+    across batches; float64 input stays float64 throughout.
+    """
 
     def __init__(self, shape: tuple[int, ...]):
         self.count = torch.zeros(shape, dtype=torch.float64)
+        self.shift = torch.zeros(shape, dtype=torch.float64)
         self.sums = torch.zeros((4, *shape), dtype=torch.float64)
         self.maxabs = torch.zeros(shape, dtype=torch.float64)
 
-    def update(self, x: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...], row: int) -> None:
-        """Add the valid entries of ``x``, reduced over ``dims``, into row ``row`` (e.g. the layer)."""
-        xd = torch.where(valid, x.double(), 0.0)
-        self.count[row] += valid.expand_as(x).sum(dims).double()
-        p = xd
-        for i in range(4):
-            self.sums[i, row] += p.sum(dims)
-            if i < 3:
-                p = p * xd
-        self.maxabs[row] = torch.maximum(self.maxabs[row], xd.abs().amax(dims))
+    def update(self, x: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...], row: int,
+               maxabs: torch.Tensor | None = None) -> None:
+        """Add the valid entries of ``x``, reduced over ``dims``, into row ``row`` (e.g. the layer).
+
+        ``valid`` broadcasts to ``x`` (a compact mask is cheaper than an expanded one); ``maxabs`` is
+        the reduced max |x| if the caller already has it."""
+        last = x.dim() - 1
+        row_dims = tuple(d for d in dims if d != last)
+        xw = x if x.dtype in (torch.float32, torch.float64) else x.float()
+        keep = [d for d in range(x.dim()) if d not in dims]  # the group dims
+        gshape = [x.shape[d] if d in keep else 1 for d in range(x.dim())]
+        if last in dims:
+            def red(t):
+                return t.sum(-1).double().sum(row_dims)
+        else:
+            def red(t):
+                return t.double().sum(dims)
+        n = valid.sum(dims).double().expand_as(self.count[row])  # broadcasts over the kept dims
+        new = (self.count[row] == 0) & (n > 0)
+        if new.any():  # first valid entries of a group: centre its sums on this batch's mean
+            mean = (red(xw.masked_fill(~valid, 0.0)) / n.clamp_min(1)).to(xw.dtype).double()  # exactly representable
+            self.shift[row] = torch.where(new, mean, self.shift[row])
+        xs = (xw - self.shift[row].to(xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)
+        self.count[row] += n
+        x2 = xs * xs
+        self.sums[0, row] += red(xs)
+        self.sums[1, row] += red(x2)
+        self.sums[2, row] += red(x2 * xs)
+        self.sums[3, row] += red(x2.square_())
+        m = maxabs if maxabs is not None else xw.abs().masked_fill_(~valid, 0.0).amax(dims)
+        self.maxabs[row] = torch.maximum(self.maxabs[row], m.double())
 
     @staticmethod
-    def describe(count, s1, s2, s3, s4) -> dict:
-        """mean, std (population), Pearson kurtosis m4/m2^2 (3 for a Gaussian) from power sums."""
+    def describe(count, s1, s2, s3, s4, shift=0.0) -> dict:
+        """mean, std (population), Pearson kurtosis m4/m2^2 (3 for a Gaussian) from sums of (x - shift)^k."""
         count = np.asarray(count, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
-            mean = s1 / count
-            m2 = s2 / count - mean**2
-            m4 = s4 / count - 4 * mean * s3 / count + 6 * mean**2 * s2 / count - 3 * mean**4
+            d = s1 / count  # mean of the shifted data
+            m2 = s2 / count - d**2
+            m4 = s4 / count - 4 * d * s3 / count + 6 * d**2 * s2 / count - 3 * d**4
             std = np.sqrt(np.maximum(m2, 0))
             kurt = m4 / m2**2
-        return {"mean": mean, "std": std, "kurtosis": kurt}
+        return {"mean": np.asarray(shift) + d, "std": std, "kurtosis": kurt}
