@@ -6,7 +6,9 @@ colour-blind-safe palette; each model keeps its colour across figures.
 
 from __future__ import annotations
 
+import matplotlib
 import matplotlib.pyplot as plt
+import matplotlib.ticker
 import numpy as np
 import pandas as pd
 import seaborn as sns
@@ -71,7 +73,9 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
         ax.set_xlabel("")
         ax.set_ylabel("|activation|")
         ax.grid(axis="y", alpha=0.3, which="both")
-        ax.legend(frameon=False, fontsize=8, title=None)
+        ax.get_legend().remove()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), frameon=False, fontsize=9)
     fig.suptitle("Largest activation values (Table 5): k-th largest |x| and median", fontsize=11)
     return fig
 
@@ -105,7 +109,7 @@ def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
     for model, g in per_head.groupby("model", sort=False):
         if g["map"].fillna("").astype(str).str.startswith("map").any():
             for mp in ("map1", "map2"):
-                h = g[g["map"] == mp].pivot(index="layer", columns="diff_head", values=stat)
+                h = g[g["map"] == mp].astype({"diff_head": int}).pivot(index="layer", columns="diff_head", values=stat)
                 panels.append((f"{_short(model)}: {mp.replace('map', 'map ')}", h, "differential head"))
         else:
             panels.append((_short(model), g.pivot(index="layer", columns="head", values=stat), "head"))
@@ -189,6 +193,8 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=8)
         if m != "lm_loss":
-            ax.set_yscale("symlog", linthresh=1e-3 * scale if scale == 1 else 0.1)
+            ax.set_yscale("log", nonpositive="mask")
+            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle("Quantization damage relative to 16 bits (unquantized)", fontsize=11)
     return fig
