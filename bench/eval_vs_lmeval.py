@@ -17,12 +17,16 @@ Usage::
 
 from __future__ import annotations
 
+import sys
+
+# this folder holds profile.py, which would shadow the standard library's `profile` (imported by torch)
+sys.path[:] = [x for x in sys.path if not x.rstrip("/").endswith("bench")]
+
 import argparse
 import json
 import os
 import platform
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path

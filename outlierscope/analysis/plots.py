@@ -32,6 +32,11 @@ def bits_label(b: int) -> str:
     return "16\n(unquantized)" if int(b) == 16 else str(int(b))
 
 
+def _panels(kinds: list[str]):
+    """One panel per activation kind, side by side."""
+    return plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+
+
 def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure:
     """Zero-shot HellaSwag accuracy against the bit width of the attention logits (the paper's Figure 8)."""
     df = sweep[sweep["metric"] == metric].copy()
@@ -64,7 +69,7 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
     long["stat"] = long["stat"].map(dict(STAT_COLUMNS))
     long["model"] = long["model"].map(_short)
     kinds = list(dict.fromkeys(long["activation"]))
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    fig, axes = _panels(kinds)
     colors = _colors(long["model"])
     for ax, kind in zip(axes[0], kinds):
         sns.barplot(long[long["activation"] == kind], x="stat", y="value", hue="model", palette=colors, ax=ax)
@@ -83,7 +88,7 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
 def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
     """Top-1, top-3 and median |x| per layer for each model (as in Sun et al. 2024)."""
     kinds = list(dict.fromkeys(per_layer["point"]))
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    fig, axes = _panels(kinds)
     colors = _colors(per_layer["model"])
     styles = {"top1": ("-", "o"), "top3": ("--", "s"), "median": (":", "^")}
     for ax, kind in zip(axes[0], kinds):
@@ -129,7 +134,7 @@ def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
 def histograms(hist: pd.DataFrame) -> plt.Figure:
     """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid."""
     kinds = list(dict.fromkeys(hist["point"]))
-    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    fig, axes = _panels(kinds)
     colors = _colors(hist["model"])
     for ax, kind in zip(axes[0], kinds):
         d = hist[(hist["point"] == kind) & (hist["lo"] > 0) & np.isfinite(hist["hi"])]
