@@ -197,7 +197,7 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=8)
-        if m != "lm_loss":
+        if m != "lm_loss" and (d["value"] > 0).any():  # log scale needs something positive to show
             ax.set_yscale("log", nonpositive="mask")
             ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
             ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
