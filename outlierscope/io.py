@@ -73,3 +73,20 @@ def ensure_writable_dir(path: str | os.PathLike) -> Path:
     except OSError as e:
         raise OutlierscopeError(f"cannot write to output directory {path}: {e.strerror or e}; choose a writable --out") from None
     return path
+
+
+def versions() -> dict:
+    """Versions of the packages that determine a result, recorded next to it."""
+    import platform
+
+    import tokenizers
+    import torch
+    import transformers
+
+    import outlierscope
+
+    return {
+        "outlierscope": outlierscope.__version__, "torch": torch.__version__,
+        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
+        "python": platform.python_version(),
+    }

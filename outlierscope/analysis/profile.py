@@ -15,7 +15,7 @@ from outlierscope.analysis.outliers import KIND_LABEL, TABLE5_RANKS, OutlierStat
 from outlierscope.analysis.text import pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.capture import capture
-from outlierscope.io import ensure_writable_dir, write_csv, write_json, write_text
+from outlierscope.io import ensure_writable_dir, versions, write_csv, write_json, write_text
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,6 @@ def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
 def write_profile(out: str | Path, results: dict[str, OutlierStats], facts: dict, settings: ProfileSettings) -> Path:
     """Write every result file into ``out``: staged in a temporary directory, then moved in file by file
     (each rename atomic), ``profile.json`` last."""
-    from outlierscope.train.loop import _versions
 
     out = ensure_writable_dir(out)
     stage = Path(tempfile.mkdtemp(prefix=".profile-", dir=out))
@@ -126,7 +125,7 @@ def write_profile(out: str | Path, results: dict[str, OutlierStats], facts: dict
         lam = lambda_frame(facts)
         if not lam.empty:
             write_csv(stage / "lambda.csv", lam)
-        meta = {"settings": asdict(settings), "models": facts, "versions": _versions(),
+        meta = {"settings": asdict(settings), "models": facts, "versions": versions(),
                 "median_rel_error_bound": next(iter(results.values())).bins.rel_error_bound,
                 "activation_types": KIND_LABEL, "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}
         write_json(stage / "profile.json", meta)

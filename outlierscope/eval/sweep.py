@@ -23,7 +23,7 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.data import N_VALIDATION, load_hellaswag
 from outlierscope.eval.hellaswag import accuracy, build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
-from outlierscope.io import ensure_writable_dir, write_csv, write_json
+from outlierscope.io import ensure_writable_dir, versions, write_csv, write_json
 from outlierscope.quant.apply import WEIGHT_MODES, quantize_attention, quantize_weights
 from outlierscope.quant.spec import QuantSpec
 
@@ -216,7 +216,6 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print) -
     """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv)."""
     from outlierscope.analysis.text import pack_sequences, text_documents
     from outlierscope.models.loading import load_model
-    from outlierscope.train.loop import _versions
 
     out = ensure_writable_dir(out)
     cells_dir = out / "cells"
@@ -271,7 +270,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print) -
     table = pd.DataFrame(rows)
     write_csv(out / "sweep.csv", table)
     write_json(out / "sweep.json", {"settings": asdict(s), "n_items": len(items), "items_sha256": digest,
-                                    "bootstrap_reps": BOOTSTRAP_REPS, "cells": cell_index, "versions": _versions(),
+                                    "bootstrap_reps": BOOTSTRAP_REPS, "cells": cell_index, "versions": versions(),
                                     "note": "bits 16 = unquantized"})
     return table
 

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import replace_dir, write_json, write_text
+from outlierscope.io import replace_dir, versions, write_json, write_text
 from outlierscope.models.presets import EOS_ID, ROLES, PairConfig
 from outlierscope.train.corpus import check_corpus, iter_documents
 from outlierscope.train.decontam import NgramIndex
@@ -160,20 +160,6 @@ def _check_args(args: TrainArgs, cfg: PairConfig) -> Path:
     return out
 
 
-def _versions() -> dict:
-    import tokenizers
-    import torch
-    import transformers
-
-    import outlierscope
-
-    return {
-        "outlierscope": outlierscope.__version__, "torch": torch.__version__,
-        "transformers": transformers.__version__, "tokenizers": tokenizers.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def _hardware(device: str) -> str:
     import torch
 
@@ -219,7 +205,7 @@ def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
         "val_docs": n_val_docs,
         "decontamination": decontam,
         "prepare_seconds": round(time.time() - t0, 1),
-        "versions": _versions(),
+        "versions": versions(),
     }
     write_json(out / "run.json", run)
     return run
