@@ -65,15 +65,15 @@ def load_run(run_dir: str | Path) -> RunResults:
 
 
 FIGURES = [
-    # (file stem, required table, function name, title)
-    ("figure8_acc_norm", "sweep", "figure8", "HellaSwag acc_norm vs logit bits (Figure 8)"),
-    ("figure8_acc", "sweep", "figure8_acc", "HellaSwag acc vs logit bits"),
-    ("quantization_damage", "sweep", "quantization_damage", "Quantization damage vs 16 bits"),
-    ("table5_bars", "table5", "table5_bars", "Largest activation values (Table 5)"),
-    ("per_layer", "per_layer", "per_layer_lines", "Per-layer top-1, top-3 and median |x|"),
-    ("head_heatmap", "per_head", "head_heatmap", "Max |logit| per layer and head"),
-    ("histograms", "histograms", "histograms", "Distribution of |x|"),
-    ("lambda", "lambda", "lambda_per_layer", "λ per layer (Diff models)"),
+    # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
+    ("figure8_acc_norm", "sweep", lambda p, df: p.figure8(df, "acc_norm"), "HellaSwag acc_norm vs logit bits (Figure 8)"),
+    ("figure8_acc", "sweep", lambda p, df: p.figure8(df, "acc"), "HellaSwag acc vs logit bits"),
+    ("quantization_damage", "sweep", lambda p, df: p.quantization_damage(df), "Quantization damage vs 16 bits"),
+    ("table5_bars", "table5", lambda p, df: p.table5_bars(df), "Largest activation values (Table 5)"),
+    ("per_layer", "per_layer", lambda p, df: p.per_layer_lines(df), "Per-layer top-1, top-3 and median |x|"),
+    ("head_heatmap", "per_head", lambda p, df: p.head_heatmap(df), "Max |logit| per layer and head"),
+    ("histograms", "histograms", lambda p, df: p.histograms(df), "Distribution of |x|"),
+    ("lambda", "lambda", lambda p, df: p.lambda_per_layer(df), "λ per layer (Diff models)"),
 ]
 
 
@@ -91,7 +91,7 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
         if df is None:
             skipped.append(f"{stem}: no {table} data in {run.root}")
             continue
-        fig = plots.figure8(df, "acc") if fn == "figure8_acc" else getattr(plots, fn)(df)
+        fig = fn(plots, df)
         try:
             for ext in ("png", "svg") if svg else ("png",):
                 with atomic_path(out / f"{stem}.{ext}") as tmp:

@@ -137,7 +137,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))
     head = _head(model)
     done_parts = np.zeros(len(requests), dtype=np.int64)
-    need = np.array([1 if layout == "shared" and not r.truncated else len(r.conts) for r in requests])
+    need = np.bincount([u[1] for u in units], minlength=len(requests))  # rows per item
     with attention_stages(model, _identity):
         for s in range(0, len(units), batch_size):
             chunk = units[s : s + batch_size]

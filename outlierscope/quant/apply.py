@@ -30,10 +30,7 @@ def quantize_attention(model: nn.Module, spec: QuantSpec) -> Iterator[QuantSpec]
     def stage(ctx: LogitContext, logits):
         return spec(logits, ctx.valid) if spec.applies_to(ctx.layer) else logits
 
-    if spec.is_identity:  # 16 bits: still route through the same attention function, for identical arithmetic
-        with attention_stages(model, lambda ctx, logits: logits):
-            yield spec
-        return
+    # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
     with attention_stages(model, stage):
         yield spec
 
