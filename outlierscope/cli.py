@@ -27,7 +27,7 @@ def _cmd_train(a) -> None:
 
     args = TrainArgs(
         preset=a.preset, corpus=tuple(a.corpus), tokens=a.tokens, out=a.out, val_corpus=tuple(a.val_corpus or ()),
-        device=a.device, seed=a.seed, resume=a.resume, eval_every=a.eval_every, val_tokens=a.val_tokens,
+        device=a.device, precision=a.precision, seed=a.seed, resume=a.resume, eval_every=a.eval_every, val_tokens=a.val_tokens,
         ckpt_minutes=a.ckpt_minutes, tokenizer_chars=a.tokenizer_chars, stop_at_step=a.stop_at_step,
         time_limit_minutes=a.time_limit, threads=a.threads, command=main_argv(),
     )
@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--val-corpus", nargs="+", metavar="FILE", help="held-out files for validation loss")
     s.add_argument("--tokens", type=int, required=True, help="training tokens per model")
     s.add_argument("--out", required=True, help="run directory (must be new or empty unless --resume)")
-    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="cpu (fp32) or cuda (bf16 autocast)")
+    s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (default cpu)")
+    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+                   help="auto (default): bf16 autocast on cuda, fp32 on cpu; weights and AdamW state stay fp32")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--resume", action="store_true", help="continue the run in --out bit-for-bit")
     s.add_argument("--eval-every", type=int, default=250, metavar="STEPS", help="validation loss every N steps (default 250)")

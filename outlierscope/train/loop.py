@@ -37,6 +37,23 @@ from outlierscope.train.decontam import NgramIndex
 from outlierscope.train.tokenizer import batched, load_tokenizer, train_bpe
 
 LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss"]
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
+def resolve_precision(device: str, precision: str) -> str:
+    """``auto`` is bf16 autocast on CUDA and fp32 on CPU; fp32 and bf16 are taken as given."""
+    if precision not in PRECISIONS:
+        raise OutlierscopeError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "auto":
+        return "bf16" if device == "cuda" else "fp32"
+    return precision
+
+
+def autocast_for(device: str, precision: str):
+    """The autocast context of the forward pass: bf16 autocast (weights, grads and optimizer stay fp32) or none."""
+    import torch
+
+    return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,7 @@ class TrainArgs:
     out: str
     val_corpus: tuple[str, ...] = ()
     device: str = "cpu"
+    precision: str = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
     seed: int = 0
     resume: bool = False
     eval_every: int = 250
@@ -152,6 +170,7 @@ def _check_args(args: TrainArgs, cfg: PairConfig) -> Path:
         raise OutlierscopeError(f"output directory {out} exists and is not empty; pass --resume to continue it or choose a new --out")
     if args.device not in ("cpu", "cuda"):
         raise OutlierscopeError(f"--device must be cpu or cuda, got {args.device!r}")
+    resolve_precision(args.device, args.precision)
     if args.device == "cuda":
         import torch
 
@@ -197,6 +216,7 @@ def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
     run = {
         "preset": cfg.to_dict(),
         "args": {k: v for k, v in asdict(args).items() if k not in ("resume", "extra")},
+        "precision": resolve_precision(args.device, args.precision),
         "steps": steps,
         "tokens_per_step": cfg.batch_size * cfg.seq_len,
         "train_pool_tokens": n_train,
@@ -286,6 +306,12 @@ def _last(rows: list[dict], role: str, key: str):
     return vals[-1] if vals else None
 
 
+def _precision_line(precision: str) -> str:
+    if precision == "bf16":
+        return "bf16 autocast for the forward pass; fp32 weights, gradients and AdamW state"
+    return "fp32 throughout"
+
+
 def model_card(role: str, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> str:
     cfg = PairConfig.from_dict(run["preset"])
     steps = run["steps"]
@@ -327,6 +353,7 @@ hyperparameters; they differ in the attention class only).
 | final validation loss | {_last(rows, role, 'val_loss') or 'n/a'} nats/token ({run['val_tokens']:,} held-out tokens) |
 | wall time (both models, interleaved) | {wall / 60:.1f} min |
 | hardware | {hardware} |
+| precision | {_precision_line(run.get('precision', 'fp32'))} |
 | decontamination | {dc_line} |
 | versions | {', '.join(f'{k} {v}' for k, v in run['versions'].items())} |
 
@@ -364,6 +391,12 @@ def train(args: TrainArgs) -> dict:
             raise OutlierscopeError(
                 f"--resume: {out} was started with another preset, --tokens or --seed; resume with the same settings"
             )
+        started = run.get("precision", "fp32")
+        if resolve_precision(args.device, args.precision) != started:
+            raise OutlierscopeError(
+                f"--resume: {out} was trained with precision {started}, got "
+                f"{resolve_precision(args.device, args.precision)}; pass --precision {started}"
+            )
     else:
         try:
             run = prepare(args, cfg, out)
@@ -385,11 +418,11 @@ def train(args: TrainArgs) -> dict:
     rows = _read_log(log_path, start)
     hardware = _hardware(args.device)
     stop = min(steps, args.stop_at_step) if args.stop_at_step is not None else steps
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if dev.type == "cuda" else torch.autocast("cpu", enabled=False)
+    precision = run.get("precision", "fp32")
 
     def loss_of(model, batch):
         x = torch.from_numpy(batch).to(dev)
-        with autocast:
+        with autocast_for(dev.type, precision):
             logits = model(input_ids=x[:, :-1]).logits  # (B, S, V)
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 

@@ -118,3 +118,75 @@ def test_cli_error_exit(tiny_corpus, tmp_path, capsys):
                "--out", str(tmp_path / "o")])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "--tokens must be at least one batch" in err
+
+
+def _log_losses(out, role):
+    import csv
+
+    with open(out / "train_log.csv", newline="") as f:
+        return {int(r["step"]): float(r["loss"]) for r in csv.DictReader(f) if r["role"] == role}
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tiny_corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "bf16"
+    res = train(_args(tiny_corpus, out, precision="bf16"))
+    return out, res
+
+
+def test_bf16_autocast_same_data_close_losses(full_run, bf16_run):
+    """The autocast path (what --device cuda runs) sees the same batches as fp32: its logged losses track fp32's."""
+    (full, _), (out, res) = full_run, bf16_run
+    assert res["step"] == 16
+    assert json.loads((out / "run.json").read_text())["precision"] == "bf16"
+    assert "bf16 autocast for the forward pass" in (out / "diff" / "README.md").read_text()
+    for role in ("transformer", "diff"):
+        fp32, bf16 = _log_losses(full, role), _log_losses(out, role)
+        assert fp32.keys() == bf16.keys()
+        for step in fp32:
+            assert abs(fp32[step] - bf16[step]) < 0.05, (role, step, fp32[step], bf16[step])
+    from safetensors.torch import load_file
+
+    a, b = load_file(full / "diff" / "model.safetensors"), load_file(out / "diff" / "model.safetensors")
+    assert all(b[k].dtype.is_floating_point and b[k].dtype == a[k].dtype for k in a)  # weights stay fp32
+    assert any(not (a[k] == b[k]).all() for k in a)  # and bf16 really changed the arithmetic
+
+
+def test_bf16_resume_is_bit_exact(bf16_run, tiny_corpus, tmp_path):
+    full, _ = bf16_run
+    out = tmp_path / "split"
+    train(_args(tiny_corpus, out, precision="bf16", stop_at_step=5))
+    with pytest.raises(OutlierscopeError, match="trained with precision bf16, got fp32; pass --precision bf16"):
+        train(_args(tiny_corpus, out, resume=True))
+    train(_args(tiny_corpus, out, precision="bf16", resume=True))
+    for role in ("transformer", "diff"):
+        assert (out / role / "model.safetensors").read_bytes() == (full / role / "model.safetensors").read_bytes()
+
+
+def test_bad_precision(tiny_corpus, tmp_path):
+    with pytest.raises(OutlierscopeError, match="--precision must be one of auto, fp32, bf16, got 'fp8'"):
+        train(_args(tiny_corpus, tmp_path / "o", precision="fp8"))
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA device (run bench/cuda_check.sh on one)")
+def test_cuda_bf16_tracks_cpu(full_run, tiny_corpus, tmp_path):
+    """--device cuda: bf16 autocast on the GPU, the same data order; losses track the CPU fp32 run, resume works."""
+    full, _ = full_run
+    out = tmp_path / "cuda"
+    res = train(_args(tiny_corpus, out, device="cuda", stop_at_step=9))
+    assert res["step"] == 9
+    res = train(_args(tiny_corpus, out, device="cuda", resume=True))
+    assert res["step"] == 16 and json.loads((out / "run.json").read_text())["precision"] == "bf16"
+    card = (out / "diff" / "README.md").read_text()
+    assert "status | finished" in card and "bf16 autocast" in card
+    for role in ("transformer", "diff"):
+        cpu, gpu = _log_losses(full, role), _log_losses(out, role)
+        assert cpu.keys() == gpu.keys()
+        for step in cpu:
+            assert abs(cpu[step] - gpu[step]) < 0.05, (role, step, cpu[step], gpu[step])
+    from outlierscope.models.loading import load_model
+
+    lm = load_model(str(out / "diff"))  # the GPU-trained checkpoint loads and runs on the CPU
+    assert lm.model.config.model_type == "diffllama"
