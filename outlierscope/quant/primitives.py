@@ -45,9 +45,9 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 def absmax_scale(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
     """Absmax scale over ``dims`` (keepdim) among ``valid`` entries; zero where nothing is valid."""
-    a = x.to(_work_dtype(x)).abs()
+    a = x.to(_work_dtype(x)).abs()  # a new tensor: the in-place fill below never touches x
     if valid is not None:
-        a = a.masked_fill(~valid, 0.0)
+        a.masked_fill_(~valid, 0.0)
     return a.amax(dim=dims, keepdim=True) / qmax(bits, fmt)
 
 
@@ -60,15 +60,17 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
     w = x.to(_work_dtype(x))
     ok = (scale > 0) & torch.isfinite(scale)  # zero or non-finite scale: the input comes back unchanged
     safe = torch.where(ok, scale, torch.ones_like(scale))
-    y = w / safe
     m = qmax(bits, fmt)
+    # One new tensor, then in-place passes on it (the logits tensors are large: fewer passes, fewer allocations).
     if fmt == "int":
-        q = torch.round(y).clamp_(-m, m)  # round half to even
+        q = torch.div(w, safe).round_().clamp_(-m, m)  # round half to even
     else:
-        q = y.clamp(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
-    out = torch.where(ok, q * safe, w)
+        q = torch.div(w, safe).clamp_(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
+    out = q.mul_(safe)
+    if not bool(ok.all()):
+        torch.where(ok, out, w, out=out)
     if valid is not None:
-        out = torch.where(valid, out, w)
+        torch.where(valid, out, w, out=out)
     return out.to(x.dtype)
 
 

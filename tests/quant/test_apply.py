@@ -60,6 +60,8 @@ def test_quantized_logits_can_be_profiled(model):
             vals = obs.x[0, h][obs.valid[0, 0]]
             assert len(torch.unique(vals)) <= 2 * 3 + 1  # on a 3-bit grid: at most 7 levels per head
         assert len(v)
+        # kept observations stay intact: the attention function masks a copy, not the tensor a reducer holds
+        assert not (obs.x == torch.finfo(obs.x.dtype).min).any()
 
 
 def test_layer_restriction(model):
