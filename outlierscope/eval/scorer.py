@@ -127,40 +127,37 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     """Summed log-probabilities (N, 4) of each item's continuations, in the order of ``requests``.
 
     ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates
-    always use ``separate``. ``progress(n_items)`` is called as items finish.
+    always use ``separate``. ``batch_size`` counts (context, ending) sequences per forward: a shared
+    row holds an item's 4, so shared forwards take ``batch_size // 4`` rows (long tree-masked rows
+    run faster in small batches). ``progress(n_items)`` is called as items finish.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if batch_size <= 0:
         raise OutlierscopeError(f"batch size must be positive, got {batch_size}")
     scores = np.zeros((len(requests), 4))
-    units = []  # (length, item index, choice or None)
+    shared, separate = [], []  # (length, item index, choice or None)
     for i, r in enumerate(requests):
         if layout == "shared" and not r.truncated:
-            units.append((len(r.ctx) + sum(len(c) - 1 for c in r.conts), i, None))
+            shared.append((len(r.ctx) + sum(len(c) - 1 for c in r.conts), i, None))
         else:
-            units += [(len(r.inputs(j)), i, j) for j in range(len(r.conts))]
-    units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))
+            separate += [(len(r.inputs(j)), i, j) for j in range(len(r.conts))]
+    batches = []
+    for units, rows in ((shared, max(1, batch_size // 4)), (separate, batch_size)):
+        units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))  # longest first: little padding
+        batches += [units[s : s + rows] for s in range(0, len(units), rows)]
     head = _head(model)
     done_parts = np.zeros(len(requests), dtype=np.int64)
-    need = np.bincount([u[1] for u in units], minlength=len(requests))  # rows per item
+    need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item
     with attention_stages(model, _identity):
-        for s in range(0, len(units), batch_size):
-            chunk = units[s : s + batch_size]
-            shared = [u for u in chunk if u[2] is None]
-            sep = [u for u in chunk if u[2] is not None]
-            for group, make in ((shared, lambda u: _shared_row(requests[u[1]])),
-                                (sep, lambda u: _separate_row(requests[u[1]], u[2]))):
-                if not group:
-                    continue
-                sums = _score_rows(model, head, [make(u) for u in group])
-                for u, v in zip(group, sums):
-                    if u[2] is None:
-                        scores[u[1]] = v
-                    else:
-                        scores[u[1], u[2]] = v[0]
-                    done_parts[u[1]] += 1
+        for batch in batches:
+            rows = [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
+            for (_, i, j), v in zip(batch, _score_rows(model, head, rows)):
+                if j is None:
+                    scores[i] = v
+                else:
+                    scores[i, j] = v[0]
+                done_parts[i] += 1
             if progress is not None:
-                finished = int((done_parts == need).sum())
-                progress(finished)
+                progress(int((done_parts == need).sum()))
     return scores
