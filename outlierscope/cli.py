@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, default=400_000, help="tokens to stream per model (default 400000, as the paper)")
     s.add_argument("--text", default="hellaswag", help="hellaswag (validation contexts + gold endings) or a .txt/.jsonl(.xz) file")
     s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
-    s.add_argument("--batch-size", type=int, default=8)
+    s.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8); the statistics do not depend on it")
     s.add_argument("--seed", type=int, default=0, help="seeds the document order")
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
@@ -173,7 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
-    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--batch-size", type=int, default=32,
+                   help="(context, ending) sequences per forward (default 32); the scores do not depend on it")
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     s.set_defaults(func=_cmd_sweep)
 
@@ -191,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
     s.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
     s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")
-    s.add_argument("--batch-size", type=int, default=32)
+    s.add_argument("--batch-size", type=int, default=32,
+                   help="HellaSwag sequences per forward (default 32); the scores do not depend on it")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
     s.set_defaults(func=_cmd_reproduce)
 

@@ -212,6 +212,37 @@ def run_cell(lm, requests, spec: QuantSpec, s: SweepSettings, text_seqs, desc: s
                 "layout": layout, "lm_loss": loss}
 
 
+def _load_or_run_cell(lm, requests, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
+                      progress: bool, log) -> tuple[pd.DataFrame, dict]:
+    """A cell's per-item results and facts: read back when a complete cell with these settings exists, else run."""
+    cid = cell_id(settings)
+    meta_path, res_path = cells_dir / f"{cid}.json", cells_dir / f"{cid}.csv"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() and res_path.exists() else None
+    if meta is not None and meta.get("settings") == settings:
+        log(f"{settings['model']} {spec.label}: done earlier, skipped ({cid})")
+        return pd.read_csv(res_path), {**meta, "cell": cid}
+    res, facts = run_cell(lm, requests, spec, s, text_seqs, f"{settings['model']} {spec.label}", progress)
+    write_csv(res_path, res)
+    meta = {"settings": settings, "label": spec.label, **facts}
+    write_json(meta_path, meta)  # written last: marks the cell complete
+    return res, {**meta, "cell": cid}
+
+
+def _tidy_rows(model: str, bits: int, spec: QuantSpec, s: SweepSettings, metrics: dict, n_items: int, cid: str) -> list[dict]:
+    """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p)."""
+    rows = []
+    for m, v in metrics.items():
+        if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
+            continue
+        rows.append({"model": model, "bits": bits, "label": spec.label, "format": spec.format,
+                     "granularity": spec.granularity if bits != 16 else "none", "weights": s.weights,
+                     "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
+                     "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
+                     "ci_high": metrics.get(f"{m}_ci_high"), "mcnemar_p": metrics.get(f"{m}_mcnemar_p"),
+                     "n_items": n_items, "cell": cid})
+    return rows
+
+
 def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print) -> pd.DataFrame:
     """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv)."""
     from outlierscope.analysis.text import pack_sequences, text_documents
@@ -234,39 +265,19 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print) -
             from outlierscope.analysis.profile import resolve_seq_len
 
             text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
-        bits = sorted(set(s.bits) | {16}, key=lambda b: -b)  # the 16-bit reference first
         base = None
-        for b in bits:
+        for b in sorted(set(s.bits) | {16}, key=lambda b: -b):  # the 16-bit reference first
             spec = s.spec(b)
-            cs = cell_settings(spec_str, wsha, spec, s, digest)
-            cid = cell_id(cs)
-            meta_path, res_path = cells_dir / f"{cid}.json", cells_dir / f"{cid}.csv"
-            meta = json.loads(meta_path.read_text()) if meta_path.exists() and res_path.exists() else None
-            if meta is not None and meta.get("settings") == cs:
-                res = pd.read_csv(res_path)
-                log(f"{spec_str} {spec.label}: done earlier, skipped ({cid})")
-            else:
-                res, facts = run_cell(lm, requests, spec, s, text_seqs, f"{spec_str} {spec.label}", progress)
-                write_csv(res_path, res)
-                meta = {"settings": cs, "label": spec.label, **facts}
-                write_json(meta_path, meta)  # written last: marks the cell complete
+            settings = cell_settings(spec_str, wsha, spec, s, digest)
+            res, meta = _load_or_run_cell(lm, requests, spec, s, text_seqs, settings, cells_dir, progress, log)
             if b == 16:
                 base = res
             metrics = cell_metrics(res, None if b == 16 else base, s.seed)
             if meta.get("lm_loss") is not None:
                 metrics["lm_loss"] = meta["lm_loss"]
-            cell_index.append({"cell": cid, "model": spec_str, "bits": b, "label": spec.label, **metrics,
+            cell_index.append({"cell": meta["cell"], "model": spec_str, "bits": b, "label": spec.label, **metrics,
                                "seconds": meta["seconds"], "items_per_s": meta["items_per_s"]})
-            for m, v in metrics.items():
-                if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
-                    continue
-                row = {"model": spec_str, "bits": b, "label": spec.label, "format": spec.format,
-                       "granularity": spec.granularity if b != 16 else "none", "weights": s.weights,
-                       "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
-                       "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
-                       "ci_high": metrics.get(f"{m}_ci_high"), "mcnemar_p": metrics.get(f"{m}_mcnemar_p"),
-                       "n_items": len(items), "cell": cid}
-                rows.append(row)
+            rows += _tidy_rows(spec_str, b, spec, s, metrics, len(items), meta["cell"])
     table = pd.DataFrame(rows)
     write_csv(out / "sweep.csv", table)
     write_json(out / "sweep.json", {"settings": asdict(s), "n_items": len(items), "items_sha256": digest,

@@ -373,6 +373,78 @@ The log of the run is `../train_log.csv`.
 """
 
 
+def _open_run(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
+    """The run record: read back (and checked against ``args``) on --resume, else prepared from the corpus."""
+    if not args.resume:
+        try:
+            return prepare(args, cfg, out)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)  # nothing half-written
+            raise
+    run = json.loads((out / "run.json").read_text())
+    if run["preset"] != cfg.to_dict() or run["args"]["tokens"] != args.tokens or run["args"]["seed"] != args.seed:
+        raise OutlierscopeError(
+            f"--resume: {out} was started with another preset, --tokens or --seed; resume with the same settings"
+        )
+    started, now = run.get("precision", "fp32"), resolve_precision(args.device, args.precision)
+    if now != started:
+        raise OutlierscopeError(f"--resume: {out} was trained with precision {started}, got {now}; pass --precision {started}")
+    return run
+
+
+class _Pair:
+    """Both models of a pair with their optimizers and schedulers, stepped on the same batches."""
+
+    def __init__(self, cfg: PairConfig, seed: int, steps: int, device: str, precision: str):
+        import torch
+
+        self.cfg, self.precision = cfg, precision
+        self.dev = torch.device(device)
+        self.models, self.opts, self.scheds = {}, {}, {}
+        for role in ROLES:
+            self.models[role] = cfg.build(role, seed=seed).to(self.dev).train()
+            self.opts[role] = _optimizer(self.models[role], cfg)
+            self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(self.opts[role], _lr_lambda(cfg, steps))
+
+    def loss(self, role: str, batch: np.ndarray):
+        import torch
+
+        x = torch.from_numpy(batch).to(self.dev)  # (B, S+1)
+        with autocast_for(self.dev.type, self.precision):
+            logits = self.models[role](input_ids=x[:, :-1]).logits  # (B, S, V)
+        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))  # (B*S, V)
+
+    def step(self, batch: np.ndarray) -> dict[str, float]:
+        """One optimizer step of each model on ``batch``; returns the training losses."""
+        import torch
+
+        losses = {}
+        for role in ROLES:
+            loss = self.loss(role, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.models[role].parameters(), self.cfg.grad_clip)
+            self.opts[role].step()
+            self.scheds[role].step()
+            self.opts[role].zero_grad(set_to_none=True)
+            losses[role] = loss.item()
+        return losses
+
+    def evaluate(self, role: str, val: PackedData) -> float:
+        """Mean validation loss over the fixed validation batches."""
+        import torch
+
+        model = self.models[role]
+        n = val.n_seq // self.cfg.batch_size
+        model.eval()
+        with torch.no_grad():
+            total = sum(self.loss(role, _val_batch(val, i)).item() for i in range(n))
+        model.train()
+        return total / max(1, n)
+
+    def lr(self, role: str) -> float:
+        return self.scheds[role].get_last_lr()[0]
+
+
 def train(args: TrainArgs) -> dict:
     """Train (or resume) both models of a preset; returns a summary dict."""
     import torch
@@ -385,98 +457,52 @@ def train(args: TrainArgs) -> dict:
     out = _check_args(args, cfg)
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.resume:
-        run = json.loads((out / "run.json").read_text())
-        if run["preset"] != cfg.to_dict() or run["args"]["tokens"] != args.tokens or run["args"]["seed"] != args.seed:
-            raise OutlierscopeError(
-                f"--resume: {out} was started with another preset, --tokens or --seed; resume with the same settings"
-            )
-        started = run.get("precision", "fp32")
-        if resolve_precision(args.device, args.precision) != started:
-            raise OutlierscopeError(
-                f"--resume: {out} was trained with precision {started}, got "
-                f"{resolve_precision(args.device, args.precision)}; pass --precision {started}"
-            )
-    else:
-        try:
-            run = prepare(args, cfg, out)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)  # nothing half-written
-            raise
+    run = _open_run(args, cfg, out)
     steps = run["steps"]
     data = PackedData(out / "data" / "train.bin", cfg.seq_len, cfg.batch_size, args.seed)
     val = PackedData(out / "data" / "val.bin", cfg.seq_len, cfg.batch_size, args.seed) if run["val_tokens"] else None
-    dev = torch.device(args.device)
-
-    models, opts, scheds = {}, {}, {}
-    for role in ROLES:
-        models[role] = cfg.build(role, seed=args.seed).to(dev).train()
-        opts[role] = _optimizer(models[role], cfg)
-        scheds[role] = torch.optim.lr_scheduler.LambdaLR(opts[role], _lr_lambda(cfg, steps))
-    start, wall0 = _load_state(out, models, opts, scheds)
+    pair = _Pair(cfg, args.seed, steps, args.device, run.get("precision", "fp32"))
+    start, wall0 = _load_state(out, pair.models, pair.opts, pair.scheds)
     log_path = out / "train_log.csv"
     rows = _read_log(log_path, start)
     hardware = _hardware(args.device)
     stop = min(steps, args.stop_at_step) if args.stop_at_step is not None else steps
-    precision = run.get("precision", "fp32")
+    tokens_per_step = cfg.batch_size * cfg.seq_len
 
-    def loss_of(model, batch):
-        x = torch.from_numpy(batch).to(dev)
-        with autocast_for(dev.type, precision):
-            logits = model(input_ids=x[:, :-1]).logits  # (B, S, V)
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+    def checkpoint(step: int, wall: float) -> None:
+        _save_state(out, pair.models, pair.opts, pair.scheds, step, wall)
+        for role in ROLES:
+            _export(out, role, pair.models[role], run, step, wall, rows, hardware)
 
-    @torch.no_grad()
-    def evaluate(model) -> float:
-        model.eval()
-        total = 0.0
-        for i in range(val.n_seq // cfg.batch_size):
-            total += loss_of(model, _val_batch(val, i)).item()
-        model.train()
-        return total / max(1, val.n_seq // cfg.batch_size)
-
-    t_start = time.time()
-    last_ckpt = time.time()
-    acc = {r: 0.0 for r in ROLES}
+    t_start = last_ckpt = t_log = time.time()
+    acc = {r: 0.0 for r in ROLES}  # summed training losses since the last log row
     n_acc = 0
-    t_log = time.time()
     bar = tqdm(total=steps, initial=start, desc=f"train {cfg.name}", unit="step", dynamic_ncols=True, disable=None)
     step = start
     reason = "finished"
     try:
         while step < stop:
-            batch = data.batch(step)
-            for role in ROLES:
-                loss = loss_of(models[role], batch)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(models[role].parameters(), cfg.grad_clip)
-                opts[role].step()
-                scheds[role].step()
-                opts[role].zero_grad(set_to_none=True)
-                acc[role] += loss.item()
+            for role, loss in pair.step(data.batch(step)).items():
+                acc[role] += loss
             n_acc += 1
             step += 1
             bar.update(1)
             do_eval = val is not None and (step % args.eval_every == 0 or step == steps)
             if step % args.log_every == 0 or step == stop or do_eval:
                 now = time.time()
-                tps = n_acc * cfg.batch_size * cfg.seq_len * len(ROLES) / max(now - t_log, 1e-9)
-                wall = wall0 + now - t_start
-                vals = {r: evaluate(models[r]) for r in ROLES} if do_eval else {}
-                for role in ROLES:
-                    rows.append({
-                        "role": role, "step": step, "tokens": step * cfg.batch_size * cfg.seq_len,
-                        "loss": f"{acc[role] / n_acc:.5f}", "lr": f"{scheds[role].get_last_lr()[0]:.6g}",
-                        "tokens_per_s": f"{tps:.0f}", "wall_s": f"{wall:.1f}",
-                        "val_loss": f"{vals[role]:.5f}" if role in vals else "",
-                    })
+                tps = n_acc * tokens_per_step * len(ROLES) / max(now - t_log, 1e-9)
+                vals = {r: pair.evaluate(r, val) for r in ROLES} if do_eval else {}
+                rows += [{
+                    "role": role, "step": step, "tokens": step * tokens_per_step,
+                    "loss": f"{acc[role] / n_acc:.5f}", "lr": f"{pair.lr(role):.6g}",
+                    "tokens_per_s": f"{tps:.0f}", "wall_s": f"{wall0 + now - t_start:.1f}",
+                    "val_loss": f"{vals[role]:.5f}" if role in vals else "",
+                } for role in ROLES]
                 _write_log(log_path, rows)
                 bar.set_postfix({**{f"loss_{r[0]}": f"{acc[r] / n_acc:.3f}" for r in ROLES}, "tok/s": f"{tps:.0f}"})
-                acc = {r: 0.0 for r in ROLES}
-                n_acc = 0
-                t_log = time.time()
+                acc, n_acc, t_log = {r: 0.0 for r in ROLES}, 0, time.time()
             if time.time() - last_ckpt > args.ckpt_minutes * 60 and step < stop:
-                _checkpoint(out, models, opts, scheds, step, wall0 + time.time() - t_start, run, rows, hardware)
+                checkpoint(step, wall0 + time.time() - t_start)
                 last_ckpt = time.time()
             if args.time_limit_minutes is not None and time.time() - t_start > args.time_limit_minutes * 60:
                 reason = "time limit"
@@ -489,7 +515,7 @@ def train(args: TrainArgs) -> dict:
         bar.close()
     wall = wall0 + time.time() - t_start
     if step > start or not (out / "state").exists():
-        _checkpoint(out, models, opts, scheds, step, wall, run, rows, hardware)
+        checkpoint(step, wall)
     return {"out": str(out), "step": step, "steps": steps, "reason": reason, "wall_s": wall}
 
 
@@ -498,12 +524,6 @@ def _val_batch(val: PackedData, i: int) -> np.ndarray:
     seq = val.seq
     lo = i * val.batch_size
     return np.stack([val.tokens[k * seq : (k + 1) * seq] for k in range(lo, lo + val.batch_size)]).astype(np.int64)
-
-
-def _checkpoint(out, models, opts, scheds, step, wall, run, rows, hardware) -> None:
-    _save_state(out, models, opts, scheds, step, wall)
-    for role in ROLES:
-        _export(out, role, models[role], run, step, wall, rows, hardware)
 
 
 def main_argv() -> str:
