@@ -199,6 +199,12 @@ def run_cell(lm, requests, spec: QuantSpec, s: SweepSettings, text_seqs, desc: s
             scores = score_requests(lm.model, requests, layout, s.batch_size, tick)
             loss = lm_loss(lm.model, text_seqs, s.batch_size) if text_seqs is not None else None
     wall = time.time() - t0
+    bad = np.flatnonzero(~np.isfinite(scores).all(axis=1))
+    if len(bad):
+        raise OutlierscopeError(
+            f"{desc}: {len(bad)} of {len(requests)} items got non-finite log-likelihoods (first: item "
+            f"{requests[bad[0]].index}); the model outputs NaN or inf: check its weights and dtype"
+        )
     lens = [[len(c) for c in r.conts] for r in requests]
     chars = [r.choice_chars for r in requests]
     pred, pred_norm = predictions(scores, chars)

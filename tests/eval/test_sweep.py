@@ -138,3 +138,20 @@ def test_settings_validation():
         SweepSettings(models=("a", "a"))
     with pytest.raises(OutlierscopeError, match="exclude each other"):
         SweepSettings(limit=3, sample=3)
+
+
+def test_nan_model_is_an_error_and_writes_no_cell(tiny_pair, hs_jsonl, tmp_path, capsys):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "nan-model"
+    shutil.copytree(tiny_pair["transformer"], bad)
+    weights = load_file(bad / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    out = tmp_path / "out"
+    rc = main(["sweep", "--model", str(bad), "--bits", "16", "--data", str(hs_jsonl), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc != 0 and err.count("\n") == 1 and "12 of 12 items got non-finite log-likelihoods" in err
+    assert not (out / "cells").exists() or not any((out / "cells").iterdir())  # no half-written cell
