@@ -19,6 +19,7 @@ of the sum divided by the choice's length in characters; standard error = sample
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from outlierscope.eval.data import HellaSwagItem
@@ -118,13 +119,49 @@ class Encoder:
         ctx = self.encode(context)
         return ctx, whole[len(ctx) :]
 
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """``encode`` of many texts in one batched tokenizer call per special-token setting."""
+        no_special = [bool(self.prefix_str) and t.startswith(self.prefix_str) for t in texts]
+        out: list = [None] * len(texts)
+        for flag in (False, True):
+            idx = [i for i, f in enumerate(no_special) if f == flag]
+            if idx:
+                kw = {"add_special_tokens": False} if flag else {}
+                for i, ids in zip(idx, self.tok([texts[i] for i in idx], **kw)["input_ids"]):
+                    out[i] = ids
+        return out
+
+    def pairs(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
+        """``pair`` of many (context, continuation): the same ids, each distinct text encoded once, batched."""
+        split = []  # (context, context + continuation) after moving trailing spaces, None for an empty context
+        for context, continuation in pairs:
+            if context == "":
+                split.append(None)
+                continue
+            n_spaces = len(context) - len(context.rstrip())
+            if n_spaces > 0:
+                continuation = context[-n_spaces:] + continuation
+                context = context[:-n_spaces]
+            split.append((context, context + continuation))
+        texts = sorted({t for sp in split if sp for t in sp})
+        ids = dict(zip(texts, self.encode_batch(texts)))
+        out = []
+        for (context, continuation), sp in zip(pairs, split):
+            if sp is None:
+                out.append(self.pair(context, continuation))
+            else:
+                ctx = ids[sp[0]]
+                out.append((ctx, ids[sp[1]][len(ctx) :]))
+        return out
+
 
 def build_requests(items, tokenizer, max_length: int) -> list[Request]:
     enc = Encoder(tokenizer)
-    out = []
-    for item in items:
-        doc = build_doc(item)
-        pairs = [enc.pair(doc.query, " " + c) for c in doc.choices]
+    docs = [build_doc(item) for item in items]
+    encoded = enc.pairs([(doc.query, " " + c) for doc in docs for c in doc.choices])
+    out, at = [], 0
+    for doc in docs:
+        pairs, at = encoded[at : at + len(doc.choices)], at + len(doc.choices)
         ctx = pairs[0][0]
         assert all(p[0] == ctx for p in pairs)  # the context is tokenised on its own: same for every choice
         out.append(Request(doc.index, doc.label, tuple(ctx), tuple(tuple(p[1]) for p in pairs),

@@ -47,6 +47,9 @@ class FakeTok:
         ids = [self._id(p) for p in re.findall(r" ?[A-Za-z']+| ?[^A-Za-z' ]| +", text)]
         return ([self.bos_token_id] if add_special_tokens else []) + ids
 
+    def __call__(self, texts, add_special_tokens=True):  # the batched API of Hugging Face tokenizers
+        return {"input_ids": [self.encode(t, add_special_tokens) for t in texts]}
+
     def decode(self, i):
         return "<s>" if i == 1 else "</s>"
 
@@ -68,11 +71,24 @@ def lmeval_encode_pair(tok, context, continuation):
     return ctx, whole[len(ctx):]
 
 
-@pytest.mark.parametrize("ctx,cont", [("Roofing: A man is on a roof. He", " starts pulling."),
-                                      ("trailing space ", " x."), ("<s>starts with bos", " y"), ("a", " b c d")])
+PAIRS = [("Roofing: A man is on a roof. He", " starts pulling."), ("trailing space ", " x."), ("<s>starts with bos", " y"),
+         ("a", " b c d")]
+
+
+@pytest.mark.parametrize("ctx,cont", PAIRS)
 def test_encode_pair_matches_reference(ctx, cont):
     tok = FakeTok()
     assert Encoder(tok).pair(ctx, cont) == lmeval_encode_pair(tok, ctx, cont)
+
+
+def test_batched_pairs_equal_one_by_one(tiny_pair):
+    """``Encoder.pairs`` (batched, each distinct text once) gives lm-eval's ids, on a fake and a real BPE tokenizer."""
+    from transformers import AutoTokenizer
+
+    many = PAIRS + [("", " hello"), ("Roofing: A man is on a roof. He", " falls."), ("trailing space ", " x.")]
+    for tok in (FakeTok(), AutoTokenizer.from_pretrained(tiny_pair["diff"])):
+        enc = Encoder(tok)
+        assert enc.pairs(many) == [enc.pair(c, x) for c, x in many]
 
 
 def test_empty_context_uses_prefix_token():
