@@ -123,8 +123,8 @@ class OutlierStats:
         self.layer_top["attn.logits"][layer].update(vals, locs)
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(invalid, nb)  # invalid entries go to a sentinel bin
-        idx += (torch.arange(H, dtype=torch.int32) * (nb + 1)).view(1, H, 1, 1)
-        counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)
+        idx += (torch.arange(H, dtype=torch.int32) * (nb + 1)).view(1, H, 1, 1)  # (1, H, 1, 1): one bin range per head
+        counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)  # (B*H*T*S,) -> (H, nb+1)
         self.hist["attn.logits"][layer] += counts[:, :nb]
         self.moments["attn.logits"].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
 
@@ -145,7 +145,7 @@ class OutlierStats:
         self.layer_top["hidden"][layer].update(vals, locs)
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(~valid3, nb)
-        self.hist["hidden"][layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb]
+        self.hist["hidden"][layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb]  # over (B*T*C,)
         self.moments["hidden"].update(x, valid3, (0, 1), layer)
         big = (absx >= INT8_THRESHOLD) & valid3
         self.ge6[layer] += big.sum((0, 1))

@@ -24,7 +24,7 @@ def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor
     kr = min(k, rowmax.numel())
     _, rows = torch.topk(rowmax, kr, sorted=False)
     cand = flat_rows[rows]  # (kr, S)
-    vals, cols = torch.topk(cand.reshape(-1), min(k, cand.numel()), sorted=False)
+    vals, cols = torch.topk(cand.reshape(-1), min(k, cand.numel()), sorted=False)  # over (kr*S,)
     keep = vals >= 0
     vals, cols = vals[keep], cols[keep]
     flat_idx = rows[cols // S] * S + cols % S
@@ -151,7 +151,7 @@ class Moments:
         if new.any():  # first valid entries of a group: centre its sums on this batch's mean
             mean = (red(xw.masked_fill(~valid, 0.0)) / n.clamp_min(1)).to(xw.dtype).double()  # exactly representable
             self.shift[row] = torch.where(new, mean, self.shift[row])
-        xs = (xw - self.shift[row].to(xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)
+        xs = (xw - self.shift[row].to(xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)  # shift viewed as gshape: x's shape, 1 on reduced dims
         self.count[row] += n
         x2 = xs * xs
         self.sums[0, row] += red(xs)

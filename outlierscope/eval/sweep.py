@@ -173,8 +173,8 @@ def lm_loss(model, seqs, batch_size: int) -> float:
         for i in range(0, len(seqs), batch_size):
             x = seqs[i : i + batch_size]
             logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
-            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
-                                                       reduction="sum").item()
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
+                                                       x[:, 1:].reshape(-1), reduction="sum").item()  # (B*(T-1),)
             n += x[:, 1:].numel()
     return total / n
 

@@ -101,8 +101,8 @@ def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     w = x.float() if valid is None else x.float().masked_fill(~valid, 0.0)
     rows = w.reshape(-1, w.shape[-1])  # (B*H*T, S)
     q, row_absmax, _ = F.int8_vectorwise_quant(rows.contiguous())
-    deq = (q.float() * (row_absmax[:, None] / 127.0)).view_as(w)
-    keep = (row_absmax > 0).view(*w.shape[:-1], 1)
+    deq = (q.float() * (row_absmax[:, None] / 127.0)).view_as(w)  # (B, H, T, S)
+    keep = (row_absmax > 0).view(*w.shape[:-1], 1)  # (B, H, T, 1)
     out = torch.where(keep, deq, x.float())
     if valid is not None:
         out = torch.where(valid, out, x.float())
