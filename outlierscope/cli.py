@@ -41,14 +41,15 @@ def _cmd_train(a) -> None:
 def _cmd_generate(a) -> None:
     from outlierscope.models.loading import generate, load_model
 
-    lm = load_model(a.model)
+    lm = load_model(a.model, dtype=a.dtype)
     print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
 
 
 def _cmd_profile(a) -> None:
     from outlierscope.analysis.profile import ProfileSettings, profile, table5_markdown
 
-    settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k)
+    settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k,
+                               dtype=a.dtype)
     t5, facts = profile(a.model, settings, a.out)
     print(table5_markdown(t5, facts))
     print(f"results written to {a.out}")
@@ -65,7 +66,7 @@ def _cmd_sweep(a) -> None:
     s = SweepSettings(models=tuple(a.model or ("pair-tiny:transformer", "pair-tiny:diff")), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
                       sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
-                      batch_size=a.batch_size)
+                      batch_size=a.batch_size, dtype=a.dtype)
     table = sweep(s, a.out)
     print(sweep_table(table))
     print(f"results written to {a.out} (16 bits = unquantized)")
@@ -153,6 +154,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
     s.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8); the statistics do not depend on it")
     s.add_argument("--seed", type=int, default=0, help="seeds the document order")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=_cmd_profile)
@@ -170,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, help="first N validation items")
     g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
     s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
@@ -204,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.set_defaults(func=_cmd_generate)
     return p
 

@@ -27,6 +27,7 @@ class ProfileSettings:
     seed: int = 0
     k: int = 100
     points: tuple[str, ...] = ("layers.*.attn.logits", "layers.*.hidden")
+    dtype: str = "float32"  # of the weights and activations (load_model)
 
 
 def resolve_seq_len(model, seq_len: int | None) -> int:
@@ -169,7 +170,7 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path, progre
     ensure_writable_dir(out)
     results, facts = {}, {}
     for spec in specs:
-        lm = load_model(spec)
+        lm = load_model(spec, dtype=settings.dtype)
         stats, f = profile_model(lm, settings, progress)
         f["lambda"] = diff_lambdas(lm.model)
         name = lm.name if lm.name not in results else spec

@@ -24,6 +24,7 @@ from outlierscope.eval.data import N_VALIDATION, load_hellaswag
 from outlierscope.eval.hellaswag import accuracy, build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import ensure_writable_dir, versions, write_csv, write_json
+from outlierscope.models.loading import check_dtype
 from outlierscope.quant.apply import WEIGHT_MODES, quantize_attention, quantize_weights
 from outlierscope.quant.spec import QuantSpec
 
@@ -46,6 +47,7 @@ class SweepSettings:
     text: str | None = None  # held-out text for LM loss
     text_tokens: int = 65_536
     batch_size: int = 32
+    dtype: str = "float32"  # of the weights and activations (load_model)
 
     def __post_init__(self):
         if not self.models:
@@ -53,6 +55,7 @@ class SweepSettings:
         dup = sorted({m for m in self.models if self.models.count(m) > 1})
         if dup:
             raise OutlierscopeError(f"model {dup[0]} given twice; pass each --model once")
+        check_dtype(self.dtype)
         if self.weights not in WEIGHT_MODES:
             raise OutlierscopeError(f"--weights must be one of {', '.join(WEIGHT_MODES)}, got {self.weights!r}")
         for n, v in (("--limit", self.limit), ("--sample", self.sample)):
@@ -85,7 +88,7 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     ident = spec.is_identity
     return {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
             "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
-            "weights": s.weights, "items_sha256": items_sha, "text": s.text,
+            "weights": s.weights, "dtype": s.dtype, "items_sha256": items_sha, "text": s.text,
             "text_tokens": s.text_tokens if s.text else None}
 
 
@@ -261,7 +264,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print) -
     digest = items_digest(items)
     rows, cell_index = [], []
     for spec_str in s.models:
-        lm = load_model(spec_str)
+        lm = load_model(spec_str, dtype=s.dtype)
         if s.weights != "none":
             quantize_weights(lm.model, s.weights)
         wsha = lm.weights_sha256()

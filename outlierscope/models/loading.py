@@ -20,6 +20,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
+DTYPES = ("float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
+
+
+def check_dtype(dtype: str) -> str:
+    if dtype not in DTYPES:
+        raise OutlierscopeError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return dtype
 
 
 @dataclass
@@ -89,13 +96,14 @@ def resolve_spec(spec: str) -> Path:
 
 
 def load_model(spec: str, dtype: str = "float32", attn_implementation: str = "eager") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only."""
+    """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only, in ``dtype``."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
+    check_dtype(dtype)
     path = resolve_spec(spec)
     try:
         cfg_json = json.loads((path / "config.json").read_text())

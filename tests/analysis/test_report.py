@@ -68,3 +68,21 @@ def test_profile_cli_errors(tiny_pair, tmp_path, capsys):
     err = capsys.readouterr().err
     assert rc == 2 and "fewer than one sequence" in err
     assert not (tmp_path / "o2" / "table5.csv").exists()
+
+
+def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_path):
+    """--dtype bfloat16 profiles bf16 activations: the same Table 5 to bf16 precision, dtype recorded."""
+    import json
+
+    spec = str(tiny_pair["diff"])
+    t5, _ = profile([spec], ProfileSettings(tokens=2048, text=str(tiny_corpus / "train.jsonl"), seq_len=64, dtype="bfloat16"),
+                    tmp_path / "bf16", progress=False)
+    ref = pd.read_csv(run_dir / "profile" / "table5.csv")
+    ref = ref[ref["model"] == t5["model"].iloc[0]].reset_index(drop=True)
+    assert len(ref) == len(t5) == 2
+    for col in ("top1", "top10", "median"):
+        rel = (t5[col] - ref[col]).abs() / ref[col].abs()
+        assert (rel < 0.05).all(), (col, t5[col].tolist(), ref[col].tolist())
+    assert (t5["top1"] != ref["top1"]).any()  # really bf16 arithmetic
+    meta = json.loads((tmp_path / "bf16" / "profile.json").read_text())
+    assert meta["settings"]["dtype"] == "bfloat16"

@@ -155,3 +155,24 @@ def test_nan_model_is_an_error_and_writes_no_cell(tiny_pair, hs_jsonl, tmp_path,
     err = capsys.readouterr().err
     assert rc != 0 and err.count("\n") == 1 and "12 of 12 items got non-finite log-likelihoods" in err
     assert not (out / "cells").exists() or not any((out / "cells").iterdir())  # no half-written cell
+
+
+def test_bfloat16_sweep_close_to_float32(full, tiny_pair, hs_jsonl, tmp_path):
+    """--dtype bfloat16: weights and activations in bf16, recorded in the cell settings; scores near float32's."""
+    out32, _ = full
+    out = tmp_path / "bf16"
+    table = sweep(_settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,), dtype="bfloat16"), out,
+                  progress=False, log=lambda *_: None)
+    (meta,) = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
+    assert meta["settings"]["dtype"] == "bfloat16"
+    ref_cell = [p for p in (out32 / "cells").glob("*.json")
+                if json.loads(p.read_text())["settings"] | {"dtype": "bfloat16"} == meta["settings"]]
+    assert len(ref_cell) == 1 and ref_cell[0].stem != next((out / "cells").glob("*.json")).stem  # dtype is in the cell id
+    a = pd.read_csv(ref_cell[0].with_suffix(".csv"))
+    b = pd.read_csv(next((out / "cells").glob("*.csv")))
+    s = [f"score{j}" for j in range(4)]
+    diff = np.abs(a[s].values - b[s].values)
+    assert 0 < diff.max() < 0.05 * np.abs(a[s].values).max()  # bf16 arithmetic, same model
+    assert set(table["bits"]) == {16}
+    with pytest.raises(OutlierscopeError, match="--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+        SweepSettings(dtype="int8")
