@@ -9,9 +9,8 @@
 #      tokens/s and of the loss curve (stopped by --time-limit; it can be continued with --resume).
 # and copies the small results (logs, run.json, model cards, pytest output) to OUTDIR.
 #
-# Prepare here (the corpus stays out of git):
+# Prepare here (.corpus/ is git-ignored: the corpus never enters the repository):
 #   mkdir -p .corpus && cp ../shared/corpus/wiki-train-00.jsonl.xz ../shared/corpus/wiki-val.jsonl.xz .corpus/
-#   grep -qx '/.corpus/' .git/info/exclude || echo '/.corpus/' >> .git/info/exclude
 # then run it there with `.corpus` carried:  bash bench/cuda_check.sh "$OUT"
 #
 # Settings (environment): PRESET (pair-small), TOKENS per model (20000000), MINUTES of training (5),
