@@ -203,7 +203,7 @@ class OutlierStats:
         if not self.seen["attn.logits"]:
             return pd.DataFrame()
         m = self.moments["attn.logits"]
-        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)), shift=m.shift.numpy())
+        d = m.summary()
         rows = []
         for layer in range(self.n_layers):
             for h in range(self.n_heads):
@@ -218,7 +218,7 @@ class OutlierStats:
         if not self.seen["hidden"]:
             return pd.DataFrame()
         m = self.moments["hidden"]
-        d = Moments.describe(m.count.numpy(), *(m.sums[i].numpy() for i in range(4)), shift=m.shift.numpy())
+        d = m.summary()
         L, C = m.count.shape
         layer, ch = np.meshgrid(np.arange(L), np.arange(C), indexing="ij")
         count = m.count.numpy()

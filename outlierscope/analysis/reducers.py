@@ -161,6 +161,10 @@ class Moments:
         m = maxabs if maxabs is not None else xw.abs().masked_fill_(~valid, 0.0).amax(dims)
         self.maxabs[row] = torch.maximum(self.maxabs[row], m.double())
 
+    def summary(self) -> dict:
+        """:meth:`describe` of every group: arrays shaped like ``count``."""
+        return self.describe(self.count.numpy(), *self.sums.numpy(), shift=self.shift.numpy())
+
     @staticmethod
     def describe(count, s1, s2, s3, s4, shift=0.0) -> dict:
         """mean, std (population), Pearson kurtosis m4/m2^2 (3 for a Gaussian) from sums of (x - shift)^k."""

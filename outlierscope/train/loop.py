@@ -150,6 +150,13 @@ class PackedData:
         for i in range(step * self.batch_size, (step + 1) * self.batch_size):
             epoch, j = divmod(i, self.n_seq)
             idx.append(self._perm_for(epoch)[j])
+        return self._rows(idx)
+
+    def in_order(self, i: int) -> np.ndarray:
+        """Batch ``i`` in file order (no permutation): validation sees the same sequences every time."""
+        return self._rows(range(i * self.batch_size, (i + 1) * self.batch_size))
+
+    def _rows(self, idx) -> np.ndarray:
         return np.stack([self.tokens[k * self.seq : (k + 1) * self.seq] for k in idx]).astype(np.int64)  # (B, S+1)
 
 
@@ -437,7 +444,7 @@ class _Pair:
         n = val.n_seq // self.cfg.batch_size
         model.eval()
         with torch.no_grad():
-            total = sum(self.loss(role, _val_batch(val, i)).item() for i in range(n))
+            total = sum(self.loss(role, val.in_order(i)).item() for i in range(n))
         model.train()
         return total / max(1, n)
 
@@ -517,13 +524,6 @@ def train(args: TrainArgs) -> dict:
     if step > start or not (out / "state").exists():
         checkpoint(step, wall)
     return {"out": str(out), "step": step, "steps": steps, "reason": reason, "wall_s": wall}
-
-
-def _val_batch(val: PackedData, i: int) -> np.ndarray:
-    """Validation batches in file order (no permutation): the same sequences every time."""
-    seq = val.seq
-    lo = i * val.batch_size
-    return np.stack([val.tokens[k * seq : (k + 1) * seq] for k in range(lo, lo + val.batch_size)]).astype(np.int64)
 
 
 def main_argv() -> str:
