@@ -69,7 +69,7 @@ def run_lmeval(model_dir: Path, arrow: Path, limit: int | None, batch_size: int,
 
 
 def run_ours(model_dir: Path, limit: int | None, batch_size: int) -> tuple[np.ndarray, list, float]:
-    from outlierscope.eval.data import load_hellaswag
+    from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.eval.hellaswag import build_requests, lmeval_max_length
     from outlierscope.eval.scorer import score_requests
     from outlierscope.models.loading import load_model
@@ -84,7 +84,7 @@ def run_ours(model_dir: Path, limit: int | None, batch_size: int) -> tuple[np.nd
 
 
 def main() -> int:
-    from outlierscope.eval.data import hellaswag_path
+    from outlierscope.data.hellaswag import hellaswag_path
     from outlierscope.eval.hellaswag import accuracy, predictions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

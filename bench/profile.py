@@ -25,9 +25,9 @@ import time
 def throughput(spec: str, tokens: int) -> dict:
     import torch
 
-    from outlierscope.analysis.profile import ProfileSettings, profile_model
-    from outlierscope.analysis.text import pack_sequences, shuffled, text_documents
+    from outlierscope.data.text import pack_sequences, shuffled, text_documents
     from outlierscope.models.loading import load_model
+    from outlierscope.runs.profile import ProfileSettings, profile_model
 
     lm = load_model(spec)
     seqs = pack_sequences(lm.tokenizer, shuffled(text_documents("hellaswag"), 0), 256, tokens)
@@ -48,7 +48,7 @@ def throughput(spec: str, tokens: int) -> dict:
 
 def peak_rss(spec: str, tokens: int) -> float:
     code = (
-        "import resource, tempfile; from outlierscope.analysis.profile import ProfileSettings, profile;"
+        "import resource, tempfile; from outlierscope.runs.profile import ProfileSettings, profile;"
         f"profile([{spec!r}], ProfileSettings(tokens={tokens}, seq_len=256), tempfile.mkdtemp(), progress=False);"
         "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
     )

@@ -1,6 +1,72 @@
 """outlierscope: activation outliers and low-bit attention quantization of transformer LMs.
 
 Reference: Ye et al., Differential Transformer (arXiv 2410.05258), Table 5 and Figure 8.
+
+One import line for notebooks::
+
+    from outlierscope import load_model, capture, OutlierStats, QuantSpec, quantize_attention, \\
+        profile_model, evaluate, sweep, load_run
+
+The names are imported on first use (``import outlierscope`` stays light and changes no environment
+variable or logging level).
 """
 
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
+
+# public name -> module that defines it
+_EXPORTS = {
+    "OutlierscopeError": "outlierscope.errors",
+    "ParamError": "outlierscope.errors",
+    "load_model": "outlierscope.models.loading",
+    "LoadedModel": "outlierscope.models.loading",
+    "generate": "outlierscope.models.loading",
+    "PairConfig": "outlierscope.models.presets",
+    "capture": "outlierscope.hooks.capture",
+    "Observation": "outlierscope.hooks.capture",
+    "OutlierStats": "outlierscope.stats.outliers",
+    "QuantSpec": "outlierscope.quant.spec",
+    "quantize_attention": "outlierscope.quant.apply",
+    "quantize_weights": "outlierscope.quant.apply",
+    "absmax_scale": "outlierscope.quant.primitives",
+    "fake_quant": "outlierscope.quant.primitives",
+    "evaluate": "outlierscope.eval.evaluate",
+    "EvalResult": "outlierscope.eval.evaluate",
+    "profile_model": "outlierscope.runs.profile",
+    "profile": "outlierscope.runs.profile",
+    "ProfileSettings": "outlierscope.runs.profile",
+    "ProfileResult": "outlierscope.runs.profile",
+    "sweep": "outlierscope.runs.sweep",
+    "SweepSettings": "outlierscope.runs.sweep",
+    "SweepResult": "outlierscope.runs.sweep",
+    "reproduce": "outlierscope.runs.reproduce",
+    "ReproduceSettings": "outlierscope.runs.reproduce",
+    "load_run": "outlierscope.report.load",
+    "RunResults": "outlierscope.report.load",
+}
+_MODULES = {"plots": "outlierscope.report.plots"}  # public name -> module exported as a whole
+__all__ = sorted(_EXPORTS.keys() | _MODULES.keys())
+
+
+def __getattr__(name: str):
+    if name in _MODULES:
+        value = importlib.import_module(_MODULES[name])
+        globals()[name] = value
+        return value
+    module = _EXPORTS.get(name)
+    if module is None:
+        import difflib
+
+        close = difflib.get_close_matches(name, __all__, n=3)
+        raise AttributeError(f"module 'outlierscope' has no attribute {name!r}"
+                             + (f"; did you mean {', '.join(close)}?" if close else ""))
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -6,7 +6,9 @@ import argparse
 import os
 import sys
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.models.loading import DTYPES
+from outlierscope.models.presets import DEFAULT_PAIR
 
 
 def _cmd_info(a) -> None:
@@ -16,7 +18,7 @@ def _cmd_info(a) -> None:
 
 
 def _cmd_data_fetch(a) -> None:
-    from outlierscope.eval.data import fetch_hellaswag
+    from outlierscope.data.hellaswag import fetch_hellaswag
 
     path = fetch_hellaswag(force=a.force)
     print(f"HellaSwag validation data: {path}")
@@ -42,33 +44,35 @@ def _cmd_generate(a) -> None:
     from outlierscope.models.loading import generate, load_model
 
     lm = load_model(a.model, dtype=a.dtype)
-    print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed))
+    warn = lambda msg: print(f"outlierscope: warning: {msg}", file=sys.stderr)  # noqa: E731
+    print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
+                   warn=warn))
 
 
 def _cmd_profile(a) -> None:
-    from outlierscope.analysis.profile import ProfileSettings, profile, table5_markdown
+    from outlierscope.runs.profile import ProfileSettings, profile
 
     settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k,
                                dtype=a.dtype)
-    t5, facts = profile(a.model, settings, a.out)
-    print(table5_markdown(t5, facts))
+    print(profile(a.model, settings, a.out).markdown())
     print(f"results written to {a.out}")
 
 
 def _cmd_sweep(a) -> None:
-    from outlierscope.eval.sweep import SweepSettings, sweep, sweep_table
     from outlierscope.quant.spec import parse_layers
+    from outlierscope.report.tables import sweep_table
+    from outlierscope.runs.sweep import SweepSettings, sweep
 
     try:
         layers = parse_layers(a.layers)
     except ValueError as e:
         raise OutlierscopeError(str(e)) from None
-    s = SweepSettings(models=tuple(a.model or ("pair-tiny:transformer", "pair-tiny:diff")), bits=tuple(a.bits),
+    s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
                       sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
                       batch_size=a.batch_size, dtype=a.dtype)
-    table = sweep(s, a.out)
-    print(sweep_table(table))
+    result = sweep(s, a.out, force=a.force)
+    print(sweep_table(result.table))
     print(f"results written to {a.out} (16 bits = unquantized)")
 
 
@@ -79,7 +83,7 @@ def _headless() -> None:
 
 
 def _cmd_plot(a) -> None:
-    from outlierscope.analysis.report import load_run, render_figures
+    from outlierscope.report.markdown import load_run, render_figures
 
     _headless()
     written, skipped = render_figures(load_run(a.run_dir), svg=a.svg)
@@ -90,22 +94,27 @@ def _cmd_plot(a) -> None:
 
 
 def _cmd_report(a) -> None:
-    from outlierscope.analysis.report import write_report
+    from outlierscope.report.markdown import write_report
 
     _headless()
     print(f"report written to {write_report(a.run_dir, svg=a.svg)}")
 
 
 def _cmd_reproduce(a) -> None:
-    from outlierscope.reproduce import ReproduceSettings, reproduce
+    from outlierscope.runs.reproduce import ReproduceSettings, reproduce
 
     _headless()
-    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text))
+    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text,
+                                       force=a.force))
     print(f"report: {path}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
+    from outlierscope.quant.apply import WEIGHT_MODES
+    from outlierscope.quant.primitives import FORMATS
+    from outlierscope.quant.spec import GRANULARITIES
+    from outlierscope.train.loop import PRECISIONS
 
     p = argparse.ArgumentParser(
         prog="outlierscope",
@@ -133,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--tokens", type=int, required=True, help="training tokens per model")
     s.add_argument("--out", required=True, help="run directory (must be new or empty unless --resume)")
     s.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to train (default cpu)")
-    s.add_argument("--precision", default="auto", choices=["auto", "fp32", "bf16"],
+    s.add_argument("--precision", default="auto", choices=PRECISIONS,
                    help="auto (default): bf16 autocast on cuda, fp32 on cpu; weights and AdamW state stay fp32")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--resume", action="store_true", help="continue the run in --out bit-for-bit")
@@ -154,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
     s.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8); the statistics do not depend on it")
     s.add_argument("--seed", type=int, default=0, help="seeds the document order")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
@@ -164,16 +173,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--model", action="append", metavar="SPEC",
                    help="preset role or HF model directory; repeat (default: pair-tiny:transformer and pair-tiny:diff)")
     s.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4], help="bit widths; 16 = unquantized (default 16 8 6 4)")
-    s.add_argument("--format", default="int", choices=["int", "e4m3", "e5m2"], help="int absmax or FP8 (bits 8)")
-    s.add_argument("--granularity", default="per_tensor", choices=["per_tensor", "per_head", "per_row"],
+    s.add_argument("--format", default="int", choices=FORMATS, help="int absmax or FP8 (bits 8)")
+    s.add_argument("--granularity", default="per_tensor", choices=GRANULARITIES,
                    help="one scale per sequence and layer / per head / per query row (default per_tensor)")
+    s.add_argument("--force", action="store_true", help="replace the tables of a sweep with other settings in --out")
     s.add_argument("--layers", help="quantize only these layers, e.g. 0-3 or 0,2 (default all)")
-    s.add_argument("--weights", default="none", choices=["none", "int8", "nf4"], help="also quantize linear weights (bitsandbytes)")
+    s.add_argument("--weights", default="none", choices=WEIGHT_MODES, help="also quantize linear weights (bitsandbytes)")
     g = s.add_mutually_exclusive_group()
     g.add_argument("--limit", type=int, help="first N validation items")
     g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
     s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
@@ -200,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=32,
                    help="HellaSwag sequences per forward (default 32); the scores do not depend on it")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
+    s.add_argument("--force", action="store_true", help="replace the tables of a sweep with other settings in --out")
     s.set_defaults(func=_cmd_reproduce)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
@@ -209,13 +220,28 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    s.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
     s.set_defaults(func=_cmd_generate)
     return p
 
 
+def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Python parameter name -> the flag of the chosen command (``batch_size`` -> ``--batch-size``)."""
+    names = {"k": "--top-k", "models": "--model", "specs": "--model", "max_new_tokens": "--max-new-tokens",
+             "time_limit_minutes": "--time-limit", "threads": "--threads"}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                for act in sub._actions:
+                    for opt in act.option_strings:
+                        if opt.startswith("--"):
+                            names.setdefault(opt[2:].replace("-", "_"), opt)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
+    # offline mode and quiet tokenizers for the command line only: importing the library changes no environment
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -223,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     a = parser.parse_args(argv)
     try:
         a.func(a)
+    except ParamError as e:
+        print(f"outlierscope: error: {e.renamed(_flags(parser))}", file=sys.stderr)
+        return 2
     except OutlierscopeError as e:
         print(f"outlierscope: error: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,25 @@
-"""The one exception type that the CLI turns into a one-line message and a non-zero exit."""
+"""The exceptions that the CLI turns into a one-line message and a non-zero exit."""
+
+from __future__ import annotations
 
 
 class OutlierscopeError(Exception):
     """A user-facing error: the message names the problem and the fix, on one line."""
+
+
+class ParamError(OutlierscopeError, ValueError):
+    """A bad value of one Python parameter: ``f"{param} must be {expected}, got {got!r}"``.
+
+    Library code names the parameter; the CLI re-renders the message with its flag (:meth:`renamed`).
+    """
+
+    def __init__(self, param: str, expected: str, got, hint: str = ""):
+        self.param, self.expected, self.got, self.hint = param, expected, got, hint
+        super().__init__(self.render(param))
+
+    def render(self, name: str) -> str:
+        return f"{name} must be {self.expected}, got {self.got!r}" + (f"; {self.hint}" if self.hint else "")
+
+    def renamed(self, names: dict[str, str]) -> str:
+        """The message with the parameter called as in ``names`` (e.g. ``{"batch_size": "--batch-size"}``)."""
+        return self.render(names.get(self.param, self.param))

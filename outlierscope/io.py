@@ -1,13 +1,15 @@
-"""Atomic file output: a result file is either complete or absent, never half-written."""
+"""File I/O used by every layer: atomic output (a result file is either complete or absent, never
+half-written), sha256 of files, and a JSON-lines reader with line-numbered errors."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
@@ -51,6 +53,22 @@ def write_csv(path: str | os.PathLike, df) -> None:
         df.to_csv(tmp, index=False)
 
 
+@contextlib.contextmanager
+def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a fresh temporary directory beside ``path``; on success it replaces ``path`` (see :func:`replace_dir`)."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        replace_dir(tmp, path)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+
+
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
     """Swap a fully written ``tmp_dir`` into place of ``final_dir`` (old copy kept until the swap is done)."""
     old = final_dir.with_name(final_dir.name + ".old")
@@ -61,6 +79,61 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
     os.replace(tmp_dir, final_dir)
     if old.exists():
         shutil.rmtree(old)
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex sha256 of one file, read in 1 MiB blocks."""
+    return sha256_files([path])
+
+
+def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
+    """Hex sha256 of the concatenated bytes of ``paths``, in the order given."""
+    h = hashlib.sha256()
+    for p in paths:
+        with open(p, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
+    """(line number, object) for each non-blank line; a bad line is a one-line error naming ``where`` and the line."""
+    lineno = 0
+    try:
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise OutlierscopeError(f"{where} line {lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict):
+                raise OutlierscopeError(f"{where} line {lineno}: expected a JSON object, got {type(row).__name__}")
+            yield lineno, row
+    except UnicodeDecodeError as e:
+        raise OutlierscopeError(f"{where} line {lineno + 1}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                                "save the file as UTF-8") from None
+
+
+@contextlib.contextmanager
+def output_dir(path: str | os.PathLike) -> Iterator[Path]:
+    """A writable output directory for the block; if the block fails, every directory made during it that is
+    still empty is removed again (a failed run leaves no empty ``--out`` or ``cells/`` behind)."""
+    path = Path(path)
+    before = {path, *path.parents} if path.exists() else set(path.parents)
+    before = {p for p in before if p.exists()}
+    if path.exists():
+        before |= {p for p in path.rglob("*") if p.is_dir()}
+    ensure_writable_dir(path)
+    try:
+        yield path
+    except BaseException:
+        made = [p for p in path.rglob("*") if p.is_dir() and p not in before] if path.exists() else []
+        made += [p for p in (path, *path.parents) if p not in before]
+        for d in sorted(set(made), key=lambda p: -len(p.parts)):  # deepest first
+            if d.is_dir() and not any(d.iterdir()):
+                d.rmdir()
+        raise
 
 
 def ensure_writable_dir(path: str | os.PathLike) -> Path:

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="session")
 def hellaswag_cached():
-    from outlierscope.eval.data import hellaswag_path
+    from outlierscope.data.hellaswag import hellaswag_path
 
     if not hellaswag_path().exists():
         pytest.skip("HellaSwag data not cached (make test fetches it)")

@@ -1,13 +1,7 @@
 """HellaSwag zero-shot scoring, identical to lm-evaluation-harness 0.4.13.
 
-Document (lm-eval ``hellaswag.yaml`` / ``utils.process_docs``)::
-
-    ctx     = ctx_a + " " + ctx_b.capitalize()
-    query   = preprocess(activity_label + ": " + ctx)
-    choices = [preprocess(e) for e in endings]
-    preprocess(t) = t.strip(); " [title]" -> ". "; remove r"\\[.*?\\]"; "  " -> " "
-
-Each choice is a loglikelihood request with context ``query`` and continuation
+The document of an item (lm-eval ``hellaswag.yaml`` / ``utils.process_docs``) is
+:func:`outlierscope.data.hellaswag.build_doc`. Each choice is a loglikelihood request with context ``query`` and continuation
 ``" " + choice``; tokenisation follows lm-eval's ``_encode_pair`` (trailing whitespace of the
 context moves to the continuation; ``whole = enc(ctx + cont)``, ``ctx_ids = enc(ctx)``,
 continuation ids ``whole[len(ctx_ids):]``; an empty context becomes the EOS id).
@@ -18,40 +12,10 @@ of the sum divided by the choice's length in characters; standard error = sample
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from outlierscope.eval.data import HellaSwagItem
-
-_BRACKETS = re.compile(r"\[.*?\]")
-
-
-def preprocess(text: str) -> str:
-    text = text.strip()
-    text = text.replace(" [title]", ". ")
-    text = _BRACKETS.sub("", text)
-    text = text.replace("  ", " ")
-    return text
-
-
-@dataclass(frozen=True)
-class Doc:
-    index: int
-    query: str
-    choices: tuple[str, ...]
-    label: int
-
-
-def build_doc(item: HellaSwagItem) -> Doc:
-    ctx = item.ctx_a + " " + item.ctx_b.capitalize()
-    return Doc(
-        index=item.index,
-        query=preprocess(item.activity_label + ": " + ctx),
-        choices=tuple(preprocess(e) for e in item.endings),
-        label=item.label,
-    )
-
+from outlierscope.data.hellaswag import build_doc
 
 # -- requests and tokenisation (lm-eval HFLM rules) ------------------------------------------
 
@@ -93,6 +57,14 @@ def lmeval_max_length(model, tokenizer=None) -> int:
     return 2048
 
 
+def move_trailing_space(context: str, continuation: str) -> tuple[str, str]:
+    """lm-eval's ``_encode_pair``: trailing whitespace of the context moves to the front of the continuation."""
+    n_spaces = len(context) - len(context.rstrip())
+    if n_spaces == 0:
+        return context, continuation
+    return context[:-n_spaces], context[-n_spaces:] + continuation
+
+
 class Encoder:
     """lm-eval's ``tok_encode`` / ``_encode_pair`` for a causal model (tokenizer's default special tokens)."""
 
@@ -111,10 +83,7 @@ class Encoder:
         if context == "":
             cont = self.tok.encode(continuation, add_special_tokens=False)
             return ([self.prefix_id], cont) if self.prefix_id != cont[0] else (cont[:1], cont[1:])
-        n_spaces = len(context) - len(context.rstrip())
-        if n_spaces > 0:
-            continuation = context[-n_spaces:] + continuation
-            context = context[:-n_spaces]
+        context, continuation = move_trailing_space(context, continuation)
         whole = self.encode(context + continuation)
         ctx = self.encode(context)
         return ctx, whole[len(ctx) :]
@@ -138,10 +107,7 @@ class Encoder:
             if context == "":
                 split.append(None)
                 continue
-            n_spaces = len(context) - len(context.rstrip())
-            if n_spaces > 0:
-                continuation = context[-n_spaces:] + continuation
-                context = context[:-n_spaces]
+            context, continuation = move_trailing_space(context, continuation)
             split.append((context, context + continuation))
         texts = sorted({t for sp in split if sp for t in sp})
         ids = dict(zip(texts, self.encode_batch(texts)))
@@ -180,13 +146,3 @@ def predictions(scores, choice_chars):
     pred = scores.argmax(1)
     pred_norm = (scores / np.asarray(choice_chars, dtype=np.float64)).argmax(1)
     return pred, pred_norm
-
-
-def accuracy(correct) -> tuple[float, float]:
-    """Mean and standard error (sample std with n-1, over sqrt(n)) of 0/1 outcomes."""
-    import numpy as np
-
-    c = np.asarray(correct, dtype=np.float64)
-    if len(c) < 2:
-        return float(c.mean()) if len(c) else float("nan"), float("nan")
-    return float(c.mean()), float(c.std(ddof=1) / np.sqrt(len(c)))

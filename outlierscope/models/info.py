@@ -12,7 +12,7 @@ def info_text() -> str:
     import transformers
 
     import outlierscope
-    from outlierscope.eval.data import hellaswag_path
+    from outlierscope.data.hellaswag import hellaswag_path
     from outlierscope.models.loading import bundled_specs
     from outlierscope.models.presets import PRESETS
 

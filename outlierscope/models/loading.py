@@ -1,11 +1,13 @@
 """Load a model by spec: a bundled preset role (``pair-tiny:diff``) or any local HF causal LM directory.
 
-Nothing here ever reaches for a hub: offline mode is set and ``local_files_only=True`` is
-passed to every ``from_pretrained``.
+Nothing here ever reaches for a hub: ``local_files_only=True`` is passed to every
+``from_pretrained``. Importing this module changes no environment variable and no logging level;
+``load_model`` quiets transformers' loading messages only while it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import hashlib
 import json
@@ -13,20 +15,55 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.io import sha256_files
 from outlierscope.models.presets import PRESETS, ROLES
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
 DTYPES = ("float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
+DEFAULT_CONTEXT = 2048  # for configs that state no context length
+NOT_CAUSAL = {"bert", "roberta", "t5", "mt5", "bart", "mbart", "distilbert", "electra", "deberta", "deberta-v2",
+              "xlm-roberta", "albert", "encoder-decoder", "pegasus", "marian", "longt5", "umt5", "mpnet"}
 
 
 def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
-        raise OutlierscopeError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        raise ParamError("dtype", f"one of {', '.join(DTYPES)}", dtype)
     return dtype
+
+
+def context_length(model) -> int:
+    """The model's context in tokens (``max_position_embeddings``, ``n_positions``; 2048 if the config states none)."""
+    cfg = getattr(model.config, "text_config", None) or model.config
+    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+        v = getattr(cfg, attr, None)
+        if v:
+            return int(v)
+    return DEFAULT_CONTEXT
+
+
+def resolve_seq_len(model, seq_len: int | None, default: int = 256) -> int:
+    """``seq_len`` checked against the model's context; None: min(context, ``default``)."""
+    ctx = context_length(model)
+    if seq_len is None:
+        return min(ctx, default)
+    if seq_len <= 0:
+        raise ParamError("seq_len", "a positive number of tokens", seq_len)
+    if seq_len > ctx:
+        raise ParamError("seq_len", f"at most the model's context of {ctx} tokens", seq_len)
+    return seq_len
+
+
+def state_dict_sha256(model) -> str:
+    """sha256 over the parameters and buffers of an in-memory model (name, dtype, shape and bytes, by name)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 @dataclass
@@ -49,12 +86,7 @@ class LoadedModel:
 
     def weights_sha256(self) -> str:
         """sha256 over the model's safetensors/bin files (sorted by name): identifies the exact weights."""
-        h = hashlib.sha256()
-        for f in sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin")):
-            with open(f, "rb") as fh:
-                for block in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(block)
-        return h.hexdigest()
+        return sha256_files(sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin")))
 
 
 def bundled_specs() -> list[str]:
@@ -95,52 +127,111 @@ def resolve_spec(spec: str) -> Path:
     return path
 
 
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars and info messages off while loading; the previous settings restored after."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _first_line(e: Exception) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
+
+
+def _check_loading_info(path: Path, info: dict) -> None:
+    """Refuse a checkpoint whose tensors do not cover the model: transformers would fill them with random values."""
+    missing = sorted(info.get("missing_keys") or ())
+    mismatched = sorted(info.get("mismatched_keys") or ())
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise OutlierscopeError(f"{path}: the weights lack {len(missing)} tensor(s) the model needs ({', '.join(missing[:3])}{more}); "
+                                "the checkpoint is incomplete: save it again")
+    if mismatched:
+        k, ckpt, want = mismatched[0]
+        more = f" and {len(mismatched) - 1} more" if len(mismatched) > 1 else ""
+        raise OutlierscopeError(f"{path}: tensor {k} has shape {tuple(ckpt)} in the checkpoint but the config expects "
+                                f"{tuple(want)}{more}; config.json and the weights do not belong together")
+
+
 def load_model(spec: str, dtype: str = "float32", attn_implementation: str = "eager") -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only, in ``dtype``."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
     check_dtype(dtype)
     path = resolve_spec(spec)
     try:
         cfg_json = json.loads((path / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise OutlierscopeError(f"{path / 'config.json'} is not readable JSON ({e}); fix or replace the file") from None
-    try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
-    except (ValueError, KeyError, OSError) as e:
-        mt = cfg_json.get("model_type", "missing")
-        raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers {transformers.__version__}: {str(e).splitlines()[0]}") from None
-    if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise OutlierscopeError(f"{path}: model_type {config.model_type!r} is not a causal LM supported by transformers; expected e.g. llama, diffllama, qwen2, mistral")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except Exception as e:  # tokenizers raise many types; all mean the same to the user
-        raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); expected tokenizer.json or tokenizer files in the directory") from None
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation
-        )
-    except Exception as e:
-        raise OutlierscopeError(f"{path}: weights cannot be loaded ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    mt = cfg_json.get("model_type", "missing") if isinstance(cfg_json, dict) else "missing"
+    if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
+        raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
+                                "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
+    with _quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (ValueError, KeyError, OSError) as e:
+            raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers {transformers.__version__}: {str(e).splitlines()[0]}") from None
+        if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
+            raise OutlierscopeError(f"{path}: model_type {config.model_type!r} is not a causal LM supported by transformers; expected e.g. llama, diffllama, qwen2, mistral")
+        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+            raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except Exception as e:  # tokenizers raise many types; all mean the same to the user
+            raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or tokenizer files in the directory") from None
+        try:
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
+                output_loading_info=True, ignore_mismatched_sizes=True,
+            )
+        except Exception as e:
+            raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
+    _check_loading_info(path, info)
     model.eval()
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer)
 
 
-def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 40, seed: int = 0) -> str:
-    """Sample a continuation (seeded); ``temperature=0`` is greedy."""
+def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 40,
+             seed: int = 0, warn=None) -> str:
+    """Sample a continuation (seeded); ``temperature=0`` is greedy.
+
+    A prompt that leaves no room in the model's context for ``max_new_tokens`` is cut from the left, and
+    ``warn`` (default: :func:`warnings.warn`) is told how many tokens were dropped."""
+    import warnings
+
     import torch
 
+    if not prompt:
+        raise ParamError("prompt", "a non-empty string", prompt)
     if max_new_tokens <= 0:
-        raise OutlierscopeError(f"max_new_tokens must be positive, got {max_new_tokens}")
+        raise ParamError("max_new_tokens", "a positive number", max_new_tokens)
+    ctx = context_length(lm.model)
+    if max_new_tokens >= ctx:
+        raise ParamError("max_new_tokens", f"less than the model's context of {ctx} tokens", max_new_tokens)
     torch.manual_seed(seed)
-    ids = lm.tokenizer(prompt, return_tensors="pt").input_ids
+    ids = lm.tokenizer(prompt, return_tensors="pt").input_ids  # (1, T)
+    if ids.shape[1] == 0:
+        raise ParamError("prompt", "text that gives at least one token", prompt)
+    room = ctx - max_new_tokens
+    if ids.shape[1] > room:
+        (warn or warnings.warn)(f"prompt of {ids.shape[1]} tokens cut to its last {room}: the model's context is {ctx} "
+                                f"tokens and {max_new_tokens} are kept for the new ones")
+        ids = ids[:, -room:]  # (1, room)
+        prompt = lm.tokenizer.decode(ids[0], skip_special_tokens=True)
     kw = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
     with torch.no_grad():
-        out = lm.model.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=lm.tokenizer.eos_token_id, **kw)
+        out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                pad_token_id=lm.tokenizer.eos_token_id, **kw)
     return prompt + lm.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

@@ -14,6 +14,7 @@ import difflib
 from dataclasses import asdict, dataclass, field, fields
 
 ROLES = ("transformer", "diff")
+DEFAULT_PAIR = ("pair-tiny:transformer", "pair-tiny:diff")  # the bundled matched pair: default of sweep and reproduce
 
 
 @dataclass(frozen=True)

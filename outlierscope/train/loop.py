@@ -16,10 +16,8 @@ of packed sequences), and the state directory is swapped in atomically.
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -29,14 +27,15 @@ from pathlib import Path
 
 import numpy as np
 
+from outlierscope.data.corpus import check_corpus, iter_documents
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import replace_dir, versions, write_json, write_text
-from outlierscope.models.presets import EOS_ID, ROLES, PairConfig
-from outlierscope.train.corpus import check_corpus, iter_documents
+from outlierscope.io import output_dir, versions, write_json
+from outlierscope.models.presets import ROLES, PairConfig
+from outlierscope.train.checkpoint import export_role, load_state, read_log, save_state, write_log
+from outlierscope.train.data import PackedData, tokenize_to_file
 from outlierscope.train.decontam import NgramIndex
-from outlierscope.train.tokenizer import batched, load_tokenizer, train_bpe
+from outlierscope.train.tokenizer import train_bpe
 
-LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss"]
 PRECISIONS = ("auto", "fp32", "bf16")
 
 
@@ -100,66 +99,6 @@ def _optimizer(model, cfg: PairConfig):
     )
 
 
-def _tokenize_to_file(tokenizer, docs, path: Path, limit: int, on_doc=None) -> tuple[int, int]:
-    """Tokenize documents (EOS after each) into a uint16 file until ``limit`` tokens; returns (tokens, docs)."""
-    n_tok = n_doc = 0
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        for chunk in batched(docs, 64):
-            enc = tokenizer(chunk, add_special_tokens=False)["input_ids"]
-            for doc, ids in zip(chunk, enc):
-                if n_tok >= limit:
-                    break
-                if on_doc:
-                    on_doc(doc)
-                arr = np.asarray(ids + [EOS_ID], dtype=np.uint16)[: limit - n_tok]
-                f.write(arr.tobytes())
-                n_tok += len(arr)
-                n_doc += 1
-            if n_tok >= limit:
-                break
-    os.replace(tmp, path)
-    return n_tok, n_doc
-
-
-class PackedData:
-    """Sequences of ``seq_len + 1`` tokens packed from a token file; batch ``step`` is a pure function of the step."""
-
-    def __init__(self, path: Path, seq_len: int, batch_size: int, seed: int):
-        self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
-        self.seq = seq_len + 1
-        self.batch_size = batch_size
-        self.n_seq = len(self.tokens) // self.seq
-        if self.n_seq < batch_size:
-            raise OutlierscopeError(
-                f"the corpus gives {self.n_seq} sequences of {self.seq} tokens, fewer than one batch ({batch_size}); "
-                "add text or lower the batch size"
-            )
-        self.seed = seed
-        self._perm_epoch = -1
-        self._perm = None
-
-    def _perm_for(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
-            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.n_seq)
-            self._perm_epoch = epoch
-        return self._perm
-
-    def batch(self, step: int) -> np.ndarray:
-        idx = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, j = divmod(i, self.n_seq)
-            idx.append(self._perm_for(epoch)[j])
-        return self._rows(idx)
-
-    def in_order(self, i: int) -> np.ndarray:
-        """Batch ``i`` in file order (no permutation): validation sees the same sequences every time."""
-        return self._rows(range(i * self.batch_size, (i + 1) * self.batch_size))
-
-    def _rows(self, idx) -> np.ndarray:
-        return np.stack([self.tokens[k * self.seq : (k + 1) * self.seq] for k in idx]).astype(np.int64)  # (B, S+1)
-
-
 def _check_args(args: TrainArgs, cfg: PairConfig) -> Path:
     out = Path(args.out)
     per_step = cfg.batch_size * cfg.seq_len
@@ -196,8 +135,11 @@ def _hardware(device: str) -> str:
 
 def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
     """Tokenizer, token files and decontamination of a new run; returns the run record."""
-    from outlierscope.eval.data import hellaswag_path, load_hellaswag
+    from outlierscope.data.hellaswag import hellaswag_path, load_hellaswag
 
+    if next(iter_documents(list(args.corpus)), None) is None:
+        raise OutlierscopeError(f"the corpus ({', '.join(args.corpus)}) holds no text, only blank lines or empty "
+                                "documents; pass files with text")
     out.mkdir(parents=True, exist_ok=True)
     (out / "data").mkdir(exist_ok=True)
     t0 = time.time()
@@ -209,12 +151,15 @@ def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
     index = None
     if hellaswag_path().exists():
         index = NgramIndex.from_hellaswag(load_hellaswag())
-    n_train, n_docs = _tokenize_to_file(
+    n_train, n_docs = tokenize_to_file(
         tok, iter_documents(list(args.corpus)), out / "data" / "train.bin", need, on_doc=index.scan if index else None
     )
     n_val = n_val_docs = 0
     if args.val_corpus:
-        n_val, n_val_docs = _tokenize_to_file(tok, iter_documents(list(args.val_corpus)), out / "data" / "val.bin", args.val_tokens)
+        n_val, n_val_docs = tokenize_to_file(tok, iter_documents(list(args.val_corpus)), out / "data" / "val.bin", args.val_tokens)
+    for path, n in ((out / "data" / "train.bin", n_train), (out / "data" / "val.bin", n_val)):
+        if n or path.name == "train.bin":
+            PackedData(path, cfg.seq_len, cfg.batch_size, args.seed)  # at least one batch, checked before run.json exists
     decontam = (
         {"ngram": index.n, "items_with_overlap": len(index.hits), "items": index.n_items, "overlap_items": sorted(index.hits)}
         if index
@@ -238,156 +183,16 @@ def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
     return run
 
 
-def _save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
-    import torch
-
-    tmp = out / "state.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    for role in models:
-        torch.save(
-            {
-                "model": models[role].state_dict(),
-                "optimizer": opts[role].state_dict(),
-                "scheduler": scheds[role].state_dict(),
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            },
-            tmp / f"{role}.pt",
-        )
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall}))
-    replace_dir(tmp, out / "state")
-
-
-def _load_state(out: Path, models: dict, opts: dict, scheds: dict) -> tuple[int, float]:
-    import torch
-
-    state = out / "state"
-    if not (state / "meta.json").exists() and (out / "state.old" / "meta.json").exists():
-        state = out / "state.old"  # a crash during the swap: the previous checkpoint is complete
-    if not (state / "meta.json").exists():
-        return 0, 0.0
-    meta = json.loads((state / "meta.json").read_text())
-    for role in models:
-        ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
-        models[role].load_state_dict(ck["model"])
-        opts[role].load_state_dict(ck["optimizer"])
-        scheds[role].load_state_dict(ck["scheduler"])
-        torch.set_rng_state(ck["rng_cpu"])
-        if ck["rng_cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ck["rng_cuda"])
-    return meta["step"], meta["wall_s"]
-
-
-def _read_log(path: Path, upto_step: int) -> list[dict]:
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return [r for r in csv.DictReader(f) if int(r["step"]) <= upto_step]
-
-
-def _write_log(path: Path, rows: list[dict]) -> None:
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=LOG_FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, path)
-
-
-def _export(out: Path, role: str, model, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> None:
-    """Save one role as a Hugging Face directory with tokenizer and model card (atomically)."""
-    tmp = out / f"{role}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok = load_tokenizer(out / "tokenizer.json")
-    tok.save_pretrained(tmp)
-    write_text(tmp / "README.md", model_card(role, run, step, wall, rows, hardware))
-    replace_dir(tmp, out / role)
-
-
-def _last(rows: list[dict], role: str, key: str):
-    vals = [r[key] for r in rows if r["role"] == role and r.get(key) not in (None, "")]
-    return vals[-1] if vals else None
-
-
-def _precision_line(precision: str) -> str:
-    if precision == "bf16":
-        return "bf16 autocast for the forward pass; fp32 weights, gradients and AdamW state"
-    return "fp32 throughout"
-
-
-def model_card(role: str, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> str:
-    cfg = PairConfig.from_dict(run["preset"])
-    steps = run["steps"]
-    tokens = step * run["tokens_per_step"]
-    cls = "LlamaForCausalLM" if role == "transformer" else "DiffLlamaForCausalLM"
-    status = "finished" if step >= steps else f"IN PROGRESS: step {step} of {steps} (resume with `--resume`)"
-    vals = {r: _last(rows, r, "val_loss") for r in ROLES}
-    if all(v is not None for v in vals.values()):
-        a, b = float(vals["transformer"]), float(vals["diff"])
-        lower = "transformer" if a < b else "diff"
-        comparison = (
-            f"At the last evaluation the **{lower}** model reached the lower validation loss "
-            f"(transformer {a:.4f}, diff {b:.4f} nats/token; difference {abs(a - b):.4f})."
-        )
-    else:
-        comparison = "No validation loss recorded yet."
-    dc = run["decontamination"]
-    dc_line = (
-        f"{dc['items_with_overlap']} of {dc['items']} HellaSwag validation items share a {dc['ngram']}-gram "
-        "(lowercased, whitespace-normalised words) of their context or an ending with the training text."
-        if dc.get("items_with_overlap") is not None
-        else dc.get("note", "not computed")
-    )
-    return f"""# {cfg.name}:{role}
-
-A `{cls}` trained by `outlierscope train` as one half of the matched pair `{cfg.name}`
-(Transformer and Diff Transformer with identical data order, seed, schedule and
-hyperparameters; they differ in the attention class only).
-
-| | |
-|---|---|
-| status | {status} |
-| preset | `{cfg.name}`: {cfg.n_layers} layers, hidden {cfg.hidden_size}, {cfg.n_heads} heads of {cfg.head_dim} ({f'{cfg.n_heads // 2} differential heads' if role == 'diff' else 'standard softmax attention'}), SwiGLU {cfg.intermediate_size}, vocab {cfg.vocab_size}, context {cfg.seq_len} |
-| parameters | {cfg.n_params(role):,} |
-| tokens seen | {tokens:,} |
-| steps | {step:,} of {steps:,} (batch {cfg.batch_size} x {cfg.seq_len} tokens) |
-| optimizer | AdamW lr {cfg.lr}, betas {cfg.betas}, weight decay {cfg.weight_decay}, warmup {cfg.warmup_steps} steps, cosine to {cfg.min_lr_ratio}x, clip {cfg.grad_clip} |
-| final training loss | {_last(rows, role, 'loss') or 'n/a'} nats/token |
-| final validation loss | {_last(rows, role, 'val_loss') or 'n/a'} nats/token ({run['val_tokens']:,} held-out tokens) |
-| wall time (both models, interleaved) | {wall / 60:.1f} min |
-| hardware | {hardware} |
-| precision | {_precision_line(run.get('precision', 'fp32'))} |
-| decontamination | {dc_line} |
-| versions | {', '.join(f'{k} {v}' for k, v in run['versions'].items())} |
-
-{comparison}
-
-Training data: the `text` of {run['train_pool_docs']:,} documents ({run['train_pool_tokens']:,} tokens) read in order from
-{', '.join(Path(c).name for c in run['args']['corpus'])}; validation: {', '.join(Path(c).name for c in run['args']['val_corpus']) or 'none'}.
-The text itself is not shipped.
-
-Command:
-
-```
-{run['args'].get('command') or 'outlierscope train ...'}
-```
-
-The log of the run is `../train_log.csv`.
-"""
-
-
 def _open_run(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
     """The run record: read back (and checked against ``args``) on --resume, else prepared from the corpus."""
     if not args.resume:
-        try:
-            return prepare(args, cfg, out)
-        except BaseException:
-            shutil.rmtree(out, ignore_errors=True)  # nothing half-written
-            raise
+        with output_dir(out):
+            try:
+                return prepare(args, cfg, out)
+            except BaseException:
+                for child in out.iterdir():  # nothing half-written: --out is empty again (or gone, if it was new)
+                    shutil.rmtree(child) if child.is_dir() else child.unlink()
+                raise
     run = json.loads((out / "run.json").read_text())
     if run["preset"] != cfg.to_dict() or run["args"]["tokens"] != args.tokens or run["args"]["seed"] != args.seed:
         raise OutlierscopeError(
@@ -469,17 +274,17 @@ def train(args: TrainArgs) -> dict:
     data = PackedData(out / "data" / "train.bin", cfg.seq_len, cfg.batch_size, args.seed)
     val = PackedData(out / "data" / "val.bin", cfg.seq_len, cfg.batch_size, args.seed) if run["val_tokens"] else None
     pair = _Pair(cfg, args.seed, steps, args.device, run.get("precision", "fp32"))
-    start, wall0 = _load_state(out, pair.models, pair.opts, pair.scheds)
+    start, wall0 = load_state(out, pair.models, pair.opts, pair.scheds)
     log_path = out / "train_log.csv"
-    rows = _read_log(log_path, start)
+    rows = read_log(log_path, start)
     hardware = _hardware(args.device)
     stop = min(steps, args.stop_at_step) if args.stop_at_step is not None else steps
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     def checkpoint(step: int, wall: float) -> None:
-        _save_state(out, pair.models, pair.opts, pair.scheds, step, wall)
+        save_state(out, pair.models, pair.opts, pair.scheds, step, wall)
         for role in ROLES:
-            _export(out, role, pair.models[role], run, step, wall, rows, hardware)
+            export_role(out, role, pair.models[role], run, step, wall, rows, hardware)
 
     t_start = last_ckpt = t_log = time.time()
     acc = {r: 0.0 for r in ROLES}  # summed training losses since the last log row
@@ -505,7 +310,7 @@ def train(args: TrainArgs) -> dict:
                     "tokens_per_s": f"{tps:.0f}", "wall_s": f"{wall0 + now - t_start:.1f}",
                     "val_loss": f"{vals[role]:.5f}" if role in vals else "",
                 } for role in ROLES]
-                _write_log(log_path, rows)
+                write_log(log_path, rows)
                 bar.set_postfix({**{f"loss_{r[0]}": f"{acc[r] / n_acc:.3f}" for r in ROLES}, "tok/s": f"{tps:.0f}"})
                 acc, n_acc, t_log = {r: 0.0 for r in ROLES}, 0, time.time()
             if time.time() - last_ckpt > args.ckpt_minutes * 60 and step < stop:

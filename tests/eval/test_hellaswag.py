@@ -1,8 +1,9 @@
 import numpy as np
 import pytest
 
-from outlierscope.eval.data import HellaSwagItem
-from outlierscope.eval.hellaswag import Encoder, accuracy, build_doc, build_requests, predictions, preprocess
+from outlierscope.data.hellaswag import HellaSwagItem, build_doc, preprocess
+from outlierscope.eval.hellaswag import Encoder, build_requests, predictions
+from outlierscope.stats.paired import mean_stderr
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -117,5 +118,5 @@ def test_predictions_ties_and_norm():
 
 def test_accuracy_stderr():
     c = np.array([1, 0, 1, 1, 0, 1, 1, 1])
-    acc, se = accuracy(c)
+    acc, se = mean_stderr(c)
     assert acc == 0.75 and se == pytest.approx(np.std(c, ddof=1) / np.sqrt(8))

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from outlierscope.eval.data import load_hellaswag
+from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.eval.hellaswag import build_requests, lmeval_max_length
 from outlierscope.eval.scorer import score_requests
 from outlierscope.models.loading import load_model

@@ -216,7 +216,7 @@ def test_model_without_interface():
 
 
 def test_nan_is_reported():
-    from outlierscope.analysis.outliers import OutlierStats
+    from outlierscope.stats.outliers import OutlierStats
 
     model = make("llama")
     stats = OutlierStats.for_model(model, seq_len=8)

@@ -1,4 +1,4 @@
-from outlierscope.eval.data import HellaSwagItem
+from outlierscope.data.hellaswag import HellaSwagItem
 from outlierscope.train.decontam import NgramIndex, words
 
 

@@ -3,8 +3,8 @@ import json
 import pytest
 
 from outlierscope.cli import main
+from outlierscope.data.corpus import iter_documents
 from outlierscope.errors import OutlierscopeError
-from outlierscope.train.corpus import iter_documents
 from outlierscope.train.loop import TrainArgs, train
 
 

@@ -5,8 +5,8 @@ import zipfile
 
 import pytest
 
+from outlierscope.data import hellaswag as hd
 from outlierscope.errors import OutlierscopeError
-from outlierscope.eval import data as hd
 
 
 def test_cached_validation_set(hellaswag_cached):

@@ -1,15 +1,15 @@
-"""Streaming readers for training text: ``.jsonl`` / ``.jsonl.xz`` / ``.jsonl.gz`` with a ``text`` field, or ``.txt``."""
+"""Streaming readers for corpus text: ``.jsonl`` / ``.jsonl.xz`` / ``.jsonl.gz`` with a ``text`` field, or ``.txt``."""
 
 from __future__ import annotations
 
 import gzip
-import json
 import lzma
 import os
 from collections.abc import Iterator
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.io import iter_jsonl
 
 SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz", ".txt", ".txt.xz", ".txt.gz")
 
@@ -46,14 +46,8 @@ def iter_documents(paths: list[str | os.PathLike]) -> Iterator[str]:
         try:
             with _open(path) as f:
                 if is_jsonl:
-                    for lineno, line in enumerate(f, 1):
-                        if not line.strip():
-                            continue
-                        try:
-                            row = json.loads(line)
-                        except json.JSONDecodeError as e:
-                            raise OutlierscopeError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-                        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                    for lineno, row in iter_jsonl(f, str(path)):
+                        if not isinstance(row.get("text"), str):
                             raise OutlierscopeError(f"{path} line {lineno}: expected an object with a string field 'text'")
                         if row["text"].strip():
                             yield row["text"]
@@ -67,5 +61,7 @@ def iter_documents(paths: list[str | os.PathLike]) -> Iterator[str]:
                             para = []
                     if para:
                         yield "".join(para).strip()
-        except (OSError, EOFError, lzma.LZMAError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
+            raise OutlierscopeError(f"corpus file {path} is not UTF-8 text ({e.reason}); save it as UTF-8") from None
+        except (OSError, EOFError, lzma.LZMAError) as e:
             raise OutlierscopeError(f"cannot read corpus file {path}: {e}") from None

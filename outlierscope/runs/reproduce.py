@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
-
-PAIR = ("pair-tiny:transformer", "pair-tiny:diff")
+from outlierscope.models.presets import DEFAULT_PAIR
 
 
 @dataclass(frozen=True)
@@ -18,17 +17,18 @@ class ReproduceSettings:
     limit: int | None = None
     bits: tuple[int, ...] = (16, 8, 6, 4)
     granularity: str = "per_tensor"
-    models: tuple[str, ...] = PAIR
+    models: tuple[str, ...] = DEFAULT_PAIR
     batch_size: int = 32
     text: str | None = None
+    force: bool = False  # replace the tables of a sweep with other settings in out/sweep
 
 
 def reproduce(s: ReproduceSettings, log=print) -> Path:
     """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused."""
-    from outlierscope.analysis.profile import ProfileSettings, profile
-    from outlierscope.analysis.report import write_report
-    from outlierscope.eval.sweep import SweepSettings, sweep
     from outlierscope.models.loading import bundled_specs
+    from outlierscope.report.markdown import write_report
+    from outlierscope.runs.profile import ProfileSettings, profile
+    from outlierscope.runs.sweep import SweepSettings, sweep
 
     missing = [m for m in s.models if ":" in m and m not in bundled_specs()]
     if missing:
@@ -41,7 +41,7 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{s.limit or 'all 10,042'} HellaSwag items (Figure 8)")
     sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
-                        batch_size=s.batch_size, text=s.text), out / "sweep", log=log)
+                        batch_size=s.batch_size, text=s.text), out / "sweep", log=log, force=s.force)
     t2 = time.time()
     log("[3/3] plotting and writing the report")
     path = write_report(out)

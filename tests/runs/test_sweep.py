@@ -6,8 +6,8 @@ import pytest
 
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
-from outlierscope.eval import sweep as sw
-from outlierscope.eval.sweep import SweepSettings, mcnemar_exact, paired_bootstrap, sweep
+from outlierscope.runs import sweep as sw
+from outlierscope.runs.sweep import SweepSettings, sweep
 
 
 def _settings(tiny_pair, hs_jsonl, **kw):
@@ -20,7 +20,7 @@ def _settings(tiny_pair, hs_jsonl, **kw):
 @pytest.fixture(scope="module")
 def full(tiny_pair, hs_jsonl, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "full"
-    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None)
+    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None).table
     return out, table
 
 
@@ -66,7 +66,7 @@ def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
     assert len(list((out / "cells").glob("*.json"))) == 1 and not (out / "sweep.csv").exists()
     monkeypatch.setattr(sw, "run_cell", real)
     logs = []
-    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=logs.append)
+    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=logs.append).table
     assert sum("skipped" in m for m in logs) == 1
     pd.testing.assert_frame_equal(table.drop(columns="cell"), full[1].drop(columns="cell"))
 
@@ -75,40 +75,28 @@ def test_changed_settings_recompute(tiny_pair, hs_jsonl, tmp_path):
     out = tmp_path / "s"
     sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4)), out, progress=False, log=lambda *_: None)
     logs = []
-    sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4), granularity="per_head"), out, progress=False, log=logs.append)
+    with pytest.raises(OutlierscopeError, match=r"holds a sweep with other settings \(granularity differ\); choose another"):
+        sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4), granularity="per_head"), out, progress=False, log=logs.append)
+    assert not logs  # refused before any cell ran
+    sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4), granularity="per_head"), out, progress=False, log=logs.append,
+          force=True)
     assert sum("skipped" in m for m in logs) == 2  # the two 16-bit cells only
+    assert json.loads((out / "sweep.json").read_text())["settings"]["granularity"] == "per_head"
 
 
 def test_text_loss(tiny_pair, hs_jsonl, tmp_path, tiny_corpus):
     table = sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 2), models=(str(tiny_pair["diff"]),),
                             text=str(tiny_corpus / "val.jsonl"), text_tokens=2048), tmp_path / "t", progress=False,
-                  log=lambda *_: None)
+                  log=lambda *_: None).table
     loss = table[table.metric == "lm_loss"].set_index("bits")["value"]
     assert loss[16] > 0 and loss[2] != loss[16]
-
-
-def test_statistics():
-    a = np.array([1, 1, 0, 0, 1, 0, 1, 1, 0, 1] * 10, bool)
-    b = a.copy()
-    b[:7] = ~b[:7]
-    lo, hi = paired_bootstrap(a, b, reps=2000, seed=1)
-    d = b.mean() - a.mean()
-    assert lo <= d <= hi
-    n01 = int((a & ~b).sum())
-    n10 = int((~a & b).sum())
-    from scipy.stats import binom
-
-    k = min(n01, n10)
-    expected = min(1.0, 2 * binom.cdf(k, n01 + n10, 0.5))
-    assert mcnemar_exact(a, b) == pytest.approx(expected)
-    assert mcnemar_exact(a, a) == 1.0
 
 
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "pair-tny:diff"], "did you mean pair-tiny:diff"),
     (["--bits", "17"], "bits must be in 2..16"),
     (["--bits", "4", "--format", "e4m3"], "bits for format e4m3 must be 8"),
-    (["--limit", "0"], "--limit must be in 1..10042"),
+    (["--limit", "0"], "--limit must be >= 1, got 0"),
     (["--limit", "10043"], "--limit must be in 1..10042"),
 ])
 def test_cli_errors(argv, msg, tmp_path, capsys):
@@ -162,11 +150,11 @@ def test_bfloat16_sweep_close_to_float32(full, tiny_pair, hs_jsonl, tmp_path):
     out32, _ = full
     out = tmp_path / "bf16"
     table = sweep(_settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,), dtype="bfloat16"), out,
-                  progress=False, log=lambda *_: None)
+                  progress=False, log=lambda *_: None).table
     (meta,) = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
-    assert meta["settings"]["dtype"] == "bfloat16"
+    assert meta["cell"]["dtype"] == "bfloat16" and meta["settings"]["dtype"] == "bfloat16"
     ref_cell = [p for p in (out32 / "cells").glob("*.json")
-                if json.loads(p.read_text())["settings"] | {"dtype": "bfloat16"} == meta["settings"]]
+                if json.loads(p.read_text())["cell"] | {"dtype": "bfloat16"} == meta["cell"]]
     assert len(ref_cell) == 1 and ref_cell[0].stem != next((out / "cells").glob("*.json")).stem  # dtype is in the cell id
     a = pd.read_csv(ref_cell[0].with_suffix(".csv"))
     b = pd.read_csv(next((out / "cells").glob("*.csv")))
@@ -174,5 +162,5 @@ def test_bfloat16_sweep_close_to_float32(full, tiny_pair, hs_jsonl, tmp_path):
     diff = np.abs(a[s].values - b[s].values)
     assert 0 < diff.max() < 0.05 * np.abs(a[s].values).max()  # bf16 arithmetic, same model
     assert set(table["bits"]) == {16}
-    with pytest.raises(OutlierscopeError, match="--dtype must be one of float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(OutlierscopeError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
         SweepSettings(dtype="int8")

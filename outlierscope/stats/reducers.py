@@ -56,10 +56,11 @@ class TopK:
         their multi-indices (N, ndim) to location rows."""
         self.update(*dense_candidates(absx.masked_fill(~valid, -1.0), self.k, coord_fn))
 
-    def merged(self, other: TopK) -> TopK:
-        out = TopK(max(self.k, other.k), self.locs.shape[1])
-        out.update(torch.cat([self.values, other.values]), torch.cat([self.locs, other.locs]))
-        return out
+    def merge(self, other: TopK) -> None:
+        """Add ``other``'s values: the result is the top-k of both streams, ties broken by location (exact)."""
+        if other.locs.shape[1] != self.locs.shape[1]:
+            raise ValueError(f"cannot merge a top-k with {other.locs.shape[1]} location fields into one with {self.locs.shape[1]}")
+        self.update(other.values, other.locs)
 
     def kth(self, k: int) -> float:
         """The k-th largest value (1-based), NaN if fewer than k values were seen."""
@@ -146,20 +147,40 @@ class Moments:
         else:
             def red(t):
                 return t.double().sum(dims)
-        n = valid.sum(dims).double().expand_as(self.count[row])  # broadcasts over the kept dims
+        n = valid.sum(dims).double().cpu().expand_as(self.count[row])  # broadcasts over the kept dims
         new = (self.count[row] == 0) & (n > 0)
         if new.any():  # first valid entries of a group: centre its sums on this batch's mean
-            mean = (red(xw.masked_fill(~valid, 0.0)) / n.clamp_min(1)).to(xw.dtype).double()  # exactly representable
+            mean = (red(xw.masked_fill(~valid, 0.0)).cpu() / n.clamp_min(1)).to(xw.dtype).double()  # exactly representable
             self.shift[row] = torch.where(new, mean, self.shift[row])
-        xs = (xw - self.shift[row].to(xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)  # shift viewed as gshape: x's shape, 1 on reduced dims
+        xs = (xw - self.shift[row].to(xw.device, xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)  # shift viewed as gshape: x's shape, 1 on reduced dims
         self.count[row] += n
         x2 = xs * xs
-        self.sums[0, row] += red(xs)
-        self.sums[1, row] += red(x2)
-        self.sums[2, row] += red(x2 * xs)
-        self.sums[3, row] += red(x2.square_())
+        self.sums[0, row] += red(xs).cpu()
+        self.sums[1, row] += red(x2).cpu()
+        self.sums[2, row] += red(x2 * xs).cpu()
+        self.sums[3, row] += red(x2.square_()).cpu()
         m = maxabs if maxabs is not None else xw.abs().masked_fill_(~valid, 0.0).amax(dims)
-        self.maxabs[row] = torch.maximum(self.maxabs[row], m.double())
+        self.maxabs[row] = torch.maximum(self.maxabs[row], m.double().cpu())
+
+    def merge(self, other: Moments) -> None:
+        """Add ``other``'s data (same groups): its power sums are re-centred on this shift by the binomial
+        expansion (exact up to float64 rounding); groups new here take the other's shift and sums as they are."""
+        if other.count.shape != self.count.shape:
+            raise ValueError(f"cannot merge moments of shape {tuple(other.count.shape)} into {tuple(self.count.shape)}")
+        fresh = self.count == 0
+        d = torch.where(fresh, torch.zeros_like(self.shift), other.shift - self.shift)  # y = x - c_self = (x - c_other) + d
+        s1, s2, s3, s4 = other.sums
+        n = other.count
+        moved = torch.stack([
+            s1 + n * d,
+            s2 + 2 * d * s1 + n * d**2,
+            s3 + 3 * d * s2 + 3 * d**2 * s1 + n * d**3,
+            s4 + 4 * d * s3 + 6 * d**2 * s2 + 4 * d**3 * s1 + n * d**4,
+        ])
+        self.shift = torch.where(fresh, other.shift, self.shift)
+        self.sums += moved
+        self.count += other.count
+        self.maxabs = torch.maximum(self.maxabs, other.maxabs)
 
     def summary(self) -> dict:
         """:meth:`describe` of every group: arrays shaped like ``count``."""

@@ -26,8 +26,9 @@ import numpy as np
 import pandas as pd
 import torch
 
-from outlierscope.analysis.reducers import LogBins, Moments, TopK, dense_candidates
+from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
+from outlierscope.stats.reducers import LogBins, Moments, TopK, dense_candidates
 
 INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
 INT8_LAYER_SHARE = 0.25  # ... in at least 25% of layers
@@ -58,55 +59,61 @@ def pooled_moments(m: Moments, layer: int) -> dict:
     return Moments.describe(total, 0.0, t2, t3, t4, shift=mu)
 
 
-class OutlierStats:
-    """Streaming statistics for the logits and hidden states of one model; call it with observations."""
+class _KindStats:
+    """Top-k (pooled and per layer), histograms and moments of one activation kind: the shared parts."""
 
-    def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
-                 layer_k: int = 10, bins: LogBins | None = None):
-        if k < max(TABLE5_RANKS):
-            raise ValueError(f"k must be at least {max(TABLE5_RANKS)} for Table 5, got {k}")
-        self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
-        self.k, self.bins = k, bins or LogBins()
-        L, H, C, nb = n_layers, n_heads, hidden_size, self.bins.n + 2
+    kind = ""
+    n_loc = 0
+
+    def __init__(self, n_layers: int, n_groups: int, n_hist: int, k: int, layer_k: int, bins: LogBins):
+        self.n_layers, self.bins = n_layers, bins
+        self.top = TopK(k, self.n_loc)
+        self.layer_top = [TopK(layer_k, self.n_loc) for _ in range(n_layers)]
+        self.hist = torch.zeros(n_layers, n_hist, bins.n + 2, dtype=torch.int64)
+        self.moments = Moments((n_layers, n_groups))
+        self.seen = False
+
+    def _check_mergeable(self, other: _KindStats) -> None:
+        if type(other) is not type(self) or other.hist.shape != self.hist.shape or other.bins != self.bins \
+                or other.top.k != self.top.k or other.moments.count.shape != self.moments.count.shape:
+            raise ValueError(f"cannot merge {type(other).__name__} of shape {tuple(other.hist.shape)} into "
+                             f"{type(self).__name__} of shape {tuple(self.hist.shape)}: expected the same model and settings")
+
+    def merge(self, other: _KindStats) -> None:
+        """Add ``other`` (statistics of other data of the same model) into this one: top-k and histograms
+        exactly, moments within float64 rounding. Merging shards in order equals streaming them in order."""
+        self._check_mergeable(other)
+        self.top.merge(other.top)
+        for a, b in zip(self.layer_top, other.layer_top):
+            a.merge(b)
+        self.hist += other.hist
+        self.moments.merge(other.moments)
+        self.seen = self.seen or other.seen
+
+    def _topk(self, layer: int, absm: torch.Tensor, coords) -> None:
+        vals, locs = dense_candidates(absm, self.top.k, coords)
+        self.top.update(vals, locs)
+        self.layer_top[layer].update(vals, locs)
+
+
+class LogitStats(_KindStats):
+    """Attention logits (B, H, T, S): locations (layer, head, sequence, query, key); per-head histograms and moments."""
+
+    kind, n_loc = "attn.logits", 5
+
+    def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins):
+        super().__init__(n_layers, n_heads, n_heads, k, layer_k, bins)
+        self.n_heads = n_heads
         self.is_diff = False
-        self.top = {"attn.logits": TopK(k, 5), "hidden": TopK(k, 4)}
-        self.layer_top = {kind: [TopK(layer_k, self.top[kind].locs.shape[1]) for _ in range(L)] for kind in self.top}
-        self.hist = {"attn.logits": torch.zeros(L, H, nb, dtype=torch.int64), "hidden": torch.zeros(L, 1, nb, dtype=torch.int64)}
-        self.moments = {"attn.logits": Moments((L, H)), "hidden": Moments((L, C))}
-        self.ge6 = torch.zeros(L, C, dtype=torch.int64)
-        self.gt100 = torch.zeros(L, C, dtype=torch.int64)
-        self.ge6_pos = torch.zeros(L, seq_len, dtype=torch.int64)
-        self.tokens_pos = torch.zeros(L, seq_len, dtype=torch.int64)
-        self.seen = {"attn.logits": False, "hidden": False}
 
-    @classmethod
-    def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
-        c = model.config
-        return cls(c.num_hidden_layers, c.num_attention_heads, c.hidden_size, seq_len, **kw)
+    def merge(self, other: LogitStats) -> None:
+        super().merge(other)
+        self.is_diff = self.is_diff or other.is_diff
 
-    # -- streaming -------------------------------------------------------------------------
     def __call__(self, obs: Observation) -> None:
-        self.seen[obs.point.kind] = True
-        if obs.point.kind == "attn.logits":
-            self._logits(obs)
-        else:
-            self._hidden(obs)
-
-    @staticmethod
-    def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
-        if not torch.isfinite(rowmax).all():  # NaN propagates through max, inf is its own max
-            from outlierscope.errors import OutlierscopeError
-
-            bad = int((~torch.isfinite(obs.x)).sum())
-            raise OutlierscopeError(
-                f"{obs.point.name}: {bad} non-finite values (NaN/inf) in the activations; "
-                "the model or its dtype overflows: load it in float32 or check its weights"
-            )
-
-    def _logits(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, H, T, S)
         B, H, T, S = x.shape
-        self.is_diff = obs.is_diff
+        self.seen, self.is_diff = True, obs.is_diff
         valid = obs.valid  # (B, 1|H, T, S): kept compact, broadcast by each op
         invalid = ~valid
         absx = x.abs()
@@ -117,19 +124,40 @@ class OutlierStats:
             return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off, m[:, 2] + (S - T), m[:, 3]], 1)
 
         rowmax = absm.amax(-1)  # (B, H, T)
-        self._check_finite(obs, rowmax)
-        vals, locs = dense_candidates(absm, self.k, coords)
-        self.top["attn.logits"].update(vals, locs)
-        self.layer_top["attn.logits"][layer].update(vals, locs)
+        _check_finite(obs, rowmax)
+        self._topk(layer, absm, coords)
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(invalid, nb)  # invalid entries go to a sentinel bin
-        idx += (torch.arange(H, dtype=torch.int32) * (nb + 1)).view(1, H, 1, 1)  # (1, H, 1, 1): one bin range per head
+        idx += (torch.arange(H, dtype=torch.int32, device=idx.device) * (nb + 1)).view(1, H, 1, 1)  # one bin range per head
         counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)  # (B*H*T*S,) -> (H, nb+1)
-        self.hist["attn.logits"][layer] += counts[:, :nb]
-        self.moments["attn.logits"].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
+        self.hist[layer] += counts[:, :nb].cpu()
+        self.moments.update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
 
-    def _hidden(self, obs: Observation) -> None:
+
+class HiddenStats(_KindStats):
+    """Hidden states (B, T, C): locations (layer, channel, sequence, token); per-channel moments, LLM.int8 and
+    massive-activation counts."""
+
+    kind, n_loc = "hidden", 4
+
+    def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins):
+        super().__init__(n_layers, hidden_size, 1, k, layer_k, bins)
+        self.seq_len = seq_len
+        self.ge6 = torch.zeros(n_layers, hidden_size, dtype=torch.int64)
+        self.gt100 = torch.zeros(n_layers, hidden_size, dtype=torch.int64)
+        self.ge6_pos = torch.zeros(n_layers, seq_len, dtype=torch.int64)
+        self.tokens_pos = torch.zeros(n_layers, seq_len, dtype=torch.int64)
+
+    def merge(self, other: HiddenStats) -> None:
+        super().merge(other)
+        if other.ge6_pos.shape != self.ge6_pos.shape:
+            raise ValueError(f"cannot merge hidden-state statistics of sequence length {other.seq_len} into {self.seq_len}")
+        for name in ("ge6", "gt100", "ge6_pos", "tokens_pos"):
+            getattr(self, name).add_(getattr(other, name))
+
+    def __call__(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, T, C)
+        self.seen = True
         valid3 = obs.valid[:, :, None]  # (B, T, 1)
         absx = x.abs()
         off = obs.seq_offset
@@ -139,20 +167,97 @@ class OutlierStats:
 
         absm = absx.masked_fill(~valid3, -1.0)
         rowmax = absm.amax(-1)  # (B, T)
-        self._check_finite(obs, rowmax)
-        vals, locs = dense_candidates(absm, self.k, coords)
-        self.top["hidden"].update(vals, locs)
-        self.layer_top["hidden"][layer].update(vals, locs)
+        _check_finite(obs, rowmax)
+        self._topk(layer, absm, coords)
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(~valid3, nb)
-        self.hist["hidden"][layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb]  # over (B*T*C,)
-        self.moments["hidden"].update(x, valid3, (0, 1), layer)
+        self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
+        self.moments.update(x, valid3, (0, 1), layer)
         big = (absx >= INT8_THRESHOLD) & valid3
-        self.ge6[layer] += big.sum((0, 1))
-        self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1))
+        self.ge6[layer] += big.sum((0, 1)).cpu()
+        self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1)).cpu()
         T = min(x.shape[1], self.seq_len)
-        self.ge6_pos[layer, :T] += big.any(-1)[:, :T].sum(0)
-        self.tokens_pos[layer, :T] += obs.valid[:, :T].sum(0)
+        self.ge6_pos[layer, :T] += big.any(-1)[:, :T].sum(0).cpu()
+        self.tokens_pos[layer, :T] += obs.valid[:, :T].sum(0).cpu()
+
+
+def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
+    if not torch.isfinite(rowmax).all():  # NaN propagates through max, inf is its own max
+        from outlierscope.errors import OutlierscopeError
+
+        bad = int((~torch.isfinite(obs.x)).sum())
+        raise OutlierscopeError(
+            f"{obs.point.name}: {bad} non-finite values (NaN/inf) in the activations; "
+            "the model or its dtype overflows: load it in float32 or check its weights"
+        )
+
+
+class OutlierStats:
+    """Streaming statistics for the logits and hidden states of one model; call it with observations.
+
+    One reducer per activation kind (:class:`LogitStats`, :class:`HiddenStats`) in ``by_kind``;
+    :meth:`merge` adds the statistics of other data of the same model (data-parallel shards)."""
+
+    def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
+                 layer_k: int = 10, bins: LogBins | None = None):
+        if k < max(TABLE5_RANKS):
+            raise ParamError("k", f">= {max(TABLE5_RANKS)} for Table 5", k)
+        self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
+        self.k, self.bins = k, bins or LogBins()
+        self.logits = LogitStats(n_layers, n_heads, k, layer_k, self.bins)
+        self.hidden = HiddenStats(n_layers, hidden_size, seq_len, k, layer_k, self.bins)
+        self.by_kind = {"attn.logits": self.logits, "hidden": self.hidden}
+
+    @classmethod
+    def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
+        c = getattr(model.config, "text_config", None) or model.config
+        return cls(c.num_hidden_layers, c.num_attention_heads, c.hidden_size, seq_len, **kw)
+
+    def __call__(self, obs: Observation) -> None:
+        self.by_kind[obs.point.kind](obs)
+
+    def merge(self, other: OutlierStats) -> OutlierStats:
+        """Add ``other``'s statistics (same model and settings) into this one; returns self."""
+        for kind, st in self.by_kind.items():
+            st.merge(other.by_kind[kind])
+        return self
+
+    # views kept for the result methods below
+    @property
+    def is_diff(self) -> bool:
+        return self.logits.is_diff
+
+    @property
+    def seen(self) -> dict[str, bool]:
+        return {k: st.seen for k, st in self.by_kind.items()}
+
+    @property
+    def top(self) -> dict[str, TopK]:
+        return {k: st.top for k, st in self.by_kind.items()}
+
+    @property
+    def layer_top(self) -> dict[str, list[TopK]]:
+        return {k: st.layer_top for k, st in self.by_kind.items()}
+
+    @property
+    def hist(self) -> dict[str, torch.Tensor]:
+        return {k: st.hist for k, st in self.by_kind.items()}
+
+    @property
+    def moments(self) -> dict[str, Moments]:
+        return {k: st.moments for k, st in self.by_kind.items()}
+
+    @property
+    def ge6(self) -> torch.Tensor:
+        return self.hidden.ge6
+
+    @property
+    def gt100(self) -> torch.Tensor:
+        return self.hidden.gt100
+
+    @property
+    def ge6_pos(self) -> torch.Tensor:
+        return self.hidden.ge6_pos
 
     # -- results ---------------------------------------------------------------------------
     def kinds(self) -> list[str]:

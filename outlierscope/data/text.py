@@ -12,8 +12,7 @@ from outlierscope.errors import OutlierscopeError
 
 def hellaswag_documents(path=None) -> Iterator[str]:
     """Each validation item as lm-eval's query followed by its gold continuation."""
-    from outlierscope.eval.data import load_hellaswag
-    from outlierscope.eval.hellaswag import build_doc
+    from outlierscope.data.hellaswag import build_doc, load_hellaswag
 
     for item in load_hellaswag(path):
         doc = build_doc(item)
@@ -24,7 +23,7 @@ def text_documents(source: str) -> Iterator[str]:
     """``hellaswag`` or a path to a .txt / .jsonl(.xz/.gz) file."""
     if source == "hellaswag":
         return hellaswag_documents()
-    from outlierscope.train.corpus import iter_documents
+    from outlierscope.data.corpus import iter_documents
 
     return iter_documents([source])
 

@@ -1,11 +1,11 @@
 import pandas as pd
 import pytest
 
-from outlierscope.analysis.profile import ProfileSettings, profile
-from outlierscope.analysis.report import load_run, outcome_paragraph, render_figures, write_report
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
-from outlierscope.eval.sweep import SweepSettings, sweep
+from outlierscope.report.markdown import load_run, outcome_paragraph, render_figures, write_report
+from outlierscope.runs.profile import ProfileSettings, profile
+from outlierscope.runs.sweep import SweepSettings, sweep
 
 
 @pytest.fixture(scope="module")
@@ -61,13 +61,14 @@ def test_missing_run_dir(tmp_path):
 
 def test_profile_cli_errors(tiny_pair, tmp_path, capsys):
     rc = main(["profile", "--model", str(tiny_pair["diff"]), "--tokens", "0", "--out", str(tmp_path / "o")])
-    assert rc == 2 and "--tokens must be positive" in capsys.readouterr().err
+    assert rc == 2 and capsys.readouterr().err == "outlierscope: error: --tokens must be >= 1, got 0\n"
+    assert not (tmp_path / "o").exists()
     short = tmp_path / "short.txt"
     short.write_text("just a few words")
     rc = main(["profile", "--model", str(tiny_pair["diff"]), "--text", str(short), "--out", str(tmp_path / "o2")])
     err = capsys.readouterr().err
     assert rc == 2 and "fewer than one sequence" in err
-    assert not (tmp_path / "o2" / "table5.csv").exists()
+    assert not (tmp_path / "o2").exists()  # a failed run leaves no empty --out behind
 
 
 def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_path):
@@ -75,8 +76,8 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
     import json
 
     spec = str(tiny_pair["diff"])
-    t5, _ = profile([spec], ProfileSettings(tokens=2048, text=str(tiny_corpus / "train.jsonl"), seq_len=64, dtype="bfloat16"),
-                    tmp_path / "bf16", progress=False)
+    t5 = profile([spec], ProfileSettings(tokens=2048, text=str(tiny_corpus / "train.jsonl"), seq_len=64, dtype="bfloat16"),
+                 tmp_path / "bf16", progress=False).table5
     ref = pd.read_csv(run_dir / "profile" / "table5.csv")
     ref = ref[ref["model"] == t5["model"].iloc[0]].reset_index(drop=True)
     assert len(ref) == len(t5) == 2

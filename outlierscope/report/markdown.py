@@ -1,68 +1,15 @@
-"""``outlierscope plot`` and ``report``: figures and a markdown report from a run directory.
-
-A run directory holds a profile (``table5.csv``, ``per_layer.csv``, ...) and/or a sweep
-(``sweep.csv``), either at its top level or in ``profile/`` and ``sweep/`` subdirectories (the
-layout of ``outlierscope reproduce``). Figures go to ``RUN_DIR/figures``.
+"""``outlierscope plot`` and ``report``: figures and a markdown report from a run directory
+(read and validated by :func:`~outlierscope.report.load.load_run`). Figures go to ``RUN_DIR/figures``.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
-
-from outlierscope.errors import OutlierscopeError
 from outlierscope.io import atomic_path, write_text
-
-
-@dataclass
-class RunResults:
-    root: Path
-    profile_dir: Path | None = None
-    sweep_dir: Path | None = None
-    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
-    profile_meta: dict | None = None
-    sweep_meta: dict | None = None
-
-
-def _read(p: Path) -> pd.DataFrame | None:
-    if not p.exists():
-        return None
-    try:
-        df = pd.read_csv(p)
-    except pd.errors.EmptyDataError:
-        return None
-    return None if df.empty else df
-
-
-def load_run(run_dir: str | Path) -> RunResults:
-    root = Path(run_dir)
-    if not root.is_dir():
-        raise OutlierscopeError(f"run directory not found: {root}; pass the --out of a profile, sweep or reproduce run")
-    res = RunResults(root)
-    for cand in (root, root / "profile"):
-        if (cand / "profile.json").exists():
-            res.profile_dir = cand
-            res.profile_meta = json.loads((cand / "profile.json").read_text())
-            for name in ("table5", "per_layer", "per_head", "histograms", "lambda"):
-                df = _read(cand / f"{name}.csv")
-                if df is not None:
-                    res.tables[name] = df
-            break
-    for cand in (root, root / "sweep"):
-        if (cand / "sweep.csv").exists():
-            res.sweep_dir = cand
-            res.sweep_meta = json.loads((cand / "sweep.json").read_text()) if (cand / "sweep.json").exists() else None
-            df = _read(cand / "sweep.csv")
-            if df is not None:
-                res.tables["sweep"] = df
-            break
-    if res.profile_dir is None and res.sweep_dir is None:
-        raise OutlierscopeError(f"{root} holds no profile.json or sweep.csv (also looked in profile/ and sweep/)")
-    return res
-
+from outlierscope.report.load import RunResults, load_run
+from outlierscope.report.tables import sweep_table, table5_markdown
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
@@ -81,7 +28,7 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
     """Write every figure the run supports; returns (written [(title, png path)], skipped messages)."""
     import matplotlib.pyplot as plt
 
-    from outlierscope.analysis import plots
+    from outlierscope.report import plots
 
     out = run.root / "figures"
     out.mkdir(exist_ok=True)
@@ -163,9 +110,6 @@ def outcome_paragraph(run: RunResults) -> str:
 
 def write_report(run_dir: str | Path, svg: bool = False) -> Path:
     """Render figures and write ``report.md`` into the run directory."""
-    from outlierscope.analysis.profile import table5_markdown
-    from outlierscope.eval.sweep import sweep_table
-
     run = load_run(run_dir)
     written, skipped = render_figures(run, svg)
     parts = ["# outlierscope report", ""]

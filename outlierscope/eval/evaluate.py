@@ -1,0 +1,200 @@
+"""``evaluate``: zero-shot HellaSwag (and optional held-out LM loss) of a model in memory, under a ``QuantSpec``.
+
+    from outlierscope import evaluate, load_model, QuantSpec
+    lm = load_model("pair-tiny:diff")
+    res = evaluate(lm, quant=QuantSpec(bits=4), limit=200)
+    res.metrics["acc_norm"], res.items.head()      # per-item scores, predictions, token counts
+    res.save("runs/diff-4bit")                       # items.csv + eval.json (settings, timing)
+
+Scores follow lm-eval 0.4.13 exactly (see :mod:`outlierscope.eval.hellaswag`); reference numbers on
+all 10,042 validation items (``bench/results/eval_vs_lmeval_diff_10042.json``): pair-tiny:diff
+unquantized acc 0.260307, acc_norm 0.257518, identical to lm-eval item by item.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from outlierscope.data.hellaswag import HellaSwagItem, load_hellaswag
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.eval.hellaswag import build_requests, lmeval_max_length, predictions
+from outlierscope.eval.scorer import score_requests
+from outlierscope.io import write_csv, write_json
+from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.spec import QuantSpec
+from outlierscope.stats.paired import compare, mean_stderr
+
+N_CHOICES = 4
+METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
+ITEM_COLUMNS = ["index", "label", *[f"score{j}" for j in range(N_CHOICES)], *[f"tokens{j}" for j in range(N_CHOICES)],
+                "pred", "pred_norm"]
+
+
+def layout_for(spec: QuantSpec) -> str:
+    """Prefix sharing is exact only when each attention row depends on its own keys alone."""
+    return "shared" if spec.is_identity or spec.granularity == "per_row" else "separate"
+
+
+def select_items(limit: int | None = None, sample: int | None = None, seed: int = 0,
+                 data: str | None = None) -> list[HellaSwagItem]:
+    """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``."""
+    if limit is not None and sample is not None:
+        raise OutlierscopeError("limit and sample exclude each other; pass one")
+    items = load_hellaswag(data)
+    for name, v in (("limit", limit), ("sample", sample)):
+        if v is not None and not 0 < v <= len(items):
+            raise ParamError(name, f"in 1..{len(items)} (the items available)", v)
+    if limit is not None:
+        return items[:limit]
+    if sample is not None:
+        idx = np.sort(np.random.default_rng(seed).choice(len(items), sample, replace=False))
+        return [items[i] for i in idx]
+    return items
+
+
+def items_digest(items) -> str:
+    h = hashlib.sha256()
+    for it in items:
+        h.update(json.dumps([it.index, it.activity_label, it.ctx_a, it.ctx_b, list(it.endings), it.label]).encode())
+    return h.hexdigest()
+
+
+def lm_loss(model, seqs, batch_size: int) -> float:
+    """Mean next-token loss (nats/token) over packed sequences (N, T)."""
+    import torch
+
+    total, n = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch_size):
+            x = seqs[i : i + batch_size]
+            logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+            total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
+                                                       x[:, 1:].reshape(-1), reduction="sum").item()  # (B*(T-1),)
+            n += x[:, 1:].numel()
+    return total / n
+
+
+@dataclass
+class EvalResult:
+    """Per-item results of one evaluation and its exact settings.
+
+    ``items``: one row per item (``ITEM_COLUMNS``: summed log-likelihood and token count of each choice,
+    acc and acc_norm predictions); ``metrics``: acc, acc_norm with standard errors (and ``lm_loss``);
+    ``settings``: what produced it (quantization, layout, items digest, batch size).
+    """
+
+    items: pd.DataFrame
+    metrics: dict
+    settings: dict
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def correct(self, metric: str) -> np.ndarray:
+        return (self.items[METRICS[metric]] == self.items["label"]).to_numpy()
+
+    def compare(self, base: EvalResult, seed: int = 0) -> dict:
+        """Paired change against ``base`` (same items, same order): per metric delta, 95% bootstrap interval,
+        McNemar p and flip rate, and the mean |change| of the per-choice log-likelihoods."""
+        if not np.array_equal(self.items["index"].to_numpy(), base.items["index"].to_numpy()):
+            raise OutlierscopeError("the two evaluations are not of the same items in the same order; compare like with like")
+        out = {}
+        for m, col in METRICS.items():
+            out[m] = compare(base.correct(m), self.correct(m), base.items[col], self.items[col], seed=seed)
+        cols = [f"score{j}" for j in range(N_CHOICES)]
+        out["mean_abs_score_change"] = float(np.abs(self.items[cols].to_numpy() - base.items[cols].to_numpy()).mean())
+        return out
+
+    def record(self) -> dict:
+        return {"settings": self.settings, "metrics": self.metrics, "seconds": self.seconds, **self.extra}
+
+    def save(self, out: str | Path, name: str = "eval") -> Path:
+        """Write ``{name}.csv`` (per item) and then ``{name}.json`` (settings, metrics), each atomically."""
+        out = Path(out)
+        write_csv(out / f"{name}.csv", self.items)
+        write_json(out / f"{name}.json", self.record())  # last: marks the result complete
+        return out
+
+    @classmethod
+    def load(cls, out: str | Path, name: str = "eval") -> EvalResult | None:
+        """Read back a result written by :meth:`save`; None when it is absent or incomplete."""
+        out = Path(out)
+        meta_path, items_path = out / f"{name}.json", out / f"{name}.csv"
+        if not (meta_path.exists() and items_path.exists()):
+            return None
+        try:
+            meta = json.loads(meta_path.read_text())
+            items = pd.read_csv(items_path)
+        except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
+            return None  # damaged: the caller recomputes it
+        if list(items.columns) != ITEM_COLUMNS:
+            return None
+        extra = {k: v for k, v in meta.items() if k not in ("settings", "metrics", "seconds")}
+        return cls(items, meta.get("metrics", {}), meta.get("settings", {}), meta.get("seconds", 0.0), extra)
+
+
+def _model_and_tokenizer(model, tokenizer):
+    if hasattr(model, "model") and hasattr(model, "tokenizer"):  # a LoadedModel
+        return model.model, tokenizer or model.tokenizer
+    if tokenizer is None:
+        raise ParamError("tokenizer", "a tokenizer when model is a bare torch module", None)
+    return model, tokenizer
+
+
+def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=None, limit: int | None = None,
+             sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
+             batch_size: int = 32, progress: bool = True, desc: str = "hellaswag") -> EvalResult:
+    """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
+    logits quantized by ``quant`` (None: unquantized).
+
+    Items: ``items`` as given, else the cached validation set (or ``data``), all or ``limit`` / ``sample``.
+    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
+    Non-finite log-likelihoods are an error naming the first such item.
+    """
+    from tqdm.auto import tqdm
+
+    model, tokenizer = _model_and_tokenizer(model, tokenizer)
+    if batch_size < 1:
+        raise ParamError("batch_size", ">= 1", batch_size)
+    spec = quant or QuantSpec(bits=16)
+    if items is None:
+        items = select_items(limit, sample, seed, data)
+    requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
+    layout = layout_for(spec)
+    t0 = time.time()
+    with tqdm(total=len(requests), desc=desc, unit="item", disable=not progress or None, dynamic_ncols=True) as bar:
+        with quantize_attention(model, spec):
+            scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n))
+            loss = lm_loss(model, text_seqs, batch_size) if text_seqs is not None else None
+    wall = time.time() - t0
+    bad = np.flatnonzero(~np.isfinite(scores).all(axis=1))
+    if len(bad):
+        raise OutlierscopeError(
+            f"{desc}: {len(bad)} of {len(requests)} items got non-finite log-likelihoods (first: item "
+            f"{requests[bad[0]].index}); the model outputs NaN or inf: check its weights and dtype"
+        )
+    pred, pred_norm = predictions(scores, [r.choice_chars for r in requests])
+    df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
+    for j in range(N_CHOICES):
+        df[f"score{j}"] = scores[:, j]
+    for j in range(N_CHOICES):
+        df[f"tokens{j}"] = [len(r.conts[j]) for r in requests]
+    df["pred"], df["pred_norm"] = pred, pred_norm
+    metrics = {}
+    for m, col in METRICS.items():
+        metrics[m], metrics[f"{m}_stderr"] = mean_stderr(df[col].to_numpy() == df["label"].to_numpy())
+    if loss is not None:
+        metrics["lm_loss"] = loss
+    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
+                "granularity": None if spec.is_identity else spec.granularity,
+                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
+                "items_sha256": items_digest(items), "batch_size": batch_size,
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+    return EvalResult(df, metrics, settings, round(wall, 2),
+                      {"items_per_s": round(len(requests) / max(wall, 1e-9), 2), "layout": layout})

@@ -1,0 +1,128 @@
+"""``load_run``: every table a profile, sweep or reproduce run wrote, read back and validated.
+
+A run directory holds a profile (``profile.json``, ``table5.csv``, ``per_layer.csv``, ...) and/or a
+sweep (``sweep.json``, ``sweep.csv``), at its top level or in ``profile/`` and ``sweep/``
+subdirectories (the layout of ``reproduce``). A damaged table (truncated, binary, missing columns,
+no rows) is a one-line error naming the file, never a figure drawn from it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.errors import OutlierscopeError
+
+SWEEP_COLUMNS = ["model", "bits", "label", "format", "granularity", "weights", "metric", "value", "stderr",
+                 "delta_vs_16", "ci_low", "ci_high", "mcnemar_p", "n_items", "cell"]
+# file stem -> (required columns, numeric columns); tables a run may lack are simply absent
+PROFILE_TABLES = {
+    "table5": (["model", "activation", "top1", "top2", "top3", "top10", "top100", "median"],
+               ["top1", "top2", "top3", "top10", "top100", "median"]),
+    "per_layer": (["model", "point", "layer", "top1", "top3", "median"], ["layer", "top1", "top3", "median"]),
+    "per_head": (["model", "layer", "head", "max"], ["layer", "head", "max"]),
+    "per_channel": (["model", "layer", "channel", "max"], ["layer", "channel", "max"]),
+    "histograms": (["model", "point", "layer", "head", "lo", "hi", "count"], ["lo", "hi", "count"]),
+    "outlier_features": (["model"], []),
+    "massive_activations": (["model"], []),
+    "topk_logits": (["model", "rank", "value", "layer", "head", "seq", "query", "key"], ["value"]),
+    "topk_hidden": (["model", "rank", "value", "layer", "channel", "seq", "token"], ["value"]),
+    "lambda": (["model", "layer", "lambda_init", "lambda"], ["lambda_init", "lambda"]),
+}
+SWEEP_TABLES = {"sweep": (["model", "bits", "label", "granularity", "metric", "value", "stderr", "n_items"],
+                          ["bits", "value"])}
+MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel"}
+
+
+@dataclass
+class RunResults:
+    """The tables of a run directory by stem (``table5``, ``per_layer``, ..., ``sweep``) and its records."""
+
+    root: Path
+    profile_dir: Path | None = None
+    sweep_dir: Path | None = None
+    tables: dict[str, pd.DataFrame] = field(default_factory=dict)
+    profile_meta: dict | None = None
+    sweep_meta: dict | None = None
+
+    def outcome(self) -> str:
+        """The measured outcome in plain words (the report's first paragraph)."""
+        from outlierscope.report.markdown import outcome_paragraph
+
+        return outcome_paragraph(self)
+
+    def __getitem__(self, name: str) -> pd.DataFrame:
+        if name not in self.tables:
+            import difflib
+
+            close = difflib.get_close_matches(name, list(self.tables), n=3)
+            raise KeyError(f"no table {name!r} in {self.root} (has {', '.join(self.tables) or 'none'})"
+                           + (f"; did you mean {', '.join(close)}?" if close else ""))
+        return self.tables[name]
+
+
+def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty: bool = False) -> pd.DataFrame | None:
+    """A validated CSV result table; None when absent (or legitimately empty); a one-line error when damaged."""
+    if not path.exists():
+        return None
+    try:
+        df = pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        if may_be_empty:
+            return None
+        raise OutlierscopeError(f"{path} is empty; the run that wrote it did not finish: run it again") from None
+    except (UnicodeDecodeError, pd.errors.ParserError, ValueError) as e:
+        raise OutlierscopeError(f"{path} is not a readable CSV table ({str(e).splitlines()[0][:120]}); "
+                                "it is damaged: run the command that wrote it again") from None
+    missing = [c for c in required if c not in df.columns]
+    if missing and not (may_be_empty and df.empty):
+        raise OutlierscopeError(f"{path} lacks column(s) {', '.join(missing)}; expected a table written by outlierscope "
+                                "(run the command that wrote it again)")
+    if df.empty:
+        if may_be_empty:
+            return None
+        raise OutlierscopeError(f"{path} has a header but no rows; the run that wrote it did not finish: run it again")
+    for c in numeric:
+        if not pd.api.types.is_numeric_dtype(df[c]):
+            raise OutlierscopeError(f"{path}: column {c} holds non-numeric values; the file is damaged: run the command "
+                                    "that wrote it again")
+    return df
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OutlierscopeError(f"{path} is not readable JSON ({e}); the run is damaged: run it again") from None
+    if not isinstance(meta, dict):
+        raise OutlierscopeError(f"{path}: expected a JSON object; the run is damaged: run it again")
+    return meta
+
+
+def load_run(run_dir: str | Path) -> RunResults:
+    """Every table and record of a profile, sweep or reproduce output directory."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise OutlierscopeError(f"run directory not found: {root}; pass the output directory of a profile, sweep or reproduce run")
+    res = RunResults(root)
+    for cand in (root, root / "profile"):
+        if (cand / "profile.json").exists():
+            res.profile_dir, res.profile_meta = cand, _read_json(cand / "profile.json")
+            for name, (req, num) in PROFILE_TABLES.items():
+                df = read_table(cand / f"{name}.csv", req, num, name in MAY_BE_EMPTY)
+                if df is not None:
+                    res.tables[name] = df
+            break
+    for cand in (root, root / "sweep"):
+        if (cand / "sweep.csv").exists():
+            res.sweep_dir = cand
+            res.sweep_meta = _read_json(cand / "sweep.json") if (cand / "sweep.json").exists() else None
+            req, num = SWEEP_TABLES["sweep"]
+            res.tables["sweep"] = read_table(cand / "sweep.csv", req, num)
+            break
+    if res.profile_dir is None and res.sweep_dir is None:
+        raise OutlierscopeError(f"{root} holds no profile.json or sweep.csv (also looked in profile/ and sweep/)")
+    return res

@@ -1,0 +1,207 @@
+"""Profile activation outliers (Table 5 and finer): ``profile_model`` for a model in memory, ``profile`` for specs.
+
+    from outlierscope import load_model, profile_model
+    res = profile_model(load_model("pair-tiny:diff"), tokens=20_000)
+    res.table5                       # tidy DataFrame; res.tables has every table, res.stats the reducers
+    res.save("runs/diff")            # table5.csv, per_layer.csv, ..., profile.json (settings, versions)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pandas as pd
+import torch
+
+from outlierscope.data.text import pack_sequences, shuffled, text_documents
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.hooks.capture import capture
+from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
+from outlierscope.io import output_dir, versions, write_csv, write_json, write_text
+from outlierscope.models.loading import LoadedModel, check_dtype, resolve_seq_len, state_dict_sha256
+from outlierscope.report.tables import table5_markdown
+from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    tokens: int = 400_000
+    text: str = "hellaswag"
+    seq_len: int | None = None  # None: min(model context, 256)
+    batch_size: int = 8
+    seed: int = 0
+    k: int = 100
+    points: tuple[str, ...] = DEFAULT_POINTS
+    dtype: str = "float32"  # of the weights and activations (load_model)
+
+    def __post_init__(self):
+        object.__setattr__(self, "points", tuple(self.points))
+        for name in ("tokens", "batch_size"):
+            if getattr(self, name) < 1:
+                raise ParamError(name, ">= 1", getattr(self, name))
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ParamError("seq_len", ">= 1 (or None for the default)", self.seq_len)
+        check_dtype(self.dtype)
+
+
+# one CSV per table: (file stem, OutlierStats method)
+STAT_TABLES = (("per_layer", "per_layer"), ("per_head", "per_head"), ("per_channel", "per_channel"),
+               ("histograms", "histograms"), ("outlier_features", "outlier_features"),
+               ("massive_activations", "massive_activations"))
+
+
+def _with_model(name: str, df: pd.DataFrame) -> pd.DataFrame:
+    df = df.copy()
+    df.insert(0, "model", name)
+    return df
+
+
+def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
+    frames = [f for f in frames if not f.empty]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"model": []})
+
+
+@dataclass
+class ProfileResult:
+    """Statistics of one or more profiled models: ``stats`` (the reducers), ``facts`` (what ran, per model),
+    ``settings``; ``tables`` builds every tidy DataFrame, ``save`` writes them with ``profile.json``."""
+
+    stats: dict[str, OutlierStats]
+    facts: dict[str, dict]
+    settings: ProfileSettings
+    _digests: dict[str, Callable[[], str]] = field(default_factory=dict, repr=False)
+
+    @property
+    def table5(self) -> pd.DataFrame:
+        return _concat([_with_model(n, st.table5()) for n, st in self.stats.items()])
+
+    @property
+    def tables(self) -> dict[str, pd.DataFrame]:
+        """Every table by file stem: table5, per_layer, per_head, ..., topk_logits, topk_hidden, lambda."""
+        out = {"table5": self.table5}
+        for stem, method in STAT_TABLES:
+            out[stem] = _concat([_with_model(n, getattr(st, method)()) for n, st in self.stats.items()])
+        for kind, stem in (("attn.logits", "topk_logits"), ("hidden", "topk_hidden")):
+            df = _concat([_with_model(n, st.topk_frame(kind)) for n, st in self.stats.items()])
+            if not df.empty:
+                out[stem] = df
+        lam = pd.DataFrame([{"model": n, "layer": i, "lambda_init": a, "lambda": b}
+                            for n, f in self.facts.items() for i, (a, b) in enumerate(f.get("lambda", []))])
+        if not lam.empty:
+            out["lambda"] = lam
+        return out
+
+    def __or__(self, other: ProfileResult) -> ProfileResult:
+        """Both results side by side (distinct model names)."""
+        clash = set(self.stats) & set(other.stats)
+        if clash:
+            raise OutlierscopeError(f"model {sorted(clash)[0]} is in both results; give the models distinct names")
+        return ProfileResult({**self.stats, **other.stats}, {**self.facts, **other.facts}, self.settings,
+                             {**self._digests, **other._digests})
+
+    def markdown(self) -> str:
+        return table5_markdown(self.table5, self.facts)
+
+    def save(self, out: str | Path) -> Path:
+        """Write every table into ``out``: staged in a temporary directory, then moved in file by file
+        (each rename atomic), ``profile.json`` last. Weights are hashed here, not while profiling."""
+        facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
+        with output_dir(out) as out:
+            stage = Path(tempfile.mkdtemp(prefix=".profile-", dir=out))
+            try:
+                for stem, df in self.tables.items():
+                    write_csv(stage / f"{stem}.csv", df)
+                write_text(stage / "table5.md", table5_markdown(self.table5, facts))
+                meta = {"settings": asdict(self.settings), "models": facts, "versions": versions(),
+                        "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
+                        "activation_types": KIND_LABEL,
+                        "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}
+                write_json(stage / "profile.json", meta)
+                for f in sorted(stage.iterdir(), key=lambda p: p.name == "profile.json"):
+                    f.replace(out / f.name)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+        return out
+
+
+@torch.no_grad()
+def diff_lambdas(model) -> list[tuple[float, float]]:
+    """(lambda_init, lambda_full) per layer of a DiffLlama model; empty for other models."""
+    out = []
+    for layer in decoder_layers(model):
+        a = getattr(layer, "self_attn", None)
+        if a is None or not hasattr(a, "lambda_q1"):
+            return []
+        lam = (torch.exp((a.lambda_q1 * a.lambda_k1).sum()) - torch.exp((a.lambda_q2 * a.lambda_k2).sum()) + a.lambda_init)
+        out.append((float(a.lambda_init), float(lam)))
+    return out
+
+
+@torch.no_grad()
+def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None, *, name: str | None = None,
+                  progress: bool = True, **overrides) -> ProfileResult:
+    """Stream ``settings.tokens`` tokens of text through ``model`` (a ``LoadedModel``, or a module with its
+    ``tokenizer``) and return its statistics. Keyword ``overrides`` replace fields of ``settings``
+    (e.g. ``tokens=20_000``)."""
+    from tqdm.auto import tqdm
+
+    try:
+        settings = dataclasses.replace(settings or ProfileSettings(), **overrides)
+    except TypeError as e:
+        raise OutlierscopeError(f"profile_model: {e}; valid settings: {', '.join(f.name for f in dataclasses.fields(ProfileSettings))}") from None
+    if isinstance(model, LoadedModel):
+        lm = model
+        module, tokenizer = lm.model, tokenizer or lm.tokenizer
+        name = name or lm.name
+        facts = {"spec": lm.spec, "path": str(lm.path)}
+        digest = lm.weights_sha256
+    else:
+        if tokenizer is None:
+            raise ParamError("tokenizer", "a tokenizer when model is a bare torch module", None)
+        module, name = model, name or type(model).__name__
+        facts = {"spec": None, "path": None}
+        digest = lambda: state_dict_sha256(module)  # noqa: E731 (hashed on save only)
+    seq_len = resolve_seq_len(module, settings.seq_len)
+    seqs = pack_sequences(tokenizer, shuffled(text_documents(settings.text), settings.seed), seq_len, settings.tokens)
+    stats = OutlierStats.for_model(module, seq_len, k=settings.k)
+    dev = next(module.parameters()).device
+    n_tok = seqs.numel()
+    t0 = time.time()
+    with tqdm(total=n_tok, desc=f"profile {name}", unit="tok", unit_scale=True, disable=not progress or None) as bar:
+        with capture(module, list(settings.points), reducers=[stats]):
+            for i in range(0, len(seqs), settings.batch_size):
+                batch = seqs[i : i + settings.batch_size].to(dev)  # (B, T)
+                module(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
+                bar.update(batch.numel())
+    wall = time.time() - t0
+    facts.update({"model_type": module.config.model_type, "tokens": n_tok, "sequences": len(seqs), "seq_len": seq_len,
+                  "tokens_requested": settings.tokens, "seconds": round(wall, 2),
+                  "tokens_per_s": round(n_tok / max(wall, 1e-9), 1), "n_layers": stats.n_layers,
+                  "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module)})
+    return ProfileResult({name: stats}, {name: facts}, settings, {name: digest})
+
+
+def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None = None,
+            progress: bool = True) -> ProfileResult:
+    """Load and profile each model spec; with ``out``, write the results there."""
+    from outlierscope.models.loading import load_model
+
+    if not specs:
+        raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
+    with output_dir(out) if out is not None else contextlib.nullcontext():
+        result = None
+        for spec in specs:
+            lm = load_model(spec, dtype=settings.dtype)
+            name = lm.name if result is None or lm.name not in result.stats else spec
+            r = profile_model(lm, settings=settings, name=name, progress=progress)
+            result = r if result is None else result | r
+        if out is not None:
+            result.save(out)
+    return result

@@ -1,0 +1,217 @@
+"""Quantization sweep over bit widths (Figure 8): every cell is one :func:`~outlierscope.eval.evaluate` run.
+
+For each model and setting (bits, format, granularity, weights) a cell records acc, acc_norm and
+their standard errors, and against the same model at 16 bits (unquantized): the accuracy
+difference with a 95% paired bootstrap interval, the exact McNemar p-value, the flip rate (share
+of items whose choice changed) and the mean |score change|; optionally the language-model loss
+on held-out text. Each cell is written atomically when it finishes; a rerun skips cells whose
+settings match and recomputes those whose settings changed. A directory that holds a sweep with
+other settings is refused unless ``force=True``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
+from outlierscope.io import output_dir, versions, write_csv, write_json
+from outlierscope.models.loading import check_dtype
+from outlierscope.models.presets import DEFAULT_PAIR
+from outlierscope.quant.apply import WEIGHT_MODES, quantize_weights
+from outlierscope.quant.primitives import UNQUANTIZED_BITS
+from outlierscope.quant.spec import QuantSpec
+from outlierscope.report.load import SWEEP_COLUMNS
+from outlierscope.report.tables import sweep_table
+from outlierscope.stats.paired import BOOTSTRAP_REPS
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    models: tuple[str, ...] = DEFAULT_PAIR
+    bits: tuple[int, ...] = (16, 8, 6, 4)
+    format: str = "int"
+    granularity: str = "per_tensor"
+    weights: str = "none"
+    layers: tuple[int, ...] | None = None
+    limit: int | None = None
+    sample: int | None = None
+    seed: int = 0
+    data: str | None = None  # HellaSwag file; None: the cached validation set
+    text: str | None = None  # held-out text for LM loss
+    text_tokens: int = 65_536
+    batch_size: int = 32
+    dtype: str = "float32"  # of the weights and activations (load_model)
+
+    def __post_init__(self):
+        object.__setattr__(self, "models", tuple(self.models))
+        object.__setattr__(self, "bits", tuple(self.bits))
+        if not self.models:
+            raise ParamError("models", "at least one model spec (two for a side-by-side sweep)", ())
+        dup = sorted({m for m in self.models if self.models.count(m) > 1})
+        if dup:
+            raise ParamError("models", "distinct model specs", list(self.models), f"{dup[0]} is given twice")
+        check_dtype(self.dtype)
+        if self.weights not in WEIGHT_MODES:
+            raise ParamError("weights", f"one of {', '.join(WEIGHT_MODES)}", self.weights)
+        for n, v in (("limit", self.limit), ("sample", self.sample)):
+            if v is not None and v < 1:
+                raise ParamError(n, ">= 1", v)
+        if self.limit is not None and self.sample is not None:
+            raise OutlierscopeError("limit and sample exclude each other; pass one")
+        if self.batch_size < 1:
+            raise ParamError("batch_size", ">= 1", self.batch_size)
+        if self.text_tokens < 1:
+            raise ParamError("text_tokens", ">= 1", self.text_tokens)
+        if not self.bits:
+            raise ParamError("bits", "at least one bit width", ())
+        for b in self.bits:  # validate every spec up front: nothing runs with a bad one
+            self.spec(b)
+
+    def spec(self, bits: int) -> QuantSpec:
+        if bits == UNQUANTIZED_BITS:  # unquantized: format, granularity and layers do not apply
+            return QuantSpec(bits=UNQUANTIZED_BITS)
+        try:
+            return QuantSpec(bits=bits, format=self.format, granularity=self.granularity, layers=self.layers)
+        except ValueError as e:
+            raise OutlierscopeError(str(e)) from None
+
+
+def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str) -> dict:
+    ident = spec.is_identity
+    return {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
+            "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
+            "weights": s.weights, "dtype": s.dtype, "items_sha256": items_sha, "text": s.text,
+            "text_tokens": s.text_tokens if s.text else None}
+
+
+def cell_id(settings: dict) -> str:
+    blob = json.dumps(settings, sort_keys=True).encode()
+    slug = f"{settings['model'].replace(':', '-').replace('/', '_')}_b{settings['bits']}"
+    return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
+
+
+def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool) -> EvalResult:
+    return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
+                    desc=desc)
+
+
+def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
+                      progress: bool, log) -> tuple[EvalResult, str]:
+    """A cell's result: read back when a complete cell with these settings exists, else run and written."""
+    cid = cell_id(settings)
+    res = EvalResult.load(cells_dir, cid)
+    if res is not None and res.extra.get("cell") == settings:
+        log(f"{settings['model']} {spec.label}: done earlier, skipped ({cid})")
+        return res, cid
+    res = run_cell(lm, items, spec, s, text_seqs, f"{settings['model']} {spec.label}", progress)
+    res.extra["cell"] = settings
+    res.save(cells_dir, cid)
+    return res, cid
+
+
+def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int) -> dict:
+    """The cell's metrics, flat: acc, acc_norm with stderr, and against ``base`` each metric's change."""
+    out = {m: res.metrics[m] for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
+    if base is not None:
+        cmp = res.compare(base, seed=seed)
+        for m in ("acc", "acc_norm"):
+            c = cmp[m]
+            out.update({f"{m}_delta": c["delta"], f"{m}_ci_low": c["ci_low"], f"{m}_ci_high": c["ci_high"],
+                        f"{m}_mcnemar_p": c["mcnemar_p"], f"flip_rate{'' if m == 'acc' else '_norm'}": c["flip_rate"]})
+        out["mean_abs_score_change"] = cmp["mean_abs_score_change"]
+    if res.metrics.get("lm_loss") is not None:
+        out["lm_loss"] = res.metrics["lm_loss"]
+    return out
+
+
+def _tidy_rows(model: str, spec: QuantSpec, s: SweepSettings, metrics: dict, n_items: int, cid: str) -> list[dict]:
+    """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p)."""
+    rows = []
+    for m, v in metrics.items():
+        if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
+            continue
+        rows.append({"model": model, "bits": spec.bits, "label": spec.label, "format": spec.format,
+                     "granularity": "none" if spec.is_identity else spec.granularity, "weights": s.weights,
+                     "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
+                     "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
+                     "ci_high": metrics.get(f"{m}_ci_high"), "mcnemar_p": metrics.get(f"{m}_mcnemar_p"),
+                     "n_items": n_items, "cell": cid})
+    return rows
+
+
+@dataclass
+class SweepResult:
+    """A finished sweep: the tidy table (one row per model, bit width and metric) and the run record."""
+
+    table: pd.DataFrame
+    record: dict
+    out: Path
+
+    def markdown(self) -> str:
+        """One row per model and bit width: acc, acc_norm (stderr), change vs 16 bits with CI, McNemar p, flips."""
+        return sweep_table(self.table)
+
+    def save(self, out: str | Path) -> Path:
+        write_csv(Path(out) / "sweep.csv", self.table)
+        write_json(Path(out) / "sweep.json", self.record)
+        return Path(out)
+
+
+def _check_previous(out: Path, settings: dict, force: bool) -> None:
+    """Refuse to replace the sweep.csv of a sweep with other settings unless ``force``."""
+    prev = out / "sweep.json"
+    if force or not prev.exists():
+        return
+    try:
+        old = json.loads(prev.read_text()).get("settings", {})
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        old = {}
+    diff = sorted(k for k in settings if old.get(k) != json.loads(json.dumps(settings[k])))
+    if diff:
+        raise OutlierscopeError(
+            f"{out} holds a sweep with other settings ({', '.join(diff)} differ); choose another output directory, "
+            "or pass force=True (--force) to replace its tables (cells with matching settings are reused)"
+        )
+
+
+def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False) -> SweepResult:
+    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv)."""
+    from outlierscope.data.text import pack_sequences, text_documents
+    from outlierscope.models.loading import load_model, resolve_seq_len
+
+    out = Path(out)
+    _check_previous(out, asdict(s), force)
+    items = select_items(s.limit, s.sample, s.seed, s.data)
+    digest = items_digest(items)
+    rows, cell_index = [], []
+    with output_dir(out), output_dir(out / "cells") as cells_dir:
+        for spec_str in s.models:
+            lm = load_model(spec_str, dtype=s.dtype)
+            if s.weights != "none":
+                quantize_weights(lm.model, s.weights)
+            wsha = lm.weights_sha256()
+            text_seqs = None
+            if s.text:
+                text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
+            base = None
+            for b in sorted(set(s.bits) | {UNQUANTIZED_BITS}, key=lambda b: -b):  # the 16-bit reference first
+                spec = s.spec(b)
+                settings = cell_settings(spec_str, wsha, spec, s, digest)
+                res, cid = _load_or_run_cell(lm, items, spec, s, text_seqs, settings, cells_dir, progress, log)
+                if b == UNQUANTIZED_BITS:
+                    base = res
+                metrics = cell_metrics(res, None if b == UNQUANTIZED_BITS else base, s.seed)
+                cell_index.append({"cell": cid, "model": spec_str, "bits": b, "label": spec.label, **metrics,
+                                   "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
+                rows += _tidy_rows(spec_str, spec, s, metrics, len(items), cid)
+    record = {"settings": asdict(s), "n_items": len(items), "items_sha256": digest, "bootstrap_reps": BOOTSTRAP_REPS,
+              "cells": cell_index, "versions": versions(), "note": "bits 16 = unquantized"}
+    result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
+    result.save(out)
+    return result

@@ -1,0 +1,1 @@
+"""Streaming statistics that merge exactly: top-k, histograms, moments, outlier statistics, paired tests."""

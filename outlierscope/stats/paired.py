@@ -1,0 +1,57 @@
+"""Paired comparison of two evaluations of the same items: pure functions of 0/1 outcomes and scores.
+
+* :func:`mean_stderr`: mean and standard error (sample std with n - 1, over sqrt(n)), lm-eval's ``stderr``;
+* :func:`paired_bootstrap`: 95% percentile interval of mean(b - a), items resampled with replacement (seeded);
+* :func:`mcnemar_exact`: two-sided exact McNemar p-value (binomial test on the discordant pairs);
+* :func:`compare`: all of the above for one metric, plus the flip rate (share of changed predictions).
+
+Tested against scipy and numpy re-computations in ``tests/stats/test_paired.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BOOTSTRAP_REPS = 2000
+
+
+def mean_stderr(correct) -> tuple[float, float]:
+    """Mean and standard error (sample std with n-1, over sqrt(n)) of 0/1 outcomes."""
+    c = np.asarray(correct, dtype=np.float64)
+    if len(c) < 2:
+        return float(c.mean()) if len(c) else float("nan"), float("nan")
+    return float(c.mean()), float(c.std(ddof=1) / np.sqrt(len(c)))
+
+
+def paired_bootstrap(a, b, reps: int = BOOTSTRAP_REPS, seed: int = 0) -> tuple[float, float]:
+    """95% percentile interval of mean(b - a) over items resampled with replacement (seeded)."""
+    d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
+    rng = np.random.default_rng(seed)
+    means = np.empty(reps)
+    for i in range(0, reps, 200):
+        k = min(200, reps - i)
+        idx = rng.integers(0, len(d), (k, len(d)))  # (k, n) resampled item indices
+        means[i : i + k] = d[idx].mean(1)
+    lo, hi = np.percentile(means, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def mcnemar_exact(a, b) -> float:
+    """Two-sided exact McNemar p-value for paired 0/1 outcomes (binomial test on discordant pairs)."""
+    from scipy.stats import binomtest
+
+    a, b = np.asarray(a, bool), np.asarray(b, bool)
+    n01 = int((a & ~b).sum())
+    n10 = int((~a & b).sum())
+    if n01 + n10 == 0:
+        return 1.0
+    return float(binomtest(n01, n01 + n10, 0.5).pvalue)
+
+
+def compare(base_correct, correct, base_pred, pred, seed: int = 0) -> dict:
+    """Change of one metric against a reference evaluation of the same items, in the same order."""
+    base_correct, correct = np.asarray(base_correct, bool), np.asarray(correct, bool)
+    lo, hi = paired_bootstrap(base_correct, correct, seed=seed)
+    return {"delta": float(correct.mean() - base_correct.mean()), "ci_low": lo, "ci_high": hi,
+            "mcnemar_p": mcnemar_exact(base_correct, correct),
+            "flip_rate": float((np.asarray(pred) != np.asarray(base_pred)).mean())}

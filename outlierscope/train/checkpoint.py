@@ -1,0 +1,79 @@
+"""Checkpoints of a training run: optimizer/scheduler/RNG state (what ``--resume`` needs), the CSV log, and
+each role exported as a Hugging Face directory with its model card. Every write is atomic."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from outlierscope.io import atomic_dir, atomic_path, write_text
+from outlierscope.train.card import model_card
+from outlierscope.train.tokenizer import load_tokenizer
+
+LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss"]
+
+
+def save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
+    """Everything ``--resume`` needs, swapped in as one directory (``state/``; the previous one stays until the swap)."""
+    with atomic_dir(out / "state") as tmp:
+        _write_state(tmp, models, opts, scheds, step, wall)
+
+
+def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
+    import torch
+
+    for role in models:
+        torch.save(
+            {
+                "model": models[role].state_dict(),
+                "optimizer": opts[role].state_dict(),
+                "scheduler": scheds[role].state_dict(),
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            },
+            tmp / f"{role}.pt",
+        )
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall}))
+
+
+def load_state(out: Path, models: dict, opts: dict, scheds: dict) -> tuple[int, float]:
+    import torch
+
+    state = out / "state"
+    if not (state / "meta.json").exists() and (out / "state.old" / "meta.json").exists():
+        state = out / "state.old"  # a crash during the swap: the previous checkpoint is complete
+    if not (state / "meta.json").exists():
+        return 0, 0.0
+    meta = json.loads((state / "meta.json").read_text())
+    for role in models:
+        ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
+        models[role].load_state_dict(ck["model"])
+        opts[role].load_state_dict(ck["optimizer"])
+        scheds[role].load_state_dict(ck["scheduler"])
+        torch.set_rng_state(ck["rng_cpu"])
+        if ck["rng_cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ck["rng_cuda"])
+    return meta["step"], meta["wall_s"]
+
+
+def read_log(path: Path, upto_step: int) -> list[dict]:
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return [r for r in csv.DictReader(f) if int(r["step"]) <= upto_step]
+
+
+def write_log(path: Path, rows: list[dict]) -> None:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=LOG_FIELDS)
+        w.writeheader()
+        w.writerows(rows)
+
+
+def export_role(out: Path, role: str, model, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> None:
+    """Save one role as a Hugging Face directory with tokenizer and model card (atomically)."""
+    with atomic_dir(out / role) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        load_tokenizer(out / "tokenizer.json").save_pretrained(tmp)
+        write_text(tmp / "README.md", model_card(role, run, step, wall, rows, hardware))
