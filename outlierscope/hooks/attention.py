@@ -10,11 +10,15 @@ The function computes, per layer::
     logits = (query @ repeat_kv(key)^T) * scaling      # (B, H, T, S), fp32 accumulate as eager
     for stage in stages: logits = stage(ctx, logits)    # observe and/or quantize, in entry order
     logits = softcap * tanh(logits / softcap)           # only for models with logit soft-capping
-    probs  = softmax(where(valid, logits, min), float32)
+    probs  = softmax(where(allowed, logits, min), float32)
     out    = probs @ repeat_kv(value)
 
-Stages see the logits after scaling and before soft-capping and masking. With no stage its
-output equals transformers' eager attention. DiffLlama calls the function twice per layer
+Stages see the logits after scaling and before soft-capping and masking, with ``valid``: the
+entries the mask allows (causal, not padding, inside a sliding window) in the rows of real
+(non-padding) queries. The softmax uses ``allowed``, the model's own mask, so a padding query row
+attends as in eager attention; padding rows are never observed, never enter a quantization scale,
+and are never scored. With no stage the output equals transformers' eager attention everywhere,
+padding positions included. DiffLlama calls the function twice per layer
 with the same query and key (once per half of the value); the second call reuses the
 probabilities of the first, so stages run once per layer.
 """
@@ -75,18 +79,20 @@ def _bool_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _valid_from_mask(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> torch.Tensor:
-    """Boolean (B, 1|H, T, S) of the entries that count: allowed by the mask *and* in a non-padding query row.
+def _allowed_and_valid(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Booleans (B, 1|H, T, S): ``allowed`` by the model's mask, and ``valid`` = allowed *and* in a
+    non-padding query row (the entries that are observed and quantized).
 
     transformers' masks only hide padding keys; a padding query (right padding) still sees the real
     keys. A token always attends to itself unless it is padding, so the mask's diagonal (offset
     S - T, as with a cache) marks the real queries.
     """
     if mask is None:  # no mask given: plain causal (aligned to the end, as with a cache)
-        return torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
-    valid = mask[..., :k_len] if mask.dtype == torch.bool else mask[..., :k_len] == 0  # float: 0 where valid
-    own = torch.diagonal(valid, offset=k_len - q_len, dim1=-2, dim2=-1)  # (B, 1|H, T)
-    return valid & own[..., None]
+        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+        return causal, causal
+    allowed = mask[..., :k_len] if mask.dtype == torch.bool else mask[..., :k_len] == 0  # float: 0 where allowed
+    own = torch.diagonal(allowed, offset=k_len - q_len, dim1=-2, dim2=-1)  # (B, 1|H, T)
+    return allowed, allowed & own[..., None]
 
 
 class _AttentionFunction:
@@ -99,7 +105,7 @@ class _AttentionFunction:
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
         self._memo: tuple | None = None  # (module, query, key, probs) of the last call, for DiffLlama's second call
-        self._mask_memo: tuple | None = None  # (mask, (T, S), valid, invalid) of the last mask seen
+        self._mask_memo: tuple | None = None  # (mask, (T, S), valid, masked) of the last mask seen
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                  position_bias=None, **kwargs):
@@ -128,7 +134,7 @@ class _AttentionFunction:
             scaling = query.shape[-1] ** -0.5
         k = _repeat_kv(key, query.shape[1] // key.shape[1])  # (B, H, S, d)
         logits = torch.matmul(query, k.transpose(2, 3)).mul_(scaling)  # (B, H, T, S); same rounding as eager's `* scaling`
-        valid, invalid = self._valid(attention_mask, logits.shape[2], logits.shape[3], logits.device)
+        valid, masked = self._valid(attention_mask, logits.shape[2], logits.shape[3], logits.device)
         layer = self.layer_of.get(id(module))
         if layer is None:
             raise OutlierscopeError(f"{self.model_name}: attention module {type(module).__name__} is not inside a decoder layer")
@@ -139,17 +145,31 @@ class _AttentionFunction:
             logits = torch.tanh(logits / softcap) * softcap
         fill = torch.finfo(logits.dtype).min
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
-        logits = logits.masked_fill(invalid, fill) if self.exposes else logits.masked_fill_(invalid, fill)
+        logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
         return torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
 
     def _valid(self, attention_mask, q_len: int, k_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(valid, ~valid) of a mask, computed once per forward (every layer gets the same mask object)."""
+        """(valid, ~allowed) of a mask, computed once per forward (every layer gets the same mask object)."""
         key = self._mask_memo
         if key is not None and key[0] is attention_mask and key[1] == (q_len, k_len):
             return key[2], key[3]
-        valid = _valid_from_mask(attention_mask, q_len, k_len, device)
-        self._mask_memo = (attention_mask, (q_len, k_len), valid, ~valid)
+        allowed, valid = _allowed_and_valid(attention_mask, q_len, k_len, device)
+        self._mask_memo = (attention_mask, (q_len, k_len), valid, ~allowed)
         return valid, self._mask_memo[3]
+
+
+def _switch(model: nn.Module, name: str) -> None:
+    """``set_attn_implementation``, past the ``_supports_attention_backend`` check of models that lack the flag."""
+    flag = "_supports_attention_backend"
+    cls = type(model)
+    if getattr(cls, flag, True) is False:
+        setattr(model, flag, True)  # instance attribute only; the class is never touched
+        try:
+            model.set_attn_implementation(name)
+        finally:
+            delattr(model, flag)
+    else:
+        model.set_attn_implementation(name)
 
 
 def _current_function(model: nn.Module):
@@ -167,7 +187,9 @@ def attention_stages(model: nn.Module, stage: Stage) -> Iterator[None]:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    if not getattr(model, "_supports_attention_backend", False) or not hasattr(model, "set_attn_implementation"):
+    # Not `_supports_attention_backend`: some models (StableLM) lack the flag yet route attention through the
+    # interface; whether the switch took is checked below, and layers that bypass it raise in our function.
+    if not hasattr(model, "set_attn_implementation") or not hasattr(model, "config"):
         raise OutlierscopeError(
             f"{type(model).__name__} does not route its attention through transformers' AttentionInterface; "
             "its attention logits cannot be observed or quantized"
@@ -179,13 +201,13 @@ def attention_stages(model: nn.Module, stage: Stage) -> Iterator[None]:
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _bool_mask)
     try:
-        model.set_attn_implementation(name)
+        _switch(model, name)
         if model.config._attn_implementation != name:
             raise OutlierscopeError(f"{type(model).__name__} refused a custom attention implementation; its logits cannot be observed")
         yield
     finally:
         try:
-            model.set_attn_implementation(previous)
+            _switch(model, previous)
         finally:
             AttentionInterface._global_mapping.pop(name, None)
             AttentionMaskInterface._global_mapping.pop(name, None)

@@ -36,17 +36,24 @@ def point_name(layer: int, kind: str) -> str:
     return f"layers.{layer}.{kind}"
 
 
+def _has_attention(block: nn.Module) -> bool:
+    return any(hasattr(m, "scaling") or name.rsplit(".", 1)[-1] in ("attn", "self_attn", "attention")
+               for name, m in block.named_modules())
+
+
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder layers (``model.model.layers``, ``gpt_neox.layers``, ...)."""
-    n = getattr(model.config, "num_hidden_layers", None)
-    base = getattr(model, "base_model", model)
-    layers = getattr(base, "layers", None)
-    if isinstance(layers, nn.ModuleList) and (n is None or len(layers) >= n):
-        return layers
-    for _, mod in model.named_modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) == n and len(mod) and type(mod[0]).__name__.endswith("Layer"):
-            return mod
-    raise OutlierscopeError(f"{type(model).__name__}: cannot find its decoder layers; expected a ModuleList of {n} layers")
+    """The model's list of decoder layers, found from its structure: the shallowest ``ModuleList`` of
+    ``num_hidden_layers`` blocks that each hold an attention module (``model.layers``, ``transformer.h``,
+    ``model.decoder.layers``, ``gpt_neox.layers``, ...)."""
+    cfg = getattr(model, "config", None)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    n = getattr(cfg, "num_hidden_layers", None)
+    found = [(name.count("."), name, mod) for name, mod in model.named_modules()
+             if isinstance(mod, nn.ModuleList) and len(mod) and (n is None or len(mod) == n) and _has_attention(mod[0])]
+    if not found:
+        raise OutlierscopeError(f"{type(model).__name__}: cannot find its decoder layers; expected a ModuleList of "
+                                f"{n} blocks that each hold an attention module")
+    return min(found, key=lambda f: (f[0], f[1]))[2]
 
 
 def all_points(model: nn.Module) -> list[Point]:

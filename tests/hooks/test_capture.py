@@ -15,6 +15,7 @@ SMALL = dict(vocab_size=101, hidden_size=32, intermediate_size=48, num_hidden_la
 
 
 def make(model_type: str):
+    import transformers as tf
     from transformers import (
         DiffLlamaConfig,
         Gemma2Config,
@@ -26,6 +27,8 @@ def make(model_type: str):
         Qwen2Config,
     )
 
+    tiny = dict(vocab_size=101, n_embd=32, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0)
+
     cfgs = {
         "llama": lambda: LlamaConfig(**SMALL, num_key_value_heads=2),
         "diffllama": lambda: DiffLlamaConfig(**SMALL, num_key_value_heads=4),
@@ -36,6 +39,16 @@ def make(model_type: str):
         "olmo2": lambda: Olmo2Config(**SMALL, num_key_value_heads=4),
         "gpt_neox": lambda: GPTNeoXConfig(**SMALL, rotary_pct=0.5),
         "phi3": lambda: Phi3Config(**SMALL, num_key_value_heads=2, pad_token_id=0),
+        "gpt2": lambda: tf.GPT2Config(**tiny),
+        "gptj": lambda: tf.GPTJConfig(**tiny, rotary_dim=4),
+        "stablelm": lambda: tf.StableLmConfig(**SMALL, num_key_value_heads=2),
+        "qwen3": lambda: tf.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=8),
+        "gemma3_text": lambda: tf.Gemma3TextConfig(**SMALL, num_key_value_heads=2, head_dim=8, sliding_window=4,
+                                                   layer_types=["sliding_attention", "full_attention"]),
+        "opt": lambda: tf.OPTConfig(vocab_size=101, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4,
+                                    max_position_embeddings=64, word_embed_proj_dim=32),
+        "starcoder2": lambda: tf.Starcoder2Config(**SMALL, num_key_value_heads=2, sliding_window=5),
+        "mixtral": lambda: tf.MixtralConfig(**SMALL, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
     }
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfgs[model_type](), attn_implementation="eager").eval()
@@ -69,7 +82,10 @@ def projections(attn, x, cfg):
         qkv = lin(attn.query_key_value, x).view(B, T, H, 3 * d)  # (B, T, H, 3d)
         q, k = qkv[..., :d], qkv[..., d : 2 * d]
         return q.transpose(1, 2), k.transpose(1, 2)
-    if cfg.model_type == "phi3":
+    if cfg.model_type == "gpt2":  # Conv1D: x @ W + b, W of shape (in, 3 * hidden)
+        qkv = x @ attn.c_attn.weight.double() + attn.c_attn.bias.double()
+        q, k = qkv[..., : H * d], qkv[..., H * d : 2 * H * d]
+    elif cfg.model_type == "phi3":
         qkv = lin(attn.qkv_proj, x)
         q, k = qkv[..., : H * d], qkv[..., H * d : (H + Hkv) * d]
     else:
@@ -83,20 +99,77 @@ def attention_module(model, layer):
     return [m for m in decoder_layers(model)[layer].modules() if hasattr(m, "scaling")][0]
 
 
+def rope64_interleaved(x, rot_dim, theta, pos):
+    """GPT-J's rotary (rotate every two channels) on the first ``rot_dim`` channels, float64. x: (B, H, T, d)."""
+    inv = 1.0 / theta ** (torch.arange(0, rot_dim, 2, dtype=torch.float64) / rot_dim)
+    ang = pos[:, None].double() * inv[None]  # (T, rot/2)
+    cos, sin = ang.cos().repeat_interleave(2, -1), ang.sin().repeat_interleave(2, -1)  # (T, rot)
+    xr, xp = x[..., :rot_dim], x[..., rot_dim:]
+    rot = torch.stack([-xr[..., 1::2], xr[..., ::2]], -1).flatten(-2)
+    return torch.cat([xr * cos + rot * sin, xp], -1)
+
+
 def reference_logits(model, layer, x):
     """x: the attention module's input (after the layer's input norm)."""
     cfg = model.config
     attn = attention_module(model, layer)
     q, k = projections(attn, x.double(), cfg)
     d = q.shape[-1]
-    rot = int(d * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
     pos = torch.arange(x.shape[1])
-    q, k = rope64(q, rot, cfg.rope_parameters["rope_theta"], pos), rope64(k, rot, cfg.rope_parameters["rope_theta"], pos)
+    if cfg.model_type == "gptj":
+        q, k = rope64_interleaved(q, cfg.rotary_dim, 10000.0, pos), rope64_interleaved(k, cfg.rotary_dim, 10000.0, pos)
+    elif cfg.model_type != "gpt2":  # GPT-2: learned absolute positions, nothing rotates
+        rot = int(d * cfg.rope_parameters.get("partial_rotary_factor", 1.0))
+        q, k = rope64(q, rot, cfg.rope_parameters["rope_theta"], pos), rope64(k, rot, cfg.rope_parameters["rope_theta"], pos)
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # GQA: (B, H, T, d)
     return (q @ k.transpose(-1, -2)) * attn.scaling  # (B, H, T, T)
 
 
-ARCHS = ["llama", "diffllama", "qwen2", "mistral", "gemma2", "olmo2", "gpt_neox", "phi3"]
+ARCHS = ["llama", "diffllama", "qwen2", "mistral", "gemma2", "olmo2", "gpt_neox", "phi3", "gpt2", "gptj", "stablelm"]
+MATRIX = [*ARCHS, "qwen3", "gemma3_text", "opt", "starcoder2", "mixtral"]
+
+
+def _window(model, layer):
+    cfg = model.config
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and types[layer] != "sliding_attention":
+        return None
+    return getattr(cfg, "sliding_window", None)
+
+
+@pytest.mark.parametrize("arch", MATRIX)
+def test_matrix_probabilities_equal_eager(arch):
+    """Every architecture: our outputs equal eager's at every position (right padding included), and the
+    softmax of the captured logits (soft-capped where the model caps) equals eager's attention
+    probabilities on the valid rows; the valid mask is causal, windowed, without padding."""
+    model = make(arch)
+    ids = torch.randint(0, 101, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask, output_attentions=True)
+    seen = []
+    keep = lambda o: seen.append((o.point.layer, o.x.clone(), o.valid.clone()))  # noqa: E731
+    with torch.no_grad(), capture(model, ["layers.*.attn.logits"], reducers=keep):
+        out = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(out, ref.logits, atol=1e-5, rtol=1e-5)  # padding positions too
+    assert [layer for layer, _, _ in seen] == list(range(model.config.num_hidden_layers))
+    cap = getattr(model.config, "attn_logit_softcapping", None)
+    T = ids.shape[1]
+    t, s_ = torch.arange(T)[:, None], torch.arange(T)[None]
+    for layer, x, valid in seen:
+        expect = (s_ <= t).expand(2, T, T).clone()
+        expect[1, :, -3:] = False
+        expect[1, -3:, :] = False
+        w = _window(model, layer)
+        if w:
+            expect &= t - s_ < w
+        assert torch.equal(valid.expand(2, -1, T, T)[:, 0], expect), layer
+        z = torch.tanh(x / cap) * cap if cap else x
+        probs = torch.softmax(z.masked_fill(~valid, -math.inf).double(), -1)
+        rows = valid.any(-1, keepdim=True).expand_as(probs)
+        eager = ref.attentions[layer].double()
+        torch.testing.assert_close(probs[rows], eager[rows], atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

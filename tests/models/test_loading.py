@@ -80,3 +80,64 @@ def test_no_weights(model_dir, tmp_path):
     (d / "model.safetensors").unlink()
     with pytest.raises(OutlierscopeError, match="has no weights"):
         load_model(str(d))
+
+
+@pytest.mark.parametrize("model_type,extra", [("bert", {}), ("t5", {"is_encoder_decoder": True})])
+def test_encoder_models_are_refused(tmp_path, model_type, extra):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, **extra}))
+    with pytest.raises(OutlierscopeError, match=f"model_type '{model_type}' is not a causal language model"):
+        load_model(str(tmp_path))
+
+
+def _copy_with(model_dir, tmp_path, edit):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    d = tmp_path / "edited"
+    shutil.copytree(model_dir, d)
+    weights = load_file(d / "model.safetensors")
+    edit(weights)
+    save_file(weights, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def test_missing_tensor_is_refused(model_dir, tmp_path):
+    d = _copy_with(model_dir, tmp_path, lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
+    with pytest.raises(OutlierscopeError, match=r"lack 1 tensor\(s\) the model needs \(model.layers.0.mlp.up_proj.weight\)"):
+        load_model(str(d))
+
+
+def test_shape_mismatch_says_what(model_dir, tmp_path):
+    def shrink(w):
+        w["model.norm.weight"] = w["model.norm.weight"][:3].clone()
+
+    d = _copy_with(model_dir, tmp_path, shrink)
+    with pytest.raises(OutlierscopeError) as e:
+        load_model(str(d))
+    assert "tensor model.norm.weight has shape (3,) in the checkpoint but the config expects (" in str(e.value)
+
+
+def test_loading_leaves_logging_as_it_was(model_dir):
+    from transformers.utils import logging as hf_logging
+
+    before = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_info()
+    try:
+        load_model(str(model_dir))
+        assert hf_logging.get_verbosity() == hf_logging.INFO
+    finally:
+        hf_logging.set_verbosity(before)
+
+
+def test_generate_bad_prompts(capsys):
+    from outlierscope.cli import main
+
+    assert main(["generate", "pair-tiny:transformer", ""]) == 2
+    assert capsys.readouterr().err == "outlierscope: error: prompt must be a non-empty string, got ''\n"
+    long = "the history of the city " * 200  # far over the 256-token context
+    assert main(["generate", "pair-tiny:transformer", long, "--max-new-tokens", "5", "--temperature", "0"]) == 0
+    cap = capsys.readouterr()
+    assert cap.err.startswith("outlierscope: warning: prompt of ") and "cut to its last 251" in cap.err
+    assert main(["generate", "pair-tiny:transformer", "x", "--max-new-tokens", "300"]) == 2
+    assert "--max-new-tokens must be less than the model's context of 256 tokens, got 300" in capsys.readouterr().err

@@ -87,3 +87,36 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
     assert (t5["top1"] != ref["top1"]).any()  # really bf16 arithmetic
     meta = json.loads((tmp_path / "bf16" / "profile.json").read_text())
     assert meta["settings"]["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("damage,msg", [
+    (lambda b: b[: len(b) // 2] + b'\n1,2,"unterminated', "is not a readable CSV table"),
+    (lambda b: bytes(range(256)) * 8, "is not a readable CSV table"),
+    (lambda b: b.split(b"\n")[0] + b"\n", "has a header but no rows"),
+    (lambda b: b"", "is empty"),
+    (lambda b: b"model,bits\nx,4\n", "lacks column(s) label, granularity, metric"),
+    (lambda b: b.replace(b"transformer,16,", b"transformer,sixteen,", 1), "column bits holds non-numeric"),
+])
+@pytest.mark.parametrize("cmd", ["plot", "report"])
+def test_damaged_sweep_table(run_dir, tmp_path, capsys, damage, msg, cmd):
+    import shutil
+
+    d = tmp_path / "damaged"
+    shutil.copytree(run_dir / "sweep", d, ignore=shutil.ignore_patterns("figures", "report.md"))
+    (d / "sweep.csv").write_bytes(damage((d / "sweep.csv").read_bytes()))
+    assert main([cmd, str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err and "sweep.csv" in err
+    assert not (d / "figures").exists() or not any((d / "figures").iterdir())  # nothing drawn from a damaged file
+    assert not (d / "report.md").exists()
+
+
+def test_load_run_tables(run_dir):
+    from outlierscope import load_run as public_load_run
+
+    run = public_load_run(run_dir)
+    assert {"table5", "per_layer", "per_head", "histograms", "topk_logits", "topk_hidden", "lambda", "sweep"} <= set(run.tables)
+    assert run["sweep"].equals(run.tables["sweep"])
+    with pytest.raises(KeyError, match="did you mean table5"):
+        run["table50"]
+    assert "acc_norm" in run.outcome()

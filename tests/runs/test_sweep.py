@@ -164,3 +164,21 @@ def test_bfloat16_sweep_close_to_float32(full, tiny_pair, hs_jsonl, tmp_path):
     assert set(table["bits"]) == {16}
     with pytest.raises(OutlierscopeError, match="dtype must be one of float32, bfloat16, float16, got 'int8'"):
         SweepSettings(dtype="int8")
+
+
+def test_non_utf8_data_is_one_line(tiny_pair, tmp_path, capsys):
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"activity_label": "caf\u00e9", "ctx_a": "b", "ctx_b": "c", "endings": ["w", "x", "y", "z"], "label": 0}\n'
+                    .encode("latin-1"))
+    out = tmp_path / "o"
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--data", str(bad), "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "line 1: not UTF-8 text" in err and "save the file as UTF-8" in err
+    assert not out.exists()
+
+
+def test_failed_sweep_leaves_no_empty_dirs(tiny_pair, hs_jsonl, tmp_path, capsys):
+    out = tmp_path / "new" / "o"
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]) + "-missing", "--data", str(hs_jsonl), "--out", str(out)])
+    assert rc == 2 and "model directory not found" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()

@@ -174,3 +174,82 @@ def test_padding_and_batch_size_independence():
             cols = ["count", "mean", "std", "kurtosis", "max", "median"]
             cols = [c for c in cols if c in x]
             np.testing.assert_allclose(x[cols].to_numpy(float), y[cols].to_numpy(float), rtol=1e-4, atol=1e-6)
+
+
+# -- exact merges: a stream split at random points and merged in order equals the whole stream ----------
+
+
+def _chunks(n, cuts):
+    points = sorted({c % (n + 1) for c in cuts} | {0, n})
+    return list(zip(points[:-1], points[1:]))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 200), max_size=5))
+def test_topk_merge_equals_single_stream(seed, cuts):
+    rng = np.random.default_rng(seed)
+    vals = torch.tensor(np.round(rng.standard_cauchy(120), 1))  # rounded: many ties, broken by location
+    locs = torch.tensor(rng.integers(0, 50, (120, 3)))
+    whole = TopK(10, 3)
+    whole.update(vals, locs)
+    merged = TopK(10, 3)
+    for a, b in _chunks(len(vals), cuts):
+        part = TopK(10, 3)
+        part.update(vals[a:b], locs[a:b])
+        merged.merge(part)
+    assert torch.equal(merged.values, whole.values) and torch.equal(merged.locs, whole.locs)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), cuts=st.lists(st.integers(0, 40), max_size=4), offset=st.floats(-1e4, 1e4))
+def test_moments_merge_equals_single_stream(seed, cuts, offset):
+    rng = np.random.default_rng(seed)
+    x = torch.tensor(rng.standard_normal((40, 3, 16)) * 3 + offset)  # (N, groups, values) float64
+    valid = torch.tensor(rng.random((40, 3, 16)) > 0.2)
+    whole = Moments((1, 3))
+    whole.update(x, valid, (0, 2), 0)
+    merged = Moments((1, 3))
+    for a, b in _chunks(len(x), cuts):
+        part = Moments((1, 3))
+        part.update(x[a:b], valid[a:b], (0, 2), 0)
+        merged.merge(part)
+    assert torch.equal(merged.count, whole.count) and torch.equal(merged.maxabs, whole.maxabs)
+    got, ref = merged.summary(), whole.summary()
+    for k in ("mean", "std", "kurtosis"):
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-9, atol=1e-9 * (1 + abs(offset)))
+    xs = x.masked_fill(~valid, float("nan")).transpose(0, 1).reshape(3, -1).numpy()  # independent numpy reference
+    np.testing.assert_allclose(got["mean"][0], np.nanmean(xs, 1), rtol=1e-9, atol=1e-9 * (1 + abs(offset)))
+    np.testing.assert_allclose(got["std"][0], np.nanstd(xs, 1), rtol=1e-7)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3])
+def test_outlierstats_merge_equals_single_stream(cut):
+    """A real capture of 4 batches, split after batch ``cut``: merged shards equal one stream (same locations,
+    as each shard counts sequences from its own offset)."""
+    from outlierscope.hooks.capture import capture
+    from outlierscope.models.presets import PairConfig
+
+    model = PairConfig.from_name("pair-test").build("diff", seed=0).eval()
+    torch.manual_seed(0)
+    batches = [torch.randint(1, 512, (2, 12)) for _ in range(4)]
+
+    def run(parts):
+        stats = OutlierStats.for_model(model, seq_len=12)
+        with torch.no_grad(), capture(model, reducers=stats) as cap:
+            cap.sequences = 2 * parts[0]  # the shard's first global sequence
+            for ids in batches[parts[0] : parts[1]]:
+                model(input_ids=ids)
+        return stats
+
+    whole = run((0, 4))
+    merged = run((0, cut)).merge(run((cut, 4)))
+    for kind in ("attn.logits", "hidden"):
+        assert torch.equal(merged.hist[kind], whole.hist[kind])
+        assert torch.equal(merged.top[kind].values, whole.top[kind].values)
+        assert torch.equal(merged.top[kind].locs, whole.top[kind].locs)
+        torch.testing.assert_close(merged.moments[kind].sums, whole.moments[kind].sums, rtol=1e-9, atol=1e-6)
+    assert torch.equal(merged.ge6, whole.ge6)
+    pd_ = __import__("pandas")
+    pd_.testing.assert_frame_equal(merged.table5(), whole.table5())
+    with pytest.raises(ValueError, match="cannot merge"):
+        whole.logits.merge(OutlierStats(2, 8, 64, 12).logits)

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 
@@ -190,3 +191,18 @@ def test_cuda_bf16_tracks_cpu(full_run, tiny_corpus, tmp_path):
 
     lm = load_model(str(out / "diff"))  # the GPU-trained checkpoint loads and runs on the CPU
     assert lm.model.config.model_type == "diffllama"
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("   \n\n\t\n", "holds no text, only blank lines"),
+    ("two words", "add text, or choose a preset with a smaller batch"),
+])
+def test_useless_corpus_leaves_nothing(tmp_path, text, msg):
+    (tmp_path / "c.txt").write_text(text)
+    out = tmp_path / "o"
+    args = TrainArgs(preset="pair-test", corpus=(str(tmp_path / "c.txt"),), tokens=2048, out=str(out))
+    with pytest.raises(OutlierscopeError, match=re.escape(msg)):
+        train(args)
+    assert not out.exists()  # neither a rerun nor --resume is blocked
+    with pytest.raises(OutlierscopeError, match="holds no training run"):
+        train(TrainArgs(**{**args.__dict__, "resume": True}))
