@@ -144,7 +144,7 @@ def ensure_writable_dir(path: str | os.PathLike) -> Path:
         probe = tempfile.NamedTemporaryFile(dir=path, prefix=".probe-", delete=True)
         probe.close()
     except OSError as e:
-        raise OutlierscopeError(f"cannot write to output directory {path}: {e.strerror or e}; choose a writable --out") from None
+        raise OutlierscopeError(f"cannot write to output directory {path}: {e.strerror or e}; choose a writable output directory") from None
     return path
 
 

@@ -37,3 +37,31 @@ def test_unknown_model_is_one_line(capsys):
     rc = main(["generate", "pair-tny:diff", "Hello"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "did you mean pair-tiny:diff" in err
+
+
+def test_import_changes_no_environment_or_logging():
+    """Importing the package and its layers sets no environment variable and no logging level."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, logging; env = dict(os.environ); "
+        "from transformers.utils import logging as hl; level = hl.get_verbosity(); root = logging.getLogger().level; "
+        "import outlierscope; "
+        "from outlierscope import load_model, capture, OutlierStats, QuantSpec, quantize_attention, profile_model, "
+        "evaluate, sweep, load_run, plots; "
+        "import outlierscope.cli, outlierscope.train.loop; "
+        "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items()); "
+        "assert hl.get_verbosity() == level and logging.getLogger().level == root; print('ok')"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                                                                      "TOKENIZERS_PARALLELISM")}
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stderr[-2000:]
+
+
+def test_unknown_public_name_has_a_hint():
+    import outlierscope
+
+    with pytest.raises(AttributeError, match="did you mean profile_model"):
+        outlierscope.profile_modle  # noqa: B018

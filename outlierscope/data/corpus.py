@@ -8,7 +8,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import iter_jsonl
 
 SUFFIXES = (".jsonl", ".jsonl.xz", ".jsonl.gz", ".txt", ".txt.xz", ".txt.gz")
@@ -26,7 +26,7 @@ def _open(path: Path):
 def check_corpus(paths: list[str | os.PathLike]) -> list[Path]:
     """Validate corpus paths up front: they exist, have a known suffix and are not empty."""
     if not paths:
-        raise OutlierscopeError("no corpus files given; pass --corpus FILE [FILE ...]")
+        raise ParamError("corpus", "at least one file", list(paths))
     out = []
     for p in map(Path, paths):
         if not p.is_file():

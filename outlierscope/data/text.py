@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import ParamError
 
 
 def hellaswag_documents(path=None) -> Iterator[str]:
@@ -48,9 +48,9 @@ def pack_sequences(tokenizer, docs: Iterable[str], seq_len: int, n_tokens: int) 
     Returns (N, seq_len) int64. Fewer sequences if the text runs out; an error if not even one fits.
     """
     if seq_len <= 0:
-        raise OutlierscopeError(f"seq_len must be positive, got {seq_len}")
+        raise ParamError("seq_len", ">= 1", seq_len)
     if n_tokens <= 0:
-        raise OutlierscopeError(f"tokens must be positive, got {n_tokens}")
+        raise ParamError("tokens", ">= 1", n_tokens)
     n_seq = -(-n_tokens // seq_len)
     need = n_seq * seq_len
     eos = tokenizer.eos_token_id
@@ -64,6 +64,6 @@ def pack_sequences(tokenizer, docs: Iterable[str], seq_len: int, n_tokens: int) 
             break
     have = len(buf) // seq_len
     if have == 0:
-        raise OutlierscopeError(f"the text gives {len(buf)} tokens, fewer than one sequence of {seq_len}; use more text or a smaller --seq-len")
+        raise ParamError("seq_len", f"at most the {len(buf)} tokens the text gives (fewer than one sequence)", seq_len, "or use more text")
     n = min(have, n_seq)
     return torch.tensor(buf[: n * seq_len], dtype=torch.int64).view(n, seq_len)  # (N, T)

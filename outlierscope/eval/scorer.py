@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import Request
 from outlierscope.hooks.attention import attention_stages
 
@@ -134,7 +134,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if batch_size <= 0:
-        raise OutlierscopeError(f"batch size must be positive, got {batch_size}")
+        raise ParamError("batch_size", ">= 1", batch_size)
     scores = np.zeros((len(requests), 4))
     shared, separate = [], []  # (length, item index, choice or None)
     for i, r in enumerate(requests):

@@ -1,4 +1,5 @@
-"""``load_run``: every table a profile, sweep or reproduce run wrote, read back and validated.
+"""``load_run``: every table a profile, sweep or reproduce run wrote, read back and validated
+(``tables`` by file stem, ``cells`` the per-item results of each sweep cell).
 
 A run directory holds a profile (``profile.json``, ``table5.csv``, ``per_layer.csv``, ...) and/or a
 sweep (``sweep.json``, ``sweep.csv``), at its top level or in ``profile/`` and ``sweep/``
@@ -47,6 +48,7 @@ class RunResults:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     profile_meta: dict | None = None
     sweep_meta: dict | None = None
+    cells: dict[str, pd.DataFrame] = field(default_factory=dict)  # sweep cell id -> per-item scores and predictions
 
     def outcome(self) -> str:
         """The measured outcome in plain words (the report's first paragraph)."""
@@ -122,6 +124,10 @@ def load_run(run_dir: str | Path) -> RunResults:
             res.sweep_meta = _read_json(cand / "sweep.json") if (cand / "sweep.json").exists() else None
             req, num = SWEEP_TABLES["sweep"]
             res.tables["sweep"] = read_table(cand / "sweep.csv", req, num)
+            for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
+                df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
+                if df is not None:
+                    res.cells[cid] = df
             break
     if res.profile_dir is None and res.sweep_dir is None:
         raise OutlierscopeError(f"{root} holds no profile.json or sweep.csv (also looked in profile/ and sweep/)")

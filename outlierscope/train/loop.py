@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from outlierscope.data.corpus import check_corpus, iter_documents
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import output_dir, versions, write_json
 from outlierscope.models.presets import ROLES, PairConfig
 from outlierscope.train.checkpoint import export_role, load_state, read_log, save_state, write_log
@@ -42,7 +42,7 @@ PRECISIONS = ("auto", "fp32", "bf16")
 def resolve_precision(device: str, precision: str) -> str:
     """``auto`` is bf16 autocast on CUDA and fp32 on CPU; fp32 and bf16 are taken as given."""
     if precision not in PRECISIONS:
-        raise OutlierscopeError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise ParamError("precision", f"one of {', '.join(PRECISIONS)}", precision)
     if precision == "auto":
         return "bf16" if device == "cuda" else "fp32"
     return precision
@@ -103,25 +103,23 @@ def _check_args(args: TrainArgs, cfg: PairConfig) -> Path:
     out = Path(args.out)
     per_step = cfg.batch_size * cfg.seq_len
     if args.tokens < per_step:
-        raise OutlierscopeError(
-            f"--tokens must be at least one batch ({cfg.batch_size} x {cfg.seq_len} = {per_step} tokens), got {args.tokens}"
-        )
+        raise ParamError("tokens", f"at least one batch ({cfg.batch_size} x {cfg.seq_len} = {per_step} tokens)", args.tokens)
     check_corpus(list(args.corpus))
     if args.val_corpus:
         check_corpus(list(args.val_corpus))
     if args.resume:
         if not (out / "run.json").exists():
-            raise OutlierscopeError(f"--resume: {out} holds no training run (no run.json); start without --resume")
+            raise OutlierscopeError(f"{out} holds no training run (no run.json) to resume; start a new run there instead")
     elif out.exists() and any(out.iterdir()):
-        raise OutlierscopeError(f"output directory {out} exists and is not empty; pass --resume to continue it or choose a new --out")
+        raise OutlierscopeError(f"output directory {out} exists and is not empty; resume the run in it or choose a new output directory")
     if args.device not in ("cpu", "cuda"):
-        raise OutlierscopeError(f"--device must be cpu or cuda, got {args.device!r}")
+        raise ParamError("device", "cpu or cuda", args.device)
     resolve_precision(args.device, args.precision)
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
-            raise OutlierscopeError("--device cuda: no CUDA device is available; use --device cpu")
+            raise ParamError("device", "cpu: no CUDA device is available here", args.device)
     return out
 
 
@@ -200,7 +198,7 @@ def _open_run(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
         )
     started, now = run.get("precision", "fp32"), resolve_precision(args.device, args.precision)
     if now != started:
-        raise OutlierscopeError(f"--resume: {out} was trained with precision {started}, got {now}; pass --precision {started}")
+        raise ParamError("precision", f"{started}, the precision {out} was trained with", now)
     return run
 
 

@@ -117,6 +117,7 @@ def test_load_run_tables(run_dir):
     run = public_load_run(run_dir)
     assert {"table5", "per_layer", "per_head", "histograms", "topk_logits", "topk_hidden", "lambda", "sweep"} <= set(run.tables)
     assert run["sweep"].equals(run.tables["sweep"])
+    assert set(run.cells) == set(run["sweep"]["cell"]) and all(len(df) == 12 for df in run.cells.values())
     with pytest.raises(KeyError, match="did you mean table5"):
         run["table50"]
     assert "acc_norm" in run.outcome()
