@@ -117,13 +117,15 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
 
 def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int) -> dict:
     """The cell's metrics, flat: acc, acc_norm with stderr, and against ``base`` each metric's change."""
-    out = {m: res.metrics[m] for m in ("acc", "acc_stderr", "acc_norm", "acc_norm_stderr")}
-    if base is not None:
-        cmp = res.compare(base, seed=seed)
-        for m in ("acc", "acc_norm"):
+    cmp = res.compare(base, seed=seed) if base is not None else None
+    out = {}
+    for m in ("acc", "acc_norm"):  # per metric: value, stderr, then its change (the row order of sweep.csv)
+        out[m], out[f"{m}_stderr"] = res.metrics[m], res.metrics[f"{m}_stderr"]
+        if cmp is not None:
             c = cmp[m]
             out.update({f"{m}_delta": c["delta"], f"{m}_ci_low": c["ci_low"], f"{m}_ci_high": c["ci_high"],
                         f"{m}_mcnemar_p": c["mcnemar_p"], f"flip_rate{'' if m == 'acc' else '_norm'}": c["flip_rate"]})
+    if cmp is not None:
         out["mean_abs_score_change"] = cmp["mean_abs_score_change"]
     if res.metrics.get("lm_loss") is not None:
         out["lm_loss"] = res.metrics["lm_loss"]
