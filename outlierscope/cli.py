@@ -120,7 +120,7 @@ def _cmd_reproduce(a) -> None:
 
     _headless()
     path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text,
-                                       force=a.force))
+                                       force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len))
     print(f"report: {path}")
 
 
@@ -228,7 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--svg", action="store_true", help="also write SVG figures")
     s.set_defaults(func=_cmd_report)
 
-    s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair: profile, sweep, plot, report")
+    s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
+    s.add_argument("--model", action="append", metavar="SPEC",
+                   help="model spec, repeatable (default: pair-tiny:transformer and pair-tiny:diff; e.g. smollm2-135m)")
+    s.add_argument("--seq-len", type=int, help="profile sequence length (default: min(model context, 256))")
     s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
     s.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
     s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")

@@ -1,4 +1,5 @@
-"""``outlierscope reproduce``: Table 5 and Figure 8 of the Diff Transformer paper on the bundled pair."""
+"""``outlierscope reproduce``: Table 5 and Figure 8 of the Diff Transformer paper on the bundled pair (default)
+or on any models (``models=("smollm2-135m",)``)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class ReproduceSettings:
     models: tuple[str, ...] = DEFAULT_PAIR
     batch_size: int = 32
     text: str | None = None
+    seq_len: int | None = None  # profile sequence length; None: min(model context, 256)
     force: bool = False  # replace the tables of a sweep with other settings in out/sweep
 
 
@@ -36,7 +38,7 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     out = Path(s.out)
     t0 = time.time()
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
-    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8), out / "profile")
+    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len), out / "profile")
     t1 = time.time()
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{s.limit or 'all 10,042'} HellaSwag items (Figure 8)")

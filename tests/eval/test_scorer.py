@@ -17,13 +17,16 @@ def setup(request, tiny_pair, hs_jsonl):
     return lm, build_requests(items, lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
 
 
-def naive_scores(model, reqs):
-    """lm-eval's computation: one sequence per choice, full logits, log_softmax, sum over the continuation."""
+def naive_scores(model, reqs, max_length=None):
+    """lm-eval's computation: one sequence per choice, left-truncated as lm-eval's HFLM does
+    (``(context_enc + continuation_enc)[-(max_length + 1):][:-1]``), full logits, log_softmax, sum over the
+    continuation's last positions."""
     out = np.zeros((len(reqs), 4))
     with torch.no_grad():
         for i, r in enumerate(reqs):
             for j, cont in enumerate(r.conts):
-                inp = torch.tensor([r.inputs(j)])
+                ml = max_length or r.max_length
+                inp = torch.tensor([(list(r.ctx) + list(cont))[-(ml + 1) :][:-1]])
                 lp = torch.log_softmax(model(input_ids=inp).logits[0], -1)
                 n = inp.shape[1]
                 out[i, j] = sum(lp[n - len(cont) + k, t].item() for k, t in enumerate(cont))
@@ -56,9 +59,26 @@ def test_per_row_quantization_exact_with_shared_prefix(setup):
     assert np.abs(shared - score_requests(lm.model, reqs, "shared", 8)).max() > 1e-3  # quantization did something
 
 
-def test_per_tensor_quantization_changes_scores_per_sequence(setup):
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
+def test_whole_sequence_scales_equal_naive_reference(setup, granularity):
+    """per_tensor / per_head: the scale sees the whole sequence, so each (context, ending) runs alone in the naive
+    reference; our batched scores equal it, do not depend on the batch, and differ from unquantized."""
     lm, reqs = setup
-    with quantize_attention(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
+    plain = score_requests(lm.model, reqs, "separate", 16)
+    with quantize_attention(lm.model, QuantSpec(bits=4, granularity=granularity)):
         a = score_requests(lm.model, reqs, "separate", 1)
         b = score_requests(lm.model, reqs, "separate", 16)
+        ref = naive_scores(lm.model, reqs)
+    np.testing.assert_allclose(b, ref, atol=1e-4, rtol=0)
     assert np.abs(a - b).max() < 1e-4  # one sequence's scale never depends on the batch
+    assert np.abs(b - plain).max() > 1e-2  # and quantization changed the scores
+
+
+def test_truncated_requests_equal_naive_reference(tiny_pair, hs_jsonl):
+    """A 16-token context: lm-eval truncates from the left; every item goes through the separate layout."""
+    lm = load_model(str(tiny_pair["diff"]))
+    reqs = build_requests(load_hellaswag(hs_jsonl), lm.tokenizer, 16)
+    assert all(r.truncated for r in reqs)
+    ref = naive_scores(lm.model, reqs, max_length=16)
+    for layout in ("shared", "separate"):
+        np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 8), ref, atol=1e-4, rtol=0)

@@ -36,17 +36,60 @@ def test_16_bits_is_exact(model):
     assert model.config._attn_implementation == "eager"
 
 
-def test_8_bits_close_2_bits_far(model):
-    """Measured on these models (max |change| / max |logit| of the output logits): 8 bits 0.011 / 0.007
-    (transformer / diff), 6 bits 0.029 / 0.031, 4 bits 0.14 / 0.12, 2 bits 0.55 / 0.56; next-token total
-    variation at 8 bits 0.001 / 0.0005. The bounds below leave about 2x margin."""
-    ref = _logits(model)
-    scale = ref.abs().max()
-    rel = {b: ((_logits(model, QuantSpec(bits=b)) - ref).abs().max() / scale).item() for b in (8, 6, 4, 2)}
-    assert 0 < rel[8] < 0.025
-    assert rel[8] < rel[6] < rel[4] < rel[2] and rel[2] > 0.3
-    tv = (torch.softmax(_logits(model, QuantSpec(bits=8)), -1) - torch.softmax(ref, -1)).abs().sum(-1).max() / 2
-    assert tv < 0.003
+GRAN_DIMS = {"per_tensor": (1, 2, 3), "per_head": (2, 3), "per_row": (3,)}
+
+
+def _reference_quant(x, valid, bits, granularity):
+    """Independent float64 absmax quantization: scale = max |x[valid]| / (2^(bits-1) - 1) over the granule."""
+    x = x.double()
+    qmax = 2 ** (bits - 1) - 1
+    scale = x.abs().masked_fill(~valid, 0).amax(GRAN_DIMS[granularity], keepdim=True) / qmax
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(x / safe).clamp(-qmax, qmax) * safe  # round half to even
+    return torch.where(valid & (scale > 0), q, x), scale
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_row"])
+@pytest.mark.parametrize("bits", [8, 4, 3])
+def test_quantized_attention_equals_float64_reference(model, granularity, bits):
+    """The unquantized logits (observed before the quantizer), quantized independently in float64 over the valid
+    entries of each granule, then softmax over the allowed keys and @ V: equal to what the layer computes."""
+    ids = IDS.clone()
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: masked keys and padding query rows must not enter any scale
+    layer = 1
+    attn = model.model.layers[layer].self_attn
+    raw, quant, got = {}, {}, {}
+    hooks = [attn.v_proj.register_forward_hook(lambda m, a, o: got.__setitem__("v", o)),
+             attn.o_proj.register_forward_pre_hook(lambda m, a: got.__setitem__("o_in", a[0]))]
+    keep = lambda d: (lambda o: d.__setitem__(o.point.layer, (o.x.clone(), o.valid.clone())))  # noqa: E731
+    spec = QuantSpec(bits=bits, granularity=granularity)
+    try:
+        with torch.no_grad(), capture(model, "layers.*.attn.logits", reducers=keep(raw)), \
+                quantize_attention(model, spec), capture(model, "layers.*.attn.logits", reducers=keep(quant)):
+            model(input_ids=ids, attention_mask=mask)
+    finally:
+        for h in hooks:
+            h.remove()
+    x, valid = raw[layer]
+    valid = valid.expand_as(x)
+    ref, scale = _reference_quant(x, valid, bits, granularity)
+    torch.testing.assert_close(quant[layer][0].double(), ref, rtol=1e-6, atol=1e-6)
+    # the grid: every valid quantized value is an integer multiple of max|x[valid]| / qmax of its granule
+    k = quant[layer][0].double() / torch.where(scale > 0, scale, torch.ones_like(scale))
+    assert torch.allclose(k[valid], k[valid].round(), atol=1e-4)
+    assert k[valid].abs().amax().item() == pytest.approx(2 ** (bits - 1) - 1)  # the absmax lands on the top level
+    if model.config.model_type == "diffllama":
+        return  # the differential combination of the two maps is tested against the paper's formula elsewhere
+    B, H, T, S = x.shape
+    hkv = model.config.num_key_value_heads
+    v = got["v"].double().view(B, T, hkv, -1).transpose(1, 2).repeat_interleave(H // hkv, 1)  # (B, H, S, d)
+    causal = torch.ones(T, S, dtype=torch.bool).tril()
+    allowed = causal & mask.bool()[:, None, None, :]  # (B, 1, T, S)
+    probs = torch.softmax(ref.masked_fill(~allowed, -torch.inf), -1)
+    out = (probs @ v).transpose(1, 2).reshape(B, T, -1)  # (B, T, H*d)
+    rows = mask.bool()  # real query rows
+    torch.testing.assert_close(got["o_in"].double()[rows], out[rows], rtol=1e-5, atol=1e-5)
 
 
 def test_quantized_logits_can_be_profiled(model):
@@ -55,11 +98,6 @@ def test_quantized_logits_can_be_profiled(model):
     with torch.no_grad(), quantize_attention(model, spec), capture(model, "layers.*.attn.logits", reducers=seen.append):
         model(input_ids=IDS[:1])
     for obs in seen:
-        v = obs.x[obs.valid.expand_as(obs.x)].view(-1)
-        for h in range(obs.x.shape[1]):
-            vals = obs.x[0, h][obs.valid[0, 0]]
-            assert len(torch.unique(vals)) <= 2 * 3 + 1  # on a 3-bit grid: at most 7 levels per head
-        assert len(v)
         # kept observations stay intact: the attention function masks a copy, not the tensor a reducer holds
         assert not (obs.x == torch.finfo(obs.x.dtype).min).any()
 

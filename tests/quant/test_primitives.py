@@ -139,3 +139,26 @@ def test_bitsandbytes_per_row_int8_matches(seed):
     diff = ours != bnb
     assert (diff & ~near_tie).sum() == 0
     assert ((ours - bnb).abs() <= scale * (1 + 1e-6)).all()
+
+
+@settings(max_examples=100, deadline=None)
+@given(tensors, bits_st, st.integers(0, 2**31 - 1))
+def test_scale_is_absmax_of_valid_over_qmax(arr, bits, seed):
+    """The scale itself, against numpy: max |x| over the valid entries of each row / (2^(bits-1) - 1)."""
+    valid = np.random.default_rng(seed).random(arr.shape) > 0.3
+    s = absmax_scale(torch.from_numpy(arr), bits, dims=(1,), valid=torch.from_numpy(valid))
+    expect = np.where(valid, np.abs(arr), 0).max(1, keepdims=True) / np.float32(2 ** (bits - 1) - 1)
+    np.testing.assert_array_equal(s.numpy(), expect.astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+@settings(max_examples=50, deadline=None)
+@given(arr=tensors)
+def test_fp8_equals_torch_cast(fmt, dtype, arr):
+    """FP8 fake-quant = divide by amax / max finite, cast through torch's float8 type, multiply back."""
+    x = torch.from_numpy(arr)
+    amax = x.abs().amax(1, keepdim=True)
+    scale = amax / torch.finfo(dtype).max
+    ok = scale > 0
+    expect = torch.where(ok, (x / torch.where(ok, scale, 1)).to(dtype).float() * scale, x)
+    torch.testing.assert_close(quantize_absmax(x, 8, (1,), fmt=fmt), expect, rtol=0, atol=0)

@@ -40,13 +40,64 @@ def test_table_contents(full):
     assert list(res.columns) == ["index", "label", *[f"score{j}" for j in range(4)], *[f"tokens{j}" for j in range(4)], "pred", "pred_norm"]
 
 
-def test_metrics_recomputed_from_cells(full):
-    out, table = full
+@pytest.fixture(scope="module")
+def real(hellaswag_cached, tmp_path_factory):
+    """The bundled pair on 100 real validation items at 2 bits: discordant pairs, so that McNemar and the intervals
+    are exercised."""
+    out = tmp_path_factory.mktemp("sweep") / "real"
+    s = SweepSettings(bits=(16, 2), limit=100, batch_size=32)
+    return out, sweep(s, out, progress=False, log=lambda *_: None).table, hellaswag_cached
+
+
+@pytest.mark.parametrize("which", ["full", "real"])
+def test_statistics_recomputed_independently_from_cells(which, request, hs_jsonl):
+    """Every number of sweep.csv from the per-item cell files with independent numpy/scipy code; predictions
+    come from the score columns and the endings' lengths in characters, not from the pred columns."""
+    from scipy.stats import binomtest
+
+    from outlierscope.data.hellaswag import build_doc, load_hellaswag
+
+    out, table, *data = request.getfixturevalue(which)
+    chars = np.array([[len(c) for c in build_doc(it).choices] for it in load_hellaswag(data[0] if data else hs_jsonl)],
+                     dtype=float)
+    discordant = 0
     meta = json.loads((out / "sweep.json").read_text())
-    for c in meta["cells"]:
-        res = pd.read_csv(out / "cells" / f"{c['cell']}.csv")
-        assert c["acc"] == pytest.approx((res.pred == res.label).mean())
-        assert c["acc_norm"] == pytest.approx((res.pred_norm == res.label).mean())
+    scores = [f"score{j}" for j in range(4)]
+
+    def preds(res):
+        sc = res[scores].to_numpy()
+        return sc.argmax(1), (sc / chars[res["index"].to_numpy()]).argmax(1)
+
+    cells = {c["cell"]: c for c in meta["cells"]}
+    for model in table["model"].unique():
+        mine = {c["bits"]: c for c in cells.values() if c["model"] == model}
+        base = pd.read_csv(out / "cells" / f"{mine[16]['cell']}.csv")
+        b_acc, b_norm = preds(base)
+        for bits, c in mine.items():
+            res = pd.read_csv(out / "cells" / f"{c['cell']}.csv")
+            p_acc, p_norm = preds(res)
+            assert np.array_equal(p_acc, res["pred"]) and np.array_equal(p_norm, res["pred_norm"])
+            rows = table[(table.model == model) & (table.bits == bits)].set_index("metric")
+            for metric, p, bp, flip in (("acc", p_acc, b_acc, "flip_rate"), ("acc_norm", p_norm, b_norm, "flip_rate_norm")):
+                ok, bok = p == res["label"].to_numpy(), bp == base["label"].to_numpy()
+                assert rows.loc[metric, "value"] == pytest.approx(ok.mean())
+                assert rows.loc[metric, "stderr"] == pytest.approx(ok.std(ddof=1) / np.sqrt(len(ok)))
+                if bits == 16:
+                    continue
+                assert rows.loc[metric, "delta_vs_16"] == pytest.approx(ok.mean() - bok.mean())
+                n01, n10 = int((bok & ~ok).sum()), int((~bok & ok).sum())
+                discordant += n01 + n10
+                p_val = 1.0 if n01 + n10 == 0 else binomtest(n01, n01 + n10, 0.5).pvalue
+                assert rows.loc[metric, "mcnemar_p"] == pytest.approx(p_val)
+                rng = np.random.default_rng(meta["settings"]["seed"])
+                d = ok.astype(float) - bok.astype(float)
+                boot = np.concatenate([d[rng.integers(0, len(d), (200, len(d)))].mean(1) for _ in range(10)])
+                assert (rows.loc[metric, "ci_low"], rows.loc[metric, "ci_high"]) == pytest.approx(tuple(np.percentile(boot, [2.5, 97.5])))
+                assert rows.loc[flip, "value"] == pytest.approx((p != bp).mean())
+            if bits != 16:
+                change = np.abs(res[scores].to_numpy() - base[scores].to_numpy()).mean()
+                assert rows.loc["mean_abs_score_change", "value"] == pytest.approx(change)
+    assert which == "full" or discordant >= 5  # the real items do exercise McNemar and the intervals
 
 
 def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
@@ -89,7 +140,18 @@ def test_text_loss(tiny_pair, hs_jsonl, tmp_path, tiny_corpus):
                             text=str(tiny_corpus / "val.jsonl"), text_tokens=2048), tmp_path / "t", progress=False,
                   log=lambda *_: None).table
     loss = table[table.metric == "lm_loss"].set_index("bits")["value"]
-    assert loss[16] > 0 and loss[2] != loss[16]
+    assert loss[2] != loss[16]
+    # the unquantized loss against transformers' own model(labels=...).loss on the same packed sequences
+    import torch
+
+    from outlierscope.data.text import pack_sequences, text_documents
+    from outlierscope.models.loading import load_model, resolve_seq_len
+
+    lm = load_model(str(tiny_pair["diff"]))
+    seqs = pack_sequences(lm.tokenizer, text_documents(str(tiny_corpus / "val.jsonl")), resolve_seq_len(lm.model, None), 2048)
+    with torch.no_grad():
+        ref = np.mean([lm.model(input_ids=x[None], labels=x[None]).loss.item() for x in seqs])  # equal lengths: token mean
+    assert loss[16] == pytest.approx(ref, rel=1e-5)
 
 
 @pytest.mark.parametrize("argv,msg", [
