@@ -11,16 +11,17 @@ from outlierscope.io import atomic_dir, atomic_path, write_text
 from outlierscope.train.card import model_card
 from outlierscope.train.tokenizer import load_tokenizer
 
-LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss"]
+# data_sha256: chained sha256 (first 16 hex digits) of every training input the role's model received so far
+LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", "val_loss", "data_sha256"]
 
 
-def save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
+def save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float, fed: dict) -> None:
     """Everything ``--resume`` needs, swapped in as one directory (``state/``; the previous one stays until the swap)."""
     with atomic_dir(out / "state") as tmp:
-        _write_state(tmp, models, opts, scheds, step, wall)
+        _write_state(tmp, models, opts, scheds, step, wall, fed)
 
 
-def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float) -> None:
+def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float, fed: dict) -> None:
     import torch
 
     for role in models:
@@ -34,17 +35,19 @@ def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, w
             },
             tmp / f"{role}.pt",
         )
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall}))
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall, "fed": fed}))
 
 
-def load_state(out: Path, models: dict, opts: dict, scheds: dict) -> tuple[int, float]:
+def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> tuple[int, float, dict]:
+    """(step, wall seconds, data digests) of the last checkpoint, loaded into the models, optimizers and schedulers;
+    (0, 0.0, ``fed``) when there is none."""
     import torch
 
     state = out / "state"
     if not (state / "meta.json").exists() and (out / "state.old" / "meta.json").exists():
         state = out / "state.old"  # a crash during the swap: the previous checkpoint is complete
     if not (state / "meta.json").exists():
-        return 0, 0.0
+        return 0, 0.0, fed
     meta = json.loads((state / "meta.json").read_text())
     for role in models:
         ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
@@ -54,7 +57,7 @@ def load_state(out: Path, models: dict, opts: dict, scheds: dict) -> tuple[int, 
         torch.set_rng_state(ck["rng_cpu"])
         if ck["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["rng_cuda"])
-    return meta["step"], meta["wall_s"]
+    return meta["step"], meta["wall_s"], meta.get("fed", fed)
 
 
 def read_log(path: Path, upto_step: int) -> list[dict]:

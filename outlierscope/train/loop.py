@@ -16,6 +16,7 @@ of packed sequences), and the state directory is swapped in atomically.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -211,17 +212,21 @@ class _Pair:
         self.cfg, self.precision = cfg, precision
         self.dev = torch.device(device)
         self.models, self.opts, self.scheds = {}, {}, {}
+        self.fed = {role: "" for role in ROLES}  # chained sha256 of every training input each model received
         for role in ROLES:
             self.models[role] = cfg.build(role, seed=seed).to(self.dev).train()
             self.opts[role] = _optimizer(self.models[role], cfg)
             self.scheds[role] = torch.optim.lr_scheduler.LambdaLR(self.opts[role], _lr_lambda(cfg, steps))
 
-    def loss(self, role: str, batch: np.ndarray):
+    def loss(self, role: str, batch: np.ndarray, record: bool = False):
         import torch
 
         x = torch.from_numpy(batch).to(self.dev)  # (B, S+1)
+        inputs = x[:, :-1]  # (B, S)
+        if record:  # what this model is fed, chained over steps: proves both roles saw the same data
+            self.fed[role] = hashlib.sha256(self.fed[role].encode() + inputs.cpu().numpy().tobytes()).hexdigest()
         with autocast_for(self.dev.type, self.precision):
-            logits = self.models[role](input_ids=x[:, :-1]).logits  # (B, S, V)
+            logits = self.models[role](input_ids=inputs).logits  # (B, S, V)
         return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))  # (B*S, V)
 
     def step(self, batch: np.ndarray) -> dict[str, float]:
@@ -230,7 +235,7 @@ class _Pair:
 
         losses = {}
         for role in ROLES:
-            loss = self.loss(role, batch)
+            loss = self.loss(role, batch, record=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.models[role].parameters(), self.cfg.grad_clip)
             self.opts[role].step()
@@ -272,7 +277,7 @@ def train(args: TrainArgs) -> dict:
     data = PackedData(out / "data" / "train.bin", cfg.seq_len, cfg.batch_size, args.seed)
     val = PackedData(out / "data" / "val.bin", cfg.seq_len, cfg.batch_size, args.seed) if run["val_tokens"] else None
     pair = _Pair(cfg, args.seed, steps, args.device, run.get("precision", "fp32"))
-    start, wall0 = load_state(out, pair.models, pair.opts, pair.scheds)
+    start, wall0, pair.fed = load_state(out, pair.models, pair.opts, pair.scheds, pair.fed)
     log_path = out / "train_log.csv"
     rows = read_log(log_path, start)
     hardware = _hardware(args.device)
@@ -280,7 +285,7 @@ def train(args: TrainArgs) -> dict:
     tokens_per_step = cfg.batch_size * cfg.seq_len
 
     def checkpoint(step: int, wall: float) -> None:
-        save_state(out, pair.models, pair.opts, pair.scheds, step, wall)
+        save_state(out, pair.models, pair.opts, pair.scheds, step, wall, pair.fed)
         for role in ROLES:
             export_role(out, role, pair.models[role], run, step, wall, rows, hardware)
 
@@ -307,6 +312,7 @@ def train(args: TrainArgs) -> dict:
                     "loss": f"{acc[role] / n_acc:.5f}", "lr": f"{pair.lr(role):.6g}",
                     "tokens_per_s": f"{tps:.0f}", "wall_s": f"{wall0 + now - t_start:.1f}",
                     "val_loss": f"{vals[role]:.5f}" if role in vals else "",
+                    "data_sha256": pair.fed[role][:16],
                 } for role in ROLES]
                 write_log(log_path, rows)
                 bar.set_postfix({**{f"loss_{r[0]}": f"{acc[r] / n_acc:.3f}" for r in ROLES}, "tok/s": f"{tps:.0f}"})

@@ -31,8 +31,8 @@ def test_end_to_end(full_run):
         card = (out / role / "README.md").read_text()
         assert "status | finished" in card and "reached the lower validation loss" in card
     log = (out / "train_log.csv").read_text().splitlines()
-    assert log[0] == "role,step,tokens,loss,lr,tokens_per_s,wall_s,val_loss"
-    assert sum(1 for line in log if line.startswith("diff,") and not line.endswith(",")) >= 2  # val losses logged
+    assert log[0] == "role,step,tokens,loss,lr,tokens_per_s,wall_s,val_loss,data_sha256"
+    assert sum(1 for line in log if line.startswith("diff,") and line.split(",")[7]) >= 2  # val losses logged
     run = json.loads((out / "run.json").read_text())
     assert run["train_pool_tokens"] == 16 * 4 * 33  # exactly one epoch of packed sequences
     from transformers import AutoTokenizer
@@ -50,12 +50,29 @@ def test_resume_is_bit_exact(full_run, tiny_corpus, tmp_path):
     assert second["step"] == 16
     for role in ("transformer", "diff"):
         assert (out / role / "model.safetensors").read_bytes() == (full / role / "model.safetensors").read_bytes()
+    a, b = ({(r["role"], r["step"]): r["data_sha256"] for r in _log_rows(d)} for d in (out, full))
+    common = a.keys() & b.keys()
+    assert ("diff", "16") in common and all(a[k] == b[k] for k in common)  # the resumed run was fed the same data
+
+
+def _log_rows(out):
+    import csv
+
+    with open(out / "train_log.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_same_data_both_models_differ_only_in_attention(full_run):
     from safetensors.torch import load_file
 
     out, _ = full_run
+    rows = _log_rows(out)
+    by_step = {}
+    for r in rows:
+        by_step.setdefault(int(r["step"]), {})[r["role"]] = r["data_sha256"]
+    assert len(by_step) >= 2 and all(len(v) == 2 for v in by_step.values())
+    assert all(v["transformer"] == v["diff"] and len(v["diff"]) == 16 for v in by_step.values())  # identical inputs
+    assert len({v["diff"] for v in by_step.values()}) == len(by_step)  # and the digest moves with the data
     t = load_file(out / "transformer" / "model.safetensors")
     d = load_file(out / "diff" / "model.safetensors")
     assert set(d) - set(t) and all("lambda" in k for k in set(d) - set(t)) and set(t) <= set(d)
