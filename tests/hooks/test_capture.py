@@ -280,11 +280,23 @@ def test_unsupported_kwarg_is_an_error():
 
 
 def test_model_without_interface():
-    class Plain(torch.nn.Module):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = torch.nn.Linear(2, 2)
+
+    class Plain(torch.nn.Module):  # decoder layers, but no set_attn_implementation
         config = type("C", (), {"num_hidden_layers": 1})()
 
-    with pytest.raises(OutlierscopeError):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Block()])
+
+    with pytest.raises(OutlierscopeError, match="Plain does not route its attention through transformers' AttentionInterface"):
         with capture(Plain(), ["layers.0.attn.logits"]):
+            pass
+    with pytest.raises(OutlierscopeError, match="Sequential: cannot find its decoder layers"):
+        with capture(torch.nn.Sequential(torch.nn.Linear(2, 2)), ["layers.0.hidden"]):
             pass
 
 

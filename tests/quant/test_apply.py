@@ -117,7 +117,7 @@ def test_layer_restriction(model):
 
 
 def test_restored_after_exception(model):
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match="^boom$"):
         with quantize_attention(model, QuantSpec(bits=4)):
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "eager"

@@ -121,3 +121,30 @@ def test_load_run_tables(run_dir):
     with pytest.raises(KeyError, match="did you mean table5"):
         run["table50"]
     assert "acc_norm" in run.outcome()
+
+
+def test_outcome_paragraph_numbers(tmp_path):
+    """The generated sentences carry the right numbers (ratios, deltas, intervals, flip rates) for known tables."""
+    from outlierscope.report.load import RunResults
+
+    t5 = pd.DataFrame([
+        {"model": "pair-tiny:transformer", "activation": "Attention Logits", "top1": 36.22, "median": 1.26},
+        {"model": "pair-tiny:diff", "activation": "Attention Logits", "top1": 82.35, "median": 1.803},
+        {"model": "pair-tiny:transformer", "activation": "Hidden States", "top1": 110.67, "median": 2.529},
+        {"model": "pair-tiny:diff", "activation": "Hidden States", "top1": 74.85, "median": 2.244},
+    ])
+    rows = []
+    for model, base, low, d, lo, hi, p, flip in (("pair-tiny:transformer", 0.2614, 0.2631, 0.0017, -0.0014, 0.0049, 0.316, 0.0488),
+                                                ("pair-tiny:diff", 0.2575, 0.2576, 0.0001, -0.0038, 0.0038, 1.0, 0.0729)):
+        rows += [{"model": model, "bits": 16, "metric": "acc_norm", "value": base},
+                 {"model": model, "bits": 4, "metric": "acc_norm", "value": low, "delta_vs_16": d, "ci_low": lo,
+                  "ci_high": hi, "mcnemar_p": p},
+                 {"model": model, "bits": 4, "metric": "flip_rate_norm", "value": flip}]
+    run = RunResults(tmp_path, tables={"table5": t5, "sweep": pd.DataFrame(rows)})
+    para = outcome_paragraph(run)
+    assert f"(82.35 vs 36.22, {82.35 / 36.22:.2f}x)" in para and "the Diff Transformer has the larger top-1" in para
+    assert f"ratio is {36.22 / 1.26:.0f} vs {82.35 / 1.803:.0f}" in para
+    assert f"the Transformer has the larger top-1 |value| (110.67 vs 74.85, {110.67 / 74.85:.2f}x)" in para
+    assert "acc_norm 26.14% at 16 bits and 26.31% at 4 bits, a change of +0.17 points (95% CI -0.14 to +0.49; " \
+           "McNemar p = 0.316, not significant at 5%)" in para
+    assert "At 4 bits, 7.29% of pair-tiny:diff's acc_norm choices change versus 4.88% for pair-tiny:transformer." in para
