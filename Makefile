@@ -33,7 +33,7 @@ test: install data lint
 	$(BIN)/python -m pytest -q
 
 bench: install data
-	$(BIN)/python bench/profile.py
+	$(BIN)/python bench/profile_throughput.py
 	$(BIN)/python bench/quant.py
 
 # lm-evaluation-harness 0.4.13 in its own venv (its pins differ from ours), for bench/eval_vs_lmeval.py

@@ -6,31 +6,16 @@
    through eager and sdpa attention.
 
 Goal: a quantized forward costs <= 1.5x the unquantized eager forward.
+Every timing is 5 runs after a warm-up (the median is quoted); writes bench/results/quant.json.
 Usage: python bench/quant.py [--model pair-tiny:diff]
 """
 
 from __future__ import annotations
 
-import sys
-
-# this folder holds profile.py, which would shadow the standard library's `profile` (imported by torch)
-sys.path[:] = [x for x in sys.path if not x.rstrip("/").endswith("bench")]
-
 import argparse
-import json
-import time
 
 import torch
-
-
-def timeit(fn, reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+from artifact import median, repeat, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 
 
 def main() -> None:
@@ -41,30 +26,36 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="pair-tiny:diff")
     a = p.parse_args()
-    res = {"threads": torch.get_num_threads()}
+    raw = {"model": a.model, "logits_shape": [8, 6, 256, 256]}
     x = torch.randn(8, 6, 256, 256)  # (B, H, T, S): a pair-tiny batch of logits
     valid = torch.ones(256, 256, dtype=torch.bool).tril()[None, None]
-    gb = x.numel() * 4 / 1e9
-    res["copy_GBps"] = round(gb / timeit(lambda: x.clone()), 2)
+    raw["copy_s"] = repeat(lambda: x.clone(), 5)
     for gran in ("per_tensor", "per_head", "per_row"):
         spec = QuantSpec(bits=8, granularity=gran)
-        res[f"fake_quant_{gran}_GBps"] = round(gb / timeit(lambda spec=spec: spec(x, valid)), 2)
+        raw[f"fake_quant_{gran}_s"] = repeat(lambda spec=spec: spec(x, valid), 5)
     spec = QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes")
-    res["bitsandbytes_per_row_GBps"] = round(gb / timeit(lambda: spec(x, valid)), 2)
+    raw["bitsandbytes_per_row_s"] = repeat(lambda: spec(x, valid), 5)
 
     lm = load_model(a.model)
     ids = torch.randint(0, lm.model.config.vocab_size, (8, 256), generator=torch.Generator().manual_seed(0))
+    run = lambda: lm.model(input_ids=ids, use_cache=False)  # noqa: E731
     with torch.no_grad():
         for impl in ("eager", "sdpa"):
             lm.model.set_attn_implementation(impl)
-            res[f"forward_{impl}_s"] = round(timeit(lambda: lm.model(input_ids=ids, use_cache=False)), 4)
+            raw[f"forward_{impl}_s"] = repeat(run, 5)
         lm.model.set_attn_implementation("eager")
-        with quantize_attention(lm.model, QuantSpec(bits=8)):
-            res["forward_quant8_per_tensor_s"] = round(timeit(lambda: lm.model(input_ids=ids, use_cache=False)), 4)
         with quantize_attention(lm.model, QuantSpec(bits=16)):
-            res["forward_ours_unquantized_s"] = round(timeit(lambda: lm.model(input_ids=ids, use_cache=False)), 4)
-    res["quant_vs_eager"] = round(res["forward_quant8_per_tensor_s"] / res["forward_eager_s"], 2)
-    print(json.dumps(res, indent=2))
+            raw["forward_ours_unquantized_s"] = repeat(run, 5)
+        with quantize_attention(lm.model, QuantSpec(bits=8)):
+            raw["forward_quant8_per_tensor_s"] = repeat(run, 5)
+    gb = x.numel() * 4 / 1e9
+    derived = {k.replace("_s", "_GBps"): round(gb / median(raw[k]), 2)
+               for k in ("copy_s", "fake_quant_per_tensor_s", "fake_quant_per_head_s", "fake_quant_per_row_s",
+                         "bitsandbytes_per_row_s")}
+    derived.update({k.replace("_s", "_ms"): round(1000 * median(raw[k]), 1)
+                    for k in ("forward_eager_s", "forward_sdpa_s", "forward_ours_unquantized_s", "forward_quant8_per_tensor_s")})
+    derived["quant_vs_eager"] = round(median(raw["forward_quant8_per_tensor_s"]) / median(raw["forward_eager_s"]), 2)
+    write("quant", raw, derived, notes="GB/s = input bytes of the fp32 logits tensor per second; forwards: batch 8 x 256")
 
 
 if __name__ == "__main__":

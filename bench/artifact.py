@@ -1,0 +1,73 @@
+"""Machine-readable records of benchmark runs: every number quoted in bench/README.md comes from one.
+
+A record holds the command, the code version (git commit, and whether the tree had changes), the machine
+(CPU model, cores, GPU if any, load average when the run started), library versions, the raw timings of
+every repetition and the derived figures. Timings under a minute are repeated (median of >= 3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")  # BENCH_RESULTS: a trial run elsewhere
+
+
+def _git() -> dict:
+    def run(*args):
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+            "load_average_1m_at_start": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+
+
+def repeat(fn, reps: int = 3) -> list[float]:
+    """Seconds of ``reps`` calls of ``fn`` after one warm-up call."""
+    fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def write(name: str, raw: dict, derived: dict, notes: str = "") -> Path:
+    """Write ``bench/results/{name}.json`` with the run's context; returns its path."""
+    from outlierscope.io import versions, write_json
+
+    record = {"name": name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": _git(), "machine": machine(),
+              "versions": versions(), "raw": raw, "derived": derived, "notes": notes}
+    path = RESULTS / f"{name}.json"
+    write_json(path, record)
+    print(json.dumps(record, indent=2))
+    return path

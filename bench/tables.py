@@ -1,0 +1,99 @@
+"""The tables of bench/README.md, generated from the records in bench/results (never typed by hand).
+
+    python bench/tables.py            # rewrite the tables in bench/README.md between their markers
+    python bench/tables.py --check    # exit 1 if the README differs from what the records say (run by the tests)
+
+A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a key of TABLES.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+README = HERE / "README.md"
+RESULTS = HERE / "results"
+
+# table name -> (record file stem, [(row label, key in the record's "derived", format)])
+TABLES = {
+    "profile": ("profile", [
+        ("eager forward (batch 8 x 256), tokens/s", "eager_forward_tok_s", "{:,}"),
+        ("sdpa forward, tokens/s", "sdpa_forward_tok_s", "{:,}"),
+        ("`profile_model` (logits + hidden states, top-k, histograms, moments), tokens/s", "profile_tok_s", "{:,}"),
+        ("profile / eager (goal >= 0.5x)", "profile_vs_eager", "**{}x**"),
+        ("peak RSS, 0.1M tokens, MB", "peak_rss_mb_100k", "{:,}"),
+        ("peak RSS, 1M tokens, MB", "peak_rss_mb_1m", "{:,}"),
+        ("growth, MB (goal <= 100)", "rss_growth_mb", "**{}**"),
+    ]),
+    "quant": ("quant", [
+        ("plain copy (`clone`) of a (8, 6, 256, 256) fp32 logits tensor, GB/s", "copy_GBps", "{}"),
+        ("fake-quant 8-bit per_tensor (scale + round + mask), GB/s", "fake_quant_per_tensor_GBps", "{}"),
+        ("fake-quant 8-bit per_head, GB/s", "fake_quant_per_head_GBps", "{}"),
+        ("fake-quant 8-bit per_row, GB/s", "fake_quant_per_row_GBps", "{}"),
+        ("bitsandbytes `int8_vectorwise_quant` per_row (incl. masking and dequant), GB/s", "bitsandbytes_per_row_GBps", "{}"),
+        ("forward, eager attention (batch 8 x 256), ms", "forward_eager_ms", "{}"),
+        ("forward, sdpa, ms", "forward_sdpa_ms", "{}"),
+        ("forward, our attention function, 16 bits (unquantized), ms", "forward_ours_unquantized_ms", "{}"),
+        ("forward, our attention function, 8-bit per_tensor, ms", "forward_quant8_per_tensor_ms", "{}"),
+        ("quantized / eager (goal <= 1.5x)", "quant_vs_eager", "**{}x**"),
+    ]),
+    "lmeval_diff": ("eval_vs_lmeval_diff_10042", [
+        ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
+        ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
+        ("items with the same `pred` / `pred_norm`", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
+        ("max \\|score difference\\| over all 40,168 choices, nats", "max_abs_score_diff", "{:.2g}"),
+        ("wall time, outlierscope / lm-eval, s", ("ours_seconds", "lmeval_seconds"), "{} / {}"),
+        ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
+        ("speed-up (goal >= 4x)", "speedup", "**{}x**"),
+    ]),
+}
+
+
+def load(stem: str) -> dict:
+    return json.loads((RESULTS / f"{stem}.json").read_text())
+
+
+def render(name: str) -> str:
+    stem, rows = TABLES[name]
+    rec = load(stem)
+    d = rec.get("derived", rec)  # records from before the format had no "derived" (their keys are at the top)
+    lines = ["| measure | value |", "|---|---|"]
+    for label, key, fmt in rows:
+        vals = [d[k] for k in key] if isinstance(key, tuple) else [d[key]]
+        lines.append(f"| {label} | {fmt.format(*vals)} |")
+    if "git" not in rec:
+        lines += ["", f"Record: `bench/results/{stem}.json` ({rec.get('date')}, {rec.get('machine')}). It predates the "
+                      "record format: no commit, no library versions, no lm-eval batch size and a single timing each."]
+        return "\n".join(lines)
+    m = rec["machine"]
+    lines += ["", f"Record: `bench/results/{stem}.json` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
+                  f"{' + changes' if rec['git']['dirty'] else ''}; {m['cpu']}, {m['cores']} cores, {m['torch_threads']} "
+                  f"threads{', ' + m['gpu'] if m['gpu'] else ''}; load average {m['load_average_1m_at_start']} at the start; "
+                  f"torch {rec['versions']['torch']}). Raw timings of every repetition are in the record."]
+    return "\n".join(lines)
+
+
+BLOCK = re.compile(r"(<!-- bench:(\w+) -->\n)(.*?)(<!-- /bench -->)", re.S)
+
+
+def rewrite(text: str) -> str:
+    return BLOCK.sub(lambda mt: mt.group(1) + render(mt.group(2)) + "\n" + mt.group(4), text)
+
+
+def main() -> int:
+    text = README.read_text()
+    new = rewrite(text)
+    if "--check" in sys.argv:
+        if new != text:
+            print("bench/README.md differs from the records in bench/results: run `python bench/tables.py`")
+            return 1
+        return 0
+    README.write_text(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
