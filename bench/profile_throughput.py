@@ -63,7 +63,7 @@ def main() -> None:
     a = p.parse_args()
     raw = {"model": a.model, **throughput(a.model, a.tokens, a.reps)}
     tok = raw["tokens"]
-    derived = {k.replace("_s", "_tok_s"): round(tok / median(raw[k])) for k in ("eager_forward_s", "sdpa_forward_s", "profile_s")}
+    derived = {k.removesuffix("_s") + "_tok_s": round(tok / median(raw[k])) for k in ("eager_forward_s", "sdpa_forward_s", "profile_s")}
     derived["profile_vs_eager"] = round(derived["profile_tok_s"] / derived["eager_forward_tok_s"], 2)
     if not a.skip_rss:
         raw["peak_rss_mb_100k"], raw["peak_rss_mb_1m"] = peak_rss(a.model, 100_000), peak_rss(a.model, 1_000_000)

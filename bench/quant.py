@@ -49,10 +49,10 @@ def main() -> None:
         with quantize_attention(lm.model, QuantSpec(bits=8)):
             raw["forward_quant8_per_tensor_s"] = repeat(run, 5)
     gb = x.numel() * 4 / 1e9
-    derived = {k.replace("_s", "_GBps"): round(gb / median(raw[k]), 2)
+    derived = {k.removesuffix("_s") + "_GBps": round(gb / median(raw[k]), 2)
                for k in ("copy_s", "fake_quant_per_tensor_s", "fake_quant_per_head_s", "fake_quant_per_row_s",
                          "bitsandbytes_per_row_s")}
-    derived.update({k.replace("_s", "_ms"): round(1000 * median(raw[k]), 1)
+    derived.update({k.removesuffix("_s") + "_ms": round(1000 * median(raw[k]), 1)
                     for k in ("forward_eager_s", "forward_sdpa_s", "forward_ours_unquantized_s", "forward_quant8_per_tensor_s")})
     derived["quant_vs_eager"] = round(median(raw["forward_quant8_per_tensor_s"]) / median(raw["forward_eager_s"]), 2)
     write("quant", raw, derived, notes="GB/s = input bytes of the fp32 logits tensor per second; forwards: batch 8 x 256")
