@@ -11,7 +11,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,29 +19,17 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")  # BENCH_RESULTS: a trial run elsewhere
 
 
-def _git() -> dict:
-    def run(*args):
-        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-
-    return {"commit": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain", "--untracked-files=no"))}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine() -> dict:
-    import torch
+    from outlierscope.io import machine as base
 
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
-            "load_average_1m_at_start": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+    return {**base(), "load_average_1m_at_start": round(os.getloadavg()[0], 2), "platform": platform.platform()}
+
+
+def _git() -> dict:
+    from outlierscope.io import git_commit
+
+    commit = git_commit() or ""
+    return {"commit": commit.removesuffix("+changes"), "dirty": commit.endswith("+changes")}
 
 
 def repeat(fn, reps: int = 3) -> list[float]:

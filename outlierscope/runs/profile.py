@@ -24,7 +24,7 @@ from outlierscope.data.text import pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
-from outlierscope.io import output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import LoadedModel, check_dtype, resolve_seq_len, state_dict_sha256
 from outlierscope.report.tables import table5_markdown
 from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
@@ -120,6 +120,7 @@ class ProfileResult:
                     write_csv(stage / f"{stem}.csv", df)
                 write_text(stage / "table5.md", table5_markdown(self.table5, facts))
                 meta = {"settings": asdict(self.settings), "models": facts, "versions": versions(),
+                        "machine": machine(), "git_commit": git_commit(),
                         "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
                         "activation_types": KIND_LABEL,
                         "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}

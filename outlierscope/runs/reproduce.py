@@ -4,10 +4,11 @@ or on any models (``models=("smollm2-135m",)``)."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.io import git_commit, machine, versions, write_json
 from outlierscope.models.presets import DEFAULT_PAIR
 
 
@@ -47,6 +48,11 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     t2 = time.time()
     log("[3/3] plotting and writing the report")
     path = write_report(out)
-    log(f"timings: profile {t1 - t0:.0f} s, sweep {t2 - t1:.0f} s, report {time.time() - t2:.0f} s, "
-        f"total {(time.time() - t0) / 60:.1f} min")
+    t3 = time.time()
+    timings = {"profile_s": round(t1 - t0, 1), "sweep_s": round(t2 - t1, 1), "report_s": round(t3 - t2, 1),
+               "total_s": round(t3 - t0, 1)}
+    write_json(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "machine": machine(),
+                                        "versions": versions(), "git_commit": git_commit()})
+    log(f"timings: profile {timings['profile_s']:.0f} s, sweep {timings['sweep_s']:.0f} s, report "
+        f"{timings['report_s']:.0f} s, total {timings['total_s'] / 60:.1f} min (recorded in reproduce.json)")
     return path

@@ -20,7 +20,7 @@ import pandas as pd
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
-from outlierscope.io import output_dir, versions, write_csv, write_json
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_dtype
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.quant.apply import WEIGHT_MODES, quantize_weights
@@ -213,7 +213,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
                                    "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
                 rows += _tidy_rows(spec_str, spec, s, metrics, len(items), cid)
     record = {"settings": asdict(s), "n_items": len(items), "items_sha256": digest, "bootstrap_reps": BOOTSTRAP_REPS,
-              "cells": cell_index, "versions": versions(), "note": "bits 16 = unquantized"}
+              "cells": cell_index, "versions": versions(), "machine": machine(), "git_commit": git_commit(),
+              "note": "bits 16 = unquantized"}
     result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
     result.save(out)
     return result
