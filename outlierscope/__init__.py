@@ -25,6 +25,7 @@ _EXPORTS = {
     "LoadedModel": "outlierscope.models.loading",
     "generate": "outlierscope.models.loading",
     "PairConfig": "outlierscope.models.presets",
+    "DEFAULT_PAIR": "outlierscope.models.presets",
     "capture": "outlierscope.hooks.capture",
     "Observation": "outlierscope.hooks.capture",
     "OutlierStats": "outlierscope.stats.outliers",
