@@ -43,9 +43,11 @@ TABLES = {
     "lmeval_diff": ("eval_vs_lmeval_diff_10042", [
         ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
         ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
-        ("items with the same `pred` / `pred_norm`", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
+        ("items with the same `pred` / `pred_norm` as lm-eval's scores", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
+        ("items with the same acc / acc_norm outcome as lm-eval's own flags", ("same_acc_flags", "same_acc_norm_flags"),
+         "{:.2%} / {:.2%}"),
         ("max \\|score difference\\| over all 40,168 choices, nats", "max_abs_score_diff", "{:.2g}"),
-        ("wall time, outlierscope / lm-eval, s", ("ours_seconds", "lmeval_seconds"), "{} / {}"),
+        ("batch size, outlierscope / lm-eval", ("our_batch_size", "lmeval_batch_size"), "{} / {}"),
         ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
         ("speed-up (goal >= 4x)", "speedup", "**{}x**"),
     ]),
@@ -59,15 +61,11 @@ def load(stem: str) -> dict:
 def render(name: str) -> str:
     stem, rows = TABLES[name]
     rec = load(stem)
-    d = rec.get("derived", rec)  # records from before the format had no "derived" (their keys are at the top)
+    d = {**rec["raw"], **rec["derived"]}
     lines = ["| measure | value |", "|---|---|"]
     for label, key, fmt in rows:
         vals = [d[k] for k in key] if isinstance(key, tuple) else [d[key]]
         lines.append(f"| {label} | {fmt.format(*vals)} |")
-    if "git" not in rec:
-        lines += ["", f"Record: `bench/results/{stem}.json` ({rec.get('date')}, {rec.get('machine')}). It predates the "
-                      "record format: no commit, no library versions, no lm-eval batch size and a single timing each."]
-        return "\n".join(lines)
     m = rec["machine"]
     lines += ["", f"Record: `bench/results/{stem}.json` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
                   f"{' + changes' if rec['git']['dirty'] else ''}; {m['cpu']}, {m['cores']} cores, {m['torch_threads']} "
