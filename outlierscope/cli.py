@@ -119,7 +119,8 @@ def _cmd_reproduce(a) -> None:
     from outlierscope.runs.reproduce import ReproduceSettings, reproduce
 
     _headless()
-    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, batch_size=a.batch_size, text=a.text,
+    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, sample=a.sample, batch_size=a.batch_size,
+                                       text=a.text,
                                        force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len))
     print(f"report: {path}")
 
@@ -233,7 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="model spec, repeatable (default: pair-tiny:transformer and pair-tiny:diff; e.g. smollm2-135m)")
     s.add_argument("--seq-len", type=int, help="profile sequence length (default: min(model context, 256))")
     s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
-    s.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
+    g.add_argument("--sample", type=int, help="N HellaSwag items drawn at random (seed 0)")
     s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")
     s.add_argument("--batch-size", type=int, default=32,
                    help="HellaSwag sequences per forward (default 32); the scores do not depend on it")

@@ -17,6 +17,7 @@ class ReproduceSettings:
     out: str = "runs/reproduce"
     tokens: int = 400_000
     limit: int | None = None
+    sample: int | None = None  # N items drawn at random (seed 0) instead of the first ``limit``
     bits: tuple[int, ...] = (16, 8, 6, 4)
     granularity: str = "per_tensor"
     models: tuple[str, ...] = DEFAULT_PAIR
@@ -42,8 +43,8 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len), out / "profile")
     t1 = time.time()
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
-        f"{s.limit or 'all 10,042'} HellaSwag items (Figure 8)")
-    sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
+        f"{s.limit or s.sample or 'all 10,042'} HellaSwag items (Figure 8)")
+    sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit, sample=s.sample,
                         batch_size=s.batch_size, text=s.text), out / "sweep", log=log, force=s.force)
     t2 = time.time()
     log("[3/3] plotting and writing the report")
