@@ -28,7 +28,8 @@ def sweep_table(table: pd.DataFrame) -> str:
     lines = ["| Model | Bits | acc | acc_norm | Δacc_norm vs 16 [95% CI] | McNemar p | flip rate | mean abs Δscore |"
              + (" LM loss |" if "lm_loss" in set(table["metric"]) else ""),
              "|---|---|---|---|---|---|---|---|" + ("---|" if "lm_loss" in set(table["metric"]) else "")]
-    for (model, bits), g in table.groupby(["model", "bits"], sort=False):
+    for (model, _), g in table.groupby(["model", "label"], sort=False):  # one row per cell (label: bits + granularity)
+        bits = int(g["bits"].iloc[0])
         m = {r["metric"]: r for _, r in g.iterrows()}
         acc, accn = m["acc"], m["acc_norm"]
         if bits == 16:
