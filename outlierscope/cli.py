@@ -127,9 +127,7 @@ def _cmd_reproduce(a) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
-    from outlierscope.quant.apply import WEIGHT_MODES
-    from outlierscope.quant.primitives import FORMATS
-    from outlierscope.quant.spec import GRANULARITIES
+    from outlierscope.quant.names import FORMATS, GRANULARITIES, WEIGHT_MODES
     from outlierscope.train.loop import PRECISIONS
 
     p = argparse.ArgumentParser(

@@ -1,7 +1,15 @@
 """Absmax post-training quantization of attention logits (and bitsandbytes weights)."""
 
-from outlierscope.quant.apply import quantize_attention, quantize_weights
-from outlierscope.quant.primitives import absmax_scale, fake_quant, quantize_absmax
-from outlierscope.quant.spec import QuantSpec
+import importlib
+
+# public name -> module; imported on first use, so that `outlierscope.quant.names` stays free of torch
+_EXPORTS = {"quantize_attention": "apply", "quantize_weights": "apply", "absmax_scale": "primitives",
+            "fake_quant": "primitives", "quantize_absmax": "primitives", "QuantSpec": "spec"}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'outlierscope.quant' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"outlierscope.quant.{_EXPORTS[name]}"), name)
 
 __all__ = ["QuantSpec", "absmax_scale", "fake_quant", "quantize_absmax", "quantize_attention", "quantize_weights"]

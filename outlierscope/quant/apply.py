@@ -9,9 +9,8 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import LogitContext, attention_stages
+from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
-
-WEIGHT_MODES = ("none", "int8", "nf4")
 
 
 @contextlib.contextmanager

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import torch
 
+from outlierscope.quant.names import FORMATS, UNQUANTIZED_BITS
+
 INT_BITS = tuple(range(2, 16))  # integer absmax formats; 16 means "unquantized"
-UNQUANTIZED_BITS = 16
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-FORMATS = ("int", *FP8_FORMATS)
+assert FORMATS == ("int", *FP8_FORMATS)
 
 
 def check_bits(bits: int, fmt: str = "int") -> None:

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from outlierscope.quant.primitives import FORMATS, UNQUANTIZED_BITS, check_bits, quantize_absmax
+from outlierscope.quant.names import BACKENDS, FORMATS, GRANULARITIES, UNQUANTIZED_BITS
+from outlierscope.quant.primitives import check_bits, quantize_absmax
 
 # reduction dims of the logits (B, H, T, S) per granularity; the batch dim is never reduced,
 # so one sequence's result never depends on what else is in the batch
@@ -15,8 +16,7 @@ GRANULARITY_DIMS = {
     "per_head": (2, 3),  # per sequence, layer and head
     "per_row": (3,),  # per query token and head: a row sees only its own valid keys
 }
-GRANULARITIES = tuple(GRANULARITY_DIMS)
-BACKENDS = ("torch", "bitsandbytes")
+assert tuple(GRANULARITY_DIMS) == GRANULARITIES
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:

@@ -23,8 +23,8 @@ from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, selec
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_dtype
 from outlierscope.models.presets import DEFAULT_PAIR
-from outlierscope.quant.apply import WEIGHT_MODES, quantize_weights
-from outlierscope.quant.primitives import UNQUANTIZED_BITS
+from outlierscope.quant.apply import quantize_weights
+from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import sweep_table
