@@ -45,8 +45,10 @@ bench: install data
 
 lmeval-venv: .venv-lmeval/.installed
 
+# LMEVAL_MODEL: any HF directory, e.g. ~/.cache/outlierscope/models/smollm2-135m (after `outlierscope models fetch smollm2-135m`)
+LMEVAL_MODEL ?= outlierscope/pretrained/pair-tiny/diff
 lmeval-compare: install data lmeval-venv
-	$(BIN)/python bench/eval_vs_lmeval.py --model outlierscope/pretrained/pair-tiny/diff $(LMEVAL_ARGS)
+	$(BIN)/python bench/eval_vs_lmeval.py --model $(LMEVAL_MODEL) $(LMEVAL_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

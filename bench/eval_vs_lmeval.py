@@ -9,7 +9,9 @@ the same items with ``outlierscope`` in this process and compares:
 * per item pred and pred_norm (>= 99.9% identical),
 * per item, our acc / acc_norm outcome against lm-eval's own per-item flags,
 * max |score difference| over all 4 choices of all items,
-* items/s end to end for both, each timed as a whole process (start-up, loading, tokenization, scoring).
+* items/s end to end for both, each timed as a whole process (start-up, loading, tokenization, scoring),
+* the FLOP-bound ratio: lm-eval's matmul FLOPs over ours for the same items (see :func:`flops`),
+  the speed-up that removing work alone would give if both ran at the same FLOP rate.
 
 Writes ``bench/results/eval_vs_lmeval_<model>_<n>.json`` (see bench/artifact.py), lm-eval's batch size included.
 
@@ -66,7 +68,7 @@ def run_lmeval(model_dir: Path, arrow: Path, limit: int | None, batch_size: int,
     return per_doc, wall
 
 
-def run_ours(model_dir: Path, limit: int | None, batch_size: int, work: Path) -> tuple[np.ndarray, list, float]:
+def run_ours(model_dir: Path, limit: int | None, batch_size: int, work: Path) -> tuple[np.ndarray, list, object, float]:
     """Our scores from a separate process (timed whole, as lm-eval's is), and the requests rebuilt here."""
     from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.eval.hellaswag import build_requests, lmeval_max_length
@@ -80,7 +82,39 @@ def run_ours(model_dir: Path, limit: int | None, batch_size: int, work: Path) ->
     lm = load_model(str(model_dir))
     items = load_hellaswag()
     items = items[:limit] if limit else items
-    return np.load(out), build_requests(items, lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer)), wall
+    return np.load(out), build_requests(items, lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer)), lm.model, wall
+
+
+def flops(model, reqs) -> dict:
+    """Matmul FLOPs (2 per multiply-add) of lm-eval's and of our forwards over ``reqs``, padding excluded.
+
+    * trunk: 2 x (parameters of the decoder layers) per token read,
+    * attention: 2 x 2 x layers x heads x head_dim per (query, key) pair, dense (both sides run
+      square score matrices: lm-eval one causal T x T per choice, ours one tree-masked T x T per item),
+    * head: 2 x hidden x vocabulary per position whose logits are computed: lm-eval every position
+      of every choice (the Hugging Face forward returns them all), ours only continuation positions.
+    """
+    cfg = getattr(model.config, "text_config", None) or model.config
+    layers = model.get_decoder().layers
+    p_trunk = sum(p.numel() for p in layers.parameters())
+    n_layers, d = len(layers), cfg.hidden_size
+    heads = cfg.num_attention_heads
+    hd = getattr(cfg, "head_dim", None) or d // heads
+    vocab = model.get_output_embeddings().weight.shape[0]
+    att = 4 * n_layers * heads * hd
+
+    def side(rows: list[tuple[int, int]]) -> dict:  # (tokens read, logit positions)
+        t = sum(r[0] for r in rows)
+        return {"trunk": 2 * p_trunk * t, "attention": att * sum(r[0] ** 2 for r in rows),
+                "head": 2 * d * vocab * sum(r[1] for r in rows), "tokens": t}
+
+    lmeval = side([(len(r.inputs(j)), len(r.inputs(j))) for r in reqs for j in range(len(r.conts))])
+    ours = side([(len(r.ctx) + sum(len(c) - 1 for c in r.conts), sum(len(c) for c in r.conts)) if not r.truncated
+                 else (sum(len(r.inputs(j)) for j in range(len(r.conts))), sum(len(c) for c in r.conts))
+                 for r in reqs])
+    for s in (lmeval, ours):
+        s["total"] = s["trunk"] + s["attention"] + s["head"]
+    return {"lmeval": lmeval, "ours": ours, "ratio": lmeval["total"] / ours["total"]}
 
 
 def scores_only(model_dir: Path, limit: int | None, batch_size: int, out: Path) -> None:
@@ -111,7 +145,7 @@ def main() -> int:
     model_dir = Path(a.model).resolve()
     with tempfile.TemporaryDirectory() as tmp:
         theirs, t_lmeval = run_lmeval(model_dir, hellaswag_path(), a.limit, a.lmeval_batch_size, Path(tmp))
-        ours, reqs, t_ours = run_ours(model_dir, a.limit, a.batch_size, Path(tmp))
+        ours, reqs, lm, t_ours = run_ours(model_dir, a.limit, a.batch_size, Path(tmp))
     n = len(reqs)
     assert sorted(theirs) == list(range(n)), "lm-eval returned another set of documents"
     ref = np.array([theirs[i]["scores"] for i in range(n)])
@@ -133,6 +167,10 @@ def main() -> int:
         "lmeval_items_per_s": round(n / t_lmeval, 2), "ours_items_per_s": round(n / t_ours, 2),
         "speedup": round(t_lmeval / t_ours, 2),
     }
+    fl = flops(lm, reqs)
+    raw["flops"] = {k: fl[k] for k in ("lmeval", "ours")}
+    derived["flop_ratio"] = round(fl["ratio"], 2)
+    derived["speedup_over_flop_ratio"] = round(derived["speedup"] / fl["ratio"], 2)
     write(f"eval_vs_lmeval_{model_dir.name}_{n}", raw, derived,
           notes="both sides timed as whole processes (start-up, loading, tokenization, scoring); one run each (minutes long)")
     good = min(derived["same_acc_flags"], derived["same_acc_norm_flags"], derived["same_pred"], derived["same_pred_norm"])

@@ -5,22 +5,37 @@ No forward is monkey-patched: inside :func:`attention_stages` a model is switche
 with a boolean mask function in ``AttentionMaskInterface``; both are unregistered and the
 original implementation is restored in ``finally``.
 
-The function computes, per layer::
+The function computes, per layer, in blocks of query rows (``block_rows``; one block when the
+whole (B, H, T, S) float32 logits fit ``block_bytes``)::
 
-    logits = (query @ repeat_kv(key)^T) * scaling      # (B, H, T, S), fp32 accumulate as eager
-    for stage in stages: logits = stage(ctx, logits)    # observe and/or quantize, in entry order
-    logits = softcap * tanh(logits / softcap)           # only for models with logit soft-capping
-    probs  = softmax(where(allowed, logits, min), float32)
-    out    = probs @ repeat_kv(value)
+    for each block of rows [t0, t1):
+        logits = (query[t0:t1] @ repeat_kv(key)^T) * scaling  # (B, H, t1-t0, S), float32 at least
+        for stage in stages: logits = stage(ctx, logits)       # observe and/or quantize, in entry order
+        logits = softcap * tanh(logits / softcap)              # only for models with logit soft-capping
+        probs  = softmax(where(allowed, logits, min), float32) # whole rows: exact
+        out[t0:t1] = probs.to(dtype) @ repeat_kv(value)
+
+A stage whose result depends on rows outside the block (an absmax scale per head or per tensor)
+has a ``prepass(ctx, logits)``: when there are several blocks, a first pass computes every block
+and hands it to ``prepass``, which keeps only a reduction (the absmax) in ``ctx.state``; the
+second pass recomputes the blocks and applies the stages with that state. Max is exact, so the
+blocked result equals the unblocked one up to the matmul's rounding (BLAS sums a block of rows in
+another order than the whole matrix: about 1e-16 relative in float64, 1e-7 in float32); a
+quantization scale is the same max. Observers see each block once, with ``ctx.q_start``, its first row.
+
+Logits are float32 for bf16/fp16 models (q and k are upcast before the matmul): bf16 rounding near
+the absmax is about a quarter of an 8-bit step. The probabilities return to the model's dtype, as
+in eager attention. For float32 and float64 models, with no stage, the output equals
+transformers' eager attention everywhere, padding positions included.
 
 Stages see the logits after scaling and before soft-capping and masking, with ``valid``: the
 entries the mask allows (causal, not padding, inside a sliding window) in the rows of real
 (non-padding) queries. The softmax uses ``allowed``, the model's own mask, so a padding query row
 attends as in eager attention; padding rows are never observed, never enter a quantization scale,
-and are never scored. With no stage the output equals transformers' eager attention everywhere,
-padding positions included. DiffLlama calls the function twice per layer
-with the same query and key (once per half of the value); the second call reuses the
-probabilities of the first, so stages run once per layer.
+and are never scored. DiffLlama calls the function twice per layer with the same query and key
+(once per half of the value); the second call reuses the first call's probabilities when they
+were one block, and otherwise recomputes the blocks with the non-observing stages and the first
+call's ``state``, so stages observe once per layer and memory stays bounded.
 """
 
 from __future__ import annotations
@@ -33,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.points import decoder_layers
 
 # kwargs transformers passes for bookkeeping; they do not change the attention arithmetic
@@ -55,12 +70,31 @@ class LogitContext:
     valid: torch.Tensor  # (B, 1 or H, T, S) bool: causal, not padding, inside the window
     n_heads: int
     is_diff: bool
+    q_start: int = 0  # index of the block's first query row among the call's q_total rows
+    q_total: int | None = None  # query rows of the whole call (None: this block is all of them)
+    state: dict | None = None  # reductions of prepass stages over all blocks; None when there is one block
+
+    @property
+    def query_offset(self) -> int:
+        """Key position of the block's first query row (queries are aligned to the end of the keys)."""
+        total = self.q_total if self.q_total is not None else self.valid.shape[-2]
+        return self.q_start + self.valid.shape[-1] - total
 
 
 Stage = Callable[[LogitContext, torch.Tensor], torch.Tensor]
-"""Gets the logits (B, H, T, S), returns them or a new tensor. It must not modify its input. A stage that
-passes the tensor on to user code sets ``stage.observes = True``; otherwise the attention function may
-reuse the tensor's memory after the stages (masking in place)."""
+"""Gets the logits (B, H, t, S) of a block of query rows, returns them or a new tensor. It must not modify
+its input. A stage that passes the tensor on to user code sets ``stage.observes = True`` (it must then
+return its input unchanged); otherwise the attention function may reuse the tensor's memory after the
+stages (masking in place), and may call the stage again on the same logits (it must be deterministic).
+A stage that needs a reduction over all query rows has ``stage.prepass(ctx, logits)``, see the module
+docstring."""
+
+BLOCK_BYTES = 256 * 2**20  # default budget of one block's float32 logits (B, H, t, S)
+
+
+def block_rows(batch: int, heads: int, keys: int, block_bytes: int = BLOCK_BYTES) -> int:
+    """Query rows per block so that one block's float32 logits (B, H, rows, S) stay within ``block_bytes``."""
+    return max(1, block_bytes // (4 * batch * heads * max(keys, 1)))
 
 
 def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
@@ -79,32 +113,52 @@ def _bool_mask(*args, **kwargs):
     return sdpa_mask(*args, **kwargs)
 
 
-def _allowed_and_valid(mask: torch.Tensor | None, q_len: int, k_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Booleans (B, 1|H, T, S): ``allowed`` by the model's mask, and ``valid`` = allowed *and* in a
-    non-padding query row (the entries that are observed and quantized).
+def _allowed_and_valid(mask: torch.Tensor | None, q_len: int, k_len: int, device, t0: int = 0,
+                       t1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Booleans (B, 1|H, t1-t0, S) for query rows [t0, t1): ``allowed`` by the model's mask, and
+    ``valid`` = allowed *and* in a non-padding query row (the entries that are observed and quantized).
 
     transformers' masks only hide padding keys; a padding query (right padding) still sees the real
     keys. A token always attends to itself unless it is padding, so the mask's diagonal (offset
     S - T, as with a cache) marks the real queries.
     """
+    t1 = q_len if t1 is None else t1
+    shift = k_len - q_len + t0  # key position of row t0
     if mask is None:  # no mask given: plain causal (aligned to the end, as with a cache)
-        causal = torch.ones(q_len, k_len, dtype=torch.bool, device=device).tril(k_len - q_len)[None, None]
+        causal = torch.ones(t1 - t0, k_len, dtype=torch.bool, device=device).tril(shift)[None, None]  # (1, 1, t, S)
         return causal, causal
-    allowed = mask[..., :k_len] if mask.dtype == torch.bool else mask[..., :k_len] == 0  # float: 0 where allowed
-    own = torch.diagonal(allowed, offset=k_len - q_len, dim1=-2, dim2=-1)  # (B, 1|H, T)
+    m = mask[..., t0:t1, :k_len]
+    allowed = m if m.dtype == torch.bool else m == 0  # float: 0 where allowed
+    own = torch.diagonal(allowed, offset=shift, dim1=-2, dim2=-1)  # (B, 1|H, t)
     return allowed, allowed & own[..., None]
+
+
+@dataclass
+class _Call:
+    """The arguments of one attention call that every block needs."""
+
+    module: nn.Module
+    layer: int
+    query: torch.Tensor  # (B, H, T, d)
+    key: torch.Tensor  # (B, KV, S, d)
+    mask: torch.Tensor | None
+    scaling: float
+    softcap: float | None
+    rows: int  # query rows per block
 
 
 class _AttentionFunction:
     """The registered callable: one per active stack of stages."""
 
-    def __init__(self, model: nn.Module, stages: tuple[Stage, ...]):
+    def __init__(self, model: nn.Module, stages: tuple[Stage, ...], rows: int | None = None,
+                 block_bytes: int = BLOCK_BYTES):
         self.model_name = type(model).__name__
         self.stages = stages
+        self.block_rows, self.block_bytes = rows, block_bytes
         self.exposes = any(getattr(st, "observes", False) for st in stages)
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
-        self._memo: tuple | None = None  # (module, query, key, probs) of the last call, for DiffLlama's second call
+        self._memo: tuple | None = None  # (module, query, key, probs or None, state) of the last call, for DiffLlama's second call
         self._mask_memo: tuple | None = None  # (mask, (T, S), valid, masked) of the last mask seen
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
@@ -119,37 +173,89 @@ class _AttentionFunction:
                 f"{self.model_name}: the outlierscope attention function does not support {', '.join(sorted(unknown))}; "
                 "its logits would be computed wrongly, so this model cannot be observed or quantized"
             )
-        memo = self._memo
-        if memo is not None and memo[0] is module and memo[1] is query and memo[2] is key:
-            probs = memo[3]  # DiffLlama's second call: same logits, stages already ran
-        else:
-            probs = self._probs(module, query, key, attention_mask, scaling, softcap)
-            self._memo = (module, query, key, probs) if self.is_diff else None
-        v = _repeat_kv(value, query.shape[1] // value.shape[1])  # (B, H, S, d)
-        out = torch.matmul(probs, v)  # (B, H, T, d)
-        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d)
-
-    def _probs(self, module, query, key, attention_mask, scaling, softcap):
-        if scaling is None:
-            scaling = query.shape[-1] ** -0.5
-        k = _repeat_kv(key, query.shape[1] // key.shape[1])  # (B, H, S, d)
-        logits = torch.matmul(query, k.transpose(2, 3)).mul_(scaling)  # (B, H, T, S); same rounding as eager's `* scaling`
-        valid, masked = self._valid(attention_mask, logits.shape[2], logits.shape[3], logits.device)
         layer = self.layer_of.get(id(module))
         if layer is None:
             raise OutlierscopeError(f"{self.model_name}: attention module {type(module).__name__} is not inside a decoder layer")
-        ctx = LogitContext(module, layer, valid, logits.shape[1], self.is_diff)
-        for stage in self.stages:
+        if scaling is None:
+            scaling = query.shape[-1] ** -0.5
+        B, H, T, _ = query.shape
+        S = key.shape[2]
+        v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
+        rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
+        call = _Call(module, layer, query, key, attention_mask, scaling, softcap, rows)
+        memo = self._memo
+        if memo is not None and memo[0] is module and memo[1] is query and memo[2] is key:  # DiffLlama's second call
+            if memo[3] is not None:
+                return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
+            stages, state = tuple(st for st in self.stages if not getattr(st, "observes", False)), memo[4]
+        else:
+            stages, state = self.stages, self._prepass(call)
+        out = None
+        for t0 in range(0, T, rows):
+            probs = self._block_probs(call, stages, state, t0, min(T, t0 + rows))
+            o = torch.matmul(probs, v)  # (B, H, t, d)
+            if rows >= T:
+                out = o
+                if self.is_diff:
+                    self._memo = (module, query, key, probs, None)
+                break
+            if out is None:
+                out = o.new_empty(B, H, T, o.shape[-1])  # (B, H, T, d)
+            out[:, :, t0 : t0 + o.shape[2]] = o
+        else:
+            if self.is_diff:
+                self._memo = (module, query, key, None, state)
+        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d)
+
+    def _logits(self, call: _Call, t0: int, t1: int) -> torch.Tensor:
+        q = call.query[:, :, t0:t1]  # (B, H, t, d)
+        k = _repeat_kv(call.key, q.shape[1] // call.key.shape[1])  # (B, H, S, d)
+        if q.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
+            q, k = q.float(), k.float()
+        return torch.matmul(q, k.transpose(2, 3)).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
+
+    def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
+        T, S = call.query.shape[2], call.key.shape[2]
+        valid, masked = self._valid(call.mask, T, S, call.query.device, t0, t1)
+        ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state)
+        return ctx, masked
+
+    def _prepass(self, call: _Call) -> dict | None:
+        """Reductions of the prepass stages over all blocks (one pass per such stage); None for one block."""
+        T = call.query.shape[2]
+        idx = [i for i, st in enumerate(self.stages) if hasattr(st, "prepass")]
+        if call.rows >= T or not idx:
+            return None
+        state: dict = {}
+        for g in idx:
+            for t0 in range(0, T, call.rows):
+                t1 = min(T, t0 + call.rows)
+                ctx, _ = self._ctx(call, t0, t1, state)
+                x = self._logits(call, t0, t1)
+                for st in self.stages[:g]:
+                    if not getattr(st, "observes", False):
+                        x = st(ctx, x)
+                self.stages[g].prepass(ctx, x)
+        return state
+
+    def _block_probs(self, call: _Call, stages, state: dict | None, t0: int, t1: int) -> torch.Tensor:
+        ctx, masked = self._ctx(call, t0, t1, state)
+        logits = self._logits(call, t0, t1)
+        for stage in stages:
             logits = stage(ctx, logits)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+        if call.softcap is not None:
+            logits = torch.tanh(logits / call.softcap) * call.softcap
         fill = torch.finfo(logits.dtype).min
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
-        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)
 
-    def _valid(self, attention_mask, q_len: int, k_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(valid, ~allowed) of a mask, computed once per forward (every layer gets the same mask object)."""
+    def _valid(self, attention_mask, q_len: int, k_len: int, device, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(valid, ~allowed) of rows [t0, t1) of a mask; for a whole-call block computed once per forward
+        (every layer gets the same mask object)."""
+        if t0 > 0 or t1 < q_len:
+            allowed, valid = _allowed_and_valid(attention_mask, q_len, k_len, device, t0, t1)
+            return valid, ~allowed
         key = self._mask_memo
         if key is not None and key[0] is attention_mask and key[1] == (q_len, k_len):
             return key[2], key[3]
@@ -182,8 +288,12 @@ def _current_function(model: nn.Module):
 
 
 @contextlib.contextmanager
-def attention_stages(model: nn.Module, stage: Stage) -> Iterator[None]:
-    """Run ``model`` with its attention through our function, ``stage`` added after any active ones."""
+def attention_stages(model: nn.Module, stage: Stage, block_rows: int | None = None,
+                     block_bytes: int | None = None) -> Iterator[None]:
+    """Run ``model`` with its attention through our function, ``stage`` added after any active ones.
+
+    ``block_rows``: query rows per block; ``block_bytes``: else the budget of one block's float32
+    logits (default 256 MiB). Unset, both are taken from an enclosing ``attention_stages``."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
@@ -196,7 +306,13 @@ def attention_stages(model: nn.Module, stage: Stage) -> Iterator[None]:
         )
     previous = model.config._attn_implementation
     outer = _current_function(model)
-    fn = _AttentionFunction(model, (*(outer.stages if outer else ()), stage))
+    if block_rows is not None and (not isinstance(block_rows, int) or block_rows < 1):
+        raise ParamError("block_rows", "a positive number of query rows (or None: from block_bytes)", block_rows)
+    if block_bytes is not None and (not isinstance(block_bytes, int) or block_bytes < 1):
+        raise ParamError("block_bytes", "a positive number of bytes", block_bytes)
+    if block_rows is None and block_bytes is None and outer is not None:
+        block_rows, block_bytes = outer.block_rows, outer.block_bytes
+    fn = _AttentionFunction(model, (*(outer.stages if outer else ()), stage), block_rows, block_bytes or BLOCK_BYTES)
     name = f"{_PREFIX}{next(_counter)}"
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _bool_mask)

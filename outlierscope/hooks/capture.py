@@ -27,7 +27,8 @@ class Observation:
 
     ``x``: logits (B, H, T, S) or hidden states (B, T, C); ``valid``: bool, broadcastable to ``x``
     for logits ((B, 1|H, T, S)) and (B, T) for hidden states. ``seq_offset`` is the global index of
-    the batch's first sequence (counted over forwards inside the capture).
+    the batch's first sequence (counted over forwards inside the capture). For logits, ``query_offset`` is
+    the key position of ``x``'s first query row (S - T for a whole call; blocked attention passes blocks).
     """
 
     point: Point
@@ -36,6 +37,7 @@ class Observation:
     seq_offset: int
     n_heads: int | None = None
     is_diff: bool = False
+    query_offset: int | None = None
 
 
 @dataclass
@@ -56,8 +58,11 @@ def _as_list(reducers) -> list:
 
 
 @contextlib.contextmanager
-def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, reducers=None) -> Iterator[Capture]:
-    """Observe ``points`` of ``model`` during forwards inside the block; see module docstring."""
+def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, reducers=None,
+            block_rows: int | None = None) -> Iterator[Capture]:
+    """Observe ``points`` of ``model`` during forwards inside the block; see module docstring.
+
+    ``block_rows``: query rows per attention block (logits are then observed block by block)."""
     resolved = resolve_points(model, points)
     reducers = _as_list(reducers)
     cap = Capture(points=resolved)
@@ -92,7 +97,7 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
     def logit_stage(ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
         p = logit_layers.get(ctx.layer)
         if p is not None:
-            emit(Observation(p, logits.detach(), ctx.valid, cap.sequences, ctx.n_heads, ctx.is_diff))
+            emit(Observation(p, logits.detach(), ctx.valid, cap.sequences, ctx.n_heads, ctx.is_diff, ctx.query_offset))
         return logits
 
     logit_stage.observes = True  # the attention function must not reuse memory that reducers may hold
@@ -103,7 +108,7 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
         layers = decoder_layers(model)
         for i in hidden_layers:
             handles.append(layers[i].register_forward_hook(hidden_hook(i)))
-        with attention_stages(model, logit_stage) if logit_layers else contextlib.nullcontext():
+        with attention_stages(model, logit_stage, block_rows=block_rows) if logit_layers else contextlib.nullcontext():
             yield cap
     finally:
         for h in handles:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from outlierscope.errors import OutlierscopeError
@@ -14,12 +15,14 @@ from outlierscope.quant.spec import QuantSpec
 
 
 @contextlib.contextmanager
-def quantize_attention(model: nn.Module, spec: QuantSpec) -> Iterator[QuantSpec]:
+def quantize_attention(model: nn.Module, spec: QuantSpec, block_rows: int | None = None) -> Iterator[QuantSpec]:
     """Quantize ``layers.{i}.attn.logits`` after scaling, before soft-capping, masking and softmax.
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
     [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages run in the order the
     contexts were entered, so ``quantize_attention`` outside ``capture`` profiles the quantized logits.
+    ``block_rows``: query rows per attention block (see :mod:`outlierscope.hooks.attention`); per_head
+    and per_tensor scales then take a first pass over the blocks for the absmax: same result.
     Everything is restored in ``finally``.
     """
     n_layers = model.config.num_hidden_layers
@@ -27,10 +30,20 @@ def quantize_attention(model: nn.Module, spec: QuantSpec) -> Iterator[QuantSpec]
         raise OutlierscopeError(f"layers {list(spec.layers)} out of range: the model has layers 0..{n_layers - 1}")
 
     def stage(ctx: LogitContext, logits):
-        return spec(logits, ctx.valid) if spec.applies_to(ctx.layer) else logits
+        if not spec.applies_to(ctx.layer):
+            return logits
+        return spec(logits, ctx.valid, ctx.state[stage] if spec.spans_rows and ctx.state is not None else None)
 
+    def prepass(ctx: LogitContext, logits) -> None:  # blocked attention: the absmax over all blocks first
+        if spec.applies_to(ctx.layer):
+            amax = spec.absmax(logits, ctx.valid)
+            prev = ctx.state.get(stage)
+            ctx.state[stage] = amax if prev is None else torch.maximum(prev, amax)
+
+    if spec.spans_rows:
+        stage.prepass = prepass
     # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
-    with attention_stages(model, stage):
+    with attention_stages(model, stage, block_rows=block_rows):
         yield spec
 
 
@@ -66,8 +79,6 @@ def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
                 new = new.to(lin.weight.device)  # quantizes the weights
                 setattr(child, cname, new)
     try:
-        import torch
-
         with torch.no_grad():
             model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
     except Exception as e:  # a backend that does not run here: say so instead of failing later

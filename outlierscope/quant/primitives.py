@@ -1,5 +1,6 @@
 """Pure tensor primitives of absmax quantization (torchao style: no state, never mutate the input).
 
+* ``absmax(x, dims, valid)``: max |x| over ``dims`` among valid entries (keepdim).
 * ``absmax_scale(x, bits, dims, valid)``: max |x| over ``dims`` among valid entries / qmax, where
   qmax = 2^(bits-1) - 1 for integers and the largest finite value for FP8 formats. Computed in
   float32 at least (float64 for float64 input), kept with ``keepdim=True``.
@@ -44,12 +45,19 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def absmax_scale(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
-    """Absmax scale over ``dims`` (keepdim) among ``valid`` entries; zero where nothing is valid."""
+def absmax(x: torch.Tensor, dims, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """max |x| over ``dims`` (keepdim) among ``valid`` entries, in float32 at least; zero where nothing is valid.
+
+    Max is exact, so the absmax of a tensor equals the max of its blocks' absmax (blocked attention)."""
     a = x.to(_work_dtype(x)).abs()  # a new tensor: the in-place fill below never touches x
     if valid is not None:
         a.masked_fill_(~valid, 0.0)
-    return a.amax(dim=dims, keepdim=True) / qmax(bits, fmt)
+    return a.amax(dim=dims, keepdim=True)
+
+
+def absmax_scale(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
+    """Absmax scale over ``dims`` (keepdim) among ``valid`` entries; zero where nothing is valid."""
+    return absmax(x, dims, valid) / qmax(bits, fmt)
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int",

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.quant.names import BACKENDS, FORMATS, GRANULARITIES, UNQUANTIZED_BITS
-from outlierscope.quant.primitives import check_bits, quantize_absmax
+from outlierscope.quant.primitives import absmax, check_bits, fake_quant, qmax, quantize_absmax
 
 # reduction dims of the logits (B, H, T, S) per granularity; the batch dim is never reduced,
 # so one sequence's result never depends on what else is in the batch
@@ -83,14 +83,29 @@ class QuantSpec:
     def applies_to(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
 
-    def __call__(self, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """Quantize logits (B, H, T, S) with their valid mask; returns a new tensor."""
+    @property
+    def spans_rows(self) -> bool:
+        """Whether a scale reduces over query rows (per_head, per_tensor): blocked attention needs a first pass."""
+        return not self.is_identity and 2 in GRANULARITY_DIMS[self.granularity]
+
+    def absmax(self, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The absmax this spec's scale is made of, (B, 1|H, 1|T, 1): max it over blocks of rows, then :meth:`__call__`."""
+        if valid is not None:
+            valid = valid.expand_as(logits)
+        return absmax(logits, GRANULARITY_DIMS[self.granularity], valid)
+
+    def __call__(self, logits: torch.Tensor, valid: torch.Tensor | None, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize logits (B, H, T, S) with their valid mask; returns a new tensor.
+
+        ``amax``: the absmax to scale with (from :meth:`absmax` over all blocks of rows); None: these logits' own."""
         if self.is_identity:
             return logits
         if valid is not None:
             valid = valid.expand_as(logits)
         if self.backend == "bitsandbytes":
             return bnb_int8_rowwise(logits, valid)
+        if amax is not None:
+            return fake_quant(logits, amax / qmax(self.bits, self.format), self.bits, self.format, valid)
         return quantize_absmax(logits, self.bits, GRANULARITY_DIMS[self.granularity], valid, self.format)
 
 

@@ -119,9 +119,10 @@ class LogitStats(_KindStats):
         absx = x.abs()
         absm = absx.masked_fill(invalid, -1.0)
         off = obs.seq_offset
+        q0 = S - T if obs.query_offset is None else obs.query_offset  # key position of x's first query row
 
         def coords(m):  # (N, 4) of (b, h, t, s) -> (layer, head, seq, query, key)
-            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off, m[:, 2] + (S - T), m[:, 3]], 1)
+            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off, m[:, 2] + q0, m[:, 3]], 1)
 
         rowmax = absm.amax(-1)  # (B, H, T)
         _check_finite(obs, rowmax)
