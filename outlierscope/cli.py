@@ -58,7 +58,7 @@ def _cmd_train(a) -> None:
 def _cmd_generate(a) -> None:
     from outlierscope.models.loading import generate, load_model
 
-    lm = load_model(a.model, dtype=a.dtype)
+    lm = load_model(a.model, **_placement(a))
     warn = lambda msg: print(f"outlierscope: warning: {msg}", file=sys.stderr)  # noqa: E731
     print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
                    warn=warn))
@@ -68,7 +68,7 @@ def _cmd_profile(a) -> None:
     from outlierscope.runs.profile import ProfileSettings, profile
 
     settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k,
-                               dtype=a.dtype)
+                               **_placement(a))
     print(profile(a.model, settings, a.out).markdown())
     print(f"results written to {a.out}")
 
@@ -85,7 +85,7 @@ def _cmd_sweep(a) -> None:
     s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
                       sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
-                      batch_size=a.batch_size, dtype=a.dtype)
+                      batch_size=a.batch_size, **_placement(a))
     result = sweep(s, a.out, force=a.force)
     print(sweep_table(result.table))
     print(f"results written to {a.out} (16 bits = unquantized)")
@@ -121,8 +121,30 @@ def _cmd_reproduce(a) -> None:
     _headless()
     path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, sample=a.sample, batch_size=a.batch_size,
                                        text=a.text,
-                                       force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len))
+                                       force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len,
+                                       **_placement(a)))
     print(f"report: {path}")
+
+
+def _add_placement(s: argparse.ArgumentParser, blocks: bool = True) -> None:
+    """--device, --dtype, --device-map (and --attn-block) of every command that runs a model."""
+    s.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
+                   help="where the model runs (default auto: cuda when available, else cpu)")
+    s.add_argument("--dtype", default="auto", choices=DTYPES,
+                   help="weights and activations (default auto: the checkpoint's bf16/fp16 on cuda, float32 on cpu); "
+                        "attention logits are float32 in any case")
+    s.add_argument("--device-map", choices=["auto", "balanced", "sequential"],
+                   help="spread a model larger than one GPU over the GPUs (accelerate); replaces --device")
+    if blocks:
+        s.add_argument("--attn-block", type=int, metavar="ROWS",
+                       help="query rows per attention block (default: so one block's float32 logits stay under 256 MiB)")
+
+
+def _placement(a) -> dict:
+    out = {"device": a.device, "dtype": a.dtype, "device_map": a.device_map}
+    if hasattr(a, "attn_block"):
+        out["attn_block"] = a.attn_block
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -187,8 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
     s.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8); the statistics do not depend on it")
     s.add_argument("--seed", type=int, default=0, help="seeds the document order")
-    s.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
+    _add_placement(s)
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=_cmd_profile)
@@ -207,8 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--limit", type=int, help="first N validation items")
     g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
     s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
-    s.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
+    _add_placement(s)
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
@@ -240,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="HellaSwag sequences per forward (default 32); the scores do not depend on it")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
     s.add_argument("--force", action="store_true", help="replace the tables of a sweep with other settings in --out")
+    _add_placement(s)
     s.set_defaults(func=_cmd_reproduce)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
@@ -249,8 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--dtype", default="float32", choices=DTYPES,
-                   help="weights and activations (default float32; bfloat16 halves the memory of a large model)")
+    _add_placement(s, blocks=False)
     s.set_defaults(func=_cmd_generate)
     return p
 
@@ -258,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
     """Python parameter name -> the flag of the chosen command (``batch_size`` -> ``--batch-size``)."""
     names = {"k": "--top-k", "models": "--model", "specs": "--model", "max_new_tokens": "--max-new-tokens",
-             "time_limit_minutes": "--time-limit", "threads": "--threads"}
+             "time_limit_minutes": "--time-limit", "threads": "--threads",
+             "block_rows": "--attn-block"}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub in action.choices.values():

@@ -65,3 +65,23 @@ def test_unknown_public_name_has_a_hint():
 
     with pytest.raises(AttributeError, match="did you mean profile_model"):
         outlierscope.profile_modle  # noqa: B018
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["sweep", "--model", "pair-tiny:diff", "--limit", "2", "--attn-block", "0", "--out", "{tmp}"],
+     "--attn-block must be a positive number of query rows"),
+    (["profile", "--model", "pair-tiny:diff", "--tokens", "100", "--device", "tpu", "--out", "{tmp}"],
+     "--device must be one of auto, cpu, cuda, cuda:N, got 'tpu'"),
+])
+def test_placement_errors_name_flags(argv, msg, tmp_path, capsys):
+    rc = main([a.replace("{tmp}", str(tmp_path / "out")) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and msg in err
+    assert not (tmp_path / "out").exists()  # nothing written
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_cuda_without_gpu_is_one_line(capsys):
+    rc = main(["generate", "pair-tiny:diff", "Hello", "--device", "cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "sees no CUDA GPU" in err

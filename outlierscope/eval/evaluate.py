@@ -27,7 +27,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
-from outlierscope.models.loading import LoadedModel
+from outlierscope.models.loading import LoadedModel, model_device
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.stats.paired import compare, mean_stderr
@@ -74,7 +74,7 @@ def lm_loss(model, seqs, batch_size: int) -> float:
     total, n = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(seqs), batch_size):
-            x = seqs[i : i + batch_size]
+            x = seqs[i : i + batch_size].to(model_device(model))  # (B, T)
             logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
             total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
                                                        x[:, 1:].reshape(-1), reduction="sum").item()  # (B*(T-1),)
@@ -150,12 +150,14 @@ def _model_and_tokenizer(model, tokenizer):
 
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=None, limit: int | None = None,
              sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
-             batch_size: int = 32, progress: bool = True, desc: str = "hellaswag") -> EvalResult:
+             batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
+             block_rows: int | None = None) -> EvalResult:
     """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
     logits quantized by ``quant`` (None: unquantized).
 
     Items: ``items`` as given, else the cached validation set (or ``data``), all or ``limit`` / ``sample``.
     ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
+    ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
     Non-finite log-likelihoods are an error naming the first such item.
     """
     from tqdm.auto import tqdm
@@ -170,7 +172,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     layout = layout_for(spec)
     t0 = time.time()
     with tqdm(total=len(requests), desc=desc, unit="item", disable=not progress or None, dynamic_ncols=True) as bar:
-        with quantize_attention(model, spec):
+        with quantize_attention(model, spec, block_rows=block_rows):
             scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n))
             loss = lm_loss(model, text_seqs, batch_size) if text_seqs is not None else None
     wall = time.time() - t0
@@ -196,6 +198,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
                 "granularity": None if spec.is_identity else spec.granularity,
                 "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
                 "items_sha256": items_digest(items), "batch_size": batch_size,
-                "dtype": str(next(model.parameters()).dtype).removeprefix("torch.")}
+                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": model_device(model),
+                "attn_block": block_rows}
     return EvalResult(df, metrics, settings, round(wall, 2),
                       {"items_per_s": round(len(requests) / max(wall, 1e-9), 2), "layout": layout})

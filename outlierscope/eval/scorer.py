@@ -23,6 +23,7 @@ import torch
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import Request
 from outlierscope.hooks.attention import attention_stages
+from outlierscope.models.loading import model_device
 
 LAYOUTS = ("shared", "separate")
 HEAD_ROWS = 256  # continuation positions per LM-head block (measured best on the project's CPU: 128-256)
@@ -67,7 +68,7 @@ def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
             mask[b, 0, :n, :n] = r["mask"]
         else:
             mask[b, :n] = 1
-    dev = next(model.parameters()).device
+    dev = model_device(model)
     out = model.base_model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, D)
     b_idx, p_idx, tgt, owner = [], [], [], []

@@ -21,7 +21,8 @@ from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.presets import PRESETS, ROLES
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
-DTYPES = ("float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
+DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # auto: cuda when available, else cpu
 DEFAULT_CONTEXT = 2048  # for configs that state no context length
 NOT_CAUSAL = {"bert", "roberta", "t5", "mt5", "bart", "mbart", "distilbert", "electra", "deberta", "deberta-v2",
               "xlm-roberta", "albert", "encoder-decoder", "pegasus", "marian", "longt5", "umt5", "mpnet"}
@@ -31,6 +32,53 @@ def check_dtype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ParamError("dtype", f"one of {', '.join(DTYPES)}", dtype)
     return dtype
+
+
+def check_placement(device: str, dtype: str, device_map, attn_block: int | None) -> None:
+    """Validate the run-placement settings that profile and sweep share (before anything loads)."""
+    check_dtype(dtype)
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+        raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
+    if device_map not in (None, "auto", "balanced", "balanced_low_0", "sequential") and not isinstance(device_map, dict):
+        raise ParamError("device_map", "auto, balanced, balanced_low_0, sequential or a dict (accelerate's placement)", device_map)
+    if attn_block is not None and (not isinstance(attn_block, int) or attn_block < 1):
+        raise ParamError("attn_block", "a positive number of query rows (or None: from a 256 MiB budget)", attn_block)
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda``/``cuda:N`` checked against the GPUs present."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not torch.cuda.is_available():
+            raise OutlierscopeError(f"device {device} requested but torch {torch.__version__} sees no CUDA GPU; "
+                                    "use device 'cpu' (or 'auto'), or install a CUDA build of torch")
+        n = torch.cuda.device_count()
+        if device != "cuda" and int(device[5:]) >= n:
+            raise ParamError("device", f"cuda:0..cuda:{n - 1} (this machine has {n} GPU(s))", device)
+        return device
+    raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
+
+
+def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
+    """``auto`` -> the checkpoint's bf16/fp16 on CUDA (``stored`` is config.json's dtype), float32 otherwise."""
+    check_dtype(dtype)
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda") and stored in ("bfloat16", "float16"):
+        return stored
+    return "float32"
+
+
+def model_device(model) -> str:
+    """Where a model's inputs go: the device of its input embeddings (the first layer under a device map)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    p = emb.weight if emb is not None else next(model.parameters())
+    return str(p.device)
 
 
 def context_length(model) -> int:
@@ -86,6 +134,14 @@ class LoadedModel:
     @property
     def model_type(self) -> str:
         return self.model.config.model_type
+
+    @property
+    def dtype(self) -> str:
+        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+
+    @property
+    def device(self) -> str:
+        return model_device(self.model)
 
     def weights_sha256(self) -> str:
         """sha256 over the model's safetensors/bin files (sorted by name): identifies the exact weights."""
@@ -171,13 +227,20 @@ def _check_loading_info(path: Path, info: dict) -> None:
                                 f"{tuple(want)}{more}; config.json and the weights do not belong together")
 
 
-def load_model(spec: str, dtype: str = "float32", attn_implementation: str = "eager") -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only, in ``dtype``."""
+def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
+               device_map: str | dict | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only.
+
+    ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` (the
+    checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16`` or ``float16``.
+    ``device_map``: accelerate's placement (``"auto"`` spreads a model too large for one GPU over the
+    GPUs, then the CPU); it replaces ``device``."""
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
+    dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
     path = resolve_spec(spec)
     try:
         cfg_json = json.loads((path / "config.json").read_text())
@@ -187,6 +250,9 @@ def load_model(spec: str, dtype: str = "float32", attn_implementation: str = "ea
     if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
         raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
                                 "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
+    stored = cfg_json.get("dtype") or cfg_json.get("torch_dtype")
+    dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
+    placement = {"device_map": device_map} if device_map is not None else {}
     with _quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
@@ -203,11 +269,13 @@ def load_model(spec: str, dtype: str = "float32", attn_implementation: str = "ea
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-                output_loading_info=True, ignore_mismatched_sizes=True,
+                output_loading_info=True, ignore_mismatched_sizes=True, **placement,
             )
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
     _check_loading_info(path, info)
+    if device_map is None and dev != "cpu":
+        model.to(dev)
     model.eval()
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer)
 

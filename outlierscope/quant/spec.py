@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.names import BACKENDS, FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.primitives import absmax, check_bits, fake_quant, qmax, quantize_absmax
 
@@ -115,7 +116,14 @@ def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
 
     w = x.float() if valid is None else x.float().masked_fill(~valid, 0.0)
     rows = w.reshape(-1, w.shape[-1])  # (B*H*T, S)
+    if rows.is_cuda:  # bitsandbytes' CUDA kernel takes float16 only
+        top = float(rows.abs().max()) if rows.numel() else 0.0
+        if top > 65504:
+            raise OutlierscopeError(f"bitsandbytes int8 on CUDA reads float16, but the logits reach {top:.4g} > 65504; "
+                                    "use backend 'torch' (the default) for this model")
+        rows = rows.half()
     q, row_absmax, _ = F.int8_vectorwise_quant(rows.contiguous())
+    row_absmax = row_absmax.float()
     deq = (q.float() * (row_absmax[:, None] / 127.0)).view_as(w)  # (B, H, T, S)
     keep = (row_absmax > 0).view(*w.shape[:-1], 1)  # (B, H, T, 1)
     out = torch.where(keep, deq, x.float())

@@ -25,7 +25,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
-from outlierscope.models.loading import LoadedModel, check_dtype, resolve_seq_len, state_dict_sha256
+from outlierscope.models.loading import LoadedModel, check_placement, model_device, resolve_seq_len, state_dict_sha256
 from outlierscope.report.tables import table5_markdown
 from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
 
@@ -39,7 +39,10 @@ class ProfileSettings:
     seed: int = 0
     k: int = 100
     points: tuple[str, ...] = DEFAULT_POINTS
-    dtype: str = "float32"  # of the weights and activations (load_model)
+    dtype: str = "auto"  # of the weights and activations (load_model): auto = float32 on the CPU
+    device: str = "auto"  # auto = cuda when available
+    device_map: str | None = None  # accelerate's placement for models larger than one GPU
+    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
 
     def __post_init__(self):
         object.__setattr__(self, "points", tuple(self.points))
@@ -48,7 +51,7 @@ class ProfileSettings:
                 raise ParamError(name, ">= 1", getattr(self, name))
         if self.seq_len is not None and self.seq_len < 1:
             raise ParamError("seq_len", ">= 1 (or None for the default)", self.seq_len)
-        check_dtype(self.dtype)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
 
 # one CSV per table: (file stem, OutlierStats method)
@@ -172,11 +175,11 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     seq_len = resolve_seq_len(module, settings.seq_len)
     seqs = pack_sequences(tokenizer, shuffled(text_documents(settings.text), settings.seed), seq_len, settings.tokens)
     stats = OutlierStats.for_model(module, seq_len, k=settings.k)
-    dev = next(module.parameters()).device
+    dev = model_device(module)
     n_tok = seqs.numel()
     t0 = time.time()
     with tqdm(total=n_tok, desc=f"profile {name}", unit="tok", unit_scale=True, disable=not progress or None) as bar:
-        with capture(module, list(settings.points), reducers=[stats]):
+        with capture(module, list(settings.points), reducers=[stats], block_rows=settings.attn_block):
             for i in range(0, len(seqs), settings.batch_size):
                 batch = seqs[i : i + settings.batch_size].to(dev)  # (B, T)
                 module(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
@@ -185,7 +188,8 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     facts.update({"model_type": module.config.model_type, "tokens": n_tok, "sequences": len(seqs), "seq_len": seq_len,
                   "tokens_requested": settings.tokens, "seconds": round(wall, 2),
                   "tokens_per_s": round(n_tok / max(wall, 1e-9), 1), "n_layers": stats.n_layers,
-                  "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module)})
+                  "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module),
+                  "dtype": str(next(module.parameters()).dtype).removeprefix("torch."), "device": dev})
     return ProfileResult({name: stats}, {name: facts}, settings, {name: digest})
 
 
@@ -199,7 +203,7 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
     with output_dir(out) if out is not None else contextlib.nullcontext():
         result = None
         for spec in specs:
-            lm = load_model(spec, dtype=settings.dtype)
+            lm = load_model(spec, dtype=settings.dtype, device=settings.device, device_map=settings.device_map)
             name = lm.name if result is None or lm.name not in result.stats else spec
             r = profile_model(lm, settings=settings, name=name, progress=progress)
             result = r if result is None else result | r

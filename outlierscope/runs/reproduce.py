@@ -25,6 +25,14 @@ class ReproduceSettings:
     text: str | None = None
     seq_len: int | None = None  # profile sequence length; None: min(model context, 256)
     force: bool = False  # replace the tables of a sweep with other settings in out/sweep
+    device: str = "auto"  # where the models run (load_model); auto = cuda when available
+    dtype: str = "auto"  # auto = the checkpoint's bf16/fp16 on cuda, float32 on the CPU
+    device_map: str | None = None  # accelerate's placement for models larger than one GPU
+    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
+
+    @property
+    def placement(self) -> dict:
+        return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map, "attn_block": self.attn_block}
 
 
 def reproduce(s: ReproduceSettings, log=print) -> Path:
@@ -40,12 +48,12 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     out = Path(s.out)
     t0 = time.time()
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
-    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len), out / "profile")
+    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement), out / "profile")
     t1 = time.time()
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{s.limit or s.sample or 'all 10,042'} HellaSwag items (Figure 8)")
     sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit, sample=s.sample,
-                        batch_size=s.batch_size, text=s.text), out / "sweep", log=log, force=s.force)
+                        batch_size=s.batch_size, text=s.text, **s.placement), out / "sweep", log=log, force=s.force)
     t2 = time.time()
     log("[3/3] plotting and writing the report")
     path = write_report(out)

@@ -21,7 +21,7 @@ import pandas as pd
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
-from outlierscope.models.loading import check_dtype
+from outlierscope.models.loading import check_placement
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.quant.apply import quantize_weights
 from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
@@ -46,7 +46,10 @@ class SweepSettings:
     text: str | None = None  # held-out text for LM loss
     text_tokens: int = 65_536
     batch_size: int = 32
-    dtype: str = "float32"  # of the weights and activations (load_model)
+    dtype: str = "auto"  # of the weights and activations (load_model): auto = float32 on the CPU
+    device: str = "auto"  # auto = cuda when available
+    device_map: str | None = None  # accelerate's placement for models larger than one GPU
+    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
 
     def __post_init__(self):
         object.__setattr__(self, "models", tuple(self.models))
@@ -56,7 +59,7 @@ class SweepSettings:
         dup = sorted({m for m in self.models if self.models.count(m) > 1})
         if dup:
             raise ParamError("models", "distinct model specs", list(self.models), f"{dup[0]} is given twice")
-        check_dtype(self.dtype)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
         if self.weights not in WEIGHT_MODES:
             raise ParamError("weights", f"one of {', '.join(WEIGHT_MODES)}", self.weights)
         for n, v in (("limit", self.limit), ("sample", self.sample)):
@@ -82,12 +85,20 @@ class SweepSettings:
             raise OutlierscopeError(str(e)) from None
 
 
-def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str) -> dict:
+def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str, dtype: str,
+                  device: str = "cpu") -> dict:
+    """A cell's identity: what its numbers depend on. ``dtype`` and ``device`` are the loaded model's; the
+    device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
+    does not enter: blocked and unblocked attention give the same numbers."""
     ident = spec.is_identity
-    return {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
-            "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
-            "weights": s.weights, "dtype": s.dtype, "items_sha256": items_sha, "text": s.text,
-            "text_tokens": s.text_tokens if s.text else None}
+    out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
+           "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
+           "weights": s.weights, "dtype": dtype, "items_sha256": items_sha, "text": s.text,
+           "text_tokens": s.text_tokens if s.text else None}
+    kind = device.split(":")[0]
+    if kind != "cpu":
+        out["device"] = kind
+    return out
 
 
 def cell_id(settings: dict) -> str:
@@ -98,7 +109,7 @@ def cell_id(settings: dict) -> str:
 
 def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool) -> EvalResult:
     return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc)
+                    desc=desc, block_rows=s.attn_block)
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
@@ -166,7 +177,8 @@ class SweepResult:
 
 
 def _check_previous(out: Path, settings: dict, force: bool) -> None:
-    """Refuse to replace the sweep.csv of a sweep with other settings unless ``force``."""
+    """Refuse to replace the sweep.csv of a sweep with other settings unless ``force``. A setting that an
+    older sweep.json lacks counts as equal when it has its default value now."""
     prev = out / "sweep.json"
     if force or not prev.exists():
         return
@@ -174,7 +186,9 @@ def _check_previous(out: Path, settings: dict, force: bool) -> None:
         old = json.loads(prev.read_text()).get("settings", {})
     except (ValueError, UnicodeDecodeError, AttributeError):
         old = {}
-    diff = sorted(k for k in settings if old.get(k) != json.loads(json.dumps(settings[k])))
+    defaults = json.loads(json.dumps(asdict(SweepSettings())))
+    now = json.loads(json.dumps(settings))
+    diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
     if diff:
         raise OutlierscopeError(
             f"{out} holds a sweep with other settings ({', '.join(diff)} differ); choose another output directory, "
@@ -194,7 +208,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     rows, cell_index = [], []
     with output_dir(out), output_dir(out / "cells") as cells_dir:
         for spec_str in s.models:
-            lm = load_model(spec_str, dtype=s.dtype)
+            lm = load_model(spec_str, dtype=s.dtype, device=s.device, device_map=s.device_map)
             if s.weights != "none":
                 quantize_weights(lm.model, s.weights)
             wsha = lm.weights_sha256()
@@ -204,7 +218,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             base = None
             for b in sorted(set(s.bits) | {UNQUANTIZED_BITS}, key=lambda b: -b):  # the 16-bit reference first
                 spec = s.spec(b)
-                settings = cell_settings(spec_str, wsha, spec, s, digest)
+                settings = cell_settings(spec_str, wsha, spec, s, digest, lm.dtype, lm.device)
                 res, cid = _load_or_run_cell(lm, items, spec, s, text_seqs, settings, cells_dir, progress, log)
                 if b == UNQUANTIZED_BITS:
                     base = res

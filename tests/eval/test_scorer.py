@@ -82,3 +82,18 @@ def test_truncated_requests_equal_naive_reference(tiny_pair, hs_jsonl):
     ref = naive_scores(lm.model, reqs, max_length=16)
     for layout in ("shared", "separate"):
         np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 8), ref, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_row"])
+def test_blocked_attention_same_scores(setup, granularity):
+    """--attn-block: query rows in blocks of 5 (two passes for per_tensor / per_head) give the unblocked scores,
+    with the shared (tree-masked) layout too."""
+    lm, reqs = setup
+    layout = "shared" if granularity == "per_row" else "separate"
+    spec = QuantSpec(bits=4, granularity=granularity)
+    with quantize_attention(lm.model, spec):
+        ref = score_requests(lm.model, reqs, layout, 8)
+    with quantize_attention(lm.model, spec, block_rows=5):
+        got = score_requests(lm.model, reqs, layout, 8)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    assert (got.argmax(1) == ref.argmax(1)).all()

@@ -143,3 +143,34 @@ def test_generate_bad_prompts(capsys):
     assert cap.err.startswith("outlierscope: warning: prompt of ") and "cut to its last 251" in cap.err
     assert main(["generate", "pair-tiny:transformer", "x", "--max-new-tokens", "300"]) == 2
     assert "--max-new-tokens must be less than the model's context of 256 tokens, got 300" in capsys.readouterr().err
+
+
+def test_device_and_dtype_resolution():
+    from outlierscope.errors import ParamError
+    from outlierscope.models.loading import check_placement, resolve_device, resolve_dtype
+
+    assert resolve_device("cpu") == "cpu"
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ParamError, match="device must be one of auto, cpu, cuda, cuda:N, got 'tpu'"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(OutlierscopeError, match="device cuda:1 requested but .* sees no CUDA GPU; use device 'cpu'"):
+            resolve_device("cuda:1")
+    assert resolve_dtype("auto", "cpu", "bfloat16") == "float32"  # the CPU computes in float32
+    assert resolve_dtype("auto", "cuda", "bfloat16") == "bfloat16"  # a bf16 checkpoint stays bf16 on a GPU
+    assert resolve_dtype("auto", "cuda:0", "float32") == "float32"
+    assert resolve_dtype("auto", "cuda", None) == "float32"
+    assert resolve_dtype("float16", "cpu", "bfloat16") == "float16"
+    with pytest.raises(ParamError, match="device_map must be auto, balanced"):
+        check_placement("auto", "auto", "everywhere", None)
+    with pytest.raises(ParamError, match="attn_block must be a positive number of query rows"):
+        check_placement("auto", "auto", None, 0)
+    with pytest.raises(ParamError, match="device must be one of"):
+        check_placement("gpu", "auto", None, None)
+
+
+def test_load_model_records_device_and_dtype(model_dir):
+    lm = load_model(str(model_dir), device="cpu", dtype="auto")
+    assert (lm.device, lm.dtype) == ("cpu", "float32")
+    lm16 = load_model(str(model_dir), device="cpu", dtype="bfloat16")
+    assert lm16.dtype == "bfloat16"
