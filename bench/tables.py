@@ -51,6 +51,39 @@ TABLES = {
         ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
         ("speed-up (goal >= 4x)", "speedup", "**{}x**"),
     ]),
+    "lmeval_smollm2": ("eval_vs_lmeval_smollm2-135m_1000", [
+        ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
+        ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
+        ("items with the same `pred` / `pred_norm` as lm-eval's scores", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
+        ("items with the same acc / acc_norm outcome as lm-eval's own flags", ("same_acc_flags", "same_acc_norm_flags"),
+         "{:.2%} / {:.2%}"),
+        ("max \\|score difference\\| over all 4,000 choices, nats", "max_abs_score_diff", "{:.2g}"),
+        ("batch size, outlierscope / lm-eval", ("our_batch_size", "lmeval_batch_size"), "{} / {}"),
+        ("whole process, s: outlierscope / lm-eval", ("ours_process_s", "lmeval_process_s"), "{0[0]} / {1[0]}"),
+        ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
+        ("speed-up (goal >= 3x)", "speedup", "**{}x**"),
+        ("FLOP-bound ratio: lm-eval's matmul FLOPs / ours for these items", "flop_ratio", "{}x"),
+        ("measured speed-up / FLOP-bound ratio", "speedup_over_flop_ratio", "{}"),
+    ]),
+    "attention_memory": ("attention_memory", [
+        (f"{label}: {what}", tuple(f"{shape}_{m}_{unit}" for m in modes), fmt)
+        for shape, label in (("smollm2-135m", "SmolLM2-135M shape"), ("llama3-8b-2l", "Llama-3-8B layers"))
+        for what, modes, unit, fmt in (
+            ("attention modules' peak MB: eager / ours one block / ours blocks of 128 rows",
+             ("eager", "ours_unblocked", "ours_blocked"), "attention_mb", "{} / {} / {}"),
+            ("whole forward's peak MB: eager / ours one block / ours blocks",
+             ("eager", "ours_unblocked", "ours_blocked"), "peak_mb", "{} / {} / {}"),
+            ("forward s: eager / ours one block / ours blocks", ("eager", "ours_unblocked", "ours_blocked"), "s",
+             "{} / {} / {}"),
+            ("8-bit per_tensor, attention peak MB: one block / blocks (two passes)",
+             ("quant8_unblocked", "quant8_blocked"), "attention_mb", "{} / {}"),
+            ("8-bit per_tensor, forward s: one block / blocks", ("quant8_unblocked", "quant8_blocked"), "s", "{} / {}"),
+            ("attention memory down, unquantized / 8-bit (goal >= 8x)", ("ours", "quant8"), "memory_ratio",
+             "**{}x** / **{}x**"),
+            ("time blocks / one block, unquantized / 8-bit (goal <= 1.15x)", ("ours", "quant8"), "time_ratio",
+             "**{}x** / **{}x**"),
+        )
+    ]),
 }
 
 
