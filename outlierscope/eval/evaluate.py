@@ -137,7 +137,7 @@ class EvalResult:
             return None
         try:
             meta = json.loads(meta_path.read_text())
-            items = pd.read_csv(items_path)
+            items = pd.read_csv(items_path, float_precision="round_trip")  # exact: merged shards equal one process
         except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
             return None  # damaged: the caller recomputes it
         if list(items.columns) != ITEM_COLUMNS:
