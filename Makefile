@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPRODUCE_ARGS ?=
+# the real model's part of `make reproduce`: sized so that the whole target stays within 30 minutes on 2 cores
+REAL_MODEL ?= smollm2-135m
+REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
 .PHONY: install data reproduce test lint bench lmeval-venv lmeval-compare clean
 
@@ -25,6 +28,8 @@ data: $(STAMP)
 
 reproduce: install data
 	$(BIN)/outlierscope reproduce $(REPRODUCE_ARGS)
+	$(BIN)/outlierscope models fetch $(REAL_MODEL)
+	$(BIN)/outlierscope reproduce --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
 
 lint: install
 	$(BIN)/ruff check .

@@ -64,13 +64,27 @@ def _cmd_generate(a) -> None:
                    warn=warn))
 
 
+def _parallel(a):
+    """(shard, world): --shard i/N, and the processes of torchrun / accelerate launch from the environment."""
+    from outlierscope.parallel import Shard, World
+
+    return Shard.parse(a.shard), World.from_env()
+
+
 def _cmd_profile(a) -> None:
     from outlierscope.runs.profile import ProfileSettings, profile
 
     settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k,
                                **_placement(a))
-    print(profile(a.model, settings, a.out).markdown())
-    print(f"results written to {a.out}")
+    shard, world = _parallel(a)
+    result = profile(a.model, settings, a.out, shard=shard, world=world)
+    if not world.is_main:
+        return
+    if shard.whole:
+        print(result.markdown())
+        print(f"results written to {a.out}")
+    else:
+        print(f"profile shard {a.shard} written to {a.out}; combine all shards with `outlierscope merge`")
 
 
 def _cmd_sweep(a) -> None:
@@ -86,9 +100,35 @@ def _cmd_sweep(a) -> None:
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
                       sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
                       batch_size=a.batch_size, **_placement(a))
-    result = sweep(s, a.out, force=a.force)
-    print(sweep_table(result.table))
-    print(f"results written to {a.out} (16 bits = unquantized)")
+    shard, world = _parallel(a)
+    result = sweep(s, a.out, force=a.force, shard=shard, world=world)
+    if result is not None:
+        print(sweep_table(result.table))
+        print(f"results written to {a.out} (16 bits = unquantized)")
+
+
+def _cmd_merge(a) -> None:
+    from pathlib import Path
+
+    from outlierscope.report.tables import sweep_table
+    from outlierscope.runs.profile import merge_profile
+    from outlierscope.runs.sweep import merge_sweep
+
+    dirs = [Path(d) for d in a.dirs]
+    for d in dirs:
+        if not d.is_dir():
+            raise OutlierscopeError(f"{d} is not a directory; pass the output directories of the --shard runs")
+    has_sweep = any(any(d.glob("sweep.shard-*-of-*.json")) for d in dirs)
+    has_profile = any(any(d.glob("profile.shard-*-of-*.pt")) for d in dirs)
+    if not (has_sweep or has_profile):
+        raise OutlierscopeError(f"no shard files in {', '.join(map(str, dirs))}: expected sweep.shard-i-of-N.json or "
+                                "profile.shard-i-of-N.pt from `sweep`/`profile` runs with --shard i/N")
+    out = a.out or str(dirs[0])
+    if has_profile:
+        print(merge_profile(dirs, out).markdown())
+    if has_sweep:
+        print(sweep_table(merge_sweep(dirs, out).table))
+    print(f"merged results written to {out}")
 
 
 def _headless() -> None:
@@ -138,6 +178,12 @@ def _add_placement(s: argparse.ArgumentParser, blocks: bool = True) -> None:
     if blocks:
         s.add_argument("--attn-block", type=int, metavar="ROWS",
                        help="query rows per attention block (default: so one block's float32 logits stay under 256 MiB)")
+
+
+def _add_shard(s: argparse.ArgumentParser) -> None:
+    s.add_argument("--shard", metavar="I/N",
+                   help="run share I of N (0-based) and write a shard file; `outlierscope merge` combines them. Under "
+                        "torchrun / accelerate launch the processes split the work by themselves")
 
 
 def _placement(a) -> dict:
@@ -212,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_placement(s)
     s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
     s.add_argument("--out", required=True, help="output directory")
+    _add_shard(s)
     s.set_defaults(func=_cmd_profile)
 
     s = sub.add_parser("sweep", help="HellaSwag accuracy with attention logits quantized to several bit widths (Figure 8)")
@@ -235,7 +282,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=32,
                    help="(context, ending) sequences per forward (default 32); the scores do not depend on it")
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    _add_shard(s)
     s.set_defaults(func=_cmd_sweep)
+
+    s = sub.add_parser("merge", help="combine the --shard i/N runs of a profile or sweep into the whole result")
+    s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of the shard runs (one, if they shared it)")
+    s.add_argument("--out", help="where the merged results go (default: the first DIR)")
+    s.set_defaults(func=_cmd_merge)
 
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
     s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")
@@ -308,6 +361,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("outlierscope: interrupted", file=sys.stderr)
         return 130
+    finally:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 

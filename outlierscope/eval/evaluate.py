@@ -28,6 +28,7 @@ from outlierscope.eval.hellaswag import build_requests, lmeval_max_length, predi
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, model_device
+from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.stats.paired import compare, mean_stderr
@@ -112,6 +113,11 @@ class EvalResult:
         out["mean_abs_score_change"] = float(np.abs(self.items[cols].to_numpy() - base.items[cols].to_numpy()).mean())
         return out
 
+    @property
+    def is_partial(self) -> bool:
+        """A shard's share (NaN scores for the items of other shards): see :func:`merge_results`."""
+        return "shards" in self.extra
+
     def record(self) -> dict:
         return {"settings": self.settings, "metrics": self.metrics, "seconds": self.seconds, **self.extra}
 
@@ -131,7 +137,7 @@ class EvalResult:
             return None
         try:
             meta = json.loads(meta_path.read_text())
-            items = pd.read_csv(items_path)
+            items = pd.read_csv(items_path, float_precision="round_trip")  # exact: merged shards equal one process
         except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
             return None  # damaged: the caller recomputes it
         if list(items.columns) != ITEM_COLUMNS:
@@ -151,7 +157,7 @@ def _model_and_tokenizer(model, tokenizer):
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=None, limit: int | None = None,
              sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
              batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
-             block_rows: int | None = None) -> EvalResult:
+             block_rows: int | None = None, shard: Shard | None = None, world: World | None = None) -> EvalResult | None:
     """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
     logits quantized by ``quant`` (None: unquantized).
 
@@ -159,46 +165,120 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
     ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
     Non-finite log-likelihoods are an error naming the first such item.
+
+    Data parallel (:mod:`outlierscope.parallel`): with ``world`` (processes of ``torchrun``) each rank
+    scores its virtual shards and rank 0 gets the whole result (the other ranks get None); with a partial
+    ``shard`` the result is partial (:attr:`EvalResult.is_partial`: NaN scores elsewhere) and
+    :func:`merge_results` combines the parts. Any split gives the scores of a single process.
     """
     from tqdm.auto import tqdm
 
     model, tokenizer = _model_and_tokenizer(model, tokenizer)
     if batch_size < 1:
         raise ParamError("batch_size", ">= 1", batch_size)
+    shard, world = shard or Shard(), world or World()
+    own = owned_shards(shard, world)
     spec = quant or QuantSpec(bits=16)
     if items is None:
         items = select_items(limit, sample, seed, data)
     requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
     layout = layout_for(spec)
+    whole = shard.whole and world.size == 1
     t0 = time.time()
-    with tqdm(total=len(requests), desc=desc, unit="item", disable=not progress or None, dynamic_ncols=True) as bar:
+    if world.size > 1:
+        desc = f"{desc} (rank 0 of {world.size}: its share)"
+    with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
+                                        disable=not progress or not world.is_main or None, dynamic_ncols=True) as bar:
         with quantize_attention(model, spec, block_rows=block_rows):
-            scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n))
-            loss = lm_loss(model, text_seqs, batch_size) if text_seqs is not None else None
+            scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n),
+                                    shards=None if whole else own)
+            # the LM loss is one process's job: the one with virtual shard 0
+            loss = lm_loss(model, text_seqs, batch_size) if text_seqs is not None and 0 in own else None
     wall = time.time() - t0
-    bad = np.flatnonzero(~np.isfinite(scores).all(axis=1))
-    if len(bad):
-        raise OutlierscopeError(
-            f"{desc}: {len(bad)} of {len(requests)} items got non-finite log-likelihoods (first: item "
-            f"{requests[bad[0]].index}); the model outputs NaN or inf: check its weights and dtype"
-        )
-    pred, pred_norm = predictions(scores, [r.choice_chars for r in requests])
-    df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
-    for j in range(N_CHOICES):
-        df[f"score{j}"] = scores[:, j]
-    for j in range(N_CHOICES):
-        df[f"tokens{j}"] = [len(r.conts[j]) for r in requests]
-    df["pred"], df["pred_norm"] = pred, pred_norm
-    metrics = {}
-    for m, col in METRICS.items():
-        metrics[m], metrics[f"{m}_stderr"] = mean_stderr(df[col].to_numpy() == df["label"].to_numpy())
-    if loss is not None:
-        metrics["lm_loss"] = loss
     settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
                 "granularity": None if spec.is_identity else spec.granularity,
                 "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
                 "items_sha256": items_digest(items), "batch_size": batch_size,
                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": model_device(model),
                 "attn_block": block_rows}
-    return EvalResult(df, metrics, settings, round(wall, 2),
-                      {"items_per_s": round(len(requests) / max(wall, 1e-9), 2), "layout": layout})
+    part = _partial(requests, scores, loss, settings, wall, own, layout)
+    if world.size > 1:
+        parts = world.gather(part)
+        if not world.is_main:
+            return None
+        part = _combine(parts)
+        part.extra["processes"] = world.size
+    if not shard.whole:
+        return part
+    return _complete(part, desc)
+
+
+def _partial(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:
+    df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
+    for j in range(N_CHOICES):
+        df[f"score{j}"] = scores[:, j]
+    for j in range(N_CHOICES):
+        df[f"tokens{j}"] = [len(r.conts[j]) for r in requests]
+    df["pred"], df["pred_norm"] = -1, -1
+    extra = {"layout": layout, "shards": sorted(own), "choice_chars": [list(r.choice_chars) for r in requests]}
+    if loss is not None:
+        extra["lm_loss"] = loss
+    return EvalResult(df, {}, settings, round(wall, 2), extra)
+
+
+def _combine(parts: list[EvalResult]) -> EvalResult:
+    """Parts of one evaluation (disjoint virtual shards) as one: each score comes from the part that computed it."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.settings != first.settings or not np.array_equal(p.items["index"].to_numpy(), first.items["index"].to_numpy()):
+            raise OutlierscopeError("the parts to merge are of different evaluations (settings or items differ); "
+                                    "merge only the shards of one run")
+    shards = [v for p in parts for v in p.extra["shards"]]
+    if len(set(shards)) != len(shards):
+        raise OutlierscopeError(f"the parts to merge overlap (virtual shards {sorted(shards)}); each shard once")
+    cols = [f"score{j}" for j in range(N_CHOICES)]
+    stack = np.stack([p.items[cols].to_numpy() for p in parts])  # (P, N, 4)
+    done = ~np.isnan(stack)
+    scores = np.where(done, stack, 0.0).sum(0)  # one part holds each score: adding zeros is exact
+    scores[~done.any(0)] = np.nan
+    df = first.items.copy()
+    df[cols] = scores
+    losses = [p.extra["lm_loss"] for p in parts if "lm_loss" in p.extra]
+    extra = {**first.extra, "shards": sorted(shards)}
+    extra.pop("lm_loss", None)
+    if losses:
+        extra["lm_loss"] = losses[0]
+    return EvalResult(df, {}, first.settings, round(max(p.seconds for p in parts), 2), extra)
+
+
+def _complete(part: EvalResult, desc: str) -> EvalResult:
+    """A whole evaluation from its combined parts: predictions, metrics; errors for missing or non-finite scores."""
+    extra = dict(part.extra)
+    shards, chars = extra.pop("shards"), extra.pop("choice_chars")
+    missing = sorted(set(range(VIRTUAL_SHARDS)) - set(shards))
+    if missing:
+        raise OutlierscopeError(f"virtual shards {missing} of {VIRTUAL_SHARDS} are missing; merge every shard of the run")
+    df = part.items.copy()
+    scores = df[[f"score{j}" for j in range(N_CHOICES)]].to_numpy()
+    bad = np.flatnonzero(~np.isfinite(scores).all(axis=1))
+    if len(bad):
+        raise OutlierscopeError(
+            f"{desc}: {len(bad)} of {len(df)} items got non-finite log-likelihoods (first: item "
+            f"{df['index'].iloc[bad[0]]}); the model outputs NaN or inf: check its weights and dtype"
+        )
+    df["pred"], df["pred_norm"] = predictions(scores, chars)
+    metrics = {}
+    for m, col in METRICS.items():
+        metrics[m], metrics[f"{m}_stderr"] = mean_stderr(df[col].to_numpy() == df["label"].to_numpy())
+    loss = extra.pop("lm_loss", None)
+    if loss is not None:
+        metrics["lm_loss"] = loss
+    extra["items_per_s"] = round(len(df) / max(part.seconds, 1e-9), 2)
+    return EvalResult(df, metrics, part.settings, part.seconds, extra)
+
+
+def merge_results(parts: list[EvalResult], desc: str = "hellaswag") -> EvalResult:
+    """Combine the partial results of ``evaluate(..., shard=Shard(i, N))`` for i = 0..N-1 into the whole result."""
+    if not parts:
+        raise ParamError("parts", "at least one partial result", parts)
+    return _complete(_combine(parts), desc)

@@ -15,7 +15,7 @@ sorted by length and batched; per-item results do not depend on batch size or pa
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import numpy as np
 import torch
@@ -24,6 +24,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import Request
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.models.loading import model_device
+from outlierscope.parallel import shard_of
 
 LAYOUTS = ("shared", "separate")
 HEAD_ROWS = 256  # continuation positions per LM-head block (measured best on the project's CPU: 128-256)
@@ -124,13 +125,17 @@ def _separate_row(req: Request, j: int) -> dict:
 
 @torch.no_grad()
 def score_requests(model, requests: Sequence[Request], layout: str = "shared", batch_size: int = 32,
-                   progress=None) -> np.ndarray:
+                   progress=None, shards: Collection[int] | None = None) -> np.ndarray:
     """Summed log-probabilities (N, 4) of each item's continuations, in the order of ``requests``.
 
     ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates
     always use ``separate``. ``batch_size`` counts (context, ending) sequences per forward: a shared
     row holds an item's 4, so shared forwards take ``batch_size // 4`` rows (long tree-masked rows
     run faster in small batches). ``progress(n_items)`` is called as items finish.
+
+    ``shards``: compute only the batches of these virtual shards (batch ``b`` is in shard
+    ``b % VIRTUAL_SHARDS``, :mod:`outlierscope.parallel`); the other scores are NaN. The batches are
+    the same whatever the shards, so every score equals the one a whole run computes.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -147,9 +152,13 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     for units, rows in ((shared, max(1, batch_size // 4)), (separate, batch_size)):
         units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))  # longest first: little padding
         batches += [units[s : s + rows] for s in range(0, len(units), rows)]
+    if shards is not None:
+        scores[:] = np.nan
+        keep = set(shards)
+        batches = [b for k, b in enumerate(batches) if shard_of(k) in keep]
     head = _head(model)
     done_parts = np.zeros(len(requests), dtype=np.int64)
-    need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item
+    need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item (in these batches)
     with attention_stages(model, _identity):
         for batch in batches:
             rows = [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
@@ -160,5 +169,5 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
                     scores[i, j] = v[0]
                 done_parts[i] += 1
             if progress is not None:
-                progress(int((done_parts == need).sum()))
+                progress(int(((done_parts == need) & (need > 0)).sum()))
     return scores

@@ -140,7 +140,8 @@ class _Call:
     module: nn.Module
     layer: int
     query: torch.Tensor  # (B, H, T, d)
-    key: torch.Tensor  # (B, KV, S, d)
+    key: torch.Tensor  # (B, KV, S, d), as the layer passed it (identifies DiffLlama's second call)
+    key_t: torch.Tensor  # (B, H, d, S): repeated for every query head, float32 at least, transposed; made once per call
     mask: torch.Tensor | None
     scaling: float
     softcap: float | None
@@ -182,7 +183,10 @@ class _AttentionFunction:
         S = key.shape[2]
         v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
         rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
-        call = _Call(module, layer, query, key, attention_mask, scaling, softcap, rows)
+        k = _repeat_kv(key, H // key.shape[1])  # (B, H, S, d)
+        if k.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
+            k = k.float()
+        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows)  # (B, H, d, S)
         memo = self._memo
         if memo is not None and memo[0] is module and memo[1] is query and memo[2] is key:  # DiffLlama's second call
             if memo[3] is not None:
@@ -190,29 +194,24 @@ class _AttentionFunction:
             stages, state = tuple(st for st in self.stages if not getattr(st, "observes", False)), memo[4]
         else:
             stages, state = self.stages, self._prepass(call)
-        out = None
+        if rows >= T:  # one block
+            probs = self._block_probs(call, stages, state, 0, T)
+            if self.is_diff:
+                self._memo = (module, query, key, probs, None)
+            return torch.matmul(probs, v).transpose(1, 2).contiguous(), None  # (B, H, T, d) -> (B, T, H, d)
+        out = query.new_empty(B, T, H, v.shape[-1])  # (B, T, H, d): each block's output goes straight in
         for t0 in range(0, T, rows):
             probs = self._block_probs(call, stages, state, t0, min(T, t0 + rows))
-            o = torch.matmul(probs, v)  # (B, H, t, d)
-            if rows >= T:
-                out = o
-                if self.is_diff:
-                    self._memo = (module, query, key, probs, None)
-                break
-            if out is None:
-                out = o.new_empty(B, H, T, o.shape[-1])  # (B, H, T, d)
-            out[:, :, t0 : t0 + o.shape[2]] = o
-        else:
-            if self.is_diff:
-                self._memo = (module, query, key, None, state)
-        return out.transpose(1, 2).contiguous(), None  # (B, T, H, d)
+            out[:, t0 : t0 + probs.shape[2]] = torch.matmul(probs, v).transpose(1, 2)  # (B, H, t, d) -> (B, t, H, d)
+        if self.is_diff:
+            self._memo = (module, query, key, None, state)
+        return out, None
 
     def _logits(self, call: _Call, t0: int, t1: int) -> torch.Tensor:
         q = call.query[:, :, t0:t1]  # (B, H, t, d)
-        k = _repeat_kv(call.key, q.shape[1] // call.key.shape[1])  # (B, H, S, d)
-        if q.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
-            q, k = q.float(), k.float()
-        return torch.matmul(q, k.transpose(2, 3)).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
+        if q.dtype != call.key_t.dtype:
+            q = q.float()
+        return torch.matmul(q, call.key_t).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
 
     def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
         T, S = call.query.shape[2], call.key.shape[2]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import re
 import shutil
 import tempfile
 import time
@@ -24,8 +25,9 @@ from outlierscope.data.text import pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import atomic_path, git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import LoadedModel, check_placement, model_device, resolve_seq_len, state_dict_sha256
+from outlierscope.parallel import Shard, World, owned_shards, shard_of
 from outlierscope.report.tables import table5_markdown
 from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
 
@@ -112,6 +114,15 @@ class ProfileResult:
     def markdown(self) -> str:
         return table5_markdown(self.table5, self.facts)
 
+    def save_shard(self, out: str | Path, shard: Shard) -> Path:
+        """A partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: the statistics, facts and settings."""
+        facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
+        path = Path(out) / f"profile.{shard.tag}.pt"
+        with atomic_path(path) as tmp:
+            torch.save({"stats": self.stats, "facts": facts, "settings": asdict(self.settings),
+                        "shard": [shard.index, shard.count]}, tmp)
+        return path
+
     def save(self, out: str | Path) -> Path:
         """Write every table into ``out``: staged in a temporary directory, then moved in file by file
         (each rename atomic), ``profile.json`` last. Weights are hashed here, not while profiling."""
@@ -150,10 +161,17 @@ def diff_lambdas(model) -> list[tuple[float, float]]:
 
 @torch.no_grad()
 def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None, *, name: str | None = None,
-                  progress: bool = True, **overrides) -> ProfileResult:
+                  progress: bool = True, shard: Shard | None = None, world: World | None = None,
+                  **overrides) -> ProfileResult | None:
     """Stream ``settings.tokens`` tokens of text through ``model`` (a ``LoadedModel``, or a module with its
     ``tokenizer``) and return its statistics. Keyword ``overrides`` replace fields of ``settings``
-    (e.g. ``tokens=20_000``)."""
+    (e.g. ``tokens=20_000``).
+
+    Data parallel (:mod:`outlierscope.parallel`): batch ``b`` belongs to virtual shard ``b % 16``; a process
+    streams the batches of its shards (``shard``, and its rank of ``world``), with their global sequence
+    numbers; under ``torchrun`` rank 0 gets the merged statistics (the other ranks None); a partial
+    ``shard`` returns its part (merge with :meth:`ProfileResult.merge_shards`). Any split gives the bytes of
+    a single process."""
     from tqdm.auto import tqdm
 
     try:
@@ -177,36 +195,100 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     stats = OutlierStats.for_model(module, seq_len, k=settings.k)
     dev = model_device(module)
     n_tok = seqs.numel()
+    shard, world = shard or Shard(), world or World()
+    own = set(owned_shards(shard, world))
+    starts = [i for b, i in enumerate(range(0, len(seqs), settings.batch_size)) if shard_of(b) in own]
     t0 = time.time()
-    with tqdm(total=n_tok, desc=f"profile {name}", unit="tok", unit_scale=True, disable=not progress or None) as bar:
-        with capture(module, list(settings.points), reducers=[stats], block_rows=settings.attn_block):
-            for i in range(0, len(seqs), settings.batch_size):
+    with tqdm(total=sum(min(settings.batch_size, len(seqs) - i) * seq_len for i in starts), desc=f"profile {name}",
+              unit="tok", unit_scale=True, disable=not progress or not world.is_main or None) as bar:
+        with world.failing_together(), capture(module, list(settings.points), reducers=[stats],
+                                               block_rows=settings.attn_block) as cap:
+            for i in starts:
+                stats.set_shard(shard_of(i // settings.batch_size))
+                cap.sequences = i  # the global number of the batch's first sequence (top-k locations)
                 batch = seqs[i : i + settings.batch_size].to(dev)  # (B, T)
                 module(input_ids=batch, attention_mask=torch.ones_like(batch), use_cache=False)
                 bar.update(batch.numel())
     wall = time.time() - t0
+    if world.size > 1:
+        parts = world.gather(stats)
+        if not world.is_main:
+            return None
+        for other in parts[1:]:
+            stats.merge(other)
     facts.update({"model_type": module.config.model_type, "tokens": n_tok, "sequences": len(seqs), "seq_len": seq_len,
                   "tokens_requested": settings.tokens, "seconds": round(wall, 2),
                   "tokens_per_s": round(n_tok / max(wall, 1e-9), 1), "n_layers": stats.n_layers,
                   "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module),
-                  "dtype": str(next(module.parameters()).dtype).removeprefix("torch."), "device": dev})
+                  "dtype": str(next(module.parameters()).dtype).removeprefix("torch."), "device": dev,
+                  "processes": world.size})
+    if not shard.whole:
+        facts["shard"] = [shard.index, shard.count]
     return ProfileResult({name: stats}, {name: facts}, settings, {name: digest})
 
 
 def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None = None,
-            progress: bool = True) -> ProfileResult:
-    """Load and profile each model spec; with ``out``, write the results there."""
+            progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
+    """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
+    ``shard`` writes ``profile.shard-i-of-N.pt`` for :func:`merge_profile`)."""
     from outlierscope.models.loading import load_model
 
     if not specs:
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
-    with output_dir(out) if out is not None else contextlib.nullcontext():
+    shard, world = shard or Shard(), world or World()
+    main_out = out is not None and world.is_main
+    with output_dir(out) if main_out else contextlib.nullcontext():
         result = None
         for spec in specs:
-            lm = load_model(spec, dtype=settings.dtype, device=settings.device, device_map=settings.device_map)
+            lm = load_model(spec, dtype=settings.dtype, device=world.device(settings.device), device_map=settings.device_map)
             name = lm.name if result is None or lm.name not in result.stats else spec
-            r = profile_model(lm, settings=settings, name=name, progress=progress)
-            result = r if result is None else result | r
-        if out is not None:
-            result.save(out)
+            r = profile_model(lm, settings=settings, name=name, progress=progress, shard=shard, world=world)
+            if r is not None:
+                result = r if result is None else result | r
+        if main_out:
+            if shard.whole:
+                result.save(out)
+            else:
+                result.save_shard(out, shard)
+    return result
+
+
+def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> ProfileResult:
+    """Combine the ``profile.shard-i-of-N.pt`` files of a profile run with ``--shard i/N`` (i = 0..N-1) found in
+    ``dirs`` and write the whole profile to ``out`` (default: the first directory): the bytes of one process."""
+    dirs = [Path(d) for d in dirs]
+    found = {}
+    for d in dirs:
+        for f in sorted(d.glob("profile.shard-*-of-*.pt")):
+            m = re.match(r"^profile\.shard-(\d+)-of-(\d+)\.pt$", f.name)
+            if m:
+                found.setdefault((int(m[1]), int(m[2])), f)
+    if not found:
+        raise OutlierscopeError(f"no profile shard files (profile.shard-i-of-N.pt) in {', '.join(map(str, dirs))}; "
+                                "run `outlierscope profile ... --shard i/N` first")
+    counts = {n for _, n in found}
+    if len(counts) > 1:
+        raise OutlierscopeError(f"profile shards of different splits ({sorted(counts)} shards); merge one run")
+    n = counts.pop()
+    missing = sorted(set(range(n)) - {i for i, _ in found})
+    if missing:
+        raise OutlierscopeError(f"profile shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing; run them, then merge again")
+    parts = [torch.load(found[(i, n)], weights_only=False) for i in range(n)]
+    first = parts[0]
+    for p in parts[1:]:
+        if p["settings"] != first["settings"] or list(p["stats"]) != list(first["stats"]):
+            raise OutlierscopeError("the profile shards were run with different settings or models; merge one run")
+    stats = first["stats"]
+    for p in parts[1:]:
+        for name, st in p["stats"].items():
+            stats[name].merge(st)
+    facts = {}
+    for name, f in first["facts"].items():
+        facts[name] = {k: v for k, v in f.items() if k != "shard"}
+        facts[name]["seconds"] = round(max(p["facts"][name]["seconds"] for p in parts), 2)
+        facts[name]["tokens_per_s"] = round(f["tokens"] / max(facts[name]["seconds"], 1e-9), 1)
+        facts[name]["merged_shards"] = n
+    settings = ProfileSettings(**{k: tuple(v) if k == "points" else v for k, v in first["settings"].items()})
+    result = ProfileResult(stats, facts, settings)
+    result.save(Path(out) if out is not None else dirs[0])
     return result

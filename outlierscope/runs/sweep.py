@@ -6,13 +6,16 @@ difference with a 95% paired bootstrap interval, the exact McNemar p-value, the 
 of items whose choice changed) and the mean |score change|; optionally the language-model loss
 on held-out text. Each cell is written atomically when it finishes; a rerun skips cells whose
 settings match and recomputes those whose settings changed. A directory that holds a sweep with
-other settings is refused unless ``force=True``.
+other settings is refused unless ``force=True``. Under ``torchrun``, or split into ``--shard i/N`` runs
+merged by :func:`merge_sweep`, the cells and tables are byte-identical to a single process's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +26,7 @@ from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, selec
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_placement
 from outlierscope.models.presets import DEFAULT_PAIR
+from outlierscope.parallel import Shard, World
 from outlierscope.quant.apply import quantize_weights
 from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
@@ -107,22 +111,26 @@ def cell_id(settings: dict) -> str:
     return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
-def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool) -> EvalResult:
+def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool,
+             shard: Shard | None = None, world: World | None = None) -> EvalResult | None:
     return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc, block_rows=s.attn_block)
+                    desc=desc, block_rows=s.attn_block, shard=shard, world=world)
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
-                      progress: bool, log) -> tuple[EvalResult, str]:
-    """A cell's result: read back when a complete cell with these settings exists, else run and written."""
+                      progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
+    """A cell's result (a shard's part for a partial ``shard``): read back when a complete cell with these
+    settings exists, else run and written atomically by rank 0 (the other ranks get None)."""
     cid = cell_id(settings)
-    res = EvalResult.load(cells_dir, cid)
-    if res is not None and res.extra.get("cell") == settings:
-        log(f"{settings['model']} {spec.label}: done earlier, skipped ({cid})")
+    name = cid if shard.whole else f"{cid}.{shard.tag}"
+    res = EvalResult.load(cells_dir, name) if world.is_main else None
+    if world.broadcast(res is not None and res.extra.get("cell") == settings):
+        log(f"{settings['model']} {spec.label}: done earlier, skipped ({name})")
         return res, cid
-    res = run_cell(lm, items, spec, s, text_seqs, f"{settings['model']} {spec.label}", progress)
-    res.extra["cell"] = settings
-    res.save(cells_dir, cid)
+    res = run_cell(lm, items, spec, s, text_seqs, f"{settings['model']} {spec.label}", progress, shard, world)
+    if world.is_main:
+        res.extra["cell"] = settings
+        res.save(cells_dir, name)
     return res, cid
 
 
@@ -176,10 +184,10 @@ class SweepResult:
         return Path(out)
 
 
-def _check_previous(out: Path, settings: dict, force: bool) -> None:
-    """Refuse to replace the sweep.csv of a sweep with other settings unless ``force``. A setting that an
-    older sweep.json lacks counts as equal when it has its default value now."""
-    prev = out / "sweep.json"
+def _check_previous(out: Path, settings: dict, force: bool, shard: Shard | None = None) -> None:
+    """Refuse to replace the sweep.csv (or shard record) of a sweep with other settings unless ``force``. A
+    setting that an older sweep.json lacks counts as equal when it has its default value now."""
+    prev = out / ("sweep.json" if shard is None or shard.whole else f"sweep.{shard.tag}.json")
     if force or not prev.exists():
         return
     try:
@@ -196,39 +204,129 @@ def _check_previous(out: Path, settings: dict, force: bool) -> None:
         )
 
 
-def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False) -> SweepResult:
-    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv)."""
+def _tabulate(s: SweepSettings, cells: list[tuple[str, QuantSpec, str, EvalResult]], n_items: int, digest: str,
+              out: Path, **record_extra) -> SweepResult:
+    """The sweep's tables from its cells (model, spec, cell id, result), each model's 16-bit cell first."""
+    rows, cell_index, base = [], [], None
+    for model, spec, cid, res in cells:
+        if spec.is_identity:
+            base = res
+        metrics = cell_metrics(res, None if spec.is_identity else base, s.seed)
+        cell_index.append({"cell": cid, "model": model, "bits": spec.bits, "label": spec.label, **metrics,
+                           "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
+        rows += _tidy_rows(model, spec, s, metrics, n_items, cid)
+    record = {"settings": asdict(s), "n_items": n_items, "items_sha256": digest, "bootstrap_reps": BOOTSTRAP_REPS,
+              "cells": cell_index, **record_extra, "versions": versions(), "machine": machine(),
+              "git_commit": git_commit(), "note": "bits 16 = unquantized"}
+    result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
+    result.save(out)
+    return result
+
+
+def _bits_order(s: SweepSettings) -> list[int]:
+    return sorted(set(s.bits) | {UNQUANTIZED_BITS}, key=lambda b: -b)  # the 16-bit reference first
+
+
+def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
+          shard: Shard | None = None, world: World | None = None) -> SweepResult | None:
+    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv).
+
+    Data parallel (:mod:`outlierscope.parallel`): under ``torchrun`` pass ``world=World.from_env()``: every rank
+    scores its share of each cell, rank 0 writes the cells and tables and gets the result (the others None).
+    A partial ``shard`` writes its part of each cell (``cells/<cell>.shard-i-of-N.*``) and
+    ``sweep.shard-i-of-N.json`` and returns None; :func:`merge_sweep` combines the shards. The numbers do not
+    depend on the split."""
     from outlierscope.data.text import pack_sequences, text_documents
     from outlierscope.models.loading import load_model, resolve_seq_len
 
+    shard, world = shard or Shard(), world or World()
     out = Path(out)
-    _check_previous(out, asdict(s), force)
+    error = None
+    if world.is_main:
+        try:
+            _check_previous(out, asdict(s), force, shard)
+        except OutlierscopeError as e:
+            error = str(e)
+    world.agree(error)
     items = select_items(s.limit, s.sample, s.seed, s.data)
     digest = items_digest(items)
-    rows, cell_index = [], []
-    with output_dir(out), output_dir(out / "cells") as cells_dir:
+    cells = []
+    log = log if world.is_main else (lambda *a, **k: None)
+    with output_dir(out) if world.is_main else contextlib.nullcontext(out), \
+            output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
         for spec_str in s.models:
-            lm = load_model(spec_str, dtype=s.dtype, device=s.device, device_map=s.device_map)
+            lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map)
             if s.weights != "none":
                 quantize_weights(lm.model, s.weights)
             wsha = lm.weights_sha256()
             text_seqs = None
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
-            base = None
-            for b in sorted(set(s.bits) | {UNQUANTIZED_BITS}, key=lambda b: -b):  # the 16-bit reference first
+            for b in _bits_order(s):
                 spec = s.spec(b)
                 settings = cell_settings(spec_str, wsha, spec, s, digest, lm.dtype, lm.device)
-                res, cid = _load_or_run_cell(lm, items, spec, s, text_seqs, settings, cells_dir, progress, log)
-                if b == UNQUANTIZED_BITS:
-                    base = res
-                metrics = cell_metrics(res, None if b == UNQUANTIZED_BITS else base, s.seed)
-                cell_index.append({"cell": cid, "model": spec_str, "bits": b, "label": spec.label, **metrics,
-                                   "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
-                rows += _tidy_rows(spec_str, spec, s, metrics, len(items), cid)
-    record = {"settings": asdict(s), "n_items": len(items), "items_sha256": digest, "bootstrap_reps": BOOTSTRAP_REPS,
-              "cells": cell_index, "versions": versions(), "machine": machine(), "git_commit": git_commit(),
-              "note": "bits 16 = unquantized"}
-    result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
-    result.save(out)
-    return result
+                res, cid = _load_or_run_cell(lm, items, spec, s, text_seqs, settings, cells_dir, progress, log, shard, world)
+                cells.append((spec_str, spec, cid, res))
+    if not world.is_main:
+        return None
+    if not shard.whole:
+        write_json(out / f"sweep.{shard.tag}.json", {
+            "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size,
+            "n_items": len(items), "items_sha256": digest,
+            "cells": [{"cell": cid, "model": m, "bits": spec.bits} for m, spec, cid, _ in cells],
+            "versions": versions(), "machine": machine(), "git_commit": git_commit()})
+        log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
+        return None
+    return _tabulate(s, cells, len(items), digest, out, processes=world.size)
+
+
+SHARD_RECORD = re.compile(r"^sweep\.shard-(\d+)-of-(\d+)\.json$")
+
+
+def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
+    """Combine the shards of a sweep run with ``shard=Shard(i, N)`` (``--shard i/N``) for i = 0..N-1, found
+    in ``dirs``, into whole cells and tables in ``out`` (default: the first directory): the same files as
+    one process would write."""
+    from outlierscope.eval.evaluate import merge_results
+
+    dirs = [Path(d) for d in dirs]
+    found = {}
+    for d in dirs:
+        for f in sorted(d.glob("sweep.shard-*-of-*.json")):
+            m = SHARD_RECORD.match(f.name)
+            if m:
+                found.setdefault((int(m[1]), int(m[2])), (d, json.loads(f.read_text())))
+    if not found:
+        raise OutlierscopeError(f"no sweep shard records (sweep.shard-i-of-N.json) in {', '.join(map(str, dirs))}; "
+                                "run `outlierscope sweep ... --shard i/N` first")
+    counts = {n for _, n in found}
+    if len(counts) > 1:
+        raise OutlierscopeError(f"shard records of different splits ({sorted(counts)} shards) in the same place; merge one run")
+    n = counts.pop()
+    missing = sorted(set(range(n)) - {i for i, _ in found})
+    if missing:
+        raise OutlierscopeError(f"shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing; run them, then merge again")
+    recs = [found[(i, n)] for i in range(n)]
+    first = recs[0][1]
+    for _, r in recs[1:]:
+        if r["settings"] != first["settings"] or r["cells"] != first["cells"] or r["items_sha256"] != first["items_sha256"]:
+            raise OutlierscopeError("the shards were run with different settings; merge only the shards of one sweep")
+    s = SweepSettings(**{k: tuple(v) if isinstance(v, list) and k in ("models", "bits", "layers") else v
+                         for k, v in first["settings"].items()})
+    out = Path(out) if out is not None else dirs[0]
+    cells = []
+    with output_dir(out), output_dir(out / "cells") as cells_dir:
+        for c in first["cells"]:
+            parts = []
+            for i, (d, _) in enumerate(recs):
+                res = EvalResult.load(d / "cells", f"{c['cell']}.shard-{i}-of-{n}")
+                if res is None:
+                    raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {c['cell']} is missing or incomplete; "
+                                            f"rerun that shard (it resumes), then merge again")
+                parts.append(res)
+            merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
+            merged.extra["cell"] = parts[0].extra["cell"]
+            merged.save(cells_dir, c["cell"])
+            cells.append((c["model"], s.spec(c["bits"]), c["cell"], merged))
+    log(f"merged {n} shards of {len(cells)} cells into {out}")
+    return _tabulate(s, cells, first["n_items"], first["items_sha256"], out, merged_shards=n)

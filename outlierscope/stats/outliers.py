@@ -8,7 +8,9 @@ point it keeps, with memory independent of the number of tokens:
 * a log-spaced histogram of |x| per layer and head (logits) or per layer (hidden states), from
   which medians are estimated with relative error <= ``bins.rel_error_bound`` (0.4988%);
 * float64 power sums of x (count, mean, std, Pearson kurtosis) and max |x|, per layer and head
-  (logits) or per layer and channel (hidden states);
+  (logits) or per layer and channel (hidden states), kept per virtual shard of the run
+  (:mod:`outlierscope.parallel`; set with :meth:`OutlierStats.set_shard`) and merged in shard order,
+  so any split of the work over processes gives the same bytes;
 * hidden states: per (layer, channel) counts of |x| >= 6 (LLM.int8 outlier features) and |x| > 100,
   per (layer, position) counts of |x| >= 6; massive activations (Sun et al. 2024) are the
   recorded top values above 100 and above 1000 x the layer's median |x|.
@@ -28,6 +30,7 @@ import torch
 
 from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
+from outlierscope.parallel import VIRTUAL_SHARDS
 from outlierscope.stats.reducers import LogBins, Moments, TopK, dense_candidates
 
 INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
@@ -70,24 +73,35 @@ class _KindStats:
         self.top = TopK(k, self.n_loc)
         self.layer_top = [TopK(layer_k, self.n_loc) for _ in range(n_layers)]
         self.hist = torch.zeros(n_layers, n_hist, bins.n + 2, dtype=torch.int64)
-        self.moments = Moments((n_layers, n_groups))
+        self.shard_moments = [Moments((n_layers, n_groups)) for _ in range(VIRTUAL_SHARDS)]
+        self.shard = 0  # the virtual shard the next updates belong to
         self.seen = False
+
+    @property
+    def moments(self) -> Moments:
+        """The moments of all data: the virtual shards' merged in shard order (the same for any split)."""
+        out = Moments(tuple(self.shard_moments[0].count.shape))
+        for m in self.shard_moments:
+            out.merge(m)
+        return out
 
     def _check_mergeable(self, other: _KindStats) -> None:
         if type(other) is not type(self) or other.hist.shape != self.hist.shape or other.bins != self.bins \
-                or other.top.k != self.top.k or other.moments.count.shape != self.moments.count.shape:
+                or other.top.k != self.top.k or other.shard_moments[0].count.shape != self.shard_moments[0].count.shape:
             raise ValueError(f"cannot merge {type(other).__name__} of shape {tuple(other.hist.shape)} into "
                              f"{type(self).__name__} of shape {tuple(self.hist.shape)}: expected the same model and settings")
 
     def merge(self, other: _KindStats) -> None:
         """Add ``other`` (statistics of other data of the same model) into this one: top-k and histograms
-        exactly, moments within float64 rounding. Merging shards in order equals streaming them in order."""
+        exactly; moments shard by shard (exact when each virtual shard's data is on one side, as with
+        data-parallel processes; within float64 rounding otherwise)."""
         self._check_mergeable(other)
         self.top.merge(other.top)
         for a, b in zip(self.layer_top, other.layer_top):
             a.merge(b)
         self.hist += other.hist
-        self.moments.merge(other.moments)
+        for a, b in zip(self.shard_moments, other.shard_moments):
+            a.merge(b)
         self.seen = self.seen or other.seen
 
     def _topk(self, layer: int, absm: torch.Tensor, coords) -> None:
@@ -132,7 +146,7 @@ class LogitStats(_KindStats):
         idx += (torch.arange(H, dtype=torch.int32, device=idx.device) * (nb + 1)).view(1, H, 1, 1)  # one bin range per head
         counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)  # (B*H*T*S,) -> (H, nb+1)
         self.hist[layer] += counts[:, :nb].cpu()
-        self.moments.update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
+        self.shard_moments[self.shard].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
 
 
 class HiddenStats(_KindStats):
@@ -173,7 +187,7 @@ class HiddenStats(_KindStats):
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(~valid3, nb)
         self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
-        self.moments.update(x, valid3, (0, 1), layer)
+        self.shard_moments[self.shard].update(x, valid3, (0, 1), layer)
         big = (absx >= INT8_THRESHOLD) & valid3
         self.ge6[layer] += big.sum((0, 1)).cpu()
         self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1)).cpu()
@@ -216,6 +230,13 @@ class OutlierStats:
 
     def __call__(self, obs: Observation) -> None:
         self.by_kind[obs.point.kind](obs)
+
+    def set_shard(self, shard: int) -> None:
+        """The virtual shard (0..VIRTUAL_SHARDS-1) of the data that follows (profile sets it per batch)."""
+        if not 0 <= shard < VIRTUAL_SHARDS:
+            raise ParamError("shard", f"in 0..{VIRTUAL_SHARDS - 1}", shard)
+        for st in self.by_kind.values():
+            st.shard = shard
 
     def merge(self, other: OutlierStats) -> OutlierStats:
         """Add ``other``'s statistics (same model and settings) into this one; returns self."""

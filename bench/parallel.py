@@ -1,0 +1,60 @@
+"""Data-parallel sweep: 2 processes under torchrun (gloo) against 1, on the same items, same results.
+
+Runs ``outlierscope sweep --model pair-tiny:diff --bits 16 4 --limit 400`` as one process (torch's
+default threads) and under ``torchrun --nproc-per-node 2`` (one thread each, torchrun's default), each
+timed as a whole process (start-up, loading, scoring, gather, writing), and checks that ``sweep.csv``
+and the per-item cell files are byte-identical. On the project's 2-core machine the two processes
+share the cores that one process already uses, so about 1x is expected: the number is for honesty,
+not a goal; on a machine with a GPU per process the work divides.
+
+Usage: python bench/parallel.py [--limit 400] [--procs 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(args: list[str], procs: int, out: Path) -> float:
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 \
+        else [sys.executable]
+    t0 = time.perf_counter()
+    subprocess.run([*launch, "-m", "outlierscope", *args, "--out", str(out)], cwd=ROOT, check=True,
+                   env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - t0
+
+
+def main() -> int:
+    from artifact import write
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--limit", type=int, default=400)
+    p.add_argument("--procs", type=int, default=2)
+    p.add_argument("--model", default="pair-tiny:diff")
+    a = p.parse_args()
+    args = ["sweep", "--model", a.model, "--bits", "16", "4", "--limit", str(a.limit)]
+    with tempfile.TemporaryDirectory() as tmp:
+        one, many = Path(tmp) / "one", Path(tmp) / "many"
+        t1 = run(args, 1, one)
+        tn = run(args, a.procs, many)
+        files = sorted(str(f.relative_to(one)) for f in one.rglob("*.csv"))
+        same = all((one / f).read_bytes() == (many / f).read_bytes() for f in files)
+    raw = {"command": "outlierscope " + " ".join(args), "procs": a.procs, "one_process_s": [round(t1, 2)],
+           "processes_s": [round(tn, 2)], "compared_files": files}
+    derived = {"one_process_s": round(t1, 1), "processes_s": round(tn, 1), "speedup": round(t1 / tn, 2),
+               "identical_files": same, "procs": a.procs, "items": a.limit}
+    write(f"parallel_sweep_{a.procs}", raw, derived, notes="whole processes, one run each; the cores are shared")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    sys.exit(main())

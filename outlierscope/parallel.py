@@ -1,0 +1,166 @@
+"""Data parallelism with identical numbers for any number of processes.
+
+The work of a run (the batches of a sweep cell, the batches of a profile) is cut into a fixed number
+of **virtual shards** (:data:`VIRTUAL_SHARDS`): batch ``b`` belongs to shard ``b % VIRTUAL_SHARDS``.
+The batches themselves are the ones a single process forms (same rows, same padding), so a batch's
+numbers do not depend on who computes it. A process takes the shards assigned to it, results are
+keyed by item index (sweeps) or kept per shard where their merge is order-sensitive (the float64
+moments of a profile), and everything is combined in shard order. So 1 process, N processes under
+``torchrun``, and N ``--shard i/N`` runs merged by ``outlierscope merge`` give the same bytes.
+
+Two ways to split the work:
+
+* :class:`World`: processes started by ``torchrun`` or ``accelerate launch`` (``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment); results are gathered to rank 0 over
+  ``torch.distributed`` with the gloo backend (the payloads are small), and rank 0 alone writes.
+* :class:`Shard`: one share ``i/N`` of the work without any communication (a batch scheduler's job);
+  each writes a shard file, ``outlierscope merge`` combines them.
+
+Both compose: the shards of ``--shard i/N`` are split again over a world's ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from outlierscope.errors import OutlierscopeError, ParamError
+
+VIRTUAL_SHARDS = 16  # fixed: the most processes (times --shard N) that get work
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Share ``index`` of ``count`` of a run's virtual shards (``--shard i/N``)."""
+
+    index: int = 0
+    count: int = 1
+
+    def __post_init__(self):
+        if not 1 <= self.count <= VIRTUAL_SHARDS:
+            raise ParamError("shard", f"i/N with N in 1..{VIRTUAL_SHARDS}", f"{self.index}/{self.count}")
+        if not 0 <= self.index < self.count:
+            raise ParamError("shard", "i/N with 0 <= i < N", f"{self.index}/{self.count}")
+
+    @classmethod
+    def parse(cls, text: str | None) -> Shard:
+        """``"1/4"`` -> Shard(1, 4); None -> the whole run."""
+        if text is None:
+            return cls()
+        try:
+            i, n = (int(p) for p in text.split("/"))
+        except ValueError:
+            raise ParamError("shard", "i/N, e.g. 0/4", text) from None
+        return cls(i, n)
+
+    @property
+    def whole(self) -> bool:
+        return self.count == 1
+
+    @property
+    def tag(self) -> str:
+        return f"shard-{self.index}-of-{self.count}"
+
+
+@dataclass(frozen=True)
+class World:
+    """This process's place among the processes of a run (rank 0 of 1 without a launcher)."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> World:
+        """Read ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` (set by torchrun and accelerate launch); join the
+        gloo process group when there are several processes."""
+        env = os.environ
+        try:
+            world = cls(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+        except ValueError:
+            raise OutlierscopeError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (as torchrun sets them)") from None
+        if world.size > 1:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+        return world
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def device(self, device: str) -> str:
+        """``cuda``/``auto`` on a multi-process run: this process's own GPU, ``cuda:LOCAL_RANK``."""
+        if self.size > 1 and device in ("cuda", "auto"):
+            import torch
+
+            if torch.cuda.is_available():
+                return f"cuda:{self.local_rank}"
+        return device
+
+    def gather(self, obj) -> list | None:
+        """Every rank's ``obj`` at rank 0 in rank order (None on the other ranks); ``[obj]`` alone."""
+        if self.size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out = [None] * self.size if self.is_main else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj if self.is_main else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @contextlib.contextmanager
+    def failing_together(self) -> Iterator[None]:
+        """A block every rank runs before a collective: if it raises on any rank, it raises on every rank (the
+        first failing rank's message, ``rank r: ...``), so no rank waits forever for a share that never comes
+        and rank 0 writes nothing. One process: exceptions pass through unchanged."""
+        if self.size == 1:
+            yield
+            return
+        error = None
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 (every failure must reach the other ranks)
+            error = f"rank {self.rank}: {e if isinstance(e, OutlierscopeError) else f'{type(e).__name__}: {e}'}"
+        self.agree(error)
+
+    def agree(self, error: str | None) -> None:
+        """Raise on every rank if any rank reports an error (the first rank's message), else return."""
+        errors = [error] if self.size == 1 else _all_gather(error, self.size)
+        bad = [e for e in errors if e]
+        if bad:
+            raise OutlierscopeError(bad[0])
+
+
+def _all_gather(obj, size: int) -> list:
+    import torch.distributed as dist
+
+    out = [None] * size
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def owned_shards(shard: Shard, world: World) -> tuple[int, ...]:
+    """The virtual shards this process computes: those of ``shard``, then every ``world.size``-th of them."""
+    if shard.count * world.size > VIRTUAL_SHARDS:
+        raise OutlierscopeError(f"{shard.count} shard(s) x {world.size} process(es) exceed the {VIRTUAL_SHARDS} virtual "
+                                f"shards a run is cut into; use at most {VIRTUAL_SHARDS} in all")
+    mine = [v for v in range(VIRTUAL_SHARDS) if v % shard.count == shard.index]
+    return tuple(mine[world.rank :: world.size])
+
+
+def shard_of(batch: int) -> int:
+    """The virtual shard of the ``batch``-th batch of a run."""
+    return batch % VIRTUAL_SHARDS

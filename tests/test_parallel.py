@@ -1,0 +1,192 @@
+"""Data parallelism: 1 process, 2 gloo processes under torchrun, and 2 shards merged give byte-identical
+files; merges of the reducers equal the single stream; a failing rank fails the run without a partial cell."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
+from outlierscope.stats.reducers import LogBins, Moments, TopK
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+SWEEP = ["sweep", "--model", "pair-tiny:diff", "--bits", "16", "4", "--limit", "40", "--batch-size", "8"]
+PROFILE = ["profile", "--model", "pair-tiny:diff", "--tokens", "20000", "--batch-size", "4"]
+
+
+def _cli(args, procs: int = 1):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 \
+        else [sys.executable]
+    r = subprocess.run([*launch, "-m", "outlierscope", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _csvs(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*.csv"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hellaswag_cached):
+    root = tmp_path_factory.mktemp("parallel")
+    for cmd in (SWEEP, PROFILE):
+        kind = cmd[0]
+        _cli([*cmd, "--out", str(root / f"{kind}-1")])
+        _cli([*cmd, "--out", str(root / f"{kind}-2")], procs=2)
+        for i in range(2):
+            _cli([*cmd, "--out", str(root / f"{kind}-shards"), "--shard", f"{i}/2"])
+        _cli(["merge", str(root / f"{kind}-shards")])
+    return root
+
+
+@pytest.mark.parametrize("kind", ["sweep", "profile"])
+def test_two_processes_and_merged_shards_equal_one_process(runs, kind):
+    one = _csvs(runs / f"{kind}-1")
+    assert one and (("sweep.csv" in one and len([k for k in one if k.startswith("cells/")]) == 2) if kind == "sweep"
+                    else {"table5.csv", "per_layer.csv", "per_head.csv", "topk_hidden.csv"} <= set(one))
+    for other in ("2", "shards"):
+        got = {k: v for k, v in _csvs(runs / f"{kind}-{other}").items() if ".shard-" not in k}
+        assert got.keys() == one.keys(), other
+        for name in one:
+            assert got[name] == one[name], f"{kind}-{other}/{name} differs from the single process's"
+
+
+def test_records_say_how_it_ran(runs):
+    import json
+
+    assert json.loads((runs / "sweep-2" / "sweep.json").read_text())["processes"] == 2
+    assert json.loads((runs / "sweep-1" / "sweep.json").read_text())["processes"] == 1
+    assert json.loads((runs / "sweep-shards" / "sweep.json").read_text())["merged_shards"] == 2
+    rec = json.loads((runs / "sweep-shards" / "sweep.shard-1-of-2.json").read_text())
+    assert rec["shard"] == [1, 2]
+    facts = json.loads((runs / "profile-2" / "profile.json").read_text())["models"]
+    assert next(iter(facts.values()))["processes"] == 2
+
+
+def test_merge_needs_every_shard(tmp_path, hellaswag_cached):
+    _cli([*SWEEP[:-4], "--limit", "8", "--bits", "16", "--out", str(tmp_path), "--shard", "0/2"])
+    r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(tmp_path)], cwd=ROOT, env=ENV,
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "shard(s) 1/2 missing" in r.stderr
+    assert not (tmp_path / "sweep.csv").exists()
+
+
+@pytest.mark.parametrize("text, msg", [("2/2", "0 <= i < N"), ("1/40", "N in 1..16"), ("a/b", "i/N, e.g. 0/4")])
+def test_bad_shard(text, msg):
+    with pytest.raises(ParamError, match=msg):
+        Shard.parse(text)
+
+
+def test_owned_shards_partition():
+    for n in (1, 2, 3):
+        for p in (1, 2, 5):
+            if n * p > VIRTUAL_SHARDS:
+                continue
+            got = sorted(v for i in range(n) for r in range(p) for v in owned_shards(Shard(i, n), World(r, p)))
+            assert got == list(range(VIRTUAL_SHARDS))
+    with pytest.raises(OutlierscopeError, match="exceed the 16 virtual shards"):
+        owned_shards(Shard(0, 4), World(0, 8))
+
+
+# -- merges of the reducers: a stream split anywhere, merged in order, equals the single stream -------------
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(0, 400), min_size=0, max_size=4), st.integers(0, 2**31 - 1))
+def test_stream_split_and_merged(cuts, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(400, 6, generator=g, dtype=torch.float64) * 3 + 5).round(decimals=2)  # ties in |x| too
+    bounds = [0, *sorted(cuts), 400]
+    parts = [x[a:b] for a, b in zip(bounds, bounds[1:])]
+    bins = LogBins()
+
+    def stream(chunks):
+        top, hist, mom = TopK(20, 2), torch.zeros(bins.n + 2, dtype=torch.int64), Moments((1, 6))
+        for off, c in chunks:
+            if len(c) == 0:
+                continue
+            top.update_dense(c.abs(), torch.ones_like(c, dtype=torch.bool),
+                             lambda m, off=off: torch.stack([m[:, 0] + off, m[:, 1]], 1))
+            hist += torch.bincount(bins.index(c.abs()).view(-1), minlength=bins.n + 2)
+            mom.update(c[None], torch.ones_like(c[None], dtype=torch.bool), (1,), 0)
+        return top, hist, mom
+
+    offsets = bounds[:-1]
+    whole = stream(zip([0], [x]))
+    merged = None
+    for off, c in zip(offsets, parts):
+        s = stream([(off, c)])
+        if merged is None:
+            merged = s
+        else:
+            merged[0].merge(s[0])
+            merged = (merged[0], merged[1] + s[1], merged[2])
+            merged[2].merge(s[2])
+    assert torch.equal(whole[0].values, merged[0].values) and torch.equal(whole[0].locs, merged[0].locs)
+    assert torch.equal(whole[1], merged[1])
+    a, b = whole[2].summary(), merged[2].summary()
+    for k in ("mean", "std", "kurtosis"):
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-12, atol=1e-12)
+    assert torch.equal(whole[2].count, merged[2].count) and torch.equal(whole[2].maxabs, merged[2].maxabs)
+
+
+# -- a rank that fails ---------------------------------------------------------------------------------------
+
+def _failing_rank(rank: int, size: int, port: int, out: str, q) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"})
+    import torch.distributed as dist
+
+    from outlierscope.runs.sweep import SweepSettings, sweep
+
+    world = World.from_env()
+    if rank == 1:  # this rank's model is broken: its forward raises
+        import outlierscope.eval.evaluate as ev
+
+        def broken(*a, **k):
+            raise OutlierscopeError("forward failed")
+        ev.score_requests = broken
+    try:
+        sweep(SweepSettings(models=("pair-tiny:diff",), bits=(16,), limit=8), out, progress=False, log=lambda *a: None,
+              world=world)
+        q.put((rank, "ok"))
+    except Exception as e:  # noqa: BLE001 (reported to the parent)
+        q.put((rank, f"{type(e).__name__}: {e}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_failing_rank_fails_the_run_and_writes_no_cell(tmp_path, hellaswag_cached):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_failing_rank, args=(r, 2, port, str(tmp_path / "out"), q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+        if p.is_alive():
+            p.kill()
+    results = {}
+    while not q.empty():
+        r, msg = q.get()
+        results[r] = msg
+    assert results.get(1) == "OutlierscopeError: rank 1: forward failed"
+    assert results.get(0) == "OutlierscopeError: rank 1: forward failed"  # rank 0 fails too, at once
+    cells = list((tmp_path / "out" / "cells").glob("*")) if (tmp_path / "out" / "cells").exists() else []
+    assert cells == [] and not (tmp_path / "out" / "sweep.csv").exists()
