@@ -99,7 +99,7 @@ def test_owned_shards_partition():
 
 # -- merges of the reducers: a stream split anywhere, merged in order, equals the single stream -------------
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.integers(0, 400), min_size=0, max_size=4), st.integers(0, 2**31 - 1))
 def test_stream_split_and_merged(cuts, seed):
     g = torch.Generator().manual_seed(seed)
@@ -116,7 +116,7 @@ def test_stream_split_and_merged(cuts, seed):
             top.update_dense(c.abs(), torch.ones_like(c, dtype=torch.bool),
                              lambda m, off=off: torch.stack([m[:, 0] + off, m[:, 1]], 1))
             hist += torch.bincount(bins.index(c.abs()).view(-1), minlength=bins.n + 2)
-            mom.update(c[None], torch.ones_like(c[None], dtype=torch.bool), (1,), 0)
+            mom.update(c, torch.ones_like(c, dtype=torch.bool), (0,), 0)
         return top, hist, mom
 
     offsets = bounds[:-1]

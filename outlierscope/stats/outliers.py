@@ -67,11 +67,12 @@ class _KindStats:
 
     kind = ""
     n_loc = 0
+    tie: tuple[int, ...] = ()  # location fields by tie priority: the sequence first, then an observation's flat order
 
     def __init__(self, n_layers: int, n_groups: int, n_hist: int, k: int, layer_k: int, bins: LogBins):
         self.n_layers, self.bins = n_layers, bins
-        self.top = TopK(k, self.n_loc)
-        self.layer_top = [TopK(layer_k, self.n_loc) for _ in range(n_layers)]
+        self.top = TopK(k, self.n_loc, self.tie)
+        self.layer_top = [TopK(layer_k, self.n_loc, self.tie) for _ in range(n_layers)]
         self.hist = torch.zeros(n_layers, n_hist, bins.n + 2, dtype=torch.int64)
         self.shard_moments = [Moments((n_layers, n_groups)) for _ in range(VIRTUAL_SHARDS)]
         self.shard = 0  # the virtual shard the next updates belong to
@@ -114,6 +115,7 @@ class LogitStats(_KindStats):
     """Attention logits (B, H, T, S): locations (layer, head, sequence, query, key); per-head histograms and moments."""
 
     kind, n_loc = "attn.logits", 5
+    tie = (2, 0, 1, 3, 4)  # (seq, layer, head, query, key): (b, h, t, s) is the flat order of one observation
 
     def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins):
         super().__init__(n_layers, n_heads, n_heads, k, layer_k, bins)
@@ -154,6 +156,7 @@ class HiddenStats(_KindStats):
     massive-activation counts."""
 
     kind, n_loc = "hidden", 4
+    tie = (2, 0, 3, 1)  # (seq, layer, token, channel): (b, t, c) is the flat order of one observation
 
     def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins):
         super().__init__(n_layers, hidden_size, 1, k, layer_k, bins)

@@ -13,18 +13,26 @@ import torch
 
 
 def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of ``absm`` (invalid entries set to -1) with their locations.
+    """The k largest entries of ``absm`` (invalid entries set to -1) with their locations; among equal
+    values the first in flat (row-major) order, so the result never depends on how ties fall.
 
-    Two stages, exact: the k largest entries lie in the k rows (last dim) with the largest row
-    maxima, so a top-k over row maxima picks the rows and a top-k inside them the entries.
+    Two stages, exact: the k largest entries lie in the rows (last dim) whose maximum is at least the
+    k-th largest row maximum, so those rows are kept (in order) and the entries are picked inside them:
+    every entry above the k-th largest value, then entries equal to it in flat order.
     """
     S = absm.shape[-1]
     flat_rows = absm.reshape(-1, S)  # (R, S)
     rowmax = flat_rows.amax(-1)  # (R,)
     kr = min(k, rowmax.numel())
-    _, rows = torch.topk(rowmax, kr, sorted=False)
-    cand = flat_rows[rows]  # (kr, S)
-    vals, cols = torch.topk(cand.reshape(-1), min(k, cand.numel()), sorted=False)  # over (kr*S,)
+    thr = torch.topk(rowmax, kr, sorted=False).values.min()
+    rows = torch.nonzero(rowmax >= thr).view(-1)  # ascending
+    cand = flat_rows[rows].reshape(-1)  # (rows*S,), still in flat order
+    kk = min(k, cand.numel())
+    vk = torch.topk(cand, kk, sorted=False).values.min()
+    above = torch.nonzero(cand > vk).view(-1)
+    ties = torch.nonzero(cand == vk).view(-1)[: kk - above.numel()]
+    cols = torch.cat([above, ties])
+    vals = cand[cols]
     keep = vals >= 0
     vals, cols = vals[keep], cols[keep]
     flat_idx = rows[cols // S] * S + cols % S
@@ -33,11 +41,18 @@ def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor
 
 
 class TopK:
-    """Exact running top-k of values, each with an integer location row (e.g. layer, head, seq, query, key)."""
+    """Exact running top-k of values, each with an integer location row (e.g. layer, head, seq, query, key).
 
-    def __init__(self, k: int, n_loc: int):
+    Ties are broken by location, compared field by field in the order ``tie`` (default: as stored). Give
+    the order in which :func:`dense_candidates` meets the entries of one observation (its flat order)
+    after the fields that differ between observations, and any split of a stream merges exactly."""
+
+    def __init__(self, k: int, n_loc: int, tie: tuple[int, ...] | None = None):
         if k <= 0:
             raise ValueError(f"k must be positive, got {k}")
+        self.tie = tuple(range(n_loc)) if tie is None else tuple(tie)
+        if sorted(self.tie) != list(range(n_loc)):
+            raise ValueError(f"tie must order the {n_loc} location fields, got {tie}")
         self.k = k
         self.values = torch.empty(0, dtype=torch.float64)
         self.locs = torch.empty(0, n_loc, dtype=torch.int64)
@@ -46,8 +61,9 @@ class TopK:
         """Merge candidate ``values`` (N,) with their locations (N, n_loc)."""
         v = torch.cat([self.values, values.double().cpu()])
         loc = torch.cat([self.locs, locs.cpu()])
-        # larger value first, then smaller location: deterministic under ties
-        order = np.lexsort([*(loc.numpy().T[::-1]), -v.numpy()])[: self.k]
+        # larger value first, then smaller location (fields in tie order): deterministic under ties
+        fields = loc.numpy().T
+        order = np.lexsort([*(fields[i] for i in reversed(self.tie)), -v.numpy()])[: self.k]
         v, loc = v[order], loc[order]
         self.values, self.locs = v, loc
 
