@@ -28,6 +28,7 @@ def _cmd_data_fetch(a) -> None:
 def _cmd_tasks(a) -> None:
     import json
 
+    from outlierscope.data.hellaswag import hellaswag_path
     from outlierscope.data.tasks import TASKS, get_task, load_docs
 
     if a.action == "requests":
@@ -37,7 +38,7 @@ def _cmd_tasks(a) -> None:
             print(json.dumps(doc.json(), ensure_ascii=False))
         return
     print(f"{'task':<14} {'rows':>6}  {'metrics':<13} cached")
-    print(f"{'hellaswag':<14} {10042:>6}  {'acc, acc_norm':<13} (see `outlierscope info`)")
+    print(f"{'hellaswag':<14} {10042:>6,}  {'acc, acc_norm':<13} {'yes' if hellaswag_path().exists() else 'no (outlierscope data fetch)'}")
     for t in TASKS.values():
         print(f"{t.name:<14} {t.rows:>6,}  {', '.join(t.metrics):<13} {'yes' if t.cached else 'no (outlierscope data fetch)'}")
 
