@@ -17,6 +17,21 @@ HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 RESULTS = HERE / "results"
 
+
+
+def _lmeval_rows(choices: str) -> list:
+    """The rows every bench/eval_vs_lmeval.py table shares: agreement with lm-eval and batch sizes."""
+    return [
+        ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
+        ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
+        ("items with the same `pred` / `pred_norm` as lm-eval's scores", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
+        ("items with the same acc / acc_norm outcome as lm-eval's own flags", ("same_acc_flags", "same_acc_norm_flags"),
+         "{:.2%} / {:.2%}"),
+        (f"max \\|score difference\\| over all {choices} choices, nats", "max_abs_score_diff", "{:.2g}"),
+        ("batch size, outlierscope / lm-eval", ("our_batch_size", "lmeval_batch_size"), "{} / {}"),
+    ]
+
+
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
 TABLES = {
     "profile": ("profile", [
@@ -40,25 +55,11 @@ TABLES = {
         ("forward, our attention function, 8-bit per_tensor, ms", "forward_quant8_per_tensor_ms", "{}"),
         ("quantized / eager (goal <= 1.5x)", "quant_vs_eager", "**{}x**"),
     ]),
-    "lmeval_diff": ("eval_vs_lmeval_diff_10042", [
-        ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
-        ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
-        ("items with the same `pred` / `pred_norm` as lm-eval's scores", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
-        ("items with the same acc / acc_norm outcome as lm-eval's own flags", ("same_acc_flags", "same_acc_norm_flags"),
-         "{:.2%} / {:.2%}"),
-        ("max \\|score difference\\| over all 40,168 choices, nats", "max_abs_score_diff", "{:.2g}"),
-        ("batch size, outlierscope / lm-eval", ("our_batch_size", "lmeval_batch_size"), "{} / {}"),
+    "lmeval_diff": ("eval_vs_lmeval_diff_10042", [*_lmeval_rows("40,168"),
         ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
         ("speed-up (goal >= 4x)", "speedup", "**{}x**"),
     ]),
-    "lmeval_smollm2": ("eval_vs_lmeval_smollm2-135m_1000", [
-        ("acc: outlierscope / lm-eval", ("acc_ours", "acc_lmeval"), "{:.6f} / {:.6f}"),
-        ("acc_norm: outlierscope / lm-eval", ("acc_norm_ours", "acc_norm_lmeval"), "{:.6f} / {:.6f}"),
-        ("items with the same `pred` / `pred_norm` as lm-eval's scores", ("same_pred", "same_pred_norm"), "{:.2%} / {:.2%}"),
-        ("items with the same acc / acc_norm outcome as lm-eval's own flags", ("same_acc_flags", "same_acc_norm_flags"),
-         "{:.2%} / {:.2%}"),
-        ("max \\|score difference\\| over all 4,000 choices, nats", "max_abs_score_diff", "{:.2g}"),
-        ("batch size, outlierscope / lm-eval", ("our_batch_size", "lmeval_batch_size"), "{} / {}"),
+    "lmeval_smollm2": ("eval_vs_lmeval_smollm2-135m_1000", [*_lmeval_rows("4,000"),
         ("whole process, s: outlierscope / lm-eval", ("ours_process_s", "lmeval_process_s"), "{0[0]} / {1[0]}"),
         ("items/s, outlierscope / lm-eval", ("ours_items_per_s", "lmeval_items_per_s"), "{} / {}"),
         ("speed-up (goal >= 3x)", "speedup", "**{}x**"),

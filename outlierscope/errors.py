@@ -23,3 +23,14 @@ class ParamError(OutlierscopeError, ValueError):
     def renamed(self, names: dict[str, str]) -> str:
         """The message with the parameter called as in ``names`` (e.g. ``{"batch_size": "--batch-size"}``)."""
         return self.render(names.get(self.param, self.param))
+
+
+def lookup(registry: dict, name: str, what: str):
+    """``registry[name]``, or a one-line error listing the names, with "did you mean" for near misses."""
+    if name in registry:
+        return registry[name]
+    import difflib
+
+    close = difflib.get_close_matches(name, list(registry), n=3, cutoff=0.4)
+    raise OutlierscopeError(f"unknown {what} {name!r}: expected one of {', '.join(registry)}"
+                            + (f"; did you mean {', '.join(close)}?" if close else ""))

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError
 
@@ -164,3 +166,26 @@ def owned_shards(shard: Shard, world: World) -> tuple[int, ...]:
 def shard_of(batch: int) -> int:
     """The virtual shard of the ``batch``-th batch of a run."""
     return batch % VIRTUAL_SHARDS
+
+
+def find_shards(dirs, stem: str, suffix: str, what: str) -> list[Path]:
+    """The files ``{stem}.shard-i-of-N{suffix}`` of one split found in ``dirs``, in shard order i = 0..N-1
+    (the first found of each); one-line errors when there are none, several splits, or missing shards."""
+    pattern = re.compile(rf"^{re.escape(stem)}\.shard-(\d+)-of-(\d+){re.escape(suffix)}$")
+    found: dict[tuple[int, int], Path] = {}
+    for d in map(Path, dirs):
+        for f in sorted(d.glob(f"{stem}.shard-*-of-*{suffix}")):
+            m = pattern.match(f.name)
+            if m:
+                found.setdefault((int(m[1]), int(m[2])), f)
+    if not found:
+        raise OutlierscopeError(f"no {what} shard files ({stem}.shard-i-of-N{suffix}) in {', '.join(map(str, dirs))}; "
+                                f"run `outlierscope {what} ... --shard i/N` first")
+    counts = {n for _, n in found}
+    if len(counts) > 1:
+        raise OutlierscopeError(f"{what} shards of different splits ({sorted(counts)} shards) in the same place; merge one run")
+    n = counts.pop()
+    missing = sorted(set(range(n)) - {i for i, _ in found})
+    if missing:
+        raise OutlierscopeError(f"{what} shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing; run them, then merge again")
+    return [found[(i, n)] for i in range(n)]

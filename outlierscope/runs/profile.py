@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import re
 import shutil
 import tempfile
 import time
@@ -27,7 +26,7 @@ from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
 from outlierscope.io import atomic_path, git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import LoadedModel, check_placement, model_device, resolve_seq_len, state_dict_sha256
-from outlierscope.parallel import Shard, World, owned_shards, shard_of
+from outlierscope.parallel import Shard, World, find_shards, owned_shards, shard_of
 from outlierscope.report.tables import table5_markdown
 from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
 
@@ -257,23 +256,9 @@ def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> Prof
     """Combine the ``profile.shard-i-of-N.pt`` files of a profile run with ``--shard i/N`` (i = 0..N-1) found in
     ``dirs`` and write the whole profile to ``out`` (default: the first directory): the bytes of one process."""
     dirs = [Path(d) for d in dirs]
-    found = {}
-    for d in dirs:
-        for f in sorted(d.glob("profile.shard-*-of-*.pt")):
-            m = re.match(r"^profile\.shard-(\d+)-of-(\d+)\.pt$", f.name)
-            if m:
-                found.setdefault((int(m[1]), int(m[2])), f)
-    if not found:
-        raise OutlierscopeError(f"no profile shard files (profile.shard-i-of-N.pt) in {', '.join(map(str, dirs))}; "
-                                "run `outlierscope profile ... --shard i/N` first")
-    counts = {n for _, n in found}
-    if len(counts) > 1:
-        raise OutlierscopeError(f"profile shards of different splits ({sorted(counts)} shards); merge one run")
-    n = counts.pop()
-    missing = sorted(set(range(n)) - {i for i, _ in found})
-    if missing:
-        raise OutlierscopeError(f"profile shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing; run them, then merge again")
-    parts = [torch.load(found[(i, n)], weights_only=False) for i in range(n)]
+    files = find_shards(dirs, "profile", ".pt", "profile")
+    n = len(files)
+    parts = [torch.load(f, weights_only=False) for f in files]
     first = parts[0]
     for p in parts[1:]:
         if p["settings"] != first["settings"] or list(p["stats"]) != list(first["stats"]):

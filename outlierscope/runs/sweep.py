@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, selec
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_placement
 from outlierscope.models.presets import DEFAULT_PAIR
-from outlierscope.parallel import Shard, World
+from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import quantize_weights
 from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
@@ -280,9 +279,6 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     return _tabulate(s, cells, len(items), digest, out, processes=world.size)
 
 
-SHARD_RECORD = re.compile(r"^sweep\.shard-(\d+)-of-(\d+)\.json$")
-
-
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
     """Combine the shards of a sweep run with ``shard=Shard(i, N)`` (``--shard i/N``) for i = 0..N-1, found
     in ``dirs``, into whole cells and tables in ``out`` (default: the first directory): the same files as
@@ -290,23 +286,9 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
     from outlierscope.eval.evaluate import merge_results
 
     dirs = [Path(d) for d in dirs]
-    found = {}
-    for d in dirs:
-        for f in sorted(d.glob("sweep.shard-*-of-*.json")):
-            m = SHARD_RECORD.match(f.name)
-            if m:
-                found.setdefault((int(m[1]), int(m[2])), (d, json.loads(f.read_text())))
-    if not found:
-        raise OutlierscopeError(f"no sweep shard records (sweep.shard-i-of-N.json) in {', '.join(map(str, dirs))}; "
-                                "run `outlierscope sweep ... --shard i/N` first")
-    counts = {n for _, n in found}
-    if len(counts) > 1:
-        raise OutlierscopeError(f"shard records of different splits ({sorted(counts)} shards) in the same place; merge one run")
-    n = counts.pop()
-    missing = sorted(set(range(n)) - {i for i, _ in found})
-    if missing:
-        raise OutlierscopeError(f"shard(s) {', '.join(f'{i}/{n}' for i in missing)} missing; run them, then merge again")
-    recs = [found[(i, n)] for i in range(n)]
+    files = find_shards(dirs, "sweep", ".json", "sweep")
+    n = len(files)
+    recs = [(f.parent, json.loads(f.read_text())) for f in files]
     first = recs[0][1]
     for _, r in recs[1:]:
         if r["settings"] != first["settings"] or r["cells"] != first["cells"] or r["items_sha256"] != first["items_sha256"]:
