@@ -26,7 +26,8 @@ class Request:
 
     ``inputs[j]`` is what the model reads for choice j: ``(ctx + cont_j)[-(max_length + 1):][:-1]``
     (lm-eval's left truncation); the continuation's log-probabilities are read at its last
-    ``len(conts[j])`` positions.
+    ``len(conts[j])`` positions. Any number of choices; a task with one context per choice
+    (WinoGrande's partial scoring) sets ``ctxs``.
     """
 
     index: int
@@ -35,13 +36,17 @@ class Request:
     conts: tuple[tuple[int, ...], ...]
     choice_chars: tuple[int, ...]
     max_length: int
+    ctxs: tuple[tuple[int, ...], ...] | None = None  # one context per choice (WinoGrande); None: ``ctx`` for all
+
+    def context(self, j: int) -> tuple[int, ...]:
+        return self.ctx if self.ctxs is None else self.ctxs[j]
 
     def inputs(self, j: int) -> list[int]:
-        return list(self.ctx + self.conts[j])[-(self.max_length + 1) :][:-1]
+        return list(self.context(j) + self.conts[j])[-(self.max_length + 1) :][:-1]
 
     @property
     def truncated(self) -> bool:
-        return any(len(self.ctx) + len(c) > self.max_length + 1 for c in self.conts)
+        return any(len(self.context(j)) + len(c) > self.max_length + 1 for j, c in enumerate(self.conts))
 
 
 def lmeval_max_length(model, tokenizer=None) -> int:
@@ -135,14 +140,34 @@ def build_requests(items, tokenizer, max_length: int) -> list[Request]:
     return out
 
 
+def build_task_requests(docs, tokenizer, max_length: int) -> list[Request]:
+    """Requests of :class:`~outlierscope.data.tasks.TaskDoc` rows (any number of choices, shared or per-choice
+    contexts), tokenised by lm-eval's rules; a context shared by every choice is kept once (``ctx``)."""
+    enc = Encoder(tokenizer)
+    encoded = enc.pairs([r for doc in docs for r in doc.requests])
+    out, at = [], 0
+    for doc in docs:
+        pairs, at = encoded[at : at + len(doc.requests)], at + len(doc.requests)
+        ctxs = tuple(tuple(p[0]) for p in pairs)
+        shared = all(c == ctxs[0] for c in ctxs)
+        out.append(Request(doc.index, doc.gold, ctxs[0] if shared else (), tuple(tuple(p[1]) for p in pairs),
+                           tuple(doc.choice_chars), max_length, None if shared else ctxs))
+    return out
+
+
 # -- metrics -------------------------------------------------------------------------------
 
 
 def predictions(scores, choice_chars):
-    """acc and acc_norm predictions from (N, 4) summed log-probs; first maximum wins ties."""
+    """acc and acc_norm predictions from (N, C) summed log-probs (NaN where an item has fewer choices); first
+    maximum wins ties."""
     import numpy as np
 
     scores = np.asarray(scores, dtype=np.float64)
+    chars = np.ones(scores.shape)
+    for i, c in enumerate(choice_chars):  # ragged: items with fewer choices than columns have NaN scores there
+        chars[i, : len(c)] = c
+    scores = np.where(np.isnan(scores), -np.inf, scores)
     pred = scores.argmax(1)
-    pred_norm = (scores / np.asarray(choice_chars, dtype=np.float64)).argmax(1)
+    pred_norm = (scores / chars).argmax(1)
     return pred, pred_norm

@@ -126,10 +126,11 @@ def _separate_row(req: Request, j: int) -> dict:
 @torch.no_grad()
 def score_requests(model, requests: Sequence[Request], layout: str = "shared", batch_size: int = 32,
                    progress=None, shards: Collection[int] | None = None) -> np.ndarray:
-    """Summed log-probabilities (N, 4) of each item's continuations, in the order of ``requests``.
+    """Summed log-probabilities (N, C) of each item's continuations, in the order of ``requests`` (C: the most
+    choices of an item; NaN where an item has fewer).
 
-    ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates
-    always use ``separate``. ``batch_size`` counts (context, ending) sequences per forward: a shared
+    ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates, and
+    items with one context per choice, always use ``separate``. ``batch_size`` counts (context, ending) sequences per forward: a shared
     row holds an item's 4, so shared forwards take ``batch_size // 4`` rows (long tree-masked rows
     run faster in small batches). ``progress(n_items)`` is called as items finish.
 
@@ -141,10 +142,10 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if batch_size <= 0:
         raise ParamError("batch_size", ">= 1", batch_size)
-    scores = np.zeros((len(requests), 4))
+    scores = np.full((len(requests), max((len(r.conts) for r in requests), default=0)), np.nan)
     shared, separate = [], []  # (length, item index, choice or None)
     for i, r in enumerate(requests):
-        if layout == "shared" and not r.truncated:
+        if layout == "shared" and r.ctxs is None and not r.truncated:
             shared.append((len(r.ctx) + sum(len(c) - 1 for c in r.conts), i, None))
         else:
             separate += [(len(r.inputs(j)), i, j) for j in range(len(r.conts))]
@@ -153,7 +154,6 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
         units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))  # longest first: little padding
         batches += [units[s : s + rows] for s in range(0, len(units), rows)]
     if shards is not None:
-        scores[:] = np.nan
         keep = set(shards)
         batches = [b for k, b in enumerate(batches) if shard_of(k) in keep]
     head = _head(model)
@@ -164,7 +164,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
             rows = [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
             for (_, i, j), v in zip(batch, _score_rows(model, head, rows)):
                 if j is None:
-                    scores[i] = v
+                    scores[i, : len(v)] = v
                 else:
                     scores[i, j] = v[0]
                 done_parts[i] += 1

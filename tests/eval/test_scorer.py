@@ -97,3 +97,55 @@ def test_blocked_attention_same_scores(setup, granularity):
         got = score_requests(lm.model, reqs, layout, 8)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert (got.argmax(1) == ref.argmax(1)).all()
+
+
+def _task_docs():
+    """Hand-written rows of the zero-shot tasks: 2 to 5 choices, shared and per-choice (WinoGrande) contexts."""
+    from outlierscope.data.tasks import get_task
+
+    rows = [
+        ("arc_easy", {"question": "Which one melts ice fastest?", "answerKey": "C",
+                      "choices": {"text": ["a cold stone", "a wooden spoon", "a warm hand", "snow", "the moon at night"],
+                                  "label": ["A", "B", "C", "D", "E"]}}),
+        ("arc_easy", {"question": "What do plants need?", "answerKey": "2",
+                      "choices": {"text": ["salt", "light", "plastic"], "label": ["1", "2", "3"]}}),
+        ("winogrande", {"sentence": "The trophy did not fit in the suitcase because the _ was too big.",
+                        "option1": "trophy", "option2": "suitcase", "answer": "1"}),
+        ("copa", {"premise": "The girl was tired.", "choice1": "She went to bed.", "choice2": "She ran a race.",
+                  "question": "effect", "label": "0"}),
+        ("boolq", {"passage": "Water boils at one hundred degrees at sea level.", "question": "does water boil",
+                   "answer": True}),
+    ]
+    return [get_task(name).build(i, row) for i, (name, row) in enumerate(rows)]
+
+
+@pytest.mark.parametrize("layout", ["shared", "separate"])
+def test_ragged_choices_and_per_choice_contexts_equal_reference(setup, layout):
+    """Zero-shot task requests (2-5 choices, WinoGrande's per-choice contexts) against the naive full-logit
+    computation, with and without quantization; NaN where an item has fewer choices."""
+    from outlierscope.eval.hellaswag import build_task_requests, predictions
+
+    lm, _ = setup
+    reqs = build_task_requests(_task_docs(), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
+    assert [len(r.conts) for r in reqs] == [5, 3, 2, 2, 2] and reqs[2].ctxs is not None and reqs[0].ctxs is None
+
+    def naive(model):
+        out = np.full((len(reqs), 5), np.nan)
+        with torch.no_grad():
+            for i, r in enumerate(reqs):
+                for j, cont in enumerate(r.conts):
+                    inp = torch.tensor([r.inputs(j)])
+                    lp = torch.log_softmax(model(input_ids=inp).logits[0], -1)
+                    n = inp.shape[1]
+                    out[i, j] = sum(lp[n - len(cont) + k, t].item() for k, t in enumerate(cont))
+        return out
+
+    got = score_requests(lm.model, reqs, layout, 4)
+    ref = naive(lm.model)
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0, equal_nan=True)
+    pred, pred_norm = predictions(got, [r.choice_chars for r in reqs])
+    assert all(p < len(r.conts) for p, r in zip(pred, reqs)) and all(p < len(r.conts) for p, r in zip(pred_norm, reqs))
+    if layout == "separate":  # per_tensor scales see each (context, ending) sequence alone
+        with quantize_attention(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
+            np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 4), naive(lm.model), atol=1e-4, rtol=0,
+                                       equal_nan=True)
