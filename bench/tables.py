@@ -85,6 +85,10 @@ TABLES = {
              "**{}x** / **{}x**"),
         )
     ]),
+    "tasks_vs_lmeval": ("tasks_vs_lmeval", [
+        (f"{t}: rows with identical requests and gold", f"{t}_identical_rows", "{}")
+        for t in ("arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande", "sciq", "copa", "social_iqa")
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
