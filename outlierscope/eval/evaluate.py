@@ -22,9 +22,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from outlierscope.data.hellaswag import HellaSwagItem, load_hellaswag
+from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.hellaswag import build_requests, lmeval_max_length, predictions
+from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, model_device
@@ -35,8 +35,15 @@ from outlierscope.stats.paired import compare, mean_stderr
 
 N_CHOICES = 4
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
-ITEM_COLUMNS = ["index", "label", *[f"score{j}" for j in range(N_CHOICES)], *[f"tokens{j}" for j in range(N_CHOICES)],
-                "pred", "pred_norm"]
+
+
+def item_columns(n_choices: int) -> list[str]:
+    """Columns of a per-item table: index, label, score and token count per choice, pred, pred_norm."""
+    return ["index", "label", *[f"score{j}" for j in range(n_choices)], *[f"tokens{j}" for j in range(n_choices)],
+            "pred", "pred_norm"]
+
+
+ITEM_COLUMNS = item_columns(N_CHOICES)  # HellaSwag's
 
 
 def layout_for(spec: QuantSpec) -> str:
@@ -45,11 +52,21 @@ def layout_for(spec: QuantSpec) -> str:
 
 
 def select_items(limit: int | None = None, sample: int | None = None, seed: int = 0,
-                 data: str | None = None) -> list[HellaSwagItem]:
-    """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``."""
+                 data: str | None = None, task: str = "hellaswag") -> list:
+    """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``.
+
+    ``task``: ``hellaswag`` (items of ``data`` or the cached set) or a zero-shot task of
+    :mod:`outlierscope.data.tasks` (its rows as :class:`~outlierscope.data.tasks.TaskDoc`)."""
     if limit is not None and sample is not None:
         raise OutlierscopeError("limit and sample exclude each other; pass one")
-    items = load_hellaswag(data)
+    if task == "hellaswag":
+        items = load_hellaswag(data)
+    else:
+        from outlierscope.data.tasks import get_task, load_docs
+
+        if data is not None:
+            raise ParamError("data", "None for a task other than hellaswag (its rows come from the cache)", data)
+        items = load_docs(get_task(task).name)
     for name, v in (("limit", limit), ("sample", sample)):
         if v is not None and not 0 < v <= len(items):
             raise ParamError(name, f"in 1..{len(items)} (the items available)", v)
@@ -62,9 +79,13 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
 
 
 def items_digest(items) -> str:
+    """sha256 of the items' content: HellaSwag fields, or a task row's requests, gold and choice lengths."""
     h = hashlib.sha256()
     for it in items:
-        h.update(json.dumps([it.index, it.activity_label, it.ctx_a, it.ctx_b, list(it.endings), it.label]).encode())
+        if hasattr(it, "requests"):
+            h.update(json.dumps([it.json(), list(it.choice_chars)]).encode())
+        else:
+            h.update(json.dumps([it.index, it.activity_label, it.ctx_a, it.ctx_b, list(it.endings), it.label]).encode())
     return h.hexdigest()
 
 
@@ -109,9 +130,15 @@ class EvalResult:
         out = {}
         for m, col in METRICS.items():
             out[m] = compare(base.correct(m), self.correct(m), base.items[col], self.items[col], seed=seed)
-        cols = [f"score{j}" for j in range(N_CHOICES)]
-        out["mean_abs_score_change"] = float(np.abs(self.items[cols].to_numpy() - base.items[cols].to_numpy()).mean())
+        cols = self.score_columns
+        change = np.abs(self.items[cols].to_numpy() - base.items[cols].to_numpy())
+        # NaN: choices an item does not have (zero-shot tasks); HellaSwag has none, and a plain mean
+        out["mean_abs_score_change"] = float(np.nanmean(change) if np.isnan(change).any() else change.mean())
         return out
+
+    @property
+    def score_columns(self) -> list[str]:
+        return [c for c in self.items.columns if c.startswith("score")]
 
     @property
     def is_partial(self) -> bool:
@@ -140,7 +167,7 @@ class EvalResult:
             items = pd.read_csv(items_path, float_precision="round_trip")  # exact: merged shards equal one process
         except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
             return None  # damaged: the caller recomputes it
-        if list(items.columns) != ITEM_COLUMNS:
+        if list(items.columns) != item_columns(sum(c.startswith("score") for c in items.columns)):
             return None
         extra = {k: v for k, v in meta.items() if k not in ("settings", "metrics", "seconds")}
         return cls(items, meta.get("metrics", {}), meta.get("settings", {}), meta.get("seconds", 0.0), extra)
@@ -157,11 +184,14 @@ def _model_and_tokenizer(model, tokenizer):
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=None, limit: int | None = None,
              sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
              batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
-             block_rows: int | None = None, shard: Shard | None = None, world: World | None = None) -> EvalResult | None:
+             block_rows: int | None = None, shard: Shard | None = None, world: World | None = None,
+             task: str = "hellaswag") -> EvalResult | None:
     """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
     logits quantized by ``quant`` (None: unquantized).
 
-    Items: ``items`` as given, else the cached validation set (or ``data``), all or ``limit`` / ``sample``.
+    Items: ``items`` as given, else the cached validation set of ``task`` (or ``data``), all or ``limit`` /
+    ``sample``. ``task``: ``hellaswag`` or a zero-shot task (:mod:`outlierscope.data.tasks`; any number of
+    choices, columns ``score0..`` padded with NaN).
     ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
     ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
     Non-finite log-likelihoods are an error naming the first such item.
@@ -180,8 +210,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     own = owned_shards(shard, world)
     spec = quant or QuantSpec(bits=16)
     if items is None:
-        items = select_items(limit, sample, seed, data)
-    requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
+        items = select_items(limit, sample, seed, data, task)
+    max_length = lmeval_max_length(model, tokenizer)
+    requests = (build_task_requests(items, tokenizer, max_length) if items and hasattr(items[0], "requests")
+                else build_requests(items, tokenizer, max_length))
     layout = layout_for(spec)
     whole = shard.whole and world.size == 1
     t0 = time.time()
@@ -200,7 +232,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
                 "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
                 "items_sha256": items_digest(items), "batch_size": batch_size,
                 "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": model_device(model),
-                "attn_block": block_rows}
+                "attn_block": block_rows, "task": task}
     part = _partial(requests, scores, loss, settings, wall, own, layout)
     if world.size > 1:
         parts = world.gather(part)
@@ -215,10 +247,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
 
 def _partial(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:
     df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
-    for j in range(N_CHOICES):
+    for j in range(scores.shape[1]):
         df[f"score{j}"] = scores[:, j]
-    for j in range(N_CHOICES):
-        df[f"tokens{j}"] = [len(r.conts[j]) for r in requests]
+    for j in range(scores.shape[1]):
+        df[f"tokens{j}"] = [len(r.conts[j]) if j < len(r.conts) else 0 for r in requests]  # 0: no such choice
     df["pred"], df["pred_norm"] = -1, -1
     extra = {"layout": layout, "shards": sorted(own), "choice_chars": [list(r.choice_chars) for r in requests]}
     if loss is not None:
@@ -236,7 +268,7 @@ def _combine(parts: list[EvalResult]) -> EvalResult:
     shards = [v for p in parts for v in p.extra["shards"]]
     if len(set(shards)) != len(shards):
         raise OutlierscopeError(f"the parts to merge overlap (virtual shards {sorted(shards)}); each shard once")
-    cols = [f"score{j}" for j in range(N_CHOICES)]
+    cols = first.score_columns
     stack = np.stack([p.items[cols].to_numpy() for p in parts])  # (P, N, 4)
     done = ~np.isnan(stack)
     scores = np.where(done, stack, 0.0).sum(0)  # one part holds each score: adding zeros is exact
@@ -259,8 +291,9 @@ def _complete(part: EvalResult, desc: str) -> EvalResult:
     if missing:
         raise OutlierscopeError(f"virtual shards {missing} of {VIRTUAL_SHARDS} are missing; merge every shard of the run")
     df = part.items.copy()
-    scores = df[[f"score{j}" for j in range(N_CHOICES)]].to_numpy()
-    bad = np.flatnonzero(~np.isfinite(scores).all(axis=1))
+    scores = df[part.score_columns].to_numpy()
+    has = df[[c.replace("score", "tokens") for c in part.score_columns]].to_numpy() > 0  # the choices each item has
+    bad = np.flatnonzero((has & ~np.isfinite(scores)).any(axis=1))
     if len(bad):
         raise OutlierscopeError(
             f"{desc}: {len(bad)} of {len(df)} items got non-finite log-likelihoods (first: item "

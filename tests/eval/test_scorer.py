@@ -149,3 +149,27 @@ def test_ragged_choices_and_per_choice_contexts_equal_reference(setup, layout):
         with quantize_attention(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
             np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 4), naive(lm.model), atol=1e-4, rtol=0,
                                        equal_nan=True)
+
+
+@pytest.mark.parametrize("task", ["arc_easy", "winogrande", "copa"])
+def test_evaluate_a_zero_shot_task(setup, task, tmp_path):
+    """evaluate(task=...): the cached task's rows, NaN-padded scores for missing choices, predictions within each
+    item's choices, equal to scoring the same requests directly; the result saves and loads back."""
+    from outlierscope.data.tasks import get_task, load_docs
+    from outlierscope.eval.evaluate import EvalResult, evaluate
+    from outlierscope.eval.hellaswag import build_task_requests
+
+    if not get_task(task).cached:
+        pytest.skip("task data not cached (make test fetches it)")
+    lm, _ = setup
+    res = evaluate(lm, task=task, limit=12, batch_size=8, progress=False)
+    reqs = build_task_requests(load_docs(task, 12), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
+    direct = score_requests(lm.model, reqs, "shared", 8)
+    np.testing.assert_allclose(res.items[res.score_columns].to_numpy(), direct, atol=1e-6, equal_nan=True)
+    n = np.array([len(r.conts) for r in reqs])
+    assert (res.items["pred"].to_numpy() < n).all() and (res.items["pred_norm"].to_numpy() < n).all()
+    assert res.settings["task"] == task and 0 <= res.metrics["acc"] <= 1
+    res.save(tmp_path, "cell")
+    back = EvalResult.load(tmp_path, "cell")
+    assert back is not None and back.score_columns == res.score_columns
+    assert res.compare(back)["mean_abs_score_change"] == 0
