@@ -117,7 +117,7 @@ def _cmd_sweep(a) -> None:
         raise OutlierscopeError(str(e)) from None
     s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
-                      sample=a.sample, seed=a.seed, data=a.data, text=a.text, text_tokens=a.text_tokens,
+                      sample=a.sample, seed=a.seed, data=a.data, task=a.task, text=a.text, text_tokens=a.text_tokens,
                       batch_size=a.batch_size, **_placement(a))
     shard, world = _parallel(a)
     result = sweep(s, a.out, force=a.force, shard=shard, world=world)
@@ -302,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
     s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
     _add_placement(s)
+    s.add_argument("--task", default="hellaswag", help="hellaswag (default) or a zero-shot task: see `outlierscope tasks`")
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")

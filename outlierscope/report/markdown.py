@@ -13,15 +13,26 @@ from outlierscope.report.tables import sweep_table, table5_markdown
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
-    ("figure8_acc_norm", "sweep", lambda p, df: p.figure8(df, "acc_norm"), "HellaSwag acc_norm vs logit bits (Figure 8)"),
-    ("figure8_acc", "sweep", lambda p, df: p.figure8(df, "acc"), "HellaSwag acc vs logit bits"),
-    ("quantization_damage", "sweep", lambda p, df: p.quantization_damage(df), "Quantization damage vs 16 bits"),
-    ("table5_bars", "table5", lambda p, df: p.table5_bars(df), "Largest activation values (Table 5)"),
-    ("per_layer", "per_layer", lambda p, df: p.per_layer_lines(df), "Per-layer top-1, top-3 and median |x|"),
-    ("head_heatmap", "per_head", lambda p, df: p.head_heatmap(df), "Max |logit| per layer and head"),
-    ("histograms", "histograms", lambda p, df: p.histograms(df), "Distribution of |x|"),
-    ("lambda", "lambda", lambda p, df: p.lambda_per_layer(df), "λ per layer (Diff models)"),
+    ("figure8_acc_norm", "sweep", lambda p, df, r: p.figure8(df, "acc_norm", *sweep_task(r)), "acc_norm vs logit bits (Figure 8)"),
+    ("figure8_acc", "sweep", lambda p, df, r: p.figure8(df, "acc", *sweep_task(r)), "acc vs logit bits"),
+    ("quantization_damage", "sweep", lambda p, df, r: p.quantization_damage(df), "Quantization damage vs 16 bits"),
+    ("table5_bars", "table5", lambda p, df, r: p.table5_bars(df), "Largest activation values (Table 5)"),
+    ("per_layer", "per_layer", lambda p, df, r: p.per_layer_lines(df), "Per-layer top-1, top-3 and median |x|"),
+    ("head_heatmap", "per_head", lambda p, df, r: p.head_heatmap(df), "Max |logit| per layer and head"),
+    ("histograms", "histograms", lambda p, df, r: p.histograms(df), "Distribution of |x|"),
+    ("lambda", "lambda", lambda p, df, r: p.lambda_per_layer(df), "λ per layer (Diff models)"),
 ]
+TASK_LABELS = {"hellaswag": "HellaSwag", "arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge", "boolq": "BoolQ",
+               "openbookqa": "OpenBookQA", "piqa": "PIQA", "winogrande": "WinoGrande", "sciq": "SciQ", "copa": "COPA",
+               "social_iqa": "Social IQa"}
+
+
+def sweep_task(run: RunResults) -> tuple[str, float]:
+    """(display name, chance in percent) of a run's sweep task; HellaSwag and 25% for sweeps that predate tasks."""
+    meta = run.sweep_meta or {}
+    task = meta.get("settings", {}).get("task", "hellaswag")
+    chance = meta.get("chance")
+    return TASK_LABELS.get(task, task), 25.0 if chance is None else float(chance)
 
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
@@ -38,7 +49,7 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
         if df is None:
             skipped.append(f"{stem}: no {table} data in {run.root}")
             continue
-        fig = fn(plots, df)
+        fig = fn(plots, df, run)
         try:
             for ext in ("png", "svg") if svg else ("png",):
                 with atomic_path(out / f"{stem}.{ext}") as tmp:
@@ -126,7 +137,7 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
         parts.append("")
     if "sweep" in run.tables:
         s = run.sweep_meta["settings"] if run.sweep_meta else {}
-        parts += ["## Quantized attention logits on HellaSwag (Figure 8)", "",
+        parts += [f"## Quantized attention logits on {sweep_task(run)[0]} (Figure 8)", "",
                   f"Dynamic absmax post-training quantization of the pre-softmax attention logits, format `{s.get('format')}`, "
                   f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, "
                   f"{run.sweep_meta['n_items'] if run.sweep_meta else '?'} validation items, zero-shot, lm-eval 0.4.13 scoring. "

@@ -37,8 +37,9 @@ def _panels(kinds: list[str]):
     return plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
 
 
-def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure:
-    """Zero-shot HellaSwag accuracy against the bit width of the attention logits (the paper's Figure 8)."""
+def figure8(sweep: pd.DataFrame, metric: str = "acc_norm", task: str = "HellaSwag", chance: float = 25.0) -> plt.Figure:
+    """Zero-shot accuracy on ``task`` against the bit width of the attention logits (the paper's Figure 8), with
+    the task's chance level (percent)."""
     df = sweep[sweep["metric"] == metric].copy()
     bits = sorted(df["bits"].unique(), reverse=True)
     pos = {b: i for i, b in enumerate(bits)}
@@ -49,14 +50,14 @@ def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure:
         g = g.sort_values("bits", ascending=False)
         ax.errorbar([pos[b] for b in g["bits"]], g["value"] * 100, yerr=g["stderr"] * 100, marker=markers[k % 5],
                     capsize=4, lw=1.8, color=colors[model], label=_short(model))
-    ax.axhline(25, color="0.4", ls="--", lw=1)
-    ax.text(len(bits) - 1, 25, "chance (25%)", va="bottom", ha="right", fontsize=8, color="0.3")
+    ax.axhline(chance, color="0.4", ls="--", lw=1)
+    ax.text(len(bits) - 1, chance, f"chance ({chance:.3g}%)", va="bottom", ha="right", fontsize=8, color="0.3")
     ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
     ax.set_xlabel("bits of the attention logits (dynamic absmax PTQ)")
-    ax.set_ylabel(f"HellaSwag {metric} (%)")
+    ax.set_ylabel(f"{task} {metric} (%)")
     gran = ", ".join(sorted(set(sweep.loc[sweep["bits"] != 16, "granularity"].dropna())))
     n = int(df["n_items"].iloc[0]) if "n_items" in df else None
-    ax.set_title(f"Zero-shot HellaSwag vs logit bits ({gran or 'unquantized'}{f', {n:,} items' if n else ''})", fontsize=10)
+    ax.set_title(f"Zero-shot {task} vs logit bits ({gran or 'unquantized'}{f', {n:,} items' if n else ''})", fontsize=10)
     ax.legend(frameon=False)
     ax.grid(axis="y", alpha=0.3)
     return fig

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from outlierscope.data.tasks import chance_percent
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
@@ -45,6 +46,7 @@ class SweepSettings:
     limit: int | None = None
     sample: int | None = None
     seed: int = 0
+    task: str = "hellaswag"  # or a zero-shot task of outlierscope.data.tasks (`outlierscope tasks`)
     data: str | None = None  # HellaSwag file; None: the cached validation set
     text: str | None = None  # held-out text for LM loss
     text_tokens: int = 65_536
@@ -63,6 +65,11 @@ class SweepSettings:
         if dup:
             raise ParamError("models", "distinct model specs", list(self.models), f"{dup[0]} is given twice")
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
+        from outlierscope.data.tasks import check_task
+
+        check_task(self.task)
+        if self.data is not None and self.task != "hellaswag":
+            raise ParamError("data", "None for a task other than hellaswag (its rows come from the cache)", self.data)
         if self.weights not in WEIGHT_MODES:
             raise ParamError("weights", f"one of {', '.join(WEIGHT_MODES)}", self.weights)
         for n, v in (("limit", self.limit), ("sample", self.sample)):
@@ -101,6 +108,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     kind = device.split(":")[0]
     if kind != "cpu":
         out["device"] = kind
+    if s.task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
+        out["task"] = s.task
     return out
 
 
@@ -113,7 +122,7 @@ def cell_id(settings: dict) -> str:
 def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool,
              shard: Shard | None = None, world: World | None = None) -> EvalResult | None:
     return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc, block_rows=s.attn_block, shard=shard, world=world)
+                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=s.task)
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
@@ -247,7 +256,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         except OutlierscopeError as e:
             error = str(e)
     world.agree(error)
-    items = select_items(s.limit, s.sample, s.seed, s.data)
+    items = select_items(s.limit, s.sample, s.seed, s.data, s.task)
     digest = items_digest(items)
     cells = []
     log = log if world.is_main else (lambda *a, **k: None)
@@ -271,12 +280,12 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     if not shard.whole:
         write_json(out / f"sweep.{shard.tag}.json", {
             "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size,
-            "n_items": len(items), "items_sha256": digest,
+            "n_items": len(items), "items_sha256": digest, "chance": chance_percent(items),
             "cells": [{"cell": cid, "model": m, "bits": spec.bits} for m, spec, cid, _ in cells],
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
-    return _tabulate(s, cells, len(items), digest, out, processes=world.size)
+    return _tabulate(s, cells, len(items), digest, out, processes=world.size, chance=chance_percent(items))
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
@@ -311,4 +320,4 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             merged.save(cells_dir, c["cell"])
             cells.append((c["model"], s.spec(c["bits"]), c["cell"], merged))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
-    return _tabulate(s, cells, first["n_items"], first["items_sha256"], out, merged_shards=n)
+    return _tabulate(s, cells, first["n_items"], first["items_sha256"], out, merged_shards=n, chance=first.get("chance"))

@@ -244,3 +244,39 @@ def test_failed_sweep_leaves_no_empty_dirs(tiny_pair, hs_jsonl, tmp_path, capsys
     rc = main(["sweep", "--model", str(tiny_pair["diff"]) + "-missing", "--data", str(hs_jsonl), "--out", str(out)])
     assert rc == 2 and "model directory not found" in capsys.readouterr().err
     assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("task, chance", [("arc_easy", None), ("copa", 50.0)])
+def test_task_sweep_and_report(tiny_pair, tmp_path, task, chance):
+    """sweep --task: cells keyed by the task, ragged choices, chance level recorded, report and Figure 8 for the task;
+    a HellaSwag cell identity has no task key (old cells keep their ids)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from outlierscope.data.tasks import get_task
+    from outlierscope.report.markdown import write_report
+
+    if not get_task(task).cached:
+        pytest.skip("task data not cached (make test fetches it)")
+    out = tmp_path / task
+    s = SweepSettings(models=(str(tiny_pair["diff"]),), bits=(16, 4), limit=10, batch_size=8, task=task)
+    res = sweep(s, out, progress=False, log=lambda *_: None)
+    assert set(res.table["bits"]) == {16, 4} and res.table["n_items"].eq(10).all()
+    meta = json.loads((out / "sweep.json").read_text())
+    assert meta["settings"]["task"] == task and 25 <= meta["chance"] <= 50
+    if chance is not None:
+        assert meta["chance"] == chance
+    cell = json.loads(next((out / "cells").glob("*.json")).read_text())
+    assert cell["cell"]["task"] == task and cell["settings"]["task"] == task
+    report = write_report(out).read_text()
+    label = {"arc_easy": "ARC-Easy", "copa": "COPA"}[task]
+    assert f"on {label} (Figure 8)" in report and (out / "figures" / "figure8_acc_norm.png").exists()
+    hs = sw.cell_settings("m", "w", s.spec(16), SweepSettings(models=("m",)), "d", "float32")
+    assert "task" not in hs
+
+
+def test_task_errors(capsys, tmp_path):
+    with pytest.raises(OutlierscopeError, match="did you mean piqa"):
+        SweepSettings(models=("pair-tiny:diff",), task="piqaa")
+    assert main(["sweep", "--model", "pair-tiny:diff", "--task", "copa", "--data", "x.jsonl", "--out", str(tmp_path / "o")]) == 2
+    assert "--data must be None for a task other than hellaswag" in capsys.readouterr().err
