@@ -8,7 +8,12 @@ strings, BoolQ's label as a boolean ``answer``): that conversion is in ``typed()
 row, the list of (context, continuation) pairs and the gold index with ``outlierscope tasks requests``.
 Writes ``bench/results/tasks_vs_lmeval.json``; exit 1 on any difference.
 
-Usage: python bench/tasks_vs_lmeval.py [--tasks arc_easy piqa ...]
+With ``--model DIR`` it also scores: lm-eval 0.4.13 runs the model on every row (``--log_samples``, float32,
+CPU) and we run ``evaluate(model, task=...)``; per row we compare the predictions (from lm-eval's logged
+log-likelihoods and from ours, first maximum), our acc against lm-eval's own per-row flag, and the largest
+|log-likelihood difference|. Writes ``bench/results/tasks_vs_lmeval_<model>.json``.
+
+Usage: python bench/tasks_vs_lmeval.py [--tasks arc_easy piqa ...] [--model DIR]
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ def main() -> int:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    p.add_argument("--model", help="also compare scores: a HF model directory")
+    p.add_argument("--lmeval-batch-size", type=int, default=32)
     a = p.parse_args()
     if not LMEVAL_PY.exists():
         sys.exit("lm-eval venv missing: run `make lmeval-venv` first")
@@ -97,6 +104,8 @@ def main() -> int:
         out = tmp / "lmeval.json"
         subprocess.run([str(LMEVAL_PY), "-c", LMEVAL_SIDE, str(tmp), str(out), *a.tasks], check=True, env=env)
         theirs = json.loads(out.read_text())
+        if a.model:
+            return compare_scores(a, tmp, env)
     raw, derived, bad = {}, {}, 0
     for name in a.tasks:
         ours = [d.json() for d in load_docs(name)]
@@ -109,6 +118,54 @@ def main() -> int:
         bad += len(ours) != len(ref) or first is not None
         print(f"{name}: {sum(same)}/{len(ours)} rows identical" + ("" if first is None else f"; first difference at {first}"))
     write("tasks_vs_lmeval", raw, derived, notes="requests and gold index per row; no model involved")
+    return 1 if bad else 0
+
+
+def compare_scores(a, tmp: Path, env: dict) -> int:
+    """lm-eval's per-row log-likelihoods and acc flags against ``evaluate(task=...)``, every row of every task."""
+    import numpy as np
+    from artifact import write
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.eval.hellaswag import predictions
+    from outlierscope.models.loading import load_model
+
+    model_dir = Path(a.model).resolve()
+    out = tmp / "lmeval_out"
+    subprocess.run([str(LMEVAL_PY), "-m", "lm_eval", "--model", "hf", "--model_args",
+                    f"pretrained={model_dir},dtype=float32", "--tasks", ",".join(f"{t}_local" for t in a.tasks),
+                    "--include_path", str(tmp), "--device", "cpu", "--batch_size", str(a.lmeval_batch_size),
+                    "--log_samples", "--output_path", str(out)], check=True, env=env, stdout=subprocess.DEVNULL)
+    lm = load_model(str(model_dir), device="cpu", dtype="float32")
+    raw, derived, bad = {"model": str(model_dir), "lmeval_batch_size": a.lmeval_batch_size}, {}, 0
+    for name in a.tasks:
+        samples = sorted(out.rglob(f"samples_{name}_local_*.jsonl"))[-1]
+        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+        ll = [[float(r[0][0]) if isinstance(r[0], list) else float(r[0]) for r in s["resps"]] for s in rows]
+        flags = np.array([float(s["acc"]) for s in rows])
+        res = evaluate(lm, task=name, progress=False)
+        ours = res.items[res.score_columns].to_numpy()
+        ref = np.full_like(ours, np.nan)
+        for i, v in enumerate(ll):
+            ref[i, : len(v)] = v
+        chars = [[1] * int((res.items.loc[i, [c.replace("score", "tokens") for c in res.score_columns]] > 0).sum())
+                 for i in range(len(ll))]
+        p_ours, _ = predictions(ours, chars)
+        p_ref, _ = predictions(ref, chars)
+        acc_ours = (res.items["pred"].to_numpy() == res.items["label"].to_numpy()).astype(float)
+        d = {"rows": len(rows), "same_pred": float((p_ours == p_ref).mean()), "same_acc_flags": float((acc_ours == flags).mean()),
+             "acc_ours": float(acc_ours.mean()), "acc_lmeval": float(flags.mean()),
+             "max_abs_ll_diff": float(np.nanmax(np.abs(ours - ref)))}
+        raw[name] = d
+        derived[f"{name}_summary"] = (f"acc {d['acc_ours']:.4f} / {d['acc_lmeval']:.4f}; same pred {d['same_pred']:.2%}, "
+                                      f"same acc flag {d['same_acc_flags']:.2%}; max |ll diff| {d['max_abs_ll_diff']:.1e}")
+        if "acc_norm" in rows[0]:  # the tasks lm-eval scores with acc_norm too
+            norm = (res.items["pred_norm"].to_numpy() == res.items["label"].to_numpy()).astype(float)
+            d["same_acc_norm_flags"] = float((norm == np.array([float(s["acc_norm"]) for s in rows])).mean())
+            derived[f"{name}_summary_norm"] = f"same acc_norm flag {d['same_acc_norm_flags']:.2%}"
+        bad += min(d["same_pred"], d["same_acc_flags"], d.get("same_acc_norm_flags", 1.0)) < 1.0
+        print(name, derived[f"{name}_summary"])
+    write(f"tasks_vs_lmeval_{model_dir.name}", raw, derived, notes="every validation row of each task; lm-eval float32 on CPU")
     return 1 if bad else 0
 
 
