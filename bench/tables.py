@@ -89,6 +89,14 @@ TABLES = {
         (f"{t}: rows with identical requests and gold", f"{t}_identical_rows", "{}")
         for t in ("arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande", "sciq", "copa", "social_iqa")
     ]),
+    "tasks_scores_diff": ("tasks_vs_lmeval_diff", [
+        (f"{t}", (f"{t}_summary",) + ((f"{t}_summary_norm",) if norm else ()), "{}" + ("; {}" if norm else ""))
+        for t, norm in (("arc_easy", 1), ("arc_challenge", 1), ("boolq", 0), ("openbookqa", 1),
+                        ("winogrande", 0), ("sciq", 1), ("copa", 0), ("social_iqa", 0))
+    ]),
+    "tasks_scores_smollm2": ("tasks_vs_lmeval_smollm2-135m", [
+        ("piqa", ("piqa_summary", "piqa_summary_norm"), "{}; {}"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
