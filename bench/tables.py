@@ -117,7 +117,8 @@ def render(name: str) -> str:
     lines = ["| measure | value |", "|---|---|"]
     for label, key, fmt in rows:
         vals = [d[k] for k in key] if isinstance(key, tuple) else [d[key]]
-        lines.append(f"| {label} | {fmt.format(*vals)} |")
+        value = PIPE.sub(r"\\|", fmt.format(*vals))  # a bare | in a value would split the cell
+        lines.append(f"| {label} | {value} |")
     m = rec["machine"]
     lines += ["", f"Record: `bench/results/{stem}.json` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
                   f"{' + changes' if rec['git']['dirty'] else ''}; {m['cpu']}, {m['cores']} cores, {m['torch_threads']} "
@@ -126,6 +127,7 @@ def render(name: str) -> str:
     return "\n".join(lines)
 
 
+PIPE = re.compile(r"(?<!\\)\|")
 BLOCK = re.compile(r"(<!-- bench:(\w+) -->\n)(.*?)(<!-- /bench -->)", re.S)
 
 
