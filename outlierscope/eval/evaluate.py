@@ -27,7 +27,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
-from outlierscope.models.loading import LoadedModel, model_device
+from outlierscope.models.loading import LoadedModel, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
@@ -231,7 +231,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
                 "granularity": None if spec.is_identity else spec.granularity,
                 "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
                 "items_sha256": items_digest(items), "batch_size": batch_size,
-                "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "device": model_device(model),
+                "dtype": model_dtype(model), "device": model_device(model),
                 "attn_block": block_rows, "task": task}
     part = _partial(requests, scores, loss, settings, wall, own, layout)
     if world.size > 1:

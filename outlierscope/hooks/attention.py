@@ -182,15 +182,16 @@ class _AttentionFunction:
         B, H, T, _ = query.shape
         S = key.shape[2]
         v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
+        memo = self._memo
+        second = memo is not None and memo[0] is module and memo[1] is query and memo[2] is key  # DiffLlama's 2nd call
+        if second and memo[3] is not None:  # the first call's probabilities were one block: reuse them
+            return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
         rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
         k = _repeat_kv(key, H // key.shape[1])  # (B, H, S, d)
         if k.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
             k = k.float()
         call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows)  # (B, H, d, S)
-        memo = self._memo
-        if memo is not None and memo[0] is module and memo[1] is query and memo[2] is key:  # DiffLlama's second call
-            if memo[3] is not None:
-                return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
+        if second:  # blocks again, with the non-observing stages and the first call's prepass state
             stages, state = tuple(st for st in self.stages if not getattr(st, "observes", False)), memo[4]
         else:
             stages, state = self.stages, self._prepass(call)

@@ -34,10 +34,15 @@ def check_dtype(dtype: str) -> str:
     return dtype
 
 
+def _is_device(device: str) -> bool:
+    """Whether ``device`` is spelled as one of DEVICES (``cuda:N`` with a number)."""
+    return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
+
+
 def check_placement(device: str, dtype: str, device_map, attn_block: int | None) -> None:
     """Validate the run-placement settings that profile and sweep share (before anything loads)."""
     check_dtype(dtype)
-    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
+    if not _is_device(device):
         raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
     if device_map not in (None, "auto", "balanced", "balanced_low_0", "sequential") and not isinstance(device_map, dict):
         raise ParamError("device_map", "auto, balanced, balanced_low_0, sequential or a dict (accelerate's placement)", device_map)
@@ -49,19 +54,19 @@ def resolve_device(device: str) -> str:
     """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda``/``cuda:N`` checked against the GPUs present."""
     import torch
 
+    if not _is_device(device):
+        raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         return device
-    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
-        if not torch.cuda.is_available():
-            raise OutlierscopeError(f"device {device} requested but torch {torch.__version__} sees no CUDA GPU; "
-                                    "use device 'cpu' (or 'auto'), or install a CUDA build of torch")
-        n = torch.cuda.device_count()
-        if device != "cuda" and int(device[5:]) >= n:
-            raise ParamError("device", f"cuda:0..cuda:{n - 1} (this machine has {n} GPU(s))", device)
-        return device
-    raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
+    if not torch.cuda.is_available():
+        raise OutlierscopeError(f"device {device} requested but torch {torch.__version__} sees no CUDA GPU; "
+                                "use device 'cpu' (or 'auto'), or install a CUDA build of torch")
+    n = torch.cuda.device_count()
+    if device != "cuda" and int(device[5:]) >= n:
+        raise ParamError("device", f"cuda:0..cuda:{n - 1} (this machine has {n} GPU(s))", device)
+    return device
 
 
 def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
@@ -72,6 +77,11 @@ def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
     if device.startswith("cuda") and stored in ("bfloat16", "float16"):
         return stored
     return "float32"
+
+
+def model_dtype(model) -> str:
+    """A model's dtype as a name (``float32``, ``bfloat16``, ...): the dtype of its first parameter."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def model_device(model) -> str:
@@ -137,7 +147,7 @@ class LoadedModel:
 
     @property
     def dtype(self) -> str:
-        return str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return model_dtype(self.model)
 
     @property
     def device(self) -> str:

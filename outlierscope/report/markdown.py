@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
 from outlierscope.report.tables import sweep_table, table5_markdown
@@ -22,9 +23,6 @@ FIGURES = [
     ("histograms", "histograms", lambda p, df, r: p.histograms(df), "Distribution of |x|"),
     ("lambda", "lambda", lambda p, df, r: p.lambda_per_layer(df), "λ per layer (Diff models)"),
 ]
-TASK_LABELS = {"hellaswag": "HellaSwag", "arc_easy": "ARC-Easy", "arc_challenge": "ARC-Challenge", "boolq": "BoolQ",
-               "openbookqa": "OpenBookQA", "piqa": "PIQA", "winogrande": "WinoGrande", "sciq": "SciQ", "copa": "COPA",
-               "social_iqa": "Social IQa"}
 
 
 def sweep_task(run: RunResults) -> tuple[str, float]:
@@ -32,7 +30,7 @@ def sweep_task(run: RunResults) -> tuple[str, float]:
     meta = run.sweep_meta or {}
     task = meta.get("settings", {}).get("task", "hellaswag")
     chance = meta.get("chance")
-    return TASK_LABELS.get(task, task), 25.0 if chance is None else float(chance)
+    return task_label(task), 25.0 if chance is None else float(chance)
 
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:

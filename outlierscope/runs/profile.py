@@ -25,7 +25,14 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
 from outlierscope.io import atomic_path, git_commit, machine, output_dir, versions, write_csv, write_json, write_text
-from outlierscope.models.loading import LoadedModel, check_placement, model_device, resolve_seq_len, state_dict_sha256
+from outlierscope.models.loading import (
+    LoadedModel,
+    check_placement,
+    model_device,
+    model_dtype,
+    resolve_seq_len,
+    state_dict_sha256,
+)
 from outlierscope.parallel import Shard, World, find_shards, owned_shards, shard_of
 from outlierscope.report.tables import table5_markdown
 from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
@@ -169,7 +176,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     Data parallel (:mod:`outlierscope.parallel`): batch ``b`` belongs to virtual shard ``b % 16``; a process
     streams the batches of its shards (``shard``, and its rank of ``world``), with their global sequence
     numbers; under ``torchrun`` rank 0 gets the merged statistics (the other ranks None); a partial
-    ``shard`` returns its part (merge with :meth:`ProfileResult.merge_shards`). Any split gives the bytes of
+    ``shard`` returns its part (:func:`merge_profile` combines the saved parts). Any split gives the bytes of
     a single process."""
     from tqdm.auto import tqdm
 
@@ -219,7 +226,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
                   "tokens_requested": settings.tokens, "seconds": round(wall, 2),
                   "tokens_per_s": round(n_tok / max(wall, 1e-9), 1), "n_layers": stats.n_layers,
                   "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module),
-                  "dtype": str(next(module.parameters()).dtype).removeprefix("torch."), "device": dev,
+                  "dtype": model_dtype(module), "device": dev,
                   "processes": world.size})
     if not shard.whole:
         facts["shard"] = [shard.index, shard.count]
