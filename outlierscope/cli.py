@@ -28,8 +28,8 @@ def _cmd_data_fetch(a) -> None:
 def _cmd_tasks(a) -> None:
     import json
 
-    from outlierscope.data.hellaswag import hellaswag_path
-    from outlierscope.data.tasks import TASKS, get_task, load_docs
+    from outlierscope.data.hellaswag import N_VALIDATION, hellaswag_path
+    from outlierscope.data.tasks import SUITES, TASKS, get_task, load_docs
 
     if a.action == "requests":
         if not a.task:
@@ -38,9 +38,12 @@ def _cmd_tasks(a) -> None:
             print(json.dumps(doc.json(), ensure_ascii=False))
         return
     print(f"{'task':<14} {'rows':>6}  {'metrics':<13} cached")
-    print(f"{'hellaswag':<14} {10042:>6,}  {'acc, acc_norm':<13} {'yes' if hellaswag_path().exists() else 'no (outlierscope data fetch)'}")
+    print(f"{'hellaswag':<14} {N_VALIDATION:>6,}  {'acc, acc_norm':<13} "
+          f"{'yes' if hellaswag_path().exists() else 'no (outlierscope data fetch)'}")
     for t in TASKS.values():
         print(f"{t.name:<14} {t.rows:>6,}  {', '.join(t.metrics):<13} {'yes' if t.cached else 'no (outlierscope data fetch)'}")
+    for name, tasks in SUITES.items():
+        print(f"suite {name}: {' '.join(tasks)}")
 
 
 def _cmd_models_fetch(a) -> None:
@@ -107,6 +110,7 @@ def _cmd_profile(a) -> None:
 
 
 def _cmd_sweep(a) -> None:
+    from outlierscope.data.tasks import expand_tasks
     from outlierscope.quant.spec import parse_layers
     from outlierscope.report.tables import sweep_table
     from outlierscope.runs.sweep import SweepSettings, sweep
@@ -117,7 +121,7 @@ def _cmd_sweep(a) -> None:
         raise OutlierscopeError(str(e)) from None
     s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
-                      sample=a.sample, seed=a.seed, data=a.data, task=a.task, text=a.text, text_tokens=a.text_tokens,
+                      sample=a.sample, seed=a.seed, data=a.data, tasks=expand_tasks(a.task or ["hellaswag"]), text=a.text, text_tokens=a.text_tokens,
                       batch_size=a.batch_size, **_placement(a))
     shard, world = _parallel(a)
     result = sweep(s, a.out, force=a.force, shard=shard, world=world)
@@ -181,6 +185,7 @@ def _cmd_reproduce(a) -> None:
     path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, sample=a.sample, batch_size=a.batch_size,
                                        text=a.text,
                                        force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len,
+                                       tasks=tuple(a.tasks),
                                        **_placement(a)))
     print(f"report: {path}")
 
@@ -298,11 +303,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--layers", help="quantize only these layers, e.g. 0-3 or 0,2 (default all)")
     s.add_argument("--weights", default="none", choices=WEIGHT_MODES, help="also quantize linear weights (bitsandbytes)")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--limit", type=int, help="first N validation items")
-    g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
+    g.add_argument("--limit", type=int, help="first N validation items of each task (all of a task with fewer)")
+    g.add_argument("--sample", type=int, help="N items of each task drawn at random (with --seed; all of a task with fewer)")
     s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
     _add_placement(s)
-    s.add_argument("--task", default="hellaswag", help="hellaswag (default) or a zero-shot task: see `outlierscope tasks`")
+    s.add_argument("--task", action="append", metavar="TASK",
+                   help="hellaswag (default) or a zero-shot task (see `outlierscope tasks`); repeat for several; "
+                        "`paper` = the paper's seven, `all` = every task")
     s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
     s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
@@ -333,8 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seq-len", type=int, help="profile sequence length (default: min(model context, 256))")
     s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
     g = s.add_mutually_exclusive_group()
-    g.add_argument("--limit", type=int, help="first N HellaSwag items (default: all 10,042)")
-    g.add_argument("--sample", type=int, help="N HellaSwag items drawn at random (seed 0)")
+    g.add_argument("--limit", type=int, help="first N items of each task (default: all)")
+    g.add_argument("--sample", type=int, help="N items of each task drawn at random (seed 0)")
+    s.add_argument("--tasks", nargs="+", default=["hellaswag"], metavar="TASK",
+                   help="the sweep's tasks (default hellaswag; `paper` = the paper's seven, `all` = every task)")
     s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")
     s.add_argument("--batch-size", type=int, default=32,
                    help="HellaSwag sequences per forward (default 32); the scores do not depend on it")

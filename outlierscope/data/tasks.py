@@ -155,6 +155,28 @@ def task_label(name: str) -> str:
     return "HellaSwag" if name == "hellaswag" else TASKS[name].label if name in TASKS else name
 
 
+SUITES = {
+    "paper": ("arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande"),  # its Table 1
+    "all": ("hellaswag", *TASKS),
+}
+
+
+def expand_tasks(names) -> tuple[str, ...]:
+    """Task names with the suites ``paper`` (the paper's Table 1 tasks) and ``all`` expanded, in order, without
+    repeats; each checked (unknown names: "did you mean")."""
+    out = []
+    for n in names:
+        for t in SUITES.get(n, (n,)):
+            if check_task(t) not in out:
+                out.append(t)
+    return tuple(out)
+
+
+def task_metrics(name: str) -> tuple[str, ...]:
+    """The metrics lm-eval reports for HellaSwag (acc, acc_norm) or a registered task (acc-only for some)."""
+    return ("acc", "acc_norm") if name == "hellaswag" else get_task(name).metrics
+
+
 def check_task(name: str) -> str:
     """``name`` if it is HellaSwag or a registered task, else a one-line error with "did you mean"."""
     return name if name == "hellaswag" else get_task(name).name

@@ -67,6 +67,16 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
         if data is not None:
             raise ParamError("data", "None for a task other than hellaswag (its rows come from the cache)", data)
         items = load_docs(get_task(task).name)
+    return subset_items(items, limit, sample, seed)
+
+
+def subset_items(items: list, limit: int | None = None, sample: int | None = None, seed: int = 0,
+                 at_most: bool = False) -> list:
+    """All ``items``, the first ``limit``, or ``sample`` drawn at random with ``seed`` (kept in order).
+    ``at_most``: a ``limit``/``sample`` above ``len(items)`` takes them all (a suite's small tasks) instead of
+    raising."""
+    if at_most:
+        limit, sample = (None if v is None or v >= len(items) else v for v in (limit, sample))
     for name, v in (("limit", limit), ("sample", sample)):
         if v is not None and not 0 < v <= len(items):
             raise ParamError(name, f"in 1..{len(items)} (the items available)", v)

@@ -17,8 +17,8 @@ import pandas as pd
 
 from outlierscope.errors import OutlierscopeError
 
-SWEEP_COLUMNS = ["model", "bits", "label", "format", "granularity", "weights", "metric", "value", "stderr",
-                 "delta_vs_16", "ci_low", "ci_high", "mcnemar_p", "n_items", "cell"]
+SWEEP_COLUMNS = ["model", "task", "bits", "label", "format", "granularity", "weights", "metric", "value", "stderr",
+                 "delta_vs_16", "ci_low", "ci_high", "mcnemar_p", "n_items", "chance", "cell"]
 # file stem -> (required columns, numeric columns); tables a run may lack are simply absent
 PROFILE_TABLES = {
     "table5": (["model", "activation", "top1", "top2", "top3", "top10", "top100", "median"],
@@ -123,7 +123,13 @@ def load_run(run_dir: str | Path) -> RunResults:
             res.sweep_dir = cand
             res.sweep_meta = _read_json(cand / "sweep.json") if (cand / "sweep.json").exists() else None
             req, num = SWEEP_TABLES["sweep"]
-            res.tables["sweep"] = read_table(cand / "sweep.csv", req, num)
+            res.tables["sweep"] = sw = read_table(cand / "sweep.csv", req, num)
+            meta = res.sweep_meta or {}
+            if "task" not in sw:  # a sweep from before tasks: its one task from the record, else HellaSwag
+                settings = meta.get("settings", {})
+                sw.insert(1, "task", settings.get("task", (settings.get("tasks") or ["hellaswag"])[0]))
+            if "chance" not in sw:  # written before the column: the record's, else HellaSwag's 25%
+                sw.insert(sw.columns.get_loc("n_items") + 1, "chance", float(meta.get("chance", 25.0)))
             for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
                 df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
                 if df is not None:

@@ -10,12 +10,12 @@ from pathlib import Path
 from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
-from outlierscope.report.tables import sweep_table, table5_markdown
+from outlierscope.report.tables import headline_metric, sweep_table, table5_markdown
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
-    ("figure8_acc_norm", "sweep", lambda p, df, r: p.figure8(df, "acc_norm", *sweep_task(r)), "acc_norm vs logit bits (Figure 8)"),
-    ("figure8_acc", "sweep", lambda p, df, r: p.figure8(df, "acc", *sweep_task(r)), "acc vs logit bits"),
+    ("figure8_acc_norm", "sweep", lambda p, df, r: p.figure8(df, "acc_norm"), "acc_norm vs logit bits (Figure 8)"),
+    ("figure8_acc", "sweep", lambda p, df, r: p.figure8(df, "acc"), "acc vs logit bits"),
     ("quantization_damage", "sweep", lambda p, df, r: p.quantization_damage(df), "Quantization damage vs 16 bits"),
     ("table5_bars", "table5", lambda p, df, r: p.table5_bars(df), "Largest activation values (Table 5)"),
     ("per_layer", "per_layer", lambda p, df, r: p.per_layer_lines(df), "Per-layer top-1, top-3 and median |x|"),
@@ -25,12 +25,10 @@ FIGURES = [
 ]
 
 
-def sweep_task(run: RunResults) -> tuple[str, float]:
-    """(display name, chance in percent) of a run's sweep task; HellaSwag and 25% for sweeps that predate tasks."""
-    meta = run.sweep_meta or {}
-    task = meta.get("settings", {}).get("task", "hellaswag")
-    chance = meta.get("chance")
-    return task_label(task), 25.0 if chance is None else float(chance)
+def sweep_tasks(run: RunResults) -> list[str]:
+    """The display names of a run's sweep tasks, in order (HellaSwag for sweeps that predate tasks)."""
+    sw = run.tables["sweep"]
+    return [task_label(t) for t in dict.fromkeys(sw["task"] if "task" in sw else ["hellaswag"])]
 
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
@@ -48,6 +46,9 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
             skipped.append(f"{stem}: no {table} data in {run.root}")
             continue
         fig = fn(plots, df, run)
+        if fig is None:
+            skipped.append(f"{stem}: nothing to draw (no task of the sweep reports this metric)")
+            continue
         try:
             for ext in ("png", "svg") if svg else ("png",):
                 with atomic_path(out / f"{stem}.{ext}") as tmp:
@@ -92,29 +93,59 @@ def outcome_paragraph(run: RunResults) -> str:
             )
     sw = run.tables.get("sweep")
     if sw is not None:
-        acc = sw[sw.metric == "acc_norm"]
-        low = acc["bits"].min()
+        sentences += _sweep_outcome(sw)
+    return " ".join(sentences) if sentences else "No results to summarise."
+
+
+def _headline_rows(sw, bits: int):
+    """Per task, the rows of its headline metric (acc_norm where reported, else acc) at ``bits``."""
+    return [g[(g.metric == headline_metric(g.metric)) & (g.bits == bits)] for _, g in sw.groupby("task", sort=False)]
+
+
+def _sweep_outcome(sw) -> list[str]:
+    """Sentences on the change at the lowest bit width: per model for one task; per model across tasks for a suite."""
+    import pandas as pd
+
+    if "task" not in sw:  # a table built by hand or read from before tasks
+        sw = sw.assign(task="hellaswag")
+    low = int(sw["bits"].min())
+    if low == 16:
+        return []
+    tasks = list(dict.fromkeys(sw["task"]))
+    if len(tasks) == 1:
+        out = []
+        hm = headline_metric(sw.metric)
+        acc = sw[sw.metric == hm]
         for model, g in acc.groupby("model", sort=False):
-            base = g[g.bits == 16]
-            q = g[g.bits == low]
-            if base.empty or q.empty or low == 16:
+            base, q = g[g.bits == 16], g[g.bits == low]
+            if base.empty or q.empty:
                 continue
             q = q.iloc[0]
             sig = "significant" if q["mcnemar_p"] < 0.05 else "not significant"
-            sentences.append(
-                f"{model}: acc_norm {base.iloc[0]['value'] * 100:.2f}% at 16 bits and {q['value'] * 100:.2f}% at "
-                f"{int(low)} bits, a change of {q['delta_vs_16'] * 100:+.2f} points (95% CI "
+            out.append(
+                f"{model}: {hm} {base.iloc[0]['value'] * 100:.2f}% at 16 bits and {q['value'] * 100:.2f}% at "
+                f"{low} bits, a change of {q['delta_vs_16'] * 100:+.2f} points (95% CI "
                 f"{q['ci_low'] * 100:+.2f} to {q['ci_high'] * 100:+.2f}; McNemar p = {q['mcnemar_p']:.3g}, {sig} at 5%)."
             )
-        flips = sw[(sw.metric == "flip_rate_norm") & (sw.bits == low)]
+        flips = sw[(sw.metric == ("flip_rate_norm" if hm == "acc_norm" else "flip_rate")) & (sw.bits == low)]
         if len(flips) >= 2:
             f = flips.set_index("model")["value"]
             hi, lo = f.idxmax(), f.idxmin()
-            sentences.append(
-                f"At {int(low)} bits, {f[hi] * 100:.2f}% of {hi}'s acc_norm choices change versus {f[lo] * 100:.2f}% "
-                f"for {lo}."
-            )
-    return " ".join(sentences) if sentences else "No results to summarise."
+            out.append(f"At {low} bits, {f[hi] * 100:.2f}% of {hi}'s {hm} choices change versus {f[lo] * 100:.2f}% "
+                       f"for {lo}.")
+        return out
+    out = []
+    rows = pd.concat(_headline_rows(sw, low))
+    for model, g in rows.groupby("model", sort=False):
+        d = g.set_index("task")["delta_vs_16"] * 100
+        sig = [task_label(t) for t, p in g.set_index("task")["mcnemar_p"].items() if p < 0.05]
+        out.append(
+            f"{model} at {low} bits against 16 bits, over {len(d)} tasks (headline metric: acc_norm where reported, "
+            f"else acc): mean change {d.mean():+.2f} points, from {d.min():+.2f} ({task_label(d.idxmin())}) to "
+            f"{d.max():+.2f} ({task_label(d.idxmax())}); significant at 5% (McNemar) on {len(sig)} of {len(d)}"
+            + (f" ({', '.join(sig)})." if sig else ".")
+        )
+    return out
 
 
 def write_report(run_dir: str | Path, svg: bool = False) -> Path:
@@ -135,10 +166,13 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
         parts.append("")
     if "sweep" in run.tables:
         s = run.sweep_meta["settings"] if run.sweep_meta else {}
-        parts += [f"## Quantized attention logits on {sweep_task(run)[0]} (Figure 8)", "",
+        sw = run.tables["sweep"]
+        n_items = ", ".join(f"{task_label(t)} {int(g['n_items'].iloc[0]):,}"
+                            for t, g in (sw.groupby("task", sort=False) if "task" in sw else [("hellaswag", sw)]))
+        parts += [f"## Quantized attention logits on {', '.join(sweep_tasks(run))} (Figure 8)", "",
                   f"Dynamic absmax post-training quantization of the pre-softmax attention logits, format `{s.get('format')}`, "
-                  f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, "
-                  f"{run.sweep_meta['n_items'] if run.sweep_meta else '?'} validation items, zero-shot, lm-eval 0.4.13 scoring. "
+                  f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, validation items: {n_items}; "
+                  "zero-shot, lm-eval 0.4.13 scoring. "
                   "16 bits = unquantized. Intervals: 95% paired bootstrap "
                   f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test.", "",
                   sweep_table(run.tables["sweep"]), ""]

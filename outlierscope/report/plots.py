@@ -37,29 +37,66 @@ def _panels(kinds: list[str]):
     return plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
 
 
-def figure8(sweep: pd.DataFrame, metric: str = "acc_norm", task: str = "HellaSwag", chance: float = 25.0) -> plt.Figure:
-    """Zero-shot accuracy on ``task`` against the bit width of the attention logits (the paper's Figure 8), with
-    the task's chance level (percent)."""
-    df = sweep[sweep["metric"] == metric].copy()
-    bits = sorted(df["bits"].unique(), reverse=True)
-    pos = {b: i for i, b in enumerate(bits)}
-    colors = _colors(df["model"])
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
+    """A grid of ``n`` panels (at most 4 per row); the unused ones hidden."""
+    ncol = min(n, 4)
+    nrow = -(-n // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(w * ncol, h * nrow), layout="constrained", squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:n])
+
+
+def _by_task(sweep: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(task, its rows) in table order; a table from before tasks is HellaSwag's."""
+    if "task" not in sweep:
+        return [("hellaswag", sweep)]
+    return [(t, g) for t, g in sweep.groupby("task", sort=False)]
+
+
+def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:
+    """Zero-shot accuracy against the bit width of the attention logits (the paper's Figure 8): one panel per task
+    that reports ``metric``, each with its chance level. None when no task reports ``metric``."""
+    from outlierscope.data.tasks import task_label
+
+    panels = [(t, g) for t, g in _by_task(sweep[sweep["metric"] == metric]) if not g.empty]
+    if not panels:
+        return None
+    single = len(panels) == 1
+    if single:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2), layout="constrained")
+        axes = [ax]
+    else:
+        fig, axes = _task_grid(len(panels))
+    colors = _colors(sweep["model"])
     markers = ["o", "s", "^", "D", "v"]
-    for k, (model, g) in enumerate(df.groupby("model", sort=False)):
-        g = g.sort_values("bits", ascending=False)
-        ax.errorbar([pos[b] for b in g["bits"]], g["value"] * 100, yerr=g["stderr"] * 100, marker=markers[k % 5],
-                    capsize=4, lw=1.8, color=colors[model], label=_short(model))
-    ax.axhline(chance, color="0.4", ls="--", lw=1)
-    ax.text(len(bits) - 1, chance, f"chance ({chance:.3g}%)", va="bottom", ha="right", fontsize=8, color="0.3")
-    ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
-    ax.set_xlabel("bits of the attention logits (dynamic absmax PTQ)")
-    ax.set_ylabel(f"{task} {metric} (%)")
-    gran = ", ".join(sorted(set(sweep.loc[sweep["bits"] != 16, "granularity"].dropna())))
-    n = int(df["n_items"].iloc[0]) if "n_items" in df else None
-    ax.set_title(f"Zero-shot {task} vs logit bits ({gran or 'unquantized'}{f', {n:,} items' if n else ''})", fontsize=10)
-    ax.legend(frameon=False)
-    ax.grid(axis="y", alpha=0.3)
+    gran = ", ".join(sorted(set(sweep.loc[sweep["bits"] != 16, "granularity"].dropna()))) or "unquantized"
+    for ax, (task, df) in zip(axes, panels):
+        bits = sorted(df["bits"].unique(), reverse=True)
+        pos = {b: i for i, b in enumerate(bits)}
+        for k, (model, g) in enumerate(df.groupby("model", sort=False)):
+            g = g.sort_values("bits", ascending=False)
+            ax.errorbar([pos[b] for b in g["bits"]], g["value"] * 100, yerr=g["stderr"] * 100, marker=markers[k % 5],
+                        capsize=4, lw=1.8, color=colors[model], label=_short(model))
+        chance = float(df["chance"].iloc[0]) if "chance" in df else 25.0 if task == "hellaswag" else None
+        if chance is not None and np.isfinite(chance):
+            ax.axhline(chance, color="0.4", ls="--", lw=1)
+            ax.text(len(bits) - 1, chance, f"chance ({chance:.3g}%)", va="bottom", ha="right", fontsize=8, color="0.3")
+        ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
+        n = int(df["n_items"].iloc[0]) if "n_items" in df else None
+        if single:
+            ax.set_xlabel("bits of the attention logits (dynamic absmax PTQ)")
+            ax.set_ylabel(f"{task_label(task)} {metric} (%)")
+            ax.set_title(f"Zero-shot {task_label(task)} vs logit bits ({gran}{f', {n:,} items' if n else ''})", fontsize=10)
+            ax.legend(frameon=False)
+        else:
+            ax.set_xlabel("bits of the attention logits")
+            ax.set_ylabel(f"{metric} (%)")
+            ax.set_title(f"{task_label(task)}{f' ({n:,} items)' if n else ''}", fontsize=10)
+        ax.grid(axis="y", alpha=0.3)
+    if not single:
+        axes[0].legend(frameon=False, fontsize=8)
+        fig.suptitle(f"Zero-shot {metric} vs bits of the attention logits (dynamic absmax PTQ, {gran})", fontsize=11)
     return fig
 
 
@@ -179,28 +216,39 @@ def lambda_per_layer(lam: pd.DataFrame) -> plt.Figure:
 
 
 def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
-    """Flip rate and mean |score change| vs 16 bits (and LM loss when present), per model."""
-    metrics = [("flip_rate_norm", "flip rate of acc_norm choices (%)", 100.0),
-               ("mean_abs_score_change", "mean |Δ log-likelihood| per choice (nats)", 1.0)]
-    if "lm_loss" in set(sweep["metric"]):
-        metrics.append(("lm_loss", "LM loss on held-out text (nats/token)", 1.0))
-    bits = sorted(sweep["bits"].unique(), reverse=True)
-    pos = {b: i for i, b in enumerate(bits)}
+    """Flip rate of the headline metric's choices and mean |score change| vs 16 bits (and LM loss when present),
+    per model: one row of panels per task."""
+    from outlierscope.data.tasks import task_label
+
+    tasks = _by_task(sweep)
+    lm = "lm_loss" in set(sweep["metric"])
+    ncol = 3 if lm else 2
+    fig, axes = plt.subplots(len(tasks), ncol, figsize=(4.6 * ncol, 3.6 * len(tasks)), layout="constrained", squeeze=False)
     colors = _colors(sweep["model"])
-    fig, axes = plt.subplots(1, len(metrics), figsize=(4.6 * len(metrics), 3.6), layout="constrained", squeeze=False)
-    for ax, (m, label, scale) in zip(axes[0], metrics):
-        d = sweep[sweep["metric"] == m]
-        for model, g in d.groupby("model", sort=False):
-            g = g.sort_values("bits", ascending=False)
-            ax.plot([pos[b] for b in g["bits"]], g["value"] * scale, marker="o", color=colors[model], label=_short(model))
-        ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
-        ax.set_xlabel("bits of the attention logits")
-        ax.set_ylabel(label)
-        ax.grid(alpha=0.3)
-        ax.legend(frameon=False, fontsize=8)
-        if m != "lm_loss" and (d["value"] > 0).any():  # log scale needs something positive to show
-            ax.set_yscale("log", nonpositive="mask")
-            ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    for row, (task, tdf) in zip(axes, tasks):
+        norm = "acc_norm" in set(tdf["metric"])
+        metrics = [("flip_rate_norm" if norm else "flip_rate",
+                    f"flip rate of {'acc_norm' if norm else 'acc'} choices (%)", 100.0),
+                   ("mean_abs_score_change", "mean |Δ log-likelihood| per choice (nats)", 1.0)]
+        if lm:
+            metrics.append(("lm_loss", "LM loss on held-out text (nats/token)", 1.0))
+        bits = sorted(tdf["bits"].unique(), reverse=True)
+        pos = {b: i for i, b in enumerate(bits)}
+        for ax, (m, label, scale) in zip(row, metrics):
+            d = tdf[tdf["metric"] == m]
+            for model, g in d.groupby("model", sort=False):
+                g = g.sort_values("bits", ascending=False)
+                ax.plot([pos[b] for b in g["bits"]], g["value"] * scale, marker="o", color=colors[model], label=_short(model))
+            ax.set_xticks(range(len(bits)), [bits_label(b) for b in bits])
+            ax.set_xlabel("bits of the attention logits")
+            ax.set_ylabel(label)
+            ax.grid(alpha=0.3)
+            ax.legend(frameon=False, fontsize=8)
+            if len(tasks) > 1:
+                ax.set_title(task_label(task), fontsize=10)
+            if m != "lm_loss" and (d["value"] > 0).any():  # log scale needs something positive to show
+                ax.set_yscale("log", nonpositive="mask")
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle("Quantization damage relative to 16 bits (unquantized)", fontsize=11)
     return fig

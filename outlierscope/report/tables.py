@@ -23,25 +23,44 @@ def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
     )
 
 
+def headline_metric(metrics) -> str:
+    """The metric a task is read by: acc_norm where the task reports it (HellaSwag, ARC, ...), else acc."""
+    return "acc_norm" if "acc_norm" in set(metrics) else "acc"
+
+
 def sweep_table(table: pd.DataFrame) -> str:
-    """Markdown: one row per model and bit width with acc, acc_norm (stderr), change vs 16 bits, CI, p, flips."""
-    lines = ["| Model | Bits | acc | acc_norm | Δacc_norm vs 16 [95% CI] | McNemar p | flip rate | mean abs Δscore |"
-             + (" LM loss |" if "lm_loss" in set(table["metric"]) else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|" if "lm_loss" in set(table["metric"]) else "")]
-    for (model, _), g in table.groupby(["model", "label"], sort=False):  # one row per cell (label: bits + granularity)
+    """Markdown: one row per (task,) model and bit width with acc, acc_norm (stderr), the change of the headline
+    metric (:func:`headline_metric`) vs 16 bits with CI, McNemar p and flip rate, the mean |Δscore|."""
+    if "task" not in table:
+        table = table.assign(task="hellaswag")
+    from outlierscope.data.tasks import task_label
+
+    many = table["task"].nunique() > 1
+    all_norm = all("acc_norm" in set(g["metric"]) for _, g in table.groupby("task"))
+    dname = "Δacc_norm" if all_norm else "Δ(headline)"
+    lm = "lm_loss" in set(table["metric"])
+    head = (["Task"] if many else []) + ["Model", "Bits", "acc", "acc_norm", f"{dname} vs 16 [95% CI]", "McNemar p",
+                                         "flip rate", "mean abs Δscore"] + (["LM loss"] if lm else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (task, model, _), g in table.groupby(["task", "model", "label"], sort=False):  # one row per cell
         bits = int(g["bits"].iloc[0])
         m = {r["metric"]: r for _, r in g.iterrows()}
-        acc, accn = m["acc"], m["acc_norm"]
+        hm = headline_metric(m)
+        acc = m["acc"]
+        accn = f"{m['acc_norm']['value'] * 100:.2f} ± {m['acc_norm']['stderr'] * 100:.2f}" if "acc_norm" in m else "–"
         if bits == 16:
             delta, p, flip, ds = "reference", "", "", ""
         else:
-            delta = f"{accn['delta_vs_16'] * 100:+.2f} [{accn['ci_low'] * 100:+.2f}, {accn['ci_high'] * 100:+.2f}]"
-            p = f"{accn['mcnemar_p']:.3g}"
-            flip = f"{m['flip_rate_norm']['value'] * 100:.2f}%"
+            h = m[hm]
+            delta = f"{h['delta_vs_16'] * 100:+.2f} [{h['ci_low'] * 100:+.2f}, {h['ci_high'] * 100:+.2f}]"
+            if not all_norm:
+                delta += f" ({hm})"
+            p = f"{h['mcnemar_p']:.3g}"
+            flip = f"{m['flip_rate_norm' if hm == 'acc_norm' else 'flip_rate']['value'] * 100:.2f}%"
             ds = f"{m['mean_abs_score_change']['value']:.3g}"
-        line = (f"| {model} | {acc['label']} | {acc['value'] * 100:.2f} ± {acc['stderr'] * 100:.2f} | "
-                f"{accn['value'] * 100:.2f} ± {accn['stderr'] * 100:.2f} | {delta} | {p} | {flip} | {ds} |")
-        if "lm_loss" in m:
-            line += f" {m['lm_loss']['value']:.4f} |"
-        lines.append(line)
+        cells = ([task_label(task)] if many else []) + [
+            model, acc["label"], f"{acc['value'] * 100:.2f} ± {acc['stderr'] * 100:.2f}", accn, delta, p, flip, ds]
+        if lm:
+            cells.append(f"{m['lm_loss']['value']:.4f}" if "lm_loss" in m else "")
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

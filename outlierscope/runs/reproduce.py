@@ -21,6 +21,7 @@ class ReproduceSettings:
     bits: tuple[int, ...] = (16, 8, 6, 4)
     granularity: str = "per_tensor"
     models: tuple[str, ...] = DEFAULT_PAIR
+    tasks: tuple[str, ...] = ("hellaswag",)  # the sweep's tasks (the suites `paper` and `all` expanded)
     batch_size: int = 32
     text: str | None = None
     seq_len: int | None = None  # profile sequence length; None: min(model context, 256)
@@ -37,6 +38,7 @@ class ReproduceSettings:
 
 def reproduce(s: ReproduceSettings, log=print) -> Path:
     """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused."""
+    from outlierscope.data.tasks import expand_tasks, task_label
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
     from outlierscope.runs.profile import ProfileSettings, profile
@@ -50,10 +52,12 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
     profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement), out / "profile")
     t1 = time.time()
+    tasks = expand_tasks(s.tasks)
+    names = ", ".join(task_label(t) for t in tasks)
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
-        f"{s.limit or s.sample or 'all 10,042'} HellaSwag items (Figure 8)")
+        f"{f'up to {s.limit or s.sample:,}' if s.limit or s.sample else 'all'} validation items of {names} (Figure 8)")
     sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit, sample=s.sample,
-                        batch_size=s.batch_size, text=s.text, **s.placement), out / "sweep", log=log, force=s.force)
+                        tasks=tasks, batch_size=s.batch_size, text=s.text, **s.placement), out / "sweep", log=log, force=s.force)
     t2 = time.time()
     log("[3/3] plotting and writing the report")
     path = write_report(out)

@@ -1,7 +1,7 @@
 """Quantization sweep over bit widths (Figure 8): every cell is one :func:`~outlierscope.eval.evaluate` run.
 
-For each model and setting (bits, format, granularity, weights) a cell records acc, acc_norm and
-their standard errors, and against the same model at 16 bits (unquantized): the accuracy
+For each model, task and setting (bits, format, granularity, weights) a cell records the task's
+metrics (acc, and acc_norm where lm-eval reports it) with their standard errors, and against the same model at 16 bits (unquantized): the accuracy
 difference with a 95% paired bootstrap interval, the exact McNemar p-value, the flip rate (share
 of items whose choice changed) and the mean |score change|; optionally the language-model loss
 on held-out text. Each cell is written atomically when it finishes; a rerun skips cells whose
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from outlierscope.data.tasks import chance_percent
+from outlierscope.data.tasks import chance_percent, check_task, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
+from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_placement
 from outlierscope.models.presets import DEFAULT_PAIR
@@ -46,7 +46,7 @@ class SweepSettings:
     limit: int | None = None
     sample: int | None = None
     seed: int = 0
-    task: str = "hellaswag"  # or a zero-shot task of outlierscope.data.tasks (`outlierscope tasks`)
+    tasks: tuple[str, ...] = ("hellaswag",)  # and/or zero-shot tasks of outlierscope.data.tasks (`outlierscope tasks`)
     data: str | None = None  # HellaSwag file; None: the cached validation set
     text: str | None = None  # held-out text for LM loss
     text_tokens: int = 65_536
@@ -59,20 +59,26 @@ class SweepSettings:
     def __post_init__(self):
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "bits", tuple(self.bits))
+        object.__setattr__(self, "tasks", (self.tasks,) if isinstance(self.tasks, str) else tuple(self.tasks))
         if not self.models:
             raise ParamError("models", "at least one model spec (two for a side-by-side sweep)", ())
         dup = sorted({m for m in self.models if self.models.count(m) > 1})
         if dup:
             raise ParamError("models", "distinct model specs", list(self.models), f"{dup[0]} is given twice")
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
-        from outlierscope.data.tasks import check_task
-
-        check_task(self.task)
-        if self.data is not None and self.task != "hellaswag":
-            raise ParamError("data", "None for a task other than hellaswag (its rows come from the cache)", self.data)
+        if not self.tasks:
+            raise ParamError("tasks", "at least one task (hellaswag or one of `outlierscope tasks`)", ())
+        for t in self.tasks:
+            check_task(t)
+        dup = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
+        if dup:
+            raise ParamError("tasks", "distinct task names", list(self.tasks), f"{dup[0]} is given twice")
+        if self.data is not None and "hellaswag" not in self.tasks:
+            raise ParamError("data", "None unless the tasks include hellaswag (the other tasks' rows come from the cache)",
+                             self.data)
         if self.weights not in WEIGHT_MODES:
             raise ParamError("weights", f"one of {', '.join(WEIGHT_MODES)}", self.weights)
-        for n, v in (("limit", self.limit), ("sample", self.sample)):
+        for n, v in (("limit", self.limit), ("sample", self.sample)):  # per task; a task with fewer rows: all
             if v is not None and v < 1:
                 raise ParamError(n, ">= 1", v)
         if self.limit is not None and self.sample is not None:
@@ -94,9 +100,28 @@ class SweepSettings:
         except ValueError as e:
             raise OutlierscopeError(str(e)) from None
 
+    def task_items(self) -> dict[str, list]:
+        """Each task's items: all rows, the first ``limit`` or a ``sample`` drawn with ``seed``, and all rows of a
+        task with fewer. A ``limit``/``sample`` above every task's rows is an error (a typo, not a suite)."""
+        full = {t: select_items(data=self.data if t == "hellaswag" else None, task=t) for t in self.tasks}
+        n, most = self.limit or self.sample, max(len(v) for v in full.values())
+        if n is not None and n > most:
+            name = "limit" if self.limit else "sample"
+            raise ParamError(name, f"in 1..{most} (the items of {'the largest task' if len(full) > 1 else 'the task'})", n)
+        return {t: subset_items(v, self.limit, self.sample, self.seed, at_most=True) for t, v in full.items()}
+
+    @classmethod
+    def from_record(cls, settings: dict) -> SweepSettings:
+        """The settings as a sweep.json holds them (lists for tuples; ``task``: one task, before ``tasks``)."""
+        d = dict(settings)
+        if "task" in d:
+            d.setdefault("tasks", [d.pop("task")])
+        return cls(**{k: tuple(v) if isinstance(v, list) and k in ("models", "bits", "layers", "tasks") else v
+                      for k, v in d.items()})
+
 
 def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str, dtype: str,
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", task: str = "hellaswag") -> dict:
     """A cell's identity: what its numbers depend on. ``dtype`` and ``device`` are the loaded model's; the
     device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
     does not enter: blocked and unblocked attention give the same numbers."""
@@ -108,8 +133,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     kind = device.split(":")[0]
     if kind != "cpu":
         out["device"] = kind
-    if s.task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
-        out["task"] = s.task
+    if task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
+        out["task"] = task
     return out
 
 
@@ -120,9 +145,9 @@ def cell_id(settings: dict) -> str:
 
 
 def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool,
-             shard: Shard | None = None, world: World | None = None) -> EvalResult | None:
+             shard: Shard | None = None, world: World | None = None, task: str = "hellaswag") -> EvalResult | None:
     return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=s.task)
+                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task)
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
@@ -131,22 +156,26 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     settings exists, else run and written atomically by rank 0 (the other ranks get None)."""
     cid = cell_id(settings)
     name = cid if shard.whole else f"{cid}.{shard.tag}"
+    task = settings.get("task", "hellaswag")
+    desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
+        f"{settings['model']} {spec.label}"
     res = EvalResult.load(cells_dir, name) if world.is_main else None
     if world.broadcast(res is not None and res.extra.get("cell") == settings):
-        log(f"{settings['model']} {spec.label}: done earlier, skipped ({name})")
+        log(f"{desc}: done earlier, skipped ({name})")
         return res, cid
-    res = run_cell(lm, items, spec, s, text_seqs, f"{settings['model']} {spec.label}", progress, shard, world)
+    res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task)
     if world.is_main:
         res.extra["cell"] = settings
         res.save(cells_dir, name)
     return res, cid
 
 
-def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int) -> dict:
-    """The cell's metrics, flat: acc, acc_norm with stderr, and against ``base`` each metric's change."""
+def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("acc", "acc_norm")) -> dict:
+    """The cell's ``metrics`` (the task's: lm-eval's acc-only tasks have no acc_norm), flat, with stderr, and
+    against ``base`` each metric's change."""
     cmp = res.compare(base, seed=seed) if base is not None else None
     out = {}
-    for m in ("acc", "acc_norm"):  # per metric: value, stderr, then its change (the row order of sweep.csv)
+    for m in metrics:  # per metric: value, stderr, then its change (the row order of sweep.csv)
         out[m], out[f"{m}_stderr"] = res.metrics[m], res.metrics[f"{m}_stderr"]
         if cmp is not None:
             c = cmp[m]
@@ -159,24 +188,26 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int) -> dict:
     return out
 
 
-def _tidy_rows(model: str, spec: QuantSpec, s: SweepSettings, metrics: dict, n_items: int, cid: str) -> list[dict]:
-    """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p)."""
+def _tidy_rows(model: str, task: str, spec: QuantSpec, s: SweepSettings, metrics: dict, info: dict,
+               cid: str) -> list[dict]:
+    """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p); ``info``: the
+    task's :func:`task_record` (its items and chance level go in every row: the table stands alone)."""
     rows = []
     for m, v in metrics.items():
         if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
             continue
-        rows.append({"model": model, "bits": spec.bits, "label": spec.label, "format": spec.format,
+        rows.append({"model": model, "task": task, "bits": spec.bits, "label": spec.label, "format": spec.format,
                      "granularity": "none" if spec.is_identity else spec.granularity, "weights": s.weights,
                      "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
                      "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
                      "ci_high": metrics.get(f"{m}_ci_high"), "mcnemar_p": metrics.get(f"{m}_mcnemar_p"),
-                     "n_items": n_items, "cell": cid})
+                     "n_items": info["n_items"], "chance": info["chance"], "cell": cid})
     return rows
 
 
 @dataclass
 class SweepResult:
-    """A finished sweep: the tidy table (one row per model, bit width and metric) and the run record."""
+    """A finished sweep: the tidy table (one row per model, task, bit width and metric) and the run record."""
 
     table: pd.DataFrame
     record: dict
@@ -199,9 +230,11 @@ def _check_previous(out: Path, settings: dict, force: bool, shard: Shard | None 
     if force or not prev.exists():
         return
     try:
-        old = json.loads(prev.read_text()).get("settings", {})
-    except (ValueError, UnicodeDecodeError, AttributeError):
+        old = dict(json.loads(prev.read_text()).get("settings", {}))
+    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
         old = {}
+    if "task" in old:  # one task, as sweeps recorded it before ``tasks``
+        old.setdefault("tasks", [old.pop("task")])
     defaults = json.loads(json.dumps(asdict(SweepSettings())))
     now = json.loads(json.dumps(settings))
     diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
@@ -212,18 +245,28 @@ def _check_previous(out: Path, settings: dict, force: bool, shard: Shard | None 
         )
 
 
-def _tabulate(s: SweepSettings, cells: list[tuple[str, QuantSpec, str, EvalResult]], n_items: int, digest: str,
-              out: Path, **record_extra) -> SweepResult:
-    """The sweep's tables from its cells (model, spec, cell id, result), each model's 16-bit cell first."""
+def task_record(task: str, items: list) -> dict:
+    """What a sweep records per task: display name, metrics, items, their digest and the chance level (%)."""
+    return {"label": task_label(task), "metrics": list(task_metrics(task)), "n_items": len(items),
+            "items_sha256": items_digest(items), "chance": chance_percent(items)}
+
+
+def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, EvalResult]], tasks: dict, out: Path,
+              **record_extra) -> SweepResult:
+    """The sweep's tables from its cells (model, task, spec, cell id, result), each (model, task)'s 16-bit cell
+    first. ``tasks``: :func:`task_record` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
+    and ``chance`` at the record's top level (where they were before sweeps had several tasks)."""
     rows, cell_index, base = [], [], None
-    for model, spec, cid, res in cells:
+    for model, task, spec, cid, res in cells:
         if spec.is_identity:
             base = res
-        metrics = cell_metrics(res, None if spec.is_identity else base, s.seed)
-        cell_index.append({"cell": cid, "model": model, "bits": spec.bits, "label": spec.label, **metrics,
-                           "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
-        rows += _tidy_rows(model, spec, s, metrics, n_items, cid)
-    record = {"settings": asdict(s), "n_items": n_items, "items_sha256": digest, "bootstrap_reps": BOOTSTRAP_REPS,
+        metrics = cell_metrics(res, None if spec.is_identity else base, s.seed, task_metrics(task))
+        cell_index.append({"cell": cid, "model": model, "task": task, "bits": spec.bits, "label": spec.label,
+                           **metrics, "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
+        rows += _tidy_rows(model, task, spec, s, metrics, tasks[task], cid)
+    single = {k: v for k, v in next(iter(tasks.values())).items() if k in ("n_items", "items_sha256", "chance")} \
+        if len(tasks) == 1 else {}
+    record = {"settings": asdict(s), **single, "tasks": tasks, "bootstrap_reps": BOOTSTRAP_REPS,
               "cells": cell_index, **record_extra, "versions": versions(), "machine": machine(),
               "git_commit": git_commit(), "note": "bits 16 = unquantized"}
     result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
@@ -256,8 +299,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         except OutlierscopeError as e:
             error = str(e)
     world.agree(error)
-    items = select_items(s.limit, s.sample, s.seed, s.data, s.task)
-    digest = items_digest(items)
+    items = s.task_items()
+    tasks = {t: task_record(t, items[t]) for t in s.tasks}
     cells = []
     log = log if world.is_main else (lambda *a, **k: None)
     with output_dir(out) if world.is_main else contextlib.nullcontext(out), \
@@ -270,22 +313,23 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             text_seqs = None
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
-            for b in _bits_order(s):
-                spec = s.spec(b)
-                settings = cell_settings(spec_str, wsha, spec, s, digest, lm.dtype, lm.device)
-                res, cid = _load_or_run_cell(lm, items, spec, s, text_seqs, settings, cells_dir, progress, log, shard, world)
-                cells.append((spec_str, spec, cid, res))
+            for t in s.tasks:
+                for b in _bits_order(s):
+                    spec = s.spec(b)
+                    settings = cell_settings(spec_str, wsha, spec, s, tasks[t]["items_sha256"], lm.dtype, lm.device, t)
+                    res, cid = _load_or_run_cell(lm, items[t], spec, s, text_seqs, settings, cells_dir, progress, log,
+                                                 shard, world)
+                    cells.append((spec_str, t, spec, cid, res))
     if not world.is_main:
         return None
     if not shard.whole:
         write_json(out / f"sweep.{shard.tag}.json", {
-            "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size,
-            "n_items": len(items), "items_sha256": digest, "chance": chance_percent(items),
-            "cells": [{"cell": cid, "model": m, "bits": spec.bits} for m, spec, cid, _ in cells],
+            "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size, "tasks": tasks,
+            "cells": [{"cell": cid, "model": m, "task": t, "bits": spec.bits} for m, t, spec, cid, _ in cells],
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
-    return _tabulate(s, cells, len(items), digest, out, processes=world.size, chance=chance_percent(items))
+    return _tabulate(s, cells, tasks, out, processes=world.size)
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
@@ -300,10 +344,9 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
     recs = [(f.parent, json.loads(f.read_text())) for f in files]
     first = recs[0][1]
     for _, r in recs[1:]:
-        if r["settings"] != first["settings"] or r["cells"] != first["cells"] or r["items_sha256"] != first["items_sha256"]:
+        if r["settings"] != first["settings"] or r["cells"] != first["cells"] or r["tasks"] != first["tasks"]:
             raise OutlierscopeError("the shards were run with different settings; merge only the shards of one sweep")
-    s = SweepSettings(**{k: tuple(v) if isinstance(v, list) and k in ("models", "bits", "layers") else v
-                         for k, v in first["settings"].items()})
+    s = SweepSettings.from_record(first["settings"])
     out = Path(out) if out is not None else dirs[0]
     cells = []
     with output_dir(out), output_dir(out / "cells") as cells_dir:
@@ -318,6 +361,6 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
             merged.extra["cell"] = parts[0].extra["cell"]
             merged.save(cells_dir, c["cell"])
-            cells.append((c["model"], s.spec(c["bits"]), c["cell"], merged))
+            cells.append((c["model"], c["task"], s.spec(c["bits"]), c["cell"], merged))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
-    return _tabulate(s, cells, first["n_items"], first["items_sha256"], out, merged_shards=n, chance=first.get("chance"))
+    return _tabulate(s, cells, first["tasks"], out, merged_shards=n)

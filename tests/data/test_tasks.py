@@ -6,7 +6,7 @@ import json
 import pytest
 
 from outlierscope.cli import main
-from outlierscope.data.tasks import TASKS, get_task, load_docs
+from outlierscope.data.tasks import TASKS, expand_tasks, get_task, load_docs, task_metrics
 from outlierscope.errors import OutlierscopeError
 
 ROWS = {
@@ -83,3 +83,24 @@ def test_tasks_cli(capsys):
         assert len(lines) == 2 and json.loads(lines[0])["doc_id"] == 0
     assert main(["tasks", "requests", "cpoa"]) == 2
     assert "did you mean copa" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("names, expected", [
+    (["paper"], ("arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande")),
+    (["copa", "all"], ("copa", "hellaswag", "arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande",
+                       "sciq", "social_iqa")),
+    (["piqa", "piqa", "hellaswag"], ("piqa", "hellaswag")),
+])
+def test_expand_tasks(names, expected):
+    assert expand_tasks(names) == expected
+
+
+def test_expand_tasks_unknown():
+    with pytest.raises(OutlierscopeError, match="did you mean"):
+        expand_tasks(["paper", "sciqq"])
+
+
+def test_task_metrics_follow_lmeval():
+    """lm-eval 0.4.13 reports acc only for BoolQ, WinoGrande, COPA and Social IQa (their yamls' metric_list)."""
+    acc_only = {n for n in TASKS if task_metrics(n) == ("acc",)}
+    assert acc_only == {"boolq", "winogrande", "copa", "social_iqa"} and task_metrics("hellaswag") == ("acc", "acc_norm")

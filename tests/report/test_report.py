@@ -95,7 +95,7 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
     (lambda b: b.split(b"\n")[0] + b"\n", "has a header but no rows"),
     (lambda b: b"", "is empty"),
     (lambda b: b"model,bits\nx,4\n", "lacks column(s) label, granularity, metric"),
-    (lambda b: b.replace(b"transformer,16,", b"transformer,sixteen,", 1), "column bits holds non-numeric"),
+    (lambda b: b.replace(b"transformer,hellaswag,16,", b"transformer,hellaswag,sixteen,", 1), "column bits holds non-numeric"),
 ])
 @pytest.mark.parametrize("cmd", ["plot", "report"])
 def test_damaged_sweep_table(run_dir, tmp_path, capsys, damage, msg, cmd):
@@ -148,3 +148,43 @@ def test_outcome_paragraph_numbers(tmp_path):
     assert "acc_norm 26.14% at 16 bits and 26.31% at 4 bits, a change of +0.17 points (95% CI -0.14 to +0.49; " \
            "McNemar p = 0.316, not significant at 5%)" in para
     assert "At 4 bits, 7.29% of pair-tiny:diff's acc_norm choices change versus 4.88% for pair-tiny:transformer." in para
+
+
+def test_outcome_paragraph_suite(tmp_path):
+    """Several tasks: per model the mean, smallest and largest change of each task's headline metric (acc_norm where
+    reported, else acc) and the tasks with McNemar p < 0.05."""
+    from outlierscope.report.load import RunResults
+
+    rows = []
+    for task, metric, d, p in (("arc_easy", "acc_norm", -0.03, 0.01), ("copa", "acc", 0.02, 0.5), ("boolq", "acc", -0.05, 0.001)):
+        rows += [{"model": "m", "task": task, "bits": 16, "metric": metric, "value": 0.5},
+                 {"model": "m", "task": task, "bits": 4, "metric": metric, "value": 0.5 + d, "delta_vs_16": d,
+                  "mcnemar_p": p},
+                 {"model": "m", "task": task, "bits": 4, "metric": "acc", "value": 0.9, "delta_vs_16": 0.3, "mcnemar_p": 0.0}]
+    rows = [r for r in rows if not (r["task"] != "arc_easy" and r["metric"] == "acc" and r["value"] == 0.9)]
+    para = outcome_paragraph(RunResults(tmp_path, tables={"sweep": pd.DataFrame(rows)}))
+    assert ("m at 4 bits against 16 bits, over 3 tasks (headline metric: acc_norm where reported, else acc): mean change "
+            f"{(-3 + 2 - 5) / 3:+.2f} points, from -5.00 (BoolQ) to +2.00 (COPA); significant at 5% (McNemar) on 2 of 3 "
+            "(ARC-Easy, BoolQ).") in para
+
+
+def test_sweep_from_before_tasks_loads(run_dir, tmp_path):
+    """A sweep.csv written before the task and chance columns (e.g. committed docs) reads as its record's task."""
+    import json
+    import shutil
+
+    from outlierscope.report.load import load_run
+
+    d = tmp_path / "old"
+    shutil.copytree(run_dir / "sweep", d, ignore=shutil.ignore_patterns("figures", "report.md"))
+    new = pd.read_csv(d / "sweep.csv")
+    new.drop(columns=["task", "chance"]).to_csv(d / "sweep.csv", index=False)
+    got = load_run(d).tables["sweep"]
+    assert list(got.columns) == list(new.columns) and got["task"].eq("hellaswag").all() and got["chance"].eq(25.0).all()
+    meta = json.loads((d / "sweep.json").read_text())
+    meta["settings"]["task"] = "copa"
+    meta["chance"] = 50.0
+    del meta["settings"]["tasks"]
+    (d / "sweep.json").write_text(json.dumps(meta))
+    got = load_run(d).tables["sweep"]
+    assert got["task"].eq("copa").all() and got["chance"].eq(50.0).all()

@@ -246,37 +246,68 @@ def test_failed_sweep_leaves_no_empty_dirs(tiny_pair, hs_jsonl, tmp_path, capsys
     assert not (tmp_path / "new").exists()
 
 
-@pytest.mark.parametrize("task, chance", [("arc_easy", None), ("copa", 50.0)])
-def test_task_sweep_and_report(tiny_pair, tmp_path, task, chance):
-    """sweep --task: cells keyed by the task, ragged choices, chance level recorded, report and Figure 8 for the task;
-    a HellaSwag cell identity has no task key (old cells keep their ids)."""
+def test_task_sweep_and_report(tiny_pair, tmp_path):
+    """Several tasks in one sweep: cells keyed by the task (a HellaSwag cell identity has none, so old cells keep
+    their ids), ragged choices, each task's metrics only (COPA: acc), chance levels in the table and the record,
+    limit capped at a task's rows, report and Figure 8 with a panel per task; a one-task sweep of the same items
+    reuses the suite's cells."""
     import matplotlib
 
     matplotlib.use("Agg")
     from outlierscope.data.tasks import get_task
     from outlierscope.report.markdown import write_report
 
-    if not get_task(task).cached:
+    tasks = ("arc_easy", "copa")
+    if not all(get_task(t).cached for t in tasks):
         pytest.skip("task data not cached (make test fetches it)")
-    out = tmp_path / task
-    s = SweepSettings(models=(str(tiny_pair["diff"]),), bits=(16, 4), limit=10, batch_size=8, task=task)
+    out = tmp_path / "suite"
+    s = SweepSettings(models=(str(tiny_pair["diff"]),), bits=(16, 4), limit=10, batch_size=8, tasks=tasks)
     res = sweep(s, out, progress=False, log=lambda *_: None)
-    assert set(res.table["bits"]) == {16, 4} and res.table["n_items"].eq(10).all()
+    t = res.table
+    assert list(dict.fromkeys(t["task"])) == list(tasks) and set(t["bits"]) == {16, 4} and t["n_items"].eq(10).all()
+    assert set(t.loc[t.task == "copa", "metric"]) == {"acc", "flip_rate", "mean_abs_score_change"}
+    assert {"acc_norm", "flip_rate_norm"} <= set(t.loc[t.task == "arc_easy", "metric"])
+    assert t.loc[t.task == "copa", "chance"].eq(50.0).all() and t.loc[t.task == "arc_easy", "chance"].between(20, 34).all()
     meta = json.loads((out / "sweep.json").read_text())
-    assert meta["settings"]["task"] == task and 25 <= meta["chance"] <= 50
-    if chance is not None:
-        assert meta["chance"] == chance
-    cell = json.loads(next((out / "cells").glob("*.json")).read_text())
-    assert cell["cell"]["task"] == task and cell["settings"]["task"] == task
+    assert meta["settings"]["tasks"] == list(tasks) and meta["tasks"]["copa"]["metrics"] == ["acc"]
+    assert meta["tasks"]["copa"]["chance"] == 50.0 and "chance" not in meta  # per task only, with several
+    cells = {json.loads(f.read_text())["cell"]["task"] for f in (out / "cells").glob("*.json")}
+    assert cells == set(tasks)
+    table = res.markdown()
+    assert "| Task |" in table and "| COPA |" in table and "(acc)" in table and "(acc_norm)" in table
     report = write_report(out).read_text()
-    label = {"arc_easy": "ARC-Easy", "copa": "COPA"}[task]
-    assert f"on {label} (Figure 8)" in report and (out / "figures" / "figure8_acc_norm.png").exists()
+    assert "on ARC-Easy, COPA (Figure 8)" in report and "over 2 tasks" in report
+    assert (out / "figures" / "figure8_acc_norm.png").exists() and (out / "figures" / "figure8_acc.png").exists()
+    one = sweep(SweepSettings(models=(str(tiny_pair["diff"]),), bits=(16, 4), limit=10, batch_size=8, tasks=("copa",)),
+                out, progress=False, log=lambda *_: None, force=True)
+    assert list(one.table["cell"].unique()) == list(t.loc[t.task == "copa", "cell"].unique())
+    assert json.loads((out / "sweep.json").read_text())["chance"] == 50.0
+    capped = SweepSettings(models=("m",), limit=200, tasks=("copa", "arc_easy")).task_items()
+    assert len(capped["copa"]) == get_task("copa").rows and len(capped["arc_easy"]) == 200
+    with pytest.raises(OutlierscopeError, match="limit must be in 1..570"):
+        SweepSettings(models=("m",), limit=5000, tasks=("copa", "arc_easy")).task_items()
     hs = sw.cell_settings("m", "w", s.spec(16), SweepSettings(models=("m",)), "d", "float32")
     assert "task" not in hs
 
 
+def test_legacy_task_record(tmp_path):
+    """A sweep.json from before ``tasks`` (one ``task``) reads back as that task; other settings still refuse."""
+    rec = {"settings": {"models": ["pair-tiny:diff"], "task": "copa"}}
+    assert SweepSettings.from_record(rec["settings"]).tasks == ("copa",)
+    (tmp_path / "sweep.json").write_text(json.dumps(rec))
+    now = SweepSettings(models=("pair-tiny:diff",), tasks=("copa",))
+    sw._check_previous(tmp_path, json.loads(json.dumps(sw.asdict(now))), force=False)
+    with pytest.raises(OutlierscopeError, match="tasks differ"):
+        sw._check_previous(tmp_path, json.loads(json.dumps(sw.asdict(SweepSettings(models=("pair-tiny:diff",))))),
+                           force=False)
+
+
 def test_task_errors(capsys, tmp_path):
     with pytest.raises(OutlierscopeError, match="did you mean piqa"):
-        SweepSettings(models=("pair-tiny:diff",), task="piqaa")
+        SweepSettings(models=("pair-tiny:diff",), tasks=("piqaa",))
+    with pytest.raises(OutlierscopeError, match="copa is given twice"):
+        SweepSettings(models=("pair-tiny:diff",), tasks=("copa", "copa"))
     assert main(["sweep", "--model", "pair-tiny:diff", "--task", "copa", "--data", "x.jsonl", "--out", str(tmp_path / "o")]) == 2
-    assert "--data must be None for a task other than hellaswag" in capsys.readouterr().err
+    assert "--data must be None unless the tasks include hellaswag" in capsys.readouterr().err
+    assert main(["sweep", "--task", "wingrande", "--out", str(tmp_path / "o")]) == 2
+    assert "did you mean winogrande" in capsys.readouterr().err
