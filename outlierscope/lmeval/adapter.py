@@ -1,0 +1,118 @@
+"""``OutlierscopeLM``: lm-eval's Hugging Face model with quantized attention logits (imports lm-eval).
+
+Every forward (``_model_call``: loglikelihood, rolling loglikelihood) and every generation
+(``_model_generate``: queries of length 1 against the growing key cache) runs inside
+:func:`~outlierscope.quant.apply.quantize_attention` with the spec of ``model_args``; 16 bits goes
+through the same attention function unquantized.
+
+Padding. lm-eval batches loglikelihood inputs right-padded with zeros and calls the model without an
+attention mask. That is harmless without quantization (causal attention: real positions never see
+the padding), but a per_head/per_tensor scale is an absmax over the sequence's rows, and the rows of
+the padding would enter it, so the numbers would depend on the batch. The adapter therefore passes the
+mask: before handing the requests to lm-eval it indexes every input (context + continuation, left
+truncated, last token dropped: lm-eval's rule) by a digest, and in ``_model_call`` it finds each
+row's real length as the longest indexed prefix followed only by zeros. Our scores then do not depend
+on lm-eval's batch size (tested), as in :func:`~outlierscope.eval.evaluate`. (An input that is another
+input plus trailing token-0s is read as the longer one; it would need a token id 0 at the end of a
+continuation, which no tokenizer we know produces in text.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import numpy as np
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.spec import QuantSpec, parse_layers
+
+
+def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
+    """A :class:`QuantSpec` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
+    lm-eval splits its arguments at commas)."""
+    try:
+        bits = int(bits)
+        if layers is not None and not isinstance(layers, (tuple, list)):
+            layers = parse_layers(str(layers).replace("+", ","))
+        if bits == 16:
+            return QuantSpec(bits=16)
+        return QuantSpec(bits=bits, format=str(format), granularity=str(granularity), layers=layers)
+    except ValueError as e:
+        raise OutlierscopeError(str(e)) from None
+
+
+def _key(tokens) -> bytes:
+    return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
+
+
+@register_model("outlierscope")
+class OutlierscopeLM(HFLM):
+    """lm-eval's ``hf`` model, loaded by :func:`~outlierscope.models.loading.load_model`, with quantized attention.
+
+    ``pretrained``: a preset role (``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face
+    directory. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
+    :class:`~outlierscope.quant.spec.QuantSpec`; ``attn_block``: query rows per attention block; ``dtype``,
+    ``device``, ``device_map``: as in ``load_model``. Other keywords go to ``HFLM`` (``batch_size``,
+    ``max_length``, ...).
+    """
+
+    def __init__(self, pretrained, bits=16, format: str = "int", granularity: str = "per_tensor", layers=None,
+                 attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",
+                 device_map: str | None = None, **kwargs):
+        from outlierscope.models.loading import load_model
+
+        self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
+        self.attn_block = None if attn_block in (None, "", "None") else int(attn_block)
+        lm = load_model(str(pretrained), dtype=str(dtype), device=str(device or "auto"), device_map=device_map)
+        n = lm.model.config.num_hidden_layers
+        if self.quant.layers is not None and max(self.quant.layers) >= n:
+            raise OutlierscopeError(f"layers {list(self.quant.layers)} out of range: the model has layers 0..{n - 1}")
+        self.spec_name = str(pretrained)
+        self._inputs: set[bytes] | None = None
+        super().__init__(pretrained=lm.model, tokenizer=lm.tokenizer, backend="causal", **kwargs)
+
+    @contextlib.contextmanager
+    def _attention(self):
+        with quantize_attention(self.model, self.quant, block_rows=self.attn_block):
+            yield
+
+    def _loglikelihood_tokens(self, requests, *args, **kwargs):
+        """lm-eval's, with every input indexed first so that ``_model_call`` can mask the padding."""
+        self._inputs = {_key((ctx + cont)[-(self.max_length + 1):][:-1]) for _, ctx, cont in requests}
+        try:
+            return super()._loglikelihood_tokens(requests, *args, **kwargs)
+        finally:
+            self._inputs = None
+
+    def _padding_mask(self, inps: torch.Tensor) -> torch.Tensor:
+        """(B, T) mask of each row's real tokens: the longest indexed prefix, followed only by zeros."""
+        mask = torch.zeros_like(inps)
+        for i, row in enumerate(inps.tolist()):
+            end = len(row)
+            while end > 0 and row[end - 1] == 0:  # zeros: lm-eval's right padding, or real tokens with id 0
+                end -= 1
+            n = next((k for k in range(len(row), max(end, 1) - 1, -1) if _key(row[:k]) in self._inputs), None)
+            if n is None:
+                raise OutlierscopeError("an lm-eval input row matches none of its requests; the adapter cannot tell "
+                                        "its padding (please report this with the task name)")
+            mask[i, :n] = 1
+        return mask
+
+    def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                    labels: torch.Tensor | None = None) -> torch.Tensor:
+        with self._attention():
+            if self._inputs is None or attn_mask is not None or labels is not None:
+                return super()._model_call(inps, attn_mask, labels)
+            mask = self._padding_mask(inps)
+            with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                                 enabled=self.mixed_precision_dtype is not None):
+                return self.model(input_ids=inps, attention_mask=mask).logits  # (B, T, V)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        with self._attention():
+            return super()._model_generate(context, max_length, stop, **generation_kwargs)

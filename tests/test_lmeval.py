@@ -1,0 +1,133 @@
+"""The lm-eval model adapter (outlierscope.lmeval): lm-eval's own `hf` model at 16 bits, our scorer below 16 bits,
+generation through the quantized attention with a KV cache, lm-eval's command line. Needs the `lmeval` extra
+(`make install` installs it)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed: pip install 'outlierscope[lmeval]'")
+
+from outlierscope.data.hellaswag import hellaswag_path  # noqa: E402
+from outlierscope.errors import OutlierscopeError  # noqa: E402
+from outlierscope.lmeval.adapter import OutlierscopeLM, make_spec  # noqa: E402
+from outlierscope.lmeval.tasks import write_task_yamls  # noqa: E402
+
+PAIR_DIFF = "pair-tiny:diff"
+needs_hellaswag = pytest.mark.skipif(not hellaswag_path().exists(), reason="HellaSwag not cached (make test fetches it)")
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("lmeval_tasks")
+    os.environ.update(HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", HF_DATASETS_CACHE=str(d / "hf"))
+    return d
+
+
+def _evaluate(model, tasks, task_dir, limit, **kw):
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    return lm_eval.simple_evaluate(model=model, tasks=tasks, limit=limit, log_samples=True,
+                                   task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), **kw)
+
+
+def _lls(res, task) -> np.ndarray:
+    return np.array([[float(r[0]) for r in s["filtered_resps"]] for s in res["samples"][task]])  # (N, C)
+
+
+@needs_hellaswag
+def test_bits16_equals_lmeval_hf(task_dir, tiny_pair):
+    """Unquantized, the adapter's per-sample log-likelihoods are lm-eval's `hf` model's on the same checkpoint."""
+    tasks = write_task_yamls(task_dir, ["hellaswag"])
+    ref = _evaluate("hf", tasks, task_dir, 12, model_args=f"pretrained={tiny_pair['diff']},dtype=float32", device="cpu",
+                    batch_size=4)
+    ours = _evaluate(OutlierscopeLM(str(tiny_pair["diff"]), bits=16, device="cpu", batch_size=4), tasks, task_dir, 12)
+    assert np.abs(_lls(ref, tasks[0]) - _lls(ours, tasks[0])).max() < 1e-4
+    for m in ("acc,none", "acc_norm,none"):
+        assert ours["results"][tasks[0]][m] == ref["results"][tasks[0]][m]
+
+
+@needs_hellaswag
+@pytest.mark.parametrize("granularity", ["per_tensor", "per_head"])
+def test_quantized_equals_our_scorer(task_dir, granularity):
+    """4-bit logits: the adapter's log-likelihoods equal evaluate()'s item by item, whatever lm-eval's batch size
+    (its zero padding must not enter a per_tensor/per_head scale)."""
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.spec import QuantSpec
+
+    n = 12
+    tasks = write_task_yamls(task_dir, ["hellaswag"])
+    res = evaluate(load_model(PAIR_DIFF, device="cpu"), quant=QuantSpec(bits=4, granularity=granularity), limit=n,
+                   batch_size=8, progress=False)
+    mine = res.items[res.score_columns].to_numpy()
+    for bs in (1, 5):
+        lm = OutlierscopeLM(PAIR_DIFF, bits=4, granularity=granularity, device="cpu", batch_size=bs)
+        theirs = _lls(_evaluate(lm, tasks, task_dir, n), tasks[0])
+        assert np.abs(theirs - mine).max() < 1e-4, bs
+        assert (theirs.argmax(1) == res.items["pred"].to_numpy()).all()
+    unq = _lls(_evaluate(OutlierscopeLM(PAIR_DIFF, bits=16, device="cpu", batch_size=4), tasks, task_dir, n), tasks[0])
+    assert np.abs(unq - mine).max() > 1e-3  # 4 bits really changed the scores
+
+
+def test_generation_runs_through_quantized_attention(task_dir, tmp_path):
+    """A generation task under 4-bit attention: decoding steps (one query row against the key cache) pass the
+    attention function, and the quantized continuation differs from the unquantized one."""
+    from outlierscope.hooks.capture import capture
+
+    rows = [{"prompt": p, "answer": "x"} for p in ("The history of", "In 1990 the", "A river is", "The city of")]
+    (task_dir / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (task_dir / "gen_local.yaml").write_text(
+        f"task: gen_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {task_dir / 'gen.jsonl'}\n"
+        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    shapes = []
+    outs = {}
+    for bits in (16, 2):
+        lm = OutlierscopeLM(PAIR_DIFF, bits=bits, device="cpu", batch_size=2)
+        rec = (lambda o: shapes.append(tuple(o.x.shape[-2:]))) if bits == 2 else (lambda o: None)
+        with capture(lm.model, ["layers.0.attn.logits"], reducers=[rec]):
+            res = _evaluate(lm, ["gen_local"], task_dir, None)
+        outs[bits] = [s["filtered_resps"][0] for s in res["samples"]["gen_local"]]
+        assert "exact_match,none" in res["results"]["gen_local"]
+    assert any(t == 1 and s > 1 for t, s in shapes)  # decoding: one query row, a growing cache of keys
+    assert outs[2] != outs[16]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"bits": 1}, "bits must be in 2..16"),
+    ({"bits": 4, "granularity": "per_blob"}, "granularity"),
+    ({"bits": 4, "layers": "0+9"}, "out of range"),
+    ({"bits": 4, "layers": "x"}, "layers must look like"),
+])
+def test_bad_model_args(kw, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        OutlierscopeLM(PAIR_DIFF, device="cpu", **kw)
+
+
+def test_make_spec_from_strings():
+    s = make_spec("6", "int", "per_head", "0+2-3")
+    assert s.bits == 6 and s.granularity == "per_head" and s.layers == (0, 2, 3)
+    assert make_spec(16).is_identity
+
+
+@needs_hellaswag
+def test_command_line(task_dir, tmp_path):
+    """`python -m outlierscope.lmeval` is lm-eval's command line with the `outlierscope` model type."""
+    tasks = write_task_yamls(task_dir, ["hellaswag"])
+    out = tmp_path / "out"
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-m", "outlierscope.lmeval", "--model", "outlierscope", "--model_args",
+                        f"pretrained={PAIR_DIFF},bits=4,granularity=per_tensor", "--tasks", tasks[0], "--include_path",
+                        str(task_dir), "--limit", "4", "--device", "cpu", "--batch_size", "4", "--output_path", str(out)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    results = json.loads(next(out.rglob("results_*.json")).read_text())
+    assert "acc_norm,none" in results["results"][tasks[0]]
+    assert results["config"]["model_args"]["bits"] == 4
