@@ -100,6 +100,27 @@ def test_generation_runs_through_quantized_attention(task_dir, tmp_path):
     assert outs[2] != outs[16]
 
 
+def test_reducers_see_the_quantized_logits():
+    """points/reducers: capture inside the quantization, so each sequence's valid logits of a layer take at most the
+    2^(b-1)-1 magnitudes of a b-bit per_tensor grid (and zero)."""
+    from lm_eval.api.instance import Instance
+
+    seen = []
+
+    def reducer(obs):
+        for b in range(obs.x.shape[0]):
+            v = obs.x[b][obs.valid[b].expand_as(obs.x[b])]
+            seen.append((int(obs.valid[b].any(-1).sum()), len(v.abs().unique())))
+
+    lm = OutlierscopeLM(PAIR_DIFF, bits=3, device="cpu", batch_size=3, points=["layers.1.attn.logits"], reducers=[reducer])
+    reqs = [Instance("loglikelihood", {}, (c, e), 0) for c, e in
+            (("The cat sat on", " the mat"), ("Hello", " world, how are you today"), ("A", " b"))]
+    lm.loglikelihood(reqs)
+    assert seen and all(n <= 2 ** 2 - 1 + 1 for _, n in seen)  # 3 magnitudes and zero
+    with pytest.raises(OutlierscopeError, match="points and reducers go together"):
+        OutlierscopeLM(PAIR_DIFF, device="cpu", reducers=[reducer])
+
+
 @pytest.mark.parametrize("kw, msg", [
     ({"bits": 1}, "bits must be in 2..16"),
     ({"bits": 4, "granularity": "per_blob"}, "granularity"),

@@ -57,13 +57,15 @@ class OutlierscopeLM(HFLM):
     ``pretrained``: a preset role (``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face
     directory. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
     :class:`~outlierscope.quant.spec.QuantSpec`; ``attn_block``: query rows per attention block; ``dtype``,
-    ``device``, ``device_map``: as in ``load_model``. Other keywords go to ``HFLM`` (``batch_size``,
-    ``max_length``, ...).
+    ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
+    these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
+    (:func:`~outlierscope.hooks.capture.capture`), after quantization: the reducers see what the model
+    uses. Other keywords go to ``HFLM`` (``batch_size``, ``max_length``, ...).
     """
 
     def __init__(self, pretrained, bits=16, format: str = "int", granularity: str = "per_tensor", layers=None,
                  attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",
-                 device_map: str | None = None, **kwargs):
+                 device_map: str | None = None, points=None, reducers=None, **kwargs):
         from outlierscope.models.loading import load_model
 
         self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
@@ -73,12 +75,20 @@ class OutlierscopeLM(HFLM):
         if self.quant.layers is not None and max(self.quant.layers) >= n:
             raise OutlierscopeError(f"layers {list(self.quant.layers)} out of range: the model has layers 0..{n - 1}")
         self.spec_name = str(pretrained)
+        if bool(points) != bool(reducers):
+            raise OutlierscopeError("points and reducers go together: pass both (observation points and the reducers "
+                                    "that receive them) or neither")
+        self.points, self.reducers = list(points or []), list(reducers or [])
         self._inputs: set[bytes] | None = None
         super().__init__(pretrained=lm.model, tokenizer=lm.tokenizer, backend="causal", **kwargs)
 
     @contextlib.contextmanager
     def _attention(self):
-        with quantize_attention(self.model, self.quant, block_rows=self.attn_block):
+        from outlierscope.hooks.capture import capture
+
+        with quantize_attention(self.model, self.quant, block_rows=self.attn_block), (
+                capture(self.model, self.points, reducers=self.reducers, block_rows=self.attn_block)
+                if self.reducers else contextlib.nullcontext()):
             yield
 
     def _loglikelihood_tokens(self, requests, *args, **kwargs):
