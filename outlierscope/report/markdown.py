@@ -148,6 +148,26 @@ def _sweep_outcome(sw) -> list[str]:
     return out
 
 
+def _timing_table(meta: dict | None) -> list[str]:
+    """Seconds per model and task, summed over its bit widths, from the cells of the sweep record."""
+    cells = (meta or {}).get("cells") or []
+    if not cells or any(c.get("seconds") is None for c in cells):
+        return []
+    total, rows = {}, {}
+    for c in cells:
+        key = (c["model"], c.get("task", "hellaswag"))
+        total[key] = total.get(key, 0.0) + c["seconds"]
+        rows.setdefault(key, []).append(f"{c['bits']}: {c['seconds']:.0f}")
+    m = meta.get("machine") or {}
+    where = f" on {m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (f", {m['gpu']}" if m.get("gpu") else "")
+    out = [f"Time per model and task (seconds as each cell recorded when it ran{where}; a cell reused from an "
+           "earlier run keeps its own time):", "", "| Model | Task | seconds (all bit widths) | per bit width |",
+           "|---|---|---|---|"]
+    for (model, task), t in total.items():
+        out.append(f"| {model} | {task_label(task)} | {t:,.0f} | {', '.join(rows[(model, task)])} |")
+    return out + [f"| all | | {sum(total.values()):,.0f} | |", ""]
+
+
 def write_report(run_dir: str | Path, svg: bool = False) -> Path:
     """Render figures and write ``report.md`` into the run directory."""
     run = load_run(run_dir)
@@ -176,6 +196,7 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
                   "16 bits = unquantized. Intervals: 95% paired bootstrap "
                   f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test.", "",
                   sweep_table(run.tables["sweep"]), ""]
+        parts += _timing_table(run.sweep_meta)
     if written:
         parts += ["## Figures", ""]
         for title, path in written:

@@ -21,7 +21,7 @@ class ReproduceSettings:
     bits: tuple[int, ...] = (16, 8, 6, 4)
     granularity: str = "per_tensor"
     models: tuple[str, ...] = DEFAULT_PAIR
-    tasks: tuple[str, ...] = ("hellaswag",)  # the sweep's tasks (the suites `paper` and `all` expanded)
+    tasks: tuple[str, ...] = ("hellaswag",)  # the sweep's tasks; the suites `paper` and `all` are expanded
     batch_size: int = 32
     text: str | None = None
     seq_len: int | None = None  # profile sequence length; None: min(model context, 256)
@@ -31,6 +31,11 @@ class ReproduceSettings:
     device_map: str | None = None  # accelerate's placement for models larger than one GPU
     attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
 
+    def __post_init__(self):  # the suites expanded and every name checked before anything runs
+        from outlierscope.data.tasks import expand_tasks
+
+        object.__setattr__(self, "tasks", expand_tasks((self.tasks,) if isinstance(self.tasks, str) else self.tasks))
+
     @property
     def placement(self) -> dict:
         return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map, "attn_block": self.attn_block}
@@ -38,7 +43,7 @@ class ReproduceSettings:
 
 def reproduce(s: ReproduceSettings, log=print) -> Path:
     """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused."""
-    from outlierscope.data.tasks import expand_tasks, task_label
+    from outlierscope.data.tasks import task_label
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
     from outlierscope.runs.profile import ProfileSettings, profile
@@ -52,7 +57,7 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
     profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement), out / "profile")
     t1 = time.time()
-    tasks = expand_tasks(s.tasks)
+    tasks = s.tasks
     names = ", ".join(task_label(t) for t in tasks)
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{f'up to {s.limit or s.sample:,}' if s.limit or s.sample else 'all'} validation items of {names} (Figure 8)")
