@@ -73,6 +73,7 @@ class LogitContext:
     q_start: int = 0  # index of the block's first query row among the call's q_total rows
     q_total: int | None = None  # query rows of the whole call (None: this block is all of them)
     state: dict | None = None  # reductions of prepass stages over all blocks; None when there is one block
+    value: torch.Tensor | None = None  # (B, H, S, d): the call's values, repeated per query head
 
     @property
     def query_offset(self) -> int:
@@ -146,6 +147,7 @@ class _Call:
     scaling: float
     softcap: float | None
     rows: int  # query rows per block
+    value: torch.Tensor | None = None  # (B, H, S, d), repeated per query head
 
 
 class _AttentionFunction:
@@ -190,7 +192,7 @@ class _AttentionFunction:
         k = _repeat_kv(key, H // key.shape[1])  # (B, H, S, d)
         if k.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
             k = k.float()
-        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows)  # (B, H, d, S)
+        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows, v)  # (B, H, d, S)
         if second:  # blocks again, with the non-observing stages and the first call's prepass state
             stages, state = tuple(st for st in self.stages if not getattr(st, "observes", False)), memo[4]
         else:
@@ -217,7 +219,7 @@ class _AttentionFunction:
     def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
         T, S = call.query.shape[2], call.key.shape[2]
         valid, masked = self._valid(call.mask, T, S, call.query.device, t0, t1)
-        ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state)
+        ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state, call.value)
         return ctx, masked
 
     def _prepass(self, call: _Call) -> dict | None:

@@ -1,0 +1,115 @@
+"""What quantized logits do to attention, per layer and head, streamed (issue #18's attention-level error).
+
+For every real query row, against the unquantized logits of the same forward (same layer input)::
+
+    p = softmax(logits over valid keys),  p~ = softmax(quantized logits over valid keys)   # float64
+    kl      = sum_k p_k (log p_k - log p~_k)                     KL(p || p~), nats
+    changed = argmax_k logits != argmax_k quantized logits       (first maximum in key order)
+    rel_out = ||(p - p~) @ V|| / ||p @ V||                        relative error of the head's output row
+
+:class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
+rel_out and the count of changed argmaxes; memory is O(layers x heads). Counts and maxima merge
+exactly; sums are float64 (relative error about rows x 1e-16). Soft-capped models are measured before
+the cap. For DiffLlama, V is the value half of the layer's first attention call.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import torch
+
+
+def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
+                         value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """Per-row errors of ``quant`` against ``ref``: logits (B, H, t, S); ``valid`` (B, 1|H, t, S) bool;
+    ``value`` (B, H, S, d) or None. Returns ``rows`` (B, H, t) bool (rows with a valid key) and, for them,
+    ``kl``, ``changed`` and (with ``value``) ``rel_out``; entries of other rows are 0."""
+    v = valid.expand_as(ref)
+    rows = v.any(-1)  # (B, H, t)
+    neg = torch.tensor(float("-inf"), dtype=torch.float64, device=ref.device)
+    a = torch.where(v, ref.double(), neg)  # (B, H, t, S)
+    b = torch.where(v, quant.double(), neg)
+    safe = rows.unsqueeze(-1)  # rows without a valid key: softmax of all -inf is NaN; give them zeros
+    lp = torch.where(safe, torch.log_softmax(torch.where(safe, a, 0.0), -1), neg)
+    lq = torch.where(safe, torch.log_softmax(torch.where(safe, b, 0.0), -1), neg)
+    p = lp.exp()
+    kl = torch.where(v, p * (lp - lq), 0.0).sum(-1)  # (B, H, t)
+    changed = (a.argmax(-1) != b.argmax(-1)) & rows
+    out = {"rows": rows, "kl": torch.where(rows, kl, 0.0), "changed": changed}
+    if value is not None:
+        val = value.double()
+        o_ref = torch.matmul(p, val)  # (B, H, t, d)
+        o_q = torch.matmul(lq.exp(), val)
+        norm = o_ref.norm(dim=-1)
+        rel = (o_ref - o_q).norm(dim=-1) / norm.clamp_min(torch.finfo(torch.float64).tiny)
+        out["rel_out"] = torch.where(rows, rel, 0.0)
+    return out
+
+
+class AttentionErrorStats:
+    """Per (layer, head) sums, maxima and counts of :func:`attention_row_errors` over every row seen."""
+
+    FIELDS = ("rows", "changed", "kl_sum", "kl_max", "rel_sum", "rel_max")
+
+    def __init__(self, n_layers: int, n_heads: int):
+        self.n_layers, self.n_heads = n_layers, n_heads
+        z64 = lambda dt: torch.zeros(n_layers, n_heads, dtype=dt)  # noqa: E731
+        self.rows, self.changed = z64(torch.int64), z64(torch.int64)
+        self.kl_sum, self.kl_max = z64(torch.float64), z64(torch.float64)
+        self.rel_sum, self.rel_max = z64(torch.float64), z64(torch.float64)
+        self.has_output = False
+
+    def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
+               value: torch.Tensor | None = None) -> None:
+        e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value).items()}
+        self.rows[layer] += e["rows"].sum((0, 2))  # (B, H, t) -> (H,)
+        self.changed[layer] += e["changed"].sum((0, 2))
+        self.kl_sum[layer] += e["kl"].sum((0, 2))
+        self.kl_max[layer] = torch.maximum(self.kl_max[layer], e["kl"].amax((0, 2)))
+        if "rel_out" in e:
+            self.has_output = True
+            self.rel_sum[layer] += e["rel_out"].sum((0, 2))
+            self.rel_max[layer] = torch.maximum(self.rel_max[layer], e["rel_out"].amax((0, 2)))
+
+    def merge(self, other: AttentionErrorStats) -> AttentionErrorStats:
+        """Add ``other``'s rows (other data of the same model): counts and maxima exact, sums float64."""
+        if (other.n_layers, other.n_heads) != (self.n_layers, self.n_heads):
+            raise ValueError(f"shapes differ: ({self.n_layers}, {self.n_heads}) vs ({other.n_layers}, {other.n_heads})")
+        for f in ("rows", "changed", "kl_sum", "rel_sum"):
+            getattr(self, f).add_(getattr(other, f))
+        for f in ("kl_max", "rel_max"):
+            setattr(self, f, torch.maximum(getattr(self, f), getattr(other, f)))
+        self.has_output |= other.has_output
+        return self
+
+    def table(self) -> pd.DataFrame:
+        """One row per layer and head: rows, mean and max KL, argmax change rate, mean and max relative output error."""
+        n = self.rows.clamp_min(1).double()
+        recs = []
+        for layer in range(self.n_layers):
+            for h in range(self.n_heads):
+                if self.rows[layer, h] == 0:
+                    continue
+                r = {"layer": layer, "head": h, "rows": int(self.rows[layer, h]),
+                     "kl_mean": float(self.kl_sum[layer, h] / n[layer, h]), "kl_max": float(self.kl_max[layer, h]),
+                     "argmax_change_rate": float(self.changed[layer, h] / n[layer, h])}
+                if self.has_output:
+                    r["rel_out_mean"] = float(self.rel_sum[layer, h] / n[layer, h])
+                    r["rel_out_max"] = float(self.rel_max[layer, h])
+                recs.append(r)
+        return pd.DataFrame(recs)
+
+    def per_layer(self) -> pd.DataFrame:
+        """Pooled over heads: the row-weighted means, the maxima and the change rate per layer."""
+        t = self.table()
+        if t.empty:
+            return t
+        t = t.assign(kl_w=t.kl_mean * t.rows, ch_w=t.argmax_change_rate * t.rows,
+                     **({"rel_w": t.rel_out_mean * t.rows} if self.has_output else {}))
+        g = t.groupby("layer")
+        out = pd.DataFrame({"rows": g.rows.sum(), "kl_mean": g.kl_w.sum() / g.rows.sum(), "kl_max": g.kl_max.max(),
+                            "argmax_change_rate": g.ch_w.sum() / g.rows.sum()})
+        if self.has_output:
+            out["rel_out_mean"] = g.rel_w.sum() / g.rows.sum()
+            out["rel_out_max"] = g.rel_out_max.max()
+        return out.reset_index()

@@ -1,0 +1,125 @@
+"""Attention-level error of quantized logits: per-row KL, argmax change and output error against a naive float64
+re-computation, exact merging, and the measuring stage on real models (blocked = unblocked, layer subsets, no
+effect on the model)."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.models.loading import load_model
+from outlierscope.quant.apply import measure_attention_error, quantize_attention
+from outlierscope.quant.spec import QuantSpec
+from outlierscope.stats.attention_error import AttentionErrorStats, attention_row_errors
+
+
+def _naive(ref, quant, valid, value):
+    B, H, T, S = ref.shape
+    out = {"kl": np.zeros((B, H, T)), "changed": np.zeros((B, H, T), bool), "rel": np.zeros((B, H, T)),
+           "rows": np.zeros((B, H, T), bool)}
+    for b in range(B):
+        for h in range(H):
+            for t in range(T):
+                keys = [s for s in range(S) if valid[b, min(h, valid.shape[1] - 1), t, s]]
+                if not keys:
+                    continue
+                out["rows"][b, h, t] = True
+                a = [float(ref[b, h, t, s]) for s in keys]
+                q = [float(quant[b, h, t, s]) for s in keys]
+                za, zq = math.fsum(math.exp(x - max(a)) for x in a), math.fsum(math.exp(x - max(q)) for x in q)
+                p = [math.exp(x - max(a)) / za for x in a]
+                pq = [math.exp(x - max(q)) / zq for x in q]
+                out["kl"][b, h, t] = math.fsum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, pq) if pi > 0)
+                out["changed"][b, h, t] = keys[a.index(max(a))] != keys[q.index(max(q))]
+                o = [math.fsum(pi * float(value[b, h, s, d]) for pi, s in zip(p, keys)) for d in range(value.shape[-1])]
+                oq = [math.fsum(pi * float(value[b, h, s, d]) for pi, s in zip(pq, keys)) for d in range(value.shape[-1])]
+                out["rel"][b, h, t] = math.dist(o, oq) / math.hypot(*o)
+    return out
+
+
+@pytest.mark.parametrize("seed, heads_in_mask", [(0, 1), (1, 3), (2, 1)])
+def test_row_errors_against_naive(seed, heads_in_mask):
+    g = torch.Generator().manual_seed(seed)
+    B, H, T, S, d = 2, 3, 5, 7, 4
+    ref = torch.randn(B, H, T, S, generator=g) * 4
+    quant = QuantSpec(bits=3, granularity="per_tensor")(ref, None)
+    valid = torch.rand(B, heads_in_mask, T, S, generator=g) > 0.3
+    valid[0, :, 1] = False  # a row with no valid key (padding query)
+    value = torch.randn(B, H, S, d, generator=g)
+    got = attention_row_errors(ref, quant, valid, value)
+    want = _naive(ref, quant, valid, value)
+    assert (got["rows"].numpy() == want["rows"]).all()
+    np.testing.assert_allclose(got["kl"].numpy(), want["kl"], rtol=1e-9, atol=1e-12)
+    np.testing.assert_allclose(got["rel_out"].numpy(), want["rel"], rtol=1e-9, atol=1e-12)
+    assert (got["changed"].numpy() == want["changed"]).all() and want["changed"].any()
+    assert (got["kl"] >= -1e-15).all() and got["kl"].max() > 0
+
+
+def test_identical_logits_have_no_error():
+    x = torch.randn(1, 2, 4, 4, dtype=torch.float64)
+    e = attention_row_errors(x, x.clone(), torch.ones(1, 1, 4, 4, dtype=torch.bool), torch.randn(1, 2, 4, 3))
+    assert e["kl"].abs().max() == 0 and not e["changed"].any() and e["rel_out"].max() == 0
+
+
+def test_merge_equals_whole():
+    g = torch.Generator().manual_seed(3)
+    parts = [(torch.randn(2, 2, 4, 6, generator=g), torch.rand(2, 1, 4, 6, generator=g) > 0.2) for _ in range(4)]
+    spec = QuantSpec(bits=4)
+    whole, a, b = AttentionErrorStats(2, 2), AttentionErrorStats(2, 2), AttentionErrorStats(2, 2)
+    for i, (x, v) in enumerate(parts):
+        whole.update(i % 2, x, spec(x, v), v)
+        (a if i < 2 else b).update(i % 2, x, spec(x, v), v)
+    m = a.merge(b)
+    assert torch.equal(m.rows, whole.rows) and torch.equal(m.changed, whole.changed) and torch.equal(m.kl_max, whole.kl_max)
+    torch.testing.assert_close(m.kl_sum, whole.kl_sum, rtol=1e-12, atol=0)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 200, (2, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    return ids, mask
+
+
+@pytest.mark.parametrize("role", ["transformer", "diff"])
+def test_measuring_leaves_the_model_alone_and_blocks_agree(role, batch):
+    lm = load_model(f"pair-tiny:{role}", device="cpu")
+    ids, mask = batch
+    spec = QuantSpec(bits=4, granularity="per_tensor")
+    with torch.no_grad(), quantize_attention(lm.model, spec):
+        ref = lm.model(input_ids=ids, attention_mask=mask).logits
+    stats = {}
+    for rows in (None, 5):
+        st = AttentionErrorStats(lm.model.config.num_hidden_layers, lm.model.config.num_attention_heads)
+        with torch.no_grad(), measure_attention_error(lm.model, spec, st, block_rows=rows), \
+                quantize_attention(lm.model, spec, block_rows=rows):
+            out = lm.model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        stats[rows] = st
+    a, b = stats[None], stats[5]
+    assert int(a.rows[0].sum()) == lm.model.config.num_attention_heads * (12 + 9)  # real query rows only, once per layer
+    assert torch.equal(a.rows, b.rows) and torch.equal(a.changed, b.changed)
+    torch.testing.assert_close(a.kl_sum, b.kl_sum, rtol=1e-5, atol=1e-9)
+    t = a.table()
+    assert set(t.columns) >= {"layer", "head", "kl_mean", "kl_max", "argmax_change_rate", "rel_out_mean"}
+    assert (t.kl_mean > 0).all() and len(a.per_layer()) == lm.model.config.num_hidden_layers
+
+
+def test_layer_subset_and_bits_order(batch):
+    lm = load_model("pair-tiny:transformer", device="cpu")
+    ids, mask = batch
+    n_l, n_h = lm.model.config.num_hidden_layers, lm.model.config.num_attention_heads
+    kl = {}
+    for bits in (8, 4):
+        st = AttentionErrorStats(n_l, n_h)
+        with torch.no_grad(), measure_attention_error(lm.model, QuantSpec(bits=bits), st):
+            lm.model(input_ids=ids, attention_mask=mask)
+        kl[bits] = st.kl_sum.sum()
+    assert kl[8] < kl[4]
+    st = AttentionErrorStats(n_l, n_h)
+    with torch.no_grad(), measure_attention_error(lm.model, QuantSpec(bits=4, layers=(1,)), st):
+        lm.model(input_ids=ids, attention_mask=mask)
+    assert st.rows[1].sum() > 0 and st.rows.sum() == st.rows[1].sum()
