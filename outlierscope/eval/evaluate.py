@@ -13,6 +13,7 @@ unquantized acc 0.260307, acc_norm 0.257518, identical to lm-eval item by item.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import time
@@ -29,7 +30,7 @@ from outlierscope.eval.scorer import score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import measure_attention_error, quantize_attention
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.stats.paired import compare, mean_stderr
 
@@ -195,7 +196,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
              sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
              batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
              block_rows: int | None = None, shard: Shard | None = None, world: World | None = None,
-             task: str = "hellaswag") -> EvalResult | None:
+             task: str = "hellaswag", attn_error=None) -> EvalResult | None:
     """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
     logits quantized by ``quant`` (None: unquantized).
 
@@ -204,6 +205,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     choices, columns ``score0..`` padded with NaN).
     ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
     ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
+    ``attn_error``: an :class:`~outlierscope.stats.attention_error.AttentionErrorStats` that also receives, per
+    layer and head, what ``quant`` does to the attention of every scored sequence (one process, whole runs).
     Non-finite log-likelihoods are an error naming the first such item.
 
     Data parallel (:mod:`outlierscope.parallel`): with ``world`` (processes of ``torchrun``) each rank
@@ -219,6 +222,9 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     shard, world = shard or Shard(), world or World()
     own = owned_shards(shard, world)
     spec = quant or QuantSpec(bits=16)
+    if attn_error is not None and not (shard.whole and world.size == 1):
+        raise ParamError("attn_error", "None for a sharded or multi-process evaluation (it is measured in one "
+                         "process for now)", type(attn_error).__name__)
     if items is None:
         items = select_items(limit, sample, seed, data, task)
     max_length = lmeval_max_length(model, tokenizer)
@@ -231,7 +237,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
         desc = f"{desc} (rank 0 of {world.size}: its share)"
     with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
                                         disable=not progress or not world.is_main or None, dynamic_ncols=True) as bar:
-        with quantize_attention(model, spec, block_rows=block_rows):
+        with measure_attention_error(model, spec, attn_error, block_rows) if attn_error is not None \
+                else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=block_rows):
             scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n),
                                     shards=None if whole else own)
             # the LM loss is one process's job: the one with virtual shard 0

@@ -4,7 +4,8 @@ For every real query row, against the unquantized logits of the same forward (sa
 
     p = softmax(logits over valid keys),  p~ = softmax(quantized logits over valid keys)   # float64
     kl      = sum_k p_k (log p_k - log p~_k)                     KL(p || p~), nats
-    changed = argmax_k logits != argmax_k quantized logits       (first maximum in key order)
+    changed = the reference's argmax key is not a maximum of the quantized row (ties after rounding
+              do not count as a change: the key still gets the largest weight)
     rel_out = ||(p - p~) @ V|| / ||p @ V||                        relative error of the head's output row
 
 :class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
@@ -34,7 +35,8 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
     lq = torch.where(safe, torch.log_softmax(torch.where(safe, b, 0.0), -1), neg)
     p = lp.exp()
     kl = torch.where(v, p * (lp - lq), 0.0).sum(-1)  # (B, H, t)
-    changed = (a.argmax(-1) != b.argmax(-1)) & rows
+    top = a.argmax(-1, keepdim=True)  # the reference's argmax key (first maximum)
+    changed = (b.gather(-1, top).squeeze(-1) < b.amax(-1)) & rows  # it is no longer a maximum after quantization
     out = {"rows": rows, "kl": torch.where(rows, kl, 0.0), "changed": changed}
     if value is not None:
         val = value.double()
@@ -51,16 +53,26 @@ class AttentionErrorStats:
 
     FIELDS = ("rows", "changed", "kl_sum", "kl_max", "rel_sum", "rel_max")
 
-    def __init__(self, n_layers: int, n_heads: int):
-        self.n_layers, self.n_heads = n_layers, n_heads
+    def __init__(self, n_layers: int, n_heads: int | None = None):
+        """``n_heads``: the heads of the logits (DiffLlama: both maps); None: taken from the first update."""
+        self.n_layers = n_layers
+        self.has_output = False
+        self.n_heads = None
+        if n_heads is not None:
+            self._allocate(n_heads)
+
+    def _allocate(self, n_heads: int) -> None:
+        n_layers = self.n_layers
+        self.n_heads = n_heads
         z64 = lambda dt: torch.zeros(n_layers, n_heads, dtype=dt)  # noqa: E731
         self.rows, self.changed = z64(torch.int64), z64(torch.int64)
         self.kl_sum, self.kl_max = z64(torch.float64), z64(torch.float64)
         self.rel_sum, self.rel_max = z64(torch.float64), z64(torch.float64)
-        self.has_output = False
 
     def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
                value: torch.Tensor | None = None) -> None:
+        if self.n_heads is None:
+            self._allocate(ref.shape[1])
         e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value).items()}
         self.rows[layer] += e["rows"].sum((0, 2))  # (B, H, t) -> (H,)
         self.changed[layer] += e["changed"].sum((0, 2))
@@ -73,6 +85,10 @@ class AttentionErrorStats:
 
     def merge(self, other: AttentionErrorStats) -> AttentionErrorStats:
         """Add ``other``'s rows (other data of the same model): counts and maxima exact, sums float64."""
+        if other.n_heads is None:
+            return self
+        if self.n_heads is None:
+            self._allocate(other.n_heads)
         if (other.n_layers, other.n_heads) != (self.n_layers, self.n_heads):
             raise ValueError(f"shapes differ: ({self.n_layers}, {self.n_heads}) vs ({other.n_layers}, {other.n_heads})")
         for f in ("rows", "changed", "kl_sum", "rel_sum"):
@@ -84,6 +100,8 @@ class AttentionErrorStats:
 
     def table(self) -> pd.DataFrame:
         """One row per layer and head: rows, mean and max KL, argmax change rate, mean and max relative output error."""
+        if self.n_heads is None:
+            return pd.DataFrame(columns=["layer", "head", "rows", "kl_mean", "kl_max", "argmax_change_rate"])
         n = self.rows.clamp_min(1).double()
         recs = []
         for layer in range(self.n_layers):
