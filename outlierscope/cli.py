@@ -131,7 +131,7 @@ def _cmd_sweep(a) -> None:
     s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
                       format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
                       sample=a.sample, seed=a.seed, data=a.data, tasks=expand_tasks(a.task or ["hellaswag"]), text=a.text, text_tokens=a.text_tokens,
-                      batch_size=a.batch_size, **_placement(a))
+                      batch_size=a.batch_size, attn_error=a.attn_error, **_placement(a))
     shard, world = _parallel(a)
     result = sweep(s, a.out, force=a.force, shard=shard, world=world)
     if result is not None:
@@ -326,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
     s.add_argument("--batch-size", type=int, default=32,
                    help="(context, ending) sequences per forward (default 32); the scores do not depend on it")
+    s.add_argument("--attn-error", action="store_true",
+                   help="also measure per layer and head what quantization does to attention (KL, argmax changes, "
+                        "output error) into attn_error.csv; costs 2-5x the time of a cell, one process")
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     _add_shard(s)
     s.set_defaults(func=_cmd_sweep)

@@ -32,6 +32,7 @@ from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import sweep_table
+from outlierscope.stats.attention_error import AttentionErrorStats
 from outlierscope.stats.paired import BOOTSTRAP_REPS
 
 
@@ -55,6 +56,7 @@ class SweepSettings:
     device: str = "auto"  # auto = cuda when available
     device_map: str | None = None  # accelerate's placement for models larger than one GPU
     attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
+    attn_error: bool = False  # also measure, per layer and head, what quantization does to attention (one process)
 
     def __post_init__(self):
         object.__setattr__(self, "models", tuple(self.models))
@@ -135,6 +137,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["device"] = kind
     if task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
         out["task"] = task
+    if s.attn_error and not ident:  # cells without the measurement keep their ids
+        out["attn_error"] = True
     return out
 
 
@@ -145,28 +149,41 @@ def cell_id(settings: dict) -> str:
 
 
 def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool,
-             shard: Shard | None = None, world: World | None = None, task: str = "hellaswag") -> EvalResult | None:
+             shard: Shard | None = None, world: World | None = None, task: str = "hellaswag",
+             attn_error=None) -> EvalResult | None:
     return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task)
+                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=attn_error)
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
                       progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
     """A cell's result (a shard's part for a partial ``shard``): read back when a complete cell with these
-    settings exists, else run and written atomically by rank 0 (the other ranks get None)."""
+    settings exists, else run and written atomically by rank 0 (the other ranks get None). With
+    ``attn_error`` in the settings, ``cells/<cell>.attn_error.csv`` (per layer and head) is written before the
+    cell's json (which marks it complete) and put in ``res.extra["attn_error_table"]``."""
     cid = cell_id(settings)
     name = cid if shard.whole else f"{cid}.{shard.tag}"
     task = settings.get("task", "hellaswag")
     desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
         f"{settings['model']} {spec.label}"
+    err_path = cells_dir / f"{name}.attn_error.csv"
     res = EvalResult.load(cells_dir, name) if world.is_main else None
-    if world.broadcast(res is not None and res.extra.get("cell") == settings):
+    if world.broadcast(res is not None and res.extra.get("cell") == settings
+                       and (not settings.get("attn_error") or err_path.exists())):
         log(f"{desc}: done earlier, skipped ({name})")
+        if settings.get("attn_error"):
+            res.extra["attn_error_table"] = pd.read_csv(err_path, float_precision="round_trip")
         return res, cid
-    res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task)
+    stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if settings.get("attn_error") else None
+    res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task, stats)
     if world.is_main:
         res.extra["cell"] = settings
+        if stats is not None:
+            table = stats.table()
+            write_csv(err_path, table)
         res.save(cells_dir, name)
+        if stats is not None:
+            res.extra["attn_error_table"] = table
     return res, cid
 
 
@@ -256,8 +273,10 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
     """The sweep's tables from its cells (model, task, spec, cell id, result), each (model, task)'s 16-bit cell
     first. ``tasks``: :func:`task_record` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
     and ``chance`` at the record's top level (where they were before sweeps had several tasks)."""
-    rows, cell_index, base = [], [], None
+    rows, cell_index, base, errors = [], [], None, []
     for model, task, spec, cid, res in cells:
+        if "attn_error_table" in res.extra:
+            errors.append(res.extra.pop("attn_error_table").assign(model=model, task=task, bits=spec.bits, label=spec.label))
         if spec.is_identity:
             base = res
         metrics = cell_metrics(res, None if spec.is_identity else base, s.seed, task_metrics(task))
@@ -271,6 +290,10 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
               "git_commit": git_commit(), "note": "bits 16 = unquantized"}
     result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
     result.save(out)
+    if errors:  # per model, task, bit width, layer and head: what quantization did to attention
+        t = pd.concat(errors, ignore_index=True)
+        write_csv(out / "attn_error.csv", t[["model", "task", "bits", "label"] + [c for c in t.columns
+                                                                                if c not in ("model", "task", "bits", "label")]])
     return result
 
 

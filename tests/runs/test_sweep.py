@@ -311,3 +311,25 @@ def test_task_errors(capsys, tmp_path):
     assert "--data must be None unless the tasks include hellaswag" in capsys.readouterr().err
     assert main(["sweep", "--task", "wingrande", "--out", str(tmp_path / "o")]) == 2
     assert "did you mean winogrande" in capsys.readouterr().err
+
+
+def test_sweep_attention_error(tiny_pair, hs_jsonl, tmp_path):
+    """--attn-error: attn_error.csv per model, bit width, layer and head (quantized cells only); cells keep it on
+    resume; cells without it keep their ids."""
+    spec = str(tiny_pair["diff"])
+    s = SweepSettings(models=(spec,), bits=(16, 8, 4), data=str(hs_jsonl), limit=6, batch_size=8, attn_error=True)
+    out = tmp_path / "err"
+    res = sweep(s, out, progress=False, log=lambda *_: None)
+    t = pd.read_csv(out / "attn_error.csv")
+    n_layers = 2
+    assert set(t["bits"]) == {8, 4} and len(t) == 2 * n_layers * t["head"].nunique()
+    assert (t["rows"] > 0).all() and {"kl_mean", "argmax_change_rate", "rel_out_mean"} <= set(t.columns)
+    by_bits = t.groupby("bits")["kl_mean"].mean()
+    assert by_bits[8] < by_bits[4]
+    logs = []
+    sweep(s, out, progress=False, log=logs.append)
+    assert sum("done earlier" in m for m in logs) == 3 and pd.read_csv(out / "attn_error.csv").equals(t)
+    plain = SweepSettings(models=(spec,), bits=(16, 8, 4), data=str(hs_jsonl), limit=6, batch_size=8)
+    ids = set(res.table["cell"])
+    other = sweep(plain, tmp_path / "plain", progress=False, log=lambda *_: None)
+    assert set(other.table["cell"]) & ids == {c for c in ids if "_b16_" in c}  # quantized cells differ, 16 bits shared
