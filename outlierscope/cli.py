@@ -139,6 +139,20 @@ def _cmd_sweep(a) -> None:
         print(f"results written to {a.out} (16 bits = unquantized)")
 
 
+def _cmd_sensitivity(a) -> None:
+    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+
+    _headless()
+    if a.device_map:
+        raise OutlierscopeError("sensitivity runs on one device; --device-map is not supported here")
+    s = SensitivitySettings(model=a.model, bits=a.bits, format=a.format, granularity=a.granularity, task=a.task,
+                            limit=a.limit, sample=a.sample, seed=a.seed, tolerance=a.tolerance, all_but=not a.no_all_but,
+                            attn_error=not a.no_attn_error, profile_tokens=a.profile_tokens, batch_size=a.batch_size,
+                            dtype=a.dtype, device=a.device, attn_block=a.attn_block)
+    sensitivity(s, a.out)
+    print(f"results written to {a.out} (sensitivity.csv, greedy.csv, sensitivity.json, figures/)")
+
+
 def _cmd_merge(a) -> None:
     from pathlib import Path
 
@@ -332,6 +346,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     _add_shard(s)
     s.set_defaults(func=_cmd_sweep)
+
+    s = sub.add_parser("sensitivity", help="per-layer damage of quantized attention, ranked, and a mixed-precision suggestion")
+    s.add_argument("--model", required=True, metavar="SPEC", help="preset role or HF model directory")
+    s.add_argument("--bits", type=int, default=4, help="bit width of the quantized layers (default 4)")
+    s.add_argument("--format", default="int", choices=FORMATS)
+    s.add_argument("--granularity", default="per_tensor", choices=GRANULARITIES)
+    s.add_argument("--task", default="hellaswag", help="hellaswag (default) or a zero-shot task: see `outlierscope tasks`")
+    g = s.add_mutually_exclusive_group()
+    g.add_argument("--limit", type=int, help="first N validation items")
+    g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--tolerance", type=float, default=0.05,
+                   help="|mean change of the gold log-likelihood| (nats) the suggested assignment must reach (default 0.05)")
+    s.add_argument("--no-all-but", action="store_true", help="skip the second pass (every layer quantized but one)")
+    s.add_argument("--no-attn-error", action="store_true", help="skip the attention error of the one-layer cells")
+    s.add_argument("--profile-tokens", type=int, default=20_000, help="tokens for the per-layer outlier statistic")
+    s.add_argument("--batch-size", type=int, default=32)
+    _add_placement(s)
+    s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.set_defaults(func=_cmd_sensitivity)
 
     s = sub.add_parser("merge", help="combine the --shard i/N runs of a profile or sweep into the whole result")
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of the shard runs (one, if they shared it)")

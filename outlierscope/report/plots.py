@@ -252,3 +252,39 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
                 ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     fig.suptitle("Quantization damage relative to 16 bits (unquantized)", fontsize=11)
     return fig
+
+
+def sensitivity_bars(table: pd.DataFrame) -> plt.Figure:
+    """Per layer: the damage of quantizing only that layer (mean change of the gold log-likelihood), and beside it
+    the layer's top-1 / median |logit| (its outlier statistic)."""
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
+    c = sns.color_palette(PALETTE, 3)
+    a.bar(table["layer"], table["only_delta_gold_ll"], color=c[0], label="only this layer quantized")
+    if "all_but_delta_gold_ll" in table:
+        a.plot(table["layer"], table["all_but_delta_gold_ll"], "o", color=c[1], label="all layers but this one")
+    a.axhline(0, color="0.4", lw=0.8)
+    a.set_xlabel("layer")
+    a.set_ylabel("Δ mean gold log-likelihood (nats)")
+    a.legend(frameon=False, fontsize=8)
+    b.bar(table["layer"], table["outlier_ratio"], color=c[2])
+    b.set_xlabel("layer")
+    b.set_ylabel("top-1 / median |logit|")
+    for ax in (a, b):
+        ax.grid(axis="y", alpha=0.3)
+        ax.set_xticks(table["layer"].tolist())
+    fig.suptitle("Per-layer sensitivity to quantized attention logits", fontsize=11)
+    return fig
+
+
+def damage_vs_outliers(table: pd.DataFrame, rho: float) -> plt.Figure:
+    """Scatter across layers: harm of quantizing the layer alone against its top-1 / median |logit|."""
+    fig, ax = plt.subplots(figsize=(5.2, 4), layout="constrained")
+    ax.scatter(table["outlier_ratio"], -table["only_delta_gold_ll"], color=sns.color_palette(PALETTE, 1)[0])
+    for _, r in table.iterrows():
+        ax.annotate(str(int(r["layer"])), (r["outlier_ratio"], -r["only_delta_gold_ll"]), fontsize=7,
+                    xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("top-1 / median |logit| of the layer")
+    ax.set_ylabel("harm: -Δ mean gold log-likelihood (nats)")
+    ax.set_title(f"Do outliers predict the damage? Spearman ρ = {rho:+.2f}", fontsize=10)
+    ax.grid(alpha=0.3)
+    return fig

@@ -1,0 +1,201 @@
+"""Per-layer sensitivity of a model to quantized attention logits, and a mixed-precision suggestion.
+
+    base       = evaluate(model)                                  # unquantized
+    only[i]    = evaluate(model, quant=spec with layers=(i,))     # one layer quantized
+    all_but[i] = evaluate(model, quant=spec with every layer but i)
+    damage[i]  = mean over items of (gold log-likelihood of only[i] - of base)   # nats, < 0 hurts
+    rank layers by damage (most harmful first); keep[k] = the k most harmful layers unquantized
+    greedy: evaluate keep[0], keep[1], ... until |change| <= tolerance  (the last one verifies it)
+
+Each evaluation is a resumable cell (``cells/<name>.csv/.json``, reused when its settings match). With
+``attn_error`` every one-layer cell also measures that layer's attention error (KL, top-key changes,
+output error; :mod:`outlierscope.stats.attention_error`). The layer's outlier statistic (top-1 / median
+|logit| from a short profile) is put beside its damage, with the Spearman rank correlation, to ask
+whether outliers predict where quantization hurts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
+from outlierscope.models.loading import check_placement
+from outlierscope.quant.spec import QuantSpec
+from outlierscope.stats.attention_error import AttentionErrorStats
+
+
+@dataclass(frozen=True)
+class SensitivitySettings:
+    model: str
+    bits: int = 4
+    format: str = "int"
+    granularity: str = "per_tensor"
+    task: str = "hellaswag"
+    limit: int | None = None
+    sample: int | None = None
+    seed: int = 0
+    tolerance: float = 0.05  # |mean change of the gold log-likelihood| (nats) the greedy assignment must reach
+    all_but: bool = True  # the second pass: every layer quantized but one
+    attn_error: bool = True  # attention error of each one-layer cell (costs 2-5x a cell on the CPU)
+    profile_tokens: int = 20_000  # tokens of the short profile for the per-layer outlier statistic
+    batch_size: int = 32
+    dtype: str = "auto"
+    device: str = "auto"
+    attn_block: int | None = None
+
+    def __post_init__(self):
+        from outlierscope.data.tasks import check_task
+
+        check_task(self.task)
+        self.spec()  # bits, format, granularity checked before anything loads
+        if self.bits == 16:
+            raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
+        if not self.tolerance >= 0:
+            raise ParamError("tolerance", ">= 0 (nats of mean gold log-likelihood)", self.tolerance)
+        for n in ("limit", "sample"):
+            if getattr(self, n) is not None and getattr(self, n) < 1:
+                raise ParamError(n, ">= 1", getattr(self, n))
+        if self.profile_tokens < 1:
+            raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
+        check_placement(self.device, self.dtype, None, self.attn_block)
+
+    def spec(self, layers=None) -> QuantSpec:
+        try:
+            return QuantSpec(bits=self.bits, format=self.format, granularity=self.granularity,
+                             layers=tuple(layers) if layers is not None else None)
+        except ValueError as e:
+            raise OutlierscopeError(str(e)) from None
+
+
+def gold_scores(res: EvalResult) -> np.ndarray:
+    """Each item's log-likelihood of its gold choice (N,)."""
+    scores = res.items[res.score_columns].to_numpy()
+    return scores[np.arange(len(scores)), res.items["label"].to_numpy()]
+
+
+def change(res: EvalResult, base: EvalResult, metric: str) -> dict:
+    """Against ``base``: mean gold log-likelihood change (nats), the headline metric's change and flip rate."""
+    col = "pred_norm" if metric == "acc_norm" else "pred"
+    return {"delta_gold_ll": float((gold_scores(res) - gold_scores(base)).mean()),
+            f"delta_{metric}": float(res.metrics[metric] - base.metrics[metric]),
+            "flip_rate": float((res.items[col].to_numpy() != base.items[col].to_numpy()).mean())}
+
+
+def greedy_keep(order: list[int], n_layers: int, within) -> tuple[list[int], list[dict]]:
+    """The fewest of the most harmful layers (``order``, most harmful first) to keep unquantized: tries keeping
+    0, 1, 2, ... of them and stops at the first assignment where ``within(quantized_layers)`` returns
+    ``(ok, record)``; returns (kept layers, the records of every try)."""
+    tries = []
+    for k in range(n_layers + 1):
+        keep = sorted(order[:k])
+        quantized = [i for i in range(n_layers) if i not in keep]
+        ok, rec = within(quantized)
+        tries.append({"kept": k, "kept_layers": " ".join(map(str, keep)), **rec, "within_tolerance": ok})
+        if ok:
+            return keep, tries
+    return list(range(n_layers)), tries
+
+
+def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print) -> dict:
+    """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
+    ``greedy.csv`` (each tried assignment), ``attn_error.csv``, ``sensitivity.json`` (settings, ranking,
+    suggestion, rank correlation). Returns the record."""
+    from outlierscope.data.tasks import task_metrics
+    from outlierscope.models.loading import load_model
+    from outlierscope.runs.profile import ProfileSettings, profile_model
+
+    out = Path(out)
+    lm = load_model(s.model, dtype=s.dtype, device=s.device)
+    n_layers = lm.model.config.num_hidden_layers
+    items = select_items(s.limit, s.sample, s.seed, None, s.task)
+    metric = "acc_norm" if "acc_norm" in task_metrics(s.task) else "acc"
+    ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
+             "dtype": lm.dtype}
+    errors = []
+
+    def cell(name: str, spec: QuantSpec | None, measure: bool = False) -> EvalResult:
+        settings = {**ident, "quant": spec.label if spec else "16", "layers": list(spec.layers) if spec and spec.layers else None,
+                    "attn_error": measure}
+        res = EvalResult.load(cells_dir, name)
+        err_path = cells_dir / f"{name}.attn_error.csv"
+        if res is not None and res.extra.get("cell") == settings and (not measure or err_path.exists()):
+            log(f"{name}: done earlier, skipped")
+        else:
+            stats = AttentionErrorStats(n_layers) if measure else None
+            res = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=progress, desc=name,
+                           block_rows=s.attn_block, task=s.task, attn_error=stats)
+            res.extra["cell"] = settings
+            if stats is not None:
+                write_csv(err_path, stats.per_layer())
+            res.save(cells_dir, name)
+        if measure:
+            errors.append(pd.read_csv(err_path).assign(cell=name))
+        return res
+
+    with output_dir(out), output_dir(out / "cells") as cells_dir:
+        base = cell("base", None)
+        rows = []
+        for i in range(n_layers):
+            only = cell(f"only_{i}", s.spec([i]), s.attn_error)
+            row = {"layer": i, **{f"only_{k}": v for k, v in change(only, base, metric).items()}}
+            if s.all_but and n_layers > 1:
+                rest = cell(f"all_but_{i}", s.spec([j for j in range(n_layers) if j != i]))
+                row.update({f"all_but_{k}": v for k, v in change(rest, base, metric).items()})
+            rows.append(row)
+        table = pd.DataFrame(rows)
+        if errors:
+            err = pd.concat(errors, ignore_index=True)
+            err = err[err["cell"] == "only_" + err["layer"].astype(str)]  # each one-layer cell's own layer
+            table = table.merge(err.drop(columns=["cell", "rows"]), on="layer", how="left")
+        prof = profile_model(lm, settings=ProfileSettings(tokens=s.profile_tokens, points=("layers.*.attn.logits",),
+                                                          attn_block=s.attn_block), progress=progress)
+        pl = prof.tables["per_layer"]
+        pl = pl[pl["point"] == "attn.logits"][["layer", "top1", "median"]]
+        table = table.merge(pl.assign(outlier_ratio=pl["top1"] / pl["median"])[["layer", "outlier_ratio"]], on="layer")
+        table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
+        order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()
+
+        def within(quantized):
+            name = "all" if len(quantized) == n_layers else "keep_" + "_".join(str(i) for i in range(n_layers)
+                                                                               if i not in quantized)
+            res = base if not quantized else cell(name, s.spec(quantized))
+            c = change(res, base, metric)
+            return abs(c["delta_gold_ll"]) <= s.tolerance, c
+
+        keep, tries = greedy_keep(order, n_layers, within)
+        rho = float((-table["only_delta_gold_ll"]).rank().corr(table["outlier_ratio"].rank()))  # > 0: outliers, harm
+        write_csv(out / "sensitivity.csv", table)
+        write_csv(out / "greedy.csv", pd.DataFrame(tries))
+        record = {"settings": asdict(s), "n_items": len(items), "metric": metric, "n_layers": n_layers,
+                  "ranking": order, "keep_unquantized": keep, "quantized": [i for i in range(n_layers) if i not in keep],
+                  "final": tries[-1], "spearman_damage_vs_outlier_ratio": rho,
+                  "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
+                          "rank 1 = most harmful; spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
+                          "|logit| (> 0: layers with larger outliers are hurt more)",
+                  "versions": versions(), "machine": machine(), "git_commit": git_commit()}
+        write_json(out / "sensitivity.json", record)
+        _figures(table, out, rho)
+    log(f"layers by harm: {order}; keep {keep or 'none'} unquantized for |Δ gold ll| <= {s.tolerance} "
+        f"(verified: {tries[-1]['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}")
+    return record
+
+
+def _figures(table: pd.DataFrame, out: Path, rho: float) -> None:
+    import matplotlib.pyplot as plt
+
+    from outlierscope.io import atomic_path
+    from outlierscope.report import plots
+
+    (out / "figures").mkdir(exist_ok=True)
+    for stem, fig in (("sensitivity", plots.sensitivity_bars(table)), ("damage_vs_outliers", plots.damage_vs_outliers(table, rho))):
+        try:
+            with atomic_path(out / "figures" / f"{stem}.png") as tmp:
+                fig.savefig(tmp, dpi=150, format="png")
+        finally:
+            plt.close(fig)

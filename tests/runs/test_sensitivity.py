@@ -1,0 +1,80 @@
+"""outlierscope sensitivity: one layer quantized at a time (checked through capture), the second pass, resume,
+the greedy assignment on damage we know, and the outputs."""
+
+import json
+
+import pandas as pd
+import pytest
+import torch
+
+from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError
+from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sensitivity
+
+
+@pytest.mark.parametrize("damage, tol, keep", [
+    ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 0.2, [1, 3]),   # 0.95 total: keep the two worst -> 0.15
+    ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 1.0, []),       # already within
+    ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 0.0, [0, 1, 2, 3]),
+])
+def test_greedy_keep_on_known_damage(damage, tol, keep):
+    order = sorted(damage, key=lambda i: -damage[i])
+    got, tries = greedy_keep(order, 4, lambda q: (sum(damage[i] for i in q) <= tol, {"delta": -sum(damage[i] for i in q)}))
+    assert got == keep and tries[-1]["within_tolerance"] and len(tries) == len(keep) + 1
+    assert not any(t["within_tolerance"] for t in tries[:-1])
+
+
+def test_one_layer_spec_quantizes_exactly_that_layer():
+    """Through capture (inside the quantization): only layer 1's logits sit on the 4-bit grid."""
+    from outlierscope.hooks.capture import capture
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.apply import quantize_attention
+
+    lm = load_model("pair-tiny:transformer", device="cpu")
+    s = SensitivitySettings(model="pair-tiny:transformer")
+    distinct = {}
+
+    def rec(obs):
+        v = obs.x[obs.valid.expand_as(obs.x)]
+        distinct[obs.point.layer] = len(v.abs().unique())
+
+    ids = torch.randint(5, 300, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), quantize_attention(lm.model, s.spec([1])), capture(lm.model, ["layers.*.attn.logits"], reducers=[rec]):
+        lm.model(input_ids=ids)
+    assert distinct[1] <= 2 ** 3 and all(n > 50 for layer, n in distinct.items() if layer != 1)
+
+
+def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsys):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    out = tmp_path / "sens"
+    s = SensitivitySettings(model=str(tiny_pair["diff"]), limit=6, batch_size=8, profile_tokens=512, tolerance=0.0)
+    rec = sensitivity(s, out, progress=False, log=lambda *_: None)
+    t = pd.read_csv(out / "sensitivity.csv")
+    assert list(t["layer"]) == [0, 1] and sorted(t["rank"]) == [1, 2]
+    assert {"only_delta_gold_ll", "all_but_delta_gold_ll", "kl_mean", "argmax_change_rate", "outlier_ratio"} <= set(t.columns)
+    for i in (0, 1):
+        assert json.loads((out / "cells" / f"only_{i}.json").read_text())["cell"]["layers"] == [i]
+        assert json.loads((out / "cells" / f"all_but_{i}.json").read_text())["cell"]["layers"] == [1 - i]
+    assert rec["keep_unquantized"] == [0, 1] and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
+    assert -1 <= rec["spearman_damage_vs_outlier_ratio"] <= 1
+    g = pd.read_csv(out / "greedy.csv")
+    assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
+    assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
+    logs = []
+    again = sensitivity(s, out, progress=False, log=logs.append)
+    assert sum("done earlier" in m for m in logs) == 1 + 2 + 2 + 2  # base, only, all_but, greedy tries (all = 'all')
+    assert again["ranking"] == rec["ranking"] and pd.read_csv(out / "sensitivity.csv").equals(t)
+
+
+@pytest.mark.parametrize("kw, msg", [({"bits": 16}, "bits must be below 16"), ({"tolerance": -1}, "tolerance must be >= 0"),
+                                     ({"task": "piqaa"}, "did you mean piqa"), ({"bits": 1}, "bits must be in 2..16")])
+def test_settings_errors(kw, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        SensitivitySettings(model="pair-tiny:diff", **kw)
+
+
+def test_cli_missing_model(tmp_path, capsys):
+    assert main(["sensitivity", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
+    assert "model directory not found" in capsys.readouterr().err
