@@ -37,16 +37,15 @@ ROOT = Path(__file__).resolve().parent.parent
 LMEVAL_PY = ROOT / ".venv-lmeval" / "bin" / "python"
 
 
-def run_lmeval(model_dir: Path, arrow: Path, limit: int | None, batch_size: int, work: Path) -> tuple[dict, float]:
-    hs_yaml = subprocess.check_output(
-        [str(LMEVAL_PY), "-c", "import lm_eval, os; print(os.path.join(os.path.dirname(lm_eval.__file__), 'tasks', 'hellaswag', 'hellaswag.yaml'))"],
+def run_lmeval(model_dir: Path, limit: int | None, batch_size: int, work: Path) -> tuple[dict, float]:
+    """lm-eval on the cached HellaSwag file (``outlierscope.lmeval.tasks.write_task_yamls``); per-doc scores, wall time."""
+    from outlierscope.lmeval.tasks import write_task_yamls
+
+    lm_tasks = subprocess.check_output(
+        [str(LMEVAL_PY), "-c", "import lm_eval, os; print(os.path.join(os.path.dirname(lm_eval.__file__), 'tasks'))"],
         text=True).strip()
     tasks = work / "tasks"
-    tasks.mkdir(parents=True, exist_ok=True)
-    (tasks / "hellaswag_local.yaml").write_text(
-        f"include: {hs_yaml}\ntask: hellaswag_local\ndataset_path: arrow\ndataset_name: null\ntraining_split: null\n"
-        f"dataset_kwargs:\n  data_files:\n    validation: {arrow}\n"
-    )
+    write_task_yamls(tasks, ["hellaswag"], lm_tasks)
     out = work / "lmeval_out"
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_DATASETS_CACHE": str(work / "hf_datasets"), "TOKENIZERS_PARALLELISM": "false"}
@@ -127,7 +126,6 @@ def scores_only(model_dir: Path, limit: int | None, batch_size: int, out: Path) 
 def main() -> int:
     from artifact import write
 
-    from outlierscope.data.hellaswag import hellaswag_path
     from outlierscope.eval.hellaswag import predictions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -144,7 +142,7 @@ def main() -> int:
         sys.exit("lm-eval venv missing: run `make lmeval-venv` first")
     model_dir = Path(a.model).resolve()
     with tempfile.TemporaryDirectory() as tmp:
-        theirs, t_lmeval = run_lmeval(model_dir, hellaswag_path(), a.limit, a.lmeval_batch_size, Path(tmp))
+        theirs, t_lmeval = run_lmeval(model_dir, a.limit, a.lmeval_batch_size, Path(tmp))
         ours, reqs, lm, t_ours = run_ours(model_dir, a.limit, a.batch_size, Path(tmp))
     n = len(reqs)
     assert sorted(theirs) == list(range(n)), "lm-eval returned another set of documents"

@@ -166,6 +166,31 @@ class EvalResult:
         write_json(out / f"{name}.json", self.record())  # last: marks the result complete
         return out
 
+    def save_cell(self, out: str | Path, name: str, settings: dict, tables: dict | None = None) -> None:
+        """Save as a run's cell: ``settings`` (its identity) in the record, each side table as
+        ``{name}.{key}.csv`` before the cell's json (which marks it complete), and the tables in
+        ``extra["{key}_table"]`` (as :meth:`load_cell` returns them)."""
+        self.extra["cell"] = settings
+        for key, df in (tables or {}).items():
+            write_csv(Path(out) / f"{name}.{key}.csv", df)
+        self.save(out, name)
+        for key, df in (tables or {}).items():
+            self.extra[f"{key}_table"] = df
+
+    @classmethod
+    def load_cell(cls, out: str | Path, name: str, settings: dict, tables: tuple[str, ...] = ()) -> EvalResult | None:
+        """A complete cell saved by :meth:`save_cell` with exactly these ``settings`` and side ``tables`` (read into
+        ``extra["{key}_table"]``); None otherwise (the caller computes it)."""
+        res = cls.load(out, name)
+        if res is None or res.extra.get("cell") != settings:
+            return None
+        for key in tables:
+            path = Path(out) / f"{name}.{key}.csv"
+            if not path.exists():
+                return None
+            res.extra[f"{key}_table"] = pd.read_csv(path, float_precision="round_trip")
+        return res
+
     @classmethod
     def load(cls, out: str | Path, name: str = "eval") -> EvalResult | None:
         """Read back a result written by :meth:`save`; None when it is absent or incomplete."""

@@ -28,8 +28,8 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.apply import quantize_attention
-from outlierscope.quant.spec import QuantSpec, parse_layers
+from outlierscope.quant.apply import check_layers, quantize_attention
+from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
 
 def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
@@ -39,11 +39,9 @@ def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers
         bits = int(bits)
         if layers is not None and not isinstance(layers, (tuple, list)):
             layers = parse_layers(str(layers).replace("+", ","))
-        if bits == 16:
-            return QuantSpec(bits=16)
-        return QuantSpec(bits=bits, format=str(format), granularity=str(granularity), layers=layers)
     except ValueError as e:
         raise OutlierscopeError(str(e)) from None
+    return build_spec(bits, str(format), str(granularity), layers)
 
 
 def _key(tokens) -> bytes:
@@ -71,9 +69,7 @@ class OutlierscopeLM(HFLM):
         self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
         self.attn_block = None if attn_block in (None, "", "None") else int(attn_block)
         lm = load_model(str(pretrained), dtype=str(dtype), device=str(device or "auto"), device_map=device_map)
-        n = lm.model.config.num_hidden_layers
-        if self.quant.layers is not None and max(self.quant.layers) >= n:
-            raise OutlierscopeError(f"layers {list(self.quant.layers)} out of range: the model has layers 0..{n - 1}")
+        check_layers(self.quant, lm.model.config.num_hidden_layers)  # now, not at the first forward
         self.spec_name = str(pretrained)
         if bool(points) != bool(reducers):
             raise OutlierscopeError("points and reducers go together: pass both (observation points and the reducers "

@@ -14,6 +14,12 @@ from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
 
 
+def check_layers(spec: QuantSpec, n_layers: int) -> None:
+    """A one-line error when ``spec`` names layers the model does not have."""
+    if spec.layers is not None and max(spec.layers) >= n_layers:
+        raise OutlierscopeError(f"layers {list(spec.layers)} out of range: the model has layers 0..{n_layers - 1}")
+
+
 def _blocked_amax(stage, spec: QuantSpec, ctx: LogitContext):
     """The absmax ``stage``'s prepass kept over all blocks of rows; None with one block (the logits' own)."""
     return ctx.state[stage] if spec.spans_rows and ctx.state is not None else None
@@ -43,9 +49,7 @@ def quantize_attention(model: nn.Module, spec: QuantSpec, block_rows: int | None
     and per_tensor scales then take a first pass over the blocks for the absmax: same result.
     Everything is restored in ``finally``.
     """
-    n_layers = model.config.num_hidden_layers
-    if spec.layers is not None and max(spec.layers) >= n_layers:
-        raise OutlierscopeError(f"layers {list(spec.layers)} out of range: the model has layers 0..{n_layers - 1}")
+    check_layers(spec, model.config.num_hidden_layers)
 
     def stage(ctx: LogitContext, logits):
         if not spec.applies_to(ctx.layer):

@@ -130,3 +130,15 @@ def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
     if valid is not None:
         out = torch.where(valid, out, x.float())
     return out.to(x.dtype)
+
+
+def build_spec(bits: int, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
+    """The spec of a run's settings: unquantized for 16 bits (format, granularity and layers do not apply), and a
+    bad value a one-line :class:`OutlierscopeError` (the ``ValueError`` of :class:`QuantSpec`)."""
+    if bits == UNQUANTIZED_BITS:
+        return QuantSpec(bits=UNQUANTIZED_BITS)
+    try:
+        return QuantSpec(bits=bits, format=format, granularity=granularity,
+                         layers=tuple(layers) if layers is not None else None)
+    except ValueError as e:
+        raise OutlierscopeError(str(e)) from None

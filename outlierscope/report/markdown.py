@@ -10,7 +10,7 @@ from pathlib import Path
 from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
-from outlierscope.report.tables import headline_metric, sweep_table, table5_markdown
+from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric, sweep_table, table5_markdown, with_task
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
@@ -27,14 +27,24 @@ FIGURES = [
 
 def sweep_tasks(run: RunResults) -> list[str]:
     """The display names of a run's sweep tasks, in order (HellaSwag for sweeps that predate tasks)."""
-    sw = run.tables["sweep"]
-    return [task_label(t) for t in dict.fromkeys(sw["task"] if "task" in sw else ["hellaswag"])]
+    return [task_label(t) for t, _ in by_task(run.tables["sweep"])]
+
+
+def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
+    """``out/stem.png`` (and .svg), each written atomically; the figure is closed in any case."""
+    import matplotlib.pyplot as plt
+
+    try:
+        for ext in ("png", "svg") if svg else ("png",):
+            with atomic_path(out / f"{stem}.{ext}") as tmp:
+                fig.savefig(tmp, dpi=150, format=ext)
+    finally:
+        plt.close(fig)
+    return out / f"{stem}.png"
 
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
     """Write every figure the run supports; returns (written [(title, png path)], skipped messages)."""
-    import matplotlib.pyplot as plt
-
     from outlierscope.report import plots
 
     out = run.root / "figures"
@@ -49,12 +59,7 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
         if fig is None:
             skipped.append(f"{stem}: nothing to draw (no task of the sweep reports this metric)")
             continue
-        try:
-            for ext in ("png", "svg") if svg else ("png",):
-                with atomic_path(out / f"{stem}.{ext}") as tmp:
-                    fig.savefig(tmp, dpi=150, format=ext)
-        finally:
-            plt.close(fig)
+        save_figure(fig, out, stem, svg)
         written.append((title, out / f"{stem}.png"))
     return written, skipped
 
@@ -99,15 +104,14 @@ def outcome_paragraph(run: RunResults) -> str:
 
 def _headline_rows(sw, bits: int):
     """Per task, the rows of its headline metric (acc_norm where reported, else acc) at ``bits``."""
-    return [g[(g.metric == headline_metric(g.metric)) & (g.bits == bits)] for _, g in sw.groupby("task", sort=False)]
+    return [g[(g.metric == headline_metric(g.metric)) & (g.bits == bits)] for _, g in by_task(sw)]
 
 
 def _sweep_outcome(sw) -> list[str]:
     """Sentences on the change at the lowest bit width: per model for one task; per model across tasks for a suite."""
     import pandas as pd
 
-    if "task" not in sw:  # a table built by hand or read from before tasks
-        sw = sw.assign(task="hellaswag")
+    sw = with_task(sw)
     low = int(sw["bits"].min())
     if low == 16:
         return []
@@ -127,7 +131,7 @@ def _sweep_outcome(sw) -> list[str]:
                 f"{low} bits, a change of {q['delta_vs_16'] * 100:+.2f} points (95% CI "
                 f"{q['ci_low'] * 100:+.2f} to {q['ci_high'] * 100:+.2f}; McNemar p = {q['mcnemar_p']:.3g}, {sig} at 5%)."
             )
-        flips = sw[(sw.metric == ("flip_rate_norm" if hm == "acc_norm" else "flip_rate")) & (sw.bits == low)]
+        flips = sw[(sw.metric == FLIP_METRIC[hm]) & (sw.bits == low)]
         if len(flips) >= 2:
             f = flips.set_index("model")["value"]
             hi, lo = f.idxmax(), f.idxmin()
@@ -187,8 +191,7 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
     if "sweep" in run.tables:
         s = run.sweep_meta["settings"] if run.sweep_meta else {}
         sw = run.tables["sweep"]
-        n_items = ", ".join(f"{task_label(t)} {int(g['n_items'].iloc[0]):,}"
-                            for t, g in (sw.groupby("task", sort=False) if "task" in sw else [("hellaswag", sw)]))
+        n_items = ", ".join(f"{task_label(t)} {int(g['n_items'].iloc[0]):,}" for t, g in by_task(sw))
         parts += [f"## Quantized attention logits on {', '.join(sweep_tasks(run))} (Figure 8)", "",
                   f"Dynamic absmax post-training quantization of the pre-softmax attention logits, format `{s.get('format')}`, "
                   f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, validation items: {n_items}; "

@@ -13,6 +13,8 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
+from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric
+
 PALETTE = "colorblind"
 STAT_COLUMNS = [("top1", "Top-1"), ("top2", "Top-2"), ("top3", "Top-3"), ("top10", "Top-10"), ("top100", "Top-100"),
                 ("median", "Median")]
@@ -47,19 +49,12 @@ def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
     return fig, list(axes.flat[:n])
 
 
-def _by_task(sweep: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(task, its rows) in table order; a table from before tasks is HellaSwag's."""
-    if "task" not in sweep:
-        return [("hellaswag", sweep)]
-    return [(t, g) for t, g in sweep.groupby("task", sort=False)]
-
-
 def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:
     """Zero-shot accuracy against the bit width of the attention logits (the paper's Figure 8): one panel per task
     that reports ``metric``, each with its chance level. None when no task reports ``metric``."""
     from outlierscope.data.tasks import task_label
 
-    panels = [(t, g) for t, g in _by_task(sweep[sweep["metric"] == metric]) if not g.empty]
+    panels = [(t, g) for t, g in by_task(sweep[sweep["metric"] == metric]) if not g.empty]
     if not panels:
         return None
     single = len(panels) == 1
@@ -220,15 +215,14 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
     per model: one row of panels per task."""
     from outlierscope.data.tasks import task_label
 
-    tasks = _by_task(sweep)
+    tasks = by_task(sweep)
     lm = "lm_loss" in set(sweep["metric"])
     ncol = 3 if lm else 2
     fig, axes = plt.subplots(len(tasks), ncol, figsize=(4.6 * ncol, 3.6 * len(tasks)), layout="constrained", squeeze=False)
     colors = _colors(sweep["model"])
     for row, (task, tdf) in zip(axes, tasks):
-        norm = "acc_norm" in set(tdf["metric"])
-        metrics = [("flip_rate_norm" if norm else "flip_rate",
-                    f"flip rate of {'acc_norm' if norm else 'acc'} choices (%)", 100.0),
+        hm = headline_metric(tdf["metric"])
+        metrics = [(FLIP_METRIC[hm], f"flip rate of {hm} choices (%)", 100.0),
                    ("mean_abs_score_change", "mean |Δ log-likelihood| per choice (nats)", 1.0)]
         if lm:
             metrics.append(("lm_loss", "LM loss on held-out text (nats/token)", 1.0))

@@ -23,6 +23,19 @@ def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
     )
 
 
+FLIP_METRIC = {"acc": "flip_rate", "acc_norm": "flip_rate_norm"}  # metric -> its flip-rate row in sweep.csv
+
+
+def with_task(sweep: pd.DataFrame) -> pd.DataFrame:
+    """A sweep table with its ``task`` column: a table built by hand, or from before tasks, is HellaSwag's."""
+    return sweep if "task" in sweep else sweep.assign(task="hellaswag")
+
+
+def by_task(sweep: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
+    """(task, its rows) in table order."""
+    return list(with_task(sweep).groupby("task", sort=False))
+
+
 def headline_metric(metrics) -> str:
     """The metric a task is read by: acc_norm where the task reports it (HellaSwag, ARC, ...), else acc."""
     return "acc_norm" if "acc_norm" in set(metrics) else "acc"
@@ -31,8 +44,7 @@ def headline_metric(metrics) -> str:
 def sweep_table(table: pd.DataFrame) -> str:
     """Markdown: one row per (task,) model and bit width with acc, acc_norm (stderr), the change of the headline
     metric (:func:`headline_metric`) vs 16 bits with CI, McNemar p and flip rate, the mean |Δscore|."""
-    if "task" not in table:
-        table = table.assign(task="hellaswag")
+    table = with_task(table)
     from outlierscope.data.tasks import task_label
 
     many = table["task"].nunique() > 1
@@ -56,7 +68,7 @@ def sweep_table(table: pd.DataFrame) -> str:
             if not all_norm:
                 delta += f" ({hm})"
             p = f"{h['mcnemar_p']:.3g}"
-            flip = f"{m['flip_rate_norm' if hm == 'acc_norm' else 'flip_rate']['value'] * 100:.2f}%"
+            flip = f"{m[FLIP_METRIC[hm]]['value'] * 100:.2f}%"
             ds = f"{m['mean_abs_score_change']['value']:.3g}"
         cells = ([task_label(task)] if many else []) + [
             model, acc["label"], f"{acc['value'] * 100:.2f} ± {acc['stderr'] * 100:.2f}", accn, delta, p, flip, ds]

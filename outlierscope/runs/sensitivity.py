@@ -22,11 +22,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_placement
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.stats.attention_error import AttentionErrorStats
 
 
@@ -66,11 +66,7 @@ class SensitivitySettings:
         check_placement(self.device, self.dtype, None, self.attn_block)
 
     def spec(self, layers=None) -> QuantSpec:
-        try:
-            return QuantSpec(bits=self.bits, format=self.format, granularity=self.granularity,
-                             layers=tuple(layers) if layers is not None else None)
-        except ValueError as e:
-            raise OutlierscopeError(str(e)) from None
+        return build_spec(self.bits, self.format, self.granularity, layers)
 
 
 def gold_scores(res: EvalResult) -> np.ndarray:
@@ -108,13 +104,14 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     suggestion, rank correlation). Returns the record."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import load_model
+    from outlierscope.report.tables import headline_metric
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
     out = Path(out)
     lm = load_model(s.model, dtype=s.dtype, device=s.device)
     n_layers = lm.model.config.num_hidden_layers
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
-    metric = "acc_norm" if "acc_norm" in task_metrics(s.task) else "acc"
+    metric = headline_metric(task_metrics(s.task))
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
              "dtype": lm.dtype}
     errors = []
@@ -122,20 +119,16 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     def cell(name: str, spec: QuantSpec | None, measure: bool = False) -> EvalResult:
         settings = {**ident, "quant": spec.label if spec else "16", "layers": list(spec.layers) if spec and spec.layers else None,
                     "attn_error": measure}
-        res = EvalResult.load(cells_dir, name)
-        err_path = cells_dir / f"{name}.attn_error.csv"
-        if res is not None and res.extra.get("cell") == settings and (not measure or err_path.exists()):
+        res = EvalResult.load_cell(cells_dir, name, settings, ("attn_error",) if measure else ())
+        if res is not None:
             log(f"{name}: done earlier, skipped")
         else:
             stats = AttentionErrorStats(n_layers) if measure else None
             res = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=progress, desc=name,
                            block_rows=s.attn_block, task=s.task, attn_error=stats)
-            res.extra["cell"] = settings
-            if stats is not None:
-                write_csv(err_path, stats.per_layer())
-            res.save(cells_dir, name)
+            res.save_cell(cells_dir, name, settings, {"attn_error": stats.per_layer()} if measure else None)
         if measure:
-            errors.append(pd.read_csv(err_path).assign(cell=name))
+            errors.append(res.extra["attn_error_table"].assign(cell=name))
         return res
 
     with output_dir(out), output_dir(out / "cells") as cells_dir:
@@ -187,15 +180,9 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
 
 
 def _figures(table: pd.DataFrame, out: Path, rho: float) -> None:
-    import matplotlib.pyplot as plt
-
-    from outlierscope.io import atomic_path
     from outlierscope.report import plots
+    from outlierscope.report.markdown import save_figure
 
     (out / "figures").mkdir(exist_ok=True)
-    for stem, fig in (("sensitivity", plots.sensitivity_bars(table)), ("damage_vs_outliers", plots.damage_vs_outliers(table, rho))):
-        try:
-            with atomic_path(out / "figures" / f"{stem}.png") as tmp:
-                fig.savefig(tmp, dpi=150, format="png")
-        finally:
-            plt.close(fig)
+    save_figure(plots.sensitivity_bars(table), out / "figures", "sensitivity")
+    save_figure(plots.damage_vs_outliers(table, rho), out / "figures", "damage_vs_outliers")

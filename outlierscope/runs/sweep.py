@@ -29,9 +29,9 @@ from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import quantize_weights
 from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.report.load import SWEEP_COLUMNS
-from outlierscope.report.tables import sweep_table
+from outlierscope.report.tables import FLIP_METRIC, sweep_table
 from outlierscope.stats.attention_error import AttentionErrorStats
 from outlierscope.stats.paired import BOOTSTRAP_REPS
 
@@ -95,12 +95,7 @@ class SweepSettings:
             self.spec(b)
 
     def spec(self, bits: int) -> QuantSpec:
-        if bits == UNQUANTIZED_BITS:  # unquantized: format, granularity and layers do not apply
-            return QuantSpec(bits=UNQUANTIZED_BITS)
-        try:
-            return QuantSpec(bits=bits, format=self.format, granularity=self.granularity, layers=self.layers)
-        except ValueError as e:
-            raise OutlierscopeError(str(e)) from None
+        return build_spec(bits, self.format, self.granularity, self.layers)
 
     def task_items(self) -> dict[str, list]:
         """Each task's items: all rows, the first ``limit`` or a ``sample`` drawn with ``seed``, and all rows of a
@@ -115,11 +110,16 @@ class SweepSettings:
     @classmethod
     def from_record(cls, settings: dict) -> SweepSettings:
         """The settings as a sweep.json holds them (lists for tuples; ``task``: one task, before ``tasks``)."""
-        d = dict(settings)
-        if "task" in d:
-            d.setdefault("tasks", [d.pop("task")])
         return cls(**{k: tuple(v) if isinstance(v, list) and k in ("models", "bits", "layers", "tasks") else v
-                      for k, v in d.items()})
+                      for k, v in _current_keys(settings).items()})
+
+
+def _current_keys(settings: dict) -> dict:
+    """Recorded settings with today's keys: ``task`` (one task, as sweeps recorded it before ``tasks``) -> ``tasks``."""
+    d = dict(settings)
+    if "task" in d:
+        d.setdefault("tasks", [d.pop("task")])
+    return d
 
 
 def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str, dtype: str,
@@ -166,24 +166,15 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     task = settings.get("task", "hellaswag")
     desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
         f"{settings['model']} {spec.label}"
-    err_path = cells_dir / f"{name}.attn_error.csv"
-    res = EvalResult.load(cells_dir, name) if world.is_main else None
-    if world.broadcast(res is not None and res.extra.get("cell") == settings
-                       and (not settings.get("attn_error") or err_path.exists())):
+    measure = bool(settings.get("attn_error"))
+    res = EvalResult.load_cell(cells_dir, name, settings, ("attn_error",) if measure else ()) if world.is_main else None
+    if world.broadcast(res is not None):
         log(f"{desc}: done earlier, skipped ({name})")
-        if settings.get("attn_error"):
-            res.extra["attn_error_table"] = pd.read_csv(err_path, float_precision="round_trip")
         return res, cid
-    stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if settings.get("attn_error") else None
+    stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if measure else None
     res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task, stats)
     if world.is_main:
-        res.extra["cell"] = settings
-        if stats is not None:
-            table = stats.table()
-            write_csv(err_path, table)
-        res.save(cells_dir, name)
-        if stats is not None:
-            res.extra["attn_error_table"] = table
+        res.save_cell(cells_dir, name, settings, {"attn_error": stats.table()} if measure else None)
     return res, cid
 
 
@@ -197,7 +188,7 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("
         if cmp is not None:
             c = cmp[m]
             out.update({f"{m}_delta": c["delta"], f"{m}_ci_low": c["ci_low"], f"{m}_ci_high": c["ci_high"],
-                        f"{m}_mcnemar_p": c["mcnemar_p"], f"flip_rate{'' if m == 'acc' else '_norm'}": c["flip_rate"]})
+                        f"{m}_mcnemar_p": c["mcnemar_p"], FLIP_METRIC[m]: c["flip_rate"]})
     if cmp is not None:
         out["mean_abs_score_change"] = cmp["mean_abs_score_change"]
     if res.metrics.get("lm_loss") is not None:
@@ -247,11 +238,9 @@ def _check_previous(out: Path, settings: dict, force: bool, shard: Shard | None 
     if force or not prev.exists():
         return
     try:
-        old = dict(json.loads(prev.read_text()).get("settings", {}))
+        old = _current_keys(json.loads(prev.read_text()).get("settings", {}))
     except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
         old = {}
-    if "task" in old:  # one task, as sweeps recorded it before ``tasks``
-        old.setdefault("tasks", [old.pop("task")])
     defaults = json.loads(json.dumps(asdict(SweepSettings())))
     now = json.loads(json.dumps(settings))
     diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
