@@ -146,7 +146,8 @@ def _cmd_sensitivity(a) -> None:
     if a.device_map:
         raise OutlierscopeError("sensitivity runs on one device; --device-map is not supported here")
     s = SensitivitySettings(model=a.model, bits=a.bits, format=a.format, granularity=a.granularity, task=a.task,
-                            limit=a.limit, sample=a.sample, seed=a.seed, tolerance=a.tolerance, all_but=not a.no_all_but,
+                            limit=a.limit, sample=a.sample, seed=a.seed, tolerance=a.tolerance, keep_bits=a.keep_bits,
+                            all_but=not a.no_all_but,
                             attn_error=not a.no_attn_error, profile_tokens=a.profile_tokens, batch_size=a.batch_size,
                             dtype=a.dtype, device=a.device, attn_block=a.attn_block)
     sensitivity(s, a.out)
@@ -359,8 +360,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--tolerance", type=float, default=0.05,
                    help="|mean change of the gold log-likelihood| (nats) the suggested assignment must reach (default 0.05)")
+    s.add_argument("--keep-bits", type=int, default=16,
+                   help="bits of the layers the suggestion keeps (default 16: unquantized; e.g. 8 for a 4/8-bit mix)")
     s.add_argument("--no-all-but", action="store_true", help="skip the second pass (every layer quantized but one)")
-    s.add_argument("--no-attn-error", action="store_true", help="skip the attention error of the one-layer cells")
+    s.add_argument("--no-attn-error", action="store_true",
+                   help="skip each layer's attention error (measured in the unquantized cell: costs 2-5x one cell)")
     s.add_argument("--profile-tokens", type=int, default=20_000, help="tokens for the per-layer outlier statistic")
     s.add_argument("--batch-size", type=int, default=32)
     _add_placement(s)

@@ -221,7 +221,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
              sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
              batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
              block_rows: int | None = None, shard: Shard | None = None, world: World | None = None,
-             task: str = "hellaswag", attn_error=None) -> EvalResult | None:
+             task: str = "hellaswag", attn_error=None, layout: str | None = None) -> EvalResult | None:
     """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
     logits quantized by ``quant`` (None: unquantized).
 
@@ -230,6 +230,9 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     choices, columns ``score0..`` padded with NaN).
     ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
     ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
+    ``layout``: ``"separate"`` (one sequence per context and choice) or ``"shared"`` (a context's choices share
+    its prefix; exact only when each attention row depends on its own keys: unquantized or per_row);
+    None: :func:`layout_for` ``quant``. Observers of every sequence (e.g. a measuring stage) see the layout.
     ``attn_error``: an :class:`~outlierscope.stats.attention_error.AttentionErrorStats` that also receives, per
     layer and head, what ``quant`` does to the attention of every scored sequence (one process, whole runs).
     Non-finite log-likelihoods are an error naming the first such item.
@@ -255,7 +258,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     max_length = lmeval_max_length(model, tokenizer)
     requests = (build_task_requests(items, tokenizer, max_length) if items and hasattr(items[0], "requests")
                 else build_requests(items, tokenizer, max_length))
-    layout = layout_for(spec)
+    if layout is None:
+        layout = layout_for(spec)
+    elif layout not in ("shared", "separate") or (layout == "shared" and layout_for(spec) != "shared"):
+        raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
     whole = shard.whole and world.size == 1
     t0 = time.time()
     if world.size > 1:

@@ -6,16 +6,21 @@
     damage[i]  = mean over items of (gold log-likelihood of only[i] - of base)   # nats, < 0 hurts
     rank layers by damage (most harmful first); keep[k] = the k most harmful layers unquantized
     greedy: evaluate keep[0], keep[1], ... until |change| <= tolerance  (the last one verifies it)
+            (kept layers unquantized, or at ``keep_bits`` bits: a mixed 4/8-bit assignment)
 
 Each evaluation is a resumable cell (``cells/<name>.csv/.json``, reused when its settings match). With
-``attn_error`` every one-layer cell also measures that layer's attention error (KL, top-key changes,
-output error; :mod:`outlierscope.stats.attention_error`). The layer's outlier statistic (top-1 / median
-|logit| from a short profile) is put beside its damage, with the Spearman rank correlation, to ask
-whether outliers predict where quantization hurts.
+``attn_error`` the unquantized cell also measures, for every layer, what ``spec`` does to that layer's
+attention (KL, top-key changes, output error; :mod:`outlierscope.stats.attention_error`) without
+applying it: each layer's input is then the unquantized one, exactly what its one-layer cell quantizes,
+so one measured forward gives every one-layer cell's own attention error. All cells, the unquantized one
+too, score the same sequences (the layout of ``spec``: with a per_tensor scale, one per context and
+choice). The layer's outlier statistic (top-1 / median |logit| from a short profile) is put beside its
+damage, with the Spearman rank correlation, to ask whether outliers predict where quantization hurts.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,11 +28,12 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.errors import ParamError
-from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items
+from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
 from outlierscope.models.loading import check_placement
+from outlierscope.quant.apply import measure_attention_error, quantize_attention
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.stats.attention_error import AttentionErrorStats
+from outlierscope.stats.attention_error import AttentionErrorStats, pool_heads
 
 
 @dataclass(frozen=True)
@@ -41,8 +47,9 @@ class SensitivitySettings:
     sample: int | None = None
     seed: int = 0
     tolerance: float = 0.05  # |mean change of the gold log-likelihood| (nats) the greedy assignment must reach
+    keep_bits: int = 16  # the greedy's kept layers: unquantized (16) or at these bits (e.g. 8), above ``bits``
     all_but: bool = True  # the second pass: every layer quantized but one
-    attn_error: bool = True  # attention error of each one-layer cell (costs 2-5x a cell on the CPU)
+    attn_error: bool = True  # every layer's attention error, measured in the unquantized cell (2-5x one cell on the CPU)
     profile_tokens: int = 20_000  # tokens of the short profile for the per-layer outlier statistic
     batch_size: int = 32
     dtype: str = "auto"
@@ -56,6 +63,9 @@ class SensitivitySettings:
         self.spec()  # bits, format, granularity checked before anything loads
         if self.bits == 16:
             raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
+        self.spec(bits=self.keep_bits)
+        if not self.bits < self.keep_bits:
+            raise ParamError("keep_bits", f"above bits={self.bits} (16 = kept layers unquantized)", self.keep_bits)
         if not self.tolerance >= 0:
             raise ParamError("tolerance", ">= 0 (nats of mean gold log-likelihood)", self.tolerance)
         for n in ("limit", "sample"):
@@ -65,8 +75,9 @@ class SensitivitySettings:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
         check_placement(self.device, self.dtype, None, self.attn_block)
 
-    def spec(self, layers=None) -> QuantSpec:
-        return build_spec(self.bits, self.format, self.granularity, layers)
+    def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
+        """The quantization of ``layers`` (None: all) at ``bits`` (default: :attr:`bits`)."""
+        return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)
 
 
 def gold_scores(res: EvalResult) -> np.ndarray:
@@ -84,9 +95,10 @@ def change(res: EvalResult, base: EvalResult, metric: str) -> dict:
 
 
 def greedy_keep(order: list[int], n_layers: int, within) -> tuple[list[int], list[dict]]:
-    """The fewest of the most harmful layers (``order``, most harmful first) to keep unquantized: tries keeping
-    0, 1, 2, ... of them and stops at the first assignment where ``within(quantized_layers)`` returns
-    ``(ok, record)``; returns (kept layers, the records of every try)."""
+    """The fewest of the most harmful layers (``order``, most harmful first) to keep at higher precision: tries
+    keeping 0, 1, 2, ... of them and stops at the first assignment where ``within(quantized_layers)`` returns
+    ``(ok, record)``; returns (kept layers, the records of every try). When none is within (kept layers at 8
+    bits can miss), every layer is returned and the last record says ``within_tolerance`` False."""
     tries = []
     for k in range(n_layers + 1):
         keep = sorted(order[:k])
@@ -112,40 +124,47 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     n_layers = lm.model.config.num_hidden_layers
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     metric = headline_metric(task_metrics(s.task))
+    layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
-             "dtype": lm.dtype}
-    errors = []
+             "dtype": lm.dtype, "layout": layout}
 
-    def cell(name: str, spec: QuantSpec | None, measure: bool = False) -> EvalResult:
+    def cell(name: str, spec: QuantSpec | None, keep: QuantSpec | None = None, measure: QuantSpec | None = None) -> EvalResult:
+        """Evaluate with ``spec`` (None: unquantized) and ``keep`` (the other layers at keep_bits); with ``measure``
+        also the attention error of ``measure`` (not applied), per layer and head in ``extra["attn_error_table"]``."""
         settings = {**ident, "quant": spec.label if spec else "16", "layers": list(spec.layers) if spec and spec.layers else None,
-                    "attn_error": measure}
+                    "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
+                    "attn_error": measure.label if measure else False}
         res = EvalResult.load_cell(cells_dir, name, settings, ("attn_error",) if measure else ())
         if res is not None:
             log(f"{name}: done earlier, skipped")
-        else:
-            stats = AttentionErrorStats(n_layers) if measure else None
+            return res
+        stats = AttentionErrorStats(n_layers) if measure else None
+        with contextlib.ExitStack() as stack:
+            if measure:
+                stack.enter_context(measure_attention_error(lm.model, measure, stats, s.attn_block))
+            if keep:
+                stack.enter_context(quantize_attention(lm.model, keep, s.attn_block))
             res = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=progress, desc=name,
-                           block_rows=s.attn_block, task=s.task, attn_error=stats)
-            res.save_cell(cells_dir, name, settings, {"attn_error": stats.per_layer()} if measure else None)
-        if measure:
-            errors.append(res.extra["attn_error_table"].assign(cell=name))
+                           block_rows=s.attn_block, task=s.task, layout=layout)
+        res.save_cell(cells_dir, name, settings, {"attn_error": stats.table()} if measure else None)
+        log(f"{name}: {len(items)} items in {res.seconds:.0f} s")
         return res
 
     with output_dir(out), output_dir(out / "cells") as cells_dir:
-        base = cell("base", None)
+        base = cell("base", None, measure=s.spec() if s.attn_error else None)
         rows = []
         for i in range(n_layers):
-            only = cell(f"only_{i}", s.spec([i]), s.attn_error)
+            only = cell(f"only_{i}", s.spec([i]))
             row = {"layer": i, **{f"only_{k}": v for k, v in change(only, base, metric).items()}}
             if s.all_but and n_layers > 1:
                 rest = cell(f"all_but_{i}", s.spec([j for j in range(n_layers) if j != i]))
                 row.update({f"all_but_{k}": v for k, v in change(rest, base, metric).items()})
             rows.append(row)
         table = pd.DataFrame(rows)
-        if errors:
-            err = pd.concat(errors, ignore_index=True)
-            err = err[err["cell"] == "only_" + err["layer"].astype(str)]  # each one-layer cell's own layer
-            table = table.merge(err.drop(columns=["cell", "rows"]), on="layer", how="left")
+        if s.attn_error:
+            heads = base.extra["attn_error_table"]
+            write_csv(out / "attn_error.csv", heads)
+            table = table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
         prof = profile_model(lm, settings=ProfileSettings(tokens=s.profile_tokens, points=("layers.*.attn.logits",),
                                                           attn_block=s.attn_block), progress=progress)
         pl = prof.tables["per_layer"]
@@ -155,9 +174,11 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()
 
         def within(quantized):
-            name = "all" if len(quantized) == n_layers else "keep_" + "_".join(str(i) for i in range(n_layers)
-                                                                               if i not in quantized)
-            res = base if not quantized else cell(name, s.spec(quantized))
+            kept = [i for i in range(n_layers) if i not in quantized]
+            tag = "keep" if s.keep_bits == 16 else f"keep{s.keep_bits}"
+            name = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
+            keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < 16 else None
+            res = base if not quantized and keep is None else cell(name, s.spec(quantized) if quantized else None, keep)
             c = change(res, base, metric)
             return abs(c["delta_gold_ll"]) <= s.tolerance, c
 
@@ -166,16 +187,18 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         write_csv(out / "sensitivity.csv", table)
         write_csv(out / "greedy.csv", pd.DataFrame(tries))
         record = {"settings": asdict(s), "n_items": len(items), "metric": metric, "n_layers": n_layers,
-                  "ranking": order, "keep_unquantized": keep, "quantized": [i for i in range(n_layers) if i not in keep],
+                  "ranking": order, "keep": keep, "keep_bits": s.keep_bits, "quantized": [i for i in range(n_layers) if i not in keep],
                   "final": tries[-1], "spearman_damage_vs_outlier_ratio": rho,
                   "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
-                          "rank 1 = most harmful; spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
+                          "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
                           "|logit| (> 0: layers with larger outliers are hurt more)",
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_json(out / "sensitivity.json", record)
         _figures(table, out, rho)
-    log(f"layers by harm: {order}; keep {keep or 'none'} unquantized for |Δ gold ll| <= {s.tolerance} "
-        f"(verified: {tries[-1]['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}")
+    kept_as = "unquantized" if s.keep_bits == 16 else f"at {s.keep_bits} bits"
+    reached = "verified" if tries[-1]["within_tolerance"] else "NOT reached even keeping every layer"
+    log(f"layers by harm: {order}; keep {keep or 'none'} {kept_as} for |Δ gold ll| <= {s.tolerance} "
+        f"({reached}: {tries[-1]['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}")
     return record
 
 

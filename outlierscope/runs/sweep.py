@@ -175,6 +175,7 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task, stats)
     if world.is_main:
         res.save_cell(cells_dir, name, settings, {"attn_error": stats.table()} if measure else None)
+        log(f"{desc}: {len(items)} items in {res.seconds:.0f} s ({name})")
     return res, cid
 
 

@@ -118,16 +118,22 @@ class AttentionErrorStats:
         return pd.DataFrame(recs)
 
     def per_layer(self) -> pd.DataFrame:
-        """Pooled over heads: the row-weighted means, the maxima and the change rate per layer."""
-        t = self.table()
-        if t.empty:
-            return t
-        t = t.assign(kl_w=t.kl_mean * t.rows, ch_w=t.argmax_change_rate * t.rows,
-                     **({"rel_w": t.rel_out_mean * t.rows} if self.has_output else {}))
-        g = t.groupby("layer")
-        out = pd.DataFrame({"rows": g.rows.sum(), "kl_mean": g.kl_w.sum() / g.rows.sum(), "kl_max": g.kl_max.max(),
-                            "argmax_change_rate": g.ch_w.sum() / g.rows.sum()})
-        if self.has_output:
-            out["rel_out_mean"] = g.rel_w.sum() / g.rows.sum()
-            out["rel_out_max"] = g.rel_out_max.max()
-        return out.reset_index()
+        """Pooled over heads: :func:`pool_heads` of :meth:`table`."""
+        return pool_heads(self.table())
+
+
+def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
+    """A per layer and head ``table`` (:meth:`AttentionErrorStats.table`) pooled over heads: the row-weighted
+    means, the maxima and the change rate per layer."""
+    if table.empty:
+        return table
+    t, out_err = table, "rel_out_mean" in table
+    t = t.assign(kl_w=t.kl_mean * t.rows, ch_w=t.argmax_change_rate * t.rows,
+                 **({"rel_w": t.rel_out_mean * t.rows} if out_err else {}))
+    g = t.groupby("layer")
+    out = pd.DataFrame({"rows": g.rows.sum(), "kl_mean": g.kl_w.sum() / g.rows.sum(), "kl_max": g.kl_max.max(),
+                        "argmax_change_rate": g.ch_w.sum() / g.rows.sum()})
+    if out_err:
+        out["rel_out_mean"] = g.rel_w.sum() / g.rows.sum()
+        out["rel_out_max"] = g.rel_out_max.max()
+    return out.reset_index()

@@ -173,3 +173,25 @@ def test_evaluate_a_zero_shot_task(setup, task, tmp_path):
     back = EvalResult.load(tmp_path, "cell")
     assert back is not None and back.score_columns == res.score_columns
     assert res.compare(back)["mean_abs_score_change"] == 0
+
+
+@pytest.mark.parametrize("quant, layout, ok", [(None, "separate", True), (None, "shared", True),
+                                               (QuantSpec(bits=4, granularity="per_row"), "shared", True),
+                                               (QuantSpec(bits=4), "separate", True), (QuantSpec(bits=4), "shared", False),
+                                               (None, "packed", False)])
+def test_evaluate_layout(setup, hs_jsonl, quant, layout, ok):
+    """evaluate(layout=...): any exact layout scores as the default one does (the record says which ran); a
+    layout that is not exact for the quantization is a one-line error."""
+    from outlierscope.errors import ParamError
+    from outlierscope.eval.evaluate import evaluate
+
+    lm, _ = setup
+    if not ok:
+        with pytest.raises(ParamError, match="layout must be 'separate'"):
+            evaluate(lm, quant=quant, data=hs_jsonl, limit=3, progress=False, layout=layout)
+        return
+    got = evaluate(lm, quant=quant, data=hs_jsonl, limit=6, batch_size=4, progress=False, layout=layout)
+    ref = evaluate(lm, quant=quant, data=hs_jsonl, limit=6, batch_size=4, progress=False)
+    assert got.settings["layout"] == layout
+    np.testing.assert_allclose(got.items[got.score_columns].to_numpy(), ref.items[ref.score_columns].to_numpy(),
+                               atol=1e-4, rtol=0)

@@ -3,6 +3,7 @@ the greedy assignment on damage we know, and the outputs."""
 
 import json
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -57,18 +58,67 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
     for i in (0, 1):
         assert json.loads((out / "cells" / f"only_{i}.json").read_text())["cell"]["layers"] == [i]
         assert json.loads((out / "cells" / f"all_but_{i}.json").read_text())["cell"]["layers"] == [1 - i]
-    assert rec["keep_unquantized"] == [0, 1] and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
+    assert rec["keep"] == [0, 1] and rec["keep_bits"] == 16 and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
     assert -1 <= rec["spearman_damage_vs_outlier_ratio"] <= 1
     g = pd.read_csv(out / "greedy.csv")
     assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
     assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
+    assert set(pd.read_csv(out / "attn_error.csv")["layer"]) == {0, 1}
     logs = []
     again = sensitivity(s, out, progress=False, log=logs.append)
     assert sum("done earlier" in m for m in logs) == 1 + 2 + 2 + 2  # base, only, all_but, greedy tries (all = 'all')
     assert again["ranking"] == rec["ranking"] and pd.read_csv(out / "sensitivity.csv").equals(t)
 
 
+def test_attention_error_of_the_unquantized_cell_is_each_one_layer_cells_own(tiny_pair, hellaswag_cached, tmp_path):
+    """Measured once without applying it, each layer's error equals what that layer's one-layer cell measures."""
+    from outlierscope.eval.evaluate import evaluate, select_items
+    from outlierscope.models.loading import load_model
+    from outlierscope.stats.attention_error import AttentionErrorStats, pool_heads
+
+    s = SensitivitySettings(model=str(tiny_pair["transformer"]), limit=5, batch_size=4, profile_tokens=256, all_but=False)
+    sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    shadow = pd.read_csv(tmp_path / "attn_error.csv")
+    lm, items = load_model(s.model, device="cpu"), select_items(5, None, 0, None, "hellaswag")
+    for i in (0, 1):
+        st = AttentionErrorStats(2)
+        evaluate(lm, quant=s.spec([i]), items=items, batch_size=3, progress=False, attn_error=st)
+        own = st.table()
+        assert set(own["layer"]) == {i}
+        pd.testing.assert_frame_equal(own.reset_index(drop=True), shadow[shadow["layer"] == i].reset_index(drop=True),
+                                      check_exact=False, rtol=1e-12, atol=0)
+    got = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
+    pooled = pool_heads(shadow).set_index("layer")
+    assert got["kl_mean"].tolist() == pytest.approx(pooled["kl_mean"].tolist(), rel=1e-12)
+
+
+def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
+    """keep_bits=8: the greedy's kept layers run at 8 bits (all kept = the 8-bit model); an unreachable tolerance says so."""
+    import matplotlib
+
+    from outlierscope.eval.evaluate import EvalResult, evaluate, select_items
+    from outlierscope.models.loading import load_model
+
+    matplotlib.use("Agg")
+    s = SensitivitySettings(model=str(tiny_pair["diff"]), limit=5, batch_size=4, profile_tokens=256, tolerance=0.0,
+                            keep_bits=8, all_but=False, attn_error=False)
+    logs = []
+    rec = sensitivity(s, tmp_path, progress=False, log=logs.append)
+    g = pd.read_csv(tmp_path / "greedy.csv")
+    assert list(g["kept"]) == [0, 1, 2] and not g["within_tolerance"].any() and rec["keep"] == [0, 1]
+    assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
+    order = rec["ranking"]
+    one = EvalResult.load(tmp_path / "cells", f"keep8_{order[0]}")
+    assert one.extra["cell"]["keep"]["layers"] == [order[0]] and one.extra["cell"]["layers"] == [order[1]]
+    both = EvalResult.load(tmp_path / "cells", "keep8_0_1")
+    lm = load_model(s.model, device="cpu")
+    direct = evaluate(lm, quant=s.spec(bits=8), items=select_items(5, None, 0, None, "hellaswag"), batch_size=3,
+                      progress=False)
+    np.testing.assert_array_equal(both.items[both.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
+
+
 @pytest.mark.parametrize("kw, msg", [({"bits": 16}, "bits must be below 16"), ({"tolerance": -1}, "tolerance must be >= 0"),
+                                     ({"keep_bits": 4}, "keep_bits must be above bits=4"), ({"keep_bits": 17}, "bits must be in 2..16"),
                                      ({"task": "piqaa"}, "did you mean piqa"), ({"bits": 1}, "bits must be in 2..16")])
 def test_settings_errors(kw, msg):
     with pytest.raises(OutlierscopeError, match=msg):
