@@ -151,7 +151,8 @@ def _cmd_sensitivity(a) -> None:
                             attn_error=not a.no_attn_error, profile_tokens=a.profile_tokens, batch_size=a.batch_size,
                             dtype=a.dtype, device=a.device, attn_block=a.attn_block)
     sensitivity(s, a.out)
-    print(f"results written to {a.out} (sensitivity.csv, greedy.csv, sensitivity.json, figures/)")
+    print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, sensitivity.json, "
+          "figures/)")
 
 
 def _cmd_merge(a) -> None:

@@ -29,7 +29,7 @@ import pandas as pd
 
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import check_placement
 from outlierscope.quant.apply import measure_attention_error, quantize_attention
 from outlierscope.quant.spec import QuantSpec, build_spec
@@ -112,11 +112,12 @@ def greedy_keep(order: list[int], n_layers: int, within) -> tuple[list[int], lis
 
 def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print) -> dict:
     """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
-    ``greedy.csv`` (each tried assignment), ``attn_error.csv``, ``sensitivity.json`` (settings, ranking,
-    suggestion, rank correlation). Returns the record."""
+    ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and head), ``sensitivity.json``
+    (settings, ranking, suggestion, rank correlation), ``sensitivity.md`` (all of it as tables) and
+    ``figures/``. Returns the record."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import load_model
-    from outlierscope.report.tables import headline_metric
+    from outlierscope.report.tables import headline_metric, sensitivity_markdown
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
     out = Path(out)
@@ -194,6 +195,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
                           "|logit| (> 0: layers with larger outliers are hurt more)",
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_json(out / "sensitivity.json", record)
+        write_text(out / "sensitivity.md", sensitivity_markdown(record, table, pd.DataFrame(tries)))
         _figures(table, out, rho)
     kept_as = "unquantized" if s.keep_bits == 16 else f"at {s.keep_bits} bits"
     reached = "verified" if tries[-1]["within_tolerance"] else "NOT reached even keeping every layer"

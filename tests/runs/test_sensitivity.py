@@ -64,6 +64,8 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
     assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
     assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
     assert set(pd.read_csv(out / "attn_error.csv")["layer"]) == {0, 1}
+    md = (out / "sensitivity.md").read_text()
+    assert f"keep layers {rec['keep']} unquantized" in md and md.count("\n| ") == 2 + 2 + 3  # two heads, two layers, three tries
     logs = []
     again = sensitivity(s, out, progress=False, log=logs.append)
     assert sum("done earlier" in m for m in logs) == 1 + 2 + 2 + 2  # base, only, all_but, greedy tries (all = 'all')
