@@ -108,7 +108,7 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: pd.DataFrame)
     lines += ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
     for _, r in table.sort_values("rank").iterrows():
         lines.append("| " + " | ".join(fmt(int(r[k]) if f == "{:d}" else r[k], f) for k, _, f in cols) + " |")
-    lines += ["", "Greedy tries (the most harmful layers kept first):", "",
+    lines += ["", "Greedy tries (bisection over k, the number of most harmful layers kept):", "",
               f"| kept | kept layers | damage | Δ{metric} | flip | within |", "|---|---|---|---|---|---|"]
     for _, t in tries.iterrows():
         lines.append(f"| {t['kept']} | {t['kept_layers'] if isinstance(t['kept_layers'], str) else ''} | "

@@ -10,6 +10,7 @@ import torch
 
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.spec import QuantSpec
 from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sensitivity
 
 
@@ -17,12 +18,38 @@ from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sens
     ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 0.2, [1, 3]),   # 0.95 total: keep the two worst -> 0.15
     ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 1.0, []),       # already within
     ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 0.0, [0, 1, 2, 3]),
+    ({0: 0.1, 1: 0.5, 2: 0.05, 3: 0.3}, 0.05, [0, 1, 3]),
 ])
 def test_greedy_keep_on_known_damage(damage, tol, keep):
     order = sorted(damage, key=lambda i: -damage[i])
     got, tries = greedy_keep(order, 4, lambda q: (sum(damage[i] for i in q) <= tol, {"delta": -sum(damage[i] for i in q)}))
-    assert got == keep and tries[-1]["within_tolerance"] and len(tries) == len(keep) + 1
-    assert not any(t["within_tolerance"] for t in tries[:-1])
+    assert got == keep and [t["kept"] for t in tries] == sorted(t["kept"] for t in tries)
+    by_k = {t["kept"]: t for t in tries}
+    assert by_k[len(keep)]["within_tolerance"] and not any(t["within_tolerance"] for k, t in by_k.items() if k < len(keep))
+    assert by_k[len(keep)]["delta"] == pytest.approx(-sum(damage[i] for i in range(4) if i not in keep))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_bisection_equals_the_linear_scan_in_log_tries(seed):
+    """80 layers of additive damage: the same fewest k as trying k = 0, 1, 2, ... in turn, in <= 2 + 7 tries."""
+    rng = np.random.default_rng(seed)
+    damage = dict(enumerate(rng.exponential(0.05, 80)))
+    order = sorted(damage, key=lambda i: -damage[i])
+    tol = float(rng.uniform(0, sum(damage.values())))
+    calls = []
+
+    def within(q):
+        calls.append(q)
+        return sum(damage[i] for i in q) <= tol, {}
+
+    got, tries = greedy_keep(order, 80, within)
+    linear = next(k for k in range(81) if sum(damage[i] for i in order[k:]) <= tol)
+    assert got == sorted(order[:linear]) and len(calls) == len(tries) <= 2 + 7
+
+
+def test_greedy_when_no_assignment_is_within():
+    got, tries = greedy_keep([1, 0], 2, lambda q: (False, {}))
+    assert got == [0, 1] and [t["kept"] for t in tries] == [0, 2] and not tries[-1]["within_tolerance"]
 
 
 def test_one_layer_spec_quantizes_exactly_that_layer():
@@ -95,28 +122,34 @@ def test_attention_error_of_the_unquantized_cell_is_each_one_layer_cells_own(tin
 
 
 def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
-    """keep_bits=8: the greedy's kept layers run at 8 bits (all kept = the 8-bit model); an unreachable tolerance says so."""
+    """keep_bits=8: the greedy's kept layers run at 8 bits (all kept = the 8-bit model), the others at 4; an
+    unreachable tolerance says so; a reachable one bisects to a mixed 4/8-bit cell."""
     import matplotlib
 
     from outlierscope.eval.evaluate import EvalResult, evaluate, select_items
     from outlierscope.models.loading import load_model
 
     matplotlib.use("Agg")
-    s = SensitivitySettings(model=str(tiny_pair["diff"]), limit=5, batch_size=4, profile_tokens=256, tolerance=0.0,
-                            keep_bits=8, all_but=False, attn_error=False)
+    kw = dict(model=str(tiny_pair["diff"]), limit=5, batch_size=4, profile_tokens=256, keep_bits=8, all_but=False,
+              attn_error=False)
     logs = []
-    rec = sensitivity(s, tmp_path, progress=False, log=logs.append)
+    rec = sensitivity(SensitivitySettings(tolerance=0.0, **kw), tmp_path, progress=False, log=logs.append)
     g = pd.read_csv(tmp_path / "greedy.csv")
-    assert list(g["kept"]) == [0, 1, 2] and not g["within_tolerance"].any() and rec["keep"] == [0, 1]
+    assert list(g["kept"]) == [0, 2] and not g["within_tolerance"].any() and rec["keep"] == [0, 1]
     assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
-    order = rec["ranking"]
-    one = EvalResult.load(tmp_path / "cells", f"keep8_{order[0]}")
-    assert one.extra["cell"]["keep"]["layers"] == [order[0]] and one.extra["cell"]["layers"] == [order[1]]
     both = EvalResult.load(tmp_path / "cells", "keep8_0_1")
-    lm = load_model(s.model, device="cpu")
-    direct = evaluate(lm, quant=s.spec(bits=8), items=select_items(5, None, 0, None, "hellaswag"), batch_size=3,
+    lm = load_model(kw["model"], device="cpu")
+    direct = evaluate(lm, quant=QuantSpec(bits=8), items=select_items(5, None, 0, None, "hellaswag"), batch_size=3,
                       progress=False)
     np.testing.assert_array_equal(both.items[both.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
+    d4, d8 = abs(g["delta_gold_ll"].iloc[0]), abs(g["delta_gold_ll"].iloc[1])
+    assert d8 < d4
+    rec = sensitivity(SensitivitySettings(tolerance=(d4 + d8) / 2, **kw), tmp_path, progress=False, log=lambda *_: None)
+    first = rec["ranking"][0]
+    mixed = EvalResult.load(tmp_path / "cells", f"keep8_{first}")
+    assert mixed.extra["cell"]["keep"] == {"quant": f"8-bit int per_tensor layers {first}", "layers": [first]}
+    assert mixed.extra["cell"]["layers"] == [1 - first]
+    assert list(pd.read_csv(tmp_path / "greedy.csv")["kept"]) == [0, 1, 2]
 
 
 @pytest.mark.parametrize("kw, msg", [({"bits": 16}, "bits must be below 16"), ({"tolerance": -1}, "tolerance must be >= 0"),
