@@ -4,8 +4,9 @@ For every real query row, against the unquantized logits of the same forward (sa
 
     p = softmax(logits over valid keys),  p~ = softmax(quantized logits over valid keys)   # float64
     kl      = sum_k p_k (log p_k - log p~_k)                     KL(p || p~), nats
-    changed = the reference's argmax key is not a maximum of the quantized row (ties after rounding
-              do not count as a change: the key still gets the largest weight)
+    changed = the reference's top key is no longer the sole top of the quantized row: another key
+              passes it, or more keys now share the maximum (absmax rounding keeps order, so for
+              it only the second happens: the top key's weight is split with keys that were below)
     rel_out = ||(p - p~) @ V|| / ||p @ V||                        relative error of the head's output row
 
 :class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
@@ -36,7 +37,10 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
     p = lp.exp()
     kl = torch.where(v, p * (lp - lq), 0.0).sum(-1)  # (B, H, t)
     top = a.argmax(-1, keepdim=True)  # the reference's argmax key (first maximum)
-    changed = (b.gather(-1, top).squeeze(-1) < b.amax(-1)) & rows  # it is no longer a maximum after quantization
+    a_max, b_max = a.amax(-1, keepdim=True), b.amax(-1, keepdim=True)
+    passed = b.gather(-1, top) < b_max  # another key is now above it
+    shared = (b == b_max).sum(-1, keepdim=True) > (a == a_max).sum(-1, keepdim=True)  # more keys tie at the top
+    changed = (passed | shared).squeeze(-1) & rows  # (B, H, t)
     out = {"rows": rows, "kl": torch.where(rows, kl, 0.0), "changed": changed}
     if value is not None:
         val = value.double()
