@@ -13,7 +13,7 @@ NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("
 
 
 def test_notebooks_are_stripped():
-    assert len(NOTEBOOKS) == 3
+    assert len(NOTEBOOKS) == 4
     for path in NOTEBOOKS:
         nb = nbformat.read(path, as_version=4)
         for cell in nb.cells:

@@ -282,3 +282,14 @@ def damage_vs_outliers(table: pd.DataFrame, rho: float) -> plt.Figure:
     ax.set_title(f"Do outliers predict the damage? Spearman ρ = {rho:+.2f}", fontsize=10)
     ax.grid(alpha=0.3)
     return fig
+
+
+def attention_error_heads(heads: pd.DataFrame, value: str = "kl_mean") -> plt.Figure:
+    """Heatmap over layers (rows) and heads (columns) of one attention-error column of ``attn_error.csv``
+    (:meth:`~outlierscope.stats.attention_error.AttentionErrorStats.table`), e.g. the mean KL per row."""
+    grid = heads.pivot(index="layer", columns="head", values=value)  # (layers, heads)
+    fig, ax = plt.subplots(figsize=(min(2 + 0.35 * grid.shape[1], 14), min(1.5 + 0.3 * grid.shape[0], 12)),
+                           layout="constrained")
+    sns.heatmap(grid, ax=ax, cmap="rocket_r", cbar_kws={"label": value}, annot=grid.size <= 64, fmt=".2g")
+    ax.set_title(f"Attention error per layer and head: {value}", fontsize=10)
+    return fig
