@@ -94,7 +94,9 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: pd.DataFrame)
              f"{len(record['quantized'])} of {record['n_layers']}: {final['delta_gold_ll']:+.4f} nats ({reach}), "
              f"Δ{metric} {final[f'delta_{metric}'] * 100:+.2f}, flip {final['flip_rate'] * 100:.1f}%.", "",
              f"Spearman rank correlation of harm with the layer's top-1/median |logit|: "
-             f"{record['spearman_damage_vs_outlier_ratio']:+.2f} (> 0: larger outliers, more harm).", ""]
+             f"{record['spearman_damage_vs_outlier_ratio']:+.2f} (> 0: larger outliers, more harm)"
+             + (f"; with the layer's mean attention KL: {record['spearman_damage_vs_kl_mean']:+.2f}"
+                if record.get("spearman_damage_vs_kl_mean") is not None else "") + ".", ""]
     cols = [("rank", "Rank", "{:d}"), ("layer", "Layer", "{:d}"), ("only_delta_gold_ll", "only: damage", "{:+.4f}"),
             (f"only_delta_{metric}", f"only: Δ{metric}", "pct"), ("only_flip_rate", "only: flip", "pct%"),
             ("all_but_delta_gold_ll", "all but: damage", "{:+.4f}"), ("kl_mean", "KL mean", "{:.4f}"),

@@ -197,15 +197,17 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
 
         keep, tries = greedy_keep(order, n_layers, within)
         final = next(t for t in tries if t["kept"] == len(keep))
-        rho = float((-table["only_delta_gold_ll"]).rank().corr(table["outlier_ratio"].rank()))  # > 0: outliers, harm
+        harm = (-table["only_delta_gold_ll"]).rank()
+        rho = float(harm.corr(table["outlier_ratio"].rank()))  # > 0: layers with larger outliers are hurt more
+        rho_kl = float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None  # does attention error?
         write_csv(out / "sensitivity.csv", table)
         write_csv(out / "greedy.csv", pd.DataFrame(tries))
         record = {"settings": asdict(s), "n_items": len(items), "metric": metric, "n_layers": n_layers,
                   "ranking": order, "keep": keep, "keep_bits": s.keep_bits, "quantized": [i for i in range(n_layers) if i not in keep],
-                  "final": final, "spearman_damage_vs_outlier_ratio": rho,
+                  "final": final, "spearman_damage_vs_outlier_ratio": rho, "spearman_damage_vs_kl_mean": rho_kl,
                   "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
                           "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
-                          "|logit| (> 0: layers with larger outliers are hurt more)",
+                          "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_json(out / "sensitivity.json", record)
         write_text(out / "sensitivity.md", sensitivity_markdown(record, table, pd.DataFrame(tries)))
@@ -213,7 +215,8 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     kept_as = "unquantized" if s.keep_bits == 16 else f"at {s.keep_bits} bits"
     reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
     log(f"layers by harm: {order}; keep {keep or 'none'} {kept_as} for |Δ gold ll| <= {s.tolerance} "
-        f"({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}")
+        f"({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}"
+        + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
     return record
 
 

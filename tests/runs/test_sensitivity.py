@@ -87,6 +87,8 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
         assert json.loads((out / "cells" / f"all_but_{i}.json").read_text())["cell"]["layers"] == [1 - i]
     assert rec["keep"] == [0, 1] and rec["keep_bits"] == 16 and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
     assert -1 <= rec["spearman_damage_vs_outlier_ratio"] <= 1
+    harm, kl = -t["only_delta_gold_ll"], t["kl_mean"]  # two layers: +1 when the more harmed one has the larger KL
+    assert rec["spearman_damage_vs_kl_mean"] == pytest.approx(1.0 if (harm[0] > harm[1]) == (kl[0] > kl[1]) else -1.0)
     g = pd.read_csv(out / "greedy.csv")
     assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
     assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
@@ -134,6 +136,7 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
               attn_error=False)
     logs = []
     rec = sensitivity(SensitivitySettings(tolerance=0.0, **kw), tmp_path, progress=False, log=logs.append)
+    assert rec["spearman_damage_vs_kl_mean"] is None  # no attention error measured
     g = pd.read_csv(tmp_path / "greedy.csv")
     assert list(g["kept"]) == [0, 2] and not g["within_tolerance"].any() and rec["keep"] == [0, 1]
     assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
