@@ -265,7 +265,7 @@ def sensitivity_bars(table: pd.DataFrame) -> plt.Figure:
     b.set_ylabel("top-1 / median |logit|")
     for ax in (a, b):
         ax.grid(axis="y", alpha=0.3)
-        ax.set_xticks(table["layer"].tolist())
+        ax.set_xticks(table["layer"].tolist()[::-(-len(table) // 16)])  # at most 16 labels
     fig.suptitle("Per-layer sensitivity to quantized attention logits", fontsize=11)
     return fig
 
