@@ -26,7 +26,7 @@ import pandas as pd
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
-from outlierscope.eval.scorer import score_requests
+from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
@@ -260,7 +260,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
                 else build_requests(items, tokenizer, max_length))
     if layout is None:
         layout = layout_for(spec)
-    elif layout not in ("shared", "separate") or (layout == "shared" and layout_for(spec) != "shared"):
+    elif layout not in LAYOUTS or (layout == "shared" and layout_for(spec) != "shared"):
         raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
     whole = shard.whole and world.size == 1
     t0 = time.time()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pandas as pd
 
+from outlierscope.quant.names import UNQUANTIZED_BITS
 from outlierscope.stats.outliers import TABLE5_RANKS
 
 
@@ -78,19 +79,23 @@ def sweep_table(table: pd.DataFrame) -> str:
     return "\n".join(lines) + "\n"
 
 
-def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: pd.DataFrame) -> str:
+def kept_as(keep_bits: int) -> str:
+    """How a sensitivity run's kept layers run: ``unquantized`` (16 bits) or ``at 8 bits``."""
+    return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"
+
+
+def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
     """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""
     s, metric = record["settings"], record["metric"]
     quant = f"{s['bits']}-bit {s['format']} {s['granularity']}"
-    kept_as = "unquantized" if record["keep_bits"] == 16 else f"at {record['keep_bits']} bits"
     final = record["final"]
     reach = ("within" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} nats"
     lines = [f"# Per-layer sensitivity: {s['model']}, {s['task']}, {quant}", "",
              f"{record['n_items']} items ({'sample' if s['sample'] else 'first'} {s['sample'] or s['limit'] or 'all'}, "
              f"seed {s['seed']}); damage = mean change of the gold choice's log-likelihood (nats, < 0 hurts) against "
              f"the unquantized model; Δ{metric} in points; flip = share of items whose prediction changes.", "",
-             f"Greedy suggestion: keep layers {record['keep'] or 'none'} {kept_as}, quantize "
+             f"Greedy suggestion: keep layers {record['keep'] or 'none'} {kept_as(record['keep_bits'])}, quantize "
              f"{len(record['quantized'])} of {record['n_layers']}: {final['delta_gold_ll']:+.4f} nats ({reach}), "
              f"Δ{metric} {final[f'delta_{metric}'] * 100:+.2f}, flip {final['flip_rate'] * 100:.1f}%.", "",
              f"Spearman rank correlation of harm with the layer's top-1/median |logit|: "
@@ -112,8 +117,8 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: pd.DataFrame)
         lines.append("| " + " | ".join(fmt(int(r[k]) if f == "{:d}" else r[k], f) for k, _, f in cols) + " |")
     lines += ["", "Greedy tries (bisection over k, the number of most harmful layers kept):", "",
               f"| kept | kept layers | damage | Δ{metric} | flip | within |", "|---|---|---|---|---|---|"]
-    for _, t in tries.iterrows():
-        lines.append(f"| {t['kept']} | {t['kept_layers'] if isinstance(t['kept_layers'], str) else ''} | "
+    for t in tries:
+        lines.append(f"| {t['kept']} | {t['kept_layers']} | "
                      f"{t['delta_gold_ll']:+.4f} | {t[f'delta_{metric}'] * 100:+.2f} | {t['flip_rate'] * 100:.1f}% | "
                      f"{'yes' if t['within_tolerance'] else 'no'} |")
     return "\n".join(lines) + "\n"

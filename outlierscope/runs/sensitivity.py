@@ -32,6 +32,7 @@ from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layou
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import check_placement
 from outlierscope.quant.apply import measure_attention_error, quantize_attention
+from outlierscope.quant.names import UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.stats.attention_error import AttentionErrorStats, pool_heads
 
@@ -129,7 +130,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     ``figures/``. Returns the record."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import load_model
-    from outlierscope.report.tables import headline_metric, sensitivity_markdown
+    from outlierscope.report.tables import headline_metric, kept_as, sensitivity_markdown
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
     out = Path(out)
@@ -186,11 +187,12 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
         order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()
 
+        tag = "keep" if s.keep_bits == UNQUANTIZED_BITS else f"keep{s.keep_bits}"
+
         def within(quantized):
             kept = [i for i in range(n_layers) if i not in quantized]
-            tag = "keep" if s.keep_bits == 16 else f"keep{s.keep_bits}"
             name = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
-            keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < 16 else None
+            keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
             res = base if not quantized and keep is None else cell(name, s.spec(quantized) if quantized else None, keep)
             c = change(res, base, metric)
             return abs(c["delta_gold_ll"]) <= s.tolerance, c
@@ -210,11 +212,10 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
                           "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_json(out / "sensitivity.json", record)
-        write_text(out / "sensitivity.md", sensitivity_markdown(record, table, pd.DataFrame(tries)))
+        write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries))
         _figures(table, out, rho)
-    kept_as = "unquantized" if s.keep_bits == 16 else f"at {s.keep_bits} bits"
     reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
-    log(f"layers by harm: {order}; keep {keep or 'none'} {kept_as} for |Δ gold ll| <= {s.tolerance} "
+    log(f"layers by harm: {order}; keep {keep or 'none'} {kept_as(s.keep_bits)} for |Δ gold ll| <= {s.tolerance} "
         f"({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}"
         + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
     return record
