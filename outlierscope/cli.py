@@ -447,6 +447,10 @@ def main(argv: list[str] | None = None) -> int:
     except OutlierscopeError as e:
         print(f"outlierscope: error: {e}", file=sys.stderr)
         return 2
+    except PermissionError as e:  # a file the library reads or writes outside its checks (a read-only cache, ...)
+        print(f"outlierscope: error: permission denied: {e.filename or e}; fix its permissions or choose another "
+              "path", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("outlierscope: interrupted", file=sys.stderr)
         return 130

@@ -115,6 +115,42 @@ def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
                                 "save the file as UTF-8") from None
 
 
+def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "run record") -> dict:
+    """A JSON object written by outlierscope, with ``keys``; a damaged or foreign file is a one-line error."""
+    path = Path(path)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise OutlierscopeError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise OutlierscopeError(f"{path} is not a readable {what} ({str(e).splitlines()[0][:80]}); the file is damaged: "
+                                "run the command that wrote it again") from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise OutlierscopeError(f"{path} is not a {what}: it lacks {', '.join(missing)}; run the command that wrote it "
+                                "again") from None
+    return obj
+
+
+def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "shard file") -> dict:
+    """A dict saved by outlierscope with ``torch.save`` (our own files: not for untrusted input), with ``keys``;
+    a truncated or foreign file is a one-line error."""
+    import torch
+
+    path = Path(path)
+    try:
+        obj = torch.load(path, weights_only=False, map_location="cpu")
+    except OSError as e:
+        raise OutlierscopeError(f"{path} cannot be read ({e.strerror or e}); check its permissions") from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
+        raise OutlierscopeError(f"{path} is not a readable {what} ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}); "
+                                "it is damaged or truncated: run that shard again") from None
+    missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
+    if missing:
+        raise OutlierscopeError(f"{path} is not a {what}: it lacks {', '.join(missing)}; run that shard again")
+    return obj
+
+
 @contextlib.contextmanager
 def output_dir(path: str | os.PathLike) -> Iterator[Path]:
     """A writable output directory for the block; if the block fails, every directory made during it that is

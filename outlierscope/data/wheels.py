@@ -14,12 +14,23 @@ import zipfile
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import sha256_file
+from outlierscope.io import ensure_writable_dir, sha256_file
 
 
 def cache_dir() -> Path:
     """``$OUTLIERSCOPE_CACHE``, default ``~/.cache/outlierscope``."""
     return Path(os.environ.get("OUTLIERSCOPE_CACHE") or Path.home() / ".cache" / "outlierscope")
+
+
+def writable_cache(sub: str = "") -> Path:
+    """The cache directory (or ``sub`` in it), created and checked writable before anything is downloaded."""
+    path = cache_dir() / sub
+    try:
+        return ensure_writable_dir(path)
+    except OutlierscopeError as e:
+        why = str(e).split(": ", 1)[-1].split(";")[0]
+        raise OutlierscopeError(f"the cache directory {path} is not writable ({why}); set OUTLIERSCOPE_CACHE to a "
+                                "writable directory, or fix its permissions") from None
 
 
 def download_wheel(requirement: str, into: str | os.PathLike, pip: list[str] | None = None,

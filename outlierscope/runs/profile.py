@@ -24,7 +24,17 @@ from outlierscope.data.text import pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
-from outlierscope.io import atomic_path, git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import (
+    atomic_path,
+    git_commit,
+    machine,
+    output_dir,
+    read_torch_record,
+    versions,
+    write_csv,
+    write_json,
+    write_text,
+)
 from outlierscope.models.loading import (
     LoadedModel,
     check_placement,
@@ -237,10 +247,12 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
             progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
     """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
     ``shard`` writes ``profile.shard-i-of-N.pt`` for :func:`merge_profile`)."""
-    from outlierscope.models.loading import load_model
+    from outlierscope.models.loading import check_model, load_model
 
     if not specs:
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
+    for spec in specs:  # every model found before the first one runs
+        check_model(spec)
     shard, world = shard or Shard(), world or World()
     main_out = out is not None and world.is_main
     with output_dir(out) if main_out else contextlib.nullcontext():
@@ -265,7 +277,7 @@ def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> Prof
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "profile", ".pt", "profile")
     n = len(files)
-    parts = [torch.load(f, weights_only=False) for f in files]
+    parts = [read_torch_record(f, ("settings", "stats", "facts"), "profile shard file") for f in files]
     first = parts[0]
     for p in parts[1:]:
         if p["settings"] != first["settings"] or list(p["stats"]) != list(first["stats"]):

@@ -47,22 +47,28 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
     from outlierscope.runs.profile import ProfileSettings, profile
-    from outlierscope.runs.sweep import SweepSettings, sweep
+    from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, sweep
 
     missing = [m for m in s.models if ":" in m and m not in bundled_specs()]
     if missing:
         raise OutlierscopeError(f"bundled model(s) {', '.join(missing)} not installed; reinstall the package (make reproduce)")
     out = Path(s.out)
+    # every setting, model and task checked before the profile runs: an error must not come after it
+    prof_settings = ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement)
+    sweep_settings = SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
+                                   sample=s.sample, tasks=s.tasks, batch_size=s.batch_size, text=s.text, **s.placement)
+    check_models(sweep_settings)
+    check_previous(out / "sweep", asdict(sweep_settings), s.force)
+    sweep_settings.task_items()
     t0 = time.time()
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
-    profile(list(s.models), ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement), out / "profile")
+    profile(list(s.models), prof_settings, out / "profile")
     t1 = time.time()
     tasks = s.tasks
     names = ", ".join(task_label(t) for t in tasks)
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{f'up to {s.limit or s.sample:,}' if s.limit or s.sample else 'all'} validation items of {names} (Figure 8)")
-    sweep(SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit, sample=s.sample,
-                        tasks=tasks, batch_size=s.batch_size, text=s.text, **s.placement), out / "sweep", log=log, force=s.force)
+    sweep(sweep_settings, out / "sweep", log=log, force=s.force)
     t2 = time.time()
     log("[3/3] plotting and writing the report")
     path = write_report(out)

@@ -23,11 +23,11 @@ import pandas as pd
 from outlierscope.data.tasks import chance_percent, check_task, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json
-from outlierscope.models.loading import check_placement
+from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json
+from outlierscope.models.loading import check_model, check_placement, num_layers
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
-from outlierscope.quant.apply import quantize_weights
+from outlierscope.quant.apply import check_layers, quantize_weights
 from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.report.load import SWEEP_COLUMNS
@@ -232,7 +232,7 @@ class SweepResult:
         return Path(out)
 
 
-def _check_previous(out: Path, settings: dict, force: bool, shard: Shard | None = None) -> None:
+def check_previous(out: Path, settings: dict, force: bool, shard: Shard | None = None) -> None:
     """Refuse to replace the sweep.csv (or shard record) of a sweep with other settings unless ``force``. A
     setting that an older sweep.json lacks counts as equal when it has its default value now."""
     prev = out / ("sweep.json" if shard is None or shard.whole else f"sweep.{shard.tag}.json")
@@ -287,6 +287,17 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
     return result
 
 
+def check_models(s: SweepSettings) -> None:
+    """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs."""
+    for m in s.models:
+        _, config = check_model(m)
+        for b in s.bits:
+            try:
+                check_layers(s.spec(b), num_layers(config))
+            except OutlierscopeError as e:
+                raise OutlierscopeError(f"{m}: {e}") from None
+
+
 def _bits_order(s: SweepSettings) -> list[int]:
     return sorted(set(s.bits) | {UNQUANTIZED_BITS}, key=lambda b: -b)  # the 16-bit reference first
 
@@ -308,10 +319,11 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     error = None
     if world.is_main:
         try:
-            _check_previous(out, asdict(s), force, shard)
+            check_previous(out, asdict(s), force, shard)
         except OutlierscopeError as e:
             error = str(e)
     world.agree(error)
+    check_models(s)
     items = s.task_items()
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
     cells = []
@@ -354,7 +366,7 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "sweep", ".json", "sweep")
     n = len(files)
-    recs = [(f.parent, json.loads(f.read_text())) for f in files]
+    recs = [(f.parent, read_record(f, ("settings", "cells", "tasks"), "sweep shard record")) for f in files]
     first = recs[0][1]
     for _, r in recs[1:]:
         if r["settings"] != first["settings"] or r["cells"] != first["cells"] or r["tasks"] != first["tasks"]:
