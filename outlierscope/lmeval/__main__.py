@@ -17,7 +17,10 @@ def main() -> None:
 
     import outlierscope.lmeval.adapter  # noqa: F401  (registers the model type)
 
-    cli_evaluate()
+    try:
+        cli_evaluate()
+    except OutlierscopeError as e:  # our model_args and model loading: one line, as in `outlierscope`
+        sys.exit(f"outlierscope: error: {e}")
 
 
 if __name__ == "__main__":

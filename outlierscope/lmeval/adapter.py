@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import warnings
 
 import numpy as np
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.models.loading import check_placement, num_layers
 from outlierscope.quant.apply import check_layers, quantize_attention
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
@@ -35,13 +37,36 @@ from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
     """A :class:`QuantSpec` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
     lm-eval splits its arguments at commas)."""
+    bits = _as_int("bits", bits, "an integer number of bits (16 = unquantized)")
+    return build_spec(bits, str(format), str(granularity), _layers(layers))
+
+
+def _layers(layers) -> tuple[int, ...] | None:
     try:
-        bits = int(bits)
         if layers is not None and not isinstance(layers, (tuple, list)):
             layers = parse_layers(str(layers).replace("+", ","))
     except ValueError as e:
         raise OutlierscopeError(str(e)) from None
-    return build_spec(bits, str(format), str(granularity), layers)
+    return tuple(layers) if layers is not None else None
+
+
+def _as_int(name: str, value, expected: str) -> int:
+    """An lm-eval ``model_args`` value (a string from the command line, or a number) as an int, or a one-line error."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ParamError(name, expected, value) from None
+
+
+def _device(device) -> str:
+    """lm-eval's default device is ``cuda:0`` whether or not there is a GPU, and its own ``hf`` model then falls back
+    to the CPU; we do the same (with a warning) instead of refusing. Any other device is passed on as asked."""
+    device = str(device or "auto")
+    if device == "cuda:0" and not torch.cuda.is_available():
+        warnings.warn("lm-eval asked for device cuda:0 (its default) but torch sees no CUDA GPU: running on the CPU",
+                      stacklevel=3)
+        return "cpu"
+    return device
 
 
 def _key(tokens) -> bytes:
@@ -67,9 +92,14 @@ class OutlierscopeLM(HFLM):
         from outlierscope.models.loading import load_model
 
         self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
-        self.attn_block = None if attn_block in (None, "", "None") else int(attn_block)
-        lm = load_model(str(pretrained), dtype=str(dtype), device=str(device or "auto"), device_map=device_map)
-        check_layers(self.quant, lm.model.config.num_hidden_layers)  # now, not at the first forward
+        self.attn_block = None if attn_block in (None, "", "None") else \
+            _as_int("attn_block", attn_block, "a positive number of query rows")
+        check_placement("auto", str(dtype), device_map, self.attn_block)
+        lm = load_model(str(pretrained), dtype=str(dtype), device=_device(device), device_map=device_map)
+        n_layers = num_layers(lm.model.config)
+        check_layers(self.quant, n_layers)  # now, not at the first forward
+        if max(_layers(layers) or (0,)) >= n_layers:  # at 16 bits too: a typo is not silently ignored
+            raise OutlierscopeError(f"layers {layers} out of range: the model has layers 0..{n_layers - 1}")
         self.spec_name = str(pretrained)
         if bool(points) != bool(reducers):
             raise OutlierscopeError("points and reducers go together: pass both (observation points and the reducers "

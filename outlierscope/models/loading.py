@@ -311,8 +311,8 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
+    path, _ = check_model(spec)  # a wrong path is named before a wrong device
     dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
-    path, _ = check_model(spec)
     stored = _read_config_json(path)
     stored = stored.get("dtype") or stored.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)

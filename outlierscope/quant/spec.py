@@ -141,6 +141,10 @@ def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tenso
 def build_spec(bits: int, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
     """The spec of a run's settings: unquantized for 16 bits (format, granularity and layers do not apply), and a
     bad value a one-line :class:`OutlierscopeError` (the ``ValueError`` of :class:`QuantSpec`)."""
+    if format not in FORMATS:  # a typo is an error at 16 bits too, where these settings do not apply
+        raise OutlierscopeError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    if granularity not in GRANULARITIES:
+        raise OutlierscopeError(f"granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}")
     if bits == UNQUANTIZED_BITS:
         return QuantSpec(bits=UNQUANTIZED_BITS)
     try:
