@@ -28,7 +28,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
-from outlierscope.models.loading import LoadedModel, model_device, model_dtype
+from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.apply import measure_attention_error, quantize_attention
 from outlierscope.quant.spec import QuantSpec
@@ -245,6 +245,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     from tqdm.auto import tqdm
 
     model, tokenizer = _model_and_tokenizer(model, tokenizer)
+    check_causal(model)
     if batch_size < 1:
         raise ParamError("batch_size", ">= 1", batch_size)
     shard, world = shard or Shard(), world or World()

@@ -23,6 +23,7 @@ import torch
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import Request
 from outlierscope.hooks.attention import attention_stages
+from outlierscope.hooks.points import trunk
 from outlierscope.models.loading import model_device
 from outlierscope.parallel import shard_of
 
@@ -70,7 +71,7 @@ def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
         else:
             mask[b, :n] = 1
     dev = model_device(model)
-    out = model.base_model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
+    out = trunk(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, D)
     b_idx, p_idx, tgt, owner = [], [], [], []
     for b, r in enumerate(rows):

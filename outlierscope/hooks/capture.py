@@ -62,7 +62,11 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
             block_rows: int | None = None) -> Iterator[Capture]:
     """Observe ``points`` of ``model`` during forwards inside the block; see module docstring.
 
-    ``block_rows``: query rows per attention block (logits are then observed block by block)."""
+    ``block_rows``: query rows per attention block (logits are then observed block by block).
+
+    Any model whose attention goes through transformers' ``AttentionInterface`` can be observed, an encoder
+    (BERT) too: its valid entries are what its own mask allows (bidirectional). Scoring is another matter:
+    :func:`~outlierscope.eval.evaluate` refuses a model that is not causal."""
     resolved = resolve_points(model, points)
     reducers = _as_list(reducers)
     cap = Capture(points=resolved)

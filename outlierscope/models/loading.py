@@ -278,6 +278,21 @@ def check_model(spec: str):
     return path, config
 
 
+def check_causal(model) -> None:
+    """Refuse a transformers model that does not predict each token from the earlier ones only (a masked LM such
+    as BERT, an encoder-decoder): its scores would see the continuation. Other modules are the caller's to vouch for."""
+    from transformers import PreTrainedModel
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if not isinstance(model, PreTrainedModel):
+        return
+    cfg = model.config
+    names = {n for v in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values() for n in ((v,) if isinstance(v, str) else v)}
+    if getattr(cfg, "is_encoder_decoder", False) or (type(model).__name__ not in names and not getattr(cfg, "is_decoder", False)):
+        raise OutlierscopeError(f"{type(model).__name__} is not a causal language model (it sees every position, or is an "
+                                "encoder-decoder): zero-shot scores from it would be meaningless; pass a decoder-only LM")
+
+
 def num_layers(config) -> int:
     """``num_hidden_layers`` of a config (or of its ``text_config``); a one-line error when it states none."""
     cfg = getattr(config, "text_config", None) or config

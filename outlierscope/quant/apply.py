@@ -10,14 +10,22 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import LogitContext, attention_stages
+from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
 
 
-def check_layers(spec: QuantSpec, n_layers: int) -> None:
-    """A one-line error when ``spec`` names layers the model does not have."""
-    if spec.layers is not None and max(spec.layers) >= n_layers:
+def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = None) -> None:
+    """A one-line error when ``spec`` names layers the model does not have, or (``attention``: the indices of the
+    layers that hold attention, in a hybrid model) layers without attention."""
+    if spec.layers is None:
+        return
+    if max(spec.layers) >= n_layers:
         raise OutlierscopeError(f"layers {list(spec.layers)} out of range: the model has layers 0..{n_layers - 1}")
+    other = sorted(set(spec.layers) - set(attention if attention is not None else range(n_layers)))
+    if other:
+        raise OutlierscopeError(f"layers {other} hold no attention (a hybrid model); its attention layers are "
+                                f"{','.join(map(str, attention))}")
 
 
 def _blocked_amax(stage, spec: QuantSpec, ctx: LogitContext):
@@ -49,7 +57,7 @@ def quantize_attention(model: nn.Module, spec: QuantSpec, block_rows: int | None
     and per_tensor scales then take a first pass over the blocks for the absmax: same result.
     Everything is restored in ``finally``.
     """
-    check_layers(spec, model.config.num_hidden_layers)
+    check_layers(spec, len(decoder_layers(model)), attention_layers(model))
 
     def stage(ctx: LogitContext, logits):
         if not spec.applies_to(ctx.layer):
@@ -98,8 +106,6 @@ def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
         import bitsandbytes as bnb
     except ImportError as e:
         raise OutlierscopeError(f"weight quantization needs bitsandbytes: {e}") from None
-    from outlierscope.hooks.points import decoder_layers
-
     dtype = next(model.parameters()).dtype
     for layer in decoder_layers(model):
         for child in list(layer.modules()):

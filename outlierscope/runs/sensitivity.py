@@ -29,6 +29,7 @@ import pandas as pd
 
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
+from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import check_placement
 from outlierscope.quant.apply import measure_attention_error, quantize_attention
@@ -95,19 +96,20 @@ def change(res: EvalResult, base: EvalResult, metric: str) -> dict:
             "flip_rate": float((res.items[col].to_numpy() != base.items[col].to_numpy()).mean())}
 
 
-def greedy_keep(order: list[int], n_layers: int, within) -> tuple[list[int], list[dict]]:
+def greedy_keep(order: list[int], layers: list[int], within) -> tuple[list[int], list[dict]]:
     """The fewest of the most harmful layers (``order``, most harmful first) to keep at higher precision such
-    that ``within(quantized_layers)`` returns ``(True, record)``: keeping k = 0 and k = n_layers are tried
+    that ``within(quantized_layers)`` returns ``(True, record)`` (``layers``: all the candidates, i.e. the
+    attention layers): keeping k = 0 and k = n_layers are tried
     first, then a bisection over k (about log2(n_layers) evaluations, not n_layers: 7 for an 80-layer
     model), which finds the fewest k when keeping more harmful layers never hurts. Returns (kept layers,
     the records of every try, sorted by k; the one of the kept layers is the verification). When even
     keeping every layer is not within (kept layers at 8 bits can miss), every layer is returned and its
     record says ``within_tolerance`` False."""
-    tries = {}
+    tries, n_layers = {}, len(layers)
 
     def ok(k: int) -> bool:
         keep = sorted(order[:k])
-        good, rec = within([i for i in range(n_layers) if i not in keep])
+        good, rec = within([i for i in layers if i not in keep])
         tries[k] = {"kept": k, "kept_layers": " ".join(map(str, keep)), **rec, "within_tolerance": good}
         return good
 
@@ -135,7 +137,8 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
 
     out = Path(out)
     lm = load_model(s.model, dtype=s.dtype, device=s.device)
-    n_layers = lm.model.config.num_hidden_layers
+    n_layers = len(decoder_layers(lm.model))
+    layers = attention_layers(lm.model)  # a hybrid model's other layers have no attention to quantize
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     metric = headline_metric(task_metrics(s.task))
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
@@ -167,11 +170,11 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     with output_dir(out), output_dir(out / "cells") as cells_dir:
         base = cell("base", None, measure=s.spec() if s.attn_error else None)
         rows = []
-        for i in range(n_layers):
+        for i in layers:
             only = cell(f"only_{i}", s.spec([i]))
             row = {"layer": i, **{f"only_{k}": v for k, v in change(only, base, metric).items()}}
-            if s.all_but and n_layers > 1:
-                rest = cell(f"all_but_{i}", s.spec([j for j in range(n_layers) if j != i]))
+            if s.all_but and len(layers) > 1:
+                rest = cell(f"all_but_{i}", s.spec([j for j in layers if j != i]))
                 row.update({f"all_but_{k}": v for k, v in change(rest, base, metric).items()})
             rows.append(row)
         table = pd.DataFrame(rows)
@@ -190,14 +193,14 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         tag = "keep" if s.keep_bits == UNQUANTIZED_BITS else f"keep{s.keep_bits}"
 
         def within(quantized):
-            kept = [i for i in range(n_layers) if i not in quantized]
+            kept = [i for i in layers if i not in quantized]
             name = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
             keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
             res = base if not quantized and keep is None else cell(name, s.spec(quantized) if quantized else None, keep)
             c = change(res, base, metric)
             return abs(c["delta_gold_ll"]) <= s.tolerance, c
 
-        keep, tries = greedy_keep(order, n_layers, within)
+        keep, tries = greedy_keep(order, layers, within)
         final = next(t for t in tries if t["kept"] == len(keep))
         harm = (-table["only_delta_gold_ll"]).rank()
         rho = float(harm.corr(table["outlier_ratio"].rank()))  # > 0: layers with larger outliers are hurt more
@@ -205,7 +208,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         write_csv(out / "sensitivity.csv", table)
         write_csv(out / "greedy.csv", pd.DataFrame(tries))
         record = {"settings": asdict(s), "n_items": len(items), "metric": metric, "n_layers": n_layers,
-                  "ranking": order, "keep": keep, "keep_bits": s.keep_bits, "quantized": [i for i in range(n_layers) if i not in keep],
+                  "ranking": order, "keep": keep, "keep_bits": s.keep_bits, "quantized": [i for i in layers if i not in keep],
                   "final": final, "spearman_damage_vs_outlier_ratio": rho, "spearman_damage_vs_kl_mean": rho_kl,
                   "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
                           "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "

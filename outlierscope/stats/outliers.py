@@ -322,6 +322,8 @@ class OutlierStats:
             for layer in range(self.n_layers):
                 d = pooled_moments(m, layer)
                 c = m.count[layer].sum().item()
+                if c == 0:  # a hybrid model's layer without attention (or a layer left out of the points)
+                    continue
                 lt = self.layer_top[kind][layer]
                 rows.append({"point": kind, "layer": layer, "count": int(c), "mean": float(d["mean"]),
                              "std": float(d["std"]), "kurtosis": float(d["kurtosis"]),
@@ -336,6 +338,8 @@ class OutlierStats:
         d = m.summary()
         rows = []
         for layer in range(self.n_layers):
+            if m.count[layer].sum() == 0:  # no attention in this layer (hybrid model)
+                continue
             for h in range(self.n_heads):
                 mp, pair = self._head_label(h)
                 rows.append({"layer": layer, "head": h, "map": mp, "diff_head": pair if self.is_diff else None,

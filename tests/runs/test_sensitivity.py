@@ -22,7 +22,7 @@ from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sens
 ])
 def test_greedy_keep_on_known_damage(damage, tol, keep):
     order = sorted(damage, key=lambda i: -damage[i])
-    got, tries = greedy_keep(order, 4, lambda q: (sum(damage[i] for i in q) <= tol, {"delta": -sum(damage[i] for i in q)}))
+    got, tries = greedy_keep(order, list(range(4)), lambda q: (sum(damage[i] for i in q) <= tol, {"delta": -sum(damage[i] for i in q)}))
     assert got == keep and [t["kept"] for t in tries] == sorted(t["kept"] for t in tries)
     by_k = {t["kept"]: t for t in tries}
     assert by_k[len(keep)]["within_tolerance"] and not any(t["within_tolerance"] for k, t in by_k.items() if k < len(keep))
@@ -42,13 +42,13 @@ def test_greedy_bisection_equals_the_linear_scan_in_log_tries(seed):
         calls.append(q)
         return sum(damage[i] for i in q) <= tol, {}
 
-    got, tries = greedy_keep(order, 80, within)
+    got, tries = greedy_keep(order, list(range(80)), within)
     linear = next(k for k in range(81) if sum(damage[i] for i in order[k:]) <= tol)
     assert got == sorted(order[:linear]) and len(calls) == len(tries) <= 2 + 7
 
 
 def test_greedy_when_no_assignment_is_within():
-    got, tries = greedy_keep([1, 0], 2, lambda q: (False, {}))
+    got, tries = greedy_keep([1, 0], [0, 1], lambda q: (False, {}))
     assert got == [0, 1] and [t["kept"] for t in tries] == [0, 2] and not tries[-1]["within_tolerance"]
 
 
