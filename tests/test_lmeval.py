@@ -126,10 +126,42 @@ def test_reducers_see_the_quantized_logits():
     ({"bits": 4, "granularity": "per_blob"}, "granularity"),
     ({"bits": 4, "layers": "0+9"}, "out of range"),
     ({"bits": 4, "layers": "x"}, "layers must look like"),
+    ({"bits": "5x"}, r"bits must be an integer number of bits \(16 = unquantized\), got '5x'"),
+    ({"attn_block": "many"}, "attn_block must be a positive number of query rows, got 'many'"),
+    ({"attn_block": "0"}, "attn_block must be a positive number of query rows"),
+    ({"dtype": "half"}, "dtype must be one of auto, float32, bfloat16, float16"),
+    ({"layers": "7"}, "layers 7 out of range"),  # at 16 bits too: a typo is not ignored
+    ({"granularity": "per_blob"}, "granularity must be one of"),
 ])
 def test_bad_model_args(kw, msg):
     with pytest.raises(OutlierscopeError, match=msg):
         OutlierscopeLM(PAIR_DIFF, device="cpu", **kw)
+
+
+def test_lmeval_default_device_runs_on_the_cpu():
+    """lm-eval hands every model device cuda:0 unless told otherwise; without a GPU its hf model runs on the CPU,
+    and so does ours (with a warning), instead of refusing."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: cuda:0 is then a real device")
+    with pytest.warns(UserWarning, match="cuda:0 .* running on the CPU"):
+        lm = OutlierscopeLM(PAIR_DIFF, device="cuda:0", bits=4)
+    assert str(next(lm.model.parameters()).device) == "cpu"
+
+
+@pytest.mark.parametrize("model_args, msg", [
+    ("pretrained=/no/such/model,bits=4", "model directory not found: /no/such/model"),  # not "cuda:0 requested"
+    ("pretrained=pair-tiny:diff,bits=5x", "bits must be an integer number of bits"),
+])
+def test_command_line_errors_are_one_line(model_args, msg, tmp_path):
+    """lm-eval's command line with no --device (it then says cuda:0) on this CPU machine: a bad model_args value is
+    one line and exit 1, no traceback."""
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-m", "outlierscope.lmeval", "--model", "outlierscope", "--model_args", model_args,
+                        "--tasks", "hellaswag", "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith("outlierscope: error: ") and msg in r.stderr
 
 
 def test_make_spec_from_strings():

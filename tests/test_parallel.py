@@ -45,6 +45,12 @@ def runs(tmp_path_factory, hellaswag_cached):
         for i in range(2):
             _cli([*cmd, "--out", str(root / f"{kind}-shards"), "--shard", f"{i}/2"])
         _cli(["merge", str(root / f"{kind}-shards")])
+    # shards written apart and merged into a third directory; and torchrun (2 processes) inside each --shard
+    for i in range(2):
+        _cli([*SWEEP, "--out", str(root / f"sweep-apart-{i}"), "--shard", f"{i}/2"])
+        _cli([*SWEEP, "--out", str(root / "sweep-torchrun-shards"), "--shard", f"{i}/2"], procs=2)
+    _cli(["merge", str(root / "sweep-apart-0"), str(root / "sweep-apart-1"), "--out", str(root / "sweep-apart")])
+    _cli(["merge", str(root / "sweep-torchrun-shards")])
     return root
 
 
@@ -53,7 +59,7 @@ def test_two_processes_and_merged_shards_equal_one_process(runs, kind):
     one = _csvs(runs / f"{kind}-1")
     assert one and (("sweep.csv" in one and len([k for k in one if k.startswith("cells/")]) == 2) if kind == "sweep"
                     else {"table5.csv", "per_layer.csv", "per_head.csv", "topk_hidden.csv"} <= set(one))
-    for other in ("2", "shards"):
+    for other in ("2", "shards", *(("apart", "torchrun-shards") if kind == "sweep" else ())):
         got = {k: v for k, v in _csvs(runs / f"{kind}-{other}").items() if ".shard-" not in k}
         assert got.keys() == one.keys(), other
         for name in one:
@@ -78,6 +84,23 @@ def test_merge_needs_every_shard(tmp_path, hellaswag_cached):
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "shard(s) 1/2 missing" in r.stderr
     assert not (tmp_path / "sweep.csv").exists()
+
+
+def test_merge_damaged_profile_shard_is_one_line(runs, tmp_path):
+    """A truncated profile shard file: one line naming it, no traceback, no table written."""
+    import shutil
+
+    d = tmp_path / "p"
+    shutil.copytree(runs / "profile-shards", d)
+    for f in d.glob("*.csv"):
+        f.unlink()
+    f = d / "profile.shard-1-of-2.pt"
+    f.write_bytes(f.read_bytes()[:1000])
+    r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(d)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "profile.shard-1-of-2.pt is not a readable profile shard file" in r.stderr
+    assert not (d / "table5.csv").exists()
 
 
 @pytest.mark.parametrize("text, msg", [("2/2", "0 <= i < N"), ("1/40", "N in 1..16"), ("a/b", "i/N, e.g. 0/4")])

@@ -195,3 +195,22 @@ def test_evaluate_layout(setup, hs_jsonl, quant, layout, ok):
     assert got.settings["layout"] == layout
     np.testing.assert_allclose(got.items[got.score_columns].to_numpy(), ref.items[ref.score_columns].to_numpy(),
                                atol=1e-4, rtol=0)
+
+
+def test_llama4_text_trunk_found_structurally(setup):
+    """Llama4ForCausalLM's base_model is the model itself (its trunk is ``model``, its prefix another name): the
+    scorer must still run trunk and head apart, and equal the naive full-logit scores."""
+    import transformers as tf
+
+    from outlierscope.hooks.points import trunk
+
+    lm, reqs = setup
+    torch.manual_seed(0)
+    cfg = tf.Llama4TextConfig(vocab_size=lm.model.config.vocab_size, hidden_size=32, intermediate_size=48,
+                              intermediate_size_mlp=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=8, num_local_experts=2, max_position_embeddings=512)
+    model = tf.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    assert model.base_model is model and trunk(model) is model.model
+    for layout in ("shared", "separate"):
+        np.testing.assert_allclose(score_requests(model, reqs, layout, 4), naive_scores(model, reqs, 512), atol=1e-4,
+                                   rtol=0)

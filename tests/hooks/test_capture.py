@@ -292,7 +292,7 @@ def test_model_without_interface():
             super().__init__()
             self.layers = torch.nn.ModuleList([Block()])
 
-    with pytest.raises(OutlierscopeError, match="Plain does not route its attention through transformers' AttentionInterface"):
+    with pytest.raises(OutlierscopeError, match=r"Plain: its attention \(Linear\) does not go through transformers' AttentionInterface"):
         with capture(Plain(), ["layers.0.attn.logits"]):
             pass
     with pytest.raises(OutlierscopeError, match="Sequential: cannot find its decoder layers"):
@@ -310,3 +310,68 @@ def test_nan_is_reported():
     with pytest.raises(OutlierscopeError, match="non-finite"):
         with torch.no_grad(), capture(model, "layers.0.hidden", reducers=stats):
             model(input_ids=torch.randint(0, 101, (1, 5)))
+
+
+HYBRID = {  # layer types: "a" attention, "o" other (state-space, short convolution, gated delta net)
+    "jamba": (lambda tf: tf.JambaConfig(**SMALL, num_key_value_heads=2, attn_layer_period=2, attn_layer_offset=1,
+                                         expert_layer_period=2, expert_layer_offset=1, num_experts=2, num_experts_per_tok=1,
+                                         mamba_d_state=4, mamba_d_conv=4, mamba_expand=2), "oa"),
+    "lfm2": (lambda tf: tf.Lfm2Config(**SMALL, num_key_value_heads=2, layer_types=["conv", "full_attention"]), "oa"),
+    "qwen3_next": (lambda tf: tf.Qwen3NextConfig(**SMALL, num_key_value_heads=2, head_dim=8,
+                                                  layer_types=["full_attention", "linear_attention"],
+                                                  linear_num_value_heads=2, linear_num_key_heads=2, linear_key_head_dim=8,
+                                                  linear_value_head_dim=8, num_experts=2, num_experts_per_tok=1,
+                                                  moe_intermediate_size=16, shared_expert_intermediate_size=16), "ao"),
+}
+
+
+@pytest.mark.parametrize("arch", HYBRID)
+def test_hybrid_models(arch):
+    """Hybrid models: attention layers observed (model's own indices) and quantized, the other layers pass through;
+    outputs equal eager's; the captured logits' softmax equals eager's attention probabilities; quantizing a layer
+    without attention is a one-line error; every layer still has its hidden state."""
+    import transformers as tf
+
+    from outlierscope.hooks.points import attention_layers
+    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.spec import QuantSpec
+
+    make_cfg, kinds = HYBRID[arch]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_cfg(tf), attn_implementation="eager").eval()
+    attn = [i for i, k in enumerate(kinds) if k == "a"]
+    assert attention_layers(model) == attn
+    names = {p.name for p in resolve_points(model, ["layers.*.attn.logits", "layers.*.hidden"])}
+    assert names == {f"layers.{i}.attn.logits" for i in attn} | {f"layers.{i}.hidden" for i in range(len(kinds))}
+    ids = torch.randint(0, 101, (2, 7))
+    with torch.no_grad():
+        ref = model(input_ids=ids, output_attentions=True)
+    seen = []
+    with torch.no_grad(), capture(model, ["layers.*.attn.logits"], reducers=lambda o: seen.append((o.point.layer, o.x, o.valid))):
+        out = model(input_ids=ids).logits
+    torch.testing.assert_close(out, ref.logits, atol=1e-5, rtol=1e-5)
+    assert [layer for layer, _, _ in seen] == attn
+    eager = [a for a in ref.attentions if a is not None]
+    for (layer, x, valid), e in zip(seen, eager[-len(attn):]):
+        probs = torch.softmax(x.masked_fill(~valid, -math.inf).double(), -1)
+        torch.testing.assert_close(probs, e.double(), atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), quantize_attention(model, QuantSpec(bits=2, layers=tuple(attn))):
+        q = model(input_ids=ids).logits
+    assert (q - ref.logits).abs().max() > 1e-3  # the attention layers were quantized
+    other = next(i for i, k in enumerate(kinds) if k == "o")
+    with pytest.raises(OutlierscopeError, match=rf"layers \[{other}\] hold no attention .*attention layers are {attn[0]}"):
+        with quantize_attention(model, QuantSpec(bits=4, layers=(other,))):
+            pass
+
+
+@pytest.mark.parametrize("arch", ["falcon", "bloom"])
+def test_models_outside_the_interface_say_why(arch):
+    import transformers as tf
+
+    cfg = {"falcon": lambda: tf.FalconConfig(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+           "bloom": lambda: tf.BloomConfig(vocab_size=101, hidden_size=32, n_layer=2, n_head=4)}[arch]()
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    with pytest.raises(OutlierscopeError, match=r"its attention \(\w+Attention\) does not go through transformers' "
+                                                r"AttentionInterface"):
+        with capture(model, ["layers.*.attn.logits"]):
+            pass

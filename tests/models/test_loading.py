@@ -174,3 +174,63 @@ def test_load_model_records_device_and_dtype(model_dir):
     assert (lm.device, lm.dtype) == ("cpu", "float32")
     lm16 = load_model(str(model_dir), device="cpu", dtype="bfloat16")
     assert lm16.dtype == "bfloat16"
+
+
+def test_tokenizer_past_vocab_is_refused_at_load(model_dir, tmp_path):
+    """A tokenizer with ids beyond the embedding's rows: refused when loading, not as an IndexError in a forward."""
+    import shutil
+
+    d = tmp_path / "big-tok"
+    shutil.copytree(model_dir, d)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok.add_tokens([f"<extra{i}>" for i in range(600)])  # ids past the 512 rows
+    tok.save_pretrained(d)
+    with pytest.raises(OutlierscopeError, match=r"the tokenizer has ids up to \d+ but the model's embedding has 512 rows"):
+        load_model(str(d))
+
+
+@pytest.mark.parametrize("name", ["max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length",
+                                  "seq_length", "n_ctx"])
+def test_context_length_names(name):
+    """Each known config name gives the context; a config with none is refused (not a guessed 2,048)."""
+    from types import SimpleNamespace
+
+    from outlierscope.models.loading import context_length, resolve_seq_len
+
+    model = SimpleNamespace(config=SimpleNamespace(**{name: 448}))
+    assert context_length(model) == 448
+    with pytest.raises(OutlierscopeError, match="at most the model's context of 448"):
+        resolve_seq_len(model, 449)
+    with pytest.raises(OutlierscopeError, match="states no context length"):
+        context_length(SimpleNamespace(config=SimpleNamespace(hidden_size=8)))
+
+
+def test_whisper_style_context_is_read():
+    """Whisper's decoder states its context as max_target_positions (448), not max_position_embeddings."""
+    from transformers import WhisperConfig
+
+    from outlierscope.models.loading import context_length
+
+    class M:
+        config = WhisperConfig(max_target_positions=448)
+
+    assert context_length(M()) == 448
+
+
+def test_evaluate_refuses_a_masked_lm():
+    import transformers as tf
+
+    from outlierscope import evaluate
+
+    tok = load_model("pair-tiny:diff").tokenizer
+    bert = tf.BertForMaskedLM(tf.BertConfig(vocab_size=6144, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                            intermediate_size=32)).eval()
+    with pytest.raises(OutlierscopeError, match="BertForMaskedLM is not a causal language model"):
+        evaluate(bert, tok, items=[], progress=False)
+    decoder = tf.BertLMHeadModel(tf.BertConfig(vocab_size=6144, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                               intermediate_size=32, is_decoder=True)).eval()
+    from outlierscope.models.loading import check_causal
+
+    check_causal(decoder)  # a BERT used as a decoder is causal: accepted

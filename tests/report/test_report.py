@@ -90,7 +90,10 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
 
 
 @pytest.mark.parametrize("damage,msg", [
-    (lambda b: b[: len(b) // 2] + b'\n1,2,"unterminated', "is not a readable CSV table"),
+    (lambda b: b[: len(b) // 2] + b'\n1,2,"unterminated\n', "is not a readable CSV table"),
+    (lambda b: b[:700], "ends in the middle of a row: the file is truncated"),
+    (lambda b: b"\n".join(b.split(b"\n")[:5]) + b"\n", "lacks row(s)"),  # cut at a line end: a cell's rows missing
+    (lambda b: b"\n".join(b.split(b"\n")[:1] + b.split(b"\n")[3:]), "has no 16-bit (unquantized) rows"),
     (lambda b: bytes(range(256)) * 8, "is not a readable CSV table"),
     (lambda b: b.split(b"\n")[0] + b"\n", "has a header but no rows"),
     (lambda b: b"", "is empty"),

@@ -333,3 +333,61 @@ def test_sweep_attention_error(tiny_pair, hs_jsonl, tmp_path):
     ids = set(res.table["cell"])
     other = sweep(plain, tmp_path / "plain", progress=False, log=lambda *_: None)
     assert set(other.table["cell"]) & ids == {c for c in ids if "_b16_" in c}  # quantized cells differ, 16 bits shared
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--layers", "3-1"], "ranges from low to high"),
+    (["--layers", "9"], "layers [9] out of range: the model has layers 0..1"),
+    (["--bits", "16", "4", "--layers", "5"], "out of range"),
+])
+def test_layers_checked_before_the_first_cell(argv, msg, tiny_pair, hs_jsonl, tmp_path, capsys, monkeypatch):
+    """Bad layers are refused before any cell runs (no evaluate call, no cell written)."""
+    import outlierscope.runs.sweep as sw
+
+    calls = []
+    monkeypatch.setattr(sw, "evaluate", lambda *a, **k: calls.append(1))
+    out = tmp_path / "o"
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--data", str(hs_jsonl), *argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.count("\n") == 1, err
+    assert calls == [] and not out.exists()
+
+
+def test_second_model_checked_before_the_first_runs(tiny_pair, hs_jsonl, tmp_path, capsys, monkeypatch):
+    import outlierscope.runs.sweep as sw
+
+    calls = []
+    monkeypatch.setattr(sw, "evaluate", lambda *a, **k: calls.append(1))
+    out = tmp_path / "o"
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--model", "pair-tiny:dif", "--data", str(hs_jsonl),
+               "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "did you mean pair-tiny:diff" in err and calls == [] and not out.exists()
+
+
+def test_reproduce_checks_the_sweep_before_profiling(tmp_path, capsys, monkeypatch):
+    """A typo in the second model, or a --limit above every task, stops reproduce before its profile runs."""
+    import outlierscope.runs.profile as prof
+
+    calls = []
+    monkeypatch.setattr(prof, "profile_model", lambda *a, **k: calls.append(1))
+    out = tmp_path / "r"
+    rc = main(["reproduce", "--model", "pair-tiny:diff", "--model", "pair-tiny:transfomer", "--out", str(out)])
+    assert rc == 2 and "did you mean pair-tiny:transformer" in capsys.readouterr().err
+    rc = main(["reproduce", "--model", "pair-tiny:diff", "--limit", "10043", "--tokens", "1000", "--out", str(out)])
+    assert rc == 2 and "--limit must be in 1..10042" in capsys.readouterr().err
+    assert calls == [] and not out.exists()
+
+
+def test_merge_garbage_shard_records_are_one_line(tmp_path, capsys):
+    d = tmp_path / "shards"
+    d.mkdir()
+    (d / "sweep.shard-0-of-2.json").write_text('{"settings": {"models": ["a"')  # cut mid-file
+    (d / "sweep.shard-1-of-2.json").write_text("[]")
+    rc = main(["merge", str(d)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "sweep.shard-0-of-2.json is not a readable sweep shard record" in err and err.count("\n") == 1
+    (d / "sweep.shard-0-of-2.json").write_text("[]")
+    rc = main(["merge", str(d)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "it lacks settings, cells, tasks" in err and err.count("\n") == 1
