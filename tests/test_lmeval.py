@@ -9,6 +9,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness not installed: pip install 'outlierscope[lmeval]'")
 
@@ -98,6 +99,38 @@ def test_generation_runs_through_quantized_attention(task_dir, tmp_path):
         assert "exact_match,none" in res["results"]["gen_local"]
     assert any(t == 1 and s > 1 for t, s in shapes)  # decoding: one query row, a growing cache of keys
     assert outs[2] != outs[16]
+
+
+def test_each_decode_step_is_quantized_with_its_own_scale(task_dir):
+    """Every decoding step's single query row passes the quantizer: the adapter's inner observation (after the 4-bit
+    per_tensor quantization) of each step equals a naive float64 absmax quantization, written here, of the same step's
+    unquantized logits (seen by a capture entered outside the adapter), one stage call per step and layer."""
+    from outlierscope.hooks.capture import capture
+
+    rows = [{"prompt": p, "answer": "x"} for p in ("The history of", "In 1990 the")]
+    (task_dir / "gen2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (task_dir / "gen2_local.yaml").write_text(
+        f"task: gen2_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {task_dir / 'gen2.jsonl'}\n"
+        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['NEVER']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+    before, after = [], []
+    keep = lambda into: (lambda o: into.append((o.x.detach().double().clone(), o.valid.clone())))  # noqa: E731
+    lm = OutlierscopeLM(PAIR_DIFF, bits=4, device="cpu", batch_size=1, points=["layers.2.attn.logits"],
+                        reducers=[keep(after)])
+    with capture(lm.model, ["layers.2.attn.logits"], reducers=[keep(before)]):
+        _evaluate(lm, ["gen2_local"], task_dir, None)
+    assert len(before) == len(after) and len(before) >= 2 * 6  # every forward: one observation on each side
+    steps = [(x, q, v) for (x, v), (q, _) in zip(before, after) if x.shape[-2] == 1]
+    assert len(steps) >= 2 * 5  # max_gen_toks=6: the prompt's forward, then one-row decoding steps
+    for x, q, v in steps:
+        v = v.expand_as(x)
+        for b in range(x.shape[0]):
+            amax = x[b][v[b]].abs().max()
+            scale = amax / 7  # 2^(4-1) - 1
+            want = torch.where(v[b], torch.round(x[b] / scale) * scale, x[b])  # round half to even, as torch.round
+            torch.testing.assert_close(q[b][v[b]], want[v[b]], atol=1e-5 * float(amax), rtol=0)
+            assert len(q[b][v[b]].abs().unique()) <= 8 < len(x[b][v[b]].abs().unique()) or x.shape[-1] < 8
 
 
 def test_reducers_see_the_quantized_logits():

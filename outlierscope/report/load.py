@@ -71,15 +71,6 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
     if not path.exists():
         return None
     try:
-        with open(path, "rb") as f:
-            size = f.seek(0, 2)
-            cut = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
-    except OSError as e:
-        raise OutlierscopeError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
-    if cut:  # every table is written whole, newline-terminated, atomically: a missing last newline is a cut file
-        raise OutlierscopeError(f"{path} ends in the middle of a row: the file is truncated; run the command that wrote "
-                                "it again (or restore it)")
-    try:
         df = pd.read_csv(path)
     except pd.errors.EmptyDataError:
         if may_be_empty:
@@ -88,6 +79,15 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
     except (UnicodeDecodeError, pd.errors.ParserError, ValueError) as e:
         raise OutlierscopeError(f"{path} is not a readable CSV table ({str(e).splitlines()[0][:120]}); "
                                 "it is damaged: run the command that wrote it again") from None
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, 2)
+            cut = size > 0 and f.seek(size - 1) >= 0 and f.read(1) != b"\n"
+    except OSError as e:
+        raise OutlierscopeError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
+    if cut:  # every table is written whole, newline-terminated, atomically: a missing last newline is a cut file
+        raise OutlierscopeError(f"{path} ends in the middle of a row: the file is truncated; run the command that wrote "
+                                "it again (or restore it)")
     missing = [c for c in required if c not in df.columns]
     if missing and not (may_be_empty and df.empty):
         raise OutlierscopeError(f"{path} lacks column(s) {', '.join(missing)}; expected a table written by outlierscope "

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.io import git_commit, machine, versions, write_json
-from outlierscope.models.presets import DEFAULT_PAIR
+from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,8 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     from outlierscope.runs.profile import ProfileSettings, profile
     from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, sweep
 
-    missing = [m for m in s.models if ":" in m and m not in bundled_specs()]
+    roles = {f"{p}:{r}" for p in PRESETS for r in ROLES}  # a mistyped role gets check_model's "did you mean"
+    missing = [m for m in s.models if m in roles and m not in bundled_specs()]
     if missing:
         raise OutlierscopeError(f"bundled model(s) {', '.join(missing)} not installed; reinstall the package (make reproduce)")
     out = Path(s.out)

@@ -166,3 +166,63 @@ def test_settings_errors(kw, msg):
 def test_cli_missing_model(tmp_path, capsys):
     assert main(["sensitivity", "--model", str(tmp_path / "none"), "--out", str(tmp_path / "o")]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+PLANTED = {0: 0.0, 1: 6.0, 2: 0.6, 3: 2.0}  # layer -> amplitude of the corruption its "quantization" adds
+
+
+def _planted_quantization(model, spec, block_rows=None):
+    """Stands in for quantize_attention: 'quantizing' layer i adds PLANTED[i] * cos(1.7 * key) to its logits (a fixed
+    pattern over key positions), so the harm of each layer is known in advance: 1 > 3 > 2 > 0 (0 changes nothing)."""
+    from outlierscope.hooks.attention import attention_stages
+
+    def stage(ctx, logits):
+        if spec.is_identity or not spec.applies_to(ctx.layer) or PLANTED[ctx.layer] == 0:
+            return logits
+        keys = torch.arange(logits.shape[-1], dtype=logits.dtype)
+        return logits + PLANTED[ctx.layer] * torch.cos(1.7 * keys)  # (B, H, t, S) + (S,)
+
+    return attention_stages(model, stage, block_rows=block_rows)
+
+
+def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp_path, monkeypatch):
+    """A known harm per layer: ranks and signs as planted, and every number of sensitivity.csv and the greedy's
+    verified change equal a numpy recomputation from the per-item cell files."""
+    import matplotlib
+
+    import outlierscope.eval.evaluate as ev
+
+    matplotlib.use("Agg")
+    monkeypatch.setattr(ev, "quantize_attention", _planted_quantization)
+    s = SensitivitySettings(model="pair-tiny:transformer", limit=24, batch_size=8, profile_tokens=256, all_but=False,
+                            attn_error=False, tolerance=0.05)
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
+
+    def cell(name):
+        df = pd.read_csv(tmp_path / "cells" / f"{name}.csv")
+        scores = df[[c for c in df.columns if c.startswith("score")]].to_numpy()
+        return df, scores[np.arange(len(df)), df["label"].to_numpy()]
+
+    base, base_gold = cell("base")
+    for i in range(4):
+        df, gold = cell(f"only_{i}")
+        assert t.loc[i, "only_delta_gold_ll"] == pytest.approx((gold - base_gold).mean(), abs=1e-12)
+        assert t.loc[i, "only_flip_rate"] == pytest.approx((df["pred_norm"] != base["pred_norm"]).mean())
+    assert t.loc[0, "only_delta_gold_ll"] == 0  # no corruption: exactly nothing
+    assert all(t.loc[i, "only_delta_gold_ll"] < 0 for i in (1, 2, 3))  # harm is negative
+    assert rec["ranking"] == [1, 3, 2, 0] and t.loc[1, "rank"] == 1 and t.loc[0, "rank"] == 4
+    final = rec["final"]
+    kept = rec["keep"]
+    assert kept == sorted(rec["ranking"][: len(kept)])  # the most harmful layers are the kept ones
+    name = "all" if not kept else "keep_" + "_".join(map(str, kept))
+    _, gold = cell(name) if rec["quantized"] else (None, base_gold)
+    assert final["delta_gold_ll"] == pytest.approx((gold - base_gold).mean(), abs=1e-12)
+    assert abs(final["delta_gold_ll"]) <= s.tolerance and final["within_tolerance"]
+    g = pd.read_csv(tmp_path / "greedy.csv")
+    for _, row in g.iterrows():  # every tried assignment too
+        k = [] if pd.isna(row["kept_layers"]) else [int(x) for x in str(row["kept_layers"]).split()]
+        if len(k) == 4:
+            continue
+        _, gold = cell("all" if not k else "keep_" + "_".join(map(str, k)))
+        assert row["delta_gold_ll"] == pytest.approx((gold - base_gold).mean(), abs=1e-12)

@@ -296,9 +296,9 @@ def test_legacy_task_record(tmp_path):
     assert SweepSettings.from_record(rec["settings"]).tasks == ("copa",)
     (tmp_path / "sweep.json").write_text(json.dumps(rec))
     now = SweepSettings(models=("pair-tiny:diff",), tasks=("copa",))
-    sw._check_previous(tmp_path, json.loads(json.dumps(sw.asdict(now))), force=False)
+    sw.check_previous(tmp_path, json.loads(json.dumps(sw.asdict(now))), force=False)
     with pytest.raises(OutlierscopeError, match="tasks differ"):
-        sw._check_previous(tmp_path, json.loads(json.dumps(sw.asdict(SweepSettings(models=("pair-tiny:diff",))))),
+        sw.check_previous(tmp_path, json.loads(json.dumps(sw.asdict(SweepSettings(models=("pair-tiny:diff",))))),
                            force=False)
 
 
