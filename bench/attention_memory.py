@@ -21,9 +21,9 @@ Usage: python bench/attention_memory.py [--device cpu|cuda] [--rows 128] [--reps
 from __future__ import annotations
 
 import argparse
-import statistics
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
