@@ -81,9 +81,13 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
     ref = pd.read_csv(run_dir / "profile" / "table5.csv")
     ref = ref[ref["model"] == t5["model"].iloc[0]].reset_index(drop=True)
     assert len(ref) == len(t5) == 2
-    for col in ("top1", "top10", "median"):
+    # bf16 keeps 8 significant bits (unit roundoff u = 2^-9); a top-k value passes a few such roundings (the layer
+    # input, q and k, the residual stream): within 8u = 2^-6 (measured on pair-tiny at 20,000 tokens: <= 0.56%).
+    # The median comes from log bins 0.5% wide: one bin more (measured <= 0.99%), so 2%.
+    for col, bound in (("top1", 2**-6), ("top2", 2**-6), ("top3", 2**-6), ("top10", 2**-6), ("top100", 2**-6),
+                       ("median", 0.02)):
         rel = (t5[col] - ref[col]).abs() / ref[col].abs()
-        assert (rel < 0.05).all(), (col, t5[col].tolist(), ref[col].tolist())
+        assert (rel <= bound).all(), (col, t5[col].tolist(), ref[col].tolist())
     assert (t5["top1"] != ref["top1"]).any()  # really bf16 arithmetic
     meta = json.loads((tmp_path / "bf16" / "profile.json").read_text())
     assert meta["settings"]["dtype"] == "bfloat16"
