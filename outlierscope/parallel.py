@@ -100,6 +100,10 @@ class World:
             import torch
 
             if torch.cuda.is_available():
+                n = torch.cuda.device_count()
+                if self.local_rank >= n:
+                    raise OutlierscopeError(f"process with LOCAL_RANK {self.local_rank} but this node has {n} GPU(s); "
+                                            f"start at most {n} processes per node (torchrun --nproc-per-node {n})")
                 return f"cuda:{self.local_rank}"
         return device
 

@@ -217,3 +217,69 @@ def test_command_line(task_dir, tmp_path):
     results = json.loads(next(out.rglob("results_*.json")).read_text())
     assert "acc_norm,none" in results["results"][tasks[0]]
     assert results["config"]["model_args"]["bits"] == 4
+
+
+NINE = ["arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande", "sciq", "copa", "social_iqa"]
+
+
+@pytest.mark.parametrize("name", NINE)
+def test_task_yamls_build_our_requests(task_dir, name):
+    """lm-eval 0.4.13 reading the YAML we write (its own task file, our cached rows) builds, row by row, the requests
+    and gold index that `outlierscope tasks requests` gives (first 30 rows of each task)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    from outlierscope.data.tasks import get_task, load_docs
+
+    if not get_task(name).cached:
+        pytest.skip(f"{name} not cached (make test fetches it)")
+    (local,) = write_task_yamls(task_dir / name, [name])
+    task = get_task_dict([local], TaskManager(include_path=str(task_dir / name), include_defaults=False))[local]
+    task.build_all_requests(limit=30, rank=0, world_size=1)
+    docs = list(task.eval_docs)[:30]
+    reqs = {}
+    for inst in task.instances:
+        reqs.setdefault(inst.doc_id, []).append((inst.idx, list(inst.arguments)))
+    theirs = []
+    for i, doc in enumerate(docs):
+        gold = task.doc_to_text(doc) if task.multiple_input else task.doc_to_target(doc)
+        if isinstance(gold, str):
+            gold = task.doc_to_choice(doc).index(gold)
+        theirs.append({"doc_id": i, "requests": [a for _, a in sorted(reqs[i])], "gold": int(gold)})
+    ours = [d.json() for d in load_docs(name, 30)]
+    assert ours == theirs
+
+
+def test_attn_block_and_device_map_give_the_same_scores():
+    """attn_block (several blocks of query rows, two passes for the per_tensor scale) and device_map='auto' (all on the
+    CPU here) give the log-likelihoods of the plain adapter."""
+    from lm_eval.api.instance import Instance
+
+    reqs = [Instance("loglikelihood", {}, (c, e), 0) for c, e in
+            (("The cat sat on the mat and then it", " ran away very fast"), ("Hello", " world, how are you today"))]
+    ref = [ll for ll, _ in OutlierscopeLM(PAIR_DIFF, bits=4, device="cpu", batch_size=2).loglikelihood(reqs)]
+    blocked = OutlierscopeLM(PAIR_DIFF, bits=4, device="cpu", batch_size=2, attn_block=3)
+    assert blocked.attn_block == 3
+    np.testing.assert_allclose([ll for ll, _ in blocked.loglikelihood(reqs)], ref, atol=1e-4, rtol=0)
+    mapped = OutlierscopeLM(PAIR_DIFF, bits=4, device_map="auto", batch_size=2)
+    assert {str(p.device) for p in mapped.model.parameters()} == {"cpu"}
+    np.testing.assert_allclose([ll for ll, _ in mapped.loglikelihood(reqs)], ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bits", [16, 4])
+def test_loglikelihood_rolling_equals_a_naive_forward(bits):
+    """Rolling log-likelihood of a text within the context: lm-eval's windows start with the end-of-text token; the
+    reference here is one plain forward of [eot] + tokens, summed log-probabilities (quantized for 4 bits)."""
+    from lm_eval.api.instance import Instance
+
+    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.spec import QuantSpec
+
+    text = "The history of the river is long, and the city grew along its banks over many centuries."
+    lm = OutlierscopeLM(PAIR_DIFF, bits=bits, device="cpu", batch_size=1)
+    (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
+    toks = lm.tokenizer(text).input_ids
+    ids = torch.tensor([[lm.tokenizer.eos_token_id, *toks]])  # (1, T + 1)
+    with torch.no_grad(), quantize_attention(lm.model, QuantSpec(bits=bits)):
+        lp = torch.log_softmax(lm.model(input_ids=ids).logits[0, :-1].double(), -1)  # (T, V)
+    want = float(lp[torch.arange(len(toks)), torch.tensor(toks)].sum())
+    assert got == pytest.approx(want, abs=1e-3)

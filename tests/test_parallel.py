@@ -109,6 +109,22 @@ def test_bad_shard(text, msg):
         Shard.parse(text)
 
 
+def test_world_device_is_the_local_gpu(monkeypatch):
+    """Several processes with cuda/auto: each takes cuda:LOCAL_RANK (device count mocked); an explicit device or the
+    CPU stays as asked; a single process keeps 'cuda'; more processes than GPUs on a node is one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    w = World(rank=11, size=16, local_rank=3)
+    assert w.device("cuda") == "cuda:3" and w.device("auto") == "cuda:3"
+    assert w.device("cpu") == "cpu" and w.device("cuda:5") == "cuda:5"
+    assert World().device("cuda") == "cuda" and World().device("auto") == "auto"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(OutlierscopeError, match="LOCAL_RANK 3 but this node has 2 GPU"):
+        w.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert w.device("auto") == "auto"  # no GPU: load_model resolves auto to the CPU
+
+
 def test_owned_shards_partition():
     for n in (1, 2, 3):
         for p in (1, 2, 5):

@@ -226,3 +226,36 @@ def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp
             continue
         _, gold = cell("all" if not k else "keep_" + "_".join(map(str, k)))
         assert row["delta_gold_ll"] == pytest.approx((gold - base_gold).mean(), abs=1e-12)
+
+
+@pytest.mark.parametrize("task, granularity", [("copa", "per_head"), ("arc_easy", "per_row")])
+def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path):
+    """A task with another metric (COPA: acc only, 2 choices; ARC-Easy: acc_norm) and granularity: the per-layer
+    changes of the headline metric and gold log-likelihood equal a recomputation from the cell files."""
+    import matplotlib
+
+    from outlierscope.data.tasks import get_task
+
+    if not get_task(task).cached:
+        pytest.skip(f"{task} not cached (make test fetches it)")
+    matplotlib.use("Agg")
+    s = SensitivitySettings(model=str(tiny_pair["diff"]), task=task, granularity=granularity, limit=8, batch_size=8,
+                            profile_tokens=256, all_but=False, attn_error=False)
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    metric = "acc" if task == "copa" else "acc_norm"
+    assert rec["metric"] == metric and rec["settings"]["granularity"] == granularity
+    t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
+    col = "pred" if metric == "acc" else "pred_norm"
+    base = pd.read_csv(tmp_path / "cells" / "base.csv")
+    scores = lambda df: df[[c for c in df.columns if c.startswith("score")]].to_numpy()  # noqa: E731
+    gold = lambda df: scores(df)[np.arange(len(df)), df["label"].to_numpy()]  # noqa: E731
+    for i in (0, 1):
+        df = pd.read_csv(tmp_path / "cells" / f"only_{i}.csv")
+        assert json.loads((tmp_path / "cells" / f"only_{i}.json").read_text())["cell"]["quant"].endswith(
+            f"{granularity} layers {i}")
+        assert t.loc[i, "only_delta_gold_ll"] == pytest.approx((gold(df) - gold(base)).mean(), abs=1e-12)
+        acc = lambda d: (d[col] == d["label"]).mean()  # noqa: E731
+        assert t.loc[i, f"only_delta_{metric}"] == pytest.approx(acc(df) - acc(base), abs=1e-12)
+        assert t.loc[i, "only_flip_rate"] == pytest.approx((df[col] != base[col]).mean())
+    if task == "copa":
+        assert scores(base).shape[1] == 2  # two choices
