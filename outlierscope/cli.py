@@ -8,7 +8,6 @@ import sys
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import DTYPES
-from outlierscope.models.presets import DEFAULT_PAIR
 
 
 def _cmd_info(a) -> None:
@@ -104,9 +103,9 @@ def _parallel(a):
 
 def _cmd_profile(a) -> None:
     from outlierscope.runs.profile import ProfileSettings, profile
+    from outlierscope.settings import from_cli
 
-    settings = ProfileSettings(tokens=a.tokens, text=a.text, seq_len=a.seq_len, batch_size=a.batch_size, seed=a.seed, k=a.top_k,
-                               **_placement(a))
+    settings = from_cli(ProfileSettings, vars(a))
     shard, world = _parallel(a)
     result = profile(a.model, settings, a.out, shard=shard, world=world)
     if not world.is_main:
@@ -119,19 +118,11 @@ def _cmd_profile(a) -> None:
 
 
 def _cmd_sweep(a) -> None:
-    from outlierscope.data.tasks import expand_tasks
-    from outlierscope.quant.spec import parse_layers
     from outlierscope.report.tables import sweep_table
     from outlierscope.runs.sweep import SweepSettings, sweep
+    from outlierscope.settings import from_cli
 
-    try:
-        layers = parse_layers(a.layers)
-    except ValueError as e:
-        raise OutlierscopeError(str(e)) from None
-    s = SweepSettings(models=tuple(a.model or DEFAULT_PAIR), bits=tuple(a.bits),
-                      format=a.format, granularity=a.granularity, weights=a.weights, layers=layers, limit=a.limit,
-                      sample=a.sample, seed=a.seed, data=a.data, tasks=expand_tasks(a.task or ["hellaswag"]), text=a.text, text_tokens=a.text_tokens,
-                      batch_size=a.batch_size, attn_error=a.attn_error, **_placement(a))
+    s = from_cli(SweepSettings, vars(a))
     shard, world = _parallel(a)
     result = sweep(s, a.out, force=a.force, shard=shard, world=world)
     if result is not None:
@@ -141,16 +132,10 @@ def _cmd_sweep(a) -> None:
 
 def _cmd_sensitivity(a) -> None:
     from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+    from outlierscope.settings import from_cli
 
     _headless()
-    if a.device_map:
-        raise OutlierscopeError("sensitivity runs on one device; --device-map is not supported here")
-    s = SensitivitySettings(model=a.model, bits=a.bits, format=a.format, granularity=a.granularity, task=a.task,
-                            limit=a.limit, sample=a.sample, seed=a.seed, tolerance=a.tolerance, keep_bits=a.keep_bits,
-                            all_but=not a.no_all_but,
-                            attn_error=not a.no_attn_error, profile_tokens=a.profile_tokens, batch_size=a.batch_size,
-                            dtype=a.dtype, device=a.device, attn_block=a.attn_block)
-    sensitivity(s, a.out)
+    sensitivity(from_cli(SensitivitySettings, vars(a)), a.out)
     print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, sensitivity.json, "
           "figures/)")
 
@@ -205,28 +190,47 @@ def _cmd_report(a) -> None:
 
 def _cmd_reproduce(a) -> None:
     from outlierscope.runs.reproduce import ReproduceSettings, reproduce
+    from outlierscope.settings import from_cli
 
     _headless()
-    path = reproduce(ReproduceSettings(out=a.out, tokens=a.tokens, limit=a.limit, sample=a.sample, batch_size=a.batch_size,
-                                       text=a.text,
-                                       force=a.force, models=tuple(a.model or DEFAULT_PAIR), seq_len=a.seq_len,
-                                       tasks=tuple(a.tasks),
-                                       **_placement(a)))
-    print(f"report: {path}")
+    print(f"report: {reproduce(from_cli(ReproduceSettings, vars(a)))}")
 
 
-def _add_placement(s: argparse.ArgumentParser, blocks: bool = True) -> None:
-    """--device, --dtype, --device-map (and --attn-block) of every command that runs a model."""
+def _add_settings(s: argparse.ArgumentParser, cls) -> None:
+    """The flags of a run command, derived from its settings dataclass (:mod:`outlierscope.settings`): the field's
+    name (or its ``flag``), type, default, choices and help; ``dest`` is the field's name."""
+    from dataclasses import MISSING
+
+    from outlierscope.settings import cli_options
+
+    groups: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for o in cli_options(cls):
+        if o.exclusive and o.exclusive not in groups:
+            groups[o.exclusive] = s.add_mutually_exclusive_group()
+        target = groups[o.exclusive] if o.exclusive else s
+        shown = " ".join(map(str, o.default)) if isinstance(o.default, tuple) else o.default
+        tail = "" if o.kind == "flag" or o.default in (None, MISSING) else f" (default {shown})"
+        kw = {"dest": o.name, "help": (o.help + tail).replace("%", "%%")}
+        if o.kind == "flag":
+            kw.update(action="store_false" if o.default is True else "store_true", default=o.default)
+        else:
+            kw.update(default=None, type=str if o.parse else o.type, choices=o.choices, metavar=o.metavar,
+                      required=o.default is MISSING)
+            if o.kind == "list" and o.parse is None:
+                kw.update(action="append") if o.repeat else kw.update(nargs="+")
+        target.add_argument(o.flag, **kw)
+
+
+def _add_placement(s: argparse.ArgumentParser) -> None:
+    """--device, --dtype, --device-map of ``generate`` (the run commands take them from their settings)."""
+    from outlierscope.models.loading import DEVICE_MAPS
+
     s.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs (default auto: cuda when available, else cpu)")
     s.add_argument("--dtype", default="auto", choices=DTYPES,
-                   help="weights and activations (default auto: the checkpoint's bf16/fp16 on cuda, float32 on cpu); "
-                        "attention logits are float32 in any case")
-    s.add_argument("--device-map", choices=["auto", "balanced", "sequential"],
+                   help="weights and activations (default auto: the checkpoint's bf16/fp16 on cuda, float32 on cpu)")
+    s.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="spread a model larger than one GPU over the GPUs (accelerate); replaces --device")
-    if blocks:
-        s.add_argument("--attn-block", type=int, metavar="ROWS",
-                       help="query rows per attention block (default: so one block's float32 logits stay under 256 MiB)")
 
 
 def _add_shard(s: argparse.ArgumentParser) -> None:
@@ -236,15 +240,15 @@ def _add_shard(s: argparse.ArgumentParser) -> None:
 
 
 def _placement(a) -> dict:
-    out = {"device": a.device, "dtype": a.dtype, "device_map": a.device_map}
-    if hasattr(a, "attn_block"):
-        out["attn_block"] = a.attn_block
-    return out
+    return {"device": a.device, "dtype": a.dtype, "device_map": a.device_map}
 
 
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
-    from outlierscope.quant.names import FORMATS, GRANULARITIES, WEIGHT_MODES
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.runs.reproduce import ReproduceSettings
+    from outlierscope.runs.sensitivity import SensitivitySettings
+    from outlierscope.runs.sweep import SweepSettings
     from outlierscope.train.loop import PRECISIONS
 
     p = argparse.ArgumentParser(
@@ -305,70 +309,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     s.set_defaults(func=_cmd_train)
 
+    # run commands: the flags come from the settings dataclasses; only --model (profile), --out, --force and
+    # --shard are the command line's own (CLI_ONLY)
     s = sub.add_parser("profile", help="activation outliers of attention logits and hidden states (Table 5 and finer)")
     s.add_argument("--model", action="append", required=True, metavar="SPEC",
-                   help="preset role (pair-tiny:diff) or HF model directory; repeat for several models")
-    s.add_argument("--tokens", type=int, default=400_000, help="tokens to stream per model (default 400000, as the paper)")
-    s.add_argument("--text", default="hellaswag", help="hellaswag (validation contexts + gold endings) or a .txt/.jsonl(.xz) file")
-    s.add_argument("--seq-len", type=int, help="tokens per packed sequence (default: min(model context, 256))")
-    s.add_argument("--batch-size", type=int, default=8, help="sequences per forward (default 8); the statistics do not depend on it")
-    s.add_argument("--seed", type=int, default=0, help="seeds the document order")
-    _add_placement(s)
-    s.add_argument("--top-k", type=int, default=100, help="largest values kept with their locations (>= 100)")
+                   help="preset role (pair-tiny:diff), fetched model or HF model directory; repeat for several models")
+    _add_settings(s, ProfileSettings)
     s.add_argument("--out", required=True, help="output directory")
     _add_shard(s)
     s.set_defaults(func=_cmd_profile)
 
-    s = sub.add_parser("sweep", help="HellaSwag accuracy with attention logits quantized to several bit widths (Figure 8)")
-    s.add_argument("--model", action="append", metavar="SPEC",
-                   help="preset role or HF model directory; repeat (default: pair-tiny:transformer and pair-tiny:diff)")
-    s.add_argument("--bits", type=int, nargs="+", default=[16, 8, 6, 4], help="bit widths; 16 = unquantized (default 16 8 6 4)")
-    s.add_argument("--format", default="int", choices=FORMATS, help="int absmax or FP8 (bits 8)")
-    s.add_argument("--granularity", default="per_tensor", choices=GRANULARITIES,
-                   help="one scale per sequence and layer / per head / per query row (default per_tensor)")
+    s = sub.add_parser("sweep", help="zero-shot accuracy with attention logits quantized to several bit widths (Figure 8)")
+    _add_settings(s, SweepSettings)
     s.add_argument("--force", action="store_true", help="replace the tables of a sweep with other settings in --out")
-    s.add_argument("--layers", help="quantize only these layers, e.g. 0-3 or 0,2 (default all)")
-    s.add_argument("--weights", default="none", choices=WEIGHT_MODES, help="also quantize linear weights (bitsandbytes)")
-    g = s.add_mutually_exclusive_group()
-    g.add_argument("--limit", type=int, help="first N validation items of each task (all of a task with fewer)")
-    g.add_argument("--sample", type=int, help="N items of each task drawn at random (with --seed; all of a task with fewer)")
-    s.add_argument("--seed", type=int, default=0, help="seeds --sample and the bootstrap")
-    _add_placement(s)
-    s.add_argument("--task", action="append", metavar="TASK",
-                   help="hellaswag (default) or a zero-shot task (see `outlierscope tasks`); repeat for several; "
-                        "`paper` = the paper's seven, `all` = every task")
-    s.add_argument("--data", help="HellaSwag .jsonl (official format) or .arrow file (default: the cached validation set)")
-    s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
-    s.add_argument("--text-tokens", type=int, default=65536, help="tokens of --text to use (default 65536)")
-    s.add_argument("--batch-size", type=int, default=32,
-                   help="(context, ending) sequences per forward (default 32); the scores do not depend on it")
-    s.add_argument("--attn-error", action="store_true",
-                   help="also measure per layer and head what quantization does to attention (KL, argmax changes, "
-                        "output error) into attn_error.csv; costs 2-5x the time of a cell, one process")
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     _add_shard(s)
     s.set_defaults(func=_cmd_sweep)
 
     s = sub.add_parser("sensitivity", help="per-layer damage of quantized attention, ranked, and a mixed-precision suggestion")
-    s.add_argument("--model", required=True, metavar="SPEC", help="preset role or HF model directory")
-    s.add_argument("--bits", type=int, default=4, help="bit width of the quantized layers (default 4)")
-    s.add_argument("--format", default="int", choices=FORMATS)
-    s.add_argument("--granularity", default="per_tensor", choices=GRANULARITIES)
-    s.add_argument("--task", default="hellaswag", help="hellaswag (default) or a zero-shot task: see `outlierscope tasks`")
-    g = s.add_mutually_exclusive_group()
-    g.add_argument("--limit", type=int, help="first N validation items")
-    g.add_argument("--sample", type=int, help="N items drawn at random (with --seed)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--tolerance", type=float, default=0.05,
-                   help="|mean change of the gold log-likelihood| (nats) the suggested assignment must reach (default 0.05)")
-    s.add_argument("--keep-bits", type=int, default=16,
-                   help="bits of the layers the suggestion keeps (default 16: unquantized; e.g. 8 for a 4/8-bit mix)")
-    s.add_argument("--no-all-but", action="store_true", help="skip the second pass (every layer quantized but one)")
-    s.add_argument("--no-attn-error", action="store_true",
-                   help="skip each layer's attention error (measured in the unquantized cell: costs 2-5x one cell)")
-    s.add_argument("--profile-tokens", type=int, default=20_000, help="tokens for the per-layer outlier statistic")
-    s.add_argument("--batch-size", type=int, default=32)
-    _add_placement(s)
+    _add_settings(s, SensitivitySettings)
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     s.set_defaults(func=_cmd_sensitivity)
 
@@ -388,21 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=_cmd_report)
 
     s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
-    s.add_argument("--model", action="append", metavar="SPEC",
-                   help="model spec, repeatable (default: pair-tiny:transformer and pair-tiny:diff; e.g. smollm2-135m)")
-    s.add_argument("--seq-len", type=int, help="profile sequence length (default: min(model context, 256))")
-    s.add_argument("--out", default="runs/reproduce", help="output directory (default runs/reproduce; completed sweep cells are reused)")
-    g = s.add_mutually_exclusive_group()
-    g.add_argument("--limit", type=int, help="first N items of each task (default: all)")
-    g.add_argument("--sample", type=int, help="N items of each task drawn at random (seed 0)")
-    s.add_argument("--tasks", nargs="+", default=["hellaswag"], metavar="TASK",
-                   help="the sweep's tasks (default hellaswag; `paper` = the paper's seven, `all` = every task)")
-    s.add_argument("--tokens", type=int, default=400_000, help="profiling tokens per model (default 400000)")
-    s.add_argument("--batch-size", type=int, default=32,
-                   help="HellaSwag sequences per forward (default 32); the scores do not depend on it")
-    s.add_argument("--text", help="held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
-    s.add_argument("--force", action="store_true", help="replace the tables of a sweep with other settings in --out")
-    _add_placement(s)
+    _add_settings(s, ReproduceSettings)
     s.set_defaults(func=_cmd_reproduce)
 
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
@@ -412,23 +357,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
     s.add_argument("--top-k", type=int, default=40)
     s.add_argument("--seed", type=int, default=0)
-    _add_placement(s, blocks=False)
+    _add_placement(s)
     s.set_defaults(func=_cmd_generate)
     return p
 
 
-def _flags(parser: argparse.ArgumentParser) -> dict[str, str]:
-    """Python parameter name -> the flag of the chosen command (``batch_size`` -> ``--batch-size``)."""
-    names = {"k": "--top-k", "models": "--model", "specs": "--model", "max_new_tokens": "--max-new-tokens",
-             "time_limit_minutes": "--time-limit", "threads": "--threads",
-             "block_rows": "--attn-block"}
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            for sub in action.choices.values():
-                for act in sub._actions:
-                    for opt in act.option_strings:
-                        if opt.startswith("--"):
-                            names.setdefault(opt[2:].replace("-", "_"), opt)
+# command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
+CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
+            "sensitivity": {"--out"}, "reproduce": set()}
+
+
+def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
+    """Python parameter name -> the flag of ``command`` (``batch_size`` -> ``--batch-size``, ``k`` -> ``--top-k``):
+    each option's ``dest`` is the settings field it fills; a few library parameters have other names."""
+    names = {"specs": "--model", "time_limit_minutes": "--time-limit", "block_rows": "--attn-block"}
+    sub = next((a.choices.get(command) for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    for act in sub._actions if sub is not None else ():
+        longs = [o for o in act.option_strings if o.startswith("--")]
+        if longs:
+            names[act.dest] = longs[0]
     return names
 
 
@@ -442,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         a.func(a)
     except ParamError as e:
-        print(f"outlierscope: error: {e.renamed(_flags(parser))}", file=sys.stderr)
+        print(f"outlierscope: error: {e.renamed(_flags(parser, a.command))}", file=sys.stderr)
         return 2
     except OutlierscopeError as e:
         print(f"outlierscope: error: {e}", file=sys.stderr)

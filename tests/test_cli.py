@@ -130,3 +130,57 @@ def test_permission_error_is_one_line(capsys, monkeypatch):
     rc = main(["info"])
     err = capsys.readouterr().err
     assert rc == 2 and "permission denied: /cache/hellaswag-validation.arrow" in err and err.count("\n") == 1
+
+
+RUNS = {"profile": ("outlierscope.runs.profile", "ProfileSettings", ["--model", "pair-tiny:diff", "--out", "o"], {}),
+        "sweep": ("outlierscope.runs.sweep", "SweepSettings", ["--out", "o"], {}),
+        "sensitivity": ("outlierscope.runs.sensitivity", "SensitivitySettings", ["--model", "m", "--out", "o"],
+                        {"model": "m"}),
+        "reproduce": ("outlierscope.runs.reproduce", "ReproduceSettings", [], {})}
+
+
+def _subparser(cmd):
+    import argparse
+
+    p = build_parser()
+    return next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices[cmd]
+
+
+@pytest.mark.parametrize("cmd", RUNS)
+def test_run_flags_are_the_settings_fields(cmd):
+    """Every flag of a run command is a field of its settings dataclass or listed as CLI-only, and every field has
+    its flag; the command line with no options gives the dataclass's defaults."""
+    import dataclasses
+    import importlib
+
+    from outlierscope.cli import CLI_ONLY
+    from outlierscope.settings import cli_options, from_cli
+
+    module, name, argv, required = RUNS[cmd]
+    cls = getattr(importlib.import_module(module), name)
+    sub = _subparser(cmd)
+    flags = {o for a in sub._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    options = cli_options(cls)
+    assert {o.name for o in options} == fields, "a settings field without a flag"
+    assert flags == {o.flag for o in options} | CLI_ONLY[cmd], "a flag without a settings field"
+    dests = {a.dest for a in sub._actions}
+    assert fields <= dests  # each flag fills its field
+    parsed = vars(sub.parse_args(argv))
+    assert from_cli(cls, parsed) == cls(**required)
+
+
+def test_sensitivity_offers_no_device_map():
+    flags = {o for a in _subparser("sensitivity")._actions for o in a.option_strings}
+    assert "--device-map" not in flags and "--device" in flags
+
+
+def test_task_is_one_flag_everywhere():
+    for cmd in ("sweep", "reproduce", "sensitivity"):
+        flags = {o for a in _subparser(cmd)._actions for o in a.option_strings}
+        assert "--task" in flags and "--tasks" not in flags, cmd
+    a = _subparser("reproduce").parse_args(["--task", "copa", "--task", "paper"])
+    from outlierscope.runs.reproduce import ReproduceSettings
+    from outlierscope.settings import from_cli
+
+    assert from_cli(ReproduceSettings, vars(a)).tasks[0] == "copa"

@@ -8,11 +8,11 @@ model split by a device map between cuda:0 and the CPU.
 import pytest
 import torch
 
+from outlierscope.analysis.outliers import OutlierStats
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.capture import capture
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
-from outlierscope.stats.outliers import OutlierStats
 from tests.hooks.test_capture import make
 
 pytestmark = [pytest.mark.cuda,

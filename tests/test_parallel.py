@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from outlierscope.analysis.reducers import LogBins, Moments, TopK
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
-from outlierscope.stats.reducers import LogBins, Moments, TopK
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}

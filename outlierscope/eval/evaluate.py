@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from outlierscope.analysis.attention_error import measure_attention_error
+from outlierscope.analysis.paired import compare, mean_stderr
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
@@ -30,9 +32,8 @@ from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
-from outlierscope.quant.apply import measure_attention_error, quantize_attention
+from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
-from outlierscope.stats.paired import compare, mean_stderr
 
 N_CHOICES = 4
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
@@ -233,7 +234,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     ``layout``: ``"separate"`` (one sequence per context and choice) or ``"shared"`` (a context's choices share
     its prefix; exact only when each attention row depends on its own keys: unquantized or per_row);
     None: :func:`layout_for` ``quant``. Observers of every sequence (e.g. a measuring stage) see the layout.
-    ``attn_error``: an :class:`~outlierscope.stats.attention_error.AttentionErrorStats` that also receives, per
+    ``attn_error``: an :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` that also receives, per
     layer and head, what ``quant`` does to the attention of every scored sequence (one process, whole runs).
     Non-finite log-likelihoods are an error naming the first such item.
 

@@ -10,15 +10,16 @@ whole (B, H, T, S) float32 logits fit ``block_bytes``)::
 
     for each block of rows [t0, t1):
         logits = (query[t0:t1] @ repeat_kv(key)^T) * scaling  # (B, H, t1-t0, S), float32 at least
-        for stage in stages: logits = stage(ctx, logits)       # observe and/or quantize, in entry order
+        for stage in stages: logits = stage.apply(ctx, logits) # observe and/or quantize, in entry order
         logits = softcap * tanh(logits / softcap)              # only for models with logit soft-capping
         probs  = softmax(where(allowed, logits, min), float32) # whole rows: exact
         out[t0:t1] = probs.to(dtype) @ repeat_kv(value)
 
-A stage whose result depends on rows outside the block (an absmax scale per head or per tensor)
-has a ``prepass(ctx, logits)``: when there are several blocks, a first pass computes every block
-and hands it to ``prepass``, which keeps only a reduction (the absmax) in ``ctx.state``; the
-second pass recomputes the blocks and applies the stages with that state. Max is exact, so the
+A stage is a :class:`Stage`: what it does to a block (``apply``), whether it hands the tensor to
+user code (``observes``), and, when its result depends on rows outside the block (an absmax scale
+per head or per tensor), the reduction it needs over all rows (``reduce``): with several blocks, a
+first pass computes every block and keeps only ``reduce``'s result, the elementwise max over the
+blocks; the second pass recomputes the blocks and the stage reads that max as ``ctx.reduced(stage)``. Max is exact, so the
 blocked result equals the unblocked one up to the matmul's rounding (BLAS sums a block of rows in
 another order than the whole matrix: about 1e-16 relative in float64, 1e-7 in float32); a
 quantization scale is the same max. Observers see each block once, with ``ctx.q_start``, its first row.
@@ -41,7 +42,6 @@ call's ``state``, so stages observe once per layer and memory stays bounded.
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -58,7 +58,6 @@ _IGNORED_KWARGS = {
     "return_dict", "position_embeddings",
 }
 _PREFIX = "outlierscope-"
-_counter = itertools.count()
 
 
 @dataclass
@@ -72,7 +71,7 @@ class LogitContext:
     is_diff: bool
     q_start: int = 0  # index of the block's first query row among the call's q_total rows
     q_total: int | None = None  # query rows of the whole call (None: this block is all of them)
-    state: dict | None = None  # reductions of prepass stages over all blocks; None when there is one block
+    state: dict | None = None  # Stage -> its reduction over all blocks; None when there is one block
     value: torch.Tensor | None = None  # (B, H, S, d): the call's values, repeated per query head
 
     @property
@@ -81,14 +80,33 @@ class LogitContext:
         total = self.q_total if self.q_total is not None else self.valid.shape[-2]
         return self.q_start + self.valid.shape[-1] - total
 
+    def reduced(self, stage: Stage) -> torch.Tensor | None:
+        """``stage.reduce`` over all blocks of rows of this call (elementwise max); None when the call is one block
+        (the stage then reduces its own logits) or the stage reduced nothing for this layer."""
+        return None if self.state is None else self.state.get(stage)
 
-Stage = Callable[[LogitContext, torch.Tensor], torch.Tensor]
-"""Gets the logits (B, H, t, S) of a block of query rows, returns them or a new tensor. It must not modify
-its input. A stage that passes the tensor on to user code sets ``stage.observes = True`` (it must then
-return its input unchanged); otherwise the attention function may reuse the tensor's memory after the
-stages (masking in place), and may call the stage again on the same logits (it must be deterministic).
-A stage that needs a reduction over all query rows has ``stage.prepass(ctx, logits)``, see the module
-docstring."""
+
+@dataclass(eq=False, frozen=True)
+class Stage:
+    """One step of the attention function, run on every block of logits (B, H, t, S) in the order stages were added.
+
+    ``apply(ctx, logits)`` returns the logits or a new tensor and never modifies its input; it must be
+    deterministic (a block may be recomputed and applied again). ``observes``: the stage hands the tensor to
+    user code (it then returns its input unchanged; the attention function never masks that tensor in place,
+    and runs the stage once per layer, not again in DiffLlama's second call). ``reduce(ctx, logits)``: for a
+    stage that needs a reduction over all query rows (an absmax scale per head or per tensor), the block's
+    reduction (or None for a layer it leaves alone); the stage reads the max over blocks as
+    ``ctx.reduced(self)``. Stages are compared by identity (each is a key of ``ctx.state``)."""
+
+    apply: Callable[[LogitContext, torch.Tensor], torch.Tensor]
+    observes: bool = False
+    reduce: Callable[[LogitContext, torch.Tensor], torch.Tensor | None] | None = None
+    name: str = "stage"
+
+
+def as_stage(stage: Stage | Callable) -> Stage:
+    """A :class:`Stage`; a plain ``f(ctx, logits)`` is a non-observing stage without a reduction."""
+    return stage if isinstance(stage, Stage) else Stage(apply=stage, name=getattr(stage, "__name__", "stage"))
 
 BLOCK_BYTES = 256 * 2**20  # default budget of one block's float32 logits (B, H, t, S)
 
@@ -158,7 +176,7 @@ class _AttentionFunction:
         self.model_name = type(model).__name__
         self.stages = stages
         self.block_rows, self.block_bytes = rows, block_bytes
-        self.exposes = any(getattr(st, "observes", False) for st in stages)
+        self.exposes = any(st.observes for st in stages)
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
         self._memo: tuple | None = None  # (module, query, key, probs or None, state) of the last call, for DiffLlama's second call
@@ -194,7 +212,7 @@ class _AttentionFunction:
             k = k.float()
         call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows, v)  # (B, H, d, S)
         if second:  # blocks again, with the non-observing stages and the first call's prepass state
-            stages, state = tuple(st for st in self.stages if not getattr(st, "observes", False)), memo[4]
+            stages, state = tuple(st for st in self.stages if not st.observes), memo[4]
         else:
             stages, state = self.stages, self._prepass(call)
         if rows >= T:  # one block
@@ -223,9 +241,10 @@ class _AttentionFunction:
         return ctx, masked
 
     def _prepass(self, call: _Call) -> dict | None:
-        """Reductions of the prepass stages over all blocks (one pass per such stage); None for one block."""
+        """Each reducing stage's reduction over all blocks, the elementwise max (one pass per such stage, through the
+        non-observing stages before it); None for one block."""
         T = call.query.shape[2]
-        idx = [i for i, st in enumerate(self.stages) if hasattr(st, "prepass")]
+        idx = [i for i, st in enumerate(self.stages) if st.reduce is not None]
         if call.rows >= T or not idx:
             return None
         state: dict = {}
@@ -235,16 +254,19 @@ class _AttentionFunction:
                 ctx, _ = self._ctx(call, t0, t1, state)
                 x = self._logits(call, t0, t1)
                 for st in self.stages[:g]:
-                    if not getattr(st, "observes", False):
-                        x = st(ctx, x)
-                self.stages[g].prepass(ctx, x)
+                    if not st.observes:
+                        x = st.apply(ctx, x)
+                r = self.stages[g].reduce(ctx, x)
+                if r is not None:
+                    prev = state.get(self.stages[g])
+                    state[self.stages[g]] = r if prev is None else torch.maximum(prev, r)
         return state
 
     def _block_probs(self, call: _Call, stages, state: dict | None, t0: int, t1: int) -> torch.Tensor:
         ctx, masked = self._ctx(call, t0, t1, state)
         logits = self._logits(call, t0, t1)
         for stage in stages:
-            logits = stage(ctx, logits)
+            logits = stage.apply(ctx, logits)
         if call.softcap is not None:
             logits = torch.tanh(logits / call.softcap) * call.softcap
         fill = torch.finfo(logits.dtype).min
@@ -290,7 +312,7 @@ def _current_function(model: nn.Module):
 
 
 @contextlib.contextmanager
-def attention_stages(model: nn.Module, stage: Stage, block_rows: int | None = None,
+def attention_stages(model: nn.Module, stage: Stage | Callable, block_rows: int | None = None,
                      block_bytes: int | None = None) -> Iterator[None]:
     """Run ``model`` with its attention through our function, ``stage`` added after any active ones.
 
@@ -314,8 +336,9 @@ def attention_stages(model: nn.Module, stage: Stage, block_rows: int | None = No
         raise ParamError("block_bytes", "a positive number of bytes", block_bytes)
     if block_rows is None and block_bytes is None and outer is not None:
         block_rows, block_bytes = outer.block_rows, outer.block_bytes
-    fn = _AttentionFunction(model, (*(outer.stages if outer else ()), stage), block_rows, block_bytes or BLOCK_BYTES)
-    name = f"{_PREFIX}{next(_counter)}"
+    fn = _AttentionFunction(model, (*(outer.stages if outer else ()), as_stage(stage)), block_rows,
+                            block_bytes or BLOCK_BYTES)
+    name = f"{_PREFIX}{id(fn):x}"  # unique while registered: fn lives until the cleanup below
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _bool_mask)
     try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from outlierscope.hooks.attention import LogitContext, attention_stages
+from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
 from outlierscope.hooks.points import DEFAULT_POINTS, Point, decoder_layers, point_name, resolve_points
 
 
@@ -98,13 +98,14 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
 
         return hook
 
-    def logit_stage(ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
+    def observe(ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
         p = logit_layers.get(ctx.layer)
         if p is not None:
             emit(Observation(p, logits.detach(), ctx.valid, cap.sequences, ctx.n_heads, ctx.is_diff, ctx.query_offset))
         return logits
 
-    logit_stage.observes = True  # the attention function must not reuse memory that reducers may hold
+    # observes: the attention function must not reuse memory that reducers may hold
+    logit_stage = Stage(apply=observe, observes=True, name="capture")
 
     try:
         handles.append(model.register_forward_pre_hook(pre_forward, with_kwargs=True))

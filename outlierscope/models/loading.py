@@ -19,6 +19,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.presets import PRESETS, ROLES
+from outlierscope.settings import option
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
 DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
@@ -28,6 +29,29 @@ CONTEXT_NAMES = ("max_position_embeddings", "n_positions", "max_target_positions
                  "seq_length", "max_seq_len", "n_ctx")
 NOT_CAUSAL = {"bert", "roberta", "t5", "mt5", "bart", "mbart", "distilbert", "electra", "deberta", "deberta-v2",
               "xlm-roberta", "albert", "encoder-decoder", "pegasus", "marian", "longt5", "umt5", "mpnet"}
+
+
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
+
+
+# the placement settings every run shares, declared once (outlierscope.settings): the runs' dataclasses use these
+def dtype_option():
+    return option("auto", "weights and activations (auto: the checkpoint's bf16/fp16 on cuda, float32 on the cpu); "
+                  "attention logits are float32 in any case", choices=DTYPES)
+
+
+def device_option():
+    return option("auto", "where the model runs (auto: cuda when available, else cpu)", metavar="{auto,cpu,cuda,cuda:N}")
+
+
+def device_map_option():
+    return option(None, "spread a model larger than one GPU over the GPUs (accelerate); replaces --device",
+                  choices=DEVICE_MAPS)
+
+
+def attn_block_option():
+    return option(None, "query rows per attention block (default: so one block's float32 logits stay under 256 MiB)",
+                  metavar="ROWS")
 
 
 def check_dtype(dtype: str) -> str:
@@ -46,7 +70,7 @@ def check_placement(device: str, dtype: str, device_map, attn_block: int | None)
     check_dtype(dtype)
     if not _is_device(device):
         raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
-    if device_map not in (None, "auto", "balanced", "balanced_low_0", "sequential") and not isinstance(device_map, dict):
+    if device_map not in (None, *DEVICE_MAPS) and not isinstance(device_map, dict):
         raise ParamError("device_map", "auto, balanced, balanced_low_0, sequential or a dict (accelerate's placement)", device_map)
     if attn_block is not None and (not isinstance(attn_block, int) or attn_block < 1):
         raise ParamError("attn_block", "a positive number of query rows (or None: from a 256 MiB budget)", attn_block)

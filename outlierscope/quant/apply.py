@@ -1,4 +1,6 @@
-"""Apply quantization to a model: attention logits (our primitives) and weights (bitsandbytes)."""
+"""Apply quantization to a model: attention logits (our primitives) and weights (bitsandbytes).
+
+What quantization does to attention is measured in :mod:`outlierscope.analysis.attention_error`."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.hooks.attention import LogitContext, attention_stages
+from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec
@@ -28,22 +30,12 @@ def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = N
                                 f"{','.join(map(str, attention))}")
 
 
-def _blocked_amax(stage, spec: QuantSpec, ctx: LogitContext):
-    """The absmax ``stage``'s prepass kept over all blocks of rows; None with one block (the logits' own)."""
-    return ctx.state[stage] if spec.spans_rows and ctx.state is not None else None
-
-
-def _attach_prepass(stage, spec: QuantSpec):
-    """Blocked attention: a scale over query rows (per_head, per_tensor) takes the absmax over all blocks first."""
-    def prepass(ctx: LogitContext, logits) -> None:
-        if spec.applies_to(ctx.layer):
-            amax = spec.absmax(logits, ctx.valid)
-            prev = ctx.state.get(stage)
-            ctx.state[stage] = amax if prev is None else torch.maximum(prev, amax)
-
-    if spec.spans_rows:
-        stage.prepass = prepass
-    return stage
+def absmax_reduction(spec: QuantSpec):
+    """A :class:`~outlierscope.hooks.attention.Stage` ``reduce`` for blocked attention: a scale over query rows
+    (per_head, per_tensor) is the absmax over all blocks of rows; None for a spec whose scale stays in a block."""
+    if not spec.spans_rows:
+        return None
+    return lambda ctx, logits: spec.absmax(logits, ctx.valid) if spec.applies_to(ctx.layer) else None
 
 
 @contextlib.contextmanager
@@ -59,37 +51,13 @@ def quantize_attention(model: nn.Module, spec: QuantSpec, block_rows: int | None
     """
     check_layers(spec, len(decoder_layers(model)), attention_layers(model))
 
-    def stage(ctx: LogitContext, logits):
-        if not spec.applies_to(ctx.layer):
-            return logits
-        return spec(logits, ctx.valid, _blocked_amax(stage, spec, ctx))
+    def quantize(ctx: LogitContext, logits):
+        return spec(logits, ctx.valid, ctx.reduced(stage)) if spec.applies_to(ctx.layer) else logits
 
-    _attach_prepass(stage, spec)
+    stage = Stage(apply=quantize, reduce=absmax_reduction(spec), name=f"quantize {spec.label}")
     # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
     with attention_stages(model, stage, block_rows=block_rows):
         yield spec
-
-
-@contextlib.contextmanager
-def measure_attention_error(model: nn.Module, spec: QuantSpec, stats, block_rows: int | None = None) -> Iterator:
-    """Stream into ``stats`` (:class:`~outlierscope.stats.attention_error.AttentionErrorStats`) what quantizing the
-    logits with ``spec`` does to each layer's attention, without changing the model: an observing stage
-    quantizes a copy and compares. Entered before :func:`quantize_attention` with the same spec, it
-    measures each layer against the unquantized logits of the same forward (same layer input)::
-
-        stats = AttentionErrorStats(n_layers, n_heads)
-        with measure_attention_error(model, spec, stats), quantize_attention(model, spec):
-            model(input_ids=ids, attention_mask=mask)
-    """
-    def stage(ctx: LogitContext, logits):
-        if spec.applies_to(ctx.layer) and not spec.is_identity:
-            stats.update(ctx.layer, logits, spec(logits, ctx.valid, _blocked_amax(stage, spec, ctx)), ctx.valid, ctx.value)
-        return logits
-
-    stage.observes = True  # returns its input: runs once per layer (not again in DiffLlama's second call)
-    _attach_prepass(stage, spec)
-    with attention_stages(model, stage, block_rows=block_rows):
-        yield stats
 
 
 def quantize_weights(model: nn.Module, mode: str) -> nn.Module:

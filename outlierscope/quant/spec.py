@@ -43,6 +43,14 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
     return tuple(sorted(out))
 
 
+def layers_option(text: str) -> tuple[int, ...] | None:
+    """:func:`parse_layers` for a setting given as text (the command line): a malformed list is a one-line error."""
+    try:
+        return parse_layers(text)
+    except ValueError as e:
+        raise OutlierscopeError(str(e)) from None
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """Dynamic absmax post-training quantization of attention logits.

@@ -286,7 +286,7 @@ def damage_vs_outliers(table: pd.DataFrame, rho: float) -> plt.Figure:
 
 def attention_error_heads(heads: pd.DataFrame, value: str = "kl_mean") -> plt.Figure:
     """Heatmap over layers (rows) and heads (columns) of one attention-error column of ``attn_error.csv``
-    (:meth:`~outlierscope.stats.attention_error.AttentionErrorStats.table`), e.g. the mean KL per row."""
+    (:meth:`~outlierscope.analysis.attention_error.AttentionErrorStats.table`), e.g. the mean KL per row."""
     grid = heads.pivot(index="layer", columns="head", values=value)  # (layers, heads)
     fig, ax = plt.subplots(figsize=(min(2 + 0.35 * grid.shape[1], 14), min(1.5 + 0.3 * grid.shape[0], 12)),
                            layout="constrained")

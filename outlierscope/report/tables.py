@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pandas as pd
 
+from outlierscope.analysis.outliers import TABLE5_RANKS
 from outlierscope.quant.names import UNQUANTIZED_BITS
-from outlierscope.stats.outliers import TABLE5_RANKS
 
 
 def table5_markdown(df: pd.DataFrame, facts: dict) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 
+from outlierscope.analysis.outliers import KIND_LABEL, OutlierStats
 from outlierscope.data.text import pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
@@ -37,7 +38,11 @@ from outlierscope.io import (
 )
 from outlierscope.models.loading import (
     LoadedModel,
+    attn_block_option,
     check_placement,
+    device_map_option,
+    device_option,
+    dtype_option,
     model_device,
     model_dtype,
     resolve_seq_len,
@@ -45,22 +50,23 @@ from outlierscope.models.loading import (
 )
 from outlierscope.parallel import Shard, World, find_shards, owned_shards, shard_of
 from outlierscope.report.tables import table5_markdown
-from outlierscope.stats.outliers import KIND_LABEL, OutlierStats
+from outlierscope.settings import option
 
 
 @dataclass(frozen=True)
 class ProfileSettings:
-    tokens: int = 400_000
-    text: str = "hellaswag"
-    seq_len: int | None = None  # None: min(model context, 256)
-    batch_size: int = 8
-    seed: int = 0
-    k: int = 100
-    points: tuple[str, ...] = DEFAULT_POINTS
-    dtype: str = "auto"  # of the weights and activations (load_model): auto = float32 on the CPU
-    device: str = "auto"  # auto = cuda when available
-    device_map: str | None = None  # accelerate's placement for models larger than one GPU
-    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
+    tokens: int = option(400_000, "tokens to stream per model (the paper: 400000)")
+    text: str = option("hellaswag", "hellaswag (validation contexts + gold endings) or a .txt/.jsonl(.xz) file")
+    seq_len: int | None = option(None, "tokens per packed sequence (default: min(model context, 256))")
+    batch_size: int = option(8, "sequences per forward; the statistics do not depend on it")
+    seed: int = option(0, "seeds the document order")
+    k: int = option(100, "largest values kept with their locations (>= 100)", flag="--top-k")
+    points: tuple[str, ...] = option(DEFAULT_POINTS, "observation points or patterns (layers.*.hidden); repeat",
+                                     flag="--points", repeat=True, metavar="POINT")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    device_map: str | None = device_map_option()
+    attn_block: int | None = attn_block_option()
 
     def __post_init__(self):
         object.__setattr__(self, "points", tuple(self.points))

@@ -9,27 +9,32 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.io import git_commit, machine, versions, write_json
+from outlierscope.models.loading import attn_block_option, device_map_option, device_option, dtype_option
 from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
+from outlierscope.quant.names import GRANULARITIES
+from outlierscope.settings import option
 
 
 @dataclass(frozen=True)
 class ReproduceSettings:
-    out: str = "runs/reproduce"
-    tokens: int = 400_000
-    limit: int | None = None
-    sample: int | None = None  # N items drawn at random (seed 0) instead of the first ``limit``
-    bits: tuple[int, ...] = (16, 8, 6, 4)
-    granularity: str = "per_tensor"
-    models: tuple[str, ...] = DEFAULT_PAIR
-    tasks: tuple[str, ...] = ("hellaswag",)  # the sweep's tasks; the suites `paper` and `all` are expanded
-    batch_size: int = 32
-    text: str | None = None
-    seq_len: int | None = None  # profile sequence length; None: min(model context, 256)
-    force: bool = False  # replace the tables of a sweep with other settings in out/sweep
-    device: str = "auto"  # where the models run (load_model); auto = cuda when available
-    dtype: str = "auto"  # auto = the checkpoint's bf16/fp16 on cuda, float32 on the CPU
-    device_map: str | None = None  # accelerate's placement for models larger than one GPU
-    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
+    out: str = option("runs/reproduce", "output directory (completed sweep cells are reused)")
+    tokens: int = option(400_000, "profiling tokens per model")
+    limit: int | None = option(None, "first N items of each task (default: all)", exclusive="items")
+    sample: int | None = option(None, "N items of each task drawn at random (seed 0)", exclusive="items")
+    bits: tuple[int, ...] = option((16, 8, 6, 4), "bit widths of the sweep; 16 = unquantized")
+    granularity: str = option("per_tensor", "the sweep's scale granularity", choices=GRANULARITIES)
+    models: tuple[str, ...] = option(DEFAULT_PAIR, "model spec, repeat (e.g. smollm2-135m)", flag="--model",
+                                     repeat=True, metavar="SPEC")
+    tasks: tuple[str, ...] = option(("hellaswag",), "the sweep's tasks, repeat (`paper` = the paper's seven, `all` = "
+                                    "every task)", flag="--task", repeat=True, metavar="TASK")
+    batch_size: int = option(32, "HellaSwag sequences per forward; the scores do not depend on it")
+    text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
+    seq_len: int | None = option(None, "profile sequence length (default: min(model context, 256))")
+    force: bool = option(False, "replace the tables of a sweep with other settings in OUT/sweep")
+    device: str = device_option()
+    dtype: str = dtype_option()
+    device_map: str | None = device_map_option()
+    attn_block: int | None = attn_block_option()
 
     def __post_init__(self):  # the suites expanded and every name checked before anything runs
         from outlierscope.data.tasks import expand_tasks

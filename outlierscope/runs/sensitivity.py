@@ -10,7 +10,7 @@
 
 Each evaluation is a resumable cell (``cells/<name>.csv/.json``, reused when its settings match). With
 ``attn_error`` the unquantized cell also measures, for every layer, what ``spec`` does to that layer's
-attention (KL, top-key changes, output error; :mod:`outlierscope.stats.attention_error`) without
+attention (KL, top-key changes, output error; :mod:`outlierscope.analysis.attention_error`) without
 applying it: each layer's input is then the unquantized one, exactly what its one-layer cell quantizes,
 so one measured forward gives every one-layer cell's own attention error. All cells, the unquantized one
 too, score the same sequences (the layout of ``spec``: with a per_tensor scale, one per context and
@@ -21,42 +21,46 @@ damage, with the Spearman rank correlation, to ask whether outliers predict wher
 from __future__ import annotations
 
 import contextlib
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from outlierscope.analysis.attention_error import AttentionErrorStats, measure_attention_error, pool_heads
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
-from outlierscope.models.loading import check_placement
-from outlierscope.quant.apply import measure_attention_error, quantize_attention
-from outlierscope.quant.names import UNQUANTIZED_BITS
+from outlierscope.models.loading import attn_block_option, check_placement, device_option, dtype_option
+from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.stats.attention_error import AttentionErrorStats, pool_heads
+from outlierscope.settings import option
 
 
 @dataclass(frozen=True)
 class SensitivitySettings:
-    model: str
-    bits: int = 4
-    format: str = "int"
-    granularity: str = "per_tensor"
-    task: str = "hellaswag"
-    limit: int | None = None
-    sample: int | None = None
-    seed: int = 0
-    tolerance: float = 0.05  # |mean change of the gold log-likelihood| (nats) the greedy assignment must reach
-    keep_bits: int = 16  # the greedy's kept layers: unquantized (16) or at these bits (e.g. 8), above ``bits``
-    all_but: bool = True  # the second pass: every layer quantized but one
-    attn_error: bool = True  # every layer's attention error, measured in the unquantized cell (2-5x one cell on the CPU)
-    profile_tokens: int = 20_000  # tokens of the short profile for the per-layer outlier statistic
-    batch_size: int = 32
-    dtype: str = "auto"
-    device: str = "auto"
-    attn_block: int | None = None
+    model: str = option(MISSING, "preset role, fetched model or HF model directory", metavar="SPEC")
+    bits: int = option(4, "bit width of the quantized layers")
+    format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
+    granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
+                              choices=GRANULARITIES)
+    task: str = option("hellaswag", "hellaswag or a zero-shot task (see `outlierscope tasks`)", metavar="TASK")
+    limit: int | None = option(None, "first N validation items", exclusive="items")
+    sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
+    seed: int = option(0, "seeds --sample")
+    tolerance: float = option(0.05, "|mean change of the gold log-likelihood| (nats) the suggested assignment must "
+                              "reach")
+    keep_bits: int = option(16, "bits of the layers the suggestion keeps (16: unquantized; e.g. 8 for a 4/8-bit mix)")
+    all_but: bool = option(True, "skip the second pass (every layer quantized but one)")
+    attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
+                              "one cell)")
+    profile_tokens: int = option(20_000, "tokens of the short profile for the per-layer outlier statistic")
+    batch_size: int = option(32, "sequences per forward; the scores do not depend on it")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    attn_block: int | None = attn_block_option()
 
     def __post_init__(self):
         from outlierscope.data.tasks import check_task

@@ -20,48 +20,74 @@ from pathlib import Path
 
 import pandas as pd
 
-from outlierscope.data.tasks import chance_percent, check_task, task_label, task_metrics
+from outlierscope.analysis.attention_error import AttentionErrorStats
+from outlierscope.analysis.paired import BOOTSTRAP_REPS
+from outlierscope.data.tasks import chance_percent, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json
-from outlierscope.models.loading import check_model, check_placement, num_layers
+from outlierscope.models.loading import (
+    attn_block_option,
+    check_model,
+    check_placement,
+    device_map_option,
+    device_option,
+    dtype_option,
+    num_layers,
+)
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_layers, quantize_weights
-from outlierscope.quant.names import UNQUANTIZED_BITS, WEIGHT_MODES
-from outlierscope.quant.spec import QuantSpec, build_spec
+from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
+from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
-from outlierscope.stats.attention_error import AttentionErrorStats
-from outlierscope.stats.paired import BOOTSTRAP_REPS
+from outlierscope.settings import option
 
 
 @dataclass(frozen=True)
 class SweepSettings:
-    models: tuple[str, ...] = DEFAULT_PAIR
-    bits: tuple[int, ...] = (16, 8, 6, 4)
-    format: str = "int"
-    granularity: str = "per_tensor"
-    weights: str = "none"
-    layers: tuple[int, ...] | None = None
-    limit: int | None = None
-    sample: int | None = None
-    seed: int = 0
-    tasks: tuple[str, ...] = ("hellaswag",)  # and/or zero-shot tasks of outlierscope.data.tasks (`outlierscope tasks`)
-    data: str | None = None  # HellaSwag file; None: the cached validation set
-    text: str | None = None  # held-out text for LM loss
-    text_tokens: int = 65_536
-    batch_size: int = 32
-    dtype: str = "auto"  # of the weights and activations (load_model): auto = float32 on the CPU
-    device: str = "auto"  # auto = cuda when available
-    device_map: str | None = None  # accelerate's placement for models larger than one GPU
-    attn_block: int | None = None  # query rows per attention block; None: from a 256 MiB budget
-    attn_error: bool = False  # also measure, per layer and head, what quantization does to attention (one process)
+    models: tuple[str, ...] = option(DEFAULT_PAIR, "preset role, fetched model or HF model directory; repeat",
+                                     flag="--model", repeat=True, metavar="SPEC")
+    bits: tuple[int, ...] = option((16, 8, 6, 4), "bit widths; 16 = unquantized")
+    format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
+    granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
+                              choices=GRANULARITIES)
+    weights: str = option("none", "also quantize linear weights (bitsandbytes)", choices=WEIGHT_MODES)
+    layers: tuple[int, ...] | None = option(None, "quantize only these layers, e.g. 0-3 or 0,2 (default all)",
+                                            parse=layers_option)
+    limit: int | None = option(None, "first N validation items of each task (all of a task with fewer)",
+                               exclusive="items")
+    sample: int | None = option(None, "N items of each task drawn at random (with --seed; all of a task with fewer)",
+                                exclusive="items")
+    seed: int = option(0, "seeds --sample and the bootstrap")
+    tasks: tuple[str, ...] = option(("hellaswag",), "hellaswag or a zero-shot task (see `outlierscope tasks`); repeat "
+                                    "for several; `paper` = the paper's seven, `all` = every task", flag="--task",
+                                    repeat=True, metavar="TASK")
+    data: str | None = option(None, "HellaSwag .jsonl (official format) or .arrow file (default: the cached "
+                              "validation set)")
+    text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
+    text_tokens: int = option(65_536, "tokens of --text to use")
+    batch_size: int = option(32, "(context, ending) sequences per forward; the scores do not depend on it")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    device_map: str | None = device_map_option()
+    attn_block: int | None = attn_block_option()
+    attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
+                              "argmax changes, output error) into attn_error.csv; costs 2-5x the time of a cell, "
+                              "one process")
 
     def __post_init__(self):
+        from outlierscope.data.tasks import expand_tasks
+
         object.__setattr__(self, "models", tuple(self.models))
         object.__setattr__(self, "bits", tuple(self.bits))
-        object.__setattr__(self, "tasks", (self.tasks,) if isinstance(self.tasks, str) else tuple(self.tasks))
+        names = (self.tasks,) if isinstance(self.tasks, str) else tuple(self.tasks)
+        dup = sorted({t for t in names if names.count(t) > 1})
+        if dup:
+            raise ParamError("tasks", "distinct task names", list(names), f"{dup[0]} is given twice")
+        # the suites expanded (and every name checked) here: the record holds the tasks that ran
+        object.__setattr__(self, "tasks", expand_tasks(names))
         if not self.models:
             raise ParamError("models", "at least one model spec (two for a side-by-side sweep)", ())
         dup = sorted({m for m in self.models if self.models.count(m) > 1})
@@ -70,11 +96,6 @@ class SweepSettings:
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
         if not self.tasks:
             raise ParamError("tasks", "at least one task (hellaswag or one of `outlierscope tasks`)", ())
-        for t in self.tasks:
-            check_task(t)
-        dup = sorted({t for t in self.tasks if self.tasks.count(t) > 1})
-        if dup:
-            raise ParamError("tasks", "distinct task names", list(self.tasks), f"{dup[0]} is given twice")
         if self.data is not None and "hellaswag" not in self.tasks:
             raise ParamError("data", "None unless the tasks include hellaswag (the other tasks' rows come from the cache)",
                              self.data)

@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
+from outlierscope.analysis.paired import mean_stderr
 from outlierscope.data.hellaswag import HellaSwagItem, build_doc, preprocess
 from outlierscope.eval.hellaswag import Encoder, build_requests, predictions
-from outlierscope.stats.paired import mean_stderr
 
 
 @pytest.mark.parametrize("raw,expected", [

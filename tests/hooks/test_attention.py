@@ -5,12 +5,12 @@ DiffLlama's two calls per layer."""
 import pytest
 import torch
 
+from outlierscope.analysis.outliers import OutlierStats
 from outlierscope.errors import ParamError
 from outlierscope.hooks.attention import BLOCK_BYTES, attention_stages, block_rows
 from outlierscope.hooks.capture import capture
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
-from outlierscope.stats.outliers import OutlierStats
 from tests.hooks.test_capture import make
 
 ARCHS = ["llama", "diffllama", "mistral", "gemma2", "gpt2"]

@@ -301,7 +301,7 @@ def test_model_without_interface():
 
 
 def test_nan_is_reported():
-    from outlierscope.stats.outliers import OutlierStats
+    from outlierscope.analysis.outliers import OutlierStats
 
     model = make("llama")
     stats = OutlierStats.for_model(model, seq_len=8)

@@ -17,8 +17,8 @@ def test_reproduce_with_tasks(tiny_pair, tmp_path, capsys):
     if not hellaswag_path().exists() or not get_task("copa").cached:
         pytest.skip("data not cached (make test fetches it)")
     out = tmp_path / "rep"
-    assert main(["reproduce", "--model", str(tiny_pair["transformer"]), "--model", str(tiny_pair["diff"]), "--tasks", "copa",
-                 "hellaswag", "--limit", "6", "--tokens", "1024", "--seq-len", "64", "--out", str(out)]) == 0
+    assert main(["reproduce", "--model", str(tiny_pair["transformer"]), "--model", str(tiny_pair["diff"]), "--task", "copa",
+                 "--task", "hellaswag", "--limit", "6", "--tokens", "1024", "--seq-len", "64", "--out", str(out)]) == 0
     rec = json.loads((out / "reproduce.json").read_text())
     assert rec["settings"]["tasks"] == ["copa", "hellaswag"] and rec["timings"]["total_s"] > 0
     sw = pd.read_csv(out / "sweep" / "sweep.csv")
@@ -27,5 +27,5 @@ def test_reproduce_with_tasks(tiny_pair, tmp_path, capsys):
     report = (out / "report.md").read_text()
     assert "COPA, HellaSwag (Figure 8)" in report and "Time per model and task" in report
     assert {"figure8_acc.png", "figure8_acc_norm.png", "table5_bars.png"} <= {p.name for p in (out / "figures").iterdir()}
-    assert main(["reproduce", "--tasks", "copaa", "--out", str(tmp_path / "x")]) == 2
+    assert main(["reproduce", "--task", "copaa", "--out", str(tmp_path / "x")]) == 2
     assert "did you mean copa" in capsys.readouterr().err

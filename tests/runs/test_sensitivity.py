@@ -103,9 +103,9 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
 
 def test_attention_error_of_the_unquantized_cell_is_each_one_layer_cells_own(tiny_pair, hellaswag_cached, tmp_path):
     """Measured once without applying it, each layer's error equals what that layer's one-layer cell measures."""
+    from outlierscope.analysis.attention_error import AttentionErrorStats, pool_heads
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.models.loading import load_model
-    from outlierscope.stats.attention_error import AttentionErrorStats, pool_heads
 
     s = SensitivitySettings(model=str(tiny_pair["transformer"]), limit=5, batch_size=4, profile_tokens=256, all_but=False)
     sensitivity(s, tmp_path, progress=False, log=lambda *_: None)

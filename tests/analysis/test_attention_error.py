@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from outlierscope.analysis.attention_error import AttentionErrorStats, attention_row_errors, measure_attention_error
 from outlierscope.models.loading import load_model
-from outlierscope.quant.apply import measure_attention_error, quantize_attention
+from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
-from outlierscope.stats.attention_error import AttentionErrorStats, attention_row_errors
 
 
 def _naive(ref, quant, valid, value):

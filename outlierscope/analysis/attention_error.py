@@ -9,7 +9,7 @@ For every real query row, against the unquantized logits of the same forward (sa
               it only the second happens: the top key's weight is split with keys that were below)
     rel_out = ||(p - p~) @ V|| / ||p @ V||                        relative error of the head's output row
 
-:class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
+:func:`measure_attention_error` streams it from any forward; :class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
 rel_out and the count of changed argmaxes; memory is O(layers x heads). Counts and maxima merge
 exactly; sums are float64 (relative error about rows x 1e-16). Soft-capped models are measured before
 the cap. For DiffLlama, V is the value half of the layer's first attention call.
@@ -17,8 +17,16 @@ the cap. For DiffLlama, V is the value half of the layer's first attention call.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pandas as pd
 import torch
+from torch import nn
+
+from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
+from outlierscope.quant.apply import absmax_reduction
+from outlierscope.quant.spec import QuantSpec
 
 
 def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
@@ -141,3 +149,25 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
         out["rel_out_mean"] = g.rel_w.sum() / g.rows.sum()
         out["rel_out_max"] = g.rel_out_max.max()
     return out.reset_index()
+
+
+@contextlib.contextmanager
+def measure_attention_error(model: nn.Module, spec: QuantSpec, stats, block_rows: int | None = None) -> Iterator:
+    """Stream into ``stats`` (:class:`AttentionErrorStats`) what quantizing the
+    logits with ``spec`` does to each layer's attention, without changing the model: an observing stage
+    quantizes a copy and compares. Entered before :func:`quantize_attention` with the same spec, it
+    measures each layer against the unquantized logits of the same forward (same layer input)::
+
+        stats = AttentionErrorStats(n_layers, n_heads)
+        with measure_attention_error(model, spec, stats), quantize_attention(model, spec):
+            model(input_ids=ids, attention_mask=mask)
+    """
+    def measure(ctx: LogitContext, logits):
+        if spec.applies_to(ctx.layer) and not spec.is_identity:
+            stats.update(ctx.layer, logits, spec(logits, ctx.valid, ctx.reduced(stage)), ctx.valid, ctx.value)
+        return logits
+
+    # observes: returns its input, runs once per layer (not again in DiffLlama's second call)
+    stage = Stage(apply=measure, observes=True, reduce=absmax_reduction(spec), name=f"attention error {spec.label}")
+    with attention_stages(model, stage, block_rows=block_rows):
+        yield stats

@@ -6,10 +6,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from outlierscope.analysis.outliers import OutlierStats
+from outlierscope.analysis.reducers import LogBins, Moments, TopK
 from outlierscope.hooks.capture import Observation
 from outlierscope.hooks.points import Point
-from outlierscope.stats.outliers import OutlierStats
-from outlierscope.stats.reducers import LogBins, Moments, TopK
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -28,10 +28,10 @@ import numpy as np
 import pandas as pd
 import torch
 
+from outlierscope.analysis.reducers import LogBins, Moments, TopK, dense_candidates
 from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
 from outlierscope.parallel import VIRTUAL_SHARDS
-from outlierscope.stats.reducers import LogBins, Moments, TopK, dense_candidates
 
 INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
 INT8_LAYER_SHARE = 0.25  # ... in at least 25% of layers

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from outlierscope.stats.paired import mcnemar_exact, paired_bootstrap
+from outlierscope.analysis.paired import mcnemar_exact, paired_bootstrap
 
 
 def test_statistics():
@@ -24,7 +24,7 @@ def test_statistics():
 def test_mean_stderr_matches_scipy():
     from scipy.stats import sem
 
-    from outlierscope.stats.paired import mean_stderr
+    from outlierscope.analysis.paired import mean_stderr
 
     x = (np.arange(57) % 3 == 0).astype(float)
     m, s = mean_stderr(x)
@@ -32,7 +32,7 @@ def test_mean_stderr_matches_scipy():
 
 
 def test_compare_against_numpy_reference():
-    from outlierscope.stats.paired import compare
+    from outlierscope.analysis.paired import compare
 
     rng = np.random.default_rng(3)
     label = rng.integers(0, 4, 300)
