@@ -245,11 +245,6 @@ def _placement(a) -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
-    from outlierscope.runs.profile import ProfileSettings
-    from outlierscope.runs.reproduce import ReproduceSettings
-    from outlierscope.runs.sensitivity import SensitivitySettings
-    from outlierscope.runs.sweep import SweepSettings
-    from outlierscope.train.loop import PRECISIONS
 
     p = argparse.ArgumentParser(
         prog="outlierscope",
@@ -259,7 +254,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"outlierscope {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
+    _add_data_commands(sub)
+    _add_train_command(sub)
+    _add_run_commands(sub)
+    _add_result_commands(sub)
+    _add_generate_command(sub)
+    return p
 
+
+def _add_data_commands(sub) -> None:
+    """info, data, tasks, models: what is installed, cached and fetchable."""
     s = sub.add_parser("info", help="versions, presets with parameter counts, data cache location")
     s.set_defaults(func=_cmd_info)
 
@@ -289,6 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     f = msub.add_parser("list", help="fetchable models and whether they are in the cache")
     f.set_defaults(func=_cmd_models_list)
 
+
+def _add_train_command(sub) -> None:
+    from outlierscope.train.loop import PRECISIONS
+
     s = sub.add_parser("train", help="train both models of a matched pair on a local corpus")
     s.add_argument("--preset", required=True, help="preset name, e.g. pair-tiny (see `outlierscope info`)")
     s.add_argument("--corpus", nargs="+", required=True, metavar="FILE", help=".jsonl/.jsonl.xz/.jsonl.gz (field 'text') or .txt files")
@@ -308,6 +316,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-limit", type=float, metavar="MIN", help="checkpoint and stop after MIN minutes of this invocation")
     s.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     s.set_defaults(func=_cmd_train)
+
+
+def _add_run_commands(sub) -> None:
+    """profile, sweep, sensitivity, reproduce: flags from their settings dataclasses."""
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.runs.reproduce import ReproduceSettings
+    from outlierscope.runs.sensitivity import SensitivitySettings
+    from outlierscope.runs.sweep import SweepSettings
 
     # run commands: the flags come from the settings dataclasses; only --model (profile), --out, --force and
     # --shard are the command line's own (CLI_ONLY)
@@ -331,6 +347,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     s.set_defaults(func=_cmd_sensitivity)
 
+    s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
+    _add_settings(s, ReproduceSettings)
+    s.set_defaults(func=_cmd_reproduce)
+
+
+def _add_result_commands(sub) -> None:
+    """merge, plot, report: work on the files of runs."""
     s = sub.add_parser("merge", help="combine the --shard i/N runs of a profile or sweep into the whole result")
     s.add_argument("dirs", nargs="+", metavar="DIR", help="output directories of the shard runs (one, if they shared it)")
     s.add_argument("--out", help="where the merged results go (default: the first DIR)")
@@ -346,10 +369,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--svg", action="store_true", help="also write SVG figures")
     s.set_defaults(func=_cmd_report)
 
-    s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
-    _add_settings(s, ReproduceSettings)
-    s.set_defaults(func=_cmd_reproduce)
 
+def _add_generate_command(sub) -> None:
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
     s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")
     s.add_argument("prompt")
@@ -359,7 +380,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     _add_placement(s)
     s.set_defaults(func=_cmd_generate)
-    return p
 
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard

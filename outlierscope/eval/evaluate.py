@@ -35,7 +35,6 @@ from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 
-N_CHOICES = 4
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
 
 
@@ -43,9 +42,6 @@ def item_columns(n_choices: int) -> list[str]:
     """Columns of a per-item table: index, label, score and token count per choice, pred, pred_norm."""
     return ["index", "label", *[f"score{j}" for j in range(n_choices)], *[f"tokens{j}" for j in range(n_choices)],
             "pred", "pred_norm"]
-
-
-ITEM_COLUMNS = item_columns(N_CHOICES)  # HellaSwag's
 
 
 def layout_for(spec: QuantSpec) -> str:
@@ -120,7 +116,7 @@ def lm_loss(model, seqs, batch_size: int) -> float:
 class EvalResult:
     """Per-item results of one evaluation and its exact settings.
 
-    ``items``: one row per item (``ITEM_COLUMNS``: summed log-likelihood and token count of each choice,
+    ``items``: one row per item (:func:`item_columns`: summed log-likelihood and token count of each choice,
     acc and acc_norm predictions); ``metrics``: acc, acc_norm with standard errors (and ``lm_loss``);
     ``settings``: what produced it (quantization, layout, items digest, batch size).
     """

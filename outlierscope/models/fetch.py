@@ -80,7 +80,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from outlierscope.models.loading import _quiet_transformers
+    from outlierscope.models.quiet import quiet_transformers
 
     gguf, out = Path(gguf), Path(out)
     try:
@@ -89,7 +89,7 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "
     except ImportError as e:
         raise OutlierscopeError(f"converting GGUF needs the gguf and accelerate packages ({e}); "
                                 "pip install gguf accelerate") from None
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
             src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))

@@ -7,7 +7,6 @@ Nothing here ever reaches for a hub: ``local_files_only=True`` is passed to ever
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import hashlib
 import json
@@ -19,6 +18,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.presets import PRESETS, ROLES
+from outlierscope.models.quiet import quiet_transformers
 from outlierscope.settings import option
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
@@ -230,22 +230,6 @@ def resolve_spec(spec: str) -> Path:
     return path
 
 
-@contextlib.contextmanager
-def _quiet_transformers():
-    """transformers' progress bars and info messages off while loading; the previous settings restored after."""
-    from transformers.utils import logging as hf_logging
-
-    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
 def _first_line(e: Exception) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0]}" if str(e) else type(e).__name__
 
@@ -288,7 +272,7 @@ def check_model(spec: str):
     if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
         raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
                                 "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True)
         except (ValueError, KeyError, OSError) as e:
@@ -356,7 +340,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     stored = stored.get("dtype") or stored.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
     placement = {"device_map": device_map} if device_map is not None else {}
-    with _quiet_transformers():
+    with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except Exception as e:  # tokenizers raise many types; all mean the same to the user

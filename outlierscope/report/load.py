@@ -52,7 +52,7 @@ class RunResults:
 
     def outcome(self) -> str:
         """The measured outcome in plain words (the report's first paragraph)."""
-        from outlierscope.report.markdown import outcome_paragraph
+        from outlierscope.report.outcome import outcome_paragraph
 
         return outcome_paragraph(self)
 

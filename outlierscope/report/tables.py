@@ -5,7 +5,6 @@ from __future__ import annotations
 import pandas as pd
 
 from outlierscope.analysis.outliers import TABLE5_RANKS
-from outlierscope.quant.names import UNQUANTIZED_BITS
 
 
 def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
@@ -76,49 +75,4 @@ def sweep_table(table: pd.DataFrame) -> str:
         if lm:
             cells.append(f"{m['lm_loss']['value']:.4f}" if "lm_loss" in m else "")
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
-
-
-def kept_as(keep_bits: int) -> str:
-    """How a sensitivity run's kept layers run: ``unquantized`` (16 bits) or ``at 8 bits``."""
-    return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"
-
-
-def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
-    """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
-    their attention error and outlier ratio, every greedy try, and the rank correlation."""
-    s, metric = record["settings"], record["metric"]
-    quant = f"{s['bits']}-bit {s['format']} {s['granularity']}"
-    final = record["final"]
-    reach = ("within" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} nats"
-    lines = [f"# Per-layer sensitivity: {s['model']}, {s['task']}, {quant}", "",
-             f"{record['n_items']} items ({'sample' if s['sample'] else 'first'} {s['sample'] or s['limit'] or 'all'}, "
-             f"seed {s['seed']}); damage = mean change of the gold choice's log-likelihood (nats, < 0 hurts) against "
-             f"the unquantized model; Δ{metric} in points; flip = share of items whose prediction changes.", "",
-             f"Greedy suggestion: keep layers {record['keep'] or 'none'} {kept_as(record['keep_bits'])}, quantize "
-             f"{len(record['quantized'])} of {record['n_layers']}: {final['delta_gold_ll']:+.4f} nats ({reach}), "
-             f"Δ{metric} {final[f'delta_{metric}'] * 100:+.2f}, flip {final['flip_rate'] * 100:.1f}%.", "",
-             f"Spearman rank correlation of harm with the layer's top-1/median |logit|: "
-             f"{record['spearman_damage_vs_outlier_ratio']:+.2f} (> 0: larger outliers, more harm)"
-             + (f"; with the layer's mean attention KL: {record['spearman_damage_vs_kl_mean']:+.2f}"
-                if record.get("spearman_damage_vs_kl_mean") is not None else "") + ".", ""]
-    cols = [("rank", "Rank", "{:d}"), ("layer", "Layer", "{:d}"), ("only_delta_gold_ll", "only: damage", "{:+.4f}"),
-            (f"only_delta_{metric}", f"only: Δ{metric}", "pct"), ("only_flip_rate", "only: flip", "pct%"),
-            ("all_but_delta_gold_ll", "all but: damage", "{:+.4f}"), ("kl_mean", "KL mean", "{:.4f}"),
-            ("kl_max", "KL max", "{:.3f}"), ("argmax_change_rate", "top key lost", "pct%"),
-            ("rel_out_mean", "rel. out error", "{:.4f}"), ("outlier_ratio", "top-1/median", "{:.1f}")]
-    cols = [c for c in cols if c[0] in table]
-
-    def fmt(v, f):
-        return f"{v * 100:+.2f}" if f == "pct" else f"{v * 100:.2f}%" if f == "pct%" else f.format(v)
-
-    lines += ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "---|" * len(cols)]
-    for _, r in table.sort_values("rank").iterrows():
-        lines.append("| " + " | ".join(fmt(int(r[k]) if f == "{:d}" else r[k], f) for k, _, f in cols) + " |")
-    lines += ["", "Greedy tries (bisection over k, the number of most harmful layers kept):", "",
-              f"| kept | kept layers | damage | Δ{metric} | flip | within |", "|---|---|---|---|---|---|"]
-    for t in tries:
-        lines.append(f"| {t['kept']} | {t['kept_layers']} | "
-                     f"{t['delta_gold_ll']:+.4f} | {t[f'delta_{metric}'] * 100:+.2f} | {t['flip_rate'] * 100:.1f}% | "
-                     f"{'yes' if t['within_tolerance'] else 'no'} |")
     return "\n".join(lines) + "\n"

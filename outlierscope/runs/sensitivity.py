@@ -8,7 +8,9 @@
     greedy: the fewest k with |change(keep[k])| <= tolerance, by bisection over k (the found one verifies it)
             (kept layers unquantized, or at ``keep_bits`` bits: a mixed 4/8-bit assignment)
 
-Each evaluation is a resumable cell (``cells/<name>.csv/.json``, reused when its settings match). With
+Each evaluation is a resumable cell of the cache sweep uses (:mod:`outlierscope.runs.cells`: ``cells/<cell id>``,
+reused when its settings match; ``sensitivity.json`` maps each role, ``base``, ``only_3``, ``keep_0_1``, ..., to its
+cell). With
 ``attn_error`` the unquantized cell also measures, for every layer, what ``spec`` does to that layer's
 attention (KL, top-key changes, output error; :mod:`outlierscope.analysis.attention_error`) without
 applying it: each layer's input is then the unquantized one, exactly what its one-layer cell quantizes,
@@ -36,6 +38,7 @@ from outlierscope.models.loading import attn_block_option, check_placement, devi
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
+from outlierscope.runs.cells import cached_cell
 from outlierscope.settings import option
 
 
@@ -129,103 +132,166 @@ def greedy_keep(order: list[int], layers: list[int], within) -> tuple[list[int],
     return sorted(order[:hi]), [tries[k] for k in sorted(tries)]
 
 
+@dataclass
+class _Run:
+    """What every step of a sensitivity run needs: the model, items, settings and the cell cache."""
+
+    s: SensitivitySettings
+    lm: object
+    items: list
+    metric: str  # the task's headline metric
+    layers: list[int]  # the attention layers (a hybrid model's others have nothing to quantize)
+    ident: dict  # what every cell's numbers depend on besides its quantization
+    cells_dir: Path
+    progress: bool
+    log: object
+    cells: dict  # role (base, only_3, keep_0_1, ...) -> cell id, recorded in sensitivity.json
+
+    def cell(self, role: str, spec: QuantSpec | None, keep: QuantSpec | None = None,
+             measure: QuantSpec | None = None) -> EvalResult:
+        """Evaluate with ``spec`` (None: unquantized) and ``keep`` (the other layers at keep_bits), through the cell
+        cache that sweep uses; with ``measure`` also the attention error of ``measure`` (not applied), per layer and
+        head in ``extra["attn_error_table"]``."""
+        s = self.s
+        settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": spec.label if spec else "16",
+                    "layers": list(spec.layers) if spec and spec.layers else None,
+                    "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
+                    "attn_error": measure.label if measure else False}
+
+        def compute():
+            stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None
+            with contextlib.ExitStack() as stack:
+                if measure:
+                    stack.enter_context(measure_attention_error(self.lm.model, measure, stats, s.attn_block))
+                if keep:
+                    stack.enter_context(quantize_attention(self.lm.model, keep, s.attn_block))
+                res = evaluate(self.lm, quant=spec, items=self.items, batch_size=s.batch_size, progress=self.progress,
+                               desc=role, block_rows=s.attn_block, task=s.task, layout=self.ident["layout"])
+            return res, ({"attn_error": stats.table()} if measure else None)
+
+        res, self.cells[role] = cached_cell(self.cells_dir, settings, compute, role, self.log,
+                                            ("attn_error",) if measure else ())
+        return res
+
+
 def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print) -> dict:
     """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
     ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and head), ``sensitivity.json``
-    (settings, ranking, suggestion, rank correlation), ``sensitivity.md`` (all of it as tables) and
-    ``figures/``. Returns the record."""
+    (settings, ranking, suggestion, rank correlation, the cell of each evaluation), ``sensitivity.md`` (all of it
+    as tables) and ``figures/``. Returns the record."""
+    out = Path(out)
+    with output_dir(out), output_dir(out / "cells") as cells_dir:
+        run = _prepare(s, cells_dir, progress, log)
+        base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
+        table = _per_layer(run, base)
+        table = _with_attention_error(table, base, out) if s.attn_error else table
+        table = _with_outlier_ratio(run, table)
+        order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()  # most harmful first
+        keep, tries = greedy_keep(order, run.layers, _within(run, base))
+        record = _record(run, table, order, keep, tries)
+        _write(out, record, table, tries)
+    _log_summary(run, record)
+    return record
+
+
+def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _Run:
+    """Load the model and the items; the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import load_model
-    from outlierscope.report.tables import headline_metric, kept_as, sensitivity_markdown
-    from outlierscope.runs.profile import ProfileSettings, profile_model
+    from outlierscope.report.tables import headline_metric
 
-    out = Path(out)
     lm = load_model(s.model, dtype=s.dtype, device=s.device)
-    n_layers = len(decoder_layers(lm.model))
-    layers = attention_layers(lm.model)  # a hybrid model's other layers have no attention to quantize
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
-    metric = headline_metric(task_metrics(s.task))
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
              "dtype": lm.dtype, "layout": layout}
+    return _Run(s, lm, items, headline_metric(task_metrics(s.task)), attention_layers(lm.model), ident, cells_dir,
+                progress, log, {})
 
-    def cell(name: str, spec: QuantSpec | None, keep: QuantSpec | None = None, measure: QuantSpec | None = None) -> EvalResult:
-        """Evaluate with ``spec`` (None: unquantized) and ``keep`` (the other layers at keep_bits); with ``measure``
-        also the attention error of ``measure`` (not applied), per layer and head in ``extra["attn_error_table"]``."""
-        settings = {**ident, "quant": spec.label if spec else "16", "layers": list(spec.layers) if spec and spec.layers else None,
-                    "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
-                    "attn_error": measure.label if measure else False}
-        res = EvalResult.load_cell(cells_dir, name, settings, ("attn_error",) if measure else ())
-        if res is not None:
-            log(f"{name}: done earlier, skipped")
-            return res
-        stats = AttentionErrorStats(n_layers) if measure else None
-        with contextlib.ExitStack() as stack:
-            if measure:
-                stack.enter_context(measure_attention_error(lm.model, measure, stats, s.attn_block))
-            if keep:
-                stack.enter_context(quantize_attention(lm.model, keep, s.attn_block))
-            res = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=progress, desc=name,
-                           block_rows=s.attn_block, task=s.task, layout=layout)
-        res.save_cell(cells_dir, name, settings, {"attn_error": stats.table()} if measure else None)
-        log(f"{name}: {len(items)} items in {res.seconds:.0f} s")
-        return res
 
-    with output_dir(out), output_dir(out / "cells") as cells_dir:
-        base = cell("base", None, measure=s.spec() if s.attn_error else None)
-        rows = []
-        for i in layers:
-            only = cell(f"only_{i}", s.spec([i]))
-            row = {"layer": i, **{f"only_{k}": v for k, v in change(only, base, metric).items()}}
-            if s.all_but and len(layers) > 1:
-                rest = cell(f"all_but_{i}", s.spec([j for j in layers if j != i]))
-                row.update({f"all_but_{k}": v for k, v in change(rest, base, metric).items()})
-            rows.append(row)
-        table = pd.DataFrame(rows)
-        if s.attn_error:
-            heads = base.extra["attn_error_table"]
-            write_csv(out / "attn_error.csv", heads)
-            table = table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
-        prof = profile_model(lm, settings=ProfileSettings(tokens=s.profile_tokens, points=("layers.*.attn.logits",),
-                                                          attn_block=s.attn_block), progress=progress)
-        pl = prof.tables["per_layer"]
-        pl = pl[pl["point"] == "attn.logits"][["layer", "top1", "median"]]
-        table = table.merge(pl.assign(outlier_ratio=pl["top1"] / pl["median"])[["layer", "outlier_ratio"]], on="layer")
-        table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
-        order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()
+def _per_layer(run: _Run, base: EvalResult) -> pd.DataFrame:
+    """Per attention layer: the change with only that layer quantized, and (``all_but``) with all the others."""
+    s, rows = run.s, []
+    for i in run.layers:
+        row = {"layer": i, **{f"only_{k}": v for k, v in change(run.cell(f"only_{i}", s.spec([i])), base, run.metric).items()}}
+        if s.all_but and len(run.layers) > 1:
+            rest = run.cell(f"all_but_{i}", s.spec([j for j in run.layers if j != i]))
+            row.update({f"all_but_{k}": v for k, v in change(rest, base, run.metric).items()})
+        rows.append(row)
+    return pd.DataFrame(rows)
 
-        tag = "keep" if s.keep_bits == UNQUANTIZED_BITS else f"keep{s.keep_bits}"
 
-        def within(quantized):
-            kept = [i for i in layers if i not in quantized]
-            name = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
-            keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
-            res = base if not quantized and keep is None else cell(name, s.spec(quantized) if quantized else None, keep)
-            c = change(res, base, metric)
-            return abs(c["delta_gold_ll"]) <= s.tolerance, c
+def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path) -> pd.DataFrame:
+    """Each layer's attention error, measured in the unquantized cell (attn_error.csv per head, pooled per layer)."""
+    heads = base.extra["attn_error_table"]
+    write_csv(out / "attn_error.csv", heads)
+    return table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
 
-        keep, tries = greedy_keep(order, layers, within)
-        final = next(t for t in tries if t["kept"] == len(keep))
-        harm = (-table["only_delta_gold_ll"]).rank()
-        rho = float(harm.corr(table["outlier_ratio"].rank()))  # > 0: layers with larger outliers are hurt more
-        rho_kl = float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None  # does attention error?
-        write_csv(out / "sensitivity.csv", table)
-        write_csv(out / "greedy.csv", pd.DataFrame(tries))
-        record = {"settings": asdict(s), "n_items": len(items), "metric": metric, "n_layers": n_layers,
-                  "ranking": order, "keep": keep, "keep_bits": s.keep_bits, "quantized": [i for i in layers if i not in keep],
-                  "final": final, "spearman_damage_vs_outlier_ratio": rho, "spearman_damage_vs_kl_mean": rho_kl,
-                  "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
-                          "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
-                          "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
-                  "versions": versions(), "machine": machine(), "git_commit": git_commit()}
-        write_json(out / "sensitivity.json", record)
-        write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries))
-        _figures(table, out, rho)
+
+def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
+    """Each layer's top-1 / median |logit| from a short profile, and the rank of its harm (1 = most harmful)."""
+    from outlierscope.runs.profile import ProfileSettings, profile_model
+
+    prof = profile_model(run.lm, settings=ProfileSettings(tokens=run.s.profile_tokens, points=("layers.*.attn.logits",),
+                                                          attn_block=run.s.attn_block), progress=run.progress)
+    pl = prof.tables["per_layer"]
+    pl = pl[pl["point"] == "attn.logits"][["layer", "top1", "median"]]
+    table = table.merge(pl.assign(outlier_ratio=pl["top1"] / pl["median"])[["layer", "outlier_ratio"]], on="layer")
+    table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
+    return table
+
+
+def _within(run: _Run, base: EvalResult):
+    """The greedy's test of an assignment: quantize ``quantized``, keep the rest (unquantized or at keep_bits)."""
+    s = run.s
+    tag = "keep" if s.keep_bits == UNQUANTIZED_BITS else f"keep{s.keep_bits}"
+
+    def within(quantized):
+        kept = [i for i in run.layers if i not in quantized]
+        role = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
+        keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
+        res = base if not quantized and keep is None else run.cell(role, s.spec(quantized) if quantized else None, keep)
+        c = change(res, base, run.metric)
+        return abs(c["delta_gold_ll"]) <= s.tolerance, c
+
+    return within
+
+
+def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], tries: list[dict]) -> dict:
+    """sensitivity.json: settings, ranking, the suggestion and its verification, rank correlations, cells."""
+    s = run.s
+    harm = (-table["only_delta_gold_ll"]).rank()
+    return {"settings": asdict(s), "n_items": len(run.items), "metric": run.metric,
+            "n_layers": len(decoder_layers(run.lm.model)), "ranking": order, "keep": keep, "keep_bits": s.keep_bits,
+            "quantized": [i for i in run.layers if i not in keep], "final": next(t for t in tries if t["kept"] == len(keep)),
+            # > 0: layers with larger outliers (or a larger attention KL) are hurt more
+            "spearman_damage_vs_outlier_ratio": float(harm.corr(table["outlier_ratio"].rank())),
+            "spearman_damage_vs_kl_mean": float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None,
+            "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
+                    "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
+                    "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
+            "cells": run.cells, "versions": versions(), "machine": machine(), "git_commit": git_commit()}
+
+
+def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict]) -> None:
+    from outlierscope.report.sensitivity import sensitivity_markdown
+
+    write_csv(out / "sensitivity.csv", table)
+    write_csv(out / "greedy.csv", pd.DataFrame(tries))
+    write_json(out / "sensitivity.json", record)
+    write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries))
+    _figures(table, out, record["spearman_damage_vs_outlier_ratio"])
+
+
+def _log_summary(run: _Run, record: dict) -> None:
+    from outlierscope.report.sensitivity import kept_as
+
+    s, final, rho_kl = run.s, record["final"], record["spearman_damage_vs_kl_mean"]
     reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
-    log(f"layers by harm: {order}; keep {keep or 'none'} {kept_as(s.keep_bits)} for |Δ gold ll| <= {s.tolerance} "
-        f"({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = {rho:+.2f}"
-        + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
-    return record
+    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for |Δ gold ll| "
+            f"<= {s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = "
+            f"{record['spearman_damage_vs_outlier_ratio']:+.2f}"
+            + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
 
 
 def _figures(table: pd.DataFrame, out: Path, rho: float) -> None:

@@ -13,7 +13,6 @@ merged by :func:`merge_sweep`, the cells and tables are byte-identical to a sing
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, W
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
+from outlierscope.runs.cells import cached_cell
 from outlierscope.settings import option
 
 
@@ -163,41 +163,23 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     return out
 
 
-def cell_id(settings: dict) -> str:
-    blob = json.dumps(settings, sort_keys=True).encode()
-    slug = f"{settings['model'].replace(':', '-').replace('/', '_')}_b{settings['bits']}"
-    return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
-
-
-def run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, desc: str, progress: bool,
-             shard: Shard | None = None, world: World | None = None, task: str = "hellaswag",
-             attn_error=None) -> EvalResult | None:
-    return evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                    desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=attn_error)
-
-
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
                       progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
-    """A cell's result (a shard's part for a partial ``shard``): read back when a complete cell with these
-    settings exists, else run and written atomically by rank 0 (the other ranks get None). With
-    ``attn_error`` in the settings, ``cells/<cell>.attn_error.csv`` (per layer and head) is written before the
-    cell's json (which marks it complete) and put in ``res.extra["attn_error_table"]``."""
-    cid = cell_id(settings)
-    name = cid if shard.whole else f"{cid}.{shard.tag}"
+    """A sweep cell through the shared cache (:func:`~outlierscope.runs.cells.cached_cell`). With ``attn_error`` in
+    the settings, ``cells/<cell>.attn_error.csv`` (per layer and head) is written with the cell and put in
+    ``res.extra["attn_error_table"]``."""
     task = settings.get("task", "hellaswag")
     desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
         f"{settings['model']} {spec.label}"
     measure = bool(settings.get("attn_error"))
-    res = EvalResult.load_cell(cells_dir, name, settings, ("attn_error",) if measure else ()) if world.is_main else None
-    if world.broadcast(res is not None):
-        log(f"{desc}: done earlier, skipped ({name})")
-        return res, cid
-    stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if measure else None
-    res = run_cell(lm, items, spec, s, text_seqs, desc, progress, shard, world, task, stats)
-    if world.is_main:
-        res.save_cell(cells_dir, name, settings, {"attn_error": stats.table()} if measure else None)
-        log(f"{desc}: {len(items)} items in {res.seconds:.0f} s ({name})")
-    return res, cid
+
+    def compute():
+        stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if measure else None
+        res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
+                       desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats)
+        return res, ({"attn_error": stats.table()} if measure else None)
+
+    return cached_cell(cells_dir, settings, compute, desc, log, ("attn_error",) if measure else (), shard, world)
 
 
 def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("acc", "acc_norm")) -> dict:
@@ -376,6 +358,25 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
     return _tabulate(s, cells, tasks, out, processes=world.size)
+
+
+def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
+    """The tables of a finished sweep, computed again from its record (``sweep.json``) and per-item cells into ``out``:
+    the same ``sweep.csv`` as the run wrote (tested on the committed docs/). No model runs."""
+    run_dir = Path(run_dir)
+    rec = read_record(run_dir / "sweep.json", ("settings", "cells"), "sweep record")
+    s = SweepSettings.from_record(rec["settings"])
+    tasks = rec.get("tasks") or {s.tasks[0]: {k: rec[k] for k in ("n_items", "items_sha256")} | {
+        "label": task_label(s.tasks[0]), "metrics": list(task_metrics(s.tasks[0])), "chance": rec.get("chance", 25.0)}}
+    cells = []
+    for c in rec["cells"]:
+        res = EvalResult.load(run_dir / "cells", c["cell"])
+        if res is None:
+            raise OutlierscopeError(f"{run_dir / 'cells'}: cell {c['cell']} is missing or incomplete; run the sweep again")
+        cells.append((c["model"], c.get("task", s.tasks[0]), s.spec(c["bits"]), c["cell"], res))
+    out = Path(out)
+    with output_dir(out):
+        return _tabulate(s, cells, tasks, out)
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:

@@ -83,8 +83,8 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
     assert list(t["layer"]) == [0, 1] and sorted(t["rank"]) == [1, 2]
     assert {"only_delta_gold_ll", "all_but_delta_gold_ll", "kl_mean", "argmax_change_rate", "outlier_ratio"} <= set(t.columns)
     for i in (0, 1):
-        assert json.loads((out / "cells" / f"only_{i}.json").read_text())["cell"]["layers"] == [i]
-        assert json.loads((out / "cells" / f"all_but_{i}.json").read_text())["cell"]["layers"] == [1 - i]
+        assert json.loads((out / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]["layers"] == [i]
+        assert json.loads((out / "cells" / f"{rec['cells'][f'all_but_{i}']}.json").read_text())["cell"]["layers"] == [1 - i]
     assert rec["keep"] == [0, 1] and rec["keep_bits"] == 16 and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
     assert -1 <= rec["spearman_damage_vs_outlier_ratio"] <= 1
     harm, kl = -t["only_delta_gold_ll"], t["kl_mean"]  # two layers: +1 when the more harmed one has the larger KL
@@ -140,7 +140,7 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
     g = pd.read_csv(tmp_path / "greedy.csv")
     assert list(g["kept"]) == [0, 2] and not g["within_tolerance"].any() and rec["keep"] == [0, 1]
     assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
-    both = EvalResult.load(tmp_path / "cells", "keep8_0_1")
+    both = EvalResult.load(tmp_path / "cells", rec["cells"]["keep8_0_1"])
     lm = load_model(kw["model"], device="cpu")
     direct = evaluate(lm, quant=QuantSpec(bits=8), items=select_items(5, None, 0, None, "hellaswag"), batch_size=3,
                       progress=False)
@@ -149,7 +149,7 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
     assert d8 < d4
     rec = sensitivity(SensitivitySettings(tolerance=(d4 + d8) / 2, **kw), tmp_path, progress=False, log=lambda *_: None)
     first = rec["ranking"][0]
-    mixed = EvalResult.load(tmp_path / "cells", f"keep8_{first}")
+    mixed = EvalResult.load(tmp_path / "cells", rec["cells"][f"keep8_{first}"])
     assert mixed.extra["cell"]["keep"] == {"quant": f"8-bit int per_tensor layers {first}", "layers": [first]}
     assert mixed.extra["cell"]["layers"] == [1 - first]
     assert list(pd.read_csv(tmp_path / "greedy.csv")["kept"]) == [0, 1, 2]
@@ -199,8 +199,8 @@ def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp
     rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
     t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
 
-    def cell(name):
-        df = pd.read_csv(tmp_path / "cells" / f"{name}.csv")
+    def cell(role):
+        df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][role]}.csv")
         scores = df[[c for c in df.columns if c.startswith("score")]].to_numpy()
         return df, scores[np.arange(len(df)), df["label"].to_numpy()]
 
@@ -246,12 +246,12 @@ def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path)
     assert rec["metric"] == metric and rec["settings"]["granularity"] == granularity
     t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
     col = "pred" if metric == "acc" else "pred_norm"
-    base = pd.read_csv(tmp_path / "cells" / "base.csv")
+    base = pd.read_csv(tmp_path / "cells" / f"{rec['cells']['base']}.csv")
     scores = lambda df: df[[c for c in df.columns if c.startswith("score")]].to_numpy()  # noqa: E731
     gold = lambda df: scores(df)[np.arange(len(df)), df["label"].to_numpy()]  # noqa: E731
     for i in (0, 1):
-        df = pd.read_csv(tmp_path / "cells" / f"only_{i}.csv")
-        assert json.loads((tmp_path / "cells" / f"only_{i}.json").read_text())["cell"]["quant"].endswith(
+        df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.csv")
+        assert json.loads((tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]["quant"].endswith(
             f"{granularity} layers {i}")
         assert t.loc[i, "only_delta_gold_ll"] == pytest.approx((gold(df) - gold(base)).mean(), abs=1e-12)
         acc = lambda d: (d[col] == d["label"]).mean()  # noqa: E731

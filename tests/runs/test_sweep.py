@@ -102,7 +102,7 @@ def test_statistics_recomputed_independently_from_cells(which, request, hs_jsonl
 
 def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
     out = tmp_path / "resumed"
-    real = sw.run_cell
+    real = sw.evaluate
     calls = {"n": 0}
 
     def crash_after_one(*a, **k):
@@ -111,11 +111,11 @@ def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
             raise KeyboardInterrupt  # Ctrl-C in the second cell
         return real(*a, **k)
 
-    monkeypatch.setattr(sw, "run_cell", crash_after_one)
+    monkeypatch.setattr(sw, "evaluate", crash_after_one)
     with pytest.raises(KeyboardInterrupt):
         sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None)
     assert len(list((out / "cells").glob("*.json"))) == 1 and not (out / "sweep.csv").exists()
-    monkeypatch.setattr(sw, "run_cell", real)
+    monkeypatch.setattr(sw, "evaluate", real)
     logs = []
     table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=logs.append).table
     assert sum("skipped" in m for m in logs) == 1

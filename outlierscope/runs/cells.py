@@ -1,0 +1,42 @@
+"""Evaluation cells: one :func:`~outlierscope.eval.evaluate` run, named by what its numbers depend on and cached in
+``cells/`` (``<cell>.csv`` per item, ``<cell>.json`` settings and metrics, written last: it marks the cell complete;
+side tables such as ``<cell>.attn_error.csv`` before it). ``sweep`` and ``sensitivity`` share this identity and cache:
+a rerun reads back every complete cell whose settings match and computes the others.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from outlierscope.eval.evaluate import EvalResult
+from outlierscope.parallel import Shard, World
+
+
+def cell_id(settings: dict) -> str:
+    """``<model>_b<bits>_<10 hex digits of the settings' sha256>``: the same settings, the same name."""
+    blob = json.dumps(settings, sort_keys=True).encode()
+    slug = f"{settings['model'].replace(':', '-').replace('/', '_')}_b{settings['bits']}"
+    return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
+
+
+def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[EvalResult, dict | None]], desc: str,
+                log=print, tables: tuple[str, ...] = (), shard: Shard | None = None,
+                world: World | None = None) -> tuple[EvalResult | None, str]:
+    """The cell of ``settings`` (a shard's part for a partial ``shard``): read back when complete with these settings,
+    else ``compute()`` -> (result, side tables by name) on every rank and written atomically by rank 0 (the other
+    ranks get None). Returns (result, cell id); side tables come back in ``result.extra``."""
+    shard, world = shard or Shard(), world or World()
+    cid = cell_id(settings)
+    name = cid if shard.whole else f"{cid}.{shard.tag}"
+    res = EvalResult.load_cell(cells_dir, name, settings, tables) if world.is_main else None
+    if world.broadcast(res is not None):
+        log(f"{desc}: done earlier, skipped ({name})")
+        return res, cid
+    res, side = compute()
+    if world.is_main:
+        res.save_cell(cells_dir, name, settings, side)
+        log(f"{desc}: {len(res.items)} items in {res.seconds:.0f} s ({name})")
+    return res, cid
