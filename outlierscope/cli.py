@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import DTYPES
@@ -231,6 +232,8 @@ def _add_placement(s: argparse.ArgumentParser) -> None:
                    help="weights and activations (default auto: the checkpoint's bf16/fp16 on cuda, float32 on cpu)")
     s.add_argument("--device-map", choices=DEVICE_MAPS,
                    help="spread a model larger than one GPU over the GPUs (accelerate); replaces --device")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="run Python code shipped with a model that needs it; only for models whose authors you trust")
 
 
 def _add_shard(s: argparse.ArgumentParser) -> None:
@@ -240,7 +243,7 @@ def _add_shard(s: argparse.ArgumentParser) -> None:
 
 
 def _placement(a) -> dict:
-    return {"device": a.device, "dtype": a.dtype, "device_map": a.device_map}
+    return {"device": a.device, "dtype": a.dtype, "device_map": a.device_map, "trust_remote_code": a.trust_remote_code}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -329,7 +332,8 @@ def _add_run_commands(sub) -> None:
     # --shard are the command line's own (CLI_ONLY)
     s = sub.add_parser("profile", help="activation outliers of attention logits and hidden states (Table 5 and finer)")
     s.add_argument("--model", action="append", required=True, metavar="SPEC",
-                   help="preset role (pair-tiny:diff), fetched model or HF model directory; repeat for several models")
+                   help="Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role (pair-tiny:diff) or "
+                        "fetched model; repeat for several models")
     _add_settings(s, ProfileSettings)
     s.add_argument("--out", required=True, help="output directory")
     _add_shard(s)
@@ -372,7 +376,7 @@ def _add_result_commands(sub) -> None:
 
 def _add_generate_command(sub) -> None:
     s = sub.add_parser("generate", help="sample a continuation from a model (a quick sanity check)")
-    s.add_argument("model", help="preset role (pair-tiny:diff) or HF model directory")
+    s.add_argument("model", help="Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model")
     s.add_argument("prompt")
     s.add_argument("--max-new-tokens", type=int, default=60)
     s.add_argument("--temperature", type=float, default=0.8, help="0 for greedy decoding")
@@ -400,10 +404,10 @@ def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, st
 
 
 def main(argv: list[str] | None = None) -> int:
-    # offline mode and quiet tokenizers for the command line only: importing the library changes no environment
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # quiet tokenizers and one-line warnings for the command line only: importing the library changes neither.
+    # The Hub's settings (HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN, HF_HOME) are the user's: nothing is forced.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.formatwarning = lambda message, *args, **kwargs: f"outlierscope: warning: {message}\n"
     parser = build_parser()
     a = parser.parse_args(argv)
     try:

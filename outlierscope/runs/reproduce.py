@@ -9,7 +9,13 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.io import git_commit, machine, versions, write_json
-from outlierscope.models.loading import attn_block_option, device_map_option, device_option, dtype_option
+from outlierscope.models.loading import (
+    attn_block_option,
+    device_map_option,
+    device_option,
+    dtype_option,
+    trust_remote_code_option,
+)
 from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
 from outlierscope.quant.names import GRANULARITIES
 from outlierscope.settings import option
@@ -35,6 +41,7 @@ class ReproduceSettings:
     dtype: str = dtype_option()
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):  # the suites expanded and every name checked before anything runs
         from outlierscope.data.tasks import expand_tasks
@@ -43,7 +50,8 @@ class ReproduceSettings:
 
     @property
     def placement(self) -> dict:
-        return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map, "attn_block": self.attn_block}
+        return {"device": self.device, "dtype": self.dtype, "device_map": self.device_map, "attn_block": self.attn_block,
+                "trust_remote_code": self.trust_remote_code}
 
 
 def reproduce(s: ReproduceSettings, log=print) -> Path:

@@ -34,7 +34,13 @@ from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
-from outlierscope.models.loading import attn_block_option, check_placement, device_option, dtype_option
+from outlierscope.models.loading import (
+    attn_block_option,
+    check_placement,
+    device_option,
+    dtype_option,
+    trust_remote_code_option,
+)
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
@@ -44,7 +50,7 @@ from outlierscope.settings import option
 
 @dataclass(frozen=True)
 class SensitivitySettings:
-    model: str = option(MISSING, "preset role, fetched model or HF model directory", metavar="SPEC")
+    model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model", metavar="SPEC")
     bits: int = option(4, "bit width of the quantized layers")
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
@@ -64,6 +70,7 @@ class SensitivitySettings:
     dtype: str = dtype_option()
     device: str = device_option()
     attn_block: int | None = attn_block_option()
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
         from outlierscope.data.tasks import check_task
@@ -200,7 +207,7 @@ def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _R
     from outlierscope.models.loading import load_model
     from outlierscope.report.tables import headline_metric
 
-    lm = load_model(s.model, dtype=s.dtype, device=s.device)
+    lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
@@ -270,6 +277,7 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
             "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
                     "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
                     "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
+            "model_source": run.lm.provenance(run.ident["weights_sha256"]),
             "cells": run.cells, "versions": versions(), "machine": machine(), "git_commit": git_commit()}
 
 

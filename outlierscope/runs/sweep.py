@@ -33,6 +33,7 @@ from outlierscope.models.loading import (
     device_option,
     dtype_option,
     num_layers,
+    trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
@@ -47,7 +48,7 @@ from outlierscope.settings import option
 
 @dataclass(frozen=True)
 class SweepSettings:
-    models: tuple[str, ...] = option(DEFAULT_PAIR, "preset role, fetched model or HF model directory; repeat",
+    models: tuple[str, ...] = option(DEFAULT_PAIR, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model; repeat",
                                      flag="--model", repeat=True, metavar="SPEC")
     bits: tuple[int, ...] = option((16, 8, 6, 4), "bit widths; 16 = unquantized")
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
@@ -76,6 +77,7 @@ class SweepSettings:
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
                               "argmax changes, output error) into attn_error.csv; costs 2-5x the time of a cell, "
                               "one process")
+    trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
         from outlierscope.data.tasks import expand_tasks
@@ -293,7 +295,7 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
 def check_models(s: SweepSettings) -> None:
     """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs."""
     for m in s.models:
-        _, config = check_model(m)
+        _, config = check_model(m, s.trust_remote_code)
         for b in s.bits:
             try:
                 check_layers(s.spec(b), num_layers(config))
@@ -329,15 +331,17 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     check_models(s)
     items = s.task_items()
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
-    cells = []
+    cells, sources = [], {}
     log = log if world.is_main else (lambda *a, **k: None)
     with output_dir(out) if world.is_main else contextlib.nullcontext(out), \
             output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
         for spec_str in s.models:
-            lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map)
+            lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
+                            trust_remote_code=s.trust_remote_code)
             if s.weights != "none":
                 quantize_weights(lm.model, s.weights)
             wsha = lm.weights_sha256()
+            sources[spec_str] = lm.provenance(wsha)  # as given, resolved commit / GGUF details, weights digest
             text_seqs = None
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
@@ -354,10 +358,11 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         write_json(out / f"sweep.{shard.tag}.json", {
             "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size, "tasks": tasks,
             "cells": [{"cell": cid, "model": m, "task": t, "bits": spec.bits} for m, t, spec, cid, _ in cells],
+            "model_sources": sources,
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
-    return _tabulate(s, cells, tasks, out, processes=world.size)
+    return _tabulate(s, cells, tasks, out, model_sources=sources, processes=world.size)
 
 
 def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
@@ -376,7 +381,7 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         cells.append((c["model"], c.get("task", s.tasks[0]), s.spec(c["bits"]), c["cell"], res))
     out = Path(out)
     with output_dir(out):
-        return _tabulate(s, cells, tasks, out)
+        return _tabulate(s, cells, tasks, out, **({"model_sources": rec["model_sources"]} if "model_sources" in rec else {}))
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
@@ -410,4 +415,4 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             merged.save(cells_dir, c["cell"])
             cells.append((c["model"], c["task"], s.spec(c["bits"]), c["cell"], merged))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
-    return _tabulate(s, cells, first["tasks"], out, merged_shards=n)
+    return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n)

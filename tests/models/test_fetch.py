@@ -245,3 +245,26 @@ def test_block_quantized_gguf_dequantized_exactly(source, tmp_path):
             assert np.abs(got - orig).max() > 0  # really block-rounded, not the float32 source
         torch.testing.assert_close(sd[f"model.layers.{i}.mlp.gate_proj.weight"],
                                    model.state_dict()[f"model.layers.{i}.mlp.gate_proj.weight"])  # F32 stays exact
+
+
+def test_gguf_file_as_a_model(source, tmp_path, monkeypatch):
+    """--model path/to/model.gguf: dequantized once into the cache keyed by the file's sha256 (a second load converts
+    nothing), the weights equal the direct conversion, and the source says they are GGUF values of which types."""
+    import gguf
+
+    from outlierscope.models.loading import load_model
+
+    monkeypatch.setenv("OUTLIERSCOPE_CACHE", str(tmp_path / "cache"))
+    model, tok, _ = source
+    q = gguf.GGMLQuantizationType
+    path = write_gguf(tmp_path / "tiny.Q8.gguf", model, tok, {"attn_v": q.Q8_0, "ffn_up": q.Q4_1})
+    lm = load_model(str(path), device="cpu")
+    direct = load_model(str(mf.convert_gguf(path, tmp_path / "direct")), device="cpu")
+    for k, v in direct.model.state_dict().items():
+        torch.testing.assert_close(lm.model.state_dict()[k], v, rtol=0, atol=0)
+    prov = lm.provenance()
+    assert prov["kind"] == "gguf" and prov["quant_types"] == ["F32", "Q4_1", "Q8_0"]
+    assert prov["gguf_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest() and lm.name == "tiny.Q8.gguf"
+    assert lm.path.parent == tmp_path / "cache" / "gguf"
+    monkeypatch.setattr(mf, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
+    assert load_model(str(path), device="cpu").path == lm.path

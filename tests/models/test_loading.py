@@ -39,7 +39,7 @@ def test_load_directory(model_dir):
         ("pair-tny:diff", "did you mean pair-tiny:diff"),
         ("pair-tiny:dif", "did you mean pair-tiny:diff"),
         ("pair-base:diff", "no bundled weights for pair-base:diff"),
-        ("gpt2", "is neither a directory, a fetchable model .smollm2-135m. nor a preset role"),
+        ("gpt2", r"is neither a directory, a Hub id \(ORG/NAME\[@REVISION\]\), a fetchable model .smollm2-135m. nor a preset"),
     ],
 )
 def test_spec_errors(spec, msg):

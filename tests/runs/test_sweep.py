@@ -391,3 +391,19 @@ def test_merge_garbage_shard_records_are_one_line(tmp_path, capsys):
     rc = main(["merge", str(d)])
     err = capsys.readouterr().err
     assert rc == 2 and "it lacks settings, cells, tasks" in err and err.count("\n") == 1
+
+
+def test_record_names_each_model_and_its_weights(full, tiny_pair):
+    """sweep.json: each model as given, its kind and the sha256 of its weight files (computed here)."""
+    import hashlib
+
+    out, _ = full
+    rec = json.loads((out / "sweep.json").read_text())
+    for role in ("transformer", "diff"):
+        spec = str(tiny_pair[role])
+        src = rec["model_sources"][spec]
+        assert src["given"] == spec and src["kind"] == "directory"
+        h = hashlib.sha256()
+        for p in sorted(tiny_pair[role].glob("*.safetensors")):
+            h.update(p.read_bytes())
+        assert src["weights_sha256"] == h.hexdigest()
