@@ -3,6 +3,7 @@ at it and HF_HUB_CACHE in a temporary directory: download by id, by id@tag and b
 offline mode, sharded and pickle-only checkpoints, custom code, and every failure as one line."""
 
 import json
+from pathlib import Path
 import shutil
 
 import huggingface_hub
@@ -28,7 +29,8 @@ def dirs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hubsrc")
     tok = train_bpe(["hello world, the history of the world is long."] * 50, vocab_size=512)
-    model = PairConfig.from_name("pair-test").build("transformer", seed=0).eval()
+    model = PairConfig(name="hub-test", vocab_size=512, n_layers=2, hidden_size=32, n_heads=4, seq_len=512).build(
+        "transformer", seed=0).eval()
     out = {}
     for name, kw in (("whole", {}), ("sharded", {"max_shard_size": "40KB"}), ("pickle", {})):
         out[name] = root / name
@@ -212,3 +214,77 @@ def test_lmeval_adapter_takes_a_hub_id(hub, dirs):
 
     lm = OutlierscopeLM("org/tiny@v1.0", bits=4, device="cpu", batch_size=1)
     torch.testing.assert_close(logits(lm.model), logits(dirs[1]))
+
+
+def _readme_commands():
+    """The command lines of README's "Your model" block: (env, argv)."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = text.split("## Your model", 1)[1].split("```", 2)[1]
+    out = []
+    for line in block.strip().splitlines():
+        words = shlex.split(line.split("#", 1)[0])
+        env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_]+=", w))
+        argv = [w for w in words if not re.match(r"^[A-Z_]+=", w)]
+        assert argv[0] == "outlierscope", line
+        out.append((env, argv[1:]))
+    return out
+
+
+def test_readme_your_model_commands_run(dirs, tmp_path, monkeypatch, hellaswag_cached, source_gguf):
+    """Every line of README's "Your model" block, as written, on tiny models served under those Hub names (sizes made
+    small: tokens, items, bits, context); each exits 0 and its record names the model as given."""
+    d, _ = dirs
+    names = {"Qwen/Qwen2.5-7B", "meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B"}
+    server = HubServer({n: Repo.from_dir(d["whole"], {"main": SHA_MAIN}) for n in names}).start()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    try:
+        for env, argv in _readme_commands():
+            set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=env.get("HF_HUB_OFFLINE") == "1")
+            argv = [{"/path/to/model.Q4_K_M.gguf": str(source_gguf), "/path/to/hf-model": str(d["whole"])}.get(a, a)
+                    for a in argv]
+            argv = [str(tmp_path / a) if a.startswith("runs/") else a for a in argv]
+            if "--seq-len" in argv:
+                argv[argv.index("--seq-len") + 1] = "32"  # the tiny models' context
+            if argv[0] == "profile":
+                argv += ["--tokens", "256", "--seq-len", "32"] if "--seq-len" not in argv else ["--tokens", "256"]
+            else:
+                argv += ["--limit", "3"]
+                if "--bits" in argv:
+                    i = argv.index("--bits")
+                    argv[i + 1 : i + 5] = ["16", "4"]
+            before = len(server.requests)
+            assert main(argv) == 0, argv
+            if env.get("HF_HUB_OFFLINE") == "1":
+                assert len(server.requests) == before  # offline: no request at all
+            out = Path(argv[argv.index("--out") + 1])
+            rec = json.loads((out / ("profile.json" if argv[0] == "profile" else "sweep.json")).read_text())
+            given = argv[argv.index("--model") + 1]
+            sources = [f["source"] for f in rec["models"].values()] if argv[0] == "profile" else list(rec["model_sources"].values())
+            assert sources[0]["given"] == given
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def source_gguf(tmp_path, monkeypatch):
+    """A small GGUF file (Q8_0 value weights) written with the gguf package; the conversion cache in tmp_path."""
+    import gguf
+
+    from tests.models.test_fetch import write_gguf
+
+    from outlierscope.data.hellaswag import hellaswag_path
+
+    data = hellaswag_path()
+    cache = tmp_path / "os-cache"
+    cache.mkdir()
+    if data.exists():  # the conversion goes to a cache of this test's own; the data stay where they are
+        (cache / data.name).symlink_to(data)
+    monkeypatch.setenv("OUTLIERSCOPE_CACHE", str(cache))
+    tok = train_bpe(["hello world, the history of the world is long."] * 50, vocab_size=512)
+    cfg = PairConfig(name="gguf-readme", vocab_size=len(tok), n_layers=2, hidden_size=32, n_heads=4, seq_len=512)
+    model = cfg.build("transformer", seed=0).eval()
+    return write_gguf(tmp_path / "model.Q4_K_M.gguf", model, tok, {"attn_v": gguf.GGMLQuantizationType.Q8_0})
