@@ -3,8 +3,8 @@ at it and HF_HUB_CACHE in a temporary directory: download by id, by id@tag and b
 offline mode, sharded and pickle-only checkpoints, custom code, and every failure as one line."""
 
 import json
-from pathlib import Path
 import shutil
+from pathlib import Path
 
 import huggingface_hub
 import pytest
@@ -274,9 +274,8 @@ def source_gguf(tmp_path, monkeypatch):
     """A small GGUF file (Q8_0 value weights) written with the gguf package; the conversion cache in tmp_path."""
     import gguf
 
-    from tests.models.test_fetch import write_gguf
-
     from outlierscope.data.hellaswag import hellaswag_path
+    from tests.models.test_fetch import write_gguf
 
     data = hellaswag_path()
     cache = tmp_path / "os-cache"
