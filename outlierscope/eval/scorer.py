@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.hellaswag import Request
+from outlierscope.eval.requests import Request
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.points import trunk
 from outlierscope.models.loading import model_device

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from outlierscope.data.hellaswag import load_hellaswag
-from outlierscope.eval.hellaswag import build_requests, lmeval_max_length
+from outlierscope.eval.requests import build_requests, lmeval_max_length
 from outlierscope.eval.scorer import score_requests
 from outlierscope.models.loading import load_model
 from outlierscope.quant.apply import quantize_attention
@@ -123,10 +123,10 @@ def _task_docs():
 def test_ragged_choices_and_per_choice_contexts_equal_reference(setup, layout):
     """Zero-shot task requests (2-5 choices, WinoGrande's per-choice contexts) against the naive full-logit
     computation, with and without quantization; NaN where an item has fewer choices."""
-    from outlierscope.eval.hellaswag import build_task_requests, predictions
+    from outlierscope.eval.requests import build_requests, predictions
 
     lm, _ = setup
-    reqs = build_task_requests(_task_docs(), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
+    reqs = build_requests(_task_docs(), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
     assert [len(r.conts) for r in reqs] == [5, 3, 2, 2, 2] and reqs[2].ctxs is not None and reqs[0].ctxs is None
 
     def naive(model):
@@ -157,13 +157,13 @@ def test_evaluate_a_zero_shot_task(setup, task, tmp_path):
     item's choices, equal to scoring the same requests directly; the result saves and loads back."""
     from outlierscope.data.tasks import get_task, load_docs
     from outlierscope.eval.evaluate import EvalResult, evaluate
-    from outlierscope.eval.hellaswag import build_task_requests
+    from outlierscope.eval.requests import build_requests
 
     if not get_task(task).cached:
         pytest.skip("task data not cached (make test fetches it)")
     lm, _ = setup
     res = evaluate(lm, task=task, limit=12, batch_size=8, progress=False)
-    reqs = build_task_requests(load_docs(task, 12), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
+    reqs = build_requests(load_docs(task, 12), lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
     direct = score_requests(lm.model, reqs, "shared", 8)
     np.testing.assert_allclose(res.items[res.score_columns].to_numpy(), direct, atol=1e-6, equal_nan=True)
     n = np.array([len(r.conts) for r in reqs])

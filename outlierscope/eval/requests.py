@@ -1,10 +1,11 @@
-"""HellaSwag zero-shot scoring, identical to lm-evaluation-harness 0.4.13.
+"""Loglikelihood requests of zero-shot multiple-choice items, tokenised exactly as lm-evaluation-harness 0.4.13 does.
 
-The document of an item (lm-eval ``hellaswag.yaml`` / ``utils.process_docs``) is
-:func:`outlierscope.data.hellaswag.build_doc`. Each choice is a loglikelihood request with context ``query`` and continuation
-``" " + choice``; tokenisation follows lm-eval's ``_encode_pair`` (trailing whitespace of the
-context moves to the continuation; ``whole = enc(ctx + cont)``, ``ctx_ids = enc(ctx)``,
-continuation ids ``whole[len(ctx_ids):]``; an empty context becomes the EOS id).
+Every item (a HellaSwag item or a task row) is a :class:`~outlierscope.data.docs.TaskDoc` (``item.doc()``): one
+request per choice, ``(context, continuation)``; HellaSwag's document (lm-eval ``hellaswag.yaml`` /
+``utils.process_docs``) is :func:`outlierscope.data.hellaswag.build_doc`, with continuation ``" " + choice``.
+Tokenisation follows lm-eval's ``_encode_pair`` (trailing whitespace of the context moves to the continuation;
+``whole = enc(ctx + cont)``, ``ctx_ids = enc(ctx)``, continuation ids ``whole[len(ctx_ids):]``; an empty context
+becomes the EOS id).
 
 ``acc`` = argmax of the summed log-probabilities (first maximum wins), ``acc_norm`` = argmax
 of the sum divided by the choice's length in characters; standard error = sample std / sqrt(n).
@@ -14,8 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from outlierscope.data.hellaswag import build_doc
 
 # -- requests and tokenisation (lm-eval HFLM rules) ------------------------------------------
 
@@ -127,22 +126,9 @@ class Encoder:
 
 
 def build_requests(items, tokenizer, max_length: int) -> list[Request]:
-    enc = Encoder(tokenizer)
-    docs = [build_doc(item) for item in items]
-    encoded = enc.pairs([(doc.query, " " + c) for doc in docs for c in doc.choices])
-    out, at = [], 0
-    for doc in docs:
-        pairs, at = encoded[at : at + len(doc.choices)], at + len(doc.choices)
-        ctx = pairs[0][0]
-        assert all(p[0] == ctx for p in pairs)  # the context is tokenised on its own: same for every choice
-        out.append(Request(doc.index, doc.label, tuple(ctx), tuple(tuple(p[1]) for p in pairs),
-                           tuple(len(c) for c in doc.choices), max_length))
-    return out
-
-
-def build_task_requests(docs, tokenizer, max_length: int) -> list[Request]:
-    """Requests of :class:`~outlierscope.data.tasks.TaskDoc` rows (any number of choices, shared or per-choice
-    contexts), tokenised by lm-eval's rules; a context shared by every choice is kept once (``ctx``)."""
+    """Requests of any items (HellaSwag items, task rows: each ``item.doc()``; any number of choices, shared or
+    per-choice contexts), tokenised by lm-eval's rules; a context shared by every choice is kept once (``ctx``)."""
+    docs = [it.doc() for it in items]
     enc = Encoder(tokenizer)
     encoded = enc.pairs([r for doc in docs for r in doc.requests])
     out, at = [], 0

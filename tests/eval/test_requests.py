@@ -3,7 +3,7 @@ import pytest
 
 from outlierscope.analysis.paired import mean_stderr
 from outlierscope.data.hellaswag import HellaSwagItem, build_doc, preprocess
-from outlierscope.eval.hellaswag import Encoder, build_requests, predictions
+from outlierscope.eval.requests import Encoder, build_requests, predictions
 
 
 @pytest.mark.parametrize("raw,expected", [
@@ -120,3 +120,23 @@ def test_accuracy_stderr():
     c = np.array([1, 0, 1, 1, 0, 1, 1, 1])
     acc, se = mean_stderr(c)
     assert acc == 0.75 and se == pytest.approx(np.std(c, ddof=1) / np.sqrt(8))
+
+
+def test_items_digest_is_the_committed_runs(hellaswag_cached):
+    """HellaSwag items and task rows are one item type now (item.doc()); the digest that names their cells is still
+    the one the committed runs recorded (docs/suite/pair-tiny: 500 seeded items per task, seed 0)."""
+    import json
+    from pathlib import Path
+
+    from outlierscope.data.tasks import get_task
+    from outlierscope.eval.evaluate import items_digest, select_items
+
+    rec = json.loads((Path(__file__).resolve().parents[2] / "docs/suite/pair-tiny/sweep.json").read_text())
+    s = rec["settings"]
+    for task, info in rec["tasks"].items():
+        if task != "hellaswag" and not get_task(task).cached:
+            continue
+        items = select_items(None, None, 0, None, task)
+        if s["sample"] and s["sample"] < len(items):
+            items = select_items(None, s["sample"], s["seed"], None, task)
+        assert items_digest(items) == info["items_sha256"], task
