@@ -26,10 +26,20 @@ def machine() -> dict:
 
 
 def _git() -> dict:
+    """The commit, and whether tracked files other than bench/results/ differ from it (a record written by the bench
+    run before this one is no change of the code that measured)."""
+    import subprocess
+
     from outlierscope.io import git_commit
 
-    commit = git_commit() or ""
-    return {"commit": commit.removesuffix("+changes"), "dirty": commit.endswith("+changes")}
+    commit = (git_commit() or "").removesuffix("+changes")
+    try:
+        st = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=10).stdout.splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        st = []
+    changed = [line[3:] for line in st if not line[3:].startswith("bench/results/")]
+    return {"commit": commit, "dirty": bool(changed), **({"changed": changed} if changed else {})}
 
 
 def repeat(fn, reps: int = 3) -> list[float]:
