@@ -76,18 +76,22 @@ def test_quantized_equals_our_scorer(task_dir, granularity):
     assert np.abs(unq - mine).max() > 1e-3  # 4 bits really changed the scores
 
 
+def _generation_task(task_dir, name: str, prompts, until: str, max_tokens: int) -> None:
+    """A local generate_until task ``{name}_local`` over ``prompts`` (greedy, stop at ``until``)."""
+    (task_dir / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts))
+    (task_dir / f"{name}_local.yaml").write_text(
+        f"task: {name}_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {task_dir / (name + '.jsonl')}\n"
+        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
+        f"generation_kwargs:\n  until: ['{until}']\n  max_gen_toks: {max_tokens}\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
 def test_generation_runs_through_quantized_attention(task_dir, tmp_path):
     """A generation task under 4-bit attention: decoding steps (one query row against the key cache) pass the
     attention function, and the quantized continuation differs from the unquantized one."""
     from outlierscope.hooks.capture import capture
 
-    rows = [{"prompt": p, "answer": "x"} for p in ("The history of", "In 1990 the", "A river is", "The city of")]
-    (task_dir / "gen.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (task_dir / "gen_local.yaml").write_text(
-        f"task: gen_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {task_dir / 'gen.jsonl'}\n"
-        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['\\n']\n  max_gen_toks: 8\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+    _generation_task(task_dir, "gen", ("The history of", "In 1990 the", "A river is", "The city of"), "\\n", 8)
     shapes = []
     outs = {}
     for bits in (16, 2):
@@ -107,13 +111,7 @@ def test_each_decode_step_is_quantized_with_its_own_scale(task_dir):
     unquantized logits (seen by a capture entered outside the adapter), one stage call per step and layer."""
     from outlierscope.hooks.capture import capture
 
-    rows = [{"prompt": p, "answer": "x"} for p in ("The history of", "In 1990 the")]
-    (task_dir / "gen2.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (task_dir / "gen2_local.yaml").write_text(
-        f"task: gen2_local\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    validation: {task_dir / 'gen2.jsonl'}\n"
-        "validation_split: validation\noutput_type: generate_until\ndoc_to_text: '{{prompt}}'\ndoc_to_target: '{{answer}}'\n"
-        "generation_kwargs:\n  until: ['NEVER']\n  max_gen_toks: 6\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+    _generation_task(task_dir, "gen2", ("The history of", "In 1990 the"), "NEVER", 6)
     before, after = [], []
     keep = lambda into: (lambda o: into.append((o.x.detach().double().clone(), o.valid.clone())))  # noqa: E731
     lm = OutlierscopeLM(PAIR_DIFF, bits=4, device="cpu", batch_size=1, points=["layers.2.attn.logits"],
