@@ -315,15 +315,19 @@ class OutlierStats:
         half = self.n_heads // 2
         return ("map1" if h < half else "map2"), h % half
 
+    def _observed_layers(self, kind: str) -> list[int]:
+        """The layers with observations of ``kind``: not a hybrid model's layers without attention, nor layers left
+        out of the points."""
+        count = self.moments[kind].count
+        return [layer for layer in range(self.n_layers) if count[layer].sum() > 0]
+
     def per_layer(self) -> pd.DataFrame:
         rows = []
         for kind in self.kinds():
             m = self.moments[kind]
-            for layer in range(self.n_layers):
+            for layer in self._observed_layers(kind):
                 d = pooled_moments(m, layer)
                 c = m.count[layer].sum().item()
-                if c == 0:  # a hybrid model's layer without attention (or a layer left out of the points)
-                    continue
                 lt = self.layer_top[kind][layer]
                 rows.append({"point": kind, "layer": layer, "count": int(c), "mean": float(d["mean"]),
                              "std": float(d["std"]), "kurtosis": float(d["kurtosis"]),
@@ -337,9 +341,7 @@ class OutlierStats:
         m = self.moments["attn.logits"]
         d = m.summary()
         rows = []
-        for layer in range(self.n_layers):
-            if m.count[layer].sum() == 0:  # no attention in this layer (hybrid model)
-                continue
+        for layer in self._observed_layers("attn.logits"):
             for h in range(self.n_heads):
                 mp, pair = self._head_label(h)
                 rows.append({"layer": layer, "head": h, "map": mp, "diff_head": pair if self.is_diff else None,

