@@ -102,6 +102,26 @@ class Stage:
     observes: bool = False
     reduce: Callable[[LogitContext, torch.Tensor], torch.Tensor | None] | None = None
     name: str = "stage"
+    taps: frozenset[str] = frozenset()
+    tap: Callable[[Tap], None] | None = None
+
+
+@dataclass
+class Tap:
+    """A tensor the attention function hands to a stage that asked for its kind (``Stage.taps``).
+
+    ``kind`` ``attn.q`` / ``attn.k`` / ``attn.v``: (B, T, heads * head_dim), keys and values before their heads are
+    repeated, with ``valid`` (B, T): real query rows (q), keys a real query may attend to (k, v). ``attn.probs``:
+    a block of probabilities (B, H, t, S) with ``valid`` as the logits'; ``attn.probs_diff``: the differential
+    map ``p1 - lambda p2`` (B, H/2, t, S), float32 at least. ``query_offset``: key position of the first query row."""
+
+    layer: int
+    kind: str
+    x: torch.Tensor
+    valid: torch.Tensor
+    n_heads: int
+    query_offset: int = 0
+    is_diff: bool = False
 
 
 def as_stage(stage: Stage | Callable) -> Stage:
@@ -152,6 +172,24 @@ def _allowed_and_valid(mask: torch.Tensor | None, q_len: int, k_len: int, device
     return allowed, allowed & own[..., None]
 
 
+def _token_valid(mask: torch.Tensor | None, B: int, T: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) real query rows (the mask's diagonal, offset S - T) and (B, S) keys that some query may attend to."""
+    if mask is None:
+        return torch.ones(B, T, dtype=torch.bool, device=device), torch.ones(B, S, dtype=torch.bool, device=device)
+    m = mask[..., :T, :S]
+    allowed = (m if m.dtype == torch.bool else m == 0).any(1)  # (B, T, S): allowed by any head's mask
+    q_valid = torch.diagonal(allowed, offset=S - T, dim1=-2, dim2=-1)  # (B, T)
+    return q_valid.expand(B, T), allowed.any(-2).expand(B, S)  # (B, T), (B, S)
+
+
+def diff_lambda(module: nn.Module) -> torch.Tensor:
+    """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does."""
+    dtype = module.lambda_q1.dtype
+    l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32)).to(dtype)
+    l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32)).to(dtype)
+    return l1 - l2 + module.lambda_init
+
+
 @dataclass
 class _Call:
     """The arguments of one attention call that every block needs."""
@@ -176,11 +214,13 @@ class _AttentionFunction:
         self.model_name = type(model).__name__
         self.stages = stages
         self.block_rows, self.block_bytes = rows, block_bytes
-        self.exposes = any(st.observes for st in stages)
+        self.exposes = any(st.observes or st.taps for st in stages)
+        self.taps = frozenset().union(*(st.taps for st in stages))
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
         self._memo: tuple | None = None  # (module, query, key, probs or None, state) of the last call, for DiffLlama's second call
         self._mask_memo: tuple | None = None  # (mask, (T, S), valid, masked) of the last mask seen
+        self._v_half: torch.Tensor | None = None  # a Diff model's first half of the values, until its second call
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                  position_bias=None, **kwargs):
@@ -204,6 +244,8 @@ class _AttentionFunction:
         v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
         memo = self._memo
         second = memo is not None and memo[0] is module and memo[1] is query and memo[2] is key  # DiffLlama's 2nd call
+        if self.taps & {"attn.q", "attn.k", "attn.v"}:
+            self._tap_qkv(layer, query, key, value, attention_mask, second)
         if second and memo[3] is not None:  # the first call's probabilities were one block: reuse them
             return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
         rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
@@ -216,13 +258,13 @@ class _AttentionFunction:
         else:
             stages, state = self.stages, self._prepass(call)
         if rows >= T:  # one block
-            probs = self._block_probs(call, stages, state, 0, T)
+            probs = self._block_probs(call, stages, state, 0, T, tap=not second)
             if self.is_diff:
                 self._memo = (module, query, key, probs, None)
             return torch.matmul(probs, v).transpose(1, 2).contiguous(), None  # (B, H, T, d) -> (B, T, H, d)
         out = query.new_empty(B, T, H, v.shape[-1])  # (B, T, H, d): each block's output goes straight in
         for t0 in range(0, T, rows):
-            probs = self._block_probs(call, stages, state, t0, min(T, t0 + rows))
+            probs = self._block_probs(call, stages, state, t0, min(T, t0 + rows), tap=not second)
             out[:, t0 : t0 + probs.shape[2]] = torch.matmul(probs, v).transpose(1, 2)  # (B, H, t, d) -> (B, t, H, d)
         if self.is_diff:
             self._memo = (module, query, key, None, state)
@@ -262,7 +304,43 @@ class _AttentionFunction:
                     state[self.stages[g]] = r if prev is None else torch.maximum(prev, r)
         return state
 
-    def _block_probs(self, call: _Call, stages, state: dict | None, t0: int, t1: int) -> torch.Tensor:
+    def _emit(self, tap: Tap) -> None:
+        for st in self.stages:
+            if tap.kind in st.taps:
+                st.tap(tap)
+
+    def _tap_qkv(self, layer: int, query, key, value, mask, second: bool) -> None:
+        """Queries, keys and values as (B, T, heads * d) with their valid tokens; a Diff model's values (split in
+        halves over its two calls) once, whole, in the second call."""
+        B, H, T, d = query.shape
+        S = key.shape[2]
+        q_valid, k_valid = _token_valid(mask, B, T, S, query.device)
+        if "attn.q" in self.taps and not second:
+            self._emit(Tap(layer, "attn.q", query.transpose(1, 2).reshape(B, T, H * d), q_valid, H))  # (B, T, H*d)
+        if "attn.k" in self.taps and not second:
+            self._emit(Tap(layer, "attn.k", key.transpose(1, 2).reshape(B, S, -1), k_valid, key.shape[1]))  # (B, S, KV*d)
+        if "attn.v" not in self.taps:
+            return
+        if self.is_diff:  # the call's value is one half of the KV heads, repeated twice: (B, KV, S, d) = [half, half]
+            half = value[:, : value.shape[1] // 2]
+            if not second:
+                self._v_half = half
+                return
+            value, self._v_half = torch.cat([self._v_half, half], dim=1), None  # (B, KV, S, d)
+        self._emit(Tap(layer, "attn.v", value.transpose(1, 2).reshape(B, S, -1), k_valid, value.shape[1]))  # (B, S, KV*d)
+
+    def _tap_probs(self, ctx: LogitContext, module: nn.Module, probs: torch.Tensor) -> None:
+        H = probs.shape[1]
+        if "attn.probs" in self.taps:
+            self._emit(Tap(ctx.layer, "attn.probs", probs, ctx.valid, H, ctx.query_offset, self.is_diff))
+        if "attn.probs_diff" in self.taps and self.is_diff:
+            p = probs if probs.dtype == torch.float64 else probs.float()
+            lam = diff_lambda(module).to(p.dtype)
+            valid = ctx.valid[:, : H // 2] if ctx.valid.shape[1] == H else ctx.valid  # (B, 1|H/2, t, S)
+            self._emit(Tap(ctx.layer, "attn.probs_diff", p[:, : H // 2] - lam * p[:, H // 2 :], valid, H // 2,
+                           ctx.query_offset))  # (B, H/2, t, S)
+
+    def _block_probs(self, call: _Call, stages, state: dict | None, t0: int, t1: int, tap: bool = False) -> torch.Tensor:
         ctx, masked = self._ctx(call, t0, t1, state)
         logits = self._logits(call, t0, t1)
         for stage in stages:
@@ -272,7 +350,10 @@ class _AttentionFunction:
         fill = torch.finfo(logits.dtype).min
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
-        return torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)
+        if tap and self.taps & {"attn.probs", "attn.probs_diff"}:
+            self._tap_probs(ctx, call.module, probs)
+        return probs
 
     def _valid(self, attention_mask, q_len: int, k_len: int, device, t0: int, t1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(valid, ~allowed) of rows [t0, t1) of a mask; for a whole-call block computed once per forward

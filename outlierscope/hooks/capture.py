@@ -17,18 +17,30 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
-from outlierscope.hooks.points import DEFAULT_POINTS, Point, decoder_layers, point_name, resolve_points
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.attention import LogitContext, Stage, Tap, attention_stages
+from outlierscope.hooks.points import (
+    ATTN_TAPS,
+    DEFAULT_POINTS,
+    Point,
+    attention_module,
+    decoder_layers,
+    output_projection,
+    point_name,
+    resolve_points,
+)
 
 
 @dataclass
 class Observation:
     """One tensor passing an observation point.
 
-    ``x``: logits (B, H, T, S) or hidden states (B, T, C); ``valid``: bool, broadcastable to ``x``
-    for logits ((B, 1|H, T, S)) and (B, T) for hidden states. ``seq_offset`` is the global index of
-    the batch's first sequence (counted over forwards inside the capture). For logits, ``query_offset`` is
-    the key position of ``x``'s first query row (S - T for a whole call; blocked attention passes blocks).
+    ``x``: a map (logits, probabilities) (B, H, T, S) or a token tensor (hidden states, q/k/v, module inputs and
+    outputs) (B, T, C); ``valid``: bool, broadcastable to ``x`` for maps ((B, 1|H, T, S)) and (B, T) for token
+    tensors. ``seq_offset`` is the global index of the batch's first sequence (counted over forwards inside the
+    capture). For maps, ``query_offset`` is the key position of ``x``'s first query row (S - T for a whole call;
+    blocked attention passes blocks). ``ids``: the token ids (B, T) of a token tensor's tokens when the forward
+    got ``input_ids`` (None otherwise); ``n_heads``: a map's heads, or the heads of q/k/v's channels.
     """
 
     point: Point
@@ -38,6 +50,7 @@ class Observation:
     n_heads: int | None = None
     is_diff: bool = False
     query_offset: int | None = None
+    ids: torch.Tensor | None = None
 
 
 @dataclass
@@ -47,6 +60,7 @@ class Capture:
     points: list[Point]
     sequences: int = 0
     _padding: torch.Tensor | None = field(default=None, repr=False)
+    _ids: torch.Tensor | None = field(default=None, repr=False)
 
 
 def _as_list(reducers) -> list:
@@ -57,26 +71,125 @@ def _as_list(reducers) -> list:
     return list(reducers)
 
 
-@contextlib.contextmanager
-def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, reducers=None,
-            block_rows: int | None = None) -> Iterator[Capture]:
-    """Observe ``points`` of ``model`` during forwards inside the block; see module docstring.
+def _first_tensor(args, kwargs) -> torch.Tensor | None:
+    """A module's input: its first positional tensor, else ``hidden_states``, else its first tensor keyword."""
+    for a in (*args, kwargs.get("hidden_states"), *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
 
-    ``block_rows``: query rows per attention block (logits are then observed block by block).
+
+def _output_tensor(output) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    return getattr(output, "last_hidden_state", None)
+
+
+def _module_targets(model: nn.Module, points: list[Point]) -> list[tuple[nn.Module, str, Point]]:
+    """(module, "input"|"output", point) for every point observed by a module hook: module inputs and outputs,
+    ``attn.out`` (the output projection's input), ``hidden`` (the decoder layer's output) and ``lm_head.input``."""
+    modules = dict(model.named_modules())
+    layers = decoder_layers(model)
+    out = []
+    for p in points:
+        if p.module is not None:
+            out.append((modules[p.module], "input" if p.kind.endswith(".input") else "output", p))
+        elif p.kind == "hidden":
+            out.append((layers[p.layer], "output", p))
+        elif p.kind == "attn.out":
+            out.append((output_projection(attention_module(layers[p.layer]))[1], "input", p))
+    return out
+
+
+def _token_layout(p: Point, x: torch.Tensor, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A module's tensor as (B, T, C) with its valid tokens (B, T): batch first, the tokens in dim 1 or the first
+    later dim of the batch's length (per-head tensors (B, H, T, d)), everything after them channels; a (B, t, C)
+    tensor of fewer tokens than the mask (a forward with a cache) holds the last t. Routed-token (N, C) tensors of
+    mixture-of-experts blocks are (1, N, C), observed when the batch has no padding."""
+    if pad is None:
+        pad = torch.ones(x.shape[:2] if x.dim() >= 3 else (1, 1), dtype=torch.bool, device=x.device)
+    B, T = pad.shape
+    if x.dim() >= 3 and x.shape[0] == B:
+        t_dim = next((d for d in range(1, x.dim() - 1) if x.shape[d] == T), None)
+        if t_dim is not None:
+            return x.movedim(t_dim, 1).reshape(B, T, -1), pad  # (B, T, C)
+        if x.dim() == 3 and x.shape[1] < T:
+            return x, pad[:, -x.shape[1] :]  # (B, t, C): the last t tokens
+    if bool(pad.all()):
+        x = x.reshape(1, -1, x.shape[-1])  # (1, N, C): routed tokens, all real
+        return x, torch.ones(x.shape[:2], dtype=torch.bool, device=x.device)
+    raise OutlierscopeError(f"{p.name}: its tensor {tuple(x.shape)} does not have the batch's (batch, tokens) layout, "
+                            "so padding cannot be told apart; profile without padding or choose another point")
+
+
+class _Emitter:
+    """Turns hooked tensors into observations for the reducers."""
+
+    def __init__(self, cap: Capture, reducers: list, by_layer_kind: dict[tuple[int, str], Point]):
+        self.cap, self.reducers, self.points = cap, reducers, by_layer_kind
+
+    def emit(self, obs: Observation) -> None:
+        for r in self.reducers:
+            r(obs)
+
+    def tokens(self, p: Point, x: torch.Tensor | None) -> None:
+        """A module's tensor, observed as (B, T, C) (:func:`_token_layout`)."""
+        if x is None:
+            raise OutlierscopeError(f"{p.name}: the module got or returned no tensor; choose another point")
+        pad, ids = self.cap._padding, self.cap._ids
+        x, valid = _token_layout(p, x, pad)
+        if ids is not None and ids.shape[0] == valid.shape[0] and ids.shape[1] >= valid.shape[1]:
+            ids = ids[:, -valid.shape[1] :]  # (B, T)
+        else:
+            ids = None
+        self.emit(Observation(p, x.detach(), valid.to(x.device), self.cap.sequences, ids=ids))
+
+    def hook(self, p: Point, side: str):
+        if side == "input":
+            return lambda mod, args, kwargs: self.tokens(p, _first_tensor(args, kwargs))
+        return lambda mod, args, kwargs, output: self.tokens(p, _output_tensor(output))
+
+    def tap(self, t: Tap) -> None:
+        p = self.points.get((t.layer, t.kind))
+        if p is None:
+            return
+        if p.is_map:
+            self.emit(Observation(p, t.x.detach(), t.valid, self.cap.sequences, t.n_heads, t.is_diff, t.query_offset))
+        else:
+            ids = self.cap._ids if self.cap._ids is not None and self.cap._ids.shape == t.valid.shape else None
+            self.emit(Observation(p, t.x.detach(), t.valid, self.cap.sequences, t.n_heads, ids=ids))
+
+    def logits(self, ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
+        p = self.points.get((ctx.layer, "attn.logits"))
+        if p is not None:
+            self.emit(Observation(p, logits.detach(), ctx.valid, self.cap.sequences, ctx.n_heads, ctx.is_diff,
+                                  ctx.query_offset))
+        return logits
+
+
+@contextlib.contextmanager
+def capture(model: nn.Module, points: Sequence[str] | str | None = None, reducers=None,
+            block_rows: int | None = None, preset: str | None = None) -> Iterator[Capture]:
+    """Observe ``points`` (names or patterns; and the points of a :data:`~outlierscope.hooks.points.PRESETS` name)
+    of ``model`` during forwards inside the block; see module docstring. Neither given: Table 5's two kinds.
+
+    ``block_rows``: query rows per attention block (maps are then observed block by block).
 
     Any model whose attention goes through transformers' ``AttentionInterface`` can be observed, an encoder
     (BERT) too: its valid entries are what its own mask allows (bidirectional). Scoring is another matter:
     :func:`~outlierscope.eval.evaluate` refuses a model that is not causal."""
-    resolved = resolve_points(model, points)
-    reducers = _as_list(reducers)
+    if points is None:
+        points = DEFAULT_POINTS if preset is None else ()
+    resolved = resolve_points(model, points, preset)
     cap = Capture(points=resolved)
-    logit_layers = {p.layer: p for p in resolved if p.kind == "attn.logits"}
-    hidden_layers = {p.layer: p for p in resolved if p.kind == "hidden"}
+    em = _Emitter(cap, _as_list(reducers), {(p.layer, p.kind): p for p in resolved})
+    taps = frozenset(p.kind for p in resolved if p.kind in ATTN_TAPS)
+    wants_logits = any(p.kind == "attn.logits" for p in resolved)
+    # observes: the attention function must not reuse memory that reducers may hold
+    stage = Stage(apply=em.logits, observes=wants_logits, name="capture", taps=taps, tap=em.tap)
     handles = []
-
-    def emit(obs: Observation) -> None:
-        for r in reducers:
-            r(obs)
 
     def pre_forward(mod, args, kwargs):
         ids = kwargs.get("input_ids", args[0] if args else None)
@@ -84,36 +197,20 @@ def capture(model: nn.Module, points: Sequence[str] | str = DEFAULT_POINTS, redu
         if mask is None and ids is not None:
             mask = torch.ones(ids.shape[:2], dtype=torch.bool, device=ids.device)
         cap._padding = mask.bool() if mask is not None and mask.dim() == 2 else None
+        cap._ids = ids if isinstance(ids, torch.Tensor) and ids.dim() == 2 else None
 
     def post_forward(mod, args, kwargs, output):
         if cap._padding is not None:
             cap.sequences += cap._padding.shape[0]
-        cap._padding = None
-
-    def hidden_hook(layer: int):
-        def hook(mod, args, output):
-            h = output[0] if isinstance(output, tuple) else output  # (B, T, C)
-            valid = cap._padding if cap._padding is not None else torch.ones(h.shape[:2], dtype=torch.bool, device=h.device)
-            emit(Observation(hidden_layers[layer], h.detach(), valid[:, -h.shape[1] :], cap.sequences))
-
-        return hook
-
-    def observe(ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
-        p = logit_layers.get(ctx.layer)
-        if p is not None:
-            emit(Observation(p, logits.detach(), ctx.valid, cap.sequences, ctx.n_heads, ctx.is_diff, ctx.query_offset))
-        return logits
-
-    # observes: the attention function must not reuse memory that reducers may hold
-    logit_stage = Stage(apply=observe, observes=True, name="capture")
+        cap._padding = cap._ids = None
 
     try:
         handles.append(model.register_forward_pre_hook(pre_forward, with_kwargs=True))
         handles.append(model.register_forward_hook(post_forward, with_kwargs=True))
-        layers = decoder_layers(model)
-        for i in hidden_layers:
-            handles.append(layers[i].register_forward_hook(hidden_hook(i)))
-        with attention_stages(model, logit_stage, block_rows=block_rows) if logit_layers else contextlib.nullcontext():
+        for mod, side, p in _module_targets(model, resolved):
+            register = mod.register_forward_pre_hook if side == "input" else mod.register_forward_hook
+            handles.append(register(em.hook(p, side), with_kwargs=True))
+        with attention_stages(model, stage, block_rows=block_rows) if wants_logits or taps else contextlib.nullcontext():
             yield cap
     finally:
         for h in handles:

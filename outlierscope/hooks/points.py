@@ -1,17 +1,37 @@
 """Named observation points of a decoder-only model.
 
+Attention internals, produced by our attention function (nothing runs for a point not asked for):
+
 ``layers.{i}.attn.logits``: pre-softmax attention logits ``(q @ k^T) * scaling``, shape
 (batch, heads, queries, keys), with the boolean mask of valid entries (causal, not padding,
 inside a sliding window). For a Diff model the two maps are heads ``[0, H/2)`` (map 1)
 and ``[H/2, H)`` (map 2); differential head ``j`` pairs heads ``j`` and ``j + H/2``.
 
+``layers.{i}.attn.q`` / ``.attn.k`` / ``.attn.v``: queries, keys and values as the attention function gets them
+(after RoPE and any QK-norm, keys and values before their heads are repeated: what a KV cache holds), observed
+as (batch, tokens, heads * head_dim): channel ``c`` is head ``c // head_dim``, dimension ``c % head_dim``.
+Valid: non-padding query rows (q), keys some real query may attend to (k, v).
+
+``layers.{i}.attn.probs``: the attention probabilities after softmax, (batch, heads, queries, keys), valid entries
+as for the logits; ``layers.{i}.attn.probs_diff`` (Diff models only): the differential map ``p1 - lambda p2`` per
+differential head, (batch, heads / 2, queries, keys).
+
+``layers.{i}.attn.out``: the attention's output per head before the output projection, (batch, tokens, heads *
+head_dim) (a Diff model's: after the differential combination and its group norm): the input of ``o_proj`` /
+``c_proj`` / ``out_proj`` / ``dense``.
+
 ``layers.{i}.hidden``: the decoder layer's output (after both residual additions), shape
 (batch, tokens, channels), valid (non-padding) tokens only.
 
-Patterns may use ``*`` for the layer index: ``layers.*.attn.logits``.
+``layers.{i}.<module path>.input`` / ``.output``: the (first tensor) input or output of any submodule of a decoder
+layer (``layers.3.mlp.down_proj.input``), and ``lm_head.input`` (layer index: the number of decoder layers),
+(batch, tokens, channels), valid tokens only.
+
+Patterns use ``*`` (``layers.*.hidden``, ``layers.*.self_attn.*_proj.input``); an unknown name fails with the
+closest valid ones. :data:`PRESETS` name sets of points (``--preset kv``).
 
 Hybrid models (Jamba, LFM2, Qwen3-Next) interleave attention layers with state-space or convolution
-layers: every layer has a ``hidden`` point, only attention layers an ``attn.logits`` point, and layer
+layers: every layer has a ``hidden`` point, only attention layers the ``attn.*`` points, and layer
 indices are the model's own. The model structure is found, never assumed from a class name:
 :func:`decoder_layers`, :func:`attention_layers`, :func:`trunk`.
 """
@@ -27,15 +47,46 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 
-KINDS = ("attn.logits", "hidden")
+KINDS = ("attn.logits", "hidden")  # Table 5's two kinds (the defaults)
+ATTN_TAPS = ("attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_diff")  # from inside the attention function
+ATTN_KINDS = ("attn.logits", *ATTN_TAPS, "attn.out")
+MAP_KINDS = ("attn.logits", "attn.probs", "attn.probs_diff")  # (B, H, T, S) maps; every other kind is (B, T, C)
 DEFAULT_POINTS = ("layers.*.attn.logits", "layers.*.hidden")
+LM_HEAD = "lm_head.input"
+
+
+@dataclass(frozen=True)
+class PointPreset:
+    """A named set of points: ``patterns``, and ``linear_inputs``: the input of every ``nn.Linear`` of the decoder
+    layers and the LM head (what SmoothQuant calibrates)."""
+
+    name: str
+    patterns: tuple[str, ...]
+    linear_inputs: bool = False
+    help: str = ""
+
+
+PRESETS = {p.name: p for p in (
+    PointPreset("table5", DEFAULT_POINTS, help="the paper's Table 5: attention logits and hidden states"),
+    PointPreset("kv", ("layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v"),
+                help="queries, keys, values per channel and per token (what KV-cache quantizers see)"),
+    PointPreset("sinks", ("layers.*.attn.probs",), help="attention probabilities: sink mass per layer and head"),
+    PointPreset("smoothquant", (), linear_inputs=True,
+                help="the input of every nn.Linear (decoder layers and LM head); exports act_scales.pt"),
+)}
 
 
 @dataclass(frozen=True)
 class Point:
     name: str
     layer: int
-    kind: str  # one of KINDS
+    kind: str  # one of ATTN_KINDS, "hidden", "<module path>.input|output" or LM_HEAD
+    module: str | None = None  # module points: the module's full name in the model (model.layers.3.mlp.down_proj)
+    linear: bool = False  # module points: the module is an nn.Linear
+
+    @property
+    def is_map(self) -> bool:
+        return self.kind in MAP_KINDS
 
 
 def point_name(layer: int, kind: str) -> str:
@@ -45,7 +96,7 @@ def point_name(layer: int, kind: str) -> str:
 _ATTN_NAMES = ("attn", "self_attn", "attention", "self_attention")
 
 
-def _attention_module(block: nn.Module) -> nn.Module | None:
+def attention_module(block: nn.Module) -> nn.Module | None:
     """The block's attention module (by transformers' naming, or the ``scaling`` attribute that attention modules
     going through the interface carry); None for a state-space, convolution or linear-attention block."""
     for name, m in block.named_modules():
@@ -70,12 +121,12 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     n = getattr(cfg, "num_hidden_layers", None)
     found = [(name.count("."), name, mod) for name, mod in model.named_modules()
              if isinstance(mod, nn.ModuleList) and len(mod) and (n is None or len(mod) == n)
-             and any(_attention_module(b) is not None for b in mod)]
+             and any(attention_module(b) is not None for b in mod)]
     if not found:
         raise OutlierscopeError(f"{type(model).__name__}: cannot find its decoder layers; expected a ModuleList of "
                                 f"{n} blocks of which at least one holds an attention module")
     layers = min(found, key=lambda f: (f[0], f[1]))[2]
-    attn = next(_attention_module(b) for b in layers if _attention_module(b) is not None)
+    attn = next(attention_module(b) for b in layers if attention_module(b) is not None)
     if not _routes_through_interface(attn):
         raise OutlierscopeError(f"{type(model).__name__}: its attention ({type(attn).__name__}) does not go through "
                                 "transformers' AttentionInterface, so its logits cannot be observed or quantized; "
@@ -86,7 +137,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def attention_layers(model: nn.Module) -> list[int]:
     """Indices (the model's own) of the decoder layers that hold an attention module: all of them except in
     hybrid models."""
-    return [i for i, b in enumerate(decoder_layers(model)) if _attention_module(b) is not None]
+    return [i for i, b in enumerate(decoder_layers(model)) if attention_module(b) is not None]
 
 
 def trunk(model: nn.Module) -> nn.Module:
@@ -104,29 +155,84 @@ def trunk(model: nn.Module) -> nn.Module:
                             "returns hidden states; expected a causal LM with a trunk and an LM head")
 
 
+_OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense", "wo")
+
+
+def output_projection(attn: nn.Module) -> tuple[str, nn.Module] | None:
+    """The attention module's output projection (its direct child named o_proj, out_proj, c_proj, dense or wo)."""
+    for name, m in attn.named_children():
+        if name in _OUT_PROJ:
+            return name, m
+    return None
+
+
+def is_diff(model: nn.Module) -> bool:
+    return getattr(getattr(model, "config", None), "model_type", None) == "diffllama"
+
+
+def _prefix(model: nn.Module, target: nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is target)
+
+
+def lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(full name, module) of the LM head, or None for a model without one."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if get is not None else None
+    return (_prefix(model, head), head) if isinstance(head, nn.Module) else None
+
+
+def _layer_points(i: int, block: nn.Module, prefix: str, attention: bool, diff: bool) -> list[Point]:
+    out = []
+    if attention:
+        attn = attention_module(block)
+        kinds = [k for k in ATTN_KINDS if (k != "attn.probs_diff" or diff) and (k != "attn.out" or output_projection(attn))]
+        out += [Point(point_name(i, k), i, k) for k in kinds]
+    out.append(Point(point_name(i, "hidden"), i, "hidden"))
+    for path, m in block.named_modules():
+        if path:
+            for io in ("input", "output"):
+                kind = f"{path}.{io}"
+                out.append(Point(point_name(i, kind), i, kind, f"{prefix}.{i}.{path}", isinstance(m, nn.Linear)))
+    return out
+
+
 def all_points(model: nn.Module) -> list[Point]:
-    n, attn = len(decoder_layers(model)), set(attention_layers(model))
-    return [Point(point_name(i, k), i, k) for i in range(n) for k in KINDS if k != "attn.logits" or i in attn]
+    """Every observation point of ``model``, layer by layer, then ``lm_head.input``."""
+    layers = decoder_layers(model)
+    attn, prefix, diff = set(attention_layers(model)), _prefix(model, layers), is_diff(model)
+    points = [p for i, b in enumerate(layers) for p in _layer_points(i, b, prefix, i in attn, diff)]
+    head = lm_head(model)
+    if head is not None:
+        points.append(Point(LM_HEAD, len(layers), LM_HEAD, head[0], isinstance(head[1], nn.Linear)))
+    return points
 
 
-def resolve_points(model: nn.Module, patterns) -> list[Point]:
-    """Expand point names/patterns; unknown names fail with the closest valid names."""
+def _unknown(model: nn.Module, pat: str, names: list[str]) -> OutlierscopeError:
+    generic = sorted({n.replace(n.split(".")[1], "*", 1) for n in names if n.startswith("layers.")})
+    close = difflib.get_close_matches(pat, names + generic, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    n = len(decoder_layers(model))
+    return OutlierscopeError(
+        f"unknown observation point {pat!r} for {type(model).__name__} with {n} layers: expected "
+        f"layers.{{0..{n - 1}}}.{{{','.join(KINDS)},attn.q,attn.k,...,<module>.input}} or {LM_HEAD}{hint}")
+
+
+def resolve_points(model: nn.Module, patterns=(), preset: str | None = None) -> list[Point]:
+    """Expand point names/patterns (and a :data:`PRESETS` name); unknown names fail with the closest valid names."""
     if isinstance(patterns, str):
         patterns = [patterns]
     valid = all_points(model)
     names = [p.name for p in valid]
-    chosen: dict[str, Point] = {}
+    chosen: set[str] = set()
+    if preset is not None:
+        if preset not in PRESETS:
+            raise OutlierscopeError(f"unknown point preset {preset!r}: expected one of {', '.join(PRESETS)}")
+        patterns = [*PRESETS[preset].patterns, *patterns]
+        if PRESETS[preset].linear_inputs:
+            chosen |= {p.name for p in valid if p.linear and p.kind.endswith(".input")}
     for pat in patterns:
-        hits = [p for p in valid if fnmatch.fnmatchcase(p.name, pat)]
+        hits = [p.name for p in valid if fnmatch.fnmatchcase(p.name, pat)]
         if not hits:
-            generic = sorted({n.replace(n.split(".")[1], "*", 1) for n in names})
-            close = difflib.get_close_matches(pat, names + generic, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            n = len(decoder_layers(model))
-            raise OutlierscopeError(
-                f"unknown observation point {pat!r} for {type(model).__name__} with {n} layers: "
-                f"expected layers.{{0..{n - 1}}}.{{{','.join(KINDS)}}}{hint}"
-            )
-        for p in hits:
-            chosen[p.name] = p
+            raise _unknown(model, pat, names)
+        chosen.update(hits)
     return [p for p in valid if p.name in chosen]
