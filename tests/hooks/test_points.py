@@ -10,7 +10,7 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.capture import capture
-from outlierscope.hooks.points import PRESETS, all_points, decoder_layers, resolve_points
+from outlierscope.hooks.points import PRESETS, all_points, resolve_points
 from tests.hooks.test_capture import attention_module, make, projections, rope64
 
 ARCHS = ["llama", "qwen2", "gemma2", "gemma3_text", "gpt2", "olmo2", "diffllama"]
