@@ -22,20 +22,21 @@ tokens, the paper's Table 5 method.
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
 import pandas as pd
 import torch
 
-from outlierscope.analysis.reducers import LogBins, Moments, TopK, dense_candidates
+from outlierscope.analysis import activations as act
+from outlierscope.analysis.activations import INT8_LAYER_SHARE, INT8_THRESHOLD, INT8_TOKEN_SHARE, SinkStats
+from outlierscope.analysis.reducers import Exceedances, LogBins, Moments, TopK, dense_candidates
 from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
+from outlierscope.hooks.points import ATTN_KINDS, KINDS, LM_HEAD, MAP_KINDS
 from outlierscope.parallel import VIRTUAL_SHARDS
 
-INT8_THRESHOLD = 6.0  # LLM.int8 (Dettmers et al. 2022): outlier feature magnitude
-INT8_LAYER_SHARE = 0.25  # ... in at least 25% of layers
-INT8_TOKEN_SHARE = 0.06  # ... and at least 6% of token positions
 MASSIVE_ABS = 100.0  # Sun et al. 2024: massive activation magnitude
 MASSIVE_REL = 1000.0  # ... and this many times the median |x|
 TABLE5_RANKS = (1, 2, 3, 10, 100)
@@ -112,14 +113,14 @@ class _KindStats:
 
 
 class LogitStats(_KindStats):
-    """Attention logits (B, H, T, S): locations (layer, head, sequence, query, key); per-head histograms and moments."""
+    """Attention maps (logits, probabilities) (B, H, T, S): locations (layer, head, sequence, query, key); per-head histograms and moments."""
 
-    kind, n_loc = "attn.logits", 5
+    n_loc = 5
     tie = (2, 0, 1, 3, 4)  # (seq, layer, head, query, key): (b, h, t, s) is the flat order of one observation
 
-    def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins):
+    def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins, kind: str = "attn.logits"):
         super().__init__(n_layers, n_heads, n_heads, k, layer_k, bins)
-        self.n_heads = n_heads
+        self.n_heads, self.kind = n_heads, kind
         self.is_diff = False
 
     def merge(self, other: LogitStats) -> None:
@@ -151,52 +152,120 @@ class LogitStats(_KindStats):
         self.shard_moments[self.shard].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
 
 
-class HiddenStats(_KindStats):
-    """Hidden states (B, T, C): locations (layer, channel, sequence, token); per-channel moments, LLM.int8 and
-    massive-activation counts."""
+class TokenStats(_KindStats):
+    """Token tensors (B, T, C) (hidden states, q/k/v, module inputs and outputs): locations (layer, channel, sequence,
+    token); moments per layer (``channel_moments``: per layer and channel); per (layer, channel): max |x| and the
+    (sequence, token) where it first occurs, sum of |x| (per virtual shard), counts of |x| >= 6 and > 100; per
+    (layer, position): max and sum of each token's max |x|, tokens, tokens with a |x| >= 6; every value above
+    ``massive_abs`` with its token id (:class:`Exceedances`, up to ``massive_cap``)."""
 
-    kind, n_loc = "hidden", 4
+    n_loc = 4
     tie = (2, 0, 3, 1)  # (seq, layer, token, channel): (b, t, c) is the flat order of one observation
 
-    def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins):
-        super().__init__(n_layers, hidden_size, 1, k, layer_k, bins)
-        self.seq_len = seq_len
-        self.ge6 = torch.zeros(n_layers, hidden_size, dtype=torch.int64)
-        self.gt100 = torch.zeros(n_layers, hidden_size, dtype=torch.int64)
-        self.ge6_pos = torch.zeros(n_layers, seq_len, dtype=torch.int64)
-        self.tokens_pos = torch.zeros(n_layers, seq_len, dtype=torch.int64)
+    def __init__(self, n_layers: int, channels: int, seq_len: int, k: int, layer_k: int, bins: LogBins,
+                 kind: str = "hidden", channel_moments: bool = False, head_dim: int | None = None,
+                 massive_abs: float = MASSIVE_ABS, massive_cap: int = 100_000):
+        super().__init__(n_layers, channels if channel_moments else 1, 1, k, layer_k, bins)
+        self.kind, self.channels, self.seq_len, self.head_dim = kind, channels, seq_len, head_dim
+        self.channel_moments = channel_moments
+        L, C = n_layers, channels
+        self.ge6 = torch.zeros(L, C, dtype=torch.int64)
+        self.gt100 = torch.zeros(L, C, dtype=torch.int64)
+        self.ge6_pos = torch.zeros(L, seq_len, dtype=torch.int64)
+        self.tokens_pos = torch.zeros(L, seq_len, dtype=torch.int64)
+        self.ch_max = torch.full((L, C), -1.0, dtype=torch.float64)  # -1: no valid entry yet
+        self.ch_at = torch.zeros(L, C, 2, dtype=torch.int64)  # (seq, token) of the first max
+        self.shard_sumabs = torch.zeros(VIRTUAL_SHARDS, L, C, dtype=torch.float64)
+        self.pos_max = torch.zeros(L, seq_len, dtype=torch.float64)
+        self.shard_pos_sum = torch.zeros(VIRTUAL_SHARDS, L, seq_len, dtype=torch.float64)
+        self.massive = Exceedances(massive_abs, massive_cap, 5)  # (layer, channel, seq, token, token id)
+        self.sequences = 0  # 1 + the largest sequence number seen
+        self.tokens = torch.zeros(L, dtype=torch.int64)  # valid tokens per layer
+        self.modules: dict[int, str] = {}  # module points: layer -> the module's full name
+        self.linear: dict[int, bool] = {}
 
-    def merge(self, other: HiddenStats) -> None:
+    def merge(self, other: TokenStats) -> None:
         super().merge(other)
         if other.ge6_pos.shape != self.ge6_pos.shape:
-            raise ValueError(f"cannot merge hidden-state statistics of sequence length {other.seq_len} into {self.seq_len}")
-        for name in ("ge6", "gt100", "ge6_pos", "tokens_pos"):
+            raise ValueError(f"cannot merge {self.kind} statistics of sequence length {other.seq_len} into {self.seq_len}")
+        self.modules.update(other.modules)
+        self.linear.update(other.linear)
+        for name in ("ge6", "gt100", "ge6_pos", "tokens_pos", "shard_sumabs", "shard_pos_sum", "tokens"):
             getattr(self, name).add_(getattr(other, name))
+        self._merge_argmax(other.ch_max, other.ch_at)
+        self.pos_max = torch.maximum(self.pos_max, other.pos_max)
+        self.massive.merge(other.massive)
+        self.sequences = max(self.sequences, other.sequences)
+
+    def _merge_argmax(self, vmax: torch.Tensor, at: torch.Tensor) -> None:
+        """Per (layer, channel) the larger max; on a tie the earlier (sequence, token): the same for any split."""
+        earlier = (at[..., 0] < self.ch_at[..., 0]) | ((at[..., 0] == self.ch_at[..., 0]) & (at[..., 1] < self.ch_at[..., 1]))
+        take = (vmax > self.ch_max) | ((vmax == self.ch_max) & earlier)
+        self.ch_max = torch.where(take, vmax, self.ch_max)
+        self.ch_at = torch.where(take[..., None], at, self.ch_at)
 
     def __call__(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, T, C)
         self.seen = True
+        if self.head_dim is None and obs.n_heads:
+            self.head_dim = x.shape[-1] // obs.n_heads
         valid3 = obs.valid[:, :, None]  # (B, T, 1)
         absx = x.abs()
-        off = obs.seq_offset
-
-        def coords(m):  # (b, t, c) -> (layer, channel, seq, token)
-            return torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1)
-
         absm = absx.masked_fill(~valid3, -1.0)
         rowmax = absm.amax(-1)  # (B, T)
         _check_finite(obs, rowmax)
-        self._topk(layer, absm, coords)
+        off = obs.seq_offset
+        self._topk(layer, absm, lambda m: torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1))
         nb = self.bins.n + 2
         idx = self.bins.index(absx).masked_fill_(~valid3, nb)
         self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
-        self.shard_moments[self.shard].update(x, valid3, (0, 1), layer)
+        if self.channel_moments:
+            self.shard_moments[self.shard].update(x, valid3, (0, 1), layer)
+        else:  # one group per layer: the mask expanded (a view) so that every entry counts
+            self.shard_moments[self.shard].update(x, valid3.expand_as(x), (0, 1, 2), layer)
         big = (absx >= INT8_THRESHOLD) & valid3
         self.ge6[layer] += big.sum((0, 1)).cpu()
         self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1)).cpu()
-        T = min(x.shape[1], self.seq_len)
+        self._channels(layer, absm, off)
+        self._positions(layer, obs.valid, rowmax, big)
+        self._exceedances(layer, absm, obs, off)
+        self.sequences = max(self.sequences, off + x.shape[0])
+        self.tokens[layer] += int(obs.valid.sum())
+        if obs.point.module is not None:
+            self.modules[layer], self.linear[layer] = obs.point.module, obs.point.linear
+
+    def _channels(self, layer: int, absm: torch.Tensor, off: int) -> None:
+        B, T, C = absm.shape
+        vmax, where = absm.reshape(B * T, C).max(0)  # (C,): first occurrence in (b, t) order
+        at = torch.stack([where // T + off, where % T], -1).cpu()  # (C, 2) = (seq, token)
+        vmax = vmax.double().cpu()
+        take = vmax > self.ch_max[layer]  # a tie keeps the earlier batch's (batches come in sequence order)
+        self.ch_max[layer] = torch.where(take, vmax, self.ch_max[layer])
+        self.ch_at[layer] = torch.where(take[:, None], at, self.ch_at[layer])
+        self.shard_sumabs[self.shard, layer] += absm.clamp_min(0).sum(1).double().sum(0).cpu()  # float32 over T
+
+    def _positions(self, layer: int, valid: torch.Tensor, rowmax: torch.Tensor, big: torch.Tensor) -> None:
+        T = min(rowmax.shape[1], self.seq_len)
+        r = rowmax[:, :T]  # (B, T): -1 on padding
+        self.pos_max[layer, :T] = torch.maximum(self.pos_max[layer, :T], r.amax(0).double().cpu())
+        self.shard_pos_sum[self.shard, layer, :T] += r.clamp_min(0).double().sum(0).cpu()
         self.ge6_pos[layer, :T] += big.any(-1)[:, :T].sum(0).cpu()
-        self.tokens_pos[layer, :T] += obs.valid[:, :T].sum(0).cpu()
+        self.tokens_pos[layer, :T] += valid[:, :T].sum(0).cpu()
+
+    def _exceedances(self, layer: int, absm: torch.Tensor, obs: Observation, off: int) -> None:
+        hit = torch.nonzero(absm > self.massive.threshold)  # (N, 3) of (b, t, c)
+        if hit.numel() == 0:
+            return
+        ids = obs.ids[hit[:, 0], hit[:, 1]] if obs.ids is not None else torch.full_like(hit[:, 0], -1)
+        locs = torch.stack([torch.full_like(hit[:, 0], layer), hit[:, 2], hit[:, 0] + off, hit[:, 1], ids.to(hit.device)], 1)
+        self.massive.update(absm[hit[:, 0], hit[:, 1], hit[:, 2]], locs)
+
+
+class HiddenStats(TokenStats):
+    """Hidden states (B, T, C): :class:`TokenStats` with moments per (layer, channel) (the ``per_channel`` table)."""
+
+    def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins, **kw):
+        super().__init__(n_layers, hidden_size, seq_len, k, layer_k, bins, kind="hidden", channel_moments=True, **kw)
 
 
 def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
@@ -211,40 +280,73 @@ def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
 
 
 class OutlierStats:
-    """Streaming statistics for the logits and hidden states of one model; call it with observations.
+    """Streaming statistics of every observed point of one model; call it with observations.
 
-    One reducer per activation kind (:class:`LogitStats`, :class:`HiddenStats`) in ``by_kind``;
-    :meth:`merge` adds the statistics of other data of the same model (data-parallel shards)."""
+    One reducer per point kind in ``by_kind``: :class:`LogitStats` for maps (logits, probabilities), :class:`TokenStats`
+    for (B, T, C) tensors (:class:`HiddenStats` for hidden states); Table 5's two exist from the start, the others
+    are made at their first observation. Probability maps also feed a :class:`SinkStats` (``sinks``).
+    :meth:`merge` adds the statistics of other data of the same model (data-parallel shards).
+
+    ``sink_k``: key positions counted as the sink; ``massive_abs`` / ``massive_rel``: the massive-activation
+    thresholds (|x| above both, the second times the layer's median |x|); ``massive_cap``: exceedances kept per point
+    kind; ``delimiters``: token ids whose massive activations are labelled ``delimiter``."""
 
     def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
-                 layer_k: int = 10, bins: LogBins | None = None):
+                 layer_k: int = 10, bins: LogBins | None = None, *, sink_k: int = 4, massive_abs: float = MASSIVE_ABS,
+                 massive_rel: float = MASSIVE_REL, massive_cap: int = 100_000, delimiters=()):
         if k < max(TABLE5_RANKS):
             raise ParamError("k", f">= {max(TABLE5_RANKS)} for Table 5", k)
         self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
-        self.k, self.bins = k, bins or LogBins()
+        self.k, self.layer_k, self.bins = k, layer_k, bins or LogBins()
+        self.sink_k, self.massive_rel, self.delimiters = sink_k, massive_rel, frozenset(delimiters)
+        self._token_kw = {"massive_abs": massive_abs, "massive_cap": massive_cap}
         self.logits = LogitStats(n_layers, n_heads, k, layer_k, self.bins)
-        self.hidden = HiddenStats(n_layers, hidden_size, seq_len, k, layer_k, self.bins)
+        self.hidden = HiddenStats(n_layers, hidden_size, seq_len, k, layer_k, self.bins, **self._token_kw)
         self.by_kind = {"attn.logits": self.logits, "hidden": self.hidden}
+        self.sinks: dict[str, SinkStats] = {}
+        self._shard = 0
 
     @classmethod
     def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
         c = getattr(model.config, "text_config", None) or model.config
         return cls(c.num_hidden_layers, c.num_attention_heads, c.hidden_size, seq_len, **kw)
 
+    def _new(self, obs: Observation):
+        kind = obs.point.kind
+        if obs.point.is_map:
+            st = LogitStats(self.n_layers, obs.x.shape[1], self.k, self.layer_k, self.bins, kind=kind)
+        else:
+            rows = max(self.n_layers, obs.point.layer + 1)  # lm_head.input: layer n_layers
+            st = TokenStats(rows, obs.x.shape[-1], self.seq_len, self.k, self.layer_k, self.bins, kind=kind, **self._token_kw)
+        st.shard = self._shard
+        self.by_kind[kind] = st
+        return st
+
     def __call__(self, obs: Observation) -> None:
-        self.by_kind[obs.point.kind](obs)
+        kind = obs.point.kind
+        (self.by_kind.get(kind) or self._new(obs))(obs)
+        if kind in ("attn.probs", "attn.probs_diff"):
+            if kind not in self.sinks:
+                self.sinks[kind] = SinkStats(self.n_layers, obs.x.shape[1], self.sink_k, kind)
+                self.sinks[kind].shard = self._shard
+            self.sinks[kind](obs)
 
     def set_shard(self, shard: int) -> None:
         """The virtual shard (0..VIRTUAL_SHARDS-1) of the data that follows (profile sets it per batch)."""
         if not 0 <= shard < VIRTUAL_SHARDS:
             raise ParamError("shard", f"in 0..{VIRTUAL_SHARDS - 1}", shard)
-        for st in self.by_kind.values():
+        self._shard = shard
+        for st in (*self.by_kind.values(), *self.sinks.values()):
             st.shard = shard
 
     def merge(self, other: OutlierStats) -> OutlierStats:
         """Add ``other``'s statistics (same model and settings) into this one; returns self."""
-        for kind, st in self.by_kind.items():
-            st.merge(other.by_kind[kind])
+        for mine, theirs in ((self.by_kind, other.by_kind), (self.sinks, other.sinks)):
+            for kind, st in theirs.items():
+                if kind in mine:
+                    mine[kind].merge(st)
+                else:
+                    mine[kind] = copy.deepcopy(st)
         return self
 
     # views kept for the result methods below
@@ -286,7 +388,14 @@ class OutlierStats:
 
     # -- results ---------------------------------------------------------------------------
     def kinds(self) -> list[str]:
-        return [k for k in ("attn.logits", "hidden") if self.seen[k]]
+        """Observed kinds: Table 5's two first, then attention internals, module points (by name), lm_head.input."""
+        def order(kind):
+            return (kind not in KINDS, kind not in ATTN_KINDS, kind == LM_HEAD,
+                    ATTN_KINDS.index(kind) if kind in ATTN_KINDS else 0, kind)
+        return sorted((k for k, seen in self.seen.items() if seen), key=order)
+
+    def token_kinds(self) -> list[str]:
+        return [k for k in self.kinds() if k not in MAP_KINDS]
 
     def median(self, kind: str, layer: int | None = None, head: int | None = None) -> float:
         h = self.hist[kind]
@@ -302,7 +411,7 @@ class OutlierStats:
         rows = []
         for kind in self.kinds():
             top = self.top[kind]
-            row = {"activation": KIND_LABEL[kind], "point": kind}
+            row = {"activation": KIND_LABEL.get(kind, kind), "point": kind}
             row.update({f"top{r}": top.kth(r) for r in TABLE5_RANKS})
             row["median"] = self.median(kind)
             row["count"] = self.count(kind)
@@ -400,11 +509,11 @@ class OutlierStats:
         if not self.seen[kind]:
             return pd.DataFrame()
         top = self.top[kind]
-        cols = ["layer", "head", "seq", "query", "key"] if kind == "attn.logits" else ["layer", "channel", "seq", "token"]
+        cols = ["layer", "head", "seq", "query", "key"] if kind in MAP_KINDS else ["layer", "channel", "seq", "token"]
         df = pd.DataFrame(top.locs.numpy(), columns=cols)
         df.insert(0, "value", top.values.numpy())
         df.insert(0, "rank", np.arange(1, len(df) + 1))
-        if kind == "attn.logits" and self.is_diff:
+        if kind in ("attn.logits", "attn.probs") and self.is_diff:
             df["map"] = ["map1" if h < self.n_heads // 2 else "map2" for h in df["head"]]
         return df
 
@@ -419,6 +528,56 @@ class OutlierStats:
             for layer in range(L):
                 for head in range(H):
                     nz = np.flatnonzero(h[layer, head])
-                    rows.append(pd.DataFrame({"point": kind, "layer": layer, "head": head if kind == "attn.logits" else -1,
+                    rows.append(pd.DataFrame({"point": kind, "layer": layer, "head": head if kind in MAP_KINDS else -1,
                                               "bin": nz, "lo": edges[nz], "hi": hi[nz], "count": h[layer, head, nz]}))
         return pd.concat(rows, ignore_index=True) if rows else pd.DataFrame()
+
+    # -- every point beyond Table 5's two (outlierscope.analysis.activations) ---------------------------------
+    def _tokens(self) -> list[TokenStats]:
+        return [self.by_kind[k] for k in self.token_kinds()]
+
+    def channels(self) -> pd.DataFrame:
+        return _concat_frames([act.channels_frame(st) for st in self._tokens()])
+
+    def positions(self) -> pd.DataFrame:
+        return _concat_frames([act.positions_frame(st) for st in self._tokens()])
+
+    def massive(self) -> pd.DataFrame:
+        """Massive activations of every token kind (Sun et al. 2024): above both thresholds, with their position kind."""
+        frames = []
+        for st in self._tokens():
+            medians = {layer: self.median(st.kind, layer) for layer in range(st.tokens.shape[0])}
+            frames.append(act.massive_frame(st, medians, self.massive_rel, self.delimiters))
+        return _concat_frames(frames, act.MASSIVE_COLUMNS)
+
+    def massive_recurrence(self) -> pd.DataFrame:
+        sequences = max((st.sequences for st in self._tokens()), default=0)
+        return act.recurrence_frame(self.massive(), sequences)
+
+    def int8_features(self) -> pd.DataFrame:
+        return _concat_frames([act.int8_frame(st) for st in self._tokens()])
+
+    def sink_table(self) -> pd.DataFrame:
+        return _concat_frames([self.sinks[k].frame() for k in sorted(self.sinks)])
+
+    def act_scales(self) -> dict[str, torch.Tensor]:
+        """SmoothQuant's ``act_scales.pt`` of the observed ``nn.Linear`` inputs (empty when none were observed)."""
+        return act.act_scales(self._tokens())
+
+    def topk_points(self, maps: bool) -> pd.DataFrame:
+        """Top-k with locations of every map kind (``maps``) or token kind beyond Table 5's two, with a ``point``
+        column."""
+        frames = []
+        for kind in self.kinds():
+            if kind not in KINDS and (kind in MAP_KINDS) == maps:
+                df = self.topk_frame(kind)
+                df.insert(0, "point", kind)
+                frames.append(df)
+        return _concat_frames(frames)
+
+
+def _concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:
+    frames = [f for f in frames if not f.empty]
+    if frames:
+        return pd.concat(frames, ignore_index=True)
+    return pd.DataFrame(columns=columns) if columns else pd.DataFrame()

@@ -213,3 +213,45 @@ class Moments:
             std = np.sqrt(np.maximum(m2, 0))
             kurt = m4 / m2**2
         return {"mean": np.asarray(shift) + d, "std": std, "kurtosis": kurt}
+
+
+class Exceedances:
+    """Every value above ``threshold`` with its location, kept exactly up to ``cap`` of them (then the ``cap``
+    largest, ties broken by location, and ``total`` tells how many there were): the same for any split of the
+    stream. Candidates are buffered and pruned to the cap only when the buffer outgrows it."""
+
+    def __init__(self, threshold: float, cap: int, n_loc: int):
+        self.threshold, self.cap = threshold, cap
+        self.top = TopK(cap, n_loc)
+        self.total = 0
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._n_pending = 0
+
+    def update(self, values: torch.Tensor, locs: torch.Tensor) -> None:
+        """Add candidates (already above the threshold): ``values`` (N,), ``locs`` (N, n_loc)."""
+        if values.numel() == 0:
+            return
+        self.total += values.numel()
+        self._pending.append((values.double().cpu(), locs.cpu()))
+        self._n_pending += values.numel()
+        if self._n_pending > self.cap:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self.top.update(torch.cat([v for v, _ in self._pending]), torch.cat([loc for _, loc in self._pending]))
+            self._pending, self._n_pending = [], 0
+
+    def merge(self, other: Exceedances) -> None:
+        other.flush()
+        self.flush()
+        self.top.merge(other.top)
+        self.total += other.total
+
+    @property
+    def overflowed(self) -> bool:
+        return self.total > self.cap
+
+    def __getstate__(self):
+        self.flush()
+        return self.__dict__
