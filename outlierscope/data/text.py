@@ -67,3 +67,14 @@ def pack_sequences(tokenizer, docs: Iterable[str], seq_len: int, n_tokens: int) 
         raise ParamError("seq_len", f"at most the {len(buf)} tokens the text gives (fewer than one sequence)", seq_len, "or use more text")
     n = min(have, n_seq)
     return torch.tensor(buf[: n * seq_len], dtype=torch.int64).view(n, seq_len)  # (N, T)
+
+
+DELIMITERS = frozenset(".,;:!?")
+
+
+def delimiter_ids(tokenizer) -> frozenset[int]:
+    """Token ids of delimiter tokens (Sun et al. 2024: massive activations sit on the first token and on delimiters
+    such as "." and "\\n"): tokens that decode to one punctuation mark or to whitespace holding a newline."""
+    vocab = len(tokenizer)
+    texts = tokenizer.batch_decode([[i] for i in range(vocab)])
+    return frozenset(i for i, t in enumerate(texts) if t.strip() in DELIMITERS or ("\n" in t and not t.strip()))

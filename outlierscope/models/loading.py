@@ -361,6 +361,16 @@ def check_model(spec: str, trust_remote_code: bool = False):
     return source, config
 
 
+def meta_model(config, trust_remote_code: bool = False):
+    """The model's module tree on the meta device (no memory, no weights): what observation points are resolved
+    against before the weights load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers(), torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+
+
 def check_causal(model) -> None:
     """Refuse a transformers model that does not predict each token from the earlier ones only (a masked LM such
     as BERT, an encoder-decoder): its scores would see the continuation. Other modules are the caller's to vouch for."""

@@ -32,10 +32,18 @@ PROFILE_TABLES = {
     "topk_logits": (["model", "rank", "value", "layer", "head", "seq", "query", "key"], ["value"]),
     "topk_hidden": (["model", "rank", "value", "layer", "channel", "seq", "token"], ["value"]),
     "lambda": (["model", "layer", "lambda_init", "lambda"], ["lambda_init", "lambda"]),
+    "channels": (["model", "point", "layer", "channel", "absmax", "mean_abs"], ["layer", "channel", "absmax", "mean_abs"]),
+    "positions": (["model", "point", "layer", "position", "absmax_max"], ["layer", "position", "absmax_max"]),
+    "massive": (["model", "point", "layer", "seq", "token", "channel", "position_kind", "value"], ["value"]),
+    "massive_recurrence": (["model", "point", "layer", "channel", "position_kind", "share_of_sequences"],
+                           ["share_of_sequences"]),
+    "int8_features": (["model", "point", "channel"], []),
+    "sinks": (["model", "point", "layer", "head", "mass_first", "mass_first_k"], ["mass_first", "mass_first_k"]),
 }
 SWEEP_TABLES = {"sweep": (["model", "bits", "label", "granularity", "metric", "value", "stderr", "n_items"],
                           ["bits", "value"])}
-MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel"}
+MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel", "massive", "massive_recurrence",
+                "int8_features"}
 
 
 @dataclass

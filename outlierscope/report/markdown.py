@@ -26,6 +26,15 @@ FIGURES = [
 ]
 
 
+# figures of every observation point: drawn when the run has their table, never listed as skipped
+POINT_FIGURES = [
+    *((f"channels_{pt}", "channels", lambda p, df, r, pt=pt: p.channel_heatmap(df, pt), f"Per-channel max |x| of {pt}")
+      for pt in ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")),
+    ("sinks", "sinks", lambda p, df, r: p.sink_heatmap(df), "Attention sinks: mass on key 0 per layer and head"),
+    ("massive_locations", "massive_recurrence", lambda p, df, r: p.massive_locations(df), "Where massive activations sit"),
+]
+
+
 def sweep_tasks(run: RunResults) -> list[str]:
     """The display names of a run's sweep tasks, in order (HellaSwag for sweeps that predate tasks)."""
     return [task_label(t) for t, _ in by_task(run.tables["sweep"])]
@@ -46,7 +55,7 @@ def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
     """Write every figure the run supports; returns (written [(title, png path)], skipped messages)."""
-    from outlierscope.report import plots
+    from outlierscope.report import activation_plots, plots
 
     out = run.root / "figures"
     out.mkdir(exist_ok=True)
@@ -62,6 +71,12 @@ def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, 
             continue
         save_figure(fig, out, stem, svg)
         written.append((title, out / f"{stem}.png"))
+    for stem, table, fn, title in POINT_FIGURES:
+        df = run.tables.get(table)
+        fig = None if df is None or df.empty else fn(activation_plots, df, run)
+        if fig is not None:
+            save_figure(fig, out, stem, svg)
+            written.append((title, out / f"{stem}.png"))
     return written, skipped
 
 

@@ -20,11 +20,11 @@ from pathlib import Path
 import pandas as pd
 import torch
 
-from outlierscope.analysis.outliers import KIND_LABEL, OutlierStats
-from outlierscope.data.text import pack_sequences, shuffled, text_documents
+from outlierscope.analysis.outliers import KIND_LABEL, MASSIVE_ABS, MASSIVE_REL, OutlierStats
+from outlierscope.data.text import delimiter_ids, pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.capture import capture
-from outlierscope.hooks.points import DEFAULT_POINTS, decoder_layers
+from outlierscope.hooks.points import DEFAULT_POINTS, PRESETS, decoder_layers, resolve_points
 from outlierscope.io import (
     atomic_path,
     git_commit,
@@ -62,8 +62,15 @@ class ProfileSettings:
     batch_size: int = option(8, "sequences per forward; the statistics do not depend on it")
     seed: int = option(0, "seeds the document order")
     k: int = option(100, "largest values kept with their locations (>= 100)", flag="--top-k")
-    points: tuple[str, ...] = option(DEFAULT_POINTS, "observation points or patterns (layers.*.hidden); repeat",
-                                     flag="--points", repeat=True, metavar="POINT")
+    points: tuple[str, ...] = option(DEFAULT_POINTS, "observation points or patterns (layers.*.attn.k, "
+                                     "layers.*.mlp.down_proj.input, lm_head.input); repeat", flag="--points",
+                                     repeat=True, metavar="POINT")
+    preset: str | None = option(None, "a named set of points instead of the default two (with --points: added to "
+                                "them): " + "; ".join(f"{p.name}: {p.help}" for p in PRESETS.values()),
+                                choices=tuple(PRESETS))
+    sink_k: int = option(4, "key positions counted as the attention sink (from 0), for attn.probs points")
+    massive_abs: float = option(MASSIVE_ABS, "massive activations: |x| above this (Sun et al. 2024: 100) ...")
+    massive_rel: float = option(MASSIVE_REL, "... and above this many times the layer's median |x| (Sun et al.: 1000)")
     dtype: str = dtype_option()
     device: str = device_option()
     device_map: str | None = device_map_option()
@@ -77,6 +84,21 @@ class ProfileSettings:
                 raise ParamError(name, ">= 1", getattr(self, name))
         if self.seq_len is not None and self.seq_len < 1:
             raise ParamError("seq_len", ">= 1 (or None for the default)", self.seq_len)
+        if self.sink_k < 1:
+            raise ParamError("sink_k", ">= 1 key positions", self.sink_k)
+        for name in ("massive_abs", "massive_rel"):
+            if not getattr(self, name) >= 0:
+                raise ParamError(name, "a threshold >= 0", getattr(self, name))
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ParamError("preset", f"one of {', '.join(PRESETS)}", self.preset)
+
+    @property
+    def point_patterns(self) -> tuple[str, ...]:
+        """The patterns a capture gets besides the preset's: none when a preset replaces the default two."""
+        return () if self.preset is not None and self.points == DEFAULT_POINTS else self.points
+
+    def stats_options(self) -> dict:
+        return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel}
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
 
@@ -84,6 +106,10 @@ class ProfileSettings:
 STAT_TABLES = (("per_layer", "per_layer"), ("per_head", "per_head"), ("per_channel", "per_channel"),
                ("histograms", "histograms"), ("outlier_features", "outlier_features"),
                ("massive_activations", "massive_activations"))
+# every point (outlierscope.analysis.activations): written when not empty
+POINT_TABLES = (("channels", "channels"), ("positions", "positions"), ("massive", "massive"),
+                ("massive_recurrence", "massive_recurrence"), ("int8_features", "int8_features"),
+                ("sinks", "sink_table"))
 
 
 def _with_model(name: str, df: pd.DataFrame) -> pd.DataFrame:
@@ -121,6 +147,12 @@ class ProfileResult:
             df = _concat([_with_model(n, st.topk_frame(kind)) for n, st in self.stats.items()])
             if not df.empty:
                 out[stem] = df
+        for stem, method in (*POINT_TABLES, ("topk_maps", lambda st: st.topk_points(True)),
+                             ("topk_tokens", lambda st: st.topk_points(False))):
+            get = method if callable(method) else (lambda st, m=method: getattr(st, m)())
+            df = _concat([_with_model(n, get(st)) for n, st in self.stats.items()])
+            if len(df):
+                out[stem] = df
         lam = pd.DataFrame([{"model": n, "layer": i, "lambda_init": a, "lambda": b}
                             for n, f in self.facts.items() for i, (a, b) in enumerate(f.get("lambda", []))])
         if not lam.empty:
@@ -147,6 +179,17 @@ class ProfileResult:
                         "shard": [shard.index, shard.count]}, tmp)
         return path
 
+    def act_scales(self) -> dict[str, dict[str, torch.Tensor]]:
+        """SmoothQuant's act_scales per model (models with observed ``nn.Linear`` inputs only)."""
+        return {n: a for n, st in self.stats.items() if (a := st.act_scales())}
+
+    def _save_act_scales(self, stage: Path) -> None:
+        """``act_scales.pt`` as SmoothQuant's generate_act_scales.py writes it (``act_scales.<model>.pt`` each when
+        several models have one)."""
+        scales = self.act_scales()
+        for name, a in scales.items():
+            torch.save(a, stage / ("act_scales.pt" if len(scales) == 1 else f"act_scales.{name}.pt"))
+
     def save(self, out: str | Path) -> Path:
         """Write every table into ``out``: staged in a temporary directory, then moved in file by file
         (each rename atomic), ``profile.json`` last. Weights are hashed here, not while profiling."""
@@ -157,6 +200,7 @@ class ProfileResult:
                 for stem, df in self.tables.items():
                     write_csv(stage / f"{stem}.csv", df)
                 write_text(stage / "table5.md", table5_markdown(self.table5, facts))
+                self._save_act_scales(stage)
                 meta = {"settings": asdict(self.settings), "models": facts, "versions": versions(),
                         "machine": machine(), "git_commit": git_commit(),
                         "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
@@ -216,7 +260,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
         digest = lambda: state_dict_sha256(module)  # noqa: E731 (hashed on save only)
     seq_len = resolve_seq_len(module, settings.seq_len)
     seqs = pack_sequences(tokenizer, shuffled(text_documents(settings.text), settings.seed), seq_len, settings.tokens)
-    stats = OutlierStats.for_model(module, seq_len, k=settings.k)
+    stats = OutlierStats.for_model(module, seq_len, **settings.stats_options(), delimiters=delimiter_ids(tokenizer))
     dev = model_device(module)
     n_tok = seqs.numel()
     shard, world = shard or Shard(), world or World()
@@ -225,8 +269,8 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     t0 = time.time()
     with tqdm(total=sum(min(settings.batch_size, len(seqs) - i) * seq_len for i in starts), desc=f"profile {name}",
               unit="tok", unit_scale=True, disable=not progress or not world.is_main or None) as bar:
-        with world.failing_together(), capture(module, list(settings.points), reducers=[stats],
-                                               block_rows=settings.attn_block) as cap:
+        with world.failing_together(), capture(module, list(settings.point_patterns), reducers=[stats],
+                                               block_rows=settings.attn_block, preset=settings.preset) as cap:
             for i in starts:
                 stats.set_shard(shard_of(i // settings.batch_size))
                 cap.sequences = i  # the global number of the batch's first sequence (top-k locations)
@@ -255,12 +299,13 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
             progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
     """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
     ``shard`` writes ``profile.shard-i-of-N.pt`` for :func:`merge_profile`)."""
-    from outlierscope.models.loading import check_model, load_model
+    from outlierscope.models.loading import check_model, load_model, meta_model
 
     if not specs:
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
-    for spec in specs:  # every model found (a Hub id: downloaded) before the first one runs
-        check_model(spec, settings.trust_remote_code)
+    for spec in specs:  # every model found (a Hub id: downloaded) and its points resolved before the first one runs
+        _, config = check_model(spec, settings.trust_remote_code)
+        resolve_points(meta_model(config, settings.trust_remote_code), settings.point_patterns, settings.preset)
     shard, world = shard or Shard(), world or World()
     main_out = out is not None and world.is_main
     with output_dir(out) if main_out else contextlib.nullcontext():

@@ -1,0 +1,79 @@
+"""Figures of the tables of every observation point (``channels``, ``sinks``, ``massive_recurrence``): per-channel
+max |x| per layer, attention-sink mass per layer and head, where massive activations sit. Seaborn, as
+:mod:`outlierscope.report.plots`; each function takes DataFrames and returns a matplotlib ``Figure``."""
+
+from __future__ import annotations
+
+import matplotlib.colors
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import seaborn as sns
+
+from outlierscope.report.plots import _colors, _short
+
+CHANNEL_POINTS = ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")  # drawn when a run has them
+KIND_MARKERS = {"first": "o", "delimiter": "s", "other": "^"}
+
+
+def channel_heatmap(channels: pd.DataFrame, point: str, stat: str = "absmax") -> plt.Figure | None:
+    """Layer x channel heatmap of ``stat`` (log colour scale), one panel per model: which channels carry the
+    outliers of ``point`` in which layers (KIVI quantizes keys per channel for this picture)."""
+    d = channels[channels["point"] == point]
+    if d.empty:
+        return None
+    models = list(dict.fromkeys(d["model"]))
+    grids = [d[d["model"] == m].pivot(index="layer", columns="channel", values=stat) for m in models]
+    vals = np.concatenate([g.to_numpy().ravel() for g in grids])
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    norm = matplotlib.colors.LogNorm(vmin=max(vals.min(), vals.max() * 1e-4), vmax=vals.max())
+    fig, axes = plt.subplots(len(models), 1, figsize=(9.5, 1.2 + 0.16 * max(len(g) for g in grids) * len(models)),
+                             layout="constrained", squeeze=False)
+    for ax, model, g in zip(axes[:, 0], models, grids):
+        im = ax.imshow(g.to_numpy(), aspect="auto", interpolation="nearest", cmap="magma", norm=norm)
+        ax.set_title(_short(model), fontsize=9)
+        ax.set_ylabel("layer")
+        ax.set_xlabel("channel" + (" (head x head_dim + dim)" if point.startswith("attn.") else ""))
+        ax.set_yticks(range(len(g.index)), [str(i) for i in g.index], fontsize=6)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{stat} |x|")
+    fig.suptitle(f"Per-channel max |x| of {point}", fontsize=11)
+    return fig
+
+
+def sink_heatmap(sinks: pd.DataFrame, stat: str = "mass_first") -> plt.Figure:
+    """Layer x head heatmap of the mean attention mass on key position 0, one panel per model and point."""
+    panels = [(f"{_short(m)}: {p}", g.pivot(index="layer", columns="head", values=stat))
+              for (m, p), g in sinks.groupby(["model", "point"], sort=False)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(2.4 + 2.6 * len(panels), 3.6), layout="constrained", squeeze=False)
+    lo = min(0.0, min(float(np.nanmin(h.to_numpy())) for _, h in panels))  # a differential map can be negative
+    hi = max(float(np.nanmax(h.to_numpy())) for _, h in panels)
+    for ax, (title, h) in zip(axes[0], panels):
+        sns.heatmap(h, ax=ax, cmap="viridis", vmin=lo, vmax=hi, cbar=ax is axes[0][-1],
+                    cbar_kws={"label": "mean attention mass on key 0"})
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+    fig.suptitle("Attention sinks: mass on the first token", fontsize=11)
+    return fig
+
+
+def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
+    """Where massive activations sit: (layer, channel) per point, marker by position kind (first token, delimiter,
+    other), size by the share of sequences that have one there."""
+    if recurrence.empty:
+        return None
+    points = list(dict.fromkeys(recurrence["point"]))
+    fig, axes = plt.subplots(1, len(points), figsize=(4.6 * len(points), 3.8), layout="constrained", squeeze=False)
+    colors = _colors(recurrence["model"])
+    for ax, point in zip(axes[0], points):
+        d = recurrence[recurrence["point"] == point]
+        for (model, kind), g in d.groupby(["model", "position_kind"], sort=False):
+            ax.scatter(g["layer"], g["channel"], s=10 + 140 * g["share_of_sequences"], marker=KIND_MARKERS.get(kind, "x"),
+                       color=colors[model], alpha=0.7, label=f"{_short(model)}: {kind}")
+        ax.set_title(point, fontsize=10)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("channel")
+        ax.grid(alpha=0.3)
+        ax.legend(frameon=False, fontsize=7)
+    fig.suptitle("Massive activations (|x| > 100 and > 1000 x median): marker size = share of sequences", fontsize=11)
+    return fig

@@ -1,0 +1,74 @@
+"""profile with the points beyond Table 5's two: presets, act_scales.pt, tables and figures; bad points refused
+before any model loads."""
+
+import pandas as pd
+import pytest
+import torch
+
+from outlierscope.cli import main
+
+
+def test_smoothquant_preset_writes_act_scales(tmp_path, tiny_corpus):
+    from outlierscope.models.loading import load_model
+
+    out = tmp_path / "sq"
+    rc = main(["profile", "--model", "pair-tiny:transformer", "--text", str(tiny_corpus / "val.jsonl"), "--tokens", "600",
+               "--preset", "smoothquant", "--out", str(out)])
+    assert rc == 0
+    scales = torch.load(out / "act_scales.pt", weights_only=True)  # a plain dict of tensors, as SmoothQuant's
+    model = load_model("pair-tiny:transformer").model
+    linear = {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert sorted(scales) == sorted(linear)
+    ch = pd.read_csv(out / "channels.csv")
+    for name, s in scales.items():
+        assert s.dtype == torch.float32 and s.shape == (linear[name].in_features,)
+        parts = name.split(".")
+        point = "lm_head.input" if name == "lm_head" else ".".join(parts[3:]) + ".input"
+        rows = ch[ch.point == point]
+        if name != "lm_head":
+            rows = rows[rows.layer == int(parts[2])]
+        assert torch.equal(s, torch.tensor(rows.sort_values("channel").absmax.to_numpy(), dtype=torch.float32))
+    assert not (out / "sinks.csv").exists()  # only the points asked for
+
+
+def test_kv_and_sinks_presets_with_points_and_figures(tmp_path, tiny_corpus):
+    from outlierscope.report.markdown import write_report
+
+    out = tmp_path / "kv"
+    rc = main(["profile", "--model", "pair-tiny:diff", "--text", str(tiny_corpus / "val.jsonl"), "--tokens", "600", "--preset", "kv",
+               "--points", "layers.*.attn.probs", "--points", "layers.*.attn.probs_diff", "--sink-k", "2",
+               "--out", str(out)])
+    assert rc == 0
+    pl = pd.read_csv(out / "per_layer.csv")
+    assert set(pl.point) == {"attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_diff"}  # preset + points
+    sinks = pd.read_csv(out / "sinks.csv")
+    assert set(sinks.point) == {"attn.probs", "attn.probs_diff"} and (sinks.sink_k == 2).all()
+    assert ((sinks.mass_first <= sinks.mass_first_k + 1e-12) | (sinks.point == "attn.probs_diff")).all()
+    text = write_report(out).read_text()
+    for stem in ("channels_attn.k", "sinks"):
+        assert (out / "figures" / f"{stem}.png").exists() and f"figures/{stem}.png" in text
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--points", "layers.*.mlp.down_prj.input"], "did you mean layers.*.mlp.down_proj.input"),
+    (["--sink-k", "0"], "--sink-k must be >= 1"),
+])
+def test_bad_points_fail_before_any_model_loads(argv, msg, tmp_path, capsys, monkeypatch):
+    import outlierscope.models.loading as loading
+
+    def no_load(*a, **k):
+        raise AssertionError("a model was loaded before the points were checked")
+
+    monkeypatch.setattr(loading, "load_model", no_load)
+    rc = main(["profile", "--model", "pair-tiny:transformer", "--model", "pair-tiny:diff", "--tokens", "100", *argv,
+               "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and msg in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_preset_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["profile", "--model", "pair-tiny:diff", "--preset", "kvv", "--out", str(tmp_path / "out")])
+    assert e.value.code == 2 and "invalid choice: 'kvv'" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
