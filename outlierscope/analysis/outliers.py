@@ -210,22 +210,25 @@ class TokenStats(_KindStats):
         if self.head_dim is None and obs.n_heads:
             self.head_dim = x.shape[-1] // obs.n_heads
         valid3 = obs.valid[:, :, None]  # (B, T, 1)
+        every = bool(obs.valid.all())  # no padding (a profile): no masked copies
         absx = x.abs()
-        absm = absx.masked_fill(~valid3, -1.0)
+        absm = absx if every else absx.masked_fill(~valid3, -1.0)
         rowmax = absm.amax(-1)  # (B, T)
         _check_finite(obs, rowmax)
         off = obs.seq_offset
         self._topk(layer, absm, lambda m: torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1))
         nb = self.bins.n + 2
-        idx = self.bins.index(absx).masked_fill_(~valid3, nb)
+        idx = self.bins.index(absx)
+        if not every:
+            idx.masked_fill_(~valid3, nb)
         self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
         if self.channel_moments:
             self.shard_moments[self.shard].update(x, valid3, (0, 1), layer)
         else:  # one group per layer: the mask expanded (a view) so that every entry counts
             self.shard_moments[self.shard].update(x, valid3.expand_as(x), (0, 1, 2), layer)
-        big = (absx >= INT8_THRESHOLD) & valid3
+        big = absm >= INT8_THRESHOLD  # invalid entries are -1
         self.ge6[layer] += big.sum((0, 1)).cpu()
-        self.gt100[layer] += ((absx > MASSIVE_ABS) & valid3).sum((0, 1)).cpu()
+        self.gt100[layer] += (absm > MASSIVE_ABS).sum((0, 1)).cpu()
         self._channels(layer, absm, off)
         self._positions(layer, obs.valid, rowmax, big)
         self._exceedances(layer, absm, obs, off)
@@ -427,13 +430,13 @@ class OutlierStats:
     def _observed_layers(self, kind: str) -> list[int]:
         """The layers with observations of ``kind``: not a hybrid model's layers without attention, nor layers left
         out of the points."""
-        count = self.moments[kind].count
+        count = self.by_kind[kind].moments.count
         return [layer for layer in range(self.n_layers) if count[layer].sum() > 0]
 
     def per_layer(self) -> pd.DataFrame:
         rows = []
         for kind in self.kinds():
-            m = self.moments[kind]
+            m = self.by_kind[kind].moments
             for layer in self._observed_layers(kind):
                 d = pooled_moments(m, layer)
                 c = m.count[layer].sum().item()
@@ -447,7 +450,7 @@ class OutlierStats:
     def per_head(self) -> pd.DataFrame:
         if not self.seen["attn.logits"]:
             return pd.DataFrame()
-        m = self.moments["attn.logits"]
+        m = self.logits.moments
         d = m.summary()
         rows = []
         for layer in self._observed_layers("attn.logits"):
@@ -462,7 +465,7 @@ class OutlierStats:
     def per_channel(self) -> pd.DataFrame:
         if not self.seen["hidden"]:
             return pd.DataFrame()
-        m = self.moments["hidden"]
+        m = self.hidden.moments
         d = m.summary()
         L, C = m.count.shape
         layer, ch = np.meshgrid(np.arange(L), np.arange(C), indexing="ij")
@@ -480,7 +483,7 @@ class OutlierStats:
         """LLM.int8 outlier features: channels with |x| >= 6 on >= 6% of tokens in >= 25% of layers."""
         if not self.seen["hidden"]:
             return pd.DataFrame(columns=["channel", "layers", "n_layers", "max_share_ge6", "positions_ge6"])
-        count = self.moments["hidden"].count.numpy()
+        count = self.hidden.moments.count.numpy()
         with np.errstate(invalid="ignore", divide="ignore"):
             share = self.ge6.numpy() / count  # (L, C)
         hit = share >= INT8_TOKEN_SHARE
@@ -518,12 +521,20 @@ class OutlierStats:
         return df
 
     def histograms(self) -> pd.DataFrame:
-        """Non-empty bins of |x| per point kind, layer and head (head -1 for hidden states)."""
+        """Non-empty bins of |x| per point kind, layer and head (head -1 for hidden states); kinds beyond Table 5's
+        two pooled over layers and heads (layer and head -1: per-layer medians are in ``per_layer``), so that a
+        profile of every point stays a few MB."""
         edges = self.bins.edges()
         hi = np.append(edges[1:], np.inf)
         rows = []
         for kind in self.kinds():
             h = self.hist[kind].numpy()
+            if kind not in KINDS:
+                h = h.sum((0, 1))
+                nz = np.flatnonzero(h)
+                rows.append(pd.DataFrame({"point": kind, "layer": -1, "head": -1, "bin": nz, "lo": edges[nz],
+                                          "hi": hi[nz], "count": h[nz]}))
+                continue
             L, H, _ = h.shape
             for layer in range(L):
                 for head in range(H):
