@@ -214,6 +214,13 @@ class ProfileResult:
         return out
 
 
+def peak_rss_mb() -> float:
+    """The peak resident memory of this process so far, MiB (Linux: ru_maxrss in KiB)."""
+    import resource
+
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+
+
 @torch.no_grad()
 def diff_lambdas(model) -> list[tuple[float, float]]:
     """(lambda_init, lambda_full) per layer of a DiffLlama model; empty for other models."""
@@ -289,7 +296,8 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
                   "tokens_per_s": round(n_tok / max(wall, 1e-9), 1), "n_layers": stats.n_layers,
                   "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module),
                   "dtype": model_dtype(module), "device": dev,
-                  "processes": world.size})
+                  "processes": world.size, "peak_rss_mb": peak_rss_mb(),
+                  "kinds": stats.kinds()})
     if not shard.whole:
         facts["shard"] = [shard.index, shard.count]
     return ProfileResult({name: stats}, {name: facts}, settings, {name: digest})
@@ -346,6 +354,8 @@ def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> Prof
         facts[name]["seconds"] = round(max(p["facts"][name]["seconds"] for p in parts), 2)
         facts[name]["tokens_per_s"] = round(f["tokens"] / max(facts[name]["seconds"], 1e-9), 1)
         facts[name]["merged_shards"] = n
+        if all("peak_rss_mb" in p["facts"][name] for p in parts):
+            facts[name]["peak_rss_mb"] = max(p["facts"][name]["peak_rss_mb"] for p in parts)
     settings = ProfileSettings(**{k: tuple(v) if k == "points" else v for k, v in first["settings"].items()})
     result = ProfileResult(stats, facts, settings)
     result.save(Path(out) if out is not None else dirs[0])
