@@ -11,7 +11,7 @@ from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
 from outlierscope.report.outcome import outcome_paragraph
-from outlierscope.report.tables import by_task, sweep_table, table5_markdown
+from outlierscope.report.tables import by_task, recurrence_markdown, sinks_markdown, sweep_table, table5_markdown
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
@@ -100,6 +100,28 @@ def _timing_table(meta: dict | None) -> list[str]:
     return out + [f"| all | | {sum(total.values()):,.0f} | |", ""]
 
 
+def _points_section(run: RunResults) -> list[str]:
+    """Attention sinks, massive activations and LLM.int8 features, for runs that observed those points."""
+    out = []
+    if "sinks" in run.tables:
+        out += ["## Attention sinks", "", "Mean attention mass on key position 0 over valid query rows, per layer "
+                "(mean over heads; the largest head in parentheses).", "", sinks_markdown(run.tables["sinks"]), ""]
+    rec = run.tables.get("massive_recurrence")
+    if rec is not None and not rec.empty:
+        s = run.profile_meta["settings"]
+        out += ["## Massive activations", "", f"|x| > {s.get('massive_abs', 100)} and > {s.get('massive_rel', 1000)} x "
+                "the layer's median |x| (Sun et al. 2024), where they recur most (all rows: massive.csv, "
+                "massive_recurrence.csv).", "", recurrence_markdown(rec), ""]
+    feats = run.tables.get("int8_features")
+    if feats is not None and not feats.empty:
+        def channels(g):
+            ch = [str(c) for c in g["channel"]]
+            return f"{len(ch)} channels ({', '.join(ch[:16])}{', ...' if len(ch) > 16 else ''})"
+        listed = "; ".join(f"{m} {p}: {channels(g)}" for (m, p), g in feats.groupby(["model", "point"], sort=False))
+        out += ["LLM.int8 outlier features (|x| >= 6 on >= 6% of tokens in >= 25% of layers): " + listed, ""]
+    return out
+
+
 def write_report(run_dir: str | Path, svg: bool = False) -> Path:
     """Render figures and write ``report.md`` into the run directory."""
     run = load_run(run_dir)
@@ -116,6 +138,7 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
         for name, f in run.profile_meta["models"].items():
             parts.append(f"| {name} | `{f['spec']}` | `{f['weights_sha256'][:16]}` | {f['tokens']:,} | {f['seq_len']} | {f['tokens_per_s']:,.0f} |")
         parts.append("")
+        parts += _points_section(run)
     if "sweep" in run.tables:
         s = run.sweep_meta["settings"] if run.sweep_meta else {}
         sw = run.tables["sweep"]

@@ -76,3 +76,26 @@ def sweep_table(table: pd.DataFrame) -> str:
             cells.append(f"{m['lm_loss']['value']:.4f}" if "lm_loss" in m else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def sinks_markdown(sinks: pd.DataFrame) -> str:
+    """Mean attention mass on key 0 per layer (mean over heads, and the largest head), a column per model and point."""
+    cols = list(dict.fromkeys(zip(sinks["model"], sinks["point"])))
+    g = sinks.groupby(["model", "point", "layer"])["mass_first"]
+    mean, top = g.mean(), g.max()
+    lines = ["| layer | " + " | ".join(f"{m} {p}: mean (max head)" for m, p in cols) + " |", "|---|" + "---|" * len(cols)]
+    for layer in sorted(sinks["layer"].unique()):
+        cells = [f"{mean[(m, p, layer)]:.3f} ({top[(m, p, layer)]:.3f})" if (m, p, layer) in mean.index else ""
+                 for m, p in cols]
+        lines.append(f"| {layer} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def recurrence_markdown(rec: pd.DataFrame, n: int = 12) -> str:
+    """The ``n`` (point, layer, channel, position kind) of massive activations found in the most sequences."""
+    top = rec.sort_values(["sequences", "point", "layer", "channel"], ascending=[False, True, True, True]).head(n)
+    lines = ["| model | point | layer | channel | position | sequences (share) | occurrences |", "|---|---|---|---|---|---|---|"]
+    for r in top.itertuples():
+        lines.append(f"| {r.model} | {r.point} | {r.layer} | {r.channel} | {r.position_kind} | "
+                     f"{r.sequences:,} ({r.share_of_sequences:.0%}) | {r.occurrences:,} |")
+    return "\n".join(lines) + "\n"

@@ -45,6 +45,7 @@ def test_kv_and_sinks_presets_with_points_and_figures(tmp_path, tiny_corpus):
     assert set(sinks.point) == {"attn.probs", "attn.probs_diff"} and (sinks.sink_k == 2).all()
     assert ((sinks.mass_first <= sinks.mass_first_k + 1e-12) | (sinks.point == "attn.probs_diff")).all()
     text = write_report(out).read_text()
+    assert "## Attention sinks" in text
     for stem in ("channels_attn.k", "sinks"):
         assert (out / "figures" / f"{stem}.png").exists() and f"figures/{stem}.png" in text
 

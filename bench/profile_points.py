@@ -1,0 +1,68 @@
+"""Peak memory (and throughput) of profiles with many observation points (issue: every activation).
+
+Three configurations of one model, each repetition a fresh process profiling the same tokens:
+``two`` (Table 5's two point kinds), ``linear_qkv`` (every nn.Linear input, SmoothQuant's preset, plus q/k/v) and
+``every`` (every point: ``layers.*`` and ``lm_head.input``), and ``every`` again at 4x the tokens.
+Goal: peak RSS of ``linear_qkv`` within 2x of ``two``; the statistics are bounded, so 4x the tokens adds nothing.
+Peak RSS does not depend on the machine's load; tokens/s does (``--rss-only`` leaves it out of the record).
+Writes bench/results/profile_points.json (see bench/artifact.py).
+Usage: python bench/profile_points.py [--model smollm2-135m] [--tokens 20000] [--reps 3] [--rss-only]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+
+from artifact import median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+
+CONFIGS = {
+    "two": [],
+    "linear_qkv": ["--preset", "smoothquant", "--points", "layers.*.attn.q", "--points", "layers.*.attn.k",
+                   "--points", "layers.*.attn.v"],
+    "every": ["--points", "layers.*", "--points", "lm_head.input"],
+}
+
+
+def run(model: str, tokens: int, args: list[str]) -> tuple[float, float]:
+    """(seconds of the profile, as its record says; peak RSS of the whole process, MB) of one fresh process."""
+    with tempfile.TemporaryDirectory() as out:
+        code = ("import resource, sys; from outlierscope.cli import main; rc = main(sys.argv[1:]); "
+                "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024); sys.exit(rc)")
+        r = subprocess.run([sys.executable, "-c", code, "profile", "--model", model, "--tokens", str(tokens), *args,
+                            "--out", out], capture_output=True, text=True, check=True)
+        rss = float(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("RSS")))
+        facts = json.load(open(f"{out}/profile.json"))["models"]
+        return next(iter(facts.values()))["seconds"], rss
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--tokens", type=int, default=20_000)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--rss-only", action="store_true")
+    a = p.parse_args()
+    plan = [(name, a.tokens) for name in CONFIGS] + [("every", 4 * a.tokens)]
+    raw, derived = {"model": a.model}, {}
+    for name, tokens in plan:
+        key = f"{name}_{tokens}"
+        runs = [run(a.model, tokens, CONFIGS[name]) for _ in range(a.reps)]
+        raw[f"{key}_peak_rss_mb"] = [r[1] for r in runs]
+        derived[f"{key}_peak_rss_mb"] = round(median(raw[f"{key}_peak_rss_mb"]))
+        if not a.rss_only:
+            raw[f"{key}_s"] = [r[0] for r in runs]
+            derived[f"{key}_tok_s"] = round(tokens / median(raw[f"{key}_s"]), 1)
+    t = a.tokens
+    derived["rss_linear_qkv_vs_two"] = round(derived[f"linear_qkv_{t}_peak_rss_mb"] / derived[f"two_{t}_peak_rss_mb"], 2)
+    derived["rss_every_vs_two"] = round(derived[f"every_{t}_peak_rss_mb"] / derived[f"two_{t}_peak_rss_mb"], 2)
+    derived["rss_growth_every_4x_tokens_mb"] = derived[f"every_{4 * t}_peak_rss_mb"] - derived[f"every_{t}_peak_rss_mb"]
+    write("profile_points", raw, derived, notes=f"{a.model}, HellaSwag text, seq_len 256, batch 8; each repetition "
+          "a fresh process (peak RSS of the whole process: model, statistics, tables)")
+
+
+if __name__ == "__main__":
+    main()
