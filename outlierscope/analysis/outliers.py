@@ -561,6 +561,11 @@ class OutlierStats:
             frames.append(act.massive_frame(st, medians, self.massive_rel, self.delimiters))
         return _concat_frames(frames, act.MASSIVE_COLUMNS)
 
+    def massive_capped(self) -> list[str]:
+        """Kinds with more values above ``massive_abs`` than ``massive_cap``: their massive tables hold the largest
+        ones only (raise the cap or the threshold)."""
+        return [st.kind for st in self._tokens() if st.massive.overflowed]
+
     def massive_recurrence(self) -> pd.DataFrame:
         sequences = max((st.sequences for st in self._tokens()), default=0)
         return act.recurrence_frame(self.massive(), sequences)

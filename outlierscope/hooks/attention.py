@@ -8,11 +8,13 @@ original implementation is restored in ``finally``.
 The function computes, per layer, in blocks of query rows (``block_rows``; one block when the
 whole (B, H, T, S) float32 logits fit ``block_bytes``)::
 
+    tap("attn.q", query); tap("attn.k", key); tap("attn.v", value)  # only for stages whose taps ask for them
     for each block of rows [t0, t1):
         logits = (query[t0:t1] @ repeat_kv(key)^T) * scaling  # (B, H, t1-t0, S), float32 at least
         for stage in stages: logits = stage.apply(ctx, logits) # observe and/or quantize, in entry order
         logits = softcap * tanh(logits / softcap)              # only for models with logit soft-capping
         probs  = softmax(where(allowed, logits, min), float32) # whole rows: exact
+        tap("attn.probs", probs); tap("attn.probs_diff", p1 - lambda p2)  # Diff models: the differential map
         out[t0:t1] = probs.to(dtype) @ repeat_kv(value)
 
 A stage is a :class:`Stage`: what it does to a block (``apply``), whether it hands the tensor to
@@ -23,6 +25,7 @@ blocks; the second pass recomputes the blocks and the stage reads that max as ``
 blocked result equals the unblocked one up to the matmul's rounding (BLAS sums a block of rows in
 another order than the whole matrix: about 1e-16 relative in float64, 1e-7 in float32); a
 quantization scale is the same max. Observers see each block once, with ``ctx.q_start``, its first row.
+A stage's ``taps`` name the other tensors it wants (:class:`Tap`): nothing is copied for a tensor no stage asks for.
 
 Logits are float32 for bf16/fp16 models (q and k are upcast before the matmul): bf16 rounding near
 the absmax is about a quarter of an 8-bit step. The probabilities return to the model's dtype, as

@@ -112,6 +112,10 @@ def _points_section(run: RunResults) -> list[str]:
         out += ["## Massive activations", "", f"|x| > {s.get('massive_abs', 100)} and > {s.get('massive_rel', 1000)} x "
                 "the layer's median |x| (Sun et al. 2024), where they recur most (all rows: massive.csv, "
                 "massive_recurrence.csv).", "", recurrence_markdown(rec), ""]
+        capped = sorted({k for f in run.profile_meta["models"].values() for k in f.get("massive_capped") or []})
+        if capped:
+            out += [f"More values passed the absolute threshold than were kept for {', '.join(capped)}: those rows "
+                    "are the largest ones only.", ""]
     feats = run.tables.get("int8_features")
     if feats is not None and not feats.empty:
         def channels(g):
