@@ -28,6 +28,7 @@ _EXPORTS = {
     "DEFAULT_PAIR": "outlierscope.models.presets",
     "capture": "outlierscope.hooks.capture",
     "Observation": "outlierscope.hooks.capture",
+    "POINT_PRESETS": "outlierscope.hooks.points",
     "OutlierStats": "outlierscope.analysis.outliers",
     "QuantSpec": "outlierscope.quant.spec",
     "quantize_attention": "outlierscope.quant.apply",
@@ -53,7 +54,7 @@ _EXPORTS = {
     "load_run": "outlierscope.report.load",
     "RunResults": "outlierscope.report.load",
 }
-_MODULES = {"plots": "outlierscope.report.plots"}  # public name -> module exported as a whole
+_MODULES = {"plots": "outlierscope.report.plots", "activation_plots": "outlierscope.report.activation_plots"}  # public name -> module exported as a whole
 __all__ = sorted(_EXPORTS.keys() | _MODULES.keys())
 
 

@@ -76,6 +76,9 @@ PRESETS = {p.name: p for p in (
 )}
 
 
+POINT_PRESETS = PRESETS  # the name exported by the package
+
+
 @dataclass(frozen=True)
 class Point:
     name: str
