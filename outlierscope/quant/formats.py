@@ -1,0 +1,119 @@
+"""Element and block formats beyond integer absmax (pure tensor primitives: no state, never mutate the input).
+
+* ``round_minifloat(x, fmt)``: round to the nearest value of a small float format (ties to even), subnormals
+  included, saturating at the largest normal: FP8 ``e4m3`` (the OCP/``fn`` variant, max 448) and ``e5m2``
+  (max 57344), FP6 ``e3m2`` (max 28) and ``e2m3`` (max 7.5), FP4 ``e2m1`` (max 6).
+* ``mx_quant(x, fmt)``: OCP Microscaling (MX v1.0, section 6.3): blocks of 32 consecutive elements along the
+  last dim share a scale ``X = 2^(floor(log2(max |V|)) - emax_elem)`` (E8M0: exponent clamped to [-127, 127]),
+  each element is ``V / X`` rounded to the element format with saturation, then multiplied back by ``X``.
+  ``mxint8``: elements are 8-bit two's complement with an implicit 2^-6 (``round(V / X * 64) / 64``, clamped to
+  +-127/64 as the microxcaling reference does).
+* ``nvfp4_quant(x, tensor_amax)``: NVIDIA NVFP4: blocks of 16 along the last dim, FP4 E2M1 elements, an E4M3
+  block scale ``e4m3(amax_block / 6 / g)`` under a float32 per-tensor scale ``g = tensor_amax / (448 * 6)``;
+  elements are ``e2m1(x * ((1 / g) / block_scale))`` (the reciprocal form of NVIDIA's kernels).
+* ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches.
+
+The last dim must be a multiple of the block size (head dims are; pad otherwise). Work happens in float32
+(float64 for float64 input); the result comes back in ``x``'s dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Minifloat:
+    ebits: int
+    mbits: int
+    max_normal: float
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number (1 - bias)."""
+        return 2 - 2 ** (self.ebits - 1)
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest normal number (MX's emax_elem)."""
+        return int(torch.tensor(self.max_normal).log2().floor())
+
+
+MINIFLOATS = {
+    "e4m3": Minifloat(4, 3, 448.0),
+    "e5m2": Minifloat(5, 2, 57344.0),
+    "e3m2": Minifloat(3, 2, 28.0),
+    "e2m3": Minifloat(2, 3, 7.5),
+    "e2m1": Minifloat(2, 1, 6.0),
+}
+# MX format -> (element format, block size); "int8": mxint8's fixed-point elements
+MX_FORMATS = {"mxfp8_e4m3": ("e4m3", 32), "mxfp8_e5m2": ("e5m2", 32), "mxfp6_e3m2": ("e3m2", 32),
+              "mxfp6_e2m3": ("e2m3", 32), "mxfp4": ("e2m1", 32), "mxint8": ("int8", 32)}
+NVFP4_BLOCK = 16
+E4M3_MAX, E2M1_MAX = 448.0, 6.0
+
+
+def _work(x: torch.Tensor) -> torch.Tensor:
+    return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+
+
+def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``x`` rounded to the nearest ``fmt`` value (ties to even), saturating at +-max_normal; returns a new tensor."""
+    f = MINIFLOATS[fmt]
+    w = _work(x)
+    a = w.abs()
+    _, exp = torch.frexp(a)  # a = m 2^exp with m in [0.5, 1): the binade's exponent is exp - 1
+    e = (exp - 1).clamp_min(f.emin).to(w.dtype)  # below the normal range: the subnormal spacing
+    quantum = torch.exp2(e - f.mbits)
+    q = torch.round(a / quantum).mul_(quantum).clamp_max_(f.max_normal)  # round half to even
+    return q.copysign_(w).to(x.dtype)
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    if x.shape[-1] % block:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be a multiple of the block size {block}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)  # (..., n_blocks, block)
+
+
+def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    """Quantize-dequantize ``x`` in the MX format ``fmt`` (blocks along the last dim); a new tensor."""
+    elem, block = MX_FORMATS[fmt]
+    w = _blocks(_work(x), block)  # (..., n, 32)
+    amax = w.abs().amax(-1, keepdim=True)  # (..., n, 1)
+    emax = 0 if elem == "int8" else MINIFLOATS[elem].emax
+    _, exp = torch.frexp(amax)
+    shared = (exp - 1 - emax).clamp_(-127, 127).to(w.dtype)  # floor(log2(amax)) - emax_elem, E8M0's range
+    scale = torch.exp2(shared)
+    v = w / scale
+    if elem == "int8":
+        q = torch.round(v * 64).clamp_(-127, 127) / 64
+    else:
+        q = round_minifloat(v, elem)
+    out = torch.where(amax > 0, q * scale, w)  # an all-zero block stays zero
+    return out.reshape(x.shape).to(x.dtype)
+
+
+def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize ``x`` in NVFP4 (blocks of 16 along the last dim) under the per-tensor ``tensor_amax``
+    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor."""
+    w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16): NVFP4's scales are float32 arithmetic
+    g = (tensor_amax.float() / (E4M3_MAX * E2M1_MAX))[..., None, None]  # (..., 1, 1)
+    g = torch.where(g > 0, g, torch.ones_like(g))
+    block_scale = (w.abs().amax(-1, keepdim=True) / E2M1_MAX) / g  # (..., n, 1)
+    s = block_scale.clamp(min=torch.finfo(torch.float8_e4m3fn).tiny, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    q = round_minifloat(w * ((1.0 / g) / s), "e2m1")
+    return (q * (s * g)).reshape(x.shape).to(x.dtype)
+
+
+def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """Asymmetric integer quantization onto ``2^bits`` levels between ``lo`` and ``hi`` (broadcastable): scale
+    ``(hi - lo) / (2^bits - 1)``, ``q = round((x - lo) / scale)``, back as ``q * scale + lo``; a new tensor."""
+    w = _work(x)
+    levels = 2**bits - 1
+    scale = (hi - lo).to(w.dtype) / levels
+    ok = scale > 0
+    safe = torch.where(ok, scale, torch.ones_like(scale))
+    q = torch.round((w - lo) / safe).clamp_(0, levels)
+    return torch.where(ok, q * safe + lo, w).to(x.dtype)

@@ -1,0 +1,103 @@
+"""MX, NVFP4, small floats and asymmetric integers against references that are not our code: torchao's MX and NVFP4
+implementations, torch's float8 casts, the OCP MX v1.0 rules applied element by element in plain Python, values worked
+by hand, and numpy float64."""
+
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.quant.formats import asym_quant, mx_quant, nvfp4_quant, round_minifloat
+
+mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
+
+TORCHAO_ELEM = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp8_e5m2": torch.float8_e5m2, "mxfp6_e2m3": "fp6_e2m3",
+                "mxfp6_e3m2": "fp6_e3m2", "mxfp4": torch.float4_e2m1fn_x2}
+
+
+def _data(seed: int) -> torch.Tensor:
+    """Adversarial: magnitudes over 12 decades, an all-zero block, exact powers of two, subnormal-range values."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(48, 64, generator=g) * torch.logspace(-6, 6, 48)[:, None]
+    x[3, :32] = 0
+    x[5] = torch.exp2(torch.randint(-10, 10, (64,), generator=g).float()) * torch.sign(torch.randn(64, generator=g))
+    x[7, :32] = torch.linspace(-1, 1, 32) * 1e-3
+    x[7, 0] = 1.0  # one large element: the rest of its block falls into the subnormal range of the element format
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("fmt", list(TORCHAO_ELEM))
+def test_mx_equals_torchao(fmt, seed):
+    x = _data(seed)
+    scale, data = mx.to_mx(x, TORCHAO_ELEM[fmt], 32)
+    ref = mx.to_dtype(data, scale, TORCHAO_ELEM[fmt], 32, torch.float32)
+    assert torch.equal(mx_quant(x, fmt), ref)
+
+
+def test_nvfp4_equals_torchao():
+    x = _data(2)
+    amax = x.abs().amax()
+    ref = nv.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=nv.per_tensor_amax_to_scale(amax)).dequantize(torch.float32)
+    assert torch.equal(nvfp4_quant(x, amax), ref)
+
+
+def test_mxint8_by_the_ocp_rules():
+    """MXINT8, element by element in Python: X = 2^(floor(log2 max|V|) - 0), P = round_half_even(V / X * 64) / 64
+    clamped to +-127/64 (the OCP spec's 8-bit elements with an implicit 2^-6)."""
+    x = _data(3)[:, :64]
+    x[9, :3] = torch.tensor([-1.996, 1.996, 0.5])  # -127.7 and 127.7 steps: clamped to +-127 (never -128)
+    got = mx_quant(x, "mxint8")
+    for row in range(x.shape[0]):
+        for b in range(2):
+            block = [float(v) for v in x[row, 32 * b : 32 * (b + 1)]]
+            amax = max(abs(v) for v in block)
+            for i, v in enumerate(block):
+                if amax == 0:
+                    want = v
+                else:
+                    X = Fraction(2) ** math.floor(math.log2(amax))
+                    q = max(-127, min(127, round(Fraction(v) / X * 64)))  # Python's round: half to even
+                    want = float(q * X / 64)
+                assert float(got[row, 32 * b + i]) == pytest.approx(want, rel=0, abs=0), (row, b, i)
+
+
+def test_ocp_worked_values():
+    """A block with max |V| = 1.0: mxfp4's shared exponent is 0 - emax(E2M1) = -2, so X = 1/4 and V / X = 4V is rounded
+    to E2M1 {0, 0.5, 1, 1.5, 2, 3, 4, 6}: 0.3 -> 1.2 -> 1.0 -> 0.25; 0.55 -> 2.2 -> 2 -> 0.5; 0.7 -> 2.8 -> 3 -> 0.75;
+    1.0 -> 4 -> 1.0; -0.9 -> -3.6 -> -4 -> -1.0."""
+    x = torch.zeros(32)
+    x[:5] = torch.tensor([0.3, 0.55, 0.7, 1.0, -0.9])
+    got = mx_quant(x[None], "mxfp4")[0, :5].tolist()
+    assert got == [0.25, 0.5, 0.75, 1.0, -1.0]
+
+
+def test_minifloat_grid_worked_by_hand():
+    e2m1 = round_minifloat(torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, -0.1, 0.26]), "e2m1").tolist()
+    # ties to the even mantissa: 0.25 -> 0, 0.75 -> 1, 1.25 -> 1, 1.75 -> 2, 2.5 -> 2, 3.5 -> 4, 5 -> 4; 7 saturates at 6
+    assert e2m1 == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, -0.0, 0.5]
+    assert round_minifloat(torch.tensor([8.0, 7.6, 7.4, 0.0625, 0.09]), "e2m3").tolist() == [7.5, 7.5, 7.5, 0.0, 0.125]
+    assert round_minifloat(torch.tensor([30.0, 26.0, 0.03125, 0.05]), "e3m2").tolist() == [28.0, 24.0, 0.0, 0.0625]
+
+
+@pytest.mark.parametrize("fmt,dtype", [("e4m3", torch.float8_e4m3fn), ("e5m2", torch.float8_e5m2)])
+def test_minifloat_equals_torch_float8_casts(fmt, dtype):
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(20000, generator=g) * torch.logspace(-9, 4, 20000)
+    x = x[x.abs() <= torch.finfo(dtype).max]  # in range: the cast is round-to-nearest-even there
+    assert torch.equal(round_minifloat(x, fmt), x.to(dtype).float())
+
+
+def test_asym_against_numpy():
+    g = np.random.default_rng(5)
+    x = g.normal(size=(6, 40)) * 3 + 1
+    lo, hi = x.min(1, keepdims=True), x.max(1, keepdims=True)
+    for bits in (2, 4):
+        scale = (hi - lo) / (2**bits - 1)
+        want = np.clip(np.round((x - lo) / scale), 0, 2**bits - 1) * scale + lo
+        got = asym_quant(torch.from_numpy(x), bits, torch.from_numpy(lo), torch.from_numpy(hi)).numpy()
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
+        assert len(np.unique(got[0])) <= 2**bits
