@@ -107,6 +107,33 @@ class Stage:
     name: str = "stage"
     taps: frozenset[str] = frozenset()
     tap: Callable[[Tap], None] | None = None
+    qkv: Callable[[QKVContext, torch.Tensor, torch.Tensor, torch.Tensor], QKV] | None = None
+    probs: Callable[[LogitContext, torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
+class QKVContext:
+    """What a stage's ``qkv`` learns about a call: its layer, valid query rows (B, T) and keys (B, S), and whether it
+    is DiffLlama's second call of the layer (same query and key, the other half of the values)."""
+
+    module: nn.Module
+    layer: int
+    q_valid: torch.Tensor
+    k_valid: torch.Tensor
+    second: bool = False
+
+
+@dataclass
+class QKV:
+    """A stage's ``qkv`` result: query (B, H, T, d), key and value (B, KV, S, d), and optionally ``q_mean`` (B, H, T, d)
+    with ``k_for_mean`` (B, KV, S, d): ``(q_mean @ k_for_mean^T) * scaling`` is added to the logits in full precision
+    (SageAttention2's Q-smoothing correction)."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    q_mean: torch.Tensor | None = None
+    k_for_mean: torch.Tensor | None = None
 
 
 @dataclass
@@ -207,6 +234,8 @@ class _Call:
     softcap: float | None
     rows: int  # query rows per block
     value: torch.Tensor | None = None  # (B, H, S, d), repeated per query head
+    q_mean: torch.Tensor | None = None  # (B, H, T, d): Q smoothing's mean, added back as (q_mean @ k_mean_t) * scaling
+    k_mean_t: torch.Tensor | None = None  # (B, H, d, S)
 
 
 class _AttentionFunction:
@@ -244,18 +273,22 @@ class _AttentionFunction:
             scaling = query.shape[-1] ** -0.5
         B, H, T, _ = query.shape
         S = key.shape[2]
-        v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
-        memo = self._memo
-        second = memo is not None and memo[0] is module and memo[1] is query and memo[2] is key  # DiffLlama's 2nd call
+        memo, given = self._memo, (query, key)  # DiffLlama's second call is known by the identity of what it was given
+        second = memo is not None and memo[0] is module and memo[1] is query and memo[2] is key
+        q_mean = k_mean = None
+        if any(st.qkv for st in self.stages):
+            query, key, value, q_mean, k_mean = self._transform_qkv(module, layer, query, key, value, attention_mask, second)
         if self.taps & {"attn.q", "attn.k", "attn.v"}:
             self._tap_qkv(layer, query, key, value, attention_mask, second)
+        v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
         if second and memo[3] is not None:  # the first call's probabilities were one block: reuse them
             return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
         rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
         k = _repeat_kv(key, H // key.shape[1])  # (B, H, S, d)
         if k.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
             k = k.float()
-        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows, v)  # (B, H, d, S)
+        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows, v,  # (B, H, d, S)
+                     q_mean, None if k_mean is None else _repeat_kv(k_mean, H // k_mean.shape[1]).transpose(2, 3))
         if second:  # blocks again, with the non-observing stages and the first call's prepass state
             stages, state = tuple(st for st in self.stages if not st.observes), memo[4]
         else:
@@ -263,21 +296,24 @@ class _AttentionFunction:
         if rows >= T:  # one block
             probs = self._block_probs(call, stages, state, 0, T, tap=not second)
             if self.is_diff:
-                self._memo = (module, query, key, probs, None)
+                self._memo = (module, *given, probs, None)
             return torch.matmul(probs, v).transpose(1, 2).contiguous(), None  # (B, H, T, d) -> (B, T, H, d)
         out = query.new_empty(B, T, H, v.shape[-1])  # (B, T, H, d): each block's output goes straight in
         for t0 in range(0, T, rows):
             probs = self._block_probs(call, stages, state, t0, min(T, t0 + rows), tap=not second)
             out[:, t0 : t0 + probs.shape[2]] = torch.matmul(probs, v).transpose(1, 2)  # (B, H, t, d) -> (B, t, H, d)
         if self.is_diff:
-            self._memo = (module, query, key, None, state)
+            self._memo = (module, *given, None, state)
         return out, None
 
     def _logits(self, call: _Call, t0: int, t1: int) -> torch.Tensor:
         q = call.query[:, :, t0:t1]  # (B, H, t, d)
         if q.dtype != call.key_t.dtype:
             q = q.float()
-        return torch.matmul(q, call.key_t).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
+        logits = torch.matmul(q, call.key_t).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
+        if call.q_mean is not None:  # SageAttention2's correction, in full precision
+            logits += torch.matmul(call.q_mean[:, :, t0:t1].to(logits.dtype), call.k_mean_t.to(logits.dtype)) * call.scaling
+        return logits
 
     def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
         T, S = call.query.shape[2], call.key.shape[2]
@@ -306,6 +342,20 @@ class _AttentionFunction:
                     prev = state.get(self.stages[g])
                     state[self.stages[g]] = r if prev is None else torch.maximum(prev, r)
         return state
+
+    def _transform_qkv(self, module, layer: int, query, key, value, mask, second: bool):
+        """Every stage's ``qkv`` in order (quantization of q, k, v and its exact transforms); returns the new query,
+        key, value and Q smoothing's (q_mean, k_for_mean) or Nones."""
+        q_valid, k_valid = _token_valid(mask, query.shape[0], query.shape[2], key.shape[2], query.device)
+        ctx = QKVContext(module, layer, q_valid, k_valid, second)
+        q_mean = k_mean = None
+        for st in self.stages:
+            if st.qkv is not None:
+                r = st.qkv(ctx, query, key, value)
+                query, key, value = r.query, r.key, r.value
+                if r.q_mean is not None:
+                    q_mean, k_mean = r.q_mean, r.k_for_mean
+        return query, key, value, q_mean, k_mean
 
     def _emit(self, tap: Tap) -> None:
         for st in self.stages:
@@ -354,6 +404,9 @@ class _AttentionFunction:
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)
+        for stage in stages:
+            if stage.probs is not None:
+                probs = stage.probs(ctx, probs)
         if tap and self.taps & {"attn.probs", "attn.probs_diff"}:
             self._tap_probs(ctx, call.module, probs)
         return probs

@@ -11,9 +11,11 @@ import torch
 from torch import nn
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
+from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.names import WEIGHT_MODES
+from outlierscope.quant.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
+from outlierscope.quant.recipe import AttnQuant, TensorQuant
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -38,23 +40,87 @@ def absmax_reduction(spec: QuantSpec):
     return lambda ctx, logits: spec.absmax(logits, ctx.valid) if spec.applies_to(ctx.layer) else None
 
 
+def logits_spec(tq: TensorQuant | None, layers) -> QuantSpec | None:
+    """The paper's absmax logits quantization (:class:`QuantSpec`) of an :class:`AttnQuant`'s logits part."""
+    if tq is None:
+        return None
+    return QuantSpec(bits=tq.bits if tq.format == "int" else 8, format=tq.format, granularity=tq.granularity,
+                     layers=layers)
+
+
+def _logit_stage(spec: QuantSpec) -> Stage:
+    def quantize(ctx: LogitContext, logits):
+        return spec(logits, ctx.valid, ctx.reduced(stage)) if spec.applies_to(ctx.layer) else logits
+
+    stage = Stage(apply=quantize, reduce=absmax_reduction(spec), name=f"quantize {spec.label}")
+    return stage
+
+
+def _qkv_transform(spec: AttnQuant):
+    """The stage's ``qkv``: Hadamard rotation, K smoothing, Q smoothing (with its full-precision correction), then
+    q, k, v quantized per their parts; layers outside ``spec.layers`` pass through."""
+    parts = {t: spec.part(t) for t in ("q", "k", "v")}
+
+    def transform(ctx: QKVContext, q, k, v) -> QKV:
+        if not spec.applies_to(ctx.layer):
+            return QKV(q, k, v)
+        if spec.hadamard is not None:
+            rot = hadamard(q.shape[-1], spec.hadamard, q.dtype, q.device)  # (d, d)
+            q, k = q @ rot, k @ rot  # q k^T unchanged: rot is orthonormal
+        if spec.smooth_k:
+            k = smooth_k(k, ctx.k_valid)
+        q_mean = None
+        if spec.smooth_q is not None:
+            q, q_mean = smooth_q(q, ctx.q_valid, spec.smooth_q)
+        k_exact = k
+        q = quantize_tokens(q, ctx.q_valid, parts["q"]) if parts["q"] else q
+        k = quantize_tokens(k, ctx.k_valid, parts["k"]) if parts["k"] else k
+        v = quantize_tokens(v, ctx.k_valid, parts["v"]) if parts["v"] else v
+        return QKV(q, k, v, q_mean, k_exact if q_mean is not None else None)
+
+    return transform
+
+
+def attention_stage(spec: AttnQuant) -> Stage:
+    """One :class:`~outlierscope.hooks.attention.Stage` that does everything ``spec`` asks: q/k/v transforms and
+    quantization, logits quantization (with its reduction over blocks), P quantization."""
+    ls = logits_spec(spec.part("logits"), spec.layers)
+    base = _logit_stage(ls) if ls is not None else None
+    p = spec.part("probs")
+    qkv_needed = any(spec.part(t) for t in ("q", "k", "v")) or spec.smooth_k or spec.smooth_q is not None \
+        or spec.hadamard is not None
+
+    def probs(ctx: LogitContext, x):
+        return quantize_probs(x, ctx.valid, p) if spec.applies_to(ctx.layer) else x
+
+    return Stage(apply=base.apply if base else (lambda ctx, logits: logits), reduce=base.reduce if base else None,
+                 name=f"quantize {spec.label}", qkv=_qkv_transform(spec) if qkv_needed else None,
+                 probs=probs if p is not None else None)
+
+
+def as_attn_quant(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
+    """A spec as given (the paper's :class:`QuantSpec`, or an :class:`AttnQuant`), or one from a recipe name / text."""
+    return AttnQuant.parse(spec) if isinstance(spec, str) else spec
+
+
 @contextlib.contextmanager
-def quantize_attention(model: nn.Module, spec: QuantSpec, block_rows: int | None = None) -> Iterator[QuantSpec]:
-    """Quantize ``layers.{i}.attn.logits`` after scaling, before soft-capping, masking and softmax.
+def quantize_attention(model: nn.Module, spec: QuantSpec | AttnQuant | str,
+                       block_rows: int | None = None) -> Iterator[QuantSpec | AttnQuant]:
+    """Quantize the attention of ``model`` as ``spec`` says: a :class:`QuantSpec` (the paper: the logits, after
+    scaling, before soft-capping, masking and softmax), or an :class:`AttnQuant` / recipe name / spec text (q, k, v,
+    logits, P, with smoothing and rotations; see :mod:`outlierscope.quant.recipe`).
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
     [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages run in the order the
     contexts were entered, so ``quantize_attention`` outside ``capture`` profiles the quantized logits.
     ``block_rows``: query rows per attention block (see :mod:`outlierscope.hooks.attention`); per_head
-    and per_tensor scales then take a first pass over the blocks for the absmax: same result.
+    and per_tensor logit scales then take a first pass over the blocks for the absmax: same result
+    (q, k and v are quantized once per call, whole; P per row, inside its block).
     Everything is restored in ``finally``.
     """
+    spec = as_attn_quant(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model))
-
-    def quantize(ctx: LogitContext, logits):
-        return spec(logits, ctx.valid, ctx.reduced(stage)) if spec.applies_to(ctx.layer) else logits
-
-    stage = Stage(apply=quantize, reduce=absmax_reduction(spec), name=f"quantize {spec.label}")
+    stage = _logit_stage(spec) if isinstance(spec, QuantSpec) else attention_stage(spec)
     # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
     with attention_stages(model, stage, block_rows=block_rows):
         yield spec

@@ -1,0 +1,154 @@
+"""Tensor operations of attention quantization (pure: no state, never mutate the input): quantize q/k/v (B, H, T, d)
+and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.recipe.TensorQuant`'s granularity, and the
+transforms that are exact in full precision (K and Q smoothing, a random-sign Hadamard rotation).
+
+Valid tokens (``valid``: (B, T), False for padding) never enter a scale, a mean or a block's max, and come back
+unchanged. Granules, for q/k/v (B, H, T, d)::
+
+    per_tensor     (H, T, d) of one sequence          per_channel    (T,) of one head and channel
+    per_head       (T, d) of one head                  per_channel:N  N consecutive tokens of one channel
+    per_token      (d,) of one token and head          per_block:N    (N, d): N consecutive tokens of one head
+    per_group:G    G consecutive channels of a token    MX / NVFP4     32 / 16 along head_dim (q, k) or tokens (v)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.formats import MX_FORMATS, NVFP4_BLOCK, asym_quant, mx_quant, nvfp4_quant
+from outlierscope.quant.primitives import fake_quant, qmax
+from outlierscope.quant.recipe import TensorQuant
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``x`` (B, H, T, d) and its validity reshaped so that one granule is the reduced dims; returns (x', valid',
+    dims), both padded (padding invalid) where a size does not divide T or d."""
+    B, H, T, d = x.shape
+    v = valid[:, None, :, None].expand(B, H, T, d)  # (B, H, T, d)
+    g, n = tq.granularity, tq.size
+    if g == "per_tensor":
+        return x, v, (1, 2, 3)
+    if g == "per_head":
+        return x, v, (2, 3)
+    if g in ("per_token", "per_row"):
+        return x, v, (3,)
+    if g == "per_group":
+        if d % n:
+            raise OutlierscopeError(f"{tq}: head_dim {d} is not a multiple of the group size {n}")
+        return x.reshape(B, H, T, d // n, n), v.reshape(B, H, T, d // n, n), (4,)  # (B, H, T, d/G, G)
+    if g == "per_channel" and n is None:
+        return x, v, (2,)
+    xp, vp = _pad_to(x, 2, n), _pad_to(v, 2, n)  # per_block:N, per_channel:N: groups of N tokens
+    shape = (B, H, xp.shape[2] // n, n, d)  # (B, H, T/N, N, d)
+    return xp.reshape(shape), vp.reshape(shape), (3, 4) if g == "per_block" else (3,)
+
+
+def _symmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, tq: TensorQuant) -> torch.Tensor:
+    fmt = "int" if tq.format == "int" else tq.format
+    bits = tq.bits if tq.format == "int" else 8
+    amax = x.abs().masked_fill(~valid, 0).amax(dims, keepdim=True)
+    return fake_quant(x, amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32) / qmax(bits, fmt),
+                      bits, fmt, valid)
+
+
+def _asymmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, bits: int) -> torch.Tensor:
+    big = torch.finfo(x.dtype).max
+    lo = x.masked_fill(~valid, big).amin(dims, keepdim=True)
+    hi = x.masked_fill(~valid, -big).amax(dims, keepdim=True)
+    empty = lo > hi  # no valid entry: unchanged
+    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+    return torch.where(valid, asym_quant(x, bits, lo, hi), x)
+
+
+def block_quant(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """MX / NVFP4 along the last dim (zero-padded to whole blocks, then cut back); NVFP4's per-tensor ``amax``
+    broadcasts to ``x`` without its last dim."""
+    block = MX_FORMATS[fmt][1] if fmt in MX_FORMATS else NVFP4_BLOCK
+    xp = _pad_to(x, -1, block)
+    out = mx_quant(xp, fmt) if fmt in MX_FORMATS else nvfp4_quant(xp, amax)
+    return out[..., : x.shape[-1]]
+
+
+def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """q, k: blocks along head_dim; v: along tokens (the dimension P.V reduces). Padding tokens enter as zeros."""
+    v4 = valid[:, None, :, None]  # (B, 1, T, 1)
+    w = x.masked_fill(~v4, 0)
+    if tq.target == "v":
+        w = w.transpose(2, 3)  # (B, H, d, T)
+    amax = w.abs().amax((1, 2, 3))[:, None, None] if tq.format == "nvfp4" else None  # (B, 1, 1): per sequence
+    q = block_quant(w, tq.format, amax)
+    if tq.target == "v":
+        q = q.transpose(2, 3)  # (B, H, T, d)
+    return torch.where(v4, q, x)
+
+
+def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype."""
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        return _block_format(x, valid, tq)
+    xg, vg, dims = _granules(x, valid, tq)
+    out = _asymmetric(xg, vg, dims, tq.bits) if tq.format == "asym" else _symmetric(xg, vg, dims, tq)
+    B, H, T, d = x.shape
+    if out.dim() == 5 and tq.granularity != "per_group":
+        out = out.reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d): the padding tokens cut off
+    return out.reshape(x.shape)
+
+
+def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """Probabilities (B, H, t, S) quantized-dequantized per ``tq``: ``per_row`` (absmax over a row's keys),
+    ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys."""
+    valid = valid.expand_as(p)
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        w = p.masked_fill(~valid, 0)
+        amax = w.abs().amax((1, 2, 3))[:, None, None] if tq.format == "nvfp4" else None
+        return torch.where(valid, block_quant(w, tq.format, amax), p)
+    fmt = "int" if tq.format == "int" else tq.format
+    bits = tq.bits if tq.format == "int" else 8
+    if tq.granularity == "static":
+        scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+        return fake_quant(p, scale, bits, fmt, valid)
+    return _symmetric(p, valid, (3,), tq)
+
+
+def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """K minus its per-channel mean over the sequence's valid tokens, per head: (B, KV, S, d). Exact under softmax:
+    it subtracts q . mean(k) from every logit of a row."""
+    v = valid[:, None, :, None].to(k.dtype)  # (B, 1, S, 1)
+    mean = (k * v).sum(2, keepdim=True) / v.sum(2, keepdim=True).clamp_min(1)  # (B, KV, 1, d)
+    return k - mean
+
+
+def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only), per head,
+    broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in full precision, so this too is exact."""
+    B, H, T, d = q.shape
+    qp = _pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
+    vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)
+    mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
+    m = mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
+    return q - m, m
+
+
+def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (d, d) orthonormal random-sign Hadamard matrix: Sylvester's H_d / sqrt(d) times diag(signs) drawn from
+    ``seed``; ``d`` must be a power of 2."""
+    if d < 1 or d & (d - 1):
+        raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+    return (h * signs / math.sqrt(d)).to(dtype=dtype, device=device)

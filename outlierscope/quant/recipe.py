@@ -1,0 +1,246 @@
+"""Quantization of what low-bit attention kernels and KV caches quantize: a spec per tensor, combined, with a text form.
+
+A :class:`TensorQuant` says how one tensor of the attention is quantized; an :class:`AttnQuant` combines them with
+the exact-in-full-precision transforms the kernels apply first (K and Q smoothing, a Hadamard rotation). Text form
+(``AttnQuant.parse(str(spec)) == spec``; the text is a sweep cell's identity)::
+
+    q=int8/per_block:128; k=int8/per_block:64; smooth_k        # SageAttention (sage1)
+    k=asym2/per_channel:32; v=asym2/per_group:32               # KIVI, 2 bits
+    q=mxfp4; k=mxfp4; probs=mxfp4; v=mxfp4                      # MX: 32-element blocks along the reduction dim
+    logits=int4/per_tensor                                      # the paper's Figure 8
+
+Targets: ``logits`` (pre-softmax), ``q``, ``k``, ``v`` (after RoPE and QK-norm, k and v per KV head: what a KV cache
+holds; ``kv`` in the text is ``k`` and ``v`` alike), ``probs`` (P, before P.V). Formats: ``int2``..``int8`` (symmetric
+absmax), ``asym2``..``asym8`` (min-max with a zero point, as KIVI), ``e4m3``/``e5m2`` (FP8, absmax to the format's
+max), and the block formats ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4``, ``mxint8``,
+``nvfp4`` (their blocks run along the dimension the next matmul reduces: head_dim for q and k, keys for P, tokens
+for v). Granularities of q/k/v (B, H, T, d): ``per_tensor`` (a sequence), ``per_head``, ``per_token`` (= ``per_row``:
+one token's d values), ``per_channel[:N]`` (a channel over all tokens, or groups of N tokens), ``per_block:N`` (N
+consecutive tokens x d, as kernels tile them), ``per_group:G`` (G consecutive channels of a token). P: ``per_row``
+or ``static`` (P <= 1: the scale is 1 / the format's max, as SageAttention2's FP8 P).
+Logits: ``per_tensor``, ``per_head``, ``per_row`` (the paper's absmax, :class:`~outlierscope.quant.spec.QuantSpec`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.formats import MX_FORMATS
+
+TARGETS = ("logits", "q", "k", "v", "probs")
+FLOAT_FORMATS = ("e4m3", "e5m2")
+BLOCK_FORMATS = (*MX_FORMATS, "nvfp4")
+GRANULARITIES = {  # target kind -> granularities it takes
+    "logits": ("per_tensor", "per_head", "per_row"),
+    "qkv": ("per_tensor", "per_head", "per_token", "per_row", "per_channel", "per_block", "per_group"),
+    "probs": ("per_row", "static"),
+}
+SIZED = {"per_block": True, "per_group": True, "per_channel": False}  # granularity -> its size is required
+
+
+def _kind(target: str) -> str:
+    return target if target in ("logits", "probs") else "qkv"
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """One tensor's quantization: ``format`` (``int``/``asym`` with ``bits``, an FP8 or a block format),
+    ``granularity`` and its ``size`` (tokens per block, channels per group, tokens per channel group)."""
+
+    target: str
+    format: str
+    bits: int | None = None
+    granularity: str | None = None
+    size: int | None = None
+
+    def __post_init__(self):
+        if self.target not in TARGETS:
+            raise OutlierscopeError(f"quantization target must be one of {', '.join(TARGETS)} (or kv), got {self.target!r}")
+        if self.format in ("int", "asym"):
+            if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
+                raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..8, got {self.bits!r}")
+        elif self.format in FLOAT_FORMATS or self.format in BLOCK_FORMATS:
+            if self.bits is not None:
+                raise OutlierscopeError(f"{self.target}: format {self.format} has no bits setting")
+        else:
+            raise OutlierscopeError(f"{self.target}: unknown format {self.format!r}; expected int2..int8, asym2..asym8, "
+                                    f"{', '.join(FLOAT_FORMATS + BLOCK_FORMATS)}")
+        self._check_granularity()
+
+    def _check_granularity(self) -> None:
+        g, kind = self.granularity, _kind(self.target)
+        if self.format in BLOCK_FORMATS:
+            if g is not None:
+                raise OutlierscopeError(f"{self.target}: {self.format} brings its own blocks; leave out the granularity")
+            if self.target == "logits":
+                raise OutlierscopeError("logits: block formats apply to the matmul inputs (q, k, probs, v), not to logits")
+            return
+        if self.target == "logits" and self.format == "asym":
+            raise OutlierscopeError("logits: symmetric formats only (int or FP8), as the paper's absmax")
+        if g not in GRANULARITIES[kind]:
+            raise OutlierscopeError(f"{self.target}: granularity must be one of {', '.join(GRANULARITIES[kind])}, got {g!r}")
+        if g == "static" and self.format not in FLOAT_FORMATS + ("int",):
+            raise OutlierscopeError(f"{self.target}: static scales need a symmetric format (int or FP8)")
+        if SIZED.get(g) and (not isinstance(self.size, int) or self.size < 1):
+            raise OutlierscopeError(f"{self.target}: {g} needs a size >= 1 ({g}:N), got {self.size!r}")
+        if g not in SIZED and self.size is not None or g == "per_channel" and self.size is not None and self.size < 1:
+            raise OutlierscopeError(f"{self.target}: {g} takes no size, got {self.size!r}")
+
+    @property
+    def format_text(self) -> str:
+        return f"{self.format}{self.bits}" if self.bits is not None else self.format
+
+    def __str__(self) -> str:
+        g = "" if self.granularity is None else f"/{self.granularity}" + (f":{self.size}" if self.size else "")
+        return f"{self.target}={self.format_text}{g}"
+
+
+_PART = re.compile(r"^(?P<targets>[a-z,]+)=(?P<fmt>[a-z0-9_]+)(?:/(?P<gran>[a-z_]+)(?::(?P<size>\d+))?)?$")
+
+
+def _parse_part(text: str) -> list[TensorQuant]:
+    m = _PART.match(text)
+    if not m:
+        raise OutlierscopeError(f"cannot read {text!r}: expected TARGETS=FORMAT[/GRANULARITY[:N]], e.g. k=int4/per_group:32")
+    fmt, bits = m["fmt"], None
+    num = re.fullmatch(r"(int|asym)(\d+)", fmt)
+    if num:
+        fmt, bits = num[1], int(num[2])
+    targets = [t for name in m["targets"].split(",") for t in (("k", "v") if name == "kv" else (name,))]
+    size = int(m["size"]) if m["size"] else None
+    return [TensorQuant(t, fmt, bits, m["gran"], size) for t in targets]
+
+
+@dataclass(frozen=True)
+class AttnQuant:
+    """What an attention kernel quantizes: ``parts`` (one :class:`TensorQuant` per target, in :data:`TARGETS` order),
+    ``smooth_k`` (subtract K's per-channel mean over the sequence's tokens: exact under softmax), ``smooth_q``
+    (subtract Q's per-channel mean over blocks of that many rows and add ``mean_q . k^T`` back in full precision, as
+    SageAttention2), ``hadamard`` (seed of a random-sign Hadamard rotation of q and k along head_dim: exact in full
+    precision), ``layers`` (None: every layer)."""
+
+    parts: tuple[TensorQuant, ...] = ()
+    smooth_k: bool = False
+    smooth_q: int | None = None
+    hadamard: int | None = None
+    layers: tuple[int, ...] | None = None
+    name: str | None = field(default=None, compare=False)  # the recipe it came from, if any
+
+    def __post_init__(self):
+        parts = sorted(self.parts, key=lambda p: TARGETS.index(p.target))
+        seen = [p.target for p in parts]
+        dup = sorted({t for t in seen if seen.count(t) > 1})
+        if dup:
+            raise OutlierscopeError(f"target {dup[0]} is quantized twice; give each target one format")
+        if self.smooth_q is not None and self.smooth_q < 1:
+            raise OutlierscopeError(f"smooth_q needs a block of rows >= 1, got {self.smooth_q}")
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
+        object.__setattr__(self, "parts", tuple(parts))
+
+    def part(self, target: str) -> TensorQuant | None:
+        return next((p for p in self.parts if p.target == target), None)
+
+    def applies_to(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    @property
+    def is_identity(self) -> bool:
+        return not self.parts and not self.smooth_k and self.smooth_q is None and self.hadamard is None
+
+    def __str__(self) -> str:
+        items = [str(p) for p in self.parts]
+        items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
+        items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
+        items += [f"layers:{','.join(map(str, self.layers))}"] if self.layers is not None else []
+        return "; ".join(items) or "none"
+
+    @property
+    def label(self) -> str:
+        return self.name or str(self)
+
+    @classmethod
+    def parse(cls, text: str) -> AttnQuant:
+        """A spec from its text, or a recipe's name (:data:`RECIPES`)."""
+        text = text.strip()
+        if text in RECIPES:
+            return RECIPES[text].spec
+        if "=" not in text and text not in ("none", "smooth_k") and ":" not in text:
+            import difflib
+
+            close = difflib.get_close_matches(text, list(RECIPES), n=3, cutoff=0.5)
+            raise OutlierscopeError(f"unknown quantization recipe {text!r}: expected one of {', '.join(RECIPES)} or a "
+                                    "spec like 'q,k=int8/per_block:128; smooth_k'"
+                                    + (f"; did you mean {', '.join(close)}?" if close else ""))
+        if text == "none":
+            return cls()
+        parts, kw = [], {}
+        for item in (s.strip() for s in text.split(";")):
+            key, _, arg = item.partition(":")
+            if item == "smooth_k":
+                kw["smooth_k"] = True
+            elif key in ("smooth_q", "hadamard", "layers") and "=" not in item:
+                kw[key] = _flag_value(key, arg, text)
+            else:
+                parts += _parse_part(item)
+        return cls(tuple(parts), **kw)
+
+
+def _flag_value(key: str, arg: str, text: str):
+    from outlierscope.quant.spec import parse_layers
+
+    try:
+        return tuple(parse_layers(arg.replace("+", ","))) if key == "layers" else int(arg)
+    except (ValueError, TypeError):
+        raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected {key}:N"
+                                + (" (layers:0-3 or layers:0,2)" if key == "layers" else "")) from None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named kernel emulation: its spec text, the source it follows, and what the emulation does not model."""
+
+    name: str
+    text: str
+    source: str
+    not_modelled: str
+
+    @property
+    def spec(self) -> AttnQuant:
+        s = AttnQuant.parse(self.text)
+        return AttnQuant(s.parts, s.smooth_k, s.smooth_q, s.hadamard, s.layers, name=self.name)
+
+
+_SAGE = "sageattention/triton/quant_per_block.py (BLKQ=128, BLKK=64)"
+RECIPES = {r.name: r for r in (
+    Recipe("sage1", "q=int8/per_block:128; k=int8/per_block:64; smooth_k",
+           f"SageAttention (arXiv 2410.02367) sec. 3-4; {_SAGE}",
+           "INT8 rounds half to even here (the kernel: half away from zero); P.V's FP16 accumulator"),
+    Recipe("sage2-int4", "q=int4/per_block:4; k=int4/per_block:16; smooth_k; smooth_q:128; probs=e4m3/static; "
+           "v=e4m3/per_channel", "SageAttention2 (arXiv 2411.10958) sec. 3; sageattention/triton/quant_per_thread.py",
+           "per-thread groups are strided rows (Q: every 8th row of 32, K: pairs in 64); here contiguous blocks of "
+           "the same size (4 and 16 rows); FP8 accumulation of P.V and its two-level fix"),
+    Recipe("fa3-fp8", "q=e4m3/per_block:128; k=e4m3/per_block:128; v=e4m3/per_block:128",
+           "FlashAttention-3 (arXiv 2407.08608) sec. 3.3, block quantization", "P's FP8 conversion inside the kernel; "
+           "the FP32 accumulators"),
+    Recipe("fa3-fp8-hadamard", "q=e4m3/per_block:128; k=e4m3/per_block:128; v=e4m3/per_block:128; hadamard:0",
+           "FlashAttention-3 sec. 3.3, block quantization with incoherent processing (random-sign Hadamard)",
+           "the rotation is one seeded random-sign Hadamard matrix per run (the paper: per head)"),
+    Recipe("kivi-2bit", "k=asym2/per_channel:32; v=asym2/per_group:32",
+           "KIVI (arXiv 2402.02750) sec. 3: K per channel, V per token, groups of 32",
+           "the full-precision window of recent tokens (residual length R); the cache's streaming group fill"),
+    Recipe("kivi-4bit", "k=asym4/per_channel:32; v=asym4/per_group:32", "KIVI (arXiv 2402.02750), 4 bits",
+           "the full-precision window of recent tokens (residual length R)"),
+    Recipe("mxfp4-attn", "q=mxfp4; k=mxfp4; probs=mxfp4; v=mxfp4",
+           "OCP Microscaling Formats (MX) v1.0 sec. 5-6: 32-element blocks, E8M0 scales, FP4 E2M1 elements",
+           "the matmuls' accumulation precision"),
+    Recipe("mxfp8-attn", "q=mxfp8_e4m3; k=mxfp8_e4m3; probs=mxfp8_e4m3; v=mxfp8_e4m3", "OCP MX v1.0, MXFP8 E4M3",
+           "the matmuls' accumulation precision"),
+    Recipe("nvfp4-attn", "q=nvfp4; k=nvfp4; probs=nvfp4; v=nvfp4",
+           "NVIDIA NVFP4 (16-element blocks, E4M3 block scales, FP32 per-tensor scale; per sequence here)",
+           "the matmuls' accumulation precision"),
+    *(Recipe(f"logits-int{b}", f"logits=int{b}/per_tensor", "Diff Transformer (arXiv 2410.05258) Figure 8",
+             "nothing: it is the paper's post-hoc quantization of the logits") for b in (8, 6, 4)),
+)}
