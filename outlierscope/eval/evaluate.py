@@ -44,9 +44,12 @@ def item_columns(n_choices: int) -> list[str]:
             "pred", "pred_norm"]
 
 
-def layout_for(spec: QuantSpec) -> str:
-    """Prefix sharing is exact only when each attention row depends on its own keys alone."""
-    return "shared" if spec.is_identity or spec.granularity == "per_row" else "separate"
+def layout_for(spec) -> str:
+    """Prefix sharing is exact only when each attention row depends on its own keys alone (an attention spec's
+    q/k/v scales and smoothing span tokens: separate)."""
+    if spec.is_identity:
+        return "shared"
+    return "shared" if spec.format != "attn" and spec.granularity == "per_row" else "separate"
 
 
 def select_items(limit: int | None = None, sample: int | None = None, seed: int = 0,
@@ -276,6 +279,9 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     opt = _options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
     spec = quant or QuantSpec(bits=16)
+    if attn_error is not None and spec.format == "attn":
+        raise ParamError("attn_error", "None for an attention spec (q/k/v/P); the measurement covers logits specs "
+                         "(QuantSpec) for now", str(spec))
     if attn_error is not None and not (shard.whole and world.size == 1):
         raise ParamError("attn_error", "None for a sharded or multi-process evaluation (it is measured in one "
                          "process for now)", type(attn_error).__name__)

@@ -161,6 +161,18 @@ class AttnQuant:
     def label(self) -> str:
         return self.name or str(self)
 
+    # the attributes a sweep table and a cell record read of any spec (those of QuantSpec)
+    format = "attn"  # a sweep row's format: an attention spec (its text is the row's granularity)
+
+    @property
+    def granularity(self) -> str:
+        return str(self)
+
+    @property
+    def bits(self) -> int:
+        """Nominal bits: the fewest any part uses (FP8 and MXINT8: 8, MXFP6: 6, MXFP4 and NVFP4: 4); 16 for none."""
+        return min((_nominal_bits(p) for p in self.parts), default=16)
+
     @classmethod
     def parse(cls, text: str) -> AttnQuant:
         """A spec from its text, or a recipe's name (:data:`RECIPES`)."""
@@ -186,6 +198,12 @@ class AttnQuant:
             else:
                 parts += _parse_part(item)
         return cls(tuple(parts), **kw)
+
+
+def _nominal_bits(p: TensorQuant) -> int:
+    if p.bits is not None:
+        return p.bits
+    return {"mxfp6_e3m2": 6, "mxfp6_e2m3": 6, "mxfp4": 4, "nvfp4": 4}.get(p.format, 8)
 
 
 def _flag_value(key: str, arg: str, text: str):

@@ -1,5 +1,6 @@
 """Figures of the tables of every observation point (``channels``, ``sinks``, ``massive_recurrence``): per-channel
-max |x| per layer, attention-sink mass per layer and head, where massive activations sit. Seaborn, as
+max |x| per layer, attention-sink mass per layer and head, where massive activations sit; and of the attention
+recipes of a sweep (``recipe_damage``). Seaborn, as
 :mod:`outlierscope.report.plots`; each function takes DataFrames and returns a matplotlib ``Figure``."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import pandas as pd
 import seaborn as sns
 
 from outlierscope.report.plots import _colors, _short
+from outlierscope.report.tables import by_task, headline_metric
 
 CHANNEL_POINTS = ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")  # drawn when a run has them
 KIND_MARKERS = {"first": "o", "delimiter": "s", "other": "^"}
@@ -76,4 +78,36 @@ def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=7)
     fig.suptitle("Massive activations (|x| > 100 and > 1000 x median): marker size = share of sequences", fontsize=11)
+    return fig
+
+
+def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
+    """Per attention recipe (``sweep --quant``): the change of the headline metric vs 16 bits with its 95% interval,
+    one panel per task, models side by side. None without recipe rows."""
+    from outlierscope.data.tasks import task_label
+
+    d = sweep[sweep["format"] == "attn"] if "format" in sweep else sweep.iloc[:0]
+    if d.empty:
+        return None
+    tasks = by_task(d)
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.2 * len(tasks), 1.4 + 0.45 * d["label"].nunique()),
+                             layout="constrained", squeeze=False)
+    colors = _colors(sweep["model"])
+    for ax, (task, t) in zip(axes[0], tasks):
+        hm = headline_metric(t["metric"])
+        rows = t[t["metric"] == hm]
+        labels = list(dict.fromkeys(rows["label"]))
+        models = list(dict.fromkeys(rows["model"]))
+        for k, (model, g) in enumerate(rows.groupby("model", sort=False)):
+            y = [labels.index(lb) + (k - (len(models) - 1) / 2) * 0.8 / len(models) for lb in g["label"]]
+            err = [100 * (g["delta_vs_16"] - g["ci_low"]), 100 * (g["ci_high"] - g["delta_vs_16"])]
+            ax.barh(y, 100 * g["delta_vs_16"], height=0.8 / len(models), xerr=err, color=colors[model],
+                    label=_short(model), capsize=3)
+        ax.axvline(0, color="0.3", lw=1)
+        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        ax.set_xlabel(f"Δ {hm} vs 16 bits (points, 95% CI)")
+        ax.set_title(task_label(task), fontsize=10)
+        ax.grid(axis="x", alpha=0.3)
+        ax.legend(frameon=False, fontsize=8)
+    fig.suptitle("Low-bit attention recipes: accuracy change", fontsize=11)
     return fig

@@ -32,6 +32,7 @@ POINT_FIGURES = [
       for pt in ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")),
     ("sinks", "sinks", lambda p, df, r: p.sink_heatmap(df), "Attention sinks: mass on key 0 per layer and head"),
     ("massive_locations", "massive_recurrence", lambda p, df, r: p.massive_locations(df), "Where massive activations sit"),
+    ("recipes", "sweep", lambda p, df, r: p.recipe_damage(df), "Low-bit attention recipes: accuracy change"),
 ]
 
 

@@ -49,11 +49,17 @@ def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
     return fig, list(axes.flat[:n])
 
 
+def logit_rows(sweep: pd.DataFrame) -> pd.DataFrame:
+    """The rows of the logits' bit-width axis (an attention recipe's rows, format ``attn``, have their own figure)."""
+    return sweep[sweep["format"] != "attn"] if "format" in sweep else sweep
+
+
 def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:
     """Zero-shot accuracy against the bit width of the attention logits (the paper's Figure 8): one panel per task
     that reports ``metric``, each with its chance level. None when no task reports ``metric``."""
     from outlierscope.data.tasks import task_label
 
+    sweep = logit_rows(sweep)
     panels = [(t, g) for t, g in by_task(sweep[sweep["metric"] == metric]) if not g.empty]
     if not panels:
         return None
@@ -215,7 +221,7 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
     per model: one row of panels per task."""
     from outlierscope.data.tasks import task_label
 
-    tasks = by_task(sweep)
+    tasks = by_task(logit_rows(sweep))
     lm = "lm_loss" in set(sweep["metric"])
     ncol = 3 if lm else 2
     fig, axes = plt.subplots(len(tasks), ncol, figsize=(4.6 * ncol, 3.6 * len(tasks)), layout="constrained", squeeze=False)

@@ -13,6 +13,7 @@ merged by :func:`merge_sweep`, the cells and tables are byte-identical to a sing
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_layers, quantize_weights
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
+from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
@@ -54,6 +56,9 @@ class SweepSettings:
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
                               choices=GRANULARITIES)
+    quant: tuple[str, ...] = option((), "also: an attention recipe or spec (q/k/v/P/KV cache; see `outlierscope "
+                                    "recipes`), e.g. sage2-int4 or 'k=int4/per_group:32'; repeat; --bits stays the "
+                                    "logits' axis", flag="--quant", repeat=True, metavar="RECIPE_OR_SPEC")
     weights: str = option("none", "also quantize linear weights (bitsandbytes)", choices=WEIGHT_MODES)
     layers: tuple[int, ...] | None = option(None, "quantize only these layers, e.g. 0-3 or 0,2 (default all)",
                                             parse=layers_option)
@@ -116,9 +121,31 @@ class SweepSettings:
             raise ParamError("bits", "at least one bit width", ())
         for b in self.bits:  # validate every spec up front: nothing runs with a bad one
             self.spec(b)
+        object.__setattr__(self, "quant", tuple(self.quant))
+        texts = [str(AttnQuant.parse(q)) for q in self.quant]
+        dup = sorted({t for t in texts if texts.count(t) > 1})
+        if dup:
+            raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
 
     def spec(self, bits: int) -> QuantSpec:
         return build_spec(bits, self.format, self.granularity, self.layers)
+
+    def specs(self) -> list[QuantSpec | AttnQuant]:
+        """Every cell's spec: the bit widths of the logits (16 first: the reference), then each ``quant`` (with
+        ``layers`` when the spec names none)."""
+        out: list = [self.spec(b) for b in _bits_order(self)]
+        for q in self.quant:
+            a = AttnQuant.parse(q)
+            out.append(a if a.layers is not None or self.layers is None else dataclasses.replace(a, layers=self.layers))
+        return out
+
+    def spec_of(self, cell: dict) -> QuantSpec | AttnQuant:
+        """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits)."""
+        if cell.get("quant"):
+            a = AttnQuant.parse(cell["quant"])
+            name = next((AttnQuant.parse(q).name for q in self.quant if str(AttnQuant.parse(q)) == cell["quant"]), None)
+            return dataclasses.replace(a, name=name)
+        return self.spec(cell["bits"])
 
     def task_items(self) -> dict[str, list]:
         """Each task's items: all rows, the first ``limit`` or a ``sample`` drawn with ``seed``, and all rows of a
@@ -162,6 +189,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["task"] = task
     if s.attn_error and not ident:  # cells without the measurement keep their ids
         out["attn_error"] = True
+    if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
+        out["quant"] = str(spec)
     return out
 
 
@@ -275,8 +304,7 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
         if spec.is_identity:
             base = res
         metrics = cell_metrics(res, None if spec.is_identity else base, s.seed, task_metrics(task))
-        cell_index.append({"cell": cid, "model": model, "task": task, "bits": spec.bits, "label": spec.label,
-                           **metrics, "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
+        cell_index.append({**_cell_entry(cid, model, task, spec), "label": spec.label, **metrics, "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
         rows += _tidy_rows(model, task, spec, s, metrics, tasks[task], cid)
     single = {k: v for k, v in next(iter(tasks.values())).items() if k in ("n_items", "items_sha256", "chance")} \
         if len(tasks) == 1 else {}
@@ -296,11 +324,17 @@ def check_models(s: SweepSettings) -> None:
     """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs."""
     for m in s.models:
         _, config = check_model(m, s.trust_remote_code)
-        for b in s.bits:
+        for spec in s.specs():
             try:
-                check_layers(s.spec(b), num_layers(config))
+                check_layers(spec, num_layers(config))
             except OutlierscopeError as e:
                 raise OutlierscopeError(f"{m}: {e}") from None
+
+
+def _cell_entry(cid: str, model: str, task: str, spec) -> dict:
+    """A cell as the records list it: an attention spec with its text (``quant``), a logits spec by its bits."""
+    return {"cell": cid, "model": model, "task": task, "bits": spec.bits,
+            **({"quant": str(spec)} if isinstance(spec, AttnQuant) else {})}
 
 
 def _bits_order(s: SweepSettings) -> list[int]:
@@ -346,8 +380,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
             for t in s.tasks:
-                for b in _bits_order(s):
-                    spec = s.spec(b)
+                for spec in s.specs():
                     settings = cell_settings(spec_str, wsha, spec, s, tasks[t]["items_sha256"], lm.dtype, lm.device, t)
                     res, cid = _load_or_run_cell(lm, items[t], spec, s, text_seqs, settings, cells_dir, progress, log,
                                                  shard, world)
@@ -357,7 +390,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     if not shard.whole:
         write_json(out / f"sweep.{shard.tag}.json", {
             "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size, "tasks": tasks,
-            "cells": [{"cell": cid, "model": m, "task": t, "bits": spec.bits} for m, t, spec, cid, _ in cells],
+            "cells": [_cell_entry(cid, m, t, spec) for m, t, spec, cid, _ in cells],
             "model_sources": sources,
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
@@ -378,7 +411,7 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         res = EvalResult.load(run_dir / "cells", c["cell"])
         if res is None:
             raise OutlierscopeError(f"{run_dir / 'cells'}: cell {c['cell']} is missing or incomplete; run the sweep again")
-        cells.append((c["model"], c.get("task", s.tasks[0]), s.spec(c["bits"]), c["cell"], res))
+        cells.append((c["model"], c.get("task", s.tasks[0]), s.spec_of(c), c["cell"], res))
     out = Path(out)
     with output_dir(out):
         return _tabulate(s, cells, tasks, out, **({"model_sources": rec["model_sources"]} if "model_sources" in rec else {}))
@@ -413,6 +446,6 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
             merged.extra["cell"] = parts[0].extra["cell"]
             merged.save(cells_dir, c["cell"])
-            cells.append((c["model"], c["task"], s.spec(c["bits"]), c["cell"], merged))
+            cells.append((c["model"], c["task"], s.spec_of(c), c["cell"], merged))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
     return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n)

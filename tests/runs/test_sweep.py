@@ -407,3 +407,38 @@ def test_record_names_each_model_and_its_weights(full, tiny_pair):
         for p in sorted(tiny_pair[role].glob("*.safetensors")):
             h.update(p.read_bytes())
         assert src["weights_sha256"] == h.hexdigest()
+
+
+def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
+    """--quant cells: named by their spec text (a recipe's or a spec's), scored as evaluate() scores under
+    quantize_attention with that spec, resumed, tabulated again byte-identical from the cells, merged from shards."""
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.recipe import AttnQuant
+
+    s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,),
+                  quant=("sage2-int4", "k=int4/per_group:8"))
+    out = tmp_path / "q"
+    table = sweep(s, out, progress=False, log=lambda *_: None).table
+    rec = json.loads((out / "sweep.json").read_text())
+    quant = [c for c in rec["cells"] if "quant" in c]
+    assert [c["quant"] for c in quant] == [str(AttnQuant.parse("sage2-int4")), "k=int4/per_group:8"]
+    assert set(table[table.format == "attn"]["label"]) == {"sage2-int4", "k=int4/per_group:8"}
+    lm = load_model(str(tiny_pair["diff"]))
+    items = s.task_items()["hellaswag"]
+    direct = evaluate(lm, quant=AttnQuant.parse("k=int4/per_group:8"), items=items, batch_size=3, progress=False)
+    cell = pd.read_csv(out / "cells" / f"{quant[1]['cell']}.csv")
+    np.testing.assert_array_equal(cell[[f"score{j}" for j in range(4)]].to_numpy(), direct.items[[f"score{j}" for j in range(4)]].to_numpy())
+    logs = []
+    sweep(s, out, progress=False, log=logs.append)  # resumed: nothing recomputed
+    assert all("done earlier" in m for m in logs if "items in" in m or "done earlier" in m) and len(logs) >= 3
+    sw.tabulate_sweep(out, tmp_path / "again")
+    assert (tmp_path / "again" / "sweep.csv").read_bytes() == (out / "sweep.csv").read_bytes()
+    for i in range(2):
+        sweep(s, tmp_path / f"shard{i}", progress=False, log=lambda *_: None, shard=sw.Shard(i, 2))
+    sw.merge_sweep([tmp_path / "shard0", tmp_path / "shard1"], tmp_path / "merged", log=lambda *_: None)
+    assert (tmp_path / "merged" / "sweep.csv").read_bytes() == (out / "sweep.csv").read_bytes()
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--data", str(hs_jsonl), "--quant", "sage3", "--out",
+               str(tmp_path / "bad")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "did you mean sage1" in err and err.count("\n") == 1 and not (tmp_path / "bad").exists()
