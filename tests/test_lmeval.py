@@ -76,6 +76,21 @@ def test_quantized_equals_our_scorer(task_dir, granularity):
     assert np.abs(unq - mine).max() > 1e-3  # 4 bits really changed the scores
 
 
+@needs_hellaswag
+def test_recipe_equals_our_scorer(task_dir):
+    """quant=RECIPE in model_args: the adapter's log-likelihoods equal evaluate()'s with that recipe, item by item."""
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.recipe import AttnQuant
+
+    tasks = write_task_yamls(task_dir, ["hellaswag"])
+    res = evaluate(load_model(PAIR_DIFF, device="cpu"), quant=AttnQuant.parse("kivi-2bit"), limit=8, batch_size=8,
+                   progress=False)
+    theirs = _lls(_evaluate(OutlierscopeLM(PAIR_DIFF, quant="kivi-2bit", device="cpu", batch_size=3), tasks, task_dir, 8),
+                  tasks[0])
+    assert np.abs(theirs - res.items[res.score_columns].to_numpy()).max() < 1e-4
+
+
 def _generation_task(task_dir, name: str, prompts, until: str, max_tokens: int) -> None:
     """A local generate_until task ``{name}_local`` over ``prompts`` (greedy, stop at ``until``)."""
     (task_dir / f"{name}.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in prompts))
@@ -163,6 +178,8 @@ def test_reducers_see_the_quantized_logits():
     ({"dtype": "half"}, "dtype must be one of auto, float32, bfloat16, float16"),
     ({"layers": "7"}, "layers 7 out of range"),  # at 16 bits too: a typo is not ignored
     ({"granularity": "per_blob"}, "granularity must be one of"),
+    ({"quant": "sage3"}, "did you mean sage1"),
+    ({"quant": "sage1", "bits": 4}, "pass bits .* or quant"),
 ])
 def test_bad_model_args(kw, msg):
     with pytest.raises(OutlierscopeError, match=msg):

@@ -20,6 +20,7 @@ continuation, which no tokenizer we know produces in text.)
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import warnings
 
@@ -31,6 +32,7 @@ from lm_eval.models.huggingface import HFLM
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import check_placement, num_layers
 from outlierscope.quant.apply import check_layers, quantize_attention
+from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
 
@@ -39,6 +41,15 @@ def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers
     lm-eval splits its arguments at commas)."""
     bits = _as_int("bits", bits, "an integer number of bits (16 = unquantized)")
     return build_spec(bits, str(format), str(granularity), _layers(layers))
+
+
+def attention_spec(quant: str, bits, layers) -> AttnQuant:
+    """``quant``: a recipe name (``sage2-int4``; lm-eval splits model_args at commas and '=', so spec texts go through
+    Python keywords); with ``layers``, only those layers. Not together with ``bits`` below 16."""
+    if _as_int("bits", bits, "an integer number of bits (16 = unquantized)") != 16:
+        raise OutlierscopeError("pass bits (the logits' bit width) or quant (an attention recipe), not both")
+    spec = AttnQuant.parse(str(quant))
+    return spec if layers is None else dataclasses.replace(spec, layers=_layers(layers))
 
 
 def _layers(layers) -> tuple[int, ...] | None:
@@ -80,7 +91,8 @@ class OutlierscopeLM(HFLM):
     ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
     file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
     :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    :class:`~outlierscope.quant.spec.QuantSpec`; ``attn_block``: query rows per attention block; ``dtype``,
+    :class:`~outlierscope.quant.spec.QuantSpec`; or ``quant``: an attention recipe (``quant=sage2-int4``, see
+    ``outlierscope recipes``; a spec text from Python), with ``layers`` if given; ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
     these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
     (:func:`~outlierscope.hooks.capture.capture`), after quantization: the reducers see what the model
@@ -89,10 +101,13 @@ class OutlierscopeLM(HFLM):
 
     def __init__(self, pretrained, bits=16, format: str = "int", granularity: str = "per_tensor", layers=None,
                  attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",
-                 device_map: str | None = None, points=None, reducers=None, trust_remote_code: bool = False, **kwargs):
+                 device_map: str | None = None, points=None, reducers=None, trust_remote_code: bool = False,
+                 quant: str | None = None, **kwargs):
         from outlierscope.models.loading import load_model
 
         self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
+        if quant not in (None, "", "None"):
+            self.quant = attention_spec(quant, bits, layers)
         self.attn_block = None if attn_block in (None, "", "None") else \
             _as_int("attn_block", attn_block, "a positive number of query rows")
         check_placement("auto", str(dtype), device_map, self.attn_block)
