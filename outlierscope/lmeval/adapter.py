@@ -31,7 +31,7 @@ from lm_eval.models.huggingface import HFLM
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import check_placement, num_layers
-from outlierscope.quant.apply import check_layers, quantize_attention
+from outlierscope.quant.apply import check_layers, check_spec, quantize_attention
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
@@ -115,6 +115,7 @@ class OutlierscopeLM(HFLM):
                         trust_remote_code=str(trust_remote_code).lower() in ("true", "1"))
         n_layers = num_layers(lm.model.config)
         check_layers(self.quant, n_layers)  # now, not at the first forward
+        check_spec(self.quant, lm.model.config)
         if max(_layers(layers) or (0,)) >= n_layers:  # at 16 bits too: a typo is not silently ignored
             raise OutlierscopeError(f"layers {layers} out of range: the model has layers 0..{n_layers - 1}")
         self.spec_name = str(pretrained)

@@ -32,6 +32,24 @@ def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = N
                                 f"{','.join(map(str, attention))}")
 
 
+def check_spec(spec, config) -> None:
+    """What an attention spec needs of the model's shape, from its config (before anything loads): group sizes that
+    divide head_dim, a power-of-2 head_dim for a Hadamard rotation. A logits spec needs nothing."""
+    if not isinstance(spec, AttnQuant):
+        return
+    cfg = getattr(config, "text_config", None) or config
+    heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
+    d = getattr(cfg, "head_dim", None) or ((getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)) // heads
+                                           if heads else None)
+    if not d:
+        return
+    for p in spec.parts:
+        if p.granularity == "per_group" and d % p.size:
+            raise OutlierscopeError(f"{p}: the model's head_dim {d} is not a multiple of the group size {p.size}")
+    if spec.hadamard is not None and d & (d - 1):
+        raise OutlierscopeError(f"hadamard needs a power-of-2 head_dim; the model's is {d}")
+
+
 def absmax_reduction(spec: QuantSpec):
     """A :class:`~outlierscope.hooks.attention.Stage` ``reduce`` for blocked attention: a scale over query rows
     (per_head, per_tensor) is the absmax over all blocks of rows; None for a spec whose scale stays in a block."""

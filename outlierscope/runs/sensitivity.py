@@ -23,6 +23,7 @@ damage, with the Spearman rank correlation, to ask whether outliers predict wher
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
@@ -41,8 +42,9 @@ from outlierscope.models.loading import (
     dtype_option,
     trust_remote_code_option,
 )
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import check_spec, quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
+from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import cached_cell
 from outlierscope.settings import option
@@ -55,6 +57,8 @@ class SensitivitySettings:
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
                               choices=GRANULARITIES)
+    quant: str | None = option(None, "an attention recipe or spec (see `outlierscope recipes`) instead of --bits, "
+                               "--format, --granularity: each layer in turn gets it", metavar="RECIPE_OR_SPEC")
     task: str = option("hellaswag", "hellaswag or a zero-shot task (see `outlierscope tasks`)", metavar="TASK")
     limit: int | None = option(None, "first N validation items", exclusive="items")
     sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
@@ -76,12 +80,12 @@ class SensitivitySettings:
         from outlierscope.data.tasks import check_task
 
         check_task(self.task)
-        self.spec()  # bits, format, granularity checked before anything loads
-        if self.bits == 16:
+        spec = self.spec()  # bits, format, granularity (or the attention spec) checked before anything loads
+        if spec.bits == 16:
             raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
         self.spec(bits=self.keep_bits)
-        if not self.bits < self.keep_bits:
-            raise ParamError("keep_bits", f"above bits={self.bits} (16 = kept layers unquantized)", self.keep_bits)
+        if not spec.bits < self.keep_bits:
+            raise ParamError("keep_bits", f"above bits={spec.bits} (16 = kept layers unquantized)", self.keep_bits)
         if not self.tolerance >= 0:
             raise ParamError("tolerance", ">= 0 (nats of mean gold log-likelihood)", self.tolerance)
         for n in ("limit", "sample"):
@@ -91,8 +95,11 @@ class SensitivitySettings:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
         check_placement(self.device, self.dtype, None, self.attn_block)
 
-    def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
-        """The quantization of ``layers`` (None: all) at ``bits`` (default: :attr:`bits`)."""
+    def spec(self, layers=None, bits: int | None = None) -> QuantSpec | AttnQuant:
+        """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
+        :attr:`bits`; ``keep_bits`` for the kept layers are always the logits')."""
+        if self.quant is not None and bits is None:
+            return dataclasses.replace(AttnQuant.parse(self.quant), layers=tuple(layers) if layers is not None else None)
         return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)
 
 
@@ -160,7 +167,8 @@ class _Run:
         cache that sweep uses; with ``measure`` also the attention error of ``measure`` (not applied), per layer and
         head in ``extra["attn_error_table"]``."""
         s = self.s
-        settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": spec.label if spec else "16",
+        label = (str(spec) if isinstance(spec, AttnQuant) else spec.label) if spec else "16"  # an attention spec: its text
+        settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": label,
                     "layers": list(spec.layers) if spec and spec.layers else None,
                     "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
                     "attn_error": measure.label if measure else False}
@@ -189,9 +197,10 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     out = Path(out)
     with output_dir(out), output_dir(out / "cells") as cells_dir:
         run = _prepare(s, cells_dir, progress, log)
-        base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
+        # the attention error is measured for logits specs (an attention spec's is not implemented yet)
+        base = run.cell("base", None, measure=s.spec() if s.attn_error and s.quant is None else None)
         table = _per_layer(run, base)
-        table = _with_attention_error(table, base, out) if s.attn_error else table
+        table = _with_attention_error(table, base, out) if "attn_error_table" in base.extra else table
         table = _with_outlier_ratio(run, table)
         order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()  # most harmful first
         keep, tries = greedy_keep(order, run.layers, _within(run, base))
@@ -204,9 +213,10 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
 def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _Run:
     """Load the model and the items; the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
-    from outlierscope.models.loading import load_model
+    from outlierscope.models.loading import check_model, load_model
     from outlierscope.report.tables import headline_metric
 
+    check_spec(s.spec(), check_model(s.model, s.trust_remote_code)[1])  # the spec fits the model's shape: before it loads
     lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them

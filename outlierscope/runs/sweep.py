@@ -38,7 +38,7 @@ from outlierscope.models.loading import (
 )
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
-from outlierscope.quant.apply import check_layers, quantize_weights
+from outlierscope.quant.apply import check_layers, check_spec, quantize_weights
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
@@ -327,6 +327,7 @@ def check_models(s: SweepSettings) -> None:
         for spec in s.specs():
             try:
                 check_layers(spec, num_layers(config))
+                check_spec(spec, config)
             except OutlierscopeError as e:
                 raise OutlierscopeError(f"{m}: {e}") from None
 

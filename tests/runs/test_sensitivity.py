@@ -259,3 +259,34 @@ def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path)
         assert t.loc[i, "only_flip_rate"] == pytest.approx((df[col] != base[col]).mean())
     if task == "copa":
         assert scores(base).shape[1] == 2  # two choices
+
+
+def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_path):
+    """--quant RECIPE: each layer in turn gets the recipe (its cell equals evaluate() with the recipe on that layer
+    alone), cells named by the spec text; no attention-error measurement (logits specs only, for now)."""
+    import dataclasses
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.recipe import AttnQuant
+
+    s = SensitivitySettings(model="pair-tiny:diff", quant="kivi-2bit", limit=6, batch_size=8, profile_tokens=256,
+                            all_but=False, tolerance=0.0)
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    lm = load_model("pair-tiny:diff")
+    from outlierscope.eval.evaluate import select_items
+
+    items = select_items(limit=6)
+    for i in (0, 3):
+        cell = json.loads((tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]
+        assert cell["quant"] == f"{AttnQuant.parse('kivi-2bit')}; layers:{i}"
+        df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.csv")
+        spec = dataclasses.replace(AttnQuant.parse("kivi-2bit"), layers=(i,))
+        direct = evaluate(lm, quant=spec, items=items, batch_size=5, progress=False)
+        np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
+    assert not (tmp_path / "attn_error.csv").exists()
+    with pytest.raises(OutlierscopeError, match="did you mean sage1"):
+        SensitivitySettings(model="pair-tiny:diff", quant="sage")
+    with pytest.raises(OutlierscopeError, match="head_dim 8 is not a multiple of the group size 32"):  # before it loads
+        sensitivity(SensitivitySettings(model=str(tiny_pair["diff"]), quant="kivi-2bit", limit=2), tmp_path / "x",
+                    progress=False, log=lambda *_: None)
