@@ -308,6 +308,7 @@ class OutlierStats:
         self.by_kind = {"attn.logits": self.logits, "hidden": self.hidden}
         self.sinks: dict[str, SinkStats] = {}
         self._shard = 0
+        self.order: list[str] = []  # kinds in the order a forward first reached them (its layer 0: module order)
 
     @classmethod
     def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
@@ -327,6 +328,8 @@ class OutlierStats:
 
     def __call__(self, obs: Observation) -> None:
         kind = obs.point.kind
+        if kind not in self.order:
+            self.order.append(kind)
         (self.by_kind.get(kind) or self._new(obs))(obs)
         if kind in ("attn.probs", "attn.probs_diff"):
             if kind not in self.sinks:
@@ -344,6 +347,7 @@ class OutlierStats:
 
     def merge(self, other: OutlierStats) -> OutlierStats:
         """Add ``other``'s statistics (same model and settings) into this one; returns self."""
+        self.order += [k for k in getattr(other, "order", []) if k not in self.order]
         for mine, theirs in ((self.by_kind, other.by_kind), (self.sinks, other.sinks)):
             for kind, st in theirs.items():
                 if kind in mine:

@@ -297,7 +297,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
                   "n_heads": stats.n_heads, "is_diff": stats.is_diff, "lambda": diff_lambdas(module),
                   "dtype": model_dtype(module), "device": dev,
                   "processes": world.size, "peak_rss_mb": peak_rss_mb(),
-                  "kinds": stats.kinds(), "massive_capped": stats.massive_capped()})
+                  "kinds": stats.kinds(), "forward_order": stats.order, "massive_capped": stats.massive_capped()})
     if not shard.whole:
         facts["shard"] = [shard.index, shard.count]
     return ProfileResult({name: stats}, {name: facts}, settings, {name: digest})
