@@ -7,11 +7,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pandas as pd
+
 from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
 from outlierscope.report.outcome import outcome_paragraph
-from outlierscope.report.tables import by_task, recurrence_markdown, sinks_markdown, sweep_table, table5_markdown
+from outlierscope.report.tables import (
+    by_task,
+    key_channels_markdown,
+    massive_origin,
+    origin_markdown,
+    recurrence_markdown,
+    sinks_markdown,
+    sweep_table,
+    table5_markdown,
+)
 
 FIGURES = [
     # (file stem, required table, figure function, title); resolved lazily so that plotting stays an optional import
@@ -107,7 +118,18 @@ def _points_section(run: RunResults) -> list[str]:
     if "sinks" in run.tables:
         out += ["## Attention sinks", "", "Mean attention mass on key position 0 over valid query rows, per layer "
                 "(mean over heads; the largest head in parentheses).", "", sinks_markdown(run.tables["sinks"]), ""]
+    ch = run.tables.get("channels")
+    if ch is not None and (ch["point"] == "attn.k").any():
+        out += ["## Key channels with outliers", "", "Per-channel max |k| (after RoPE, per KV head) against the median "
+                "channel's max in the same layer: the channels KIVI quantizes per channel for.", "",
+                key_channels_markdown(ch), ""]
     rec = run.tables.get("massive_recurrence")
+    origins = massive_origin(rec) if rec is not None and not rec.empty else pd.DataFrame()
+    if not origins.empty:
+        out += ["## Where the first token's massive activation comes from", "", "The hidden channel whose massive "
+                "activation on the first token recurs in the most sequences, and the first output in the residual "
+                "stream (attention output, MLP output, layer output; in forward order) that carries it.", "",
+                origin_markdown(origins), ""]
     if rec is not None and not rec.empty:
         s = run.profile_meta["settings"]
         out += ["## Massive activations", "", f"|x| > {s.get('massive_abs', 100)} and > {s.get('massive_rel', 1000)} x "

@@ -101,8 +101,19 @@ def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:
     return fig
 
 
+MAIN_POINTS = ("attn.logits", "hidden", "attn.k", "attn.probs", "mlp.down_proj.input")  # drawn when a run has many
+
+
+def main_points(df: pd.DataFrame, column: str = "point") -> pd.DataFrame:
+    """A run with every point has dozens of kinds: its panels then show :data:`MAIN_POINTS` (the tables keep all)."""
+    if df[column].nunique() <= len(MAIN_POINTS):
+        return df
+    return df[df[column].isin(MAIN_POINTS)]
+
+
 def table5_bars(table5: pd.DataFrame) -> plt.Figure:
     """Table 5 as grouped bars on a log scale: k-th largest |x| and median, per model and activation type."""
+    table5 = main_points(table5)
     long = table5.melt(id_vars=["model", "activation"], value_vars=[c for c, _ in STAT_COLUMNS], var_name="stat",
                        value_name="value")
     long["stat"] = long["stat"].map(dict(STAT_COLUMNS))
@@ -126,6 +137,7 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
 
 def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
     """Top-1, top-3 and median |x| per layer for each model (as in Sun et al. 2024)."""
+    per_layer = main_points(per_layer)
     kinds = list(dict.fromkeys(per_layer["point"]))
     fig, axes = _panels(kinds)
     colors = _colors(per_layer["model"])
@@ -172,6 +184,7 @@ def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
 
 def histograms(hist: pd.DataFrame) -> plt.Figure:
     """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid."""
+    hist = main_points(hist)
     kinds = list(dict.fromkeys(hist["point"]))
     fig, axes = _panels(kinds)
     colors = _colors(hist["model"])

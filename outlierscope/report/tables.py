@@ -99,3 +99,53 @@ def recurrence_markdown(rec: pd.DataFrame, n: int = 12) -> str:
         lines.append(f"| {r.model} | {r.point} | {r.layer} | {r.channel} | {r.position_kind} | "
                      f"{r.sequences:,} ({r.share_of_sequences:.0%}) | {r.occurrences:,} |")
     return "\n".join(lines) + "\n"
+
+
+RESIDUAL_WRITERS = ("self_attn.output", "attn.output", "o_proj.output", "c_proj.output", "out_proj.output",
+                    "mlp.output", "down_proj.output", "hidden")  # tensors in the hidden-state channel space
+
+
+def _writer_rank(point: str) -> int:
+    """Forward order inside a layer: attention's output, then the MLP's, then the layer's output."""
+    return 0 if "attn" in point or "o_proj" in point else 2 if point == "hidden" else 1
+
+
+def massive_origin(rec: pd.DataFrame) -> pd.DataFrame:
+    """Per model, the hidden-state channel whose massive activation on the first token recurs in the most sequences,
+    and the first (layer, point) of the residual stream that carries it (from ``massive_recurrence``)."""
+    rows = []
+    for model, g in rec.groupby("model", sort=False):
+        first = g[(g["position_kind"] == "first") & (g["point"] == "hidden")]
+        if first.empty:
+            continue
+        top = first.sort_values(["sequences", "layer"], ascending=[False, True]).iloc[0]
+        c = int(top["channel"])
+        carriers = g[(g["channel"] == c) & (g["position_kind"] == "first") & g["point"].map(
+            lambda p: p.endswith(RESIDUAL_WRITERS) and not p.endswith(".input"))]
+        origin = carriers.assign(rank=carriers["point"].map(_writer_rank)).sort_values(["layer", "rank"]).iloc[0]
+        layers = sorted(first[first["channel"] == c]["layer"])
+        rows.append({"model": model, "channel": c, "share": float(top["share_of_sequences"]),
+                     "origin": f"layers.{int(origin['layer'])}.{origin['point']}", "first_layer": layers[0],
+                     "last_layer": layers[-1], "n_layers": len(layers)})
+    return pd.DataFrame(rows)
+
+
+def origin_markdown(origins: pd.DataFrame) -> str:
+    lines = ["| model | hidden channel | sequences with it | first carried by | in the hidden states of layers |",
+             "|---|---|---|---|---|"]
+    for r in origins.itertuples():
+        lines.append(f"| {r.model} | {r.channel} | {r.share:.0%} | `{r.origin}` | {r.first_layer}-{r.last_layer} "
+                     f"({r.n_layers} layers) |")
+    return "\n".join(lines) + "\n"
+
+
+def key_channels_markdown(channels: pd.DataFrame, n: int = 8) -> str:
+    """The key channels (``attn.k``) whose max |x| stands out most from their layer's median channel max."""
+    k = channels[channels["point"] == "attn.k"].copy()
+    k["ratio"] = k["absmax"] / k.groupby(["model", "layer"])["absmax"].transform("median")
+    top = k.sort_values("ratio", ascending=False).groupby("model", sort=False).head(n)
+    lines = ["| model | layer | KV head | dim | max \\|k\\| | x the layer's median channel max | mean \\|k\\| |",
+             "|---|---|---|---|---|---|---|"]
+    for r in top.itertuples():
+        lines.append(f"| {r.model} | {r.layer} | {r.head} | {r.dim} | {r.absmax:.2f} | {r.ratio:.1f} | {r.mean_abs:.2f} |")
+    return "\n".join(lines) + "\n"
