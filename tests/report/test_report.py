@@ -36,12 +36,15 @@ def test_profile_files(run_dir):
 
 def test_figures_and_report(run_dir):
     written, skipped = render_figures(load_run(run_dir), svg=True)
-    assert len(written) == 8 and not skipped
+    assert {png.stem for _, png in written} == {"figure8_acc_norm", "figure8_acc", "quantization_damage", "table5_bars",
+                                                "per_layer", "head_heatmap", "histograms", "lambda",
+                                                "channels_hidden"}  # a profile's channels.csv: hidden channels
+    assert not skipped
     for _, png in written:
         assert png.stat().st_size > 10_000 and png.with_suffix(".svg").exists()
     report = write_report(run_dir).read_text()
     assert "## Outcome" in report and "| Model | Activation Type |" in report and "McNemar" in report
-    assert report.count("![") == 8
+    assert report.count("![") == 9
     para = outcome_paragraph(load_run(run_dir))
     assert "Transformer" in para and "acc_norm" in para
 
