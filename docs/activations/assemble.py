@@ -1,6 +1,7 @@
 """Put a profile of every observation point under docs/activations/NAME: the tables the report reads (channels
-only for the keys, down_proj inputs and hidden states; every other table whole, except massive.csv: every single
-exceedance, summarized in massive_recurrence.csv), profile.json, then report.md and its figures.
+only for the keys, down_proj inputs and hidden states; every other table whole, except histograms.csv (3,700 bins
+per point: tens of MB; the medians are in per_layer.csv) and massive.csv (every single exceedance, summarized in
+massive_recurrence.csv)), profile.json, then report.md and its figures.
 
 Usage: python docs/activations/assemble.py RUN_DIR NAME   (RUN_DIR: `outlierscope profile ... --out RUN_DIR`)
 """
@@ -18,7 +19,7 @@ from outlierscope.report.markdown import write_report
 
 HERE = Path(__file__).resolve().parent
 KEEP_CHANNELS = ("attn.k", "mlp.down_proj.input", "hidden")
-SKIP = {"massive.csv", "channels.csv", "positions.csv", "report.md"}
+SKIP = {"massive.csv", "channels.csv", "positions.csv", "histograms.csv", "report.md"}
 
 
 def main(run: str, name: str) -> None:

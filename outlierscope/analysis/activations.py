@@ -162,14 +162,15 @@ def int8_frame(st) -> pd.DataFrame:
     """LLM.int8 outlier features of one token kind: channels with |x| >= 6 on >= 6% of its tokens in >= 25% of the
     kind's observed layers."""
     layers = _layers(st)
-    cols = ["point", "channel", "layers", "n_layers", "max_share_ge6"]
+    cols = ["point", "channel", "layers", "n_layers", "max_share_ge6", "linear"]
     if not layers:
         return pd.DataFrame(columns=cols)
     share = st.ge6[layers].numpy() / st.tokens[layers].numpy()[:, None]  # (L', C)
     hit = share >= INT8_TOKEN_SHARE
     need = math.ceil(INT8_LAYER_SHARE * len(layers))
     rows = [{"point": st.kind, "channel": int(c), "layers": [layers[i] for i in np.flatnonzero(hit[:, c])],
-             "n_layers": int(hit[:, c].sum()), "max_share_ge6": float(share[:, c].max())}
+             "n_layers": int(hit[:, c].sum()), "max_share_ge6": float(share[:, c].max()),
+             "linear": any(st.linear.values())}
             for c in np.flatnonzero(hit.sum(0) >= need)]
     return pd.DataFrame(rows, columns=cols)
 

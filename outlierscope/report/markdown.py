@@ -140,12 +140,15 @@ def _points_section(run: RunResults) -> list[str]:
             out += [f"More values passed the absolute threshold than were kept for {', '.join(capped)}: those rows "
                     "are the largest ones only.", ""]
     feats = run.tables.get("int8_features")
+    if feats is not None and "linear" in feats:
+        feats = feats[feats["linear"].astype(bool) | (feats["point"] == "hidden")]  # LLM.int8's: the linear inputs
     if feats is not None and not feats.empty:
         def channels(g):
             ch = [str(c) for c in g["channel"]]
             return f"{len(ch)} channels ({', '.join(ch[:16])}{', ...' if len(ch) > 16 else ''})"
         listed = "; ".join(f"{m} {p}: {channels(g)}" for (m, p), g in feats.groupby(["model", "point"], sort=False))
-        out += ["LLM.int8 outlier features (|x| >= 6 on >= 6% of tokens in >= 25% of layers): " + listed, ""]
+        out += ["LLM.int8 outlier features (|x| >= 6 on >= 6% of tokens in >= 25% of layers; hidden states and "
+                "nn.Linear inputs, all kinds in int8_features.csv): " + listed, ""]
     return out
 
 

@@ -28,7 +28,9 @@ def outcome_paragraph(run) -> str:
     tr = [m for m, k in kinds.items() if k == "transformer"]
     df = [m for m, k in kinds.items() if k == "diff"]
     if t5 is not None and tr and df and tr[0] in set(t5["model"]) and df[0] in set(t5["model"]):
-        for act in t5["activation"].unique():
+        both = set(t5[t5.model == tr[0]]["activation"]) & set(t5[t5.model == df[0]]["activation"])
+        table5 = [a for a in ("Attention Logits", "Hidden States") if a in both]  # Table 5's, when observed
+        for act in table5 or [a for a in t5["activation"].unique() if a in both]:
             a = t5[(t5.model == tr[0]) & (t5.activation == act)].iloc[0]
             b = t5[(t5.model == df[0]) & (t5.activation == act)].iloc[0]
             big, small = (a, b) if a["top1"] >= b["top1"] else (b, a)

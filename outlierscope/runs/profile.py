@@ -188,7 +188,8 @@ class ProfileResult:
         several models have one)."""
         scales = self.act_scales()
         for name, a in scales.items():
-            torch.save(a, stage / ("act_scales.pt" if len(scales) == 1 else f"act_scales.{name}.pt"))
+            slug = name.replace(":", "-").replace("/", "_")  # a file name on any system
+            torch.save(a, stage / ("act_scales.pt" if len(scales) == 1 else f"act_scales.{slug}.pt"))
 
     def save(self, out: str | Path) -> Path:
         """Write every table into ``out``: staged in a temporary directory, then moved in file by file
