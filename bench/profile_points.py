@@ -6,7 +6,7 @@ Three configurations of one model, each repetition a fresh process profiling the
 Goal: peak RSS of ``linear_qkv`` within 2x of ``two``; the statistics are bounded, so 4x the tokens adds nothing.
 Peak RSS does not depend on the machine's load; tokens/s does (``--rss-only`` leaves it out of the record).
 Writes bench/results/profile_points.json (see bench/artifact.py).
-Usage: python bench/profile_points.py [--model smollm2-135m] [--tokens 20000] [--reps 3] [--rss-only]
+Usage: python bench/profile_points.py [--model smollm2-135m] [--tokens 4096] [--reps 3] [--rss-only]
 """
 
 from __future__ import annotations
@@ -42,24 +42,22 @@ def run(model: str, tokens: int, args: list[str]) -> tuple[float, float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--tokens", type=int, default=20_000)
+    p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--rss-only", action="store_true")
     a = p.parse_args()
-    plan = [(name, a.tokens) for name in CONFIGS] + [("every", 4 * a.tokens)]
-    raw, derived = {"model": a.model}, {}
-    for name, tokens in plan:
-        key = f"{name}_{tokens}"
+    plan = [(name, name, a.tokens) for name in CONFIGS] + [("every_4x", "every", 4 * a.tokens)]
+    raw, derived = {"model": a.model, "tokens": a.tokens, "tokens_4x": 4 * a.tokens}, {}
+    for key, name, tokens in plan:
         runs = [run(a.model, tokens, CONFIGS[name]) for _ in range(a.reps)]
         raw[f"{key}_peak_rss_mb"] = [r[1] for r in runs]
         derived[f"{key}_peak_rss_mb"] = round(median(raw[f"{key}_peak_rss_mb"]))
         if not a.rss_only:
             raw[f"{key}_s"] = [r[0] for r in runs]
             derived[f"{key}_tok_s"] = round(tokens / median(raw[f"{key}_s"]), 1)
-    t = a.tokens
-    derived["rss_linear_qkv_vs_two"] = round(derived[f"linear_qkv_{t}_peak_rss_mb"] / derived[f"two_{t}_peak_rss_mb"], 2)
-    derived["rss_every_vs_two"] = round(derived[f"every_{t}_peak_rss_mb"] / derived[f"two_{t}_peak_rss_mb"], 2)
-    derived["rss_growth_every_4x_tokens_mb"] = derived[f"every_{4 * t}_peak_rss_mb"] - derived[f"every_{t}_peak_rss_mb"]
+    derived["rss_linear_qkv_vs_two"] = round(derived["linear_qkv_peak_rss_mb"] / derived["two_peak_rss_mb"], 2)
+    derived["rss_every_vs_two"] = round(derived["every_peak_rss_mb"] / derived["two_peak_rss_mb"], 2)
+    derived["rss_growth_every_4x_tokens_mb"] = derived["every_4x_peak_rss_mb"] - derived["every_peak_rss_mb"]
     write("profile_points", raw, derived, notes=f"{a.model}, HellaSwag text, seq_len 256, batch 8; each repetition "
           "a fresh process (peak RSS of the whole process: model, statistics, tables)")
 

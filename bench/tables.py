@@ -43,6 +43,16 @@ TABLES = {
         ("peak RSS, 1M tokens, MB", "peak_rss_mb_1m", "{:,}"),
         ("growth, MB (goal <= 100)", "rss_growth_mb", "**{}**"),
     ]),
+    "profile_points": ("profile_points", [
+        ("tokens per profile (and for the last row, 4x)", ("tokens", "tokens_4x"), "{:,} ({:,})"),
+        ("peak RSS, Table 5's two points, MB", "two_peak_rss_mb", "{:,}"),
+        ("peak RSS, every nn.Linear input + q/k/v, MB", "linear_qkv_peak_rss_mb", "{:,}"),
+        ("peak RSS, every point, MB", "every_peak_rss_mb", "{:,}"),
+        ("peak RSS, every point, 4x the tokens, MB", "every_4x_peak_rss_mb", "{:,}"),
+        ("linear inputs + q/k/v vs two points (goal <= 2x)", "rss_linear_qkv_vs_two", "**{}x**"),
+        ("every point vs two points", "rss_every_vs_two", "{}x"),
+        ("growth with 4x the tokens, every point, MB", "rss_growth_every_4x_tokens_mb", "{}"),
+    ]),
     "quant": ("quant", [
         ("plain copy (`clone`) of a (8, 6, 256, 256) fp32 logits tensor, GB/s", "copy_GBps", "{}"),
         ("fake-quant 8-bit per_tensor (scale + round + mask), GB/s", "fake_quant_per_tensor_GBps", "{}"),

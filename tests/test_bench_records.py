@@ -127,3 +127,14 @@ def test_parallel_record_recomputed():
     one, many = _median(raw["one_process_s"]), _median(raw["processes_s"])
     assert abs(d["one_process_s"] - one) <= 0.051 and abs(d["processes_s"] - many) <= 0.051
     assert abs(d["speedup"] - one / many) <= 0.0051 and d["identical_files"] is True
+
+
+def test_profile_points_record_recomputed():
+    r = _rec("profile_points")
+    raw, d = r["raw"], r["derived"]
+    for key in ("two", "linear_qkv", "every", "every_4x"):
+        rss = raw[f"{key}_peak_rss_mb"]
+        assert len(rss) >= 3 and d[f"{key}_peak_rss_mb"] == round(_median(rss)), key
+    assert d["rss_linear_qkv_vs_two"] == round(d["linear_qkv_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
+    assert d["rss_every_vs_two"] == round(d["every_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
+    assert d["rss_growth_every_4x_tokens_mb"] == d["every_4x_peak_rss_mb"] - d["every_peak_rss_mb"]
