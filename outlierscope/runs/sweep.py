@@ -81,7 +81,7 @@ class SweepSettings:
     attn_block: int | None = attn_block_option()
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
                               "argmax changes, output error) into attn_error.csv; costs 2-5x the time of a cell, "
-                              "one process")
+                              "one process; logits cells only (not --quant's)")
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
@@ -187,8 +187,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["device"] = kind
     if task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
         out["task"] = task
-    if s.attn_error and not ident:  # cells without the measurement keep their ids
-        out["attn_error"] = True
+    if s.attn_error and not ident and not isinstance(spec, AttnQuant):  # cells without it keep their ids; an
+        out["attn_error"] = True  # attention spec's (q/k/v/P) is not measured yet: its cells run without it
     if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
         out["quant"] = str(spec)
     return out

@@ -442,3 +442,15 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
                str(tmp_path / "bad")])
     err = capsys.readouterr().err
     assert rc == 2 and "did you mean sage1" in err and err.count("\n") == 1 and not (tmp_path / "bad").exists()
+
+
+def test_attention_error_with_recipes_measures_the_logits_cells(tiny_pair, hs_jsonl, tmp_path):
+    """--attn-error with --quant: the logits cells are measured, the recipe's cell runs without the measurement (not
+    implemented for q/k/v/P) instead of failing after the cells before it."""
+    s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16, 4), quant=("k=int4/per_group:8",),
+                  attn_error=True)
+    sweep(s, tmp_path, progress=False, log=lambda *_: None)
+    err = pd.read_csv(tmp_path / "attn_error.csv")
+    assert set(err["bits"]) == {4} and set(err["label"]) == {"4-bit int per_tensor"}
+    rec = json.loads((tmp_path / "sweep.json").read_text())
+    assert [c for c in rec["cells"] if c.get("quant")]  # the recipe's cell is there
