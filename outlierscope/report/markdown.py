@@ -178,7 +178,10 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
                   f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, validation items: {n_items}; "
                   "zero-shot, lm-eval 0.4.13 scoring. "
                   "16 bits = unquantized. Intervals: 95% paired bootstrap "
-                  f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test.", "",
+                  f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test."
+                  + (" Rows named by a recipe or spec (`--quant`) quantize what it says instead (q, k, v, P, "
+                     "KV cache; `outlierscope recipes`), their bits column the fewest bits any of its tensors use."
+                     if (sw.get("format") == "attn").any() else ""), "",
                   sweep_table(run.tables["sweep"]), ""]
         parts += _timing_table(run.sweep_meta)
     if written:
