@@ -91,6 +91,7 @@ class ProfileSettings:
                 raise ParamError(name, "a threshold >= 0", getattr(self, name))
         if self.preset is not None and self.preset not in PRESETS:
             raise ParamError("preset", f"one of {', '.join(PRESETS)}", self.preset)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
     @property
     def point_patterns(self) -> tuple[str, ...]:
@@ -99,7 +100,6 @@ class ProfileSettings:
 
     def stats_options(self) -> dict:
         return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel}
-        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
 
 # one CSV per table: (file stem, OutlierStats method)
