@@ -62,8 +62,8 @@ def logits_spec(tq: TensorQuant | None, layers) -> QuantSpec | None:
     """The paper's absmax logits quantization (:class:`QuantSpec`) of an :class:`AttnQuant`'s logits part."""
     if tq is None:
         return None
-    return QuantSpec(bits=tq.bits if tq.format == "int" else 8, format=tq.format, granularity=tq.granularity,
-                     layers=layers)
+    bits, fmt = tq.grid
+    return QuantSpec(bits=bits, format=fmt, granularity=tq.granularity, layers=layers)
 
 
 def _logit_stage(spec: QuantSpec) -> Stage:

@@ -19,7 +19,7 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.formats import MX_FORMATS, NVFP4_BLOCK, asym_quant, mx_quant, nvfp4_quant
-from outlierscope.quant.primitives import fake_quant, qmax
+from outlierscope.quant.primitives import fake_quant, qmax, quantize_absmax
 from outlierscope.quant.recipe import TensorQuant
 
 
@@ -55,14 +55,6 @@ def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[to
     return xp.reshape(shape), vp.reshape(shape), (3, 4) if g == "per_block" else (3,)
 
 
-def _symmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, tq: TensorQuant) -> torch.Tensor:
-    fmt = "int" if tq.format == "int" else tq.format
-    bits = tq.bits if tq.format == "int" else 8
-    amax = x.abs().masked_fill(~valid, 0).amax(dims, keepdim=True)
-    return fake_quant(x, amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32) / qmax(bits, fmt),
-                      bits, fmt, valid)
-
-
 def _asymmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, bits: int) -> torch.Tensor:
     big = torch.finfo(x.dtype).max
     lo = x.masked_fill(~valid, big).amin(dims, keepdim=True)
@@ -81,14 +73,19 @@ def block_quant(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> 
     return out[..., : x.shape[-1]]
 
 
+def _sequence_blocks(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``block_quant`` of a (B, H, n, m) tensor whose invalid entries are zero, NVFP4's per-tensor scale per sequence."""
+    amax = w.abs().amax((1, 2, 3))[:, None, None] if fmt == "nvfp4" else None  # (B, 1, 1)
+    return block_quant(w, fmt, amax)
+
+
 def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """q, k: blocks along head_dim; v: along tokens (the dimension P.V reduces). Padding tokens enter as zeros."""
     v4 = valid[:, None, :, None]  # (B, 1, T, 1)
     w = x.masked_fill(~v4, 0)
     if tq.target == "v":
         w = w.transpose(2, 3)  # (B, H, d, T)
-    amax = w.abs().amax((1, 2, 3))[:, None, None] if tq.format == "nvfp4" else None  # (B, 1, 1): per sequence
-    q = block_quant(w, tq.format, amax)
+    q = _sequence_blocks(w, tq.format)
     if tq.target == "v":
         q = q.transpose(2, 3)  # (B, H, T, d)
     return torch.where(v4, q, x)
@@ -99,7 +96,11 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> to
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
         return _block_format(x, valid, tq)
     xg, vg, dims = _granules(x, valid, tq)
-    out = _asymmetric(xg, vg, dims, tq.bits) if tq.format == "asym" else _symmetric(xg, vg, dims, tq)
+    if tq.format == "asym":
+        out = _asymmetric(xg, vg, dims, tq.bits)
+    else:
+        bits, fmt = tq.grid
+        out = quantize_absmax(xg, bits, dims, vg, fmt)
     B, H, T, d = x.shape
     if out.dim() == 5 and tq.granularity != "per_group":
         out = out.reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d): the padding tokens cut off
@@ -111,15 +112,12 @@ def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tor
     ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys."""
     valid = valid.expand_as(p)
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
-        w = p.masked_fill(~valid, 0)
-        amax = w.abs().amax((1, 2, 3))[:, None, None] if tq.format == "nvfp4" else None
-        return torch.where(valid, block_quant(w, tq.format, amax), p)
-    fmt = "int" if tq.format == "int" else tq.format
-    bits = tq.bits if tq.format == "int" else 8
+        return torch.where(valid, _sequence_blocks(p.masked_fill(~valid, 0), tq.format), p)
+    bits, fmt = tq.grid
     if tq.granularity == "static":
         scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
         return fake_quant(p, scale, bits, fmt, valid)
-    return _symmetric(p, valid, (3,), tq)
+    return quantize_absmax(p, bits, (3,), valid, fmt)
 
 
 def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

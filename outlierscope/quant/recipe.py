@@ -89,6 +89,12 @@ class TensorQuant:
             raise OutlierscopeError(f"{self.target}: {g} takes no size, got {self.size!r}")
 
     @property
+    def grid(self) -> tuple[int, str]:
+        """(bits, format) of a symmetric grid as :mod:`outlierscope.quant.primitives` names it: ``int`` with its bits,
+        FP8 formats at 8."""
+        return (self.bits, "int") if self.format == "int" else (8, self.format)
+
+    @property
     def format_text(self) -> str:
         return f"{self.format}{self.bits}" if self.bits is not None else self.format
 
