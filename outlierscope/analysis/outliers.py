@@ -192,17 +192,10 @@ class TokenStats(_KindStats):
         self.linear.update(other.linear)
         for name in ("ge6", "gt100", "ge6_pos", "tokens_pos", "shard_sumabs", "shard_pos_sum", "tokens"):
             getattr(self, name).add_(getattr(other, name))
-        self._merge_argmax(other.ch_max, other.ch_at)
+        self.ch_max, self.ch_at = _argmax_merge(self.ch_max, self.ch_at, other.ch_max, other.ch_at)
         self.pos_max = torch.maximum(self.pos_max, other.pos_max)
         self.massive.merge(other.massive)
         self.sequences = max(self.sequences, other.sequences)
-
-    def _merge_argmax(self, vmax: torch.Tensor, at: torch.Tensor) -> None:
-        """Per (layer, channel) the larger max; on a tie the earlier (sequence, token): the same for any split."""
-        earlier = (at[..., 0] < self.ch_at[..., 0]) | ((at[..., 0] == self.ch_at[..., 0]) & (at[..., 1] < self.ch_at[..., 1]))
-        take = (vmax > self.ch_max) | ((vmax == self.ch_max) & earlier)
-        self.ch_max = torch.where(take, vmax, self.ch_max)
-        self.ch_at = torch.where(take[..., None], at, self.ch_at)
 
     def __call__(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, T, C)
@@ -241,10 +234,7 @@ class TokenStats(_KindStats):
         B, T, C = absm.shape
         vmax, where = absm.reshape(B * T, C).max(0)  # (C,): first occurrence in (b, t) order
         at = torch.stack([where // T + off, where % T], -1).cpu()  # (C, 2) = (seq, token)
-        vmax = vmax.double().cpu()
-        take = vmax > self.ch_max[layer]  # a tie keeps the earlier batch's (batches come in sequence order)
-        self.ch_max[layer] = torch.where(take, vmax, self.ch_max[layer])
-        self.ch_at[layer] = torch.where(take[:, None], at, self.ch_at[layer])
+        self.ch_max[layer], self.ch_at[layer] = _argmax_merge(self.ch_max[layer], self.ch_at[layer], vmax.double().cpu(), at)
         self.shard_sumabs[self.shard, layer] += absm.clamp_min(0).sum(1).double().sum(0).cpu()  # float32 over T
 
     def _positions(self, layer: int, valid: torch.Tensor, rowmax: torch.Tensor, big: torch.Tensor) -> None:
@@ -262,6 +252,14 @@ class TokenStats(_KindStats):
         ids = obs.ids[hit[:, 0], hit[:, 1]] if obs.ids is not None else torch.full_like(hit[:, 0], -1)
         locs = torch.stack([torch.full_like(hit[:, 0], layer), hit[:, 2], hit[:, 0] + off, hit[:, 1], ids.to(hit.device)], 1)
         self.massive.update(absm[hit[:, 0], hit[:, 1], hit[:, 2]], locs)
+
+
+def _argmax_merge(cur: torch.Tensor, cur_at: torch.Tensor, new: torch.Tensor, new_at: torch.Tensor):
+    """Elementwise the larger max with its (sequence, token) (``*_at``: (..., 2)); on a tie the earlier location, so
+    any split of the stream gives the same result. Returns (max, at)."""
+    earlier = (new_at[..., 0] < cur_at[..., 0]) | ((new_at[..., 0] == cur_at[..., 0]) & (new_at[..., 1] < cur_at[..., 1]))
+    take = (new > cur) | ((new == cur) & earlier)
+    return torch.where(take, new, cur), torch.where(take[..., None], new_at, cur_at)
 
 
 class HiddenStats(TokenStats):
