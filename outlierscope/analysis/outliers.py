@@ -429,17 +429,17 @@ class OutlierStats:
         half = self.n_heads // 2
         return ("map1" if h < half else "map2"), h % half
 
-    def _observed_layers(self, kind: str) -> list[int]:
-        """The layers with observations of ``kind``: not a hybrid model's layers without attention, nor layers left
-        out of the points."""
-        count = self.by_kind[kind].moments.count
-        return [layer for layer in range(self.n_layers) if count[layer].sum() > 0]
+    @staticmethod
+    def _observed_layers(m: Moments) -> list[int]:
+        """The layers (rows of a kind's moments ``m``) with observations: not a hybrid model's layers without
+        attention, nor layers left out of the points; ``lm_head.input``'s row is the one after the last layer."""
+        return [layer for layer in range(m.count.shape[0]) if m.count[layer].sum() > 0]
 
     def per_layer(self) -> pd.DataFrame:
         rows = []
         for kind in self.kinds():
-            m = self.by_kind[kind].moments
-            for layer in self._observed_layers(kind):
+            m = self.by_kind[kind].moments  # the virtual shards merged: once per kind
+            for layer in self._observed_layers(m):
                 d = pooled_moments(m, layer)
                 c = m.count[layer].sum().item()
                 lt = self.layer_top[kind][layer]
@@ -455,7 +455,7 @@ class OutlierStats:
         m = self.logits.moments
         d = m.summary()
         rows = []
-        for layer in self._observed_layers("attn.logits"):
+        for layer in self._observed_layers(m):
             for h in range(self.n_heads):
                 mp, pair = self._head_label(h)
                 rows.append({"layer": layer, "head": h, "map": mp, "diff_head": pair if self.is_diff else None,

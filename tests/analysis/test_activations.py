@@ -79,6 +79,10 @@ def test_channels_positions_and_int8_against_brute_force():
                 tok_max = [x[b, t].__abs__().max() for x, v, _, _ in obs for b in range(x.shape[0]) if v[b, t]]
                 assert p.loc[t, "tokens"] == len(tok_max) and p.loc[t, "absmax_max"] == max(tok_max)
                 assert math.isclose(p.loc[t, "absmax_mean"], np.mean(tok_max), rel_tol=1e-9)
+    head = stats.per_layer().query("point == 'lm_head.input'")  # its row is the one after the last layer
+    n = sum(v.sum() * x.shape[2] for obs in _kept(kept, "lm_head.input").values() for x, v, _, _ in obs)
+    assert list(head.layer) == [2] and list(head["count"]) == [n] and head["top1"].iloc[0] == max(
+        float(abs(x)[v].max()) for obs in _kept(kept, "lm_head.input").values() for x, v, _, _ in obs)
     feats = stats.int8_features()
     assert 3 in set(feats[feats.point == "hidden"].channel)  # the planted channel
     _check_int8(feats, kept)
