@@ -18,7 +18,7 @@ massive                     every (point, layer, sequence, token, channel) with 
                             kind: ``first`` (position 0), ``delimiter`` (a punctuation/newline token), ``other``
 massive_recurrence          (point, layer, channel, position kind): occurrences and the share of sequences
 int8_features               (point, channel): |x| >= 6 on >= 6% of tokens in >= 25% of the point's layers
-                            (LLM.int8, Dettmers et al. 2022)
+                            (LLM.int8, Dettmers et al. 2022); ``linear``: the point is an nn.Linear's input
 sinks                       (point, layer, head): mean attention mass on key position 0 and on positions
                             [0, sink_k) over valid query rows (StreamingLLM's attention sinks)
 ==========================  ===================================================================================
@@ -170,7 +170,7 @@ def int8_frame(st) -> pd.DataFrame:
     need = math.ceil(INT8_LAYER_SHARE * len(layers))
     rows = [{"point": st.kind, "channel": int(c), "layers": [layers[i] for i in np.flatnonzero(hit[:, c])],
              "n_layers": int(hit[:, c].sum()), "max_share_ge6": float(share[:, c].max()),
-             "linear": any(st.linear.values())}
+             "linear": st.linear_input}
             for c in np.flatnonzero(hit.sum(0) >= need)]
     return pd.DataFrame(rows, columns=cols)
 
@@ -180,7 +180,7 @@ def act_scales(token_stats) -> dict[str, torch.Tensor]:
     ``nn.Linear`` input -> its per-channel max |x| over the calibration tokens, float32 on the CPU."""
     out = {}
     for st in token_stats:
-        if not st.kind.endswith(".input"):
+        if not st.linear_input:
             continue
         for layer, name in sorted(st.modules.items()):
             if st.linear.get(layer) and st.tokens[layer] > 0:

@@ -184,6 +184,11 @@ class TokenStats(_KindStats):
         self.modules: dict[int, str] = {}  # module points: layer -> the module's full name
         self.linear: dict[int, bool] = {}
 
+    @property
+    def linear_input(self) -> bool:
+        """Whether this kind is the input of an ``nn.Linear`` (what SmoothQuant and LLM.int8 look at)."""
+        return self.kind.endswith(".input") and any(self.linear.values())
+
     def merge(self, other: TokenStats) -> None:
         super().merge(other)
         if other.ge6_pos.shape != self.ge6_pos.shape:

@@ -14,14 +14,16 @@ from outlierscope.hooks.capture import capture
 from tests.hooks.test_capture import make
 
 POINTS = ["layers.*.attn.q", "layers.*.attn.k", "layers.*.attn.v", "layers.*.attn.probs", "layers.*.attn.out",
-          "layers.*.mlp.down_proj.input", "layers.*.self_attn.q_proj.input", "layers.*.hidden", "lm_head.input"]
+          "layers.*.mlp.down_proj.input", "layers.*.self_attn.q_proj.input", "layers.*.hidden", "lm_head.input",
+          "layers.*.mlp.down_proj.output"]
 DELIM = frozenset({5, 7})
 
 
 def _model():
     model = make("llama")
-    with torch.no_grad():  # a planted outlier channel: down_proj's channel 3 output x200
+    with torch.no_grad():  # planted outlier channels: down_proj's channel 3 output x200, q_proj's input channel 5 x50
         model.model.layers[0].mlp.down_proj.weight[3] *= 200
+        model.model.layers[1].input_layernorm.weight[5] *= 50
     return model
 
 
@@ -85,6 +87,8 @@ def test_channels_positions_and_int8_against_brute_force():
         float(abs(x)[v].max()) for obs in _kept(kept, "lm_head.input").values() for x, v, _, _ in obs)
     feats = stats.int8_features()
     assert 3 in set(feats[feats.point == "hidden"].channel)  # the planted channel
+    linear = feats.groupby("point")["linear"].first()  # an nn.Linear's input: LLM.int8's and SmoothQuant's tensors
+    assert linear["self_attn.q_proj.input"] and not linear["mlp.down_proj.output"] and not linear["hidden"]
     _check_int8(feats, kept)
 
 
