@@ -573,9 +573,10 @@ class OutlierStats:
         ones only (raise the cap or the threshold)."""
         return [st.kind for st in self._tokens() if st.massive.overflowed]
 
-    def massive_recurrence(self) -> pd.DataFrame:
+    def massive_recurrence(self, massive: pd.DataFrame | None = None) -> pd.DataFrame:
+        """Where the massive activations recur; ``massive``: :meth:`massive`'s table when the caller has it already."""
         sequences = max((st.sequences for st in self._tokens()), default=0)
-        return act.recurrence_frame(self.massive(), sequences)
+        return act.recurrence_frame(self.massive() if massive is None else massive, sequences)
 
     def int8_features(self) -> pd.DataFrame:
         return _concat_frames([act.int8_frame(st) for st in self._tokens()])

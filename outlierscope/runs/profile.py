@@ -107,8 +107,7 @@ STAT_TABLES = (("per_layer", "per_layer"), ("per_head", "per_head"), ("per_chann
                ("histograms", "histograms"), ("outlier_features", "outlier_features"),
                ("massive_activations", "massive_activations"))
 # every point (outlierscope.analysis.activations): written when not empty
-POINT_TABLES = (("channels", "channels"), ("positions", "positions"), ("massive", "massive"),
-                ("massive_recurrence", "massive_recurrence"), ("int8_features", "int8_features"),
+POINT_TABLES = (("channels", "channels"), ("positions", "positions"), ("int8_features", "int8_features"),
                 ("sinks", "sink_table"))
 
 
@@ -147,10 +146,13 @@ class ProfileResult:
             df = _concat([_with_model(n, st.topk_frame(kind)) for n, st in self.stats.items()])
             if not df.empty:
                 out[stem] = df
-        for stem, method in (*POINT_TABLES, ("topk_maps", lambda st: st.topk_points(True)),
-                             ("topk_tokens", lambda st: st.topk_points(False))):
-            get = method if callable(method) else (lambda st, m=method: getattr(st, m)())
-            df = _concat([_with_model(n, get(st)) for n, st in self.stats.items()])
+        massive = {n: st.massive() for n, st in self.stats.items()}  # built once: its recurrence is counted from it
+        for stem, get in (*((stem, lambda n, st, m=m: getattr(st, m)()) for stem, m in POINT_TABLES),
+                          ("massive", lambda n, st: massive[n]),
+                          ("massive_recurrence", lambda n, st: st.massive_recurrence(massive[n])),
+                          ("topk_maps", lambda n, st: st.topk_points(True)),
+                          ("topk_tokens", lambda n, st: st.topk_points(False))):
+            df = _concat([_with_model(n, get(n, st)) for n, st in self.stats.items()])
             if len(df):
                 out[stem] = df
         lam = pd.DataFrame([{"model": n, "layer": i, "lambda_init": a, "lambda": b}
