@@ -253,6 +253,7 @@ class _AttentionFunction:
         self._memo: tuple | None = None  # (module, query, key, probs or None, state) of the last call, for DiffLlama's second call
         self._mask_memo: tuple | None = None  # (mask, (T, S), valid, masked) of the last mask seen
         self._v_half: torch.Tensor | None = None  # a Diff model's first half of the values, until its second call
+        self._token_memo: tuple | None = None  # (mask, (B, T, S), (q_valid, k_valid)) of the last mask seen
 
     def __call__(self, module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
                  position_bias=None, **kwargs):
@@ -346,7 +347,7 @@ class _AttentionFunction:
     def _transform_qkv(self, module, layer: int, query, key, value, mask, second: bool):
         """Every stage's ``qkv`` in order (quantization of q, k, v and its exact transforms); returns the new query,
         key, value and Q smoothing's (q_mean, k_for_mean) or Nones."""
-        q_valid, k_valid = _token_valid(mask, query.shape[0], query.shape[2], key.shape[2], query.device)
+        q_valid, k_valid = self._token_valid(mask, query.shape[0], query.shape[2], key.shape[2], query.device)
         ctx = QKVContext(module, layer, q_valid, k_valid, second)
         q_mean = k_mean = None
         for st in self.stages:
@@ -356,6 +357,16 @@ class _AttentionFunction:
                 if r.q_mean is not None:
                     q_mean, k_mean = r.q_mean, r.k_for_mean
         return query, key, value, q_mean, k_mean
+
+    def _token_valid(self, mask, B: int, T: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`_token_valid` of a call, computed once per mask (every layer of a forward gets the same mask, and a
+        call both transforms and taps q/k/v)."""
+        memo = self._token_memo
+        if memo is not None and memo[0] is mask and memo[1] == (B, T, S):
+            return memo[2]
+        valid = _token_valid(mask, B, T, S, device)
+        self._token_memo = (mask, (B, T, S), valid)
+        return valid
 
     def _emit(self, tap: Tap) -> None:
         for st in self.stages:
@@ -367,7 +378,7 @@ class _AttentionFunction:
         halves over its two calls) once, whole, in the second call."""
         B, H, T, d = query.shape
         S = key.shape[2]
-        q_valid, k_valid = _token_valid(mask, B, T, S, query.device)
+        q_valid, k_valid = self._token_valid(mask, B, T, S, query.device)
         if "attn.q" in self.taps and not second:
             self._emit(Tap(layer, "attn.q", query.transpose(1, 2).reshape(B, T, H * d), q_valid, H))  # (B, T, H*d)
         if "attn.k" in self.taps and not second:
