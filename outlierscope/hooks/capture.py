@@ -62,6 +62,14 @@ class Capture:
     _padding: torch.Tensor | None = field(default=None, repr=False)
     _ids: torch.Tensor | None = field(default=None, repr=False)
 
+    def ids_for(self, valid: torch.Tensor) -> torch.Tensor | None:
+        """The token ids (B, T) of a token tensor with validity ``valid`` (B, T): the last T of the forward's ids (a
+        forward with a cache observes its new tokens), or None when they do not line up (keys over a cache)."""
+        ids = self._ids
+        if ids is None or ids.shape[0] != valid.shape[0] or ids.shape[1] < valid.shape[1]:
+            return None
+        return ids[:, -valid.shape[1] :]  # (B, T)
+
 
 def _as_list(reducers) -> list:
     if reducers is None:
@@ -138,13 +146,8 @@ class _Emitter:
         """A module's tensor, observed as (B, T, C) (:func:`_token_layout`)."""
         if x is None:
             raise OutlierscopeError(f"{p.name}: the module got or returned no tensor; choose another point")
-        pad, ids = self.cap._padding, self.cap._ids
-        x, valid = _token_layout(p, x, pad)
-        if ids is not None and ids.shape[0] == valid.shape[0] and ids.shape[1] >= valid.shape[1]:
-            ids = ids[:, -valid.shape[1] :]  # (B, T)
-        else:
-            ids = None
-        self.emit(Observation(p, x.detach(), valid.to(x.device), self.cap.sequences, ids=ids))
+        x, valid = _token_layout(p, x, self.cap._padding)
+        self.emit(Observation(p, x.detach(), valid.to(x.device), self.cap.sequences, ids=self.cap.ids_for(valid)))
 
     def hook(self, p: Point, side: str):
         if side == "input":
@@ -158,8 +161,7 @@ class _Emitter:
         if p.is_map:
             self.emit(Observation(p, t.x.detach(), t.valid, self.cap.sequences, t.n_heads, t.is_diff, t.query_offset))
         else:
-            ids = self.cap._ids if self.cap._ids is not None and self.cap._ids.shape == t.valid.shape else None
-            self.emit(Observation(p, t.x.detach(), t.valid, self.cap.sequences, t.n_heads, ids=ids))
+            self.emit(Observation(p, t.x.detach(), t.valid, self.cap.sequences, t.n_heads, ids=self.cap.ids_for(t.valid)))
 
     def logits(self, ctx: LogitContext, logits: torch.Tensor) -> torch.Tensor:
         p = self.points.get((ctx.layer, "attn.logits"))

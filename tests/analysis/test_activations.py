@@ -115,9 +115,9 @@ def test_massive_activations_and_recurrence_against_brute_force():
                           if v[b, t] and abs(x[b, t, c]) > 2.0 * med)
             rows = got[(got.point == kind) & (got.layer == layer)]
             assert sorted(zip(rows.seq, rows.token, rows.channel)) == want
-            ids = {(s + b, t): i[b, t] for x, v, s, i in obs for b in range(x.shape[0]) for t in range(x.shape[1])}
+            ids = torch.cat(batches)  # (sequences, T): the token ids the model was given
             for r in rows.itertuples():
-                assert r.token_id == ids[(r.seq, r.token)]
+                assert r.token_id == ids[r.seq, r.token]
                 assert r.position_kind == ("first" if r.token == 0 else "delimiter" if r.token_id in DELIM else "other")
     assert (got.point == "hidden").any()  # the planted channel
     rec = stats.massive_recurrence()
