@@ -53,6 +53,16 @@ def repeat(fn, reps: int = 3) -> list[float]:
     return out
 
 
+def fresh_process_peak_rss(code: str, *argv: str) -> float:
+    """Run Python ``code`` (with ``argv``) in a fresh process; its peak resident memory in MiB (Linux ru_maxrss).
+    A failing ``code`` raises (``CalledProcessError``)."""
+    import subprocess
+
+    probe = "\nimport resource as _r\nprint('PEAK_RSS_MB', _r.getrusage(_r.RUSAGE_SELF).ru_maxrss / 1024)"
+    r = subprocess.run([sys.executable, "-c", code + probe, *argv], capture_output=True, text=True, check=True)
+    return float(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("PEAK_RSS_MB")))
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs)
 

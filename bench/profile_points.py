@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 
-from artifact import median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import fresh_process_peak_rss, median, write  # bench/artifact.py (on sys.path when run as a script)
 
 CONFIGS = {
     "two": [],
@@ -30,11 +28,8 @@ CONFIGS = {
 def run(model: str, tokens: int, args: list[str]) -> tuple[float, float]:
     """(seconds of the profile, as its record says; peak RSS of the whole process, MB) of one fresh process."""
     with tempfile.TemporaryDirectory() as out:
-        code = ("import resource, sys; from outlierscope.cli import main; rc = main(sys.argv[1:]); "
-                "print('RSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024); sys.exit(rc)")
-        r = subprocess.run([sys.executable, "-c", code, "profile", "--model", model, "--tokens", str(tokens), *args,
-                            "--out", out], capture_output=True, text=True, check=True)
-        rss = float(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("RSS")))
+        code = "import sys; from outlierscope.cli import main; assert main(sys.argv[1:]) == 0"
+        rss = fresh_process_peak_rss(code, "profile", "--model", model, "--tokens", str(tokens), *args, "--out", out)
         facts = json.load(open(f"{out}/profile.json"))["models"]
         return next(iter(facts.values()))["seconds"], rss
 

@@ -13,10 +13,13 @@ Usage: python bench/profile_throughput.py [--model pair-tiny:diff] [--tokens 100
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
 
-from artifact import median, repeat, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import (  # bench/artifact.py (this folder is on sys.path when run as a script)
+    fresh_process_peak_rss,
+    median,
+    repeat,
+    write,
+)
 
 
 def throughput(spec: str, tokens: int, reps: int) -> dict:
@@ -45,13 +48,9 @@ def throughput(spec: str, tokens: int, reps: int) -> dict:
 
 
 def peak_rss(spec: str, tokens: int) -> float:
-    code = (
-        "import resource, tempfile; from outlierscope.runs.profile import ProfileSettings, profile;"
-        f"profile([{spec!r}], ProfileSettings(tokens={tokens}, seq_len=256), tempfile.mkdtemp(), progress=False);"
-        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return float(r.stdout.strip().splitlines()[-1])
+    return fresh_process_peak_rss(
+        "import tempfile; from outlierscope.runs.profile import ProfileSettings, profile;"
+        f"profile([{spec!r}], ProfileSettings(tokens={tokens}, seq_len=256), tempfile.mkdtemp(), progress=False)")
 
 
 def main() -> None:
