@@ -279,7 +279,8 @@ def test_exact_transforms_change_nothing_unquantized(text):
 
 
 @pytest.mark.parametrize("text", ["q,k=int8/per_block:128; smooth_k", "kv=asym2/per_channel:32",
-                                  "q=mxfp4; k=mxfp4; v=mxfp4; probs=mxfp4; layers:0,2", "sage2-int4", "logits=e4m3/per_head"])
+                                  "q=mxfp4; k=mxfp4; v=mxfp4; probs=mxfp4; layers:0,2", "sage2-int4", "logits=e4m3/per_head",
+                                  "fa3-fp8-hadamard", "smooth_k; hadamard:3"])
 def test_text_form_round_trips(text):
     spec = AttnQuant.parse(text)
     assert AttnQuant.parse(str(spec)) == spec
@@ -330,3 +331,17 @@ def test_granularities_against_naive(gran, size, fmt, bits):
     got = quantize_tokens(x, valid, tq)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got[1, :, -3:], x[1, :, -3:])  # padding comes back unchanged
+
+
+def test_recipes_command_lists_every_recipe(capsys):
+    from outlierscope.cli import main
+
+    assert main(["recipes"]) == 0
+    out = capsys.readouterr().out
+    for r in RECIPES.values():
+        assert f"{r.name}\n  spec:         {r.spec}\n" in out and r.source in out
+    assert main(["recipes", "q,k=int8/per_block:128;smooth_k"]) == 0
+    assert capsys.readouterr().out == "q=int8/per_block:128; k=int8/per_block:128; smooth_k\n"  # canonical text
+    assert main(["recipes", "sage3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "did you mean sage1" in err
