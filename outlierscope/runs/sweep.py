@@ -140,11 +140,11 @@ class SweepSettings:
         return out
 
     def spec_of(self, cell: dict) -> QuantSpec | AttnQuant:
-        """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits)."""
+        """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits): the one of
+        :meth:`specs` that ran it, with its recipe name."""
         if cell.get("quant"):
-            a = AttnQuant.parse(cell["quant"])
-            name = next((AttnQuant.parse(q).name for q in self.quant if str(AttnQuant.parse(q)) == cell["quant"]), None)
-            return dataclasses.replace(a, name=name)
+            ran = (sp for sp in self.specs() if isinstance(sp, AttnQuant) and str(sp) == cell["quant"])
+            return next(ran, None) or AttnQuant.parse(cell["quant"])
         return self.spec(cell["bits"])
 
     def task_items(self) -> dict[str, list]:
