@@ -23,6 +23,7 @@ import torch
 from outlierscope.analysis.outliers import KIND_LABEL, MASSIVE_ABS, MASSIVE_REL, OutlierStats
 from outlierscope.data.text import delimiter_ids, pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.hooks.attention import diff_lambda
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, PRESETS, decoder_layers, resolve_points
 from outlierscope.io import (
@@ -226,14 +227,14 @@ def peak_rss_mb() -> float:
 
 @torch.no_grad()
 def diff_lambdas(model) -> list[tuple[float, float]]:
-    """(lambda_init, lambda_full) per layer of a DiffLlama model; empty for other models."""
+    """(lambda_init, lambda_full) per layer of a DiffLlama model, as its forward computes lambda
+    (:func:`~outlierscope.hooks.attention.diff_lambda`); empty for other models."""
     out = []
     for layer in decoder_layers(model):
         a = getattr(layer, "self_attn", None)
         if a is None or not hasattr(a, "lambda_q1"):
             return []
-        lam = (torch.exp((a.lambda_q1 * a.lambda_k1).sum()) - torch.exp((a.lambda_q2 * a.lambda_k2).sum()) + a.lambda_init)
-        out.append((float(a.lambda_init), float(lam)))
+        out.append((float(a.lambda_init), float(diff_lambda(a))))
     return out
 
 
