@@ -31,7 +31,8 @@ import torch
 
 from outlierscope.analysis import activations as act
 from outlierscope.analysis.activations import INT8_LAYER_SHARE, INT8_THRESHOLD, INT8_TOKEN_SHARE, SinkStats
-from outlierscope.analysis.reducers import Exceedances, LogBins, Moments, TopK, dense_candidates
+from outlierscope.analysis.kernels import kernel, map_pass, token_pass, working
+from outlierscope.analysis.reducers import Exceedances, LogBins, Moments, TopK, masked_mean, row_candidates
 from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
 from outlierscope.hooks.points import ATTN_KINDS, KINDS, LM_HEAD, MAP_KINDS
@@ -70,8 +71,9 @@ class _KindStats:
     n_loc = 0
     tie: tuple[int, ...] = ()  # location fields by tie priority: the sequence first, then an observation's flat order
 
-    def __init__(self, n_layers: int, n_groups: int, n_hist: int, k: int, layer_k: int, bins: LogBins):
-        self.n_layers, self.bins = n_layers, bins
+    def __init__(self, n_layers: int, n_groups: int, n_hist: int, k: int, layer_k: int, bins: LogBins,
+                 compile: bool = False):
+        self.n_layers, self.bins, self.compile = n_layers, bins, compile
         self.top = TopK(k, self.n_loc, self.tie)
         self.layer_top = [TopK(layer_k, self.n_loc, self.tie) for _ in range(n_layers)]
         self.hist = torch.zeros(n_layers, n_hist, bins.n + 2, dtype=torch.int64)
@@ -106,8 +108,12 @@ class _KindStats:
             a.merge(b)
         self.seen = self.seen or other.seen
 
-    def _topk(self, layer: int, absm: torch.Tensor, coords) -> None:
-        vals, locs = dense_candidates(absm, self.top.k, coords)
+    def _bins(self, x: torch.Tensor) -> tuple:
+        """The bin arguments of a kernel for a tensor on x's device."""
+        return (*self.bins.table(x.device), self.bins.n)
+
+    def _topk(self, layer: int, rowmax: torch.Tensor, row_values, shape, coords) -> None:
+        vals, locs = row_candidates(rowmax, row_values, shape, self.top.k, coords)
         self.top.update(vals, locs)
         self.layer_top[layer].update(vals, locs)
 
@@ -118,8 +124,9 @@ class LogitStats(_KindStats):
     n_loc = 5
     tie = (2, 0, 1, 3, 4)  # (seq, layer, head, query, key): (b, h, t, s) is the flat order of one observation
 
-    def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins, kind: str = "attn.logits"):
-        super().__init__(n_layers, n_heads, n_heads, k, layer_k, bins)
+    def __init__(self, n_layers: int, n_heads: int, k: int, layer_k: int, bins: LogBins, kind: str = "attn.logits",
+                 compile: bool = False):
+        super().__init__(n_layers, n_heads, n_heads, k, layer_k, bins, compile)
         self.n_heads, self.kind = n_heads, kind
         self.is_diff = False
 
@@ -132,24 +139,27 @@ class LogitStats(_KindStats):
         B, H, T, S = x.shape
         self.seen, self.is_diff = True, obs.is_diff
         valid = obs.valid  # (B, 1|H, T, S): kept compact, broadcast by each op
-        invalid = ~valid
-        absx = x.abs()
-        absm = absx.masked_fill(invalid, -1.0)
+        moments = self.shard_moments[self.shard]
+        n = valid.sum((0, 2, 3)).double().cpu().expand(H)  # valid entries per head
+        shift = moments.centre(layer, n, lambda: masked_mean(working(x), valid, 3, (0, 2), n))
+        rowmax, idx, sums = kernel(map_pass, self.compile)(x, valid, shift.to(x.device, working(x).dtype), *self._bins(x))
+        _check_finite(obs, rowmax)  # rowmax (B, H, T), idx (B, H, T, S), sums (4, B, H, T)
         off = obs.seq_offset
         q0 = S - T if obs.query_offset is None else obs.query_offset  # key position of x's first query row
 
         def coords(m):  # (N, 4) of (b, h, t, s) -> (layer, head, seq, query, key)
             return torch.stack([torch.full_like(m[:, 0], layer), m[:, 1], m[:, 0] + off, m[:, 2] + q0, m[:, 3]], 1)
 
-        rowmax = absm.amax(-1)  # (B, H, T)
-        _check_finite(obs, rowmax)
-        self._topk(layer, absm, coords)
+        def row_values(rows):  # flat rows of (B, H, T) -> |x| (R, S), -1 where invalid
+            bht = torch.unravel_index(rows, (B, H, T))
+            v = valid[tuple(i if n > 1 else 0 for i, n in zip(bht, valid.shape))]  # valid broadcasts: size-1 dims
+            return torch.where(v, x[bht].abs(), -1.0)
+
+        self._topk(layer, rowmax, row_values, x.shape, coords)
         nb = self.bins.n + 2
-        idx = self.bins.index(absx).masked_fill_(invalid, nb)  # invalid entries go to a sentinel bin
-        idx += (torch.arange(H, dtype=torch.int32, device=idx.device) * (nb + 1)).view(1, H, 1, 1)  # one bin range per head
         counts = torch.bincount(idx.view(-1), minlength=H * (nb + 1)).view(H, nb + 1)  # (B*H*T*S,) -> (H, nb+1)
         self.hist[layer] += counts[:, :nb].cpu()
-        self.shard_moments[self.shard].update(x, valid, (0, 2, 3), layer, maxabs=rowmax.clamp_min(0).amax((0, 2)))
+        moments.add(layer, n, sums.cpu().double().sum((1, 3)), rowmax.clamp_min(0).amax((0, 2)))
 
 
 class TokenStats(_KindStats):
@@ -164,8 +174,8 @@ class TokenStats(_KindStats):
 
     def __init__(self, n_layers: int, channels: int, seq_len: int, k: int, layer_k: int, bins: LogBins,
                  kind: str = "hidden", channel_moments: bool = False, head_dim: int | None = None,
-                 massive_abs: float = MASSIVE_ABS, massive_cap: int = 100_000):
-        super().__init__(n_layers, channels if channel_moments else 1, 1, k, layer_k, bins)
+                 massive_abs: float = MASSIVE_ABS, massive_cap: int = 100_000, compile: bool = False):
+        super().__init__(n_layers, channels if channel_moments else 1, 1, k, layer_k, bins, compile)
         self.kind, self.channels, self.seq_len, self.head_dim = kind, channels, seq_len, head_dim
         self.channel_moments = channel_moments
         L, C = n_layers, channels
@@ -204,59 +214,72 @@ class TokenStats(_KindStats):
 
     def __call__(self, obs: Observation) -> None:
         x, layer = obs.x, obs.point.layer  # (B, T, C)
+        B, T, C = x.shape
         self.seen = True
         if self.head_dim is None and obs.n_heads:
-            self.head_dim = x.shape[-1] // obs.n_heads
-        valid3 = obs.valid[:, :, None]  # (B, T, 1)
-        every = bool(obs.valid.all())  # no padding (a profile): no masked copies
-        absx = x.abs()
-        absm = absx if every else absx.masked_fill(~valid3, -1.0)
-        rowmax = absm.amax(-1)  # (B, T)
-        _check_finite(obs, rowmax)
+            self.head_dim = C // obs.n_heads
+        valid, valid3 = obs.valid, obs.valid[:, :, None]  # (B, T), (B, T, 1)
+        xw = working(x)
+        moments = self.shard_moments[self.shard]
+        per_channel = self.channel_moments
+        n = valid.sum().double().cpu().expand(C if per_channel else 1) * (1 if per_channel else C)  # per group
+        shift = moments.centre(layer, n, lambda: masked_mean(xw, valid3, 1 if per_channel else 2,
+                                                             (0,) if per_channel else (0, 1), n))
+        rowmax, chmax, n_big, n_huge, sumabs, idx, sums = kernel(token_pass, self.compile)(
+            x, valid3, shift.to(x.device, xw.dtype), *self._bins(x), INT8_THRESHOLD, MASSIVE_ABS, per_channel)
+        _check_finite(obs, rowmax)  # rowmax (B, T); chmax, n_big, n_huge, sumabs (B, C); idx (B, T, C)
         off = obs.seq_offset
-        self._topk(layer, absm, lambda m: torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1))
+
+        def row_values(rows):  # flat rows of (B, T) -> |x| (R, C), -1 on padding
+            return torch.where(valid.reshape(-1)[rows, None], xw.reshape(B * T, C)[rows].abs(), -1.0)
+
+        self._topk(layer, rowmax, row_values, x.shape,
+                   lambda m: torch.stack([torch.full_like(m[:, 0], layer), m[:, 2], m[:, 0] + off, m[:, 1]], 1))
         nb = self.bins.n + 2
-        idx = self.bins.index(absx)
-        if not every:
-            idx.masked_fill_(~valid3, nb)
         self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
-        if self.channel_moments:
-            self.shard_moments[self.shard].update(x, valid3, (0, 1), layer)
-        else:  # one group per layer: the mask expanded (a view) so that every entry counts
-            self.shard_moments[self.shard].update(x, valid3.expand_as(x), (0, 1, 2), layer)
-        big = absm >= INT8_THRESHOLD  # invalid entries are -1
-        self.ge6[layer] += big.sum((0, 1)).cpu()
-        self.gt100[layer] += (absm > MASSIVE_ABS).sum((0, 1)).cpu()
-        self._channels(layer, absm, off)
-        self._positions(layer, obs.valid, rowmax, big)
-        self._exceedances(layer, absm, obs, off)
-        self.sequences = max(self.sequences, off + x.shape[0])
-        self.tokens[layer] += int(obs.valid.sum())
+        maxabs = chmax.clamp_min(0).amax(0) if per_channel else rowmax.clamp_min(0).amax().view(1)
+        moments.add(layer, n, sums.cpu().double().sum(1).reshape(4, -1) if per_channel
+                    else sums.cpu().double().sum((1, 2)).view(4, 1), maxabs)
+        self.ge6[layer] += n_big.sum(0).cpu()
+        self.gt100[layer] += n_huge.sum(0).cpu()
+        self.shard_sumabs[self.shard, layer] += sumabs.cpu().double().sum(0)  # float32 over T
+        self._channels(layer, xw, valid, chmax, off)
+        self._positions(layer, valid, rowmax)
+        self._exceedances(layer, xw, rowmax, obs, off)
+        self.sequences = max(self.sequences, off + B)
+        self.tokens[layer] += int(valid.sum())
         if obs.point.module is not None:
             self.modules[layer], self.linear[layer] = obs.point.module, obs.point.linear
 
-    def _channels(self, layer: int, absm: torch.Tensor, off: int) -> None:
-        B, T, C = absm.shape
-        vmax, where = absm.reshape(B * T, C).max(0)  # (C,): first occurrence in (b, t) order
-        at = torch.stack([where // T + off, where % T], -1).cpu()  # (C, 2) = (seq, token)
+    def _channels(self, layer: int, xw: torch.Tensor, valid: torch.Tensor, chmax: torch.Tensor, off: int) -> None:
+        """Each channel's max |x| and where it first occurs in (sequence, token) order: the first sequence holding
+        the max (from the per-sequence maxima ``chmax`` (B, C)), then the first token there."""
+        C = xw.shape[-1]
+        vmax, b = chmax.max(0)  # (C,): the first sequence with the max
+        col = torch.arange(C, device=xw.device)
+        am = torch.where(valid[b], xw[b, :, col].abs(), -1.0)  # (C, T): that sequence's tokens, per channel
+        t = (am == vmax[:, None]).to(torch.uint8).argmax(1)  # (C,): the first token with the max
+        at = torch.stack([b + off, t], -1).cpu()  # (C, 2) = (seq, token)
         self.ch_max[layer], self.ch_at[layer] = _argmax_merge(self.ch_max[layer], self.ch_at[layer], vmax.double().cpu(), at)
-        self.shard_sumabs[self.shard, layer] += absm.clamp_min(0).sum(1).double().sum(0).cpu()  # float32 over T
 
-    def _positions(self, layer: int, valid: torch.Tensor, rowmax: torch.Tensor, big: torch.Tensor) -> None:
+    def _positions(self, layer: int, valid: torch.Tensor, rowmax: torch.Tensor) -> None:
         T = min(rowmax.shape[1], self.seq_len)
         r = rowmax[:, :T]  # (B, T): -1 on padding
         self.pos_max[layer, :T] = torch.maximum(self.pos_max[layer, :T], r.amax(0).double().cpu())
         self.shard_pos_sum[self.shard, layer, :T] += r.clamp_min(0).double().sum(0).cpu()
-        self.ge6_pos[layer, :T] += big.any(-1)[:, :T].sum(0).cpu()
+        self.ge6_pos[layer, :T] += (r >= INT8_THRESHOLD).sum(0).cpu()  # tokens with a |x| >= 6
         self.tokens_pos[layer, :T] += valid[:, :T].sum(0).cpu()
 
-    def _exceedances(self, layer: int, absm: torch.Tensor, obs: Observation, off: int) -> None:
-        hit = torch.nonzero(absm > self.massive.threshold)  # (N, 3) of (b, t, c)
-        if hit.numel() == 0:
+    def _exceedances(self, layer: int, xw: torch.Tensor, rowmax: torch.Tensor, obs: Observation, off: int) -> None:
+        rows = torch.nonzero(rowmax > self.massive.threshold)  # (R, 2) of (b, t), row-major; padding has -1
+        if rows.numel() == 0:
             return
-        ids = obs.ids[hit[:, 0], hit[:, 1]] if obs.ids is not None else torch.full_like(hit[:, 0], -1)
-        locs = torch.stack([torch.full_like(hit[:, 0], layer), hit[:, 2], hit[:, 0] + off, hit[:, 1], ids.to(hit.device)], 1)
-        self.massive.update(absm[hit[:, 0], hit[:, 1], hit[:, 2]], locs)
+        a = xw[rows[:, 0], rows[:, 1]].abs()  # (R, C)
+        hit = torch.nonzero(a > self.massive.threshold)  # (N, 2) of (row, c): (b, t, c) order
+        b, t, c = rows[hit[:, 0], 0], rows[hit[:, 0], 1], hit[:, 1]
+        ids = obs.ids[b, t] if obs.ids is not None else torch.full_like(b, -1)
+        locs = torch.stack([torch.full_like(b, layer), c, b + off, t, ids.to(b.device)], 1)
+        self.massive.update(a[hit[:, 0], hit[:, 1]], locs)
 
 
 def _argmax_merge(cur: torch.Tensor, cur_at: torch.Tensor, new: torch.Tensor, new_at: torch.Tensor):
@@ -295,18 +318,21 @@ class OutlierStats:
 
     ``sink_k``: key positions counted as the sink; ``massive_abs`` / ``massive_rel``: the massive-activation
     thresholds (|x| above both, the second times the layer's median |x|); ``massive_cap``: exceedances kept per point
-    kind; ``delimiters``: token ids whose massive activations are labelled ``delimiter``."""
+    kind; ``delimiters``: token ids whose massive activations are labelled ``delimiter``; ``compile``: run the
+    per-element passes compiled (:mod:`outlierscope.analysis.kernels`: the same statistics, faster; sums differ
+    from the uncompiled ones within float32 rounding)."""
 
     def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
                  layer_k: int = 10, bins: LogBins | None = None, *, sink_k: int = 4, massive_abs: float = MASSIVE_ABS,
-                 massive_rel: float = MASSIVE_REL, massive_cap: int = 100_000, delimiters=()):
+                 massive_rel: float = MASSIVE_REL, massive_cap: int = 100_000, delimiters=(), compile: bool = False):
         if k < max(TABLE5_RANKS):
             raise ParamError("k", f">= {max(TABLE5_RANKS)} for Table 5", k)
         self.n_layers, self.n_heads, self.hidden_size, self.seq_len = n_layers, n_heads, hidden_size, seq_len
         self.k, self.layer_k, self.bins = k, layer_k, bins or LogBins()
         self.sink_k, self.massive_rel, self.delimiters = sink_k, massive_rel, frozenset(delimiters)
-        self._token_kw = {"massive_abs": massive_abs, "massive_cap": massive_cap}
-        self.logits = LogitStats(n_layers, n_heads, k, layer_k, self.bins)
+        self._token_kw = {"massive_abs": massive_abs, "massive_cap": massive_cap, "compile": compile}
+        self.compile = compile
+        self.logits = LogitStats(n_layers, n_heads, k, layer_k, self.bins, compile=compile)
         self.hidden = HiddenStats(n_layers, hidden_size, seq_len, k, layer_k, self.bins, **self._token_kw)
         self.by_kind = {"attn.logits": self.logits, "hidden": self.hidden}
         self.sinks: dict[str, SinkStats] = {}
@@ -321,7 +347,7 @@ class OutlierStats:
     def _new(self, obs: Observation):
         kind = obs.point.kind
         if obs.point.is_map:
-            st = LogitStats(self.n_layers, obs.x.shape[1], self.k, self.layer_k, self.bins, kind=kind)
+            st = LogitStats(self.n_layers, obs.x.shape[1], self.k, self.layer_k, self.bins, kind=kind, compile=self.compile)
         else:
             rows = max(self.n_layers, obs.point.layer + 1)  # lm_head.input: layer n_layers
             st = TokenStats(rows, obs.x.shape[-1], self.seq_len, self.k, self.layer_k, self.bins, kind=kind, **self._token_kw)

@@ -11,22 +11,32 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from outlierscope.analysis.kernels import bin_index, bin_table, power_sums
+
 
 def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
     """The k largest entries of ``absm`` (invalid entries set to -1) with their locations; among equal
-    values the first in flat (row-major) order, so the result never depends on how ties fall.
+    values the first in flat (row-major) order, so the result never depends on how ties fall."""
+    S = absm.shape[-1]
+    flat_rows = absm.reshape(-1, S)  # (R, S)
+    return row_candidates(flat_rows.amax(-1), lambda rows: flat_rows[rows], absm.shape, k, coord_fn)
+
+
+def row_candidates(rowmax: torch.Tensor, row_values, shape: tuple[int, ...], k: int,
+                   coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`dense_candidates` of a tensor of ``shape`` given its row maxima ``rowmax`` (``shape[:-1]``) and
+    ``row_values(rows)``: the |x| (-1 where invalid) of the flat rows ``rows`` (R,) as (R, S).
 
     Two stages, exact: the k largest entries lie in the rows (last dim) whose maximum is at least the
     k-th largest row maximum, so those rows are kept (in order) and the entries are picked inside them:
     every entry above the k-th largest value, then entries equal to it in flat order.
     """
-    S = absm.shape[-1]
-    flat_rows = absm.reshape(-1, S)  # (R, S)
-    rowmax = flat_rows.amax(-1)  # (R,)
+    S = shape[-1]
+    rowmax = rowmax.reshape(-1)  # (R,)
     kr = min(k, rowmax.numel())
     thr = torch.topk(rowmax, kr, sorted=False).values.min()
     rows = torch.nonzero(rowmax >= thr).view(-1)  # ascending
-    cand = flat_rows[rows].reshape(-1)  # (rows*S,), still in flat order
+    cand = row_values(rows).reshape(-1)  # (rows*S,), still in flat order
     kk = min(k, cand.numel())
     vk = torch.topk(cand, kk, sorted=False).values.min()
     above = torch.nonzero(cand > vk).view(-1)
@@ -36,7 +46,7 @@ def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor
     keep = vals >= 0
     vals, cols = vals[keep], cols[keep]
     flat_idx = rows[cols // S] * S + cols % S
-    multi = torch.stack(torch.unravel_index(flat_idx, absm.shape), dim=1)  # (N, ndim)
+    multi = torch.stack(torch.unravel_index(flat_idx, shape), dim=1)  # (N, ndim)
     return vals, coord_fn(multi)
 
 
@@ -86,7 +96,7 @@ class TopK:
 @dataclass(frozen=True)
 class LogBins:
     """Log-spaced bins of |x|: bin 0 holds |x| < lo (zeros too), bins 1..n hold [lo r^(i-1), lo r^i),
-    bin n+1 holds |x| >= hi. The median estimate is a bin's geometric centre, so its relative error is
+    bin n+1 holds |x| >= lo r^n (>= hi); edges are lo r^i rounded to float32, |x| is compared as float32. The median estimate is a bin's geometric centre, so its relative error is
     at most sqrt(r) - 1 (0.4988% for r = 1.01) for values in [lo, hi)."""
 
     lo: float = 1e-8
@@ -101,13 +111,14 @@ class LogBins:
     def rel_error_bound(self) -> float:
         return math.sqrt(self.ratio) - 1
 
+    def table(self, device="cpu") -> tuple[torch.Tensor, int]:
+        """The lookup table of :meth:`index` on ``device`` and its shift (:func:`~outlierscope.analysis.kernels.bin_table`)."""
+        return bin_table(self.lo, self.ratio, self.n, str(device))
+
     def index(self, absx: torch.Tensor) -> torch.Tensor:
-        """Bin of each |x| (int32, same shape)."""
-        a = absx.float()
-        t = torch.log(a.clamp_min(self.lo))
-        t.sub_(math.log(self.lo)).mul_(1.0 / math.log(self.ratio)).floor_().add_(1).clamp_(1, self.n + 1)
-        idx = t.to(torch.int32)
-        return idx.masked_fill_(a < self.lo, 0)
+        """Bin of each |x| (int32, same shape): the number of float32 edges ``lo r^j`` (j = 0..n) at or below
+        float32(|x|), exact whatever computes it (:func:`outlierscope.analysis.kernels.bin_index`)."""
+        return bin_index(absx, *self.table(absx.device))
 
     def edges(self) -> np.ndarray:
         """Lower edges of bins 0..n+1 (bin 0 starts at 0)."""
@@ -130,14 +141,28 @@ class LogBins:
         return self.centre(i)
 
 
+def _float_sums(t: torch.Tensor, dim: int, rest: tuple[int, ...]) -> torch.Tensor:
+    """``t`` summed along ``dim`` in its own dtype (float32: rows of at most a few thousand entries), then over
+    ``rest`` (dims before ``dim``) in float64 on the host."""
+    rows = t.sum(dim).cpu().double()
+    return rows.sum(rest) if rest else rows
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor, dim: int, rest: tuple[int, ...], n: torch.Tensor) -> torch.Tensor:
+    """Mean of the valid entries of ``x`` per group (``n`` of them), reduced over ``dim`` and ``rest`` as
+    :func:`_float_sums`; rounded to x's dtype (so that a shift is exactly representable there), as float64."""
+    return (_float_sums(torch.where(valid, x, 0.0), dim, rest).reshape(n.shape) / n.clamp_min(1)).to(x.dtype).double()
+
+
 class Moments:
     """Moments of x per group (e.g. per layer and head), streamed: count, shifted power sums, max |x|.
 
-    The power sums are of ``x - shift``, where ``shift`` is each group's mean in the first batch
-    that has valid entries for it: with the data centred, the sums do not cancel catastrophically
-    when a group has a large mean. Powers are summed along the last dimension in float32 (rows of at
-    most a few thousand entries) and those row sums are accumulated in float64 over everything else,
-    across batches; float64 input stays float64 throughout.
+    The power sums are of ``x - shift``, where ``shift`` is each group's mean in the first batch that has valid
+    entries for it (:meth:`centre`): with the data centred, the sums do not cancel catastrophically when a group
+    has a large mean. Powers are summed along one row (the last reduced dim) in float32, and those row sums are
+    added in float64 on the host, across batches; float64 input stays float64 throughout. The bound on a row's
+    float32 sum is in :mod:`outlierscope.analysis.kernels` (which computes the row sums of a profile in one pass;
+    :meth:`update` is the same arithmetic for any tensor, uncompiled).
     """
 
     def __init__(self, shape: tuple[int, ...]):
@@ -146,37 +171,39 @@ class Moments:
         self.sums = torch.zeros((4, *shape), dtype=torch.float64)
         self.maxabs = torch.zeros(shape, dtype=torch.float64)
 
+    def centre(self, row: int, n: torch.Tensor, mean_fn) -> torch.Tensor:
+        """The shifts (float64) of row ``row``'s groups for a batch with ``n`` valid entries per group: a group seen
+        for the first time is centred on this batch's mean, ``mean_fn()`` (called only then; a value of x's dtype)."""
+        new = (self.count[row] == 0) & (n > 0)
+        if new.any():
+            self.shift[row] = torch.where(new, mean_fn(), self.shift[row])
+        return self.shift[row]
+
+    def add(self, row: int, n: torch.Tensor, sums: torch.Tensor, maxabs: torch.Tensor) -> None:
+        """Add a batch of row ``row``: ``n`` valid entries per group, ``sums`` (4, groups) float64 of (x - shift)^k
+        about :meth:`centre`'s shifts, ``maxabs`` per group."""
+        self.count[row] += n
+        self.sums[:, row] += sums
+        self.maxabs[row] = torch.maximum(self.maxabs[row], maxabs.double().cpu())
+
     def update(self, x: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...], row: int,
                maxabs: torch.Tensor | None = None) -> None:
         """Add the valid entries of ``x``, reduced over ``dims``, into row ``row`` (e.g. the layer).
 
         ``valid`` broadcasts to ``x`` (a compact mask is cheaper than an expanded one); ``maxabs`` is
         the reduced max |x| if the caller already has it."""
-        last = x.dim() - 1
-        row_dims = tuple(d for d in dims if d != last)
+        last = max(dims)  # summed in float32
+        rest = tuple(d for d in dims if d != last)
         xw = x if x.dtype in (torch.float32, torch.float64) else x.float()
-        keep = [d for d in range(x.dim()) if d not in dims]  # the group dims
-        gshape = [x.shape[d] if d in keep else 1 for d in range(x.dim())]
-        if last in dims:
-            def red(t):
-                return t.sum(-1).double().sum(row_dims)
-        else:
-            def red(t):
-                return t.double().sum(dims)
+        gshape = [1 if d in dims else x.shape[d] for d in range(x.dim())]  # x's shape, 1 on reduced dims
         n = valid.sum(dims).double().cpu().expand_as(self.count[row])  # broadcasts over the kept dims
-        new = (self.count[row] == 0) & (n > 0)
-        if new.any():  # first valid entries of a group: centre its sums on this batch's mean
-            mean = (red(xw.masked_fill(~valid, 0.0)).cpu() / n.clamp_min(1)).to(xw.dtype).double()  # exactly representable
-            self.shift[row] = torch.where(new, mean, self.shift[row])
-        xs = (xw - self.shift[row].to(xw.device, xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)  # shift viewed as gshape: x's shape, 1 on reduced dims
-        self.count[row] += n
-        x2 = xs * xs
-        self.sums[0, row] += red(xs).cpu()
-        self.sums[1, row] += red(x2).cpu()
-        self.sums[2, row] += red(x2 * xs).cpu()
-        self.sums[3, row] += red(x2.square_()).cpu()
+
+        shift = self.centre(row, n, lambda: masked_mean(xw, valid, last, rest, n))
+        xs = (xw - shift.to(xw.device, xw.dtype).view(gshape)).masked_fill_(~valid, 0.0)
+        rows = power_sums(xs, last).cpu().double()  # (4, x's shape without ``last``): float32 row sums
+        sums = (rows.sum(tuple(d + 1 for d in rest)) if rest else rows).reshape(4, *n.shape)  # (4, groups)
         m = maxabs if maxabs is not None else xw.abs().masked_fill_(~valid, 0.0).amax(dims)
-        self.maxabs[row] = torch.maximum(self.maxabs[row], m.double().cpu())
+        self.add(row, n, sums, m)
 
     def merge(self, other: Moments) -> None:
         """Add ``other``'s data (same groups): its power sums are re-centred on this shift by the binomial

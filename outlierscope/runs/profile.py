@@ -72,6 +72,8 @@ class ProfileSettings:
     sink_k: int = option(4, "key positions counted as the attention sink (from 0), for attn.probs points")
     massive_abs: float = option(MASSIVE_ABS, "massive activations: |x| above this (Sun et al. 2024: 100) ...")
     massive_rel: float = option(MASSIVE_REL, "... and above this many times the layer's median |x| (Sun et al.: 1000)")
+    compile: bool = option(True, "run the statistics' per-element passes uncompiled (torch.compile fuses them into one "
+                           "loop; the statistics are the same, moments within float32 rounding)", flag="--no-compile")
     dtype: str = dtype_option()
     device: str = device_option()
     device_map: str | None = device_map_option()
@@ -100,7 +102,8 @@ class ProfileSettings:
         return () if self.preset is not None and self.points == DEFAULT_POINTS else self.points
 
     def stats_options(self) -> dict:
-        return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel}
+        return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel,
+                "compile": self.compile}
 
 
 # one CSV per table: (file stem, OutlierStats method)

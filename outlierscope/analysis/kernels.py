@@ -1,0 +1,149 @@
+"""The per-element work of the outlier reducers: one pass per observed tensor, compiled into fused loops.
+
+Each function reads the observed tensor once and returns what the reducers keep, reduced along the last
+one or two dims (per row, per channel); everything after it (top-k selection, merging, float64 sums) touches
+those small results only. The functions are plain PyTorch: :func:`kernel` returns them compiled
+(``torch.compile``: one fused C++/OpenMP loop on CPU, Triton on a GPU) or as they are (eager; the same
+results except the float rounding of sums, see below).
+
+Work per element of the observed tensor (``x``: a map (B, H, T, S) or a token tensor (B, T, C)):
+
+================  =======================================================  ===========================
+function          per element (read x once)                                kept per row / group
+================  =======================================================  ===========================
+map_pass          |x|, validity, bin index (the float's bits: one table    row max |x| (B,H,T); bin
+                  lookup, one comparison), x - shift and its powers 1-4    index int32 (B,H,T,S);
+                                                                           power sums float32 (4,B,H,T)
+token_pass        |x|, validity, bin index, >= 6 / > massive_abs tests,     row max (B,T); channel max,
+                  x - shift and its powers 1-4                             counts, sum |x| (B,C); bin
+                                                                           index int32 (B,T,C); power
+                                                                           sums float32 (4,B,C)|(4,B,T)
+================  =======================================================  ===========================
+
+Eager PyTorch makes a temporary per operation (about 25 passes over a map); compiled, the elementwise work and
+the row reductions share one loop. No float64 arithmetic touches an element: power sums are float32 along one
+row (at most ``m`` entries: S, C, or T), then the row sums are added in float64 on the host.
+
+Error bound of a power sum (written down and tested, tests/analysis/test_kernels.py): for one row,
+|fl(sum) - sum| <= (m + k + 1) u sum |x - c|^k for the k-th power, u = 2^-24 (float32), whatever the order of
+the additions (the recursive-summation bound, which also covers pairwise and vectorised orders): relative to the
+sum of absolute powers, so the shift ``c`` (a group's first mean) keeps large offsets from inflating it.
+
+Histogram bins are exact for any order and device: the bin of |x| (rounded to float32) is the number of the
+float32 edges ``float32(lo r^j)``, j = 0..n, at or below it, found with integer work on its bits (no logarithm,
+whose last-bit rounding differs between libraries).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import numpy as np
+import torch
+
+
+@functools.lru_cache(maxsize=16)
+def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[torch.Tensor, int]:
+    """A lookup table for :func:`bin_index` of the bins with the n + 1 float32 edges lo r^j (computed in float64,
+    then rounded), j = 0..n, and its shift ``s``.
+
+    The bits of a float32 >= 0, read as an int32, order like the values. Cut them into cells of 2^s consecutive
+    bit patterns, narrow enough (s <= 23 + log2(r - 1)) to hold at most one edge: ``table[cell]`` is (the number of
+    edges below the cell) << (s + 1) | (the low s bits of the edge inside it, or 2^s if none)."""
+    eb = (lo * ratio ** np.arange(n + 1, dtype=np.float64)).astype(np.float32).view(np.int32).astype(np.int64)
+    for s in range(min(23, math.floor(23 + math.log2(ratio - 1))), -1, -1):
+        start = np.arange(2 ** (31 - s), dtype=np.int64) << s  # first bit pattern of each cell
+        below = np.searchsorted(eb, start, side="left")  # edges below the cell
+        j = np.minimum(below, n)
+        inside = (below <= n) & (eb[j] < start + 2**s)
+        second = inside & (below < n) & (eb[np.minimum(below + 1, n)] < start + 2**s)
+        if not second.any() and n + 1 < 2 ** (30 - s):
+            table = (below << (s + 1)) | np.where(inside, eb[j] & (2**s - 1), 2**s)
+            return torch.from_numpy(table.astype(np.int32)).to(device), s
+    raise ValueError(f"no bin table for ratio {ratio} with {n} bins: expected a ratio > 1 with fewer than 2^20 bins")
+
+
+def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:
+    """Bin of each |x| in ``a`` (>= 0): the number of the edges of :func:`bin_table` ``(table, s)`` at or below
+    float32(a), int32, exact (integer work only: the float's bits select a cell, one comparison inside it)."""
+    bits = a.float().view(torch.int32)
+    cell = table[bits >> s]  # (below << (s + 1)) | the edge's low bits
+    return (cell >> (s + 1)) + ((bits & ((1 << s) - 1)) >= (cell & ((1 << (s + 1)) - 1))).int()
+
+
+def power_sums(xs: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sums of xs^k, k = 1..4, along ``dim``, in xs's dtype: (4, *reduced shape)."""
+    x2 = xs * xs
+    return torch.stack([xs.sum(dim), x2.sum(dim), (x2 * xs).sum(dim), (x2 * x2).sum(dim)])
+
+
+def working(x: torch.Tensor) -> torch.Tensor:
+    """float32 for half types (sums in float32), float64 stays float64."""
+    return x if x.dtype in (torch.float32, torch.float64) else x.float()
+
+
+def map_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int):
+    """One pass over a map ``x`` (B, H, T, S) with ``valid`` (bool, (B, 1|H, T, S)) and per-head ``shift`` (H,);
+    ``(table, s)``: :func:`bin_table` of ``n`` bins.
+
+    Returns ``rowmax`` (B, H, T): max |x| over a row's valid entries (-1 if none); ``idx`` (B, H, T, S) int32: the
+    bin of |x| plus h (n + 3) for head h, or h (n + 3) + n + 2 (a sentinel) where invalid, for one bincount of
+    every head; ``sums`` (4, B, H, T): sums over a row's valid entries of (x - shift)^k, k = 1..4."""
+    xw = working(x)
+    H = x.shape[1]
+    a = xw.abs()
+    rowmax = torch.where(valid, a, -1.0).amax(-1)  # (B, H, T)
+    head = (torch.arange(H, device=x.device) * (n + 3)).view(1, H, 1, 1)  # (1, H, 1, 1)
+    idx = torch.where(valid, bin_index(a, table, s), n + 2) + head  # (B, H, T, S)
+    xs = torch.where(valid, xw - shift.view(1, H, 1, 1), 0.0)  # (B, H, T, S)
+    return rowmax, idx.int(), power_sums(xs, -1)
+
+
+def token_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int,
+               big: float, huge: float, per_channel: bool):
+    """One pass over a token tensor ``x`` (B, T, C) with ``valid`` (bool, (B, T, 1)) and ``shift`` (C,) per channel
+    or (1,); ``(table, s)``: :func:`bin_table` of ``n`` bins.
+
+    Returns ``rowmax`` (B, T): max |x| of a token (-1 if padding); per sequence and channel (B, C): ``chmax`` (max |x|
+    over valid tokens, -1 if none), ``n_big`` (|x| >= ``big``), ``n_huge`` (|x| > ``huge``), ``sumabs`` (sum |x|);
+    ``idx`` (B, T, C) int32: the bin of |x|, n + 2 (a sentinel) on padding; ``sums`` of (x - shift)^k, k = 1..4,
+    over valid tokens: (4, B, C) per channel (``per_channel``), else (4, B, T) per token."""
+    xw = working(x)
+    a = xw.abs()
+    am = torch.where(valid, a, -1.0)  # (B, T, C)
+    idx = torch.where(valid, bin_index(a, table, s), n + 2)  # (B, T, C)
+    xs = torch.where(valid, xw - shift, 0.0)  # (B, T, C)
+    return (am.amax(-1), am.amax(1), (am >= big).sum(1), (am > huge).sum(1), torch.where(valid, a, 0.0).sum(1),
+            idx.int(), power_sums(xs, 1 if per_channel else -1))
+
+
+class _Compiled:
+    """``fn`` compiled on first call (dynamic shapes); if compiling fails (no C++ compiler, no Triton), one
+    warning and ``fn`` as it is from then on."""
+
+    def __init__(self, fn):
+        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=True), False
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as e:  # a backend failure: the eager function gives the same statistics
+                self.failed = True
+                warnings.warn(f"outlierscope: statistics run uncompiled ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+                              "pass compile=False to skip compiling", RuntimeWarning, stacklevel=2)
+        return self.fn(*args)
+
+
+_compiled: dict = {}
+
+
+def kernel(fn, compiled: bool):
+    """``fn`` (one of this module's passes) compiled, or as it is."""
+    if not compiled:
+        return fn
+    if fn not in _compiled:
+        _compiled[fn] = _Compiled(fn)
+    return _compiled[fn]
