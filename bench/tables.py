@@ -35,13 +35,23 @@ def _lmeval_rows(choices: str) -> list:
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
 TABLES = {
     "profile": ("profile", [
-        ("eager forward (batch 8 x 256), tokens/s", "eager_forward_tok_s", "{:,}"),
-        ("sdpa forward, tokens/s", "sdpa_forward_tok_s", "{:,}"),
-        ("`profile_model` (logits + hidden states, top-k, histograms, moments), tokens/s", "profile_tok_s", "{:,}"),
-        ("profile / eager (goal >= 0.5x)", "profile_vs_eager", "**{}x**"),
-        ("peak RSS, 0.1M tokens, MB", "peak_rss_mb_100k", "{:,}"),
-        ("peak RSS, 1M tokens, MB", "peak_rss_mb_1m", "{:,}"),
-        ("growth, MB (goal <= 100)", "rss_growth_mb", "**{}**"),
+        (f"{label} (pair Diff / SmolLM2-135M)", tuple(f"{m}_{key}" for m in ("pair", "smollm2")), fmt)
+        for label, key, fmt in (
+            ("eager forward (batch 8 x 256), tokens/s", "eager_forward_tok_s", "{:,} / {:,}"),
+            ("sdpa forward, tokens/s", "sdpa_forward_tok_s", "{:,} / {:,}"),
+            ("`profile_model` (Table 5's two kinds: top-k, histograms, moments), tokens/s", "profile_tok_s", "{:,} / {:,}"),
+            ("profile / eager (goal >= 0.7x)", "profile_vs_eager", "**{}x** / **{}x**"),
+            ("the same, statistics uncompiled (`--no-compile`), tokens/s", "profile_uncompiled_tok_s", "{:,} / {:,}"),
+            ("uncompiled / eager", "uncompiled_vs_eager", "{}x / {}x"),
+            ("every point (`layers.*`, `lm_head.input`), tokens/s", "every_point_tok_s", "{:,} / {:,}"),
+            ("every point / eager", "every_point_vs_eager", "{}x / {}x"),
+            ("peak RSS, two kinds, MB", "peak_rss_mb", "{:,} / {:,}"),
+            ("peak RSS, every point, MB", "every_point_peak_rss_mb", "{:,} / {:,}"),
+        )
+    ] + [
+        ("peak RSS of the pair's profile, 0.1M / 1M tokens, MB", ("pair_peak_rss_mb_100k", "pair_peak_rss_mb_1m"),
+         "{:,} / {:,}"),
+        ("growth, MB (goal <= 100)", "pair_rss_growth_mb", "**{}**"),
     ]),
     "profile_points": ("profile_points", [
         ("tokens per profile (and for the last row, 4x)", ("tokens", "tokens_4x"), "{:,} ({:,})"),

@@ -1,6 +1,8 @@
-"""Streaming primitives: exact top-k with locations, log-spaced histograms, float64 moments.
+"""Streaming primitives: exact top-k with locations, log-spaced histograms, moments.
 
-Each keeps memory independent of the number of values seen.
+Each keeps memory independent of the number of values seen. The per-element work that feeds them in a profile is
+done in one pass per observed tensor by :mod:`outlierscope.analysis.kernels` (its docstring has the table of what
+each pass computes per element, and the error bound of the float32 row sums that the moments add in float64).
 """
 
 from __future__ import annotations
