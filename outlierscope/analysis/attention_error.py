@@ -24,16 +24,22 @@ import pandas as pd
 import torch
 from torch import nn
 
-from outlierscope.hooks.attention import LogitContext, Stage, attention_stages
-from outlierscope.quant.apply import absmax_reduction
+from outlierscope.errors import ParamError
+from outlierscope.hooks.attention import (QKV, LogitContext, QKVContext, Stage, attention_logits, attention_stages,
+                                          repeat_kv, repeat_kv_t)
+from outlierscope.quant.apply import absmax_reduction, as_attn_quant, attention_stage, logits_spec
+from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec
 
 
 def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
-                         value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                         value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
+                         quant_value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Per-row errors of ``quant`` against ``ref``: logits (B, H, t, S); ``valid`` (B, 1|H, t, S) bool;
     ``value`` (B, H, S, d) or None. Returns ``rows`` (B, H, t) bool (rows with a valid key) and, for them,
-    ``kl``, ``changed`` and (with ``value``) ``rel_out``; entries of other rows are 0."""
+    ``kl``, ``changed`` and (with ``value``) ``rel_out``; entries of other rows are 0. The quantized output is
+    ``softmax(quant) @ value``, or ``quant_probs @ quant_value`` for what a kernel multiplies after quantizing P and V
+    (each defaulting to the former's part)."""
     v = valid.expand_as(ref)
     rows = v.any(-1)  # (B, H, t)
     neg = torch.tensor(float("-inf"), dtype=torch.float64, device=ref.device)
@@ -53,7 +59,8 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
     if value is not None:
         val = value.double()
         o_ref = torch.matmul(p, val)  # (B, H, t, d)
-        o_q = torch.matmul(lq.exp(), val)
+        pq = lq.exp() if quant_probs is None else torch.where(v, quant_probs.double(), 0.0)
+        o_q = torch.matmul(pq, val if quant_value is None else quant_value.double())
         norm = o_ref.norm(dim=-1)
         rel = (o_ref - o_q).norm(dim=-1) / norm.clamp_min(torch.finfo(torch.float64).tiny)
         out["rel_out"] = torch.where(rows, rel, 0.0)
@@ -82,10 +89,12 @@ class AttentionErrorStats:
         self.rel_sum, self.rel_max = z64(torch.float64), z64(torch.float64)
 
     def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
-               value: torch.Tensor | None = None) -> None:
+               value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
+               quant_value: torch.Tensor | None = None) -> None:
+        """Add the rows of one block (:func:`attention_row_errors` of the arguments) to ``layer``."""
         if self.n_heads is None:
             self._allocate(ref.shape[1])
-        e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value).items()}
+        e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value, quant_probs, quant_value).items()}
         self.rows[layer] += e["rows"].sum((0, 2))  # (B, H, t) -> (H,)
         self.changed[layer] += e["changed"].sum((0, 2))
         self.kl_sum[layer] += e["kl"].sum((0, 2))
@@ -152,16 +161,46 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
 
 
 @contextlib.contextmanager
-def measure_attention_error(model: nn.Module, spec: QuantSpec, stats, block_rows: int | None = None) -> Iterator:
-    """Stream into ``stats`` (:class:`AttentionErrorStats`) what quantizing the
-    logits with ``spec`` does to each layer's attention, without changing the model: an observing stage
-    quantizes a copy and compares. Entered before :func:`quantize_attention` with the same spec, it
-    measures each layer against the unquantized logits of the same forward (same layer input)::
+def measure_attention_error(model: nn.Module, spec: QuantSpec | AttnQuant | str, stats,
+                            block_rows: int | None = None) -> Iterator:
+    """Stream into ``stats`` (:class:`AttentionErrorStats`) what quantizing with ``spec`` does to each layer's
+    attention, without changing the model: an observing stage quantizes copies and compares. Entered before
+    :func:`quantize_attention` with the same spec, it measures each layer against the unquantized attention of the
+    same forward (same layer input)::
 
         stats = AttentionErrorStats(n_layers, n_heads)
         with measure_attention_error(model, spec, stats), quantize_attention(model, spec):
             model(input_ids=ids, attention_mask=mask)
+
+    ``spec``: the paper's logits :class:`QuantSpec` (the logits before the soft cap, quantized and compared), or an
+    :class:`AttnQuant` / recipe name / spec text quantizing q, k, v and P (:func:`_kernel_stage`). An AttnQuant that
+    quantizes only the logits is measured as the QuantSpec it is; one that quantizes the logits and q/k/v/P together
+    is refused (measure the two parts separately).
     """
+    spec = measured_spec(spec)
+    stage = _logit_stage(spec, stats) if isinstance(spec, QuantSpec) else _kernel_stage(spec, stats)
+    with attention_stages(model, stage, block_rows=block_rows):
+        yield stats
+
+
+def measured_spec(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
+    """The spec :func:`measure_attention_error` measures for ``spec``: an :class:`AttnQuant` that quantizes only the
+    logits as its :class:`QuantSpec`; one that quantizes the logits and q/k/v/P together is refused (call it before
+    anything expensive)."""
+    spec = as_attn_quant(spec)
+    if not isinstance(spec, AttnQuant):
+        return spec
+    if {tq.target for tq in spec.parts} == {"logits"} and not (spec.smooth_k or spec.smooth_q is not None
+                                                               or spec.hadamard is not None):
+        return logits_spec(spec.part("logits"), spec.layers)
+    if spec.part("logits") is not None:
+        raise ParamError("spec", "logits quantization or q/k/v/P quantization, not both, when the attention error is "
+                         "measured (measure the two parts in separate cells)", str(spec))
+    return spec
+
+
+def _logit_stage(spec: QuantSpec, stats) -> Stage:
+    """Compares each block of logits with its quantized copy (the paper's logits quantization)."""
     def measure(ctx: LogitContext, logits):
         if spec.applies_to(ctx.layer) and not spec.is_identity:
             stats.update(ctx.layer, logits, spec(logits, ctx.valid, ctx.reduced(stage)), ctx.valid, ctx.value)
@@ -169,5 +208,49 @@ def measure_attention_error(model: nn.Module, spec: QuantSpec, stats, block_rows
 
     # observes: returns its input, runs once per layer (not again in DiffLlama's second call)
     stage = Stage(apply=measure, observes=True, reduce=absmax_reduction(spec), name=f"attention error {spec.label}")
-    with attention_stages(model, stage, block_rows=block_rows):
-        yield stats
+    return stage
+
+
+def _kernel_stage(spec: AttnQuant, stats) -> Stage:
+    """Compares, per block of query rows, the attention of the call's own q, k, v (as the stage receives them) with
+    the attention a kernel computes after ``spec``'s transforms (:func:`~outlierscope.quant.apply.attention_stage`'s
+    own ``qkv`` and ``probs``, run on copies)::
+
+        ref    = (q @ k^T) * scaling                   p = softmax(cap(ref)),  out = p @ v
+        q~, k~, v~ = spec's qkv(q, k, v)                quant = (q~ @ k~^T) * scaling (+ Q smoothing's correction)
+        p~ = spec's probs(softmax(cap(quant)))          out~ = p~ @ v~
+
+    kl and changed compare ``cap(ref)`` with ``cap(quant)`` (what the softmax gets: the effect of quantizing q and k);
+    rel_out compares ``out`` with ``out~`` (everything: q, k, P and V). For DiffLlama, v is the value half of the
+    layer's first call, as for the logits."""
+    kernel = attention_stage(spec)
+    seen: dict = {}  # the current call's raw and transformed q/k/v (one layer's worth)
+
+    def stash(ctx: QKVContext, q, k, v) -> QKV:
+        seen.clear()
+        if not ctx.second and spec.applies_to(ctx.layer):
+            H = q.shape[1]
+            t = kernel.qkv(ctx, q, k, v) if kernel.qkv else QKV(q, k, v)
+            seen.update(layer=ctx.layer, q=q, k_t=repeat_kv_t(k, H), v=repeat_kv(v, H // v.shape[1]), qq=t.query,
+                        qk_t=repeat_kv_t(t.key, H), qv=repeat_kv(t.value, H // t.value.shape[1]), q_mean=t.q_mean,
+                        k_mean_t=None if t.k_for_mean is None else repeat_kv_t(t.k_for_mean, H))
+        return QKV(q, k, v)
+
+    def measure(ctx: LogitContext, logits):
+        if seen.get("layer") != ctx.layer:
+            return logits
+        rows = slice(ctx.q_start, ctx.q_start + logits.shape[2])
+        ref = _capped(attention_logits(seen["q"][:, :, rows], seen["k_t"], ctx.scaling), ctx.softcap)  # (B, H, t, S)
+        q_mean = None if seen["q_mean"] is None else seen["q_mean"][:, :, rows]
+        quant = _capped(attention_logits(seen["qq"][:, :, rows], seen["qk_t"], ctx.scaling, q_mean, seen["k_mean_t"]),
+                        ctx.softcap)
+        probs = torch.softmax(quant.masked_fill(~ctx.valid, torch.finfo(quant.dtype).min), -1, dtype=torch.float32)
+        probs = kernel.probs(ctx, probs.to(seen["qq"].dtype)) if kernel.probs else probs  # (B, H, t, S)
+        stats.update(ctx.layer, ref, quant, ctx.valid, seen["v"], probs, seen["qv"])
+        return logits
+
+    return Stage(apply=measure, observes=True, name=f"attention error {spec.label}", qkv=stash)
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap

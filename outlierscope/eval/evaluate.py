@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from outlierscope.analysis.attention_error import measure_attention_error
+from outlierscope.analysis.attention_error import measure_attention_error, measured_spec
 from outlierscope.analysis.paired import compare, mean_stderr
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
@@ -279,9 +279,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     opt = _options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
     spec = quant or QuantSpec(bits=16)
-    if attn_error is not None and spec.format == "attn":
-        raise ParamError("attn_error", "None for an attention spec (q/k/v/P); the measurement covers logits specs "
-                         "(QuantSpec) for now", str(spec))
+    if attn_error is not None:
+        measured_spec(spec)  # a spec it cannot measure fails here, before any forward
     if attn_error is not None and not (shard.whole and world.size == 1):
         raise ParamError("attn_error", "None for a sharded or multi-process evaluation (it is measured in one "
                          "process for now)", type(attn_error).__name__)

@@ -76,6 +76,8 @@ class LogitContext:
     q_total: int | None = None  # query rows of the whole call (None: this block is all of them)
     state: dict | None = None  # Stage -> its reduction over all blocks; None when there is one block
     value: torch.Tensor | None = None  # (B, H, S, d): the call's values, repeated per query head
+    scaling: float = 1.0  # the call's logit scale (the logits are (q @ k^T) * scaling)
+    softcap: float | None = None  # the model's logit soft cap, applied after the stages
 
     @property
     def query_offset(self) -> int:
@@ -166,7 +168,26 @@ def block_rows(batch: int, heads: int, keys: int, block_bytes: int = BLOCK_BYTES
     return max(1, block_bytes // (4 * batch * heads * max(keys, 1)))
 
 
-def _repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+def attention_logits(q: torch.Tensor, key_t: torch.Tensor, scaling: float, q_mean: torch.Tensor | None = None,
+                     k_mean_t: torch.Tensor | None = None) -> torch.Tensor:
+    """``(q @ key_t) * scaling`` (B, H, t, S) for queries ``q`` (B, H, t, d) and keys ``key_t`` (B, H, d, S) repeated per
+    query head, in key_t's dtype (float32 at least), plus SageAttention2's Q-smoothing correction
+    ``(q_mean @ k_mean_t) * scaling`` in full precision when ``q_mean`` (B, H, t, d) is given."""
+    if q.dtype != key_t.dtype:
+        q = q.float()
+    logits = torch.matmul(q, key_t).mul_(scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
+    if q_mean is not None:
+        logits += torch.matmul(q_mean.to(logits.dtype), k_mean_t.to(logits.dtype)) * scaling
+    return logits
+
+
+def repeat_kv_t(key: torch.Tensor, heads: int) -> torch.Tensor:
+    """Keys (B, KV, S, d) repeated for ``heads`` query heads, float32 at least, transposed: (B, H, d, S)."""
+    k = repeat_kv(key, heads // key.shape[1])  # (B, H, S, d)
+    return (k if k.dtype in (torch.float32, torch.float64) else k.float()).transpose(2, 3)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
     if n_rep == 1:
         return x
     b, h, s, d = x.shape
@@ -281,15 +302,12 @@ class _AttentionFunction:
             query, key, value, q_mean, k_mean = self._transform_qkv(module, layer, query, key, value, attention_mask, second)
         if self.taps & {"attn.q", "attn.k", "attn.v"}:
             self._tap_qkv(layer, query, key, value, attention_mask, second)
-        v = _repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
+        v = repeat_kv(value, H // value.shape[1])  # (B, H, S, d)
         if second and memo[3] is not None:  # the first call's probabilities were one block: reuse them
             return torch.matmul(memo[3], v).transpose(1, 2).contiguous(), None  # (B, T, H, d)
         rows = self.block_rows or block_rows(B, H, S, self.block_bytes)
-        k = _repeat_kv(key, H // key.shape[1])  # (B, H, S, d)
-        if k.dtype not in (torch.float32, torch.float64):  # bf16/fp16 models: logits in float32
-            k = k.float()
-        call = _Call(module, layer, query, key, k.transpose(2, 3), attention_mask, scaling, softcap, rows, v,  # (B, H, d, S)
-                     q_mean, None if k_mean is None else _repeat_kv(k_mean, H // k_mean.shape[1]).transpose(2, 3))
+        call = _Call(module, layer, query, key, repeat_kv_t(key, H), attention_mask, scaling, softcap, rows, v,  # (B, H, d, S)
+                     q_mean, None if k_mean is None else repeat_kv(k_mean, H // k_mean.shape[1]).transpose(2, 3))
         if second:  # blocks again, with the non-observing stages and the first call's prepass state
             stages, state = tuple(st for st in self.stages if not st.observes), memo[4]
         else:
@@ -308,18 +326,14 @@ class _AttentionFunction:
         return out, None
 
     def _logits(self, call: _Call, t0: int, t1: int) -> torch.Tensor:
-        q = call.query[:, :, t0:t1]  # (B, H, t, d)
-        if q.dtype != call.key_t.dtype:
-            q = q.float()
-        logits = torch.matmul(q, call.key_t).mul_(call.scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
-        if call.q_mean is not None:  # SageAttention2's correction, in full precision
-            logits += torch.matmul(call.q_mean[:, :, t0:t1].to(logits.dtype), call.k_mean_t.to(logits.dtype)) * call.scaling
-        return logits
+        return attention_logits(call.query[:, :, t0:t1], call.key_t, call.scaling,
+                                None if call.q_mean is None else call.q_mean[:, :, t0:t1], call.k_mean_t)
 
     def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
         T, S = call.query.shape[2], call.key.shape[2]
         valid, masked = self._valid(call.mask, T, S, call.query.device, t0, t1)
-        ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state, call.value)
+        ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state, call.value,
+                           call.scaling, call.softcap)
         return ctx, masked
 
     def _prepass(self, call: _Call) -> dict | None:

@@ -67,7 +67,8 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
     if bits == UNQUANTIZED_BITS:
         return x.clone()
     w = x.to(_work_dtype(x))
-    ok = (scale > 0) & torch.isfinite(scale)  # zero or non-finite scale: the input comes back unchanged
+    # a scale that is not a normal float (zero, subnormal: |x| ~ 1e-38, inf, NaN): the input comes back unchanged
+    ok = (scale >= torch.finfo(scale.dtype).tiny) & torch.isfinite(scale)
     safe = torch.where(ok, scale, torch.ones_like(scale))
     m = qmax(bits, fmt)
     # One new tensor, then in-place passes on it (the logits tensors are large: fewer passes, fewer allocations).

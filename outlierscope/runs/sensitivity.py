@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from outlierscope.analysis.attention_error import AttentionErrorStats, measure_attention_error, pool_heads
+from outlierscope.analysis.attention_error import AttentionErrorStats, measure_attention_error, measured_spec, pool_heads
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
@@ -81,6 +81,8 @@ class SensitivitySettings:
 
         check_task(self.task)
         spec = self.spec()  # bits, format, granularity (or the attention spec) checked before anything loads
+        if self.attn_error:
+            measured_spec(spec)
         if spec.bits == 16:
             raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
         self.spec(bits=self.keep_bits)
@@ -197,8 +199,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     out = Path(out)
     with output_dir(out), output_dir(out / "cells") as cells_dir:
         run = _prepare(s, cells_dir, progress, log)
-        # the attention error is measured for logits specs (an attention spec's is not implemented yet)
-        base = run.cell("base", None, measure=s.spec() if s.attn_error and s.quant is None else None)
+        base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
         table = _per_layer(run, base)
         table = _with_attention_error(table, base, out) if "attn_error_table" in base.extra else table
         table = _with_outlier_ratio(run, table)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from outlierscope.analysis.attention_error import AttentionErrorStats
+from outlierscope.analysis.attention_error import AttentionErrorStats, measured_spec
 from outlierscope.analysis.paired import BOOTSTRAP_REPS
 from outlierscope.data.tasks import chance_percent, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError
@@ -123,6 +123,9 @@ class SweepSettings:
             self.spec(b)
         object.__setattr__(self, "quant", tuple(self.quant))
         texts = [str(AttnQuant.parse(q)) for q in self.quant]
+        if self.attn_error:
+            for q in self.quant:
+                measured_spec(q)
         dup = sorted({t for t in texts if texts.count(t) > 1})
         if dup:
             raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
@@ -187,8 +190,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["device"] = kind
     if task != "hellaswag":  # HellaSwag cells keep the ids they had before tasks existed
         out["task"] = task
-    if s.attn_error and not ident and not isinstance(spec, AttnQuant):  # cells without it keep their ids; an
-        out["attn_error"] = True  # attention spec's (q/k/v/P) is not measured yet: its cells run without it
+    if s.attn_error and not ident:  # cells without it keep their ids
+        out["attn_error"] = True
     if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
         out["quant"] = str(spec)
     return out

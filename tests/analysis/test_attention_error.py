@@ -146,3 +146,100 @@ def test_evaluate_with_attention_error(hellaswag_cached):
     assert len(per_layer) == lm.model.config.num_hidden_layers and per_layer["rows"].nunique() == 1
     with pytest.raises(OutlierscopeError, match="attn_error must be None for a sharded"):
         evaluate(lm, quant=spec, limit=6, progress=False, shard=Shard(0, 2), attn_error=AttentionErrorStats(4))
+
+
+# -- q/k/v/P specs (kernel recipes): against the recipes' naive float64 attention ----------------------------------
+
+def _softmax(xs):
+    m = max(xs)
+    z = math.fsum(math.exp(x - m) for x in xs)
+    return [math.exp(x - m) / z for x in xs]
+
+
+def _naive_kernel_errors(calls, n_layers):
+    """Per (layer, head) rows, kl sum, changed, rel_out sum from the naive attention's record (one call per layer):
+    kl and changed of softmax(ref) vs softmax(quant) (both after the soft cap), rel_out of p @ v vs P~ @ v~."""
+    H = calls[0]["ref"].shape[1]
+    out = {k: np.zeros((n_layers, H)) for k in ("rows", "kl", "changed", "rel")}
+    for layer, c in enumerate(calls):
+        ref, quant, probs, v, qv, valid = (c[k] for k in ("ref", "quant", "probs", "value", "quant_value", "valid"))
+        B, _, T, S = ref.shape
+        for b in range(B):
+            for h in range(H):
+                for t in range(T):
+                    keys = [s for s in range(S) if valid[b, min(h, valid.shape[1] - 1), t, s]]
+                    if not keys:
+                        continue
+                    a, q = [float(ref[b, h, t, s]) for s in keys], [float(quant[b, h, t, s]) for s in keys]
+                    p, pq = _softmax(a), _softmax(q)
+                    out["rows"][layer, h] += 1
+                    out["kl"][layer, h] += math.fsum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, pq) if pi > 0)
+                    out["changed"][layer, h] += q[a.index(max(a))] < max(q) or q.count(max(q)) > a.count(max(a))
+                    d = v.shape[-1]
+                    o = [math.fsum(pi * float(v[b, h, s, j]) for pi, s in zip(p, keys)) for j in range(d)]
+                    oq = [math.fsum(float(probs[b, h, t, s]) * float(qv[b, h, s, j]) for s in keys) for j in range(d)]
+                    out["rel"][layer, h] += math.dist(o, oq) / math.hypot(*o)
+    return out
+
+
+@pytest.mark.parametrize("arch,recipe", [("llama", "sage2-int4"), ("llama", "nvfp4-attn"), ("gemma3_text", "kivi-2bit"),
+                                         ("gpt2", "fa3-fp8-hadamard"), ("diffllama", "sage2-int4")])
+def test_kernel_recipe_errors_against_naive(arch, recipe):
+    """measure_attention_error for a q/k/v/P recipe, entered before quantize_attention (so each layer's input is the
+    quantized model's, as in the naive run), equals the naive recipe attention's per-row errors: KL and top-key changes
+    from q and k's quantization, output error from everything; the model's outputs are those without measuring."""
+    from tests.quant.test_recipes import DESCRIBED, _batch, _model, _run_naive
+
+    model = _model(arch)
+    ids, mask = _batch()
+    calls: list = []
+    _run_naive(model, DESCRIBED[recipe], ids, mask, record=calls)
+    n_layers = len(calls) // (2 if arch == "diffllama" else 1)
+    want = _naive_kernel_errors(calls[:: len(calls) // n_layers], n_layers)  # DiffLlama: the layer's first call
+    with torch.no_grad():
+        with quantize_attention(model, recipe):
+            plain = model(input_ids=ids, attention_mask=mask).logits
+        st = AttentionErrorStats(n_layers)
+        with measure_attention_error(model, recipe, st), quantize_attention(model, recipe):
+            out = model(input_ids=ids, attention_mask=mask).logits
+    assert torch.equal(out, plain)  # measuring changes nothing
+    np.testing.assert_array_equal(st.rows.numpy(), want["rows"])
+    np.testing.assert_array_equal(st.changed.numpy(), want["changed"])
+    np.testing.assert_allclose(st.kl_sum.numpy(), want["kl"], rtol=1e-6, atol=1e-9)
+    np.testing.assert_allclose(st.rel_sum.numpy(), want["rel"], rtol=1e-6, atol=1e-9)
+    assert want["rel"].min() > 0  # every head's output moves
+
+
+def test_kernel_recipe_blocked_equals_unblocked_and_under_quantization(batch):
+    """Blocks of rows give the same errors (float32 model: the matmuls round per block, ~1e-7 of a logit, and a KL is
+    a small difference of logits); entered before quantize_attention with the same spec, the reference is still the
+    unquantized attention: layer 0 (same input either way) has the same numbers as without quantizing the model."""
+    lm = load_model("pair-tiny:diff", device="cpu")
+    ids, mask = batch
+    got = {}
+    for rows, quantized in ((None, False), (5, False), (None, True)):
+        st = AttentionErrorStats(lm.model.config.num_hidden_layers)
+        with torch.no_grad(), measure_attention_error(lm.model, "sage2-int4", st, block_rows=rows):
+            if quantized:
+                with quantize_attention(lm.model, "sage2-int4"):
+                    lm.model(input_ids=ids, attention_mask=mask)
+            else:
+                lm.model(input_ids=ids, attention_mask=mask)
+        got[rows, quantized] = st
+    a = got[None, False]
+    assert a.rows.sum() > 0 and a.kl_sum.sum() > 0 and a.rel_sum.sum() > 0
+    for other, layers in ((got[5, False], slice(None)), (got[None, True], slice(0, 1))):
+        assert torch.equal(a.rows, other.rows) and torch.equal(a.changed[layers], other.changed[layers])
+        torch.testing.assert_close(a.kl_sum[layers], other.kl_sum[layers], rtol=1e-4, atol=1e-9)
+        torch.testing.assert_close(a.rel_sum[layers], other.rel_sum[layers], rtol=1e-4, atol=1e-9)
+    assert not torch.equal(a.kl_sum[1:], got[None, True].kl_sum[1:])  # later layers: the quantized model's input
+
+
+def test_logits_with_qkv_is_refused_in_one_line():
+    from outlierscope.analysis.attention_error import measured_spec
+    from outlierscope.errors import OutlierscopeError
+
+    with pytest.raises(OutlierscopeError, match="not both") as e:
+        measured_spec("k=int4/per_token;logits=int8/per_tensor")
+    assert "\n" not in str(e.value)
+    assert isinstance(measured_spec("logits-int4"), QuantSpec)  # logits only: the paper's path

@@ -162,10 +162,13 @@ def _mean_rows(x: torch.Tensor, real: torch.Tensor, rows: int | None) -> torch.T
     return out
 
 
-def naive_attention(desc: dict, real: torch.Tensor):
+def naive_attention(desc: dict, real: torch.Tensor, record: list | None = None):
+    """The attention function of a recipe; with ``record``, every call appends its raw and quantized pieces (the
+    reference logits of the raw q and k, the quantized logits, both after the soft cap, P, the values, valid)."""
     def fn(module, query, key, value, attention_mask, scaling=None, softcap=None, dropout=0.0, **kw):
         B, H, T, d = query.shape
         q, k, v = query.double(), key.double(), value.double()
+        raw = (q, k.repeat_interleave(H // k.shape[1], 1), v.repeat_interleave(H // v.shape[1], 1))
         if "hadamard" in desc:
             rot = _hadamard(d, desc["hadamard"])
             q, k = q @ rot, k @ rot
@@ -195,6 +198,10 @@ def naive_attention(desc: dict, real: torch.Tensor):
         p = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
         if "probs" in desc:
             p = _probs(p, valid.expand_as(p), desc["probs"])
+        if record is not None:
+            ref = raw[0] @ raw[1].transpose(-1, -2) * scaling
+            ref = ref if softcap is None else torch.tanh(ref / softcap) * softcap
+            record.append({"ref": ref, "quant": logits, "probs": p, "value": raw[2], "quant_value": vr, "valid": valid})
         return (p @ vr).transpose(1, 2).contiguous().to(query.dtype), None
 
     return fn
@@ -219,11 +226,11 @@ def _probs(p: torch.Tensor, valid: torch.Tensor, how) -> torch.Tensor:
     return out
 
 
-def _run_naive(model, desc, ids, mask):
+def _run_naive(model, desc, ids, mask, record: list | None = None):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
-    AttentionInterface.register("test-naive", naive_attention(desc, mask.bool()))
+    AttentionInterface.register("test-naive", naive_attention(desc, mask.bool(), record))
     AttentionMaskInterface.register("test-naive", eager_mask)
     prev = model.config._attn_implementation
     model.set_attn_implementation("test-naive")

@@ -263,7 +263,7 @@ def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path)
 
 def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_path):
     """--quant RECIPE: each layer in turn gets the recipe (its cell equals evaluate() with the recipe on that layer
-    alone), cells named by the spec text; no attention-error measurement (logits specs only, for now)."""
+    alone), cells named by the spec text; the attention error of the recipe measured per layer."""
     import dataclasses
 
     from outlierscope.eval.evaluate import evaluate
@@ -284,7 +284,8 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
         spec = dataclasses.replace(AttnQuant.parse("kivi-2bit"), layers=(i,))
         direct = evaluate(lm, quant=spec, items=items, batch_size=5, progress=False)
         np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
-    assert not (tmp_path / "attn_error.csv").exists()
+    err = pd.read_csv(tmp_path / "attn_error.csv")
+    assert sorted(set(err["layer"])) == list(range(lm.model.config.num_hidden_layers)) and (err["rel_out_mean"] > 0).all()
     with pytest.raises(OutlierscopeError, match="did you mean sage1"):
         SensitivitySettings(model="pair-tiny:diff", quant="sage")
     with pytest.raises(OutlierscopeError, match="head_dim 8 is not a multiple of the group size 32"):  # before it loads

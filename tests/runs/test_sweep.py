@@ -444,13 +444,17 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     assert rc == 2 and "did you mean sage1" in err and err.count("\n") == 1 and not (tmp_path / "bad").exists()
 
 
-def test_attention_error_with_recipes_measures_the_logits_cells(tiny_pair, hs_jsonl, tmp_path):
-    """--attn-error with --quant: the logits cells are measured, the recipe's cell runs without the measurement (not
-    implemented for q/k/v/P) instead of failing after the cells before it."""
+def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, tmp_path):
+    """--attn-error with --quant: the logits cells and the q/k/v/P cells are measured (each row of attn_error.csv
+    labelled with its spec); a spec that quantizes the logits and q/k/v together fails before anything runs."""
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16, 4), quant=("k=int4/per_group:8",),
                   attn_error=True)
     sweep(s, tmp_path, progress=False, log=lambda *_: None)
     err = pd.read_csv(tmp_path / "attn_error.csv")
-    assert set(err["bits"]) == {4} and set(err["label"]) == {"4-bit int per_tensor"}
-    rec = json.loads((tmp_path / "sweep.json").read_text())
-    assert [c for c in rec["cells"] if c.get("quant")]  # the recipe's cell is there
+    from outlierscope.quant.recipe import AttnQuant
+
+    assert set(err["label"]) == {"4-bit int per_tensor", AttnQuant.parse("k=int4/per_group:8").label}
+    rows = err.groupby("label")["rows"].sum()
+    assert rows.nunique() == 1 and rows.iloc[0] > 0 and (err["kl_mean"] > 0).any()  # the same rows, both measured
+    with pytest.raises(OutlierscopeError, match="not both"):
+        _settings(tiny_pair, hs_jsonl, quant=("k=int4/per_token;logits=int8/per_tensor",), attn_error=True)
