@@ -53,7 +53,7 @@ def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[tor
     bit patterns, narrow enough (s <= 23 + log2(r - 1)) to hold at most one edge: ``table[cell]`` is (the number of
     edges below the cell) << (s + 1) | (the low s bits of the edge inside it, or 2^s if none)."""
     eb = (lo * ratio ** np.arange(n + 1, dtype=np.float64)).astype(np.float32).view(np.int32).astype(np.int64)
-    for s in range(min(23, math.floor(23 + math.log2(ratio - 1))), -1, -1):
+    for s in range(min(23, math.floor(23 + math.log2(ratio - 1))), 7, -1):  # tables of at most 2^23 entries
         start = np.arange(2 ** (31 - s), dtype=np.int64) << s  # first bit pattern of each cell
         below = np.searchsorted(eb, start, side="left")  # edges below the cell
         j = np.minimum(below, n)
@@ -62,7 +62,8 @@ def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[tor
         if not second.any() and n + 1 < 2 ** (30 - s):
             table = (below << (s + 1)) | np.where(inside, eb[j] & (2**s - 1), 2**s)
             return torch.from_numpy(table.astype(np.int32)).to(device), s
-    raise ValueError(f"no bin table for ratio {ratio} with {n} bins: expected a ratio > 1 with fewer than 2^20 bins")
+    raise ValueError(f"no bin table for ratio {ratio}: expected a bin ratio >= 1.0001 (finer bins need a table "
+                     f"of more than 2^23 entries)")
 
 
 def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:

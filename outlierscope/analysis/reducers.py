@@ -105,6 +105,9 @@ class LogBins:
     hi: float = 1e8
     ratio: float = 1.01
 
+    def __post_init__(self):
+        self.table()  # a ratio the bin table cannot serve fails here, before any data
+
     @property
     def n(self) -> int:
         return math.ceil(math.log(self.hi / self.lo) / math.log(self.ratio))
