@@ -55,16 +55,11 @@ def repeat(fn, reps: int = 3) -> list[float]:
 
 def fresh_process_peak_rss(code: str, *argv: str) -> float:
     """Run Python ``code`` (with ``argv``) in a fresh process; its peak resident memory in MiB. A failing ``code``
-    raises (``CalledProcessError``).
-
-    Linux's VmHWM (the high-water mark of the process's own memory), not ``ru_maxrss``: a process started by fork and
-    exec keeps its parent's ``ru_maxrss`` when that is larger, so a bench that has loaded a model would read its own
-    peak back from every child."""
+    raises (``CalledProcessError``). :func:`outlierscope.io.peak_rss_mb`: VmHWM, not ``ru_maxrss``, which a child keeps
+    from its parent when that is larger (a bench that has loaded a model would read its own peak back)."""
     import subprocess
 
-    probe = ("\nimport resource as _r\ntry:\n    _kb = next(int(l.split()[1]) for l in open('/proc/self/status') "
-             "if l.startswith('VmHWM:'))\nexcept (OSError, StopIteration):\n    _kb = _r.getrusage(_r.RUSAGE_SELF).ru_maxrss\n"
-             "print('PEAK_RSS_MB', _kb / 1024)")
+    probe = "\nfrom outlierscope.io import peak_rss_mb as _peak\nprint('PEAK_RSS_MB', _peak())"
     r = subprocess.run([sys.executable, "-c", code + probe, *argv], capture_output=True, text=True, check=True)
     return float(next(line.split()[1] for line in r.stdout.splitlines() if line.startswith("PEAK_RSS_MB")))
 

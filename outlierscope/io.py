@@ -232,3 +232,16 @@ def git_commit() -> str | None:
     if head.returncode != 0:
         return None
     return head.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
+
+
+def peak_rss_mb() -> float:
+    """The peak resident memory of this process so far, MiB: Linux's VmHWM (the high-water mark of the process's own
+    memory); elsewhere ``ru_maxrss``. (A process started by fork and exec keeps its parent's ``ru_maxrss`` when that is
+    larger, so a profile launched from a process that has loaded a model would report that process's peak.)"""
+    try:
+        with open("/proc/self/status") as f:
+            return round(next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024, 1)
+    except (OSError, StopIteration, ValueError):
+        import resource
+
+        return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)  # KiB on Linux

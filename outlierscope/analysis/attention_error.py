@@ -25,8 +25,16 @@ import torch
 from torch import nn
 
 from outlierscope.errors import ParamError
-from outlierscope.hooks.attention import (QKV, LogitContext, QKVContext, Stage, attention_logits, attention_stages,
-                                          repeat_kv, repeat_kv_t)
+from outlierscope.hooks.attention import (
+    QKV,
+    LogitContext,
+    QKVContext,
+    Stage,
+    attention_logits,
+    attention_stages,
+    repeat_kv,
+    repeat_kv_t,
+)
 from outlierscope.quant.apply import absmax_reduction, as_attn_quant, attention_stage, logits_spec
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec

@@ -31,6 +31,7 @@ from outlierscope.io import (
     git_commit,
     machine,
     output_dir,
+    peak_rss_mb,
     read_torch_record,
     versions,
     write_csv,
@@ -219,13 +220,6 @@ class ProfileResult:
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
         return out
-
-
-def peak_rss_mb() -> float:
-    """The peak resident memory of this process so far, MiB (Linux: ru_maxrss in KiB)."""
-    import resource
-
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
 
 
 @torch.no_grad()

@@ -30,7 +30,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from outlierscope.analysis.attention_error import AttentionErrorStats, measure_attention_error, measured_spec, pool_heads
+from outlierscope.analysis.attention_error import (
+    AttentionErrorStats,
+    measure_attention_error,
+    measured_spec,
+    pool_heads,
+)
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers

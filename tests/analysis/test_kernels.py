@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from outlierscope.analysis.kernels import bin_index, bin_table, kernel, map_pass, token_pass
+from outlierscope.analysis.kernels import kernel, map_pass, token_pass
 from outlierscope.analysis.reducers import LogBins, Moments
 
 U = 2.0**-24  # float32 unit roundoff
