@@ -137,15 +137,16 @@ def test_parallel_record_recomputed():
 @pytest.mark.parametrize("stem", [r for r in RECORDS if r.startswith("profile_points")])
 def test_profile_points_record_recomputed(stem):
     """Every configuration a record holds; the 4,096-token record repeats each 3 times, the 0.4M-token one (runs of
-    ~20 minutes each) once."""
+    30-70 minutes each, bench/collect_rss.py) once."""
     r = _rec(stem)
     raw, d = r["raw"], r["derived"]
     keys = [k for k in ("two", "linear_qkv", "every", "every_4x") if f"{k}_peak_rss_mb" in raw]
-    assert {"two", "linear_qkv"} <= set(keys)
+    assert "two" in keys and ({"linear_qkv", "every"} & set(keys))
     for key in keys:
         rss = raw[f"{key}_peak_rss_mb"]
         assert len(rss) >= (3 if raw["tokens"] < 100_000 else 1) and d[f"{key}_peak_rss_mb"] == round(_median(rss)), key
-    assert d["rss_linear_qkv_vs_two"] == round(d["linear_qkv_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
+    if "linear_qkv" in keys:
+        assert d["rss_linear_qkv_vs_two"] == round(d["linear_qkv_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
     if "every" in keys:
         assert d["rss_every_vs_two"] == round(d["every_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
     if "every_4x" in keys:
