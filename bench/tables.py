@@ -63,6 +63,12 @@ TABLES = {
         ("every point vs two points", "rss_every_vs_two", "{}x"),
         ("growth with 4x the tokens, every point, MB", "rss_growth_every_4x_tokens_mb", "{}"),
     ]),
+    "profile_points_400k": ("profile_points_400k", [
+        ("tokens per profile (one run each, side by side, one thread each)", "tokens", "{:,}"),
+        ("peak RSS, Table 5's two points, MB", "two_peak_rss_mb", "{:,}"),
+        ("peak RSS, every point (includes every nn.Linear input + q/k/v), MB", "every_peak_rss_mb", "{:,}"),
+        ("every point vs two points (the goal's subset: <= this; goal <= 2x)", "rss_every_vs_two", "**{}x**"),
+    ]),
     "quant": ("quant", [
         ("plain copy (`clone`) of a (8, 6, 256, 256) fp32 logits tensor, GB/s", "copy_GBps", "{}"),
         ("fake-quant 8-bit per_tensor (scale + round + mask), GB/s", "fake_quant_per_tensor_GBps", "{}"),
