@@ -14,27 +14,40 @@ from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 
 
-def _naive(ref, quant, valid, value):
+def _softmax(xs):
+    m = max(xs)
+    z = math.fsum(math.exp(x - m) for x in xs)
+    return [math.exp(x - m) / z for x in xs]
+
+
+def _naive_rows(ref, quant, valid, value, probs=None, quant_value=None):
+    """Per real query row (b, h, t): KL(softmax(ref) || softmax(quant)), whether the top key changed, and the relative
+    output error of softmax(ref) @ value against (probs or softmax(quant)) @ (quant_value or value), in Python floats."""
     B, H, T, S = ref.shape
-    out = {"kl": np.zeros((B, H, T)), "changed": np.zeros((B, H, T), bool), "rel": np.zeros((B, H, T)),
-           "rows": np.zeros((B, H, T), bool)}
+    qv = value if quant_value is None else quant_value
     for b in range(B):
         for h in range(H):
             for t in range(T):
                 keys = [s for s in range(S) if valid[b, min(h, valid.shape[1] - 1), t, s]]
                 if not keys:
                     continue
-                out["rows"][b, h, t] = True
-                a = [float(ref[b, h, t, s]) for s in keys]
-                q = [float(quant[b, h, t, s]) for s in keys]
-                za, zq = math.fsum(math.exp(x - max(a)) for x in a), math.fsum(math.exp(x - max(q)) for x in q)
-                p = [math.exp(x - max(a)) / za for x in a]
-                pq = [math.exp(x - max(q)) / zq for x in q]
-                out["kl"][b, h, t] = math.fsum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, pq) if pi > 0)
-                out["changed"][b, h, t] = q[a.index(max(a))] < max(q) or q.count(max(q)) > a.count(max(a))
-                o = [math.fsum(pi * float(value[b, h, s, d]) for pi, s in zip(p, keys)) for d in range(value.shape[-1])]
-                oq = [math.fsum(pi * float(value[b, h, s, d]) for pi, s in zip(pq, keys)) for d in range(value.shape[-1])]
-                out["rel"][b, h, t] = math.dist(o, oq) / math.hypot(*o)
+                a, q = [float(ref[b, h, t, s]) for s in keys], [float(quant[b, h, t, s]) for s in keys]
+                p, pq = _softmax(a), _softmax(q)
+                kl = math.fsum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, pq) if pi > 0)
+                changed = q[a.index(max(a))] < max(q) or q.count(max(q)) > a.count(max(a))
+                w = pq if probs is None else [float(probs[b, h, t, s]) for s in keys]
+                d = value.shape[-1]
+                o = [math.fsum(pi * float(value[b, h, s, j]) for pi, s in zip(p, keys)) for j in range(d)]
+                oq = [math.fsum(wi * float(qv[b, h, s, j]) for wi, s in zip(w, keys)) for j in range(d)]
+                yield b, h, t, kl, changed, math.dist(o, oq) / math.hypot(*o)
+
+
+def _naive(ref, quant, valid, value):
+    B, H, T, _ = ref.shape
+    out = {"kl": np.zeros((B, H, T)), "changed": np.zeros((B, H, T), bool), "rel": np.zeros((B, H, T)),
+           "rows": np.zeros((B, H, T), bool)}
+    for b, h, t, kl, changed, rel in _naive_rows(ref, quant, valid, value):
+        out["rows"][b, h, t], out["kl"][b, h, t], out["changed"][b, h, t], out["rel"][b, h, t] = True, kl, changed, rel
     return out
 
 
@@ -150,35 +163,18 @@ def test_evaluate_with_attention_error(hellaswag_cached):
 
 # -- q/k/v/P specs (kernel recipes): against the recipes' naive float64 attention ----------------------------------
 
-def _softmax(xs):
-    m = max(xs)
-    z = math.fsum(math.exp(x - m) for x in xs)
-    return [math.exp(x - m) / z for x in xs]
-
-
 def _naive_kernel_errors(calls, n_layers):
     """Per (layer, head) rows, kl sum, changed, rel_out sum from the naive attention's record (one call per layer):
     kl and changed of softmax(ref) vs softmax(quant) (both after the soft cap), rel_out of p @ v vs P~ @ v~."""
     H = calls[0]["ref"].shape[1]
     out = {k: np.zeros((n_layers, H)) for k in ("rows", "kl", "changed", "rel")}
     for layer, c in enumerate(calls):
-        ref, quant, probs, v, qv, valid = (c[k] for k in ("ref", "quant", "probs", "value", "quant_value", "valid"))
-        B, _, T, S = ref.shape
-        for b in range(B):
-            for h in range(H):
-                for t in range(T):
-                    keys = [s for s in range(S) if valid[b, min(h, valid.shape[1] - 1), t, s]]
-                    if not keys:
-                        continue
-                    a, q = [float(ref[b, h, t, s]) for s in keys], [float(quant[b, h, t, s]) for s in keys]
-                    p, pq = _softmax(a), _softmax(q)
-                    out["rows"][layer, h] += 1
-                    out["kl"][layer, h] += math.fsum(pi * (math.log(pi) - math.log(qi)) for pi, qi in zip(p, pq) if pi > 0)
-                    out["changed"][layer, h] += q[a.index(max(a))] < max(q) or q.count(max(q)) > a.count(max(a))
-                    d = v.shape[-1]
-                    o = [math.fsum(pi * float(v[b, h, s, j]) for pi, s in zip(p, keys)) for j in range(d)]
-                    oq = [math.fsum(float(probs[b, h, t, s]) * float(qv[b, h, s, j]) for s in keys) for j in range(d)]
-                    out["rel"][layer, h] += math.dist(o, oq) / math.hypot(*o)
+        rows = _naive_rows(c["ref"], c["quant"], c["valid"], c["value"], c["probs"], c["quant_value"])
+        for _, h, _, kl, changed, rel in rows:
+            out["rows"][layer, h] += 1
+            out["kl"][layer, h] += kl
+            out["changed"][layer, h] += changed
+            out["rel"][layer, h] += rel
     return out
 
 
