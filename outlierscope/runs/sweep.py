@@ -80,8 +80,8 @@ class SweepSettings:
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
-                              "argmax changes, output error) into attn_error.csv; costs 2-5x the time of a cell, "
-                              "one process; logits cells only (not --quant's)")
+                              "argmax changes, output error) into attn_error.csv, for the logits cells and the --quant cells; "
+                              "costs 2-5x the time of a cell, one process")
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
