@@ -179,7 +179,7 @@ class LoadedModel:
             return self.source.detail["repo_id"]
         if kind == "gguf":
             return Path(self.spec).name
-        if (":" in self.spec or self.spec in FETCHABLE) and not Path(self.spec).exists():
+        if kind in ("preset", "fetched") or (kind is None and _is_name(self.spec) and not Path(self.spec).exists()):
             return self.spec
         return self.path.name
 
@@ -233,11 +233,13 @@ def resolve_spec(spec: str, trust_remote_code: bool = False) -> Path:
 def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
     """Map a spec to a model, in this order: an existing local directory (or ``.gguf`` file, converted once into the
     cache), a preset role or fetchable model, then a Hugging Face Hub id ``ORG/NAME[@REVISION]`` (downloaded into
-    the Hub cache). Anything else is a one-line error naming what is wrong."""
+    the Hub cache). A path that is not a model (no config.json, not a file) does not hide a preset role or fetchable
+    model of the same name (an output directory ``smollm2-135m/`` beside the command). Anything else is a one-line
+    error naming what is wrong."""
     from outlierscope.models.hub import parse_hub_id, resolve_hub
 
     path = Path(spec).expanduser()
-    if path.exists():
+    if path.exists() and (not _is_name(spec) or path.is_file() or (path / "config.json").exists()):
         return _local(spec, path)
     if spec in FETCHABLE:
         if not is_fetched(spec):
@@ -259,6 +261,11 @@ def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
         f"({', '.join(FETCHABLE)}) nor a preset role (PRESET:{'|'.join(ROLES)})"
         + (f"; did you mean {', '.join(hint)}?" if hint else "")
     )
+
+
+def _is_name(spec: str) -> bool:
+    """A preset role (``PRESET:ROLE``) or a fetchable model's name, not a path."""
+    return spec in FETCHABLE or (":" in spec and "/" not in spec)
 
 
 def _local(spec: str, path: Path) -> ModelSource:

@@ -234,3 +234,26 @@ def test_evaluate_refuses_a_masked_lm():
     from outlierscope.models.loading import check_causal
 
     check_causal(decoder)  # a BERT used as a decoder is causal: accepted
+
+
+def test_a_directory_that_is_not_a_model_does_not_hide_a_named_model(tmp_path, monkeypatch):
+    """An output directory named like a preset or fetchable model (``sweep --out smollm2-135m/hellaswag`` makes
+    ``smollm2-135m/`` before the model loads) is not taken for the model; a real model directory still wins."""
+    from outlierscope.models import fetch as mf
+    from outlierscope.models.loading import PRETRAINED_DIR, resolve_model
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "pair-tiny:diff" / "hellaswag").mkdir(parents=True)
+    assert resolve_spec("pair-tiny:diff") == PRETRAINED_DIR / "pair-tiny" / "diff"
+    name = next(iter(mf.FETCHABLE))
+    (tmp_path / name / "cells").mkdir(parents=True)
+    monkeypatch.setattr("outlierscope.models.loading.is_fetched", lambda n: False)
+    with pytest.raises(OutlierscopeError, match=f"model {name} is not fetched yet"):  # not: "has no config.json"
+        resolve_spec(name)
+    monkeypatch.setattr("outlierscope.models.loading.is_fetched", lambda n: True)
+    assert resolve_model(name).kind == "fetched"
+    (tmp_path / "pair-tiny:diff" / "config.json").write_text("{}")  # now a model directory: it wins, as before
+    assert resolve_model("pair-tiny:diff").kind == "directory"
+    (tmp_path / "plain").mkdir()
+    with pytest.raises(OutlierscopeError, match="has no config.json"):  # a path that names no model: as before
+        resolve_spec("plain")
