@@ -111,3 +111,70 @@ def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
         ax.legend(frameon=False, fontsize=8)
     fig.suptitle("Low-bit attention recipes: accuracy change", fontsize=11)
     return fig
+
+
+def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
+    """Figure 8 with a line per attention recipe: the headline metric against bits, one panel per task and model.
+    The paper's logits axis is the black line through its bit widths; each recipe (``sweep --quant``) is a line from
+    the unquantized point at 16 bits to its own point at the fewest bits any of its tensors use. None without recipe
+    rows."""
+    from outlierscope.data.tasks import task_label
+
+    if "format" not in sweep or not (sweep["format"] == "attn").any():
+        return None
+    panels = [(task, model, g[g["metric"] == headline_metric(t["metric"])])
+              for task, t in by_task(sweep) for model, g in t.groupby("model", sort=False)]
+    labels = list(dict.fromkeys(sweep.loc[sweep["format"] == "attn", "label"]))
+    colors = dict(zip(labels, sns.color_palette("tab20", max(len(labels), 3))))
+    ncol = min(len(panels), 2)
+    fig, axes = plt.subplots(-(-len(panels) // ncol), ncol, figsize=(6.4 * ncol, 4.4 * -(-len(panels) // ncol)),
+                             layout="constrained", squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (task, model, g) in zip(axes.flat, panels):
+        base = g[g["bits"] == 16]["value"].iloc[0] * 100
+        pos = {b: i for i, b in enumerate(sorted(set(g["bits"]), reverse=True))}  # evenly spaced, as Figure 8
+        logits = g[g["format"] != "attn"].sort_values("bits", ascending=False)
+        ax.plot([pos[b] for b in logits["bits"]], logits["value"] * 100, "o-", color="black", lw=2,
+                label="logits (paper, per_tensor)")
+        for _, r in g[g["format"] == "attn"].iterrows():
+            ax.plot([pos[16], pos[r["bits"]]], [base, r["value"] * 100], "s--", color=colors[r["label"]], lw=1.2,
+                    ms=5, label=r["label"])
+        ax.axhline(float(g["chance"].iloc[0]) if "chance" in g else 25.0, color="0.5", ls=":", lw=1)
+        ax.set_xticks(list(pos.values()), [str(b) for b in pos])
+        ax.set_xlabel("bits (a recipe: the fewest bits of its tensors)")
+        ax.set_ylabel(f"{g['metric'].iloc[0]} (%)")
+        ax.set_title(f"{_short(model)}, {task_label(task)} ({int(g['n_items'].iloc[0]):,} items)", fontsize=10)
+        ax.grid(alpha=0.3)
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="outside right center", frameon=False, fontsize=8)
+    fig.suptitle("Zero-shot accuracy vs bits: the paper's logits and each low-bit attention recipe", fontsize=11)
+    return fig
+
+
+def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> plt.Figure | None:
+    """Recipe x layer heatmap of the attention error pooled over heads (:func:`~outlierscope.report.tables.
+    attention_error_layers`; log colour scale), one panel per model and task."""
+    from outlierscope.data.tasks import task_label
+    from outlierscope.report.tables import attention_error_layers as pooled
+
+    layers = pooled(attn_error)
+    groups = list(layers.groupby(["model", "task"], sort=False))
+    vals = layers[value].to_numpy()
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    if not len(vals):
+        return None
+    norm = matplotlib.colors.LogNorm(vmin=max(vals.min(), vals.max() * 1e-6), vmax=vals.max())
+    n_labels, n_layers = layers["label"].nunique(), layers["layer"].nunique()
+    fig, axes = plt.subplots(len(groups), 1, figsize=(min(3.5 + 0.32 * n_layers, 16), (1 + 0.3 * n_labels) * len(groups)),
+                             layout="constrained", squeeze=False)
+    for ax, ((model, task), g) in zip(axes[:, 0], groups):
+        grid = g.pivot(index="label", columns="layer", values=value).reindex(list(dict.fromkeys(g["label"])))  # (labels, layers)
+        im = ax.imshow(grid.to_numpy(), aspect="auto", interpolation="nearest", cmap="rocket_r", norm=norm)
+        ax.set_yticks(range(len(grid.index)), grid.index, fontsize=7)
+        ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns], fontsize=6)
+        ax.set_xlabel("layer")
+        ax.set_title(f"{_short(model)}, {task_label(task)}", fontsize=9)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (pooled over heads)")
+    fig.suptitle(f"Attention error per layer: {value}", fontsize=11)
+    return fig

@@ -41,7 +41,9 @@ PROFILE_TABLES = {
     "sinks": (["model", "point", "layer", "head", "mass_first", "mass_first_k"], ["mass_first", "mass_first_k"]),
 }
 SWEEP_TABLES = {"sweep": (["model", "bits", "label", "granularity", "metric", "value", "stderr", "n_items"],
-                          ["bits", "value"])}
+                          ["bits", "value"]),
+                "attn_error": (["model", "task", "bits", "label", "layer", "head", "rows", "kl_mean", "kl_max",
+                                "argmax_change_rate"], ["layer", "head", "rows", "kl_mean", "argmax_change_rate"])}
 MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel", "massive", "massive_recurrence",
                 "int8_features"}
 
@@ -164,6 +166,9 @@ def load_run(run_dir: str | Path) -> RunResults:
             if "chance" not in sw:  # written before the column: the record's, else HellaSwag's 25%
                 sw.insert(sw.columns.get_loc("n_items") + 1, "chance", float(meta.get("chance", 25.0)))
             check_sweep_rows(cand / "sweep.csv", sw)
+            errors = read_table(cand / "attn_error.csv", *SWEEP_TABLES["attn_error"])  # `sweep --attn-error`
+            if errors is not None:
+                res.tables["attn_error"] = errors
             for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
                 df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
                 if df is not None:

@@ -14,6 +14,7 @@ from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
 from outlierscope.report.outcome import outcome_paragraph
 from outlierscope.report.tables import (
+    attention_error_markdown,
     by_task,
     key_channels_markdown,
     massive_origin,
@@ -44,6 +45,9 @@ POINT_FIGURES = [
     ("sinks", "sinks", lambda p, df, r: p.sink_heatmap(df), "Attention sinks: mass on key 0 per layer and head"),
     ("massive_locations", "massive_recurrence", lambda p, df, r: p.massive_locations(df), "Where massive activations sit"),
     ("recipes", "sweep", lambda p, df, r: p.recipe_damage(df), "Low-bit attention recipes: accuracy change"),
+    ("recipe_lines", "sweep", lambda p, df, r: p.recipe_lines(df), "Accuracy vs bits: a line per attention recipe"),
+    ("attn_error_layers", "attn_error", lambda p, df, r: p.attention_error_layers(df),
+     "Attention error per layer (mean KL)"),
 ]
 
 
@@ -101,7 +105,8 @@ def _timing_table(meta: dict | None) -> list[str]:
     for c in cells:
         key = (c["model"], c.get("task", "hellaswag"))
         total[key] = total.get(key, 0.0) + c["seconds"]
-        rows.setdefault(key, []).append(f"{c['bits']}: {c['seconds']:.0f}")
+        name = c["label"] if c.get("quant") else c["bits"]  # a recipe cell by its name, a logits cell by its bits
+        rows.setdefault(key, []).append(f"{name}: {c['seconds']:.0f}")
     m = meta.get("machine") or {}
     where = f" on {m.get('cpu', '?')}, {m.get('cores', '?')} cores" + (f", {m['gpu']}" if m.get("gpu") else "")
     out = [f"Time per model and task (seconds as each cell recorded when it ran{where}; a cell reused from an "
@@ -184,6 +189,14 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
                      if (sw.get("format") == "attn").any() else ""), "",
                   sweep_table(run.tables["sweep"]), ""]
         parts += _timing_table(run.sweep_meta)
+    if "attn_error" in run.tables:
+        parts += ["## What quantization does to attention", "", "Measured per query row in every quantized cell "
+                  "(`--attn-error`) against the unquantized attention of the same forward: the KL divergence "
+                  "KL(p || p~) of the probabilities from the quantized logits (logits, q and k quantization, "
+                  "smoothing), whether the row's most attended key changes, and the output error "
+                  "||p V - P~ V~|| / ||p V|| (everything, P and V included); pooled over heads and layers weighted by "
+                  "rows (per head: attn_error.csv).", "",
+                  attention_error_markdown(run.tables["attn_error"]), ""]
     if written:
         parts += ["## Figures", ""]
         for title, path in written:

@@ -43,7 +43,8 @@ def outcome_paragraph(run) -> str:
             )
     sw = run.tables.get("sweep")
     if sw is not None:
-        sentences += _sweep_outcome(sw)
+        recipes = sw["format"].eq("attn") if "format" in sw else sw["bits"].isna()  # `--quant` rows
+        sentences += _sweep_outcome(sw[~recipes]) + _recipe_outcome(sw[recipes], sw)
     return " ".join(sentences) if sentences else "No results to summarise."
 
 
@@ -95,3 +96,25 @@ def _sweep_outcome(sw) -> list[str]:
             + (f" ({', '.join(sig)})." if sig else ".")
         )
     return out
+
+
+def _recipe_outcome(rows, sw) -> list[str]:
+    """Per task and model, the attention recipes (``sweep --quant`` rows) that change the most and the fewest of the
+    headline metric's choices (flip rate), with the change of the metric itself."""
+    out = []
+    for task, t in by_task(rows):
+        hm = headline_metric(with_task(sw).query("task == @task").metric)
+        for model, g in t.groupby("model", sort=False):
+            flips = g[g.metric == FLIP_METRIC[hm]].set_index("label")["value"]
+            if len(flips) < 2:
+                continue
+            delta = g[g.metric == hm].set_index("label")
+            hi, lo = (_recipe_said(lb, flips[lb], delta.loc[lb], hm) for lb in (flips.idxmax(), flips.idxmin()))
+            out.append(f"{model} on {task_label(task)}, {len(flips)} attention recipes: the most damaging is {hi}, "
+                       f"the least {lo}.")
+    return out
+
+
+def _recipe_said(label: str, flip: float, row, metric: str) -> str:
+    return (f"{label} ({flip * 100:.1f}% of choices change, {metric} {row['delta_vs_16'] * 100:+.2f} points, "
+            f"McNemar p = {row['mcnemar_p']:.3g})")

@@ -149,3 +149,51 @@ def key_channels_markdown(channels: pd.DataFrame, n: int = 8) -> str:
     for r in top.itertuples():
         lines.append(f"| {r.model} | {r.layer} | {r.head} | {r.dim} | {r.absmax:.2f} | {r.ratio:.1f} | {r.mean_abs:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+def attention_error_layers(attn_error: pd.DataFrame) -> pd.DataFrame:
+    """A sweep's ``attn_error.csv`` (per model, task, cell label, layer and head) pooled over heads per layer:
+    row-weighted mean KL, top-key change rate and output error, the maxima
+    (:func:`~outlierscope.analysis.attention_error.pool_heads` per cell)."""
+    from outlierscope.analysis.attention_error import pool_heads
+
+    keys = ["model", "task", "bits", "label"]
+    parts = [pool_heads(g.drop(columns=keys)).assign(**dict(zip(keys, k)))
+             for k, g in attn_error.groupby(keys, sort=False)]
+    out = pd.concat(parts, ignore_index=True)
+    return out[keys + [c for c in out.columns if c not in keys]]
+
+
+def attention_error_markdown(attn_error: pd.DataFrame) -> str:
+    """Per model, task and cell: the query rows measured, the mean KL over all rows, the layer with the largest mean
+    KL, the share of rows whose top key changes and the mean relative output error; then per model and task the
+    mean KL per layer (layers as rows, cells as columns)."""
+    from outlierscope.data.tasks import task_label
+
+    layers = attention_error_layers(attn_error)
+    out = _attention_error_summary(layers)
+    for (model, task), g in layers.groupby(["model", "task"], sort=False):
+        grid = g.pivot(index="layer", columns="label", values="kl_mean")[list(dict.fromkeys(g["label"]))]  # (layers, cells)
+        out += ["", f"Mean KL per layer, {model} on {task_label(task)}:", "",
+                "| layer | " + " | ".join(grid.columns) + " |", "|---|" + "---|" * len(grid.columns)]
+        out += [f"| {layer} | " + " | ".join(f"{v:.3g}" for v in row) + " |" for layer, row in grid.iterrows()]
+    return "\n".join(out)
+
+
+def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
+    """The summary table of :func:`attention_error_markdown` from the per-layer pooled rows."""
+    from outlierscope.data.tasks import task_label
+
+    has_out = "rel_out_mean" in layers and layers["rel_out_mean"].notna().any()
+    out = ["| Model | Task | Setting | rows | mean KL | worst layer (mean KL) | top key lost | "
+           + ("mean rel. output error |" if has_out else ""), "|---|---|---|---|---|---|---|" + ("---|" if has_out else "")]
+    for (model, task, label), g in layers.groupby(["model", "task", "label"], sort=False):
+        n = g["rows"].sum()
+        worst = g.loc[g["kl_mean"].idxmax()]
+        row = (f"| {model} | {task_label(task)} | {label} | {n:,} | {(g['kl_mean'] * g['rows']).sum() / n:.3g} | "
+               f"{int(worst['layer'])} ({worst['kl_mean']:.3g}) | {(g['argmax_change_rate'] * g['rows']).sum() / n:.2%} |")
+        if has_out:
+            rel = g["rel_out_mean"]
+            row += f" {(rel * g['rows']).sum() / n:.3g} |" if rel.notna().all() else " |"
+        out.append(row)
+    return out

@@ -198,3 +198,73 @@ def test_sweep_from_before_tasks_loads(run_dir, tmp_path):
     (d / "sweep.json").write_text(json.dumps(meta))
     got = load_run(d).tables["sweep"]
     assert got["task"].eq("copa").all() and got["chance"].eq(50.0).all()
+
+
+def _recipe_sweep():
+    """A sweep table by hand: the paper's logits at 16 and 4 bits and two recipes (format attn) at 2 and 8 bits."""
+    rows = []
+    for label, fmt, bits, acc, d, p, flip in (("16 (unquantized)", "int", 16, 0.50, None, None, None),
+                                              ("4-bit int per_tensor", "int", 4, 0.45, -0.05, 0.02, 0.10),
+                                              ("kivi-2bit", "attn", 2, 0.40, -0.10, 0.001, 0.30),
+                                              ("sage1", "attn", 8, 0.50, 0.0, 1.0, 0.0)):
+        common = {"model": "m", "task": "hellaswag", "bits": bits, "label": label, "format": fmt, "n_items": 100,
+                  "chance": 25.0}
+        rows.append({**common, "metric": "acc_norm", "value": acc, "stderr": 0.05, "delta_vs_16": d, "ci_low": d,
+                     "ci_high": d, "mcnemar_p": p})
+        if flip is not None:
+            rows.append({**common, "metric": "flip_rate_norm", "value": flip})
+    return pd.DataFrame(rows)
+
+
+def test_outcome_with_recipes(tmp_path):
+    """The paper's sentence reads the logits' lowest bit width (4), not a recipe's (2); the recipes get their own
+    sentence: the most and the least damaging by flip rate."""
+    from outlierscope.report.load import RunResults
+
+    para = outcome_paragraph(RunResults(tmp_path, tables={"sweep": _recipe_sweep()}))
+    assert "acc_norm 50.00% at 16 bits and 45.00% at 4 bits, a change of -5.00 points" in para and "2 bits" not in para
+    assert ("m on HellaSwag, 2 attention recipes: the most damaging is kivi-2bit (30.0% of choices change, acc_norm "
+            "-10.00 points, McNemar p = 0.001), the least sage1 (0.0% of choices change, acc_norm +0.00 points, "
+            "McNemar p = 1).") in para
+
+
+def test_recipe_lines_figure():
+    """A line per recipe from the unquantized point (16 bits) to its own bits; the logits line through its bits."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from outlierscope.report.activation_plots import recipe_lines
+
+    fig = recipe_lines(_recipe_sweep())
+    lines = {ln.get_label(): (list(ln.get_xdata()), list(ln.get_ydata())) for ln in fig.axes[0].get_lines()
+             if not ln.get_label().startswith("_")}
+    ticks = [t.get_text() for t in fig.axes[0].get_xticklabels()]
+    assert ticks == ["16", "8", "4", "2"]  # evenly spaced positions 0..3, as the paper's Figure 8
+    assert lines["logits (paper, per_tensor)"] == ([0, 2], [50.0, 45.0])
+    assert lines["kivi-2bit"] == ([0, 3], [50.0, 40.0]) and lines["sage1"] == ([0, 1], [50.0, 50.0])
+    assert recipe_lines(_recipe_sweep().query("format != 'attn'")) is None
+
+
+def test_attention_error_per_layer_tables():
+    """Pooled over heads weighted by rows, by hand: layer 0 (100 rows at KL 0.1, 300 at 0.5) -> 0.4, layer 1 -> 0.2;
+    over all 600 rows (10 + 150 + 20 + 20) / 600 (not the layers' plain mean 0.3); top key lost (20 + 0 + 50 + 50) /
+    600; output error (1 + 9 + 2 + 2) / 600."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from outlierscope.report.activation_plots import attention_error_layers
+    from outlierscope.report.tables import attention_error_markdown
+
+    heads = [(0, 0, 100, 0.1, 0.2, 0.01), (0, 1, 300, 0.5, 0.0, 0.03), (1, 0, 100, 0.2, 0.5, 0.02),
+             (1, 1, 100, 0.2, 0.5, 0.02)]
+    t = pd.DataFrame([{"model": "m", "task": "hellaswag", "bits": 8, "label": "sage1", "layer": la, "head": h,
+                       "rows": n, "kl_mean": kl, "kl_max": 2 * kl, "argmax_change_rate": ch, "rel_out_mean": rel,
+                       "rel_out_max": 2 * rel} for la, h, n, kl, ch, rel in heads])
+    t = pd.concat([t, t.assign(label="x", bits=2, kl_mean=1.0)], ignore_index=True)
+    md = attention_error_markdown(t)
+    assert f"| m | HellaSwag | sage1 | 600 | {200 / 600:.3g} | 0 (0.4) | 20.00% | {14 / 600:.3g} |" in md
+    assert "| m | HellaSwag | x | 600 | 1 | 0 (1) |" in md
+    assert "| layer | sage1 | x |" in md and "| 0 | 0.4 | 1 |" in md and "| 1 | 0.2 | 1 |" in md
+    fig = attention_error_layers(t)
+    grid = fig.axes[0].images[0].get_array()
+    assert grid.shape == (2, 2) and abs(grid[0, 0] - 0.4) < 1e-12 and abs(grid[0, 1] - 0.2) < 1e-12

@@ -326,6 +326,13 @@ def test_sweep_attention_error(tiny_pair, hs_jsonl, tmp_path):
     assert (t["rows"] > 0).all() and {"kl_mean", "argmax_change_rate", "rel_out_mean"} <= set(t.columns)
     by_bits = t.groupby("bits")["kl_mean"].mean()
     assert by_bits[8] < by_bits[4]
+    from outlierscope.report.markdown import write_report
+
+    report = write_report(out).read_text()  # the report's section, pooled by rows over layers and heads
+    for bits, g in t.groupby("bits"):
+        kl = (g["kl_mean"] * g["rows"]).sum() / g["rows"].sum()
+        assert f"| {bits}-bit int per_tensor | {g['rows'].sum():,} | {kl:.3g} |" in report
+    assert "figures/attn_error_layers.png" in report
     logs = []
     sweep(s, out, progress=False, log=logs.append)
     assert sum("done earlier" in m for m in logs) == 3 and pd.read_csv(out / "attn_error.csv").equals(t)
