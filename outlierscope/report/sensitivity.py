@@ -24,11 +24,23 @@ def kept_as(keep_bits: int) -> str:
     return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"
 
 
+def _quant_said(settings: dict) -> str:
+    """What each layer in turn gets: the attention recipe or spec (``--quant``) with its canonical text, else the
+    logits' bits, format and granularity."""
+    q = settings.get("quant")
+    if not q:
+        return f"{settings['bits']}-bit {settings['format']} {settings['granularity']}"
+    from outlierscope.quant.recipe import AttnQuant
+
+    text = str(AttnQuant.parse(q))
+    return q if text == q else f"{q} (`{text}`)"
+
+
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
     """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""
     s, metric = record["settings"], record["metric"]
-    quant = f"{s['bits']}-bit {s['format']} {s['granularity']}"
+    quant = _quant_said(s)
     final = record["final"]
     reach = ("within" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} nats"
     lines = [f"# Per-layer sensitivity: {s['model']}, {s['task']}, {quant}", "",

@@ -286,6 +286,8 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
         np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     err = pd.read_csv(tmp_path / "attn_error.csv")
     assert sorted(set(err["layer"])) == list(range(lm.model.config.num_hidden_layers)) and (err["rel_out_mean"] > 0).all()
+    title = (tmp_path / "sensitivity.md").read_text().splitlines()[0]  # the recipe, not the unused logits bits
+    assert title == f"# Per-layer sensitivity: pair-tiny:diff, hellaswag, kivi-2bit (`{AttnQuant.parse('kivi-2bit')}`)"
     with pytest.raises(OutlierscopeError, match="did you mean sage1"):
         SensitivitySettings(model="pair-tiny:diff", quant="sage")
     with pytest.raises(OutlierscopeError, match="head_dim 8 is not a multiple of the group size 32"):  # before it loads
