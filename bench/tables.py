@@ -123,6 +123,13 @@ TABLES = {
     "tasks_scores_smollm2": ("tasks_vs_lmeval_smollm2-135m", [
         ("piqa", ("piqa_summary", "piqa_summary_norm"), "{}; {}"),
     ]),
+    "recipe_cost": ("recipe_cost", [
+        ("HellaSwag items per cell, model", ("items", "model"), "{} items, {}"),
+        *((f"{name}: s per cell (median), vs the logits cell", (f"median_s/{name}", f"ratio_vs_logits/{name}"),
+           "{} s, {}x") for name in ("logits int4 per_tensor", "sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard",
+                                     "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn")),
+        ("slowest recipe vs the logits cell (goal <= 1.5x)", "max_ratio", "**{}x**"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
@@ -142,7 +149,7 @@ def render(name: str) -> str:
     d = {**rec["raw"], **rec["derived"]}
     lines = ["| measure | value |", "|---|---|"]
     for label, key, fmt in rows:
-        vals = [d[k] for k in key] if isinstance(key, tuple) else [d[key]]
+        vals = [_get(d, k) for k in key] if isinstance(key, tuple) else [_get(d, key)]
         value = PIPE.sub(r"\\|", fmt.format(*vals))  # a bare | in a value would split the cell
         lines.append(f"| {label} | {value} |")
     m = rec["machine"]
@@ -151,6 +158,13 @@ def render(name: str) -> str:
                   f"threads{', ' + m['gpu'] if m['gpu'] else ''}; load average {m['load_average_1m_at_start']} at the start; "
                   f"torch {rec['versions']['torch']}). Raw timings of every repetition are in the record."]
     return "\n".join(lines)
+
+
+def _get(d: dict, key: str):
+    """``d[key]``, or a nested value by its path ``outer/inner`` (a record's per-setting dictionaries)."""
+    for part in key.split("/"):
+        d = d[part]
+    return d
 
 
 PIPE = re.compile(r"(?<!\\)\|")

@@ -51,7 +51,9 @@ def _timing_lists(raw):
     """Every list of seconds in a record's raw part, however nested."""
     out = []
     for k, v in raw.items():
-        if isinstance(v, dict):
+        if k == "seconds" and isinstance(v, dict):  # per setting: {name: [seconds, ...]}
+            out += [(f"seconds/{name}", t) for name, t in v.items()]
+        elif isinstance(v, dict):
             out += _timing_lists(v)
         elif isinstance(v, list) and (k.endswith("_s") or k == "seconds"):
             out.append((k, v))
@@ -151,3 +153,13 @@ def test_profile_points_record_recomputed(stem):
         assert d["rss_every_vs_two"] == round(d["every_peak_rss_mb"] / d["two_peak_rss_mb"], 2)
     if "every_4x" in keys:
         assert d["rss_growth_every_4x_tokens_mb"] == d["every_4x_peak_rss_mb"] - d["every_peak_rss_mb"]
+
+
+def test_recipe_cost_record_recomputed():
+    r = _rec("recipe_cost")
+    sec, d = r["raw"]["seconds"], r["derived"]
+    base = _median(sec["logits int4 per_tensor"])
+    for name, t in sec.items():
+        assert len(t) >= 3 and abs(d["median_s"][name] - _median(t)) <= 0.0051, name
+        assert abs(d["ratio_vs_logits"][name] - _median(t) / base) <= 0.00051, name
+    assert d["max_ratio"] == max(v for k, v in d["ratio_vs_logits"].items() if k != "logits int4 per_tensor")
