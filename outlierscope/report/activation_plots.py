@@ -12,7 +12,7 @@ import pandas as pd
 import seaborn as sns
 
 from outlierscope.report.plots import _colors, _short
-from outlierscope.report.tables import by_task, headline_metric
+from outlierscope.report.tables import by_task, headline_metric, recipe_rows
 
 CHANNEL_POINTS = ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")  # drawn when a run has them
 KIND_MARKERS = {"first": "o", "delimiter": "s", "other": "^"}
@@ -86,7 +86,7 @@ def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
     one panel per task, models side by side. None without recipe rows."""
     from outlierscope.data.tasks import task_label
 
-    d = sweep[sweep["format"] == "attn"] if "format" in sweep else sweep.iloc[:0]
+    d = sweep[recipe_rows(sweep)]
     if d.empty:
         return None
     tasks = by_task(d)
@@ -120,11 +120,11 @@ def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
     rows."""
     from outlierscope.data.tasks import task_label
 
-    if "format" not in sweep or not (sweep["format"] == "attn").any():
+    if not recipe_rows(sweep).any():
         return None
     panels = [(task, model, g[g["metric"] == headline_metric(t["metric"])])
               for task, t in by_task(sweep) for model, g in t.groupby("model", sort=False)]
-    labels = list(dict.fromkeys(sweep.loc[sweep["format"] == "attn", "label"]))
+    labels = list(dict.fromkeys(sweep.loc[recipe_rows(sweep), "label"]))
     colors = dict(zip(labels, sns.color_palette("tab20", max(len(labels), 3))))
     ncol = min(len(panels), 2)
     fig, axes = plt.subplots(-(-len(panels) // ncol), ncol, figsize=(6.4 * ncol, 4.4 * -(-len(panels) // ncol)),
@@ -134,10 +134,11 @@ def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
     for ax, (task, model, g) in zip(axes.flat, panels):
         base = g[g["bits"] == 16]["value"].iloc[0] * 100
         pos = {b: i for i, b in enumerate(sorted(set(g["bits"]), reverse=True))}  # evenly spaced, as Figure 8
-        logits = g[g["format"] != "attn"].sort_values("bits", ascending=False)
+        recipe = recipe_rows(g)
+        logits = g[~recipe].sort_values("bits", ascending=False)
         ax.plot([pos[b] for b in logits["bits"]], logits["value"] * 100, "o-", color="black", lw=2,
                 label="logits (paper, per_tensor)")
-        for _, r in g[g["format"] == "attn"].iterrows():
+        for _, r in g[recipe].iterrows():
             ax.plot([pos[16], pos[r["bits"]]], [base, r["value"] * 100], "s--", color=colors[r["label"]], lw=1.2,
                     ms=5, label=r["label"])
         ax.axhline(float(g["chance"].iloc[0]) if "chance" in g else 25.0, color="0.5", ls=":", lw=1)

@@ -19,6 +19,7 @@ from outlierscope.report.tables import (
     key_channels_markdown,
     massive_origin,
     origin_markdown,
+    recipe_rows,
     recurrence_markdown,
     sinks_markdown,
     sweep_table,
@@ -186,7 +187,7 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
                   f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test."
                   + (" Rows named by a recipe or spec (`--quant`) quantize what it says instead (q, k, v, P, "
                      "KV cache; `outlierscope recipes`), their bits column the fewest bits any of its tensors use."
-                     if (sw.get("format") == "attn").any() else ""), "",
+                     if recipe_rows(sw).any() else ""), "",
                   sweep_table(run.tables["sweep"]), ""]
         parts += _timing_table(run.sweep_meta)
     if "attn_error" in run.tables:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from outlierscope.data.tasks import task_label
-from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric, with_task
+from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric, recipe_rows, with_task
 
 
 def _model_kinds(run) -> dict[str, str]:
@@ -43,8 +43,8 @@ def outcome_paragraph(run) -> str:
             )
     sw = run.tables.get("sweep")
     if sw is not None:
-        recipes = sw["format"].eq("attn") if "format" in sw else sw["bits"].isna()  # `--quant` rows
-        sentences += _sweep_outcome(sw[~recipes]) + _recipe_outcome(sw[recipes], sw)
+        recipes = recipe_rows(sw)
+        sentences += _sweep_outcome(sw[~recipes]) + _recipe_outcome(sw[recipes])
     return " ".join(sentences) if sentences else "No results to summarise."
 
 
@@ -98,12 +98,12 @@ def _sweep_outcome(sw) -> list[str]:
     return out
 
 
-def _recipe_outcome(rows, sw) -> list[str]:
+def _recipe_outcome(rows) -> list[str]:
     """Per task and model, the attention recipes (``sweep --quant`` rows) that change the most and the fewest of the
     headline metric's choices (flip rate), with the change of the metric itself."""
     out = []
     for task, t in by_task(rows):
-        hm = headline_metric(with_task(sw).query("task == @task").metric)
+        hm = headline_metric(t.metric)  # a recipe's rows carry its task's metrics
         for model, g in t.groupby("model", sort=False):
             flips = g[g.metric == FLIP_METRIC[hm]].set_index("label")["value"]
             if len(flips) < 2:

@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric
+from outlierscope.report.tables import FLIP_METRIC, by_task, headline_metric, recipe_rows
 
 PALETTE = "colorblind"
 STAT_COLUMNS = [("top1", "Top-1"), ("top2", "Top-2"), ("top3", "Top-3"), ("top10", "Top-10"), ("top100", "Top-100"),
@@ -51,7 +51,7 @@ def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
 
 def logit_rows(sweep: pd.DataFrame) -> pd.DataFrame:
     """The rows of the logits' bit-width axis (an attention recipe's rows, format ``attn``, have their own figure)."""
-    return sweep[sweep["format"] != "attn"] if "format" in sweep else sweep
+    return sweep[~recipe_rows(sweep)]
 
 
 def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:

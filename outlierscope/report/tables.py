@@ -7,6 +7,14 @@ import pandas as pd
 from outlierscope.analysis.outliers import TABLE5_RANKS
 
 
+def recipe_rows(sweep: pd.DataFrame) -> pd.Series:
+    """True for a sweep table's attention-recipe rows (``sweep --quant``: format ``attn``, an
+    :class:`~outlierscope.quant.recipe.AttnQuant`); the logits' rows and tables from before recipes: False."""
+    from outlierscope.quant.recipe import AttnQuant
+
+    return sweep["format"].eq(AttnQuant.format) if "format" in sweep else pd.Series(False, index=sweep.index)
+
+
 def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
     head = "| Model | Activation Type | " + " | ".join(f"Top-{r}" for r in TABLE5_RANKS) + " | Median |"
     lines = [head, "|" + "---|" * (len(TABLE5_RANKS) + 3)]
