@@ -19,15 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")  # BENCH_RESULTS: a trial run elsewhere
 
 
-_LOAD_AT_START = os.getloadavg()[0]  # when the bench began: every bench script imports this module first
+def begin() -> dict:
+    """What a record says of its bench's start: the 1-minute load average then (another job's load, not the bench's
+    own). The first line of every bench's ``main``; its result goes to :func:`write` as ``start``."""
+    return {"load_average_1m_at_start": round(os.getloadavg()[0], 2)}
 
 
-def machine() -> dict:
-    """The machine, with the 1-minute load average when the bench began (records written before 2026-12-02 03:10
-    UTC hold it at their end, under the same key: their bench's own load)."""
+def machine(start: dict) -> dict:
+    """The machine, with ``start`` (:func:`begin`; records written before 2026-12-02 03:10 UTC hold the load average
+    at their end under the same key: their bench's own load)."""
     from outlierscope.io import machine as base
 
-    return {**base(), "load_average_1m_at_start": round(_LOAD_AT_START, 2), "platform": platform.platform()}
+    return {**base(), **start, "platform": platform.platform()}
 
 
 def _git() -> dict:
@@ -73,12 +76,13 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def write(name: str, raw: dict, derived: dict, notes: str = "") -> Path:
-    """Write ``bench/results/{name}.json`` with the run's context; returns its path."""
+def write(name: str, raw: dict, derived: dict, start: dict, notes: str = "") -> Path:
+    """Write ``bench/results/{name}.json`` with the run's context (``start``: :func:`begin` at the bench's start);
+    returns its path."""
     from outlierscope.io import versions, write_json
 
     record = {"name": name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
-              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": _git(), "machine": machine(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": _git(), "machine": machine(start),
               "versions": versions(), "raw": raw, "derived": derived, "notes": notes}
     path = RESULTS / f"{name}.json"
     write_json(path, record)

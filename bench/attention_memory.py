@@ -133,6 +133,9 @@ def measure(shape: str, mode: str, device: str, tokens: int, rows: int, reps: in
 
 
 def main() -> int:
+    from artifact import begin, write
+
+    start = begin()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
     p.add_argument("--tokens", type=int, default=2048)
@@ -176,10 +179,8 @@ def main() -> int:
         print(json.dumps(derived))
         return 0
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from artifact import write
-
     name = "attention_memory" if a.device == "cpu" else "attention_memory_cuda"
-    write(name, raw, derived, notes="forward of the decoder trunk, batch 1; memory is the peak above the "
+    write(name, raw, derived, start=start, notes="forward of the decoder trunk, batch 1; memory is the peak above the "
           "memory held before the forward, median over repetitions; time the median over repetitions")
     return 0
 

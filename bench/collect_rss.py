@@ -11,10 +11,11 @@ import argparse
 import json
 from pathlib import Path
 
-from artifact import write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 
 
 def main() -> None:
+    start = begin()
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="+", help="CONFIG=RUN_DIR (two, linear_qkv, every)")
     p.add_argument("--record", required=True)
@@ -37,7 +38,7 @@ def main() -> None:
     for k in ("linear_qkv", "every"):
         if f"{k}_peak_rss_mb" in derived:
             derived[f"rss_{k}_vs_two"] = round(derived[f"{k}_peak_rss_mb"] / derived["two_peak_rss_mb"], 2)
-    write(a.record, raw, derived, notes=a.notes)
+    write(a.record, raw, derived, start=start, notes=a.notes)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-from artifact import write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 
 
 def compare_table(a: pd.DataFrame, b: pd.DataFrame) -> dict:
@@ -35,6 +35,7 @@ def compare_table(a: pd.DataFrame, b: pd.DataFrame) -> dict:
 
 
 def main() -> None:
+    start = begin()
     p = argparse.ArgumentParser()
     p.add_argument("old")
     p.add_argument("new")
@@ -57,7 +58,7 @@ def main() -> None:
                 derived["histogram_share_moved"] = float(moved / ta["count"].sum())
             if {"mean", "std"} <= set(ta.columns):
                 derived[f"{f.stem}_max_mean_diff_over_std"] = float((np.abs(ta["mean"] - tb["mean"]) / ta["std"]).max())
-    write(a.record, raw, derived, notes=a.notes)
+    write(a.record, raw, derived, start=start, notes=a.notes)
 
 
 if __name__ == "__main__":

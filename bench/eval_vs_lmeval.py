@@ -124,7 +124,9 @@ def scores_only(model_dir: Path, limit: int | None, batch_size: int, out: Path) 
 
 
 def main() -> int:
-    from artifact import write
+    from artifact import begin, write
+
+    start = begin()
 
     from outlierscope.eval.requests import predictions
 
@@ -177,7 +179,7 @@ def main() -> int:
     raw["flops"] = {k: fl[k] for k in ("lmeval", "ours")}
     derived["flop_ratio"] = round(fl["ratio"], 2)
     derived["speedup_over_flop_ratio"] = round(derived["speedup"] / fl["ratio"], 2)
-    write(f"eval_vs_lmeval_{model_dir.name}_{n}", raw, derived,
+    write(f"eval_vs_lmeval_{model_dir.name}_{n}", raw, derived, start=start,
           notes=f"both sides timed as whole processes (start-up, loading, tokenization, scoring); {a.reps} runs each, "
                 "alternating, medians; the scores compared are each side's first run")
     good = min(derived["same_acc_flags"], derived["same_acc_norm_flags"], derived["same_pred"], derived["same_pred_norm"])

@@ -34,7 +34,9 @@ def run(args: list[str], procs: int, out: Path) -> float:
 
 
 def main() -> int:
-    from artifact import median, write
+    from artifact import begin, median, write
+
+    start = begin()
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=400)
@@ -56,7 +58,7 @@ def main() -> int:
     m1, mn = median(t1), median(tn)
     derived = {"one_process_s": round(m1, 1), "processes_s": round(mn, 1), "speedup": round(m1 / mn, 2),
                "identical_files": same, "procs": a.procs, "items": a.limit}
-    write(f"parallel_sweep_{a.procs}", raw, derived,
+    write(f"parallel_sweep_{a.procs}", raw, derived, start=start,
           notes=f"whole processes of one thread each (OMP_NUM_THREADS=1), {a.reps} runs of each side alternating, "
                 "medians")
     return 0 if same else 1

@@ -17,7 +17,12 @@ import argparse
 import json
 import tempfile
 
-from artifact import fresh_process_peak_rss, median, write  # bench/artifact.py (on sys.path when run as a script)
+from artifact import (  # bench/artifact.py (on sys.path when run as a script)
+    begin,
+    fresh_process_peak_rss,
+    median,
+    write,
+)
 
 CONFIGS = {
     "two": [],
@@ -37,6 +42,7 @@ def run(model: str, tokens: int, args: list[str]) -> tuple[float, float]:
 
 
 def main() -> None:
+    start = begin()
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--tokens", type=int, default=4096)
@@ -61,7 +67,7 @@ def main() -> None:
             derived[f"rss_{name}_vs_two"] = round(derived[f"{name}_peak_rss_mb"] / derived["two_peak_rss_mb"], 2)
     if "every_4x_peak_rss_mb" in derived:
         derived["rss_growth_every_4x_tokens_mb"] = derived["every_4x_peak_rss_mb"] - derived["every_peak_rss_mb"]
-    write(a.record, raw, derived, notes=f"{a.model}, HellaSwag text, seq_len 256, batch 8; each repetition "
+    write(a.record, raw, derived, start=start, notes=f"{a.model}, HellaSwag text, seq_len 256, batch 8; each repetition "
           "a fresh process (peak RSS of the whole process: model, statistics, tables)")
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 from artifact import (  # bench/artifact.py (this folder is on sys.path when run as a script)
+    begin,
     fresh_process_peak_rss,
     median,
     repeat,
@@ -82,6 +83,7 @@ def derive(name: str, raw: dict) -> dict:
 
 
 def main() -> None:
+    start = begin()
     p = argparse.ArgumentParser()
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--reps", type=int, default=3)
@@ -98,7 +100,7 @@ def main() -> None:
                 r["peak_rss_mb_100k"], r["peak_rss_mb_1m"] = r["peak_rss_mb"], peak_rss(spec, 1_000_000)
         raw[name] = r
         derived.update(derive(name, r))
-    write("profile", raw, derived, notes="batch 8 x 256 tokens of HellaSwag text; every point: layers.* and "
+    write("profile", raw, derived, start=start, notes="batch 8 x 256 tokens of HellaSwag text; every point: layers.* and "
           "lm_head.input on every_point_tokens; RSS: one fresh process each (the pair's peak_rss_mb is its 0.1M run)")
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from artifact import median, repeat, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, median, repeat, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 
 
 def main() -> None:
+    start = begin()
     from outlierscope.models.loading import load_model
     from outlierscope.quant.apply import quantize_attention
     from outlierscope.quant.spec import QuantSpec
@@ -55,7 +56,7 @@ def main() -> None:
     derived.update({k.removesuffix("_s") + "_ms": round(1000 * median(raw[k]), 1)
                     for k in ("forward_eager_s", "forward_sdpa_s", "forward_ours_unquantized_s", "forward_quant8_per_tensor_s")})
     derived["quant_vs_eager"] = round(median(raw["forward_quant8_per_tensor_s"]) / median(raw["forward_eager_s"]), 2)
-    write("quant", raw, derived, notes="GB/s = input bytes of the fp32 logits tensor per second; forwards: batch 8 x 256")
+    write("quant", raw, derived, start=start, notes="GB/s = input bytes of the fp32 logits tensor per second; forwards: batch 8 x 256")
 
 
 if __name__ == "__main__":

@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import time
 
-from artifact import median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 
 RECIPES = ("sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard", "kivi-2bit", "kivi-4bit", "mxfp4-attn",
            "mxfp8-attn", "nvfp4-attn")
 
 
 def main() -> None:
+    start = begin()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--items", type=int, default=100)
@@ -50,8 +51,8 @@ def main() -> None:
     ratio = {name: round(median(t) / base, 3) for name, t in raw.items()}
     derived = {"median_s": {name: round(median(t), 2) for name, t in raw.items()}, "ratio_vs_logits": ratio,
                "max_ratio": max(v for k, v in ratio.items() if k in RECIPES), "goal_max_ratio": 1.5}
-    write("recipe_cost", {"model": a.model, "items": len(items), "seconds": raw}, derived,
-          "seconds per cell (evaluate on the items, start-up and model load excluded); median of the repetitions; "
+    write("recipe_cost", {"model": a.model, "items": len(items), "seconds": raw}, derived, start=start,
+          notes="seconds per cell (evaluate on the items, start-up and model load excluded); median of the repetitions; "
           "ratio = recipe cell / the paper's 4-bit per_tensor logits cell")
 
 

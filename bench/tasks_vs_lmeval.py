@@ -56,7 +56,9 @@ json.dump(res, open(out, "w"))
 
 
 def main() -> int:
-    from artifact import write
+    from artifact import begin, write
+
+    start = begin()
 
     from outlierscope.data.tasks import TASKS, load_docs
     from outlierscope.lmeval.tasks import write_task_yamls
@@ -78,7 +80,7 @@ def main() -> int:
         subprocess.run([str(LMEVAL_PY), "-c", LMEVAL_SIDE, str(tmp), str(out), *a.tasks], check=True, env=env)
         theirs = json.loads(out.read_text())
         if a.model:
-            return compare_scores(a, tmp, env)
+            return compare_scores(a, tmp, env, start)
     raw, derived, bad = {}, {}, 0
     for name in a.tasks:
         ours = [d.json() for d in load_docs(name)]
@@ -90,11 +92,11 @@ def main() -> int:
         derived[f"{name}_identical_rows"] = f"{sum(same)}/{len(ours)}"
         bad += len(ours) != len(ref) or first is not None
         print(f"{name}: {sum(same)}/{len(ours)} rows identical" + ("" if first is None else f"; first difference at {first}"))
-    write("tasks_vs_lmeval", raw, derived, notes="requests and gold index per row; no model involved")
+    write("tasks_vs_lmeval", raw, derived, start=start, notes="requests and gold index per row; no model involved")
     return 1 if bad else 0
 
 
-def compare_scores(a, tmp: Path, env: dict) -> int:
+def compare_scores(a, tmp: Path, env: dict, start: dict) -> int:
     """lm-eval's per-row log-likelihoods and acc flags against ``evaluate(task=...)``, every row of every task."""
     import numpy as np
     from artifact import write
@@ -138,7 +140,7 @@ def compare_scores(a, tmp: Path, env: dict) -> int:
             derived[f"{name}_summary_norm"] = f"same acc_norm flag {d['same_acc_norm_flags']:.2%}"
         bad += min(d["same_pred"], d["same_acc_flags"], d.get("same_acc_norm_flags", 1.0)) < 1.0
         print(name, derived[f"{name}_summary"])
-    write(f"tasks_vs_lmeval_{model_dir.name}", raw, derived, notes="every validation row of each task; lm-eval float32 on CPU")
+    write(f"tasks_vs_lmeval_{model_dir.name}", raw, derived, start=start, notes="every validation row of each task; lm-eval float32 on CPU")
     return 1 if bad else 0
 
 

@@ -163,3 +163,26 @@ def test_recipe_cost_record_recomputed():
         assert len(t) >= 3 and abs(d["median_s"][name] - _median(t)) <= 0.0051, name
         assert abs(d["ratio_vs_logits"][name] - _median(t) / base) <= 0.00051, name
     assert d["max_ratio"] == max(v for k, v in d["ratio_vs_logits"].items() if k != "logits int4 per_tensor")
+
+
+def test_records_hold_the_load_when_the_bench_began(tmp_path, monkeypatch):
+    """The load average a record calls "at start" is read by ``begin()``, not when the module is imported (a bench
+    importing bench/artifact.py after its work) nor when the record is written (the bench's own load)."""
+    import os
+    import sys
+
+    def no_load():
+        raise AssertionError("load average read on import")
+
+    monkeypatch.setattr(os, "getloadavg", no_load)
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("artifact", None)
+    spec = importlib.util.spec_from_file_location("artifact", BENCH / "artifact.py")
+    artifact = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(artifact)  # no load average read here
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.234, 0.0, 0.0))
+    start = artifact.begin()
+    monkeypatch.setattr(os, "getloadavg", lambda: (3.0, 0.0, 0.0))  # the bench's own load, by the time it writes
+    monkeypatch.setattr(artifact, "RESULTS", tmp_path)
+    path = artifact.write("trial", {"seconds": [1.0, 1.0, 1.0]}, {}, start=start)
+    assert json.loads(path.read_text())["machine"]["load_average_1m_at_start"] == 1.23
