@@ -151,21 +151,30 @@ class AttentionErrorStats:
         return pool_heads(self.table())
 
 
-def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
-    """A per layer and head ``table`` (:meth:`AttentionErrorStats.table`) pooled over heads: the row-weighted
-    means, the maxima and the change rate per layer."""
+_POOLED = {"kl_mean": "mean", "kl_max": "max", "argmax_change_rate": "mean", "rel_out_mean": "mean",
+           "rel_out_max": "max"}  # how each column of a table pools: row-weighted mean or maximum
+
+
+def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.DataFrame:
+    """Rows of a per layer and head ``table`` (:meth:`AttentionErrorStats.table`, or tables of it) pooled per
+    ``by``: the rows summed, the means weighted by rows, the maxima. A column missing in some pooled row (a cell
+    measured without the output error beside one with it) pools to NaN, not to a mean of the rows that have it."""
     if table.empty:
         return table
-    t, out_err = table, "rel_out_mean" in table
-    t = t.assign(kl_w=t.kl_mean * t.rows, ch_w=t.argmax_change_rate * t.rows,
-                 **({"rel_w": t.rel_out_mean * t.rows} if out_err else {}))
-    g = t.groupby("layer")
-    out = pd.DataFrame({"rows": g.rows.sum(), "kl_mean": g.kl_w.sum() / g.rows.sum(), "kl_max": g.kl_max.max(),
-                        "argmax_change_rate": g.ch_w.sum() / g.rows.sum()})
-    if out_err:
-        out["rel_out_mean"] = g.rel_w.sum() / g.rows.sum()
-        out["rel_out_max"] = g.rel_out_max.max()
-    return out.reset_index()
+    cols = [c for c in _POOLED if c in table]
+
+    def one(g: pd.DataFrame) -> dict:
+        n = g["rows"].sum()
+        return {"rows": n, **{c: float("nan") if g[c].isna().any() else
+                              ((g[c] * g["rows"]).sum() / n if _POOLED[c] == "mean" else g[c].max()) for c in cols}}
+
+    return pd.DataFrame([{**dict(zip(by, k)), **one(g)} for k, g in table.groupby(by, sort=sort)])
+
+
+def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
+    """A per layer and head ``table`` (:meth:`AttentionErrorStats.table`) pooled over heads: :func:`pool_rows` per
+    layer, in layer order."""
+    return pool_rows(table, ["layer"], sort=True)
 
 
 @contextlib.contextmanager

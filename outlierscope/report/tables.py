@@ -190,18 +190,19 @@ def attention_error_markdown(attn_error: pd.DataFrame) -> str:
 
 def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
     """The summary table of :func:`attention_error_markdown` from the per-layer pooled rows."""
+    from outlierscope.analysis.attention_error import pool_rows
     from outlierscope.data.tasks import task_label
 
+    keys = ["model", "task", "label"]
     has_out = "rel_out_mean" in layers and layers["rel_out_mean"].notna().any()
     out = ["| Model | Task | Setting | rows | mean KL | worst layer (mean KL) | top key lost | "
            + ("mean rel. output error |" if has_out else ""), "|---|---|---|---|---|---|---|" + ("---|" if has_out else "")]
-    for (model, task, label), g in layers.groupby(["model", "task", "label"], sort=False):
-        n = g["rows"].sum()
-        worst = g.loc[g["kl_mean"].idxmax()]
-        row = (f"| {model} | {task_label(task)} | {label} | {n:,} | {(g['kl_mean'] * g['rows']).sum() / n:.3g} | "
-               f"{int(worst['layer'])} ({worst['kl_mean']:.3g}) | {(g['argmax_change_rate'] * g['rows']).sum() / n:.2%} |")
+    cells = pool_rows(layers, keys)  # pooled over layers, in the cells' order
+    worst = layers.loc[layers.groupby(keys, sort=False)["kl_mean"].idxmax()]  # each cell's layer of largest mean KL
+    for c, w in zip(cells.itertuples(), worst.itertuples()):
+        row = (f"| {c.model} | {task_label(c.task)} | {c.label} | {c.rows:,} | {c.kl_mean:.3g} | "
+               f"{int(w.layer)} ({w.kl_mean:.3g}) | {c.argmax_change_rate:.2%} |")
         if has_out:
-            rel = g["rel_out_mean"]
-            row += f" {(rel * g['rows']).sum() / n:.3g} |" if rel.notna().all() else " |"
+            row += f" {c.rel_out_mean:.3g} |" if c.rel_out_mean == c.rel_out_mean else " |"  # NaN: not measured
         out.append(row)
     return out

@@ -268,3 +268,22 @@ def test_attention_error_per_layer_tables():
     fig = attention_error_layers(t)
     grid = fig.axes[0].images[0].get_array()
     assert grid.shape == (2, 2) and abs(grid[0, 0] - 0.4) < 1e-12 and abs(grid[0, 1] - 0.2) < 1e-12
+
+
+def test_attention_error_cell_without_output_error():
+    """A cell measured without the output error (NaN in attn_error.csv beside a cell with it) shows none: not 0, not
+    a mean of the rows that have it; the other cell's error is its rows' weighted mean, (0.01 * 100 + 0.03 * 300)
+    / 400 by hand for layer 0."""
+    from outlierscope.report.tables import attention_error_layers, attention_error_markdown
+
+    cell = pd.DataFrame([{"model": "m", "task": "hellaswag", "bits": 8, "label": "a", "layer": 0, "head": h,
+                          "rows": n, "kl_mean": 0.1, "kl_max": 0.2, "argmax_change_rate": 0.0, "rel_out_mean": rel,
+                          "rel_out_max": 2 * rel} for h, n, rel in [(0, 100, 0.01), (1, 300, 0.03)]])
+    t = pd.concat([cell, cell.assign(label="b", rel_out_mean=float("nan"), rel_out_max=float("nan"))],
+                  ignore_index=True)
+    layers = attention_error_layers(t).set_index("label")
+    assert abs(layers.loc["a", "rel_out_mean"] - 0.025) < 1e-15 and layers.loc["a", "rel_out_max"] == 0.06
+    assert pd.isna(layers.loc["b", "rel_out_mean"]) and pd.isna(layers.loc["b", "rel_out_max"])
+    md = attention_error_markdown(t)
+    assert "| m | HellaSwag | a | 400 | 0.1 | 0 (0.1) | 0.00% | 0.025 |" in md
+    assert "| m | HellaSwag | b | 400 | 0.1 | 0 (0.1) | 0.00% | |" in md
