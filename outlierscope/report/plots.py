@@ -34,9 +34,12 @@ def bits_label(b: int) -> str:
     return "16\n(unquantized)" if int(b) == 16 else str(int(b))
 
 
-def _panels(kinds: list[str]):
-    """One panel per activation kind, side by side."""
-    return plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+def _kind_panels(df: pd.DataFrame, column: str):
+    """One panel per activation kind (the values of ``df[column]``) side by side, and a color per model:
+    ``(kinds, fig, axes, colors)``."""
+    kinds = list(dict.fromkeys(df[column]))
+    fig, axes = plt.subplots(1, len(kinds), figsize=(5.2 * len(kinds), 3.8), layout="constrained", squeeze=False)
+    return kinds, fig, axes, _colors(df["model"])
 
 
 def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
@@ -118,9 +121,7 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
                        value_name="value")
     long["stat"] = long["stat"].map(dict(STAT_COLUMNS))
     long["model"] = long["model"].map(_short)
-    kinds = list(dict.fromkeys(long["activation"]))
-    fig, axes = _panels(kinds)
-    colors = _colors(long["model"])
+    kinds, fig, axes, colors = _kind_panels(long, "activation")
     for ax, kind in zip(axes[0], kinds):
         sns.barplot(long[long["activation"] == kind], x="stat", y="value", hue="model", palette=colors, ax=ax)
         ax.set_yscale("log")
@@ -138,9 +139,7 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
 def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
     """Top-1, top-3 and median |x| per layer for each model (as in Sun et al. 2024)."""
     per_layer = main_points(per_layer)
-    kinds = list(dict.fromkeys(per_layer["point"]))
-    fig, axes = _panels(kinds)
-    colors = _colors(per_layer["model"])
+    kinds, fig, axes, colors = _kind_panels(per_layer, "point")
     styles = {"top1": ("-", "o"), "top3": ("--", "s"), "median": (":", "^")}
     for ax, kind in zip(axes[0], kinds):
         d = per_layer[per_layer["point"] == kind]
@@ -185,9 +184,7 @@ def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
 def histograms(hist: pd.DataFrame) -> plt.Figure:
     """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid."""
     hist = main_points(hist)
-    kinds = list(dict.fromkeys(hist["point"]))
-    fig, axes = _panels(kinds)
-    colors = _colors(hist["model"])
+    kinds, fig, axes, colors = _kind_panels(hist, "point")
     for ax, kind in zip(axes[0], kinds):
         d = hist[(hist["point"] == kind) & (hist["lo"] > 0) & np.isfinite(hist["hi"])]
         for model, g in d.groupby("model", sort=False):
