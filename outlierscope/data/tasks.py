@@ -154,8 +154,8 @@ def expand_tasks(names) -> tuple[str, ...]:
     repeats; each checked (unknown names: "did you mean")."""
     out = []
     for n in names:
-        for t in SUITES.get(n, (n,)):
-            if check_task(t) not in out:
+        for t in SUITES.get(check_task(n, suites=True), (n,)):
+            if t not in out:
                 out.append(t)
     return tuple(out)
 
@@ -165,9 +165,11 @@ def task_metrics(name: str) -> tuple[str, ...]:
     return ("acc", "acc_norm") if name == "hellaswag" else get_task(name).metrics
 
 
-def check_task(name: str) -> str:
-    """``name`` if it is HellaSwag or a registered task, else a one-line error with "did you mean"."""
-    return name if name == "hellaswag" else get_task(name).name
+def check_task(name: str, suites: bool = False) -> str:
+    """``name`` if it is HellaSwag or a registered task (with ``suites``: or a suite of :data:`SUITES`), else a one-line
+    error listing them all, with "did you mean"."""
+    lookup(dict.fromkeys(["hellaswag", *TASKS, *(SUITES if suites else ())]), name, "task or suite" if suites else "task")
+    return name
 
 
 def chance_percent(items) -> float:

@@ -100,6 +100,16 @@ def test_expand_tasks_unknown():
         expand_tasks(["paper", "sciqq"])
 
 
+@pytest.mark.parametrize("typo, meant", [("hellaswg", "hellaswag"), ("papr", "paper")])
+def test_unknown_task_lists_every_name(typo, meant):
+    """The error lists HellaSwag and the suites beside the registered tasks, and suggests them."""
+    with pytest.raises(OutlierscopeError) as e:
+        expand_tasks([typo])
+    msg = str(e.value)
+    assert f"did you mean {meant}" in msg and "\n" not in msg
+    assert all(n in msg.split("did you mean")[0] for n in ["hellaswag", "paper", "all", *TASKS])
+
+
 def test_task_metrics_follow_lmeval():
     """lm-eval 0.4.13 reports acc only for BoolQ, WinoGrande, COPA and Social IQa (their yamls' metric_list)."""
     acc_only = {n for n in TASKS if task_metrics(n) == ("acc",)}
