@@ -21,6 +21,7 @@ Usage: python bench/attention_memory.py [--device cpu|cuda] [--rows 128] [--reps
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -43,34 +44,40 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def measure(shape: str, mode: str, device: str, tokens: int, rows: int, reps: int) -> dict:
-    """One (shape, mode) in this process: the forward's peak memory above the start, and its seconds."""
-    import contextlib
-
+def _model(shape: str, device: str, tokens: int):
+    """A random model of ``shape`` (weights seeded, eager attention) and one batch of ``tokens`` random ids."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from outlierscope.hooks.attention import attention_stages
-    from outlierscope.quant.apply import quantize_attention
-    from outlierscope.quant.spec import QuantSpec
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, max_position_embeddings=max(tokens, 2048), **SHAPES[shape])
     model = LlamaForCausalLM(cfg).eval().to(device)
     model.set_attn_implementation("eager")
-    ids = torch.randint(0, 1024, (1, tokens), device=device)
-    block = rows if mode.endswith("_blocked") else tokens  # unblocked: one block of all rows
-    if mode == "eager":
-        ctx = contextlib.nullcontext
-    elif mode.startswith("quant8"):
-        ctx = lambda: quantize_attention(model, QuantSpec(bits=8, granularity="per_tensor"), block_rows=block)  # noqa: E731
-    else:
-        ctx = lambda: attention_stages(model, lambda c, x: x, block_rows=block)  # noqa: E731
-    cuda = device.startswith("cuda")
-    attn = {"base": 0, "peak": 0, "on": False, "max": 0, "fwd": 0}  # attention modules' peak above their start
+    return model, torch.randint(0, 1024, (1, tokens), device=device)  # (B=1, T)
 
-    def now() -> int:
-        return torch.cuda.max_memory_allocated() if cuda else _rss()
+
+def _mode_context(model, mode: str, rows: int, tokens: int):
+    """A factory of the context one forward in ``mode`` runs under (unblocked: one block of all rows)."""
+    from outlierscope.hooks.attention import attention_stages
+    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.spec import QuantSpec
+
+    block = rows if mode.endswith("_blocked") else tokens
+    if mode == "eager":
+        return contextlib.nullcontext
+    if mode.startswith("quant8"):
+        return lambda: quantize_attention(model, QuantSpec(bits=8, granularity="per_tensor"), block_rows=block)
+    return lambda: attention_stages(model, lambda c, x: x, block_rows=block)
+
+
+@contextlib.contextmanager
+def _attention_peaks(model, cuda: bool):
+    """Hooks around every layer's attention module, removed in ``finally``; yields a dict whose ``max`` is the
+    largest memory above a module's start while it runs (CPU: ``peak`` is fed by :func:`_rss_peak` while ``on``)
+    and whose ``fwd`` keeps the forward's CUDA peak, which the hooks reset to count each module's own."""
+    import torch
+
+    attn = {"base": 0, "peak": 0, "on": False, "max": 0, "fwd": 0}
 
     def pre(mod, args, kwargs):
         if cuda:  # keep the forward's peak so far, then count the attention's own
@@ -85,31 +92,55 @@ def measure(shape: str, mode: str, device: str, tokens: int, rows: int, reps: in
     def post(mod, args, kwargs, out):
         if cuda:
             torch.cuda.synchronize()
-        attn["max"] = max(attn["max"], max(attn["peak"], now()) - attn["base"])
-        if cuda:
+            attn["max"] = max(attn["max"], torch.cuda.max_memory_allocated() - attn["base"])
             attn["fwd"] = max(attn["fwd"], torch.cuda.max_memory_allocated())
+        else:
+            attn["max"] = max(attn["max"], max(attn["peak"], _rss()) - attn["base"])
         attn["on"] = False
 
-    handles = [layer.self_attn.register_forward_pre_hook(pre, with_kwargs=True) for layer in model.model.layers]
-    handles += [layer.self_attn.register_forward_hook(post, with_kwargs=True) for layer in model.model.layers]
-    times, peaks, attn_peaks = [], [], []
-    for _ in range(reps + 1):  # the first is a warm-up
-        attn["max"] = attn["fwd"] = 0
-        if not cuda:
-            base = _rss()
-            peak = [base]
-            stop = threading.Event()
+    layers = model.model.layers
+    handles = [la.self_attn.register_forward_pre_hook(pre, with_kwargs=True) for la in layers]
+    handles += [la.self_attn.register_forward_hook(post, with_kwargs=True) for la in layers]
+    try:
+        yield attn
+    finally:
+        for h in handles:
+            h.remove()
 
-            def sample(peak=peak, stop=stop):
-                while not stop.is_set():
-                    r = _rss()
-                    peak[0] = max(peak[0], r)
-                    if attn["on"]:
-                        attn["peak"] = max(attn["peak"], r)
-                    time.sleep(0.001)
 
-            t = threading.Thread(target=sample, daemon=True)
-            t.start()
+@contextlib.contextmanager
+def _rss_peak(attn: dict):
+    """CPU: the resident set sampled every millisecond by a thread while the block runs (into ``attn["peak"]`` too
+    while an attention module runs); yields ``{"base", "peak"}``, the peak final once the block has ended (the
+    thread is stopped in ``finally``)."""
+    st = {"base": _rss()}
+    st["peak"] = st["base"]
+    stop = threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            r = _rss()
+            st["peak"] = max(st["peak"], r)
+            if attn["on"]:
+                attn["peak"] = max(attn["peak"], r)
+            time.sleep(0.001)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    try:
+        yield st
+    finally:
+        stop.set()
+        t.join()
+        st["peak"] = max(st["peak"], _rss())
+
+
+def _forward(model, ids, ctx, cuda: bool, attn: dict) -> tuple[float, int]:
+    """Seconds of one forward of the decoder trunk under ``ctx()``, and its peak memory above its start."""
+    import torch
+
+    attn["max"] = attn["fwd"] = 0
+    with contextlib.nullcontext() if cuda else _rss_peak(attn) as rss:
         t0 = time.perf_counter()
         with torch.no_grad(), ctx():
             if cuda:  # the whole forward's peak: the attention hooks reset the counter, so it is tracked in attn["fwd"]
@@ -119,16 +150,24 @@ def measure(shape: str, mode: str, device: str, tokens: int, rows: int, reps: in
             model.model(input_ids=ids, use_cache=False)
             if cuda:
                 torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if cuda:
-            peaks.append(max(attn["fwd"], torch.cuda.max_memory_allocated()) - base)
-        else:
-            stop.set()
-            t.join()
-            peaks.append(max(peak[0], _rss()) - base)
-        attn_peaks.append(attn["max"])
-    for h in handles:
-        h.remove()
+        seconds = time.perf_counter() - t0
+    if cuda:
+        return seconds, max(attn["fwd"], torch.cuda.max_memory_allocated()) - base
+    return seconds, rss["peak"] - rss["base"]
+
+
+def measure(shape: str, mode: str, device: str, tokens: int, rows: int, reps: int) -> dict:
+    """One (shape, mode) in this process: the forward's peak memory above the start, the attention modules' own
+    peak, and the seconds; ``reps`` repetitions after a warm-up."""
+    model, ids = _model(shape, device, tokens)
+    ctx, cuda = _mode_context(model, mode, rows, tokens), device.startswith("cuda")
+    times, peaks, attn_peaks = [], [], []
+    with _attention_peaks(model, cuda) as attn:
+        for _ in range(reps + 1):  # the first is a warm-up
+            seconds, peak = _forward(model, ids, ctx, cuda, attn)
+            times.append(seconds)
+            peaks.append(peak)
+            attn_peaks.append(attn["max"])
     return {"seconds": times[1:], "peak_bytes": peaks[1:], "attention_peak_bytes": attn_peaks[1:]}
 
 
