@@ -238,8 +238,8 @@ class TokenStats(_KindStats):
         nb = self.bins.n + 2
         self.hist[layer, 0] += torch.bincount(idx.view(-1), minlength=nb + 1)[:nb].cpu()  # over (B*T*C,)
         maxabs = chmax.clamp_min(0).amax(0) if per_channel else rowmax.clamp_min(0).amax().view(1)
-        moments.add(layer, n, sums.cpu().double().sum(1).reshape(4, -1) if per_channel
-                    else sums.cpu().double().sum((1, 2)).view(4, 1), maxabs)
+        moments.add(layer, n, sums.cpu().double().sum(1).reshape(4, -1) if per_channel  # (4, B, C) -> (4, C)
+                    else sums.cpu().double().sum((1, 2)).view(4, 1), maxabs)  # (4, B, T) -> (4, 1)
         self.ge6[layer] += n_big.sum(0).cpu()
         self.gt100[layer] += n_huge.sum(0).cpu()
         self.shard_sumabs[self.shard, layer] += sumabs.cpu().double().sum(0)  # float32 over T

@@ -133,7 +133,7 @@ def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Ten
     broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in full precision, so this too is exact."""
     B, H, T, d = q.shape
     qp = _pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
-    vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)
+    vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
     mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
     m = mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
     return q - m, m
