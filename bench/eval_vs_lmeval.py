@@ -126,9 +126,9 @@ def scores_only(model_dir: Path, limit: int | None, batch_size: int, out: Path) 
 def main() -> int:
     from artifact import begin, write
 
-    start = begin()
-
     from outlierscope.eval.requests import predictions
+
+    start = begin()
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="HF model directory")

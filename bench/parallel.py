@@ -37,7 +37,6 @@ def main() -> int:
     from artifact import begin, median, write
 
     start = begin()
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--limit", type=int, default=400)
     p.add_argument("--procs", type=int, default=2)

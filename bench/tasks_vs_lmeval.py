@@ -58,10 +58,10 @@ json.dump(res, open(out, "w"))
 def main() -> int:
     from artifact import begin, write
 
-    start = begin()
-
     from outlierscope.data.tasks import TASKS, load_docs
     from outlierscope.lmeval.tasks import write_task_yamls
+
+    start = begin()
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))

@@ -169,14 +169,11 @@ def test_records_hold_the_load_when_the_bench_began(tmp_path, monkeypatch):
     """The load average a record calls "at start" is read by ``begin()``, not when the module is imported (a bench
     importing bench/artifact.py after its work) nor when the record is written (the bench's own load)."""
     import os
-    import sys
 
     def no_load():
         raise AssertionError("load average read on import")
 
     monkeypatch.setattr(os, "getloadavg", no_load)
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("artifact", None)
     spec = importlib.util.spec_from_file_location("artifact", BENCH / "artifact.py")
     artifact = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(artifact)  # no load average read here

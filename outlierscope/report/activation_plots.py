@@ -120,11 +120,12 @@ def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
     rows."""
     from outlierscope.data.tasks import task_label
 
-    if not recipe_rows(sweep).any():
+    recipes = recipe_rows(sweep)
+    if not recipes.any():
         return None
     panels = [(task, model, g[g["metric"] == headline_metric(t["metric"])])
               for task, t in by_task(sweep) for model, g in t.groupby("model", sort=False)]
-    labels = list(dict.fromkeys(sweep.loc[recipe_rows(sweep), "label"]))
+    labels = list(dict.fromkeys(sweep.loc[recipes, "label"]))
     colors = dict(zip(labels, sns.color_palette("tab20", max(len(labels), 3))))
     ncol = min(len(panels), 2)
     fig, axes = plt.subplots(-(-len(panels) // ncol), ncol, figsize=(6.4 * ncol, 4.4 * -(-len(panels) // ncol)),

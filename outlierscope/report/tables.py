@@ -203,6 +203,6 @@ def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
         row = (f"| {c.model} | {task_label(c.task)} | {c.label} | {c.rows:,} | {c.kl_mean:.3g} | "
                f"{int(w.layer)} ({w.kl_mean:.3g}) | {c.argmax_change_rate:.2%} |")
         if has_out:
-            row += f" {c.rel_out_mean:.3g} |" if c.rel_out_mean == c.rel_out_mean else " |"  # NaN: not measured
+            row += f" {c.rel_out_mean:.3g} |" if pd.notna(c.rel_out_mean) else " |"  # NaN: not measured
         out.append(row)
     return out
