@@ -197,11 +197,12 @@ def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
     has_out = "rel_out_mean" in layers and layers["rel_out_mean"].notna().any()
     out = ["| Model | Task | Setting | rows | mean KL | worst layer (mean KL) | top key lost | "
            + ("mean rel. output error |" if has_out else ""), "|---|---|---|---|---|---|---|" + ("---|" if has_out else "")]
-    cells = pool_rows(layers, keys)  # pooled over layers, in the cells' order
-    worst = layers.loc[layers.groupby(keys, sort=False)["kl_mean"].idxmax()]  # each cell's layer of largest mean KL
-    for c, w in zip(cells.itertuples(), worst.itertuples()):
+    worst = layers.loc[layers.groupby(keys, sort=False)["kl_mean"].idxmax(), keys + ["layer", "kl_mean"]]
+    cells = pool_rows(layers, keys).merge(  # pooled over layers, in the cells' order, with each cell's worst layer
+        worst.rename(columns={"layer": "worst_layer", "kl_mean": "worst_kl"}), on=keys, how="left", validate="1:1")
+    for c in cells.itertuples():
         row = (f"| {c.model} | {task_label(c.task)} | {c.label} | {c.rows:,} | {c.kl_mean:.3g} | "
-               f"{int(w.layer)} ({w.kl_mean:.3g}) | {c.argmax_change_rate:.2%} |")
+               f"{int(c.worst_layer)} ({c.worst_kl:.3g}) | {c.argmax_change_rate:.2%} |")
         if has_out:
             row += f" {c.rel_out_mean:.3g} |" if pd.notna(c.rel_out_mean) else " |"  # NaN: not measured
         out.append(row)
