@@ -264,9 +264,9 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
     return fig
 
 
-def sensitivity_bars(table: pd.DataFrame) -> plt.Figure:
+def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits") -> plt.Figure:
     """Per layer: the damage of quantizing only that layer (mean change of the gold log-likelihood), and beside it
-    the layer's top-1 / median |logit| (its outlier statistic)."""
+    the layer's top-1 / median |logit| (its outlier statistic); ``quantized`` says what each layer gets (the title)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     c = sns.color_palette(PALETTE, 3)
     a.bar(table["layer"], table["only_delta_gold_ll"], color=c[0], label="only this layer quantized")
@@ -282,7 +282,7 @@ def sensitivity_bars(table: pd.DataFrame) -> plt.Figure:
     for ax in (a, b):
         ax.grid(axis="y", alpha=0.3)
         ax.set_xticks(table["layer"].tolist()[::-(-len(table) // 16)])  # at most 16 labels
-    fig.suptitle("Per-layer sensitivity to quantized attention logits", fontsize=11)
+    fig.suptitle(f"Per-layer sensitivity to {quantized}", fontsize=11)
     return fig
 
 

@@ -36,6 +36,12 @@ def _quant_said(settings: dict) -> str:
     return q if text == q else f"{q} (`{text}`)"
 
 
+def quantized_said(settings: dict) -> str:
+    """What each layer in turn gets, for a figure's title: ``quantized attention logits``, or the recipe or spec with
+    its canonical text in parentheses."""
+    return "quantized attention logits" if not settings.get("quant") else _quant_said(settings).replace("`", "")
+
+
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
     """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""

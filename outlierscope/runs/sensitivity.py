@@ -1,4 +1,4 @@
-"""Per-layer sensitivity of a model to quantized attention logits, and a mixed-precision suggestion.
+"""Per-layer sensitivity of a model to quantized attention (the logits, or a recipe), and a mixed-precision suggestion.
 
     base       = evaluate(model)                                  # unquantized
     only[i]    = evaluate(model, quant=spec with layers=(i,))     # one layer quantized
@@ -304,7 +304,7 @@ def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict]) -> N
     write_csv(out / "greedy.csv", pd.DataFrame(tries))
     write_json(out / "sensitivity.json", record)
     write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries))
-    _figures(table, out, record["spearman_damage_vs_outlier_ratio"])
+    _figures(table, out, record)
 
 
 def _log_summary(run: _Run, record: dict) -> None:
@@ -318,10 +318,12 @@ def _log_summary(run: _Run, record: dict) -> None:
             + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
 
 
-def _figures(table: pd.DataFrame, out: Path, rho: float) -> None:
+def _figures(table: pd.DataFrame, out: Path, record: dict) -> None:
     from outlierscope.report import plots
     from outlierscope.report.markdown import save_figure
+    from outlierscope.report.sensitivity import quantized_said
 
     (out / "figures").mkdir(exist_ok=True)
-    save_figure(plots.sensitivity_bars(table), out / "figures", "sensitivity")
-    save_figure(plots.damage_vs_outliers(table, rho), out / "figures", "damage_vs_outliers")
+    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"])), out / "figures", "sensitivity")
+    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"]), out / "figures",
+                "damage_vs_outliers")

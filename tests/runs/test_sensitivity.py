@@ -72,10 +72,25 @@ def test_one_layer_spec_quantizes_exactly_that_layer():
     assert distinct[1] <= 2 ** 3 and all(n > 50 for layer, n in distinct.items() if layer != 1)
 
 
-def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsys):
+def _record_figure_titles(monkeypatch) -> dict:
+    """Each figure a sensitivity run saves: its stem -> its title, as drawn."""
+    from outlierscope.report import markdown
+
+    titles, save = {}, markdown.save_figure
+
+    def recording(fig, out, stem, **kw):
+        titles[stem] = fig.get_suptitle()
+        return save(fig, out, stem, **kw)
+
+    monkeypatch.setattr(markdown, "save_figure", recording)
+    return titles
+
+
+def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsys, monkeypatch):
     import matplotlib
 
     matplotlib.use("Agg")
+    titles = _record_figure_titles(monkeypatch)
     out = tmp_path / "sens"
     s = SensitivitySettings(model=str(tiny_pair["diff"]), limit=6, batch_size=8, profile_tokens=512, tolerance=0.0)
     rec = sensitivity(s, out, progress=False, log=lambda *_: None)
@@ -92,6 +107,7 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
     g = pd.read_csv(out / "greedy.csv")
     assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
     assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
+    assert titles["sensitivity"] == "Per-layer sensitivity to quantized attention logits"
     assert set(pd.read_csv(out / "attn_error.csv")["layer"]) == {0, 1}
     md = (out / "sensitivity.md").read_text()
     assert f"keep layers {rec['keep']} unquantized" in md and md.count("\n| ") == 2 + 2 + 3  # two heads, two layers, three tries
@@ -261,7 +277,7 @@ def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path)
         assert scores(base).shape[1] == 2  # two choices
 
 
-def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_path):
+def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_path, monkeypatch):
     """--quant RECIPE: each layer in turn gets the recipe (its cell equals evaluate() with the recipe on that layer
     alone), cells named by the spec text; the attention error of the recipe measured per layer."""
     import dataclasses
@@ -272,6 +288,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="kivi-2bit", limit=6, batch_size=8, profile_tokens=256,
                             all_but=False, tolerance=0.0)
+    titles = _record_figure_titles(monkeypatch)
     rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
     lm = load_model("pair-tiny:diff")
     from outlierscope.eval.evaluate import select_items
@@ -288,6 +305,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
     assert sorted(set(err["layer"])) == list(range(lm.model.config.num_hidden_layers)) and (err["rel_out_mean"] > 0).all()
     title = (tmp_path / "sensitivity.md").read_text().splitlines()[0]  # the recipe, not the unused logits bits
     assert title == f"# Per-layer sensitivity: pair-tiny:diff, hellaswag, kivi-2bit (`{AttnQuant.parse('kivi-2bit')}`)"
+    assert titles["sensitivity"] == "Per-layer sensitivity to kivi-2bit (k=asym2/per_channel:32; v=asym2/per_group:32)"
     with pytest.raises(OutlierscopeError, match="did you mean sage1"):
         SensitivitySettings(model="pair-tiny:diff", quant="sage")
     with pytest.raises(OutlierscopeError, match="head_dim 8 is not a multiple of the group size 32"):  # before it loads
