@@ -1,0 +1,41 @@
+"""The commands the README says made docs/recipes/ are the ones that made it: each line of the README's recipes
+command block, parsed by the CLI's own parser, gives exactly the settings its directory's record holds, and every
+record under docs/recipes/ has its line."""
+
+import json
+import re
+import shlex
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RECIPES = ROOT / "docs" / "recipes"
+
+
+def _recipe_commands() -> list[list[str]]:
+    """The README's recipes command block as argument lists, with its ``Q`` (defined in the text above it) expanded."""
+    text = (ROOT / "README.md").read_text()
+    q = re.search(r"\(`Q` = `(.*?)`;", text, re.S).group(1).replace("\n", " ")
+    block = text.split("The committed results under `docs/recipes/` were made by these commands", 1)[1].split("```")[1]
+    return [shlex.split(line.replace(" Q ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
+
+
+def test_readme_recipe_commands_give_the_recorded_settings():
+    from outlierscope.cli import build_parser
+    from outlierscope.runs.sensitivity import SensitivitySettings
+    from outlierscope.runs.sweep import SweepSettings
+    from outlierscope.settings import from_cli
+
+    classes = {"sweep": SweepSettings, "sensitivity": SensitivitySettings}
+    made = set()
+    for argv in _recipe_commands():
+        assert argv[0] == "outlierscope", argv
+        if argv[1] == "report":
+            continue
+        a = build_parser().parse_args(argv[1:])
+        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
+        record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())
+        assert settings == record["settings"], a.out
+        made.add((ROOT / a.out).resolve())
+    recorded = {p.parent.resolve() for p in RECIPES.rglob("*.json") if p.name in ("sweep.json", "sensitivity.json")}
+    assert recorded and made == recorded
