@@ -24,7 +24,7 @@ def kept_as(keep_bits: int) -> str:
     return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"
 
 
-def _quant_said(settings: dict) -> str:
+def _quant_said(settings: dict, quote: str = "`") -> str:
     """What each layer in turn gets: the attention recipe or spec (``--quant``) with its canonical text, else the
     logits' bits, format and granularity."""
     q = settings.get("quant")
@@ -33,13 +33,13 @@ def _quant_said(settings: dict) -> str:
     from outlierscope.quant.recipe import AttnQuant
 
     text = str(AttnQuant.parse(q))
-    return q if text == q else f"{q} (`{text}`)"
+    return q if text == q else f"{q} ({quote}{text}{quote})"
 
 
 def quantized_said(settings: dict) -> str:
     """What each layer in turn gets, for a figure's title: ``quantized attention logits``, or the recipe or spec with
     its canonical text in parentheses."""
-    return "quantized attention logits" if not settings.get("quant") else _quant_said(settings).replace("`", "")
+    return "quantized attention logits" if not settings.get("quant") else _quant_said(settings, quote="")
 
 
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
