@@ -78,6 +78,7 @@ class LogitContext:
     value: torch.Tensor | None = None  # (B, H, S, d): the call's values, repeated per query head
     scaling: float = 1.0  # the call's logit scale (the logits are (q @ k^T) * scaling)
     softcap: float | None = None  # the model's logit soft cap, applied after the stages
+    key_start: torch.Tensor | None = None  # (B,) each sequence's first real key (left padding; blocks along keys start there)
 
     @property
     def query_offset(self) -> int:
@@ -332,8 +333,9 @@ class _AttentionFunction:
     def _ctx(self, call: _Call, t0: int, t1: int, state: dict | None) -> tuple[LogitContext, torch.Tensor]:
         T, S = call.query.shape[2], call.key.shape[2]
         valid, masked = self._valid(call.mask, T, S, call.query.device, t0, t1)
+        _, k_valid = self._token_valid(call.mask, call.query.shape[0], T, S, call.query.device)
         ctx = LogitContext(call.module, call.layer, valid, call.query.shape[1], self.is_diff, t0, T, state, call.value,
-                           call.scaling, call.softcap)
+                           call.scaling, call.softcap, k_valid.to(torch.int8).argmax(-1))  # (B,)
         return ctx, masked
 
     def _prepass(self, call: _Call) -> dict | None:
@@ -425,7 +427,9 @@ class _AttentionFunction:
             logits = stage.apply(ctx, logits)
         if call.softcap is not None:
             logits = torch.tanh(logits / call.softcap) * call.softcap
-        fill = torch.finfo(logits.dtype).min
+        # float32's min, the softmax's dtype: float64's would become -inf there, and a row with no allowed key (a
+        # left-padding query) NaN, which reaches every real row through 0 * NaN in probs @ value (eager does that)
+        fill = torch.finfo(torch.float32).min
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)

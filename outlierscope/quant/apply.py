@@ -109,7 +109,7 @@ def attention_stage(spec: AttnQuant) -> Stage:
         or spec.hadamard is not None
 
     def probs(ctx: LogitContext, x):
-        return quantize_probs(x, ctx.valid, p) if spec.applies_to(ctx.layer) else x
+        return quantize_probs(x, ctx.valid, p, ctx.key_start) if spec.applies_to(ctx.layer) else x
 
     return Stage(apply=base.apply if base else (lambda ctx, logits: logits), reduce=base.reduce if base else None,
                  name=f"quantize {spec.label}", qkv=_qkv_transform(spec) if qkv_needed else None,

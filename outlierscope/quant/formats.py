@@ -10,7 +10,11 @@
   +-127/64 as the microxcaling reference does).
 * ``nvfp4_quant(x, tensor_amax)``: NVIDIA NVFP4: blocks of 16 along the last dim, FP4 E2M1 elements, an E4M3
   block scale ``e4m3(amax_block / 6 / g)`` under a float32 per-tensor scale ``g = tensor_amax / (448 * 6)``;
-  elements are ``e2m1(x * ((1 / g) / block_scale))`` (the reciprocal form of NVIDIA's kernels).
+  elements are ``e2m1(x * ((1 / g) / block_scale))`` (the reciprocal form of NVIDIA's kernels). The block scale
+  is converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3 subnormals down to 2^-9 kept; a scale
+  that rounds to zero makes its block zero), as NVIDIA's Model Optimizer and compressed-tensors keep it; torchao
+  clamps it up to E4M3's smallest normal 2^-6 instead, so blocks whose amax is below 2^-6 * 6 * g differ from
+  torchao's.
 * ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches.
 
 The last dim must be a multiple of the block size (head dims are; pad otherwise). Work happens in float32
@@ -95,15 +99,25 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     return out.reshape(x.shape).to(x.dtype)
 
 
-def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize ``x`` in NVFP4 (blocks of 16 along the last dim) under the per-tensor ``tensor_amax``
-    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor."""
+def nvfp4_scales(x: torch.Tensor, tensor_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """NVFP4's scales of ``x`` (blocks of 16 along the last dim): the float32 per-tensor scale ``g`` (..., 1, 1) and
+    each block's E4M3 scale (..., n, 1), converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3
+    subnormals down to 2^-9 kept; 0 where it rounds to zero), returned as float32."""
     w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16): NVFP4's scales are float32 arithmetic
     g = (tensor_amax.float() / (E4M3_MAX * E2M1_MAX))[..., None, None]  # (..., 1, 1)
     g = torch.where(g > 0, g, torch.ones_like(g))
     block_scale = (w.abs().amax(-1, keepdim=True) / E2M1_MAX) / g  # (..., n, 1)
-    s = block_scale.clamp(min=torch.finfo(torch.float8_e4m3fn).tiny, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    q = round_minifloat(w * ((1.0 / g) / s), "e2m1")
+    return g, block_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+
+
+def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
+    """Quantize-dequantize ``x`` in NVFP4 (blocks of 16 along the last dim) under the per-tensor ``tensor_amax``
+    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor. A block whose scale rounds to
+    zero comes back zero."""
+    w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16)
+    g, s = nvfp4_scales(x, tensor_amax)
+    inv = torch.where(s > 0, (1.0 / g) / s, torch.zeros_like(s))
+    q = round_minifloat(w * inv, "e2m1")
     return (q * (s * g)).reshape(x.shape).to(x.dtype)
 
 

@@ -3,7 +3,9 @@ and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.recipe.TensorQua
 transforms that are exact in full precision (K and Q smoothing, a random-sign Hadamard rotation).
 
 Valid tokens (``valid``: (B, T), False for padding) never enter a scale, a mean or a block's max, and come back
-unchanged. Granules, for q/k/v (B, H, T, d)::
+unchanged. Groups of tokens (``per_block:N``, ``per_channel:N``, Q smoothing's blocks of rows, v's MX/NVFP4 blocks,
+P's blocks along the keys) are counted from each sequence's first real token, as a varlen kernel and a KV cache see
+it: a sequence gets the same blocks alone, left-padded or right-padded in a batch. Granules, for q/k/v (B, H, T, d)::
 
     per_tensor     (H, T, d) of one sequence          per_channel    (T,) of one head and channel
     per_head       (T, d) of one head                  per_channel:N  N consecutive tokens of one channel
@@ -30,6 +32,32 @@ def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
     shape = list(x.shape)
     shape[dim] = extra
     return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def first_real(valid: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's first True of ``valid`` (B, T); 0 for a row with none."""
+    return valid.to(torch.int8).argmax(-1)
+
+
+def _rolled(x: torch.Tensor, start: torch.Tensor, dim: int, back: bool = False) -> torch.Tensor:
+    """``x`` with each sequence b rolled along ``dim`` so that index ``start[b]`` comes first (``back``: the inverse).
+    Padding is contiguous (left or right), so the real tokens stay in order and the padding follows them."""
+    n = x.shape[dim]
+    shift = -start if back else start
+    idx = (torch.arange(n, device=x.device)[None] + shift[:, None]) % n  # (B, n)
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = x.shape[0], n
+    return x.gather(dim, idx.view(shape).expand(x.shape))
+
+
+def _from_first_real(fn, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``fn(x', valid')`` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T) rolled so that each sequence's first real
+    token is index 0, the result rolled back: token groups counted from the first real token. Right-padded and
+    unpadded batches (every start 0) are not copied."""
+    start = first_real(valid)  # (B,)
+    if not bool(start.any()):
+        return fn(x, valid)
+    return _rolled(fn(_rolled(x, start, 2), _rolled(valid, start, 1)), start, 2, back=True)
 
 
 def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -91,8 +119,22 @@ def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torc
     return torch.where(v4, q, x)
 
 
+def groups_tokens(tq: TensorQuant) -> bool:
+    """Whether ``tq`` groups consecutive tokens (its result depends on where the groups start)."""
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        return tq.target == "v"
+    return tq.granularity in ("per_block", "per_channel") and tq.size is not None
+
+
 def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
-    """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype."""
+    """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype.
+    Groups of tokens start at each sequence's first real token."""
+    if groups_tokens(tq):
+        return _from_first_real(lambda x_, v_: _quantize_tokens(x_, v_, tq), x, valid)
+    return _quantize_tokens(x, valid, tq)
+
+
+def _quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
         return _block_format(x, valid, tq)
     xg, vg, dims = _granules(x, valid, tq)
@@ -107,12 +149,18 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> to
     return out.reshape(x.shape)
 
 
-def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_start: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities (B, H, t, S) quantized-dequantized per ``tq``: ``per_row`` (absmax over a row's keys),
-    ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys."""
+    ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys, its blocks counted from each
+    sequence's first real key ``key_start`` (B,) (None: key 0)."""
     valid = valid.expand_as(p)
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
-        return torch.where(valid, _sequence_blocks(p.masked_fill(~valid, 0), tq.format), p)
+        def blocks(p_, v_):
+            return torch.where(v_, _sequence_blocks(p_.masked_fill(~v_, 0), tq.format), p_)
+
+        if key_start is None or not bool(key_start.any()):
+            return blocks(p, valid)
+        return _rolled(blocks(_rolled(p, key_start, 3), _rolled(valid, key_start, 3)), key_start, 3, back=True)
     bits, fmt = tq.grid
     if tq.granularity == "static":
         scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
@@ -129,14 +177,19 @@ def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 
 
 def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only), per head,
-    broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in full precision, so this too is exact."""
+    """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only, counted from
+    each sequence's first real row), per head, broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in
+    full precision, so this too is exact."""
+    m = _from_first_real(lambda q_, v_: _block_means(q_, v_, rows), q, valid)
+    return q - m, m
+
+
+def _block_means(q: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tensor:
     B, H, T, d = q.shape
     qp = _pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
     vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
     mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
-    m = mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
-    return q - m, m
+    return mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
 
 
 def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:

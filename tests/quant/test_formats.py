@@ -38,11 +38,48 @@ def test_mx_equals_torchao(fmt, seed):
     assert torch.equal(mx_quant(x, fmt), ref)
 
 
-def test_nvfp4_equals_torchao():
+def compressed_tensors_nvfp4(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' NVFP4 fake quantization of a 2-d ``x`` (groups of 16 along the last dim) under the global
+    scale of ``amax``: its E4M3 group scales keep subnormals (as NVIDIA's conversion and Model Optimizer do)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
+
+    args = preset_name_to_scheme("NVFP4", ["Linear"]).weights
+    gs = generate_gparam(-amax, amax)
+    groups = x.reshape(x.shape[0], -1, 16)  # (rows, n, 16)
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args, global_scale=gs)
+    return fake_quantize(x, scale, zp, args, global_scale=gs)
+
+
+def _block_scales(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """Each block's E4M3 scale as NVIDIA's conversion gives it (16-element blocks; computed here in float64)."""
+    s = x.double().reshape(x.shape[0], -1, 16).abs().amax(-1) / 6 / (float(amax) / 2688)
+    return s.clamp(max=448).to(torch.float8_e4m3fn).double()
+
+
+def test_nvfp4_equals_compressed_tensors():
+    """compressed-tensors divides by ``scale / global_scale``, we multiply by the reciprocal (NVIDIA's kernels): the
+    same E2M1 codes and block scales, values within one float32 rounding of the dequantization."""
+    x = _data(2)
+    amax = x.abs().amax()
+    got, ref = nvfp4_quant(x, amax), compressed_tensors_nvfp4(x, amax)
+    s = _block_scales(x, amax)
+    assert ((s > 0) & (s < 2**-6)).sum() >= 10 and (s == 0).sum() >= 10  # subnormal and zero scales are tested
+    torch.testing.assert_close(got, ref, rtol=2**-23, atol=0)
+
+
+def test_nvfp4_equals_torchao_where_scales_are_normal():
+    """torchao clamps a block scale up to E4M3's smallest normal 2^-6: equal wherever the scale is normal, and
+    different in blocks whose scale is subnormal (we keep it, as the hardware) or rounds to zero (we zero the block)."""
     x = _data(2)
     amax = x.abs().amax()
     ref = nv.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=nv.per_tensor_amax_to_scale(amax)).dequantize(torch.float32)
-    assert torch.equal(nvfp4_quant(x, amax), ref)
+    got = nvfp4_quant(x, amax)
+    normal = (_block_scales(x, amax) >= 2**-6).repeat_interleave(16, -1)  # (rows, cols)
+    assert torch.equal(got[normal], ref[normal])
+    assert not torch.equal(got[~normal], ref[~normal])
+    assert torch.equal(got[(_block_scales(x, amax) == 0).repeat_interleave(16, -1)].abs().max(), torch.tensor(0.0))
 
 
 def test_mxint8_by_the_ocp_rules():

@@ -1,7 +1,7 @@
 """Every named recipe against a naive float64 attention written here from the recipe's description (quantize the
 tensors as described, granule by granule, then plain softmax attention), registered as the model's attention
 function: the whole model's outputs must agree, on Llama, Gemma3 (sliding window, QK-norm), GPT-2 and DiffLlama with
-padding. Element formats come from independent references: torch's float8 casts, torchao's MX and NVFP4."""
+padding. Element formats come from independent references: torch's float8 casts, torchao's MX, compressed-tensors' NVFP4."""
 
 import math
 
@@ -11,9 +11,9 @@ import torch
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.recipe import RECIPES, AttnQuant
+from tests.quant.test_formats import compressed_tensors_nvfp4
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
-nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
 
 MX_ELEM = {"mxfp4": torch.float4_e2m1fn_x2, "mxfp8_e4m3": torch.float8_e4m3fn}
 # the recipes as their papers describe them: (format, bits or None, granule, size) per tensor, plus transforms
@@ -33,17 +33,19 @@ DESCRIBED = {
 ARCHS = ["llama", "gemma3_text", "gpt2", "diffllama"]
 
 
-def _model(arch: str):
+def _model(arch: str, layers: int = 2):
+    """A float64 model of ``layers`` decoder layers. With one, every quantizer input is the same float64 value here
+    and in the naive reference (from the second layer on, float32 softmax rounding can tip a rounding tie)."""
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
-    base = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                max_position_embeddings=64)
+    base = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+                max_position_embeddings=256)
     cfg = {
         "llama": lambda: tf.LlamaConfig(**base, num_key_value_heads=2, head_dim=32),
         "gemma3_text": lambda: tf.Gemma3TextConfig(**base, num_key_value_heads=2, head_dim=32, sliding_window=6,
-                                                   layer_types=["sliding_attention", "full_attention"]),
-        "gpt2": lambda: tf.GPT2Config(vocab_size=101, n_embd=64, n_layer=2, n_head=2, n_positions=64),
+                                                   layer_types=["sliding_attention", "full_attention"][:layers]),
+        "gpt2": lambda: tf.GPT2Config(vocab_size=101, n_embd=64, n_layer=layers, n_head=2, n_positions=256),
         "diffllama": lambda: tf.DiffLlamaConfig(**base, num_key_value_heads=2, head_dim=32),
     }[arch]()
     torch.manual_seed(0)
@@ -89,9 +91,8 @@ def _mx_rows(rows: torch.Tensor, fmt: str, amax=None) -> torch.Tensor:
     block = 16 if fmt == "nvfp4" else 32
     n = rows.shape[-1]
     padded = torch.nn.functional.pad(rows.float(), (0, -n % block))
-    if fmt == "nvfp4":
-        t = nv.NVFP4Tensor.to_nvfp4(padded, per_tensor_scale=nv.per_tensor_amax_to_scale(torch.tensor(amax)))
-        out = t.dequantize(torch.float32)
+    if fmt == "nvfp4":  # compressed-tensors: block scales as NVIDIA's conversion (torchao clamps them to 2^-6)
+        out = compressed_tensors_nvfp4(padded, torch.tensor(amax, dtype=torch.float32))
     else:
         s, d = mx.to_mx(padded, MX_ELEM[fmt], 32)
         out = mx.to_dtype(d, s, MX_ELEM[fmt], 32, torch.float32)
@@ -122,16 +123,16 @@ def _tokens(x: torch.Tensor, real: torch.Tensor, how, along_tokens: bool) -> tor
 
 def _slices(gran, size, idx, T, d):
     """The granules of one head's (t, d) real-token matrix, as index tuples."""
-    pos = idx.tolist()
-    if gran == "block":  # N consecutive positions of the sequence (padding counted in the position, not quantized)
+    pos = idx.tolist()  # the real tokens' positions: contiguous (left or right padding); groups count from the first
+    if gran == "block":  # N consecutive real tokens, the first real token starting the first block
         groups = {}
-        for i, p in enumerate(pos):
-            groups.setdefault(p // size, []).append(i)
+        for i, _ in enumerate(pos):
+            groups.setdefault(i // size, []).append(i)
         return [(g, slice(None)) for g in groups.values()]
-    if gran == "channel":  # each channel over all real tokens, or over groups of `size` positions
+    if gran == "channel":  # each channel over all real tokens, or over groups of `size` real tokens
         groups = {}
-        for i, p in enumerate(pos):
-            groups.setdefault(0 if size is None else p // size, []).append(i)
+        for i, _ in enumerate(pos):
+            groups.setdefault(0 if size is None else i // size, []).append(i)
         return [(g, c) for g in groups.values() for c in range(d)]
     if gran == "group":  # `size` consecutive channels of each token
         return [(i, slice(c, c + size)) for i in range(len(pos)) for c in range(0, d, size)]
@@ -151,14 +152,15 @@ def _hadamard(d: int, seed: int) -> torch.Tensor:
 
 
 def _mean_rows(x: torch.Tensor, real: torch.Tensor, rows: int | None) -> torch.Tensor:
-    """Per-channel mean over real tokens (rows None: the whole sequence; else blocks of `rows` positions)."""
+    """Per-channel mean over real tokens (rows None: the whole sequence; else blocks of `rows` real tokens from the
+    first), written to the block's real tokens (padding rows get 0: they are never scored)."""
     out = torch.zeros_like(x)
     for b in range(x.shape[0]):
+        idx = torch.nonzero(real[b]).view(-1).tolist()
         for h in range(x.shape[1]):
-            for start in range(0, x.shape[2], rows or x.shape[2]):
-                sel = [t for t in range(start, min(x.shape[2], start + (rows or x.shape[2]))) if real[b, t]]
-                if sel:
-                    out[b, h, start : start + (rows or x.shape[2])] = x[b, h, sel].mean(0)
+            for start in range(0, len(idx), rows or max(len(idx), 1)):
+                sel = idx[start : start + (rows or len(idx))]
+                out[b, h, sel] = x[b, h, sel].mean(0)
     return out
 
 
@@ -197,7 +199,7 @@ def naive_attention(desc: dict, real: torch.Tensor, record: list | None = None):
             logits = torch.tanh(logits / softcap) * softcap
         p = torch.softmax(logits.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
         if "probs" in desc:
-            p = _probs(p, valid.expand_as(p), desc["probs"])
+            p = _probs(p, valid.expand_as(p), desc["probs"], real)
         if record is not None:
             ref = raw[0] @ raw[1].transpose(-1, -2) * scaling
             ref = ref if softcap is None else torch.tanh(ref / softcap) * softcap
@@ -207,7 +209,7 @@ def naive_attention(desc: dict, real: torch.Tensor, record: list | None = None):
     return fn
 
 
-def _probs(p: torch.Tensor, valid: torch.Tensor, how) -> torch.Tensor:
+def _probs(p: torch.Tensor, valid: torch.Tensor, how, real: torch.Tensor) -> torch.Tensor:
     fmt, bits, gran, _ = how
     out = p.clone()
     B, H, T, S = p.shape
@@ -218,15 +220,16 @@ def _probs(p: torch.Tensor, valid: torch.Tensor, how) -> torch.Tensor:
                 row = valid[b, h, t]
                 if not row.any():
                     continue
-                if gran == "mx":
-                    w = p[b, h, t].masked_fill(~row, 0)
-                    out[b, h, t, row] = _mx_rows(w[None], fmt, amax)[0][row]
+                if gran == "mx":  # blocks along the keys from the sequence's first real key k0
+                    k0 = int(real[b].int().argmax())
+                    w = p[b, h, t].masked_fill(~row, 0)[k0:]
+                    out[b, h, t, k0:][row[k0:]] = _mx_rows(w[None], fmt, amax)[0][row[k0:]]
                 else:  # static: P <= 1, the scale 1 / 448
                     out[b, h, t, row] = _elem(p[b, h, t, row], fmt, bits, 1.0)
     return out
 
 
-def _run_naive(model, desc, ids, mask, record: list | None = None):
+def _run_naive(model, desc, ids, mask, record: list | None = None, positions=None):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
@@ -236,18 +239,38 @@ def _run_naive(model, desc, ids, mask, record: list | None = None):
     model.set_attn_implementation("test-naive")
     try:
         with torch.no_grad():
-            return model(input_ids=ids, attention_mask=mask).logits
+            return model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
     finally:
         model.set_attn_implementation(prev)
         AttentionInterface._global_mapping.pop("test-naive", None)
         AttentionMaskInterface._global_mapping.pop("test-naive", None)
 
 
-def _batch(T=20):
+def _batch(T=20, left: int = 0):
+    """Two sequences of T tokens: the second right-padded by 5; with ``left``, the first left-padded by that many."""
     ids = torch.randint(1, 101, (2, T), generator=torch.Generator().manual_seed(3))
     mask = torch.ones(2, T, dtype=torch.long)
-    mask[1, -5:] = 0  # right padding (left padding in float64 gives NaN rows in eager attention and in ours alike)
+    mask[1, -5:] = 0
+    mask[0, :left] = 0
     return ids, mask
+
+
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that start at 0 at each sequence's first real token (as for left padding)."""
+    return (mask.cumsum(-1) - 1).clamp_min(0)
+
+
+# Variants of the recipes with small blocks and groups, so that a short batch spans several of each (a test shorter
+# than a block cannot tell one block size from another): spec text -> the naive description
+SMALL = {
+    "q=int8/per_block:8; k=int8/per_block:4; smooth_k": {"q": ("int", 8, "block", 8), "k": ("int", 8, "block", 4),
+                                                         "smooth_k": True},
+    "q=int4/per_block:4; k=int4/per_block:8; smooth_k; smooth_q:16; probs=e4m3/static; v=e4m3/per_channel":
+        {"q": ("int", 4, "block", 4), "k": ("int", 4, "block", 8), "smooth_k": True, "smooth_q": 16,
+         "probs": ("e4m3", None, "static", None), "v": ("e4m3", None, "channel", None)},
+    "q=e4m3/per_block:8; k=e4m3/per_block:8; v=e4m3/per_block:8": {t: ("e4m3", None, "block", 8) for t in "qkv"},
+    "k=asym2/per_channel:8; v=asym2/per_group:8": {"k": ("asym", 2, "channel", 8), "v": ("asym", 2, "group", 8)},
+}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -265,6 +288,51 @@ def test_recipe_equals_naive_attention(recipe, arch):
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6)
     assert (got[real] - plain[real]).abs().max() > 1e-4  # the recipe does change the model
+
+
+def _assert_naive(model, desc, text, T, left):
+    ids, mask = _batch(T, left)
+    pos = _positions(mask)
+    want = _run_naive(model, desc, ids, mask, positions=pos)
+    with torch.no_grad(), quantize_attention(model, text):
+        got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    real = mask.bool()
+    torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3_text"])
+@pytest.mark.parametrize("text", list(SMALL))
+def test_small_block_variants_span_several_blocks(text, arch):
+    """40 tokens, one sequence left-padded by 3 and one right-padded by 5: 5-10 blocks or groups of each size, counted
+    from each sequence's first real token."""
+    _assert_naive(_model(arch, layers=1), SMALL[text], text, 40, left=3)
+
+
+@pytest.mark.parametrize("recipe", [r for r in DESCRIBED if r != "logits-int4"])
+def test_recipes_at_their_block_sizes(recipe):
+    """Every recipe at 150 tokens (left padding 9, right padding 5): 2 blocks of 128 rows, 3 of 64, 5 groups of 32,
+    9 NVFP4 blocks of 16 along the tokens and keys."""
+    _assert_naive(_model("llama", layers=1), DESCRIBED[recipe], recipe, 150, left=9)
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_a_sequence_alone_or_padded_in_a_batch(recipe):
+    """A sequence alone, left-padded and right-padded in a batch with longer ones: identical outputs (float64; the
+    matmuls' summation order is the only difference, ~1e-15), so blocks and groups start at its first real token."""
+    model = _model("llama")
+    g = torch.Generator().manual_seed(11)
+    seq, n, L = torch.randint(1, 101, (141,), generator=g), 141, 170
+    with torch.no_grad(), quantize_attention(model, recipe):
+        alone = model(input_ids=seq[None]).logits[0]
+        for side in ("left", "right"):
+            ids = torch.randint(1, 101, (3, L), generator=g)
+            mask = torch.ones(3, L, dtype=torch.long)
+            sl = slice(L - n, L) if side == "left" else slice(0, n)
+            ids[1, sl], mask[1] = seq, 0
+            mask[1, sl] = 1
+            mask[2, :7] = 0  # a third sequence with its own left padding
+            got = model(input_ids=ids, attention_mask=mask, position_ids=_positions(mask)).logits[1, sl]
+            torch.testing.assert_close(got, alone, rtol=1e-9, atol=1e-9, msg=f"{recipe}, {side}-padded")
 
 
 def test_every_recipe_is_described():
