@@ -48,7 +48,7 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -
     s, metric = record["settings"], record["metric"]
     quant = _quant_said(s)
     final = record["final"]
-    reach = ("within" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} nats"
+    reach = ("a loss of at most" if final["within_tolerance"] else "NOT within a loss of") + f" {s['tolerance']} nats"
     lines = [f"# Per-layer sensitivity: {s['model']}, {s['task']}, {quant}", "",
              f"{record['n_items']} items ({'sample' if s['sample'] else 'first'} {s['sample'] or s['limit'] or 'all'}, "
              f"seed {s['seed']}); damage = mean change of the gold choice's log-likelihood (nats, < 0 hurts) against "

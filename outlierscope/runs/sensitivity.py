@@ -5,7 +5,8 @@
     all_but[i] = evaluate(model, quant=spec with every layer but i)
     damage[i]  = mean over items of (gold log-likelihood of only[i] - of base)   # nats, < 0 hurts
     rank layers by damage (most harmful first); keep[k] = the k most harmful layers unquantized
-    greedy: the fewest k with |change(keep[k])| <= tolerance, by bisection over k (the found one verifies it)
+    greedy: the fewest k with change(keep[k]) >= -tolerance, by bisection over k (the found one verifies it):
+            a loss bound (a gain of any size passes; a loss of more than ``tolerance`` nats fails)
             (kept layers unquantized, or at ``keep_bits`` bits: a mixed 4/8-bit assignment)
 
 Each evaluation is a resumable cell of the cache sweep uses (:mod:`outlierscope.runs.cells`: ``cells/<cell id>``,
@@ -68,8 +69,8 @@ class SensitivitySettings:
     limit: int | None = option(None, "first N validation items", exclusive="items")
     sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
     seed: int = option(0, "seeds --sample")
-    tolerance: float = option(0.05, "|mean change of the gold log-likelihood| (nats) the suggested assignment must "
-                              "reach")
+    tolerance: float = option(0.05, "largest loss of the mean gold log-likelihood (nats) the suggested assignment may "
+                              "have (a gain always passes)")
     keep_bits: int = option(16, "bits of the layers the suggestion keeps (16: unquantized; e.g. 8 for a 4/8-bit mix)")
     all_but: bool = option(True, "skip the second pass (every layer quantized but one)")
     attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
@@ -275,7 +276,7 @@ def _within(run: _Run, base: EvalResult):
         keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
         res = base if not quantized and keep is None else run.cell(role, s.spec(quantized) if quantized else None, keep)
         c = change(res, base, run.metric)
-        return abs(c["delta_gold_ll"]) <= s.tolerance, c
+        return c["delta_gold_ll"] >= -s.tolerance, c  # a loss bound: a gain is never a failure
 
     return within
 
@@ -312,8 +313,8 @@ def _log_summary(run: _Run, record: dict) -> None:
 
     s, final, rho_kl = run.s, record["final"], record["spearman_damage_vs_kl_mean"]
     reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
-    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for |Δ gold ll| "
-            f"<= {s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = "
+    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for Δ gold ll "
+            f">= -{s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = "
             f"{record['spearman_damage_vs_outlier_ratio']:+.2f}"
             + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
 

@@ -47,6 +47,34 @@ def test_greedy_bisection_equals_the_linear_scan_in_log_tries(seed):
     assert got == sorted(order[:linear]) and len(calls) == len(tries) <= 2 + 7
 
 
+def _result(gold: list[float]):
+    """An EvalResult of two-choice items whose gold (choice 0) log-likelihoods are ``gold`` (the other choice -5)."""
+    from outlierscope.eval.evaluate import EvalResult
+
+    n = len(gold)
+    df = pd.DataFrame({"index": range(n), "label": 0, "score0": gold, "score1": -5.0, "tokens0": 1, "tokens1": 1,
+                       "pred": 0, "pred_norm": 0})
+    return EvalResult(df, {"acc_norm": 1.0}, {})
+
+
+@pytest.mark.parametrize("delta, passes", [(+0.055, True), (+3.0, True), (0.0, True), (-0.05, True), (-0.0501, False),
+                                           (-1.0, False)])
+def test_greedy_criterion_is_a_loss_bound(delta, passes):
+    """The suggestion's test is change >= -tolerance: any gain passes (SmolLM2's kivi-2bit greedy had rejected layer 4
+    alone at +0.055 nats as if it were a loss), a loss passes up to the tolerance."""
+    from types import SimpleNamespace
+
+    from outlierscope.runs.sensitivity import _within
+
+    base = _result([-1.0, -2.0])
+    run = SimpleNamespace(s=SimpleNamespace(tolerance=0.05, keep_bits=16), layers=[0, 1], metric="acc_norm",
+                          cell=lambda role, spec, keep: _result([-1.0 + delta, -2.0 + delta]),
+                          spec=None)
+    run.s.spec = lambda layers, bits=None: ("spec", tuple(layers))
+    ok, rec = _within(run, base)([0])
+    assert ok is passes and rec["delta_gold_ll"] == pytest.approx(delta)
+
+
 def test_greedy_when_no_assignment_is_within():
     got, tries = greedy_keep([1, 0], [0, 1], lambda q: (False, {}))
     assert got == [0, 1] and [t["kept"] for t in tries] == [0, 2] and not tries[-1]["within_tolerance"]
@@ -100,12 +128,14 @@ def test_sensitivity_run_and_resume(tiny_pair, hellaswag_cached, tmp_path, capsy
     for i in (0, 1):
         assert json.loads((out / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]["layers"] == [i]
         assert json.loads((out / "cells" / f"{rec['cells'][f'all_but_{i}']}.json").read_text())["cell"]["layers"] == [1 - i]
-    assert rec["keep"] == [0, 1] and rec["keep_bits"] == 16 and rec["ranking"] == t.sort_values("rank")["layer"].tolist()
+    g = pd.read_csv(out / "greedy.csv")
+    assert list(g["kept"]) == [0, 1, 2] and (g["within_tolerance"] == (g["delta_gold_ll"] >= 0)).all()  # a loss bound
+    fewest = int(g.loc[g["within_tolerance"], "kept"].min())
+    assert rec["keep"] == sorted(rec["ranking"][:fewest]) and rec["keep_bits"] == 16
+    assert rec["ranking"] == t.sort_values("rank")["layer"].tolist()
     assert -1 <= rec["spearman_damage_vs_outlier_ratio"] <= 1
     harm, kl = -t["only_delta_gold_ll"], t["kl_mean"]  # two layers: +1 when the more harmed one has the larger KL
     assert rec["spearman_damage_vs_kl_mean"] == pytest.approx(1.0 if (harm[0] > harm[1]) == (kl[0] > kl[1]) else -1.0)
-    g = pd.read_csv(out / "greedy.csv")
-    assert list(g["kept"]) == [0, 1, 2] and g["within_tolerance"].tolist() == [False, False, True]
     assert (out / "figures" / "sensitivity.png").exists() and (out / "figures" / "damage_vs_outliers.png").exists()
     assert titles["sensitivity"] == "Per-layer sensitivity to quantized attention logits"
     assert set(pd.read_csv(out / "attn_error.csv")["layer"]) == {0, 1}
@@ -234,7 +264,7 @@ def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp
     name = "all" if not kept else "keep_" + "_".join(map(str, kept))
     _, gold = cell(name) if rec["quantized"] else (None, base_gold)
     assert final["delta_gold_ll"] == pytest.approx((gold - base_gold).mean(), abs=1e-12)
-    assert abs(final["delta_gold_ll"]) <= s.tolerance and final["within_tolerance"]
+    assert final["delta_gold_ll"] >= -s.tolerance and final["within_tolerance"]
     g = pd.read_csv(tmp_path / "greedy.csv")
     for _, row in g.iterrows():  # every tried assignment too
         k = [] if pd.isna(row["kept_layers"]) else [int(x) for x in str(row["kept_layers"]).split()]
