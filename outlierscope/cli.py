@@ -29,7 +29,7 @@ def _cmd_tasks(a) -> None:
     import json
 
     from outlierscope.data.hellaswag import N_VALIDATION, hellaswag_path
-    from outlierscope.data.tasks import SUITES, TASKS, get_task, load_docs
+    from outlierscope.data.tasks import SUITES, TASKS, task_docs
 
     if a.action == "lmeval-yaml":
         from outlierscope.lmeval.tasks import write_task_yamls
@@ -43,7 +43,7 @@ def _cmd_tasks(a) -> None:
     if a.action == "requests":
         if not a.task:
             raise OutlierscopeError("tasks requests needs a task name, e.g. `outlierscope tasks requests piqa`")
-        for doc in load_docs(get_task(a.task).name, a.limit):
+        for doc in task_docs(a.task, a.limit):
             print(json.dumps(doc.json(), ensure_ascii=False))
         return
     print(f"{'task':<14} {'rows':>6}  {'metrics':<13} cached")
@@ -58,7 +58,7 @@ def _cmd_tasks(a) -> None:
 def _cmd_recipes(a) -> None:
     from outlierscope.quant.recipe import RECIPES, AttnQuant
 
-    if a.spec:  # check a spec or recipe and print its canonical text
+    if a.spec is not None:  # check a spec or recipe and print its canonical text (an empty one is an error)
         spec = AttnQuant.parse(a.spec)
         print(spec)
         return
@@ -98,8 +98,9 @@ def _cmd_train(a) -> None:
 
 
 def _cmd_generate(a) -> None:
-    from outlierscope.models.loading import generate, load_model
+    from outlierscope.models.loading import check_generation, check_model, generate, load_model
 
+    check_generation(a.prompt, a.max_new_tokens, a.temperature, a.top_k, check_model(a.model, a.trust_remote_code)[1])
     lm = load_model(a.model, **_placement(a))
     warn = lambda msg: print(f"outlierscope: warning: {msg}", file=sys.stderr)  # noqa: E731
     print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
@@ -147,7 +148,7 @@ def _cmd_sensitivity(a) -> None:
     from outlierscope.settings import from_cli
 
     _headless()
-    sensitivity(from_cli(SensitivitySettings, vars(a)), a.out)
+    sensitivity(from_cli(SensitivitySettings, vars(a)), a.out, force=a.force)
     print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, sensitivity.json, "
           "figures/)")
 
@@ -208,6 +209,16 @@ def _cmd_reproduce(a) -> None:
     print(f"report: {reproduce(from_cli(ReproduceSettings, vars(a)))}")
 
 
+class _Once(argparse.Action):
+    """A single-valued flag: given twice is an error (argparse keeps the last silently)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        before = getattr(namespace, self.dest, None)
+        if before is not None:
+            parser.error(f"{option_string} is given twice ({before!r}, then {values!r}); give it once")
+        setattr(namespace, self.dest, values)
+
+
 def _add_settings(s: argparse.ArgumentParser, cls) -> None:
     """The flags of a run command, derived from its settings dataclass (:mod:`outlierscope.settings`): the field's
     name (or its ``flag``), type, default, choices and help; ``dest`` is the field's name."""
@@ -230,6 +241,8 @@ def _add_settings(s: argparse.ArgumentParser, cls) -> None:
                       required=o.default is MISSING)
             if o.kind == "list" and o.parse is None:
                 kw.update(action="append") if o.repeat else kw.update(nargs="+")
+            elif o.kind == "value":
+                kw.update(action=_Once)
         target.add_argument(o.flag, **kw)
 
 
@@ -365,6 +378,8 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("sensitivity", help="per-layer damage of quantized attention, ranked, and a mixed-precision suggestion")
     _add_settings(s, SensitivitySettings)
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.add_argument("--force", action="store_true", help="replace the tables of a sensitivity run with other settings "
+                                                        "in --out")
     s.set_defaults(func=_cmd_sensitivity)
 
     s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
@@ -404,7 +419,7 @@ def _add_generate_command(sub) -> None:
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
-            "sensitivity": {"--out"}, "reproduce": set()}
+            "sensitivity": {"--out", "--force"}, "reproduce": set()}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
@@ -424,6 +439,19 @@ def main(argv: list[str] | None = None) -> int:
     # The Hub's settings (HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN, HF_HOME) are the user's: nothing is forced.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.formatwarning = lambda message, *args, **kwargs: f"outlierscope: warning: {message}\n"
+    try:
+        return _run(argv)
+    except KeyboardInterrupt:  # also while the parser's imports (torch, transformers) load
+        print("outlierscope: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(argv: list[str] | None) -> int:
+    """Parse and run one command; errors of the library become one line and exit status 2."""
     parser = build_parser()
     a = parser.parse_args(argv)
     try:
@@ -438,13 +466,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"outlierscope: error: permission denied: {e.filename or e}; fix its permissions or choose another "
               "path", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("outlierscope: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
     return 0
 
 

@@ -184,3 +184,37 @@ def test_task_is_one_flag_everywhere():
     from outlierscope.settings import from_cli
 
     assert from_cli(ReproduceSettings, vars(a)).tasks[0] == "copa"
+
+
+def test_interrupt_while_the_parser_imports(monkeypatch, capsys):
+    """Ctrl-C while the parser's imports (torch, transformers) still load: one line and 130, no traceback."""
+    import outlierscope.cli as cli
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["info"]) == 130
+    assert capsys.readouterr().err == "outlierscope: interrupted\n"
+
+
+def test_a_single_valued_flag_given_twice_is_an_error(capsys):
+    """argparse keeps the last of a repeated flag silently (`sensitivity --quant A --quant B` ran B)."""
+    with pytest.raises(SystemExit) as e:
+        main(["sensitivity", "--model", "pair-tiny:diff", "--quant", "kivi-2bit", "--quant", "sage1", "--out", "x"])
+    assert e.value.code == 2
+    assert "--quant is given twice ('kivi-2bit', then 'sage1'); give it once" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, msg", [(["Hi", "--max-new-tokens", "100000"], "less than the model's context of 256"),
+                                       (["", "--max-new-tokens", "5"], "prompt must be a non-empty string"),
+                                       (["Hi", "--top-k", "0"], "--top-k must be >= 1")])
+def test_generate_checks_its_arguments_before_loading(monkeypatch, capsys, args, msg):
+    import outlierscope.models.loading as loading
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    assert main(["generate", "pair-tiny:diff", *args]) == 2
+    assert msg in capsys.readouterr().err

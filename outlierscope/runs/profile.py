@@ -315,6 +315,9 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
     for spec in specs:  # every model found (a Hub id: downloaded) and its points resolved before the first one runs
         _, config = check_model(spec, settings.trust_remote_code)
         resolve_points(meta_model(config, settings.trust_remote_code), settings.point_patterns, settings.preset)
+        seq_len = resolve_seq_len(config, settings.seq_len)
+        if settings.sink_k >= seq_len:  # every key would be a sink: each share 1.0
+            raise ParamError("sink_k", f"below the sequence length ({seq_len} tokens for {spec})", settings.sink_k)
     shard, world = shard or Shard(), world or World()
     main_out = out is not None and world.is_main
     with output_dir(out) if main_out else contextlib.nullcontext():

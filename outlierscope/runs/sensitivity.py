@@ -37,7 +37,7 @@ from outlierscope.analysis.attention_error import (
     measured_spec,
     pool_heads,
 )
-from outlierscope.errors import ParamError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
@@ -76,7 +76,8 @@ class SensitivitySettings:
     attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
                               "one cell)")
     profile_tokens: int = option(20_000, "tokens of the short profile for the per-layer outlier statistic")
-    batch_size: int = option(32, "sequences per forward; the scores do not depend on it")
+    batch_size: int = option(32, "sequences per forward; quantized scores depend on it by float32 rounding (part of a "
+                             "quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
     device: str = device_option()
     attn_block: int | None = attn_block_option()
@@ -86,6 +87,8 @@ class SensitivitySettings:
         from outlierscope.data.tasks import check_task
 
         check_task(self.task)
+        if self.quant is not None:
+            self._check_quant()
         spec = self.spec()  # bits, format, granularity (or the attention spec) checked before anything loads
         if self.attn_error:
             measured_spec(spec)
@@ -102,6 +105,21 @@ class SensitivitySettings:
         if self.profile_tokens < 1:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
         check_placement(self.device, self.dtype, None, self.attn_block)
+
+    def _check_quant(self) -> None:
+        """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in
+        turn gets it)."""
+        spec = AttnQuant.parse(self.quant)
+        if spec.is_identity:
+            raise ParamError("quant", "a recipe or spec that quantizes something (see `outlierscope recipes`)",
+                             self.quant, "'none' leaves every layer as it is")
+        if spec.layers is not None:
+            raise ParamError("quant", "a spec that names no layers (each layer in turn gets it)", self.quant)
+        for name in ("bits", "format", "granularity"):
+            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
+            if getattr(self, name) != default:
+                raise ParamError(name, f"its default {default!r} with quant (quant replaces bits, format and "
+                                 "granularity; keep_bits stays the logits' axis)", getattr(self, name))
 
     def spec(self, layers=None, bits: int | None = None) -> QuantSpec | AttnQuant:
         """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
@@ -180,6 +198,8 @@ class _Run:
                     "layers": list(spec.layers) if spec and spec.layers else None,
                     "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
                     "attn_error": measure.label if measure else False}
+        if spec or keep:  # a quantized cell's scores depend on its batch size by float32 rounding
+            settings["batch_size"] = s.batch_size
 
         def compute():
             stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None
@@ -197,12 +217,14 @@ class _Run:
         return res
 
 
-def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print) -> dict:
+def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print, force: bool = False) -> dict:
     """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
     ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and head), ``sensitivity.json``
     (settings, ranking, suggestion, rank correlation, the cell of each evaluation), ``sensitivity.md`` (all of it
-    as tables) and ``figures/``. Returns the record."""
+    as tables) and ``figures/``. A directory that holds a run with other settings is refused unless ``force``.
+    Returns the record."""
     out = Path(out)
+    check_previous(out, s, force)
     with output_dir(out), output_dir(out / "cells") as cells_dir:
         run = _prepare(s, cells_dir, progress, log)
         base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
@@ -215,6 +237,26 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         _write(out, record, table, tries)
     _log_summary(run, record)
     return record
+
+
+def check_previous(out: Path, s: SensitivitySettings, force: bool) -> None:
+    """Refuse to replace the tables of a sensitivity run with other settings in ``out`` unless ``force`` (its cells
+    with matching settings are reused either way). A setting an older record lacks counts as its default."""
+    import json
+
+    prev = out / "sensitivity.json"
+    if force or not prev.exists():
+        return
+    try:
+        old = json.loads(prev.read_text()).get("settings", {})
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        old = {}
+    defaults, now = (json.loads(json.dumps(asdict(x))) for x in (SensitivitySettings(model=s.model), s))
+    diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
+    if diff:
+        raise OutlierscopeError(f"{out} holds a sensitivity run with other settings ({', '.join(diff)} differ); choose "
+                                "another output directory, or pass force=True (--force) to replace its tables (cells "
+                                "with matching settings are reused)")
 
 
 def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _Run:

@@ -74,7 +74,8 @@ class SweepSettings:
                               "validation set)")
     text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     text_tokens: int = option(65_536, "tokens of --text to use")
-    batch_size: int = option(32, "(context, ending) sequences per forward; the scores do not depend on it")
+    batch_size: int = option(32, "(context, ending) sequences per forward; quantized scores depend on it by float32 "
+                             "rounding (part of a quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
     device: str = device_option()
     device_map: str | None = device_map_option()
@@ -123,6 +124,10 @@ class SweepSettings:
             self.spec(b)
         object.__setattr__(self, "quant", tuple(self.quant))
         texts = [str(AttnQuant.parse(q)) for q in self.quant]
+        own = [q for q in self.quant if AttnQuant.parse(q).layers is not None]
+        if own and self.layers is not None:  # one rule: layers applies to the specs that name none
+            raise ParamError("layers", f"left out when a quant spec names its own layers ({own[0]!r}); layers applies to "
+                             "the specs that name none: drop one of the two", list(self.layers))
         if self.attn_error:
             for q in self.quant:
                 measured_spec(q)
@@ -179,7 +184,9 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
                   device: str = "cpu", task: str = "hellaswag") -> dict:
     """A cell's identity: what its numbers depend on. ``dtype`` and ``device`` are the loaded model's; the
     device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
-    does not enter: blocked and unblocked attention give the same numbers."""
+    does not enter: blocked and unblocked attention give the same numbers. A quantized cell's batch size does: its
+    per-item scores depend on it by float32 rounding (:mod:`outlierscope.eval.scorer`); an unquantized cell's
+    differ by ~1e-5 nats at most and keep their ids."""
     ident = spec.is_identity
     out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
            "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
@@ -192,6 +199,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["task"] = task
     if s.attn_error and not ident:  # cells without it keep their ids
         out["attn_error"] = True
+    if not ident:  # float32 rounding that depends on the batch's shape can cross a quantizer's rounding boundary
+        out["batch_size"] = s.batch_size
     if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
         out["quant"] = str(spec)
     return out

@@ -85,6 +85,16 @@ def test_tasks_cli(capsys):
     assert "did you mean copa" in capsys.readouterr().err
 
 
+def test_tasks_requests_of_hellaswag(hellaswag_cached, capsys):
+    """The main task, which `tasks` lists, is accepted too: the first validation item of the public HellaSwag set
+    (gold ending 3, "starts pulling up roofing on a roof.") as lm-eval's requests."""
+    assert main(["tasks", "requests", "hellaswag", "--limit", "2"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert len(lines) == 2 and [len(d["requests"]) for d in lines] == [4, 4]
+    assert lines[0]["gold"] == 3 and lines[0]["requests"][3] == [
+        "Roof shingle removal: A man is sitting on a roof. He", " starts pulling up roofing on a roof."]
+
+
 @pytest.mark.parametrize("names, expected", [
     (["paper"], ("arc_challenge", "arc_easy", "boolq", "hellaswag", "openbookqa", "piqa", "winogrande")),
     (["copa", "all"], ("copa", "hellaswag", "arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande",

@@ -364,7 +364,11 @@ def test_text_form_round_trips(text):
 @pytest.mark.parametrize("text,msg", [("sage3", "did you mean sage1"), ("q=int9/per_token", "bits in 2..8"),
                                       ("q=mxfp4/per_token", "brings its own blocks"),
                                       ("probs=int8/per_head", "granularity must be one of per_row, static"),
-                                      ("k=int4/per_group:5", "not a multiple of the group size 5")])
+                                      ("k=int4/per_group:5", "not a multiple of the group size 5"),
+                                      ("smooth_k; smooth_k", "smooth_k is given twice"),
+                                      ("hadamard:1; q=int8/per_token; hadamard:2", "hadamard is given twice"),
+                                      ("hadamard:99999999999999999999999", r"seed in 0..2\^63-1"),
+                                      ("", "empty quantization spec")])
 def test_bad_specs_are_one_line(text, msg):
     with pytest.raises(OutlierscopeError, match=msg):
         model = _model("llama")

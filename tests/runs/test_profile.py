@@ -54,6 +54,8 @@ def test_kv_and_sinks_presets_with_points_and_figures(tmp_path, tiny_corpus):
     (["--points", "layers.*.mlp.down_prj.input"], "did you mean layers.*.mlp.down_proj.input"),
     (["--sink-k", "0"], "--sink-k must be >= 1"),
     (["--attn-block", "0"], "--attn-block must be a positive number of query rows"),  # placement: checked up front
+    (["--preset", "sinks", "--sink-k", "100000"], "--sink-k must be below the sequence length (256 tokens"),
+    (["--seq-len", "300"], "--seq-len must be at most the model's context of 256 tokens"),
 ])
 def test_bad_points_fail_before_any_model_loads(argv, msg, tmp_path, capsys, monkeypatch):
     import outlierscope.models.loading as loading

@@ -1,6 +1,7 @@
 """outlierscope sensitivity: one layer quantized at a time (checked through capture), the second pass, resume,
 the greedy assignment on damage we know, and the outputs."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -202,6 +203,10 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
 
 
 @pytest.mark.parametrize("kw, msg", [({"bits": 16}, "bits must be below 16"), ({"tolerance": -1}, "tolerance must be >= 0"),
+                                     ({"quant": "none"}, "quantizes something"),
+                                     ({"quant": "kivi-2bit", "bits": 8}, "bits must be its default 4 with quant"),
+                                     ({"quant": "kivi-2bit", "granularity": "per_row"}, "granularity must be its default"),
+                                     ({"quant": "k=int4/per_token; layers:0-1"}, "names no layers"),
                                      ({"keep_bits": 4}, "keep_bits must be above bits=4"), ({"keep_bits": 17}, "bits must be in 2..16"),
                                      ({"task": "piqaa"}, "did you mean piqa"), ({"bits": 1}, "bits must be in 2..16")])
 def test_settings_errors(kw, msg):
@@ -341,3 +346,16 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
     with pytest.raises(OutlierscopeError, match="head_dim 8 is not a multiple of the group size 32"):  # before it loads
         sensitivity(SensitivitySettings(model=str(tiny_pair["diff"]), quant="kivi-2bit", limit=2), tmp_path / "x",
                     progress=False, log=lambda *_: None)
+
+
+def test_a_directory_with_another_runs_tables_is_refused(tmp_path):
+    """Model B's run in --out: refused before anything loads (its tables would be replaced, its cells kept), unless
+    force; the same settings resume."""
+    from outlierscope.runs.sensitivity import check_previous
+
+    b = SensitivitySettings(model="pair-tiny:diff", sample=300)
+    (tmp_path / "sensitivity.json").write_text(json.dumps({"settings": dataclasses.asdict(b)}))
+    with pytest.raises(OutlierscopeError, match=r"holds a sensitivity run with other settings \(model differ\)"):
+        sensitivity(SensitivitySettings(model="pair-tiny:transformer", sample=300), tmp_path, progress=False)
+    check_previous(tmp_path, SensitivitySettings(model="pair-tiny:transformer", sample=300), force=True)
+    check_previous(tmp_path, b, force=False)

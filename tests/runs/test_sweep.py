@@ -465,3 +465,26 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
     assert rows.nunique() == 1 and rows.iloc[0] > 0 and (err["kl_mean"] > 0).any()  # the same rows, both measured
     with pytest.raises(OutlierscopeError, match="not both"):
         _settings(tiny_pair, hs_jsonl, quant=("k=int4/per_token;logits=int8/per_tensor",), attn_error=True)
+
+
+def test_a_quantized_cell_is_named_by_its_batch_size():
+    """Quantized per-item scores depend on the batch size by float32 rounding (tests/eval/test_scorer.py), so a
+    quantized cell computed at batch 8 is not reused at batch 32; an unquantized cell (~1e-5 nats) keeps its id."""
+    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.runs.cells import cell_id
+
+    def ident(spec, bs):
+        return cell_id(sw.cell_settings("m", "w", spec, SweepSettings(models=("m",), batch_size=bs), "d", "float32"))
+
+    s = SweepSettings(models=("m",))
+    for spec in (s.spec(4), AttnQuant.parse("sage1")):
+        assert ident(spec, 8) != ident(spec, 32)
+    assert ident(s.spec(16), 8) == ident(s.spec(16), 32)
+
+
+def test_a_spec_with_its_own_layers_and_layers_is_refused():
+    """One rule: ``layers`` applies to the specs that name none; both at once is an error before any work."""
+    with pytest.raises(OutlierscopeError, match="layers must be left out when a quant spec names its own layers"):
+        SweepSettings(models=("m",), quant=("k=int4/per_token; layers:0-1",), layers=(2, 3))
+    s = SweepSettings(models=("m",), quant=("k=int4/per_token; layers:0-1", "sage1"))
+    assert [sp.layers for sp in s.specs()[-2:]] == [(0, 1), None]
