@@ -270,10 +270,31 @@ def _placement(a) -> dict:
     return {"device": a.device, "dtype": a.dtype, "device_map": a.device_map, "trust_remote_code": a.trust_remote_code}
 
 
+def _is_first_rank() -> bool:
+    """Whether this process prints errors: the only one, or rank 0 of torchrun / accelerate launch (every rank
+    checks the same arguments and fails alike; one says so)."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+def _error(message: str) -> None:
+    if _is_first_rank():
+        print(f"outlierscope: error: {message}", file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser, whose usage errors only the first rank prints (exit status 2 on every rank)."""
+
+    def error(self, message):
+        if _is_first_rank():
+            self.print_usage(sys.stderr)
+            print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from outlierscope import __version__
 
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="outlierscope",
         description="Profile activation outliers and sweep low-bit quantization of attention logits "
         "(Transformer vs Diff Transformer, arXiv 2410.05258 Table 5 / Figure 8).",
@@ -457,14 +478,13 @@ def _run(argv: list[str] | None) -> int:
     try:
         a.func(a)
     except ParamError as e:
-        print(f"outlierscope: error: {e.renamed(_flags(parser, a.command))}", file=sys.stderr)
+        _error(str(e.renamed(_flags(parser, a.command))))
         return 2
     except OutlierscopeError as e:
-        print(f"outlierscope: error: {e}", file=sys.stderr)
+        _error(str(e))
         return 2
     except PermissionError as e:  # a file the library reads or writes outside its checks (a read-only cache, ...)
-        print(f"outlierscope: error: permission denied: {e.filename or e}; fix its permissions or choose another "
-              "path", file=sys.stderr)
+        _error(f"permission denied: {e.filename or e}; fix its permissions or choose another path")
         return 2
     return 0
 

@@ -180,6 +180,7 @@ def test_reducers_see_the_quantized_logits():
     ({"granularity": "per_blob"}, "granularity must be one of"),
     ({"quant": "sage3"}, "did you mean sage1"),
     ({"quant": "sage1", "bits": 4}, "pass bits .* or quant"),
+    ({"quant": ""}, "quant must be a recipe name"),  # quant= given empty is not "unquantized"
 ])
 def test_bad_model_args(kw, msg):
     with pytest.raises(OutlierscopeError, match=msg):
@@ -198,16 +199,19 @@ def test_lmeval_default_device_runs_on_the_cpu():
     assert str(next(lm.model.parameters()).device) == "cpu"
 
 
-@pytest.mark.parametrize("model_args, msg", [
-    ("pretrained=/no/such/model,bits=4", "model directory not found: /no/such/model"),  # not "cuda:0 requested"
-    ("pretrained=pair-tiny:diff,bits=5x", "bits must be an integer number of bits"),
+@pytest.mark.parametrize("model_args, tasks, msg", [
+    ("pretrained=/no/such/model,bits=4", "hellaswag", "model directory not found: /no/such/model"),  # not "cuda:0"
+    ("pretrained=pair-tiny:diff,bits=5x", "hellaswag", "bits must be an integer number of bits"),
+    ("pretrained=pair-tiny:diff,quant=", "hellaswag", "quant must be a recipe name"),  # not silently unquantized
+    ("pretrained=pair-tiny:diff,quant=sage3", "hellaswag", "did you mean sage1"),
+    ("pretrained=pair-tiny:diff,bits=4", "nosuchtask", "lm-eval: Tasks not found: nosuchtask"),
 ])
-def test_command_line_errors_are_one_line(model_args, msg, tmp_path):
-    """lm-eval's command line with no --device (it then says cuda:0) on this CPU machine: a bad model_args value is
-    one line and exit 1, no traceback."""
+def test_command_line_errors_are_one_line(model_args, tasks, msg, tmp_path):
+    """lm-eval's command line with no --device (it then says cuda:0) on this CPU machine: a bad model_args value or
+    task name is one line and exit 1, no traceback; model_args are checked before lm-eval indexes its tasks."""
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, "-m", "outlierscope.lmeval", "--model", "outlierscope", "--model_args", model_args,
-                        "--tasks", "hellaswag", "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
+                        "--tasks", tasks, "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("outlierscope: error: ") and msg in r.stderr
 

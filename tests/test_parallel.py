@@ -103,6 +103,27 @@ def test_merge_damaged_profile_shard_is_one_line(runs, tmp_path):
     assert not (d / "table5.csv").exists()
 
 
+def test_merge_truncated_sweep_shard_cell_writes_nothing(runs, tmp_path):
+    """A shard's cell csv cut short (its second cell): named as incomplete with what to do (it said "different
+    evaluations"), and no merged cell is written, not even the first, whose parts are whole."""
+    import shutil
+
+    d = tmp_path / "s"
+    shutil.copytree(runs / "sweep-shards", d)
+    for f in [*d.glob("*.csv"), *d.glob("sweep.json")]:
+        f.unlink()
+    for f in (d / "cells").glob("*.*"):
+        if ".shard-" not in f.name:
+            f.unlink()
+    second = sorted((d / "cells").glob("*_b4_*.shard-1-of-2.csv"))[0]
+    second.write_text("\n".join(second.read_text().splitlines()[:5]) + "\n")
+    r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(d)], cwd=ROOT, env=ENV, capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
+    assert "part 1/2 of cell" in r.stderr and "missing or incomplete; rerun that shard" in r.stderr
+    assert not [f for f in (d / "cells").iterdir() if ".shard-" not in f.name] and not (d / "sweep.csv").exists()
+
+
 @pytest.mark.parametrize("text, msg", [("2/2", "0 <= i < N"), ("1/40", "N in 1..16"), ("a/b", "i/N, e.g. 0/4")])
 def test_bad_shard(text, msg):
     with pytest.raises(ParamError, match=msg):
@@ -229,3 +250,16 @@ def test_failing_rank_fails_the_run_and_writes_no_cell(tmp_path, hellaswag_cache
     assert results.get(0) == "OutlierscopeError: rank 1: forward failed"  # rank 0 fails too, at once
     cells = list((tmp_path / "out" / "cells").glob("*")) if (tmp_path / "out" / "cells").exists() else []
     assert cells == [] and not (tmp_path / "out" / "sweep.csv").exists()
+
+
+def test_a_bad_flag_under_torchrun_is_said_once():
+    """Every rank parses the same arguments and fails alike (exit 2); rank 0 alone prints the error (torchrun then
+    reports the failed processes in its own words)."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    for args, msg in ((["sweep", "--model", "pair-tiny:diff", "--bits", "16", "--batch-size", "0", "--out", "x"],
+                       "outlierscope: error: --batch-size must be >= 1"),
+                      (["sweep", "--model", "pair-tiny:diff", "--bogus", "--out", "x"],
+                       "error: unrecognized arguments: --bogus")):
+        r = subprocess.run([*launch, "-m", "outlierscope", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                           timeout=300)
+        assert r.returncode != 0 and r.stderr.count(msg) == 1, r.stderr[-3000:]

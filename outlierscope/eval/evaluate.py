@@ -203,6 +203,9 @@ class EvalResult:
             return None  # damaged: the caller recomputes it
         if list(items.columns) != item_columns(sum(c.startswith("score") for c in items.columns)):
             return None
+        n = meta.get("settings", {}).get("n_items") if isinstance(meta, dict) else None
+        if n is not None and len(items) != n:  # a truncated or cut file: incomplete
+            return None
         extra = {k: v for k, v in meta.items() if k not in ("settings", "metrics", "seconds")}
         return cls(items, meta.get("metrics", {}), meta.get("settings", {}), meta.get("seconds", 0.0), extra)
 

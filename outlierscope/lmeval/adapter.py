@@ -82,6 +82,23 @@ def _device(device) -> str:
     return device
 
 
+def model_args_spec(bits=16, format: str = "int", granularity: str = "per_tensor", layers=None, quant=None,
+                    attn_block=None, dtype: str = "auto", device_map=None, **_) -> tuple:
+    """(spec, attention block rows) of the adapter's ``model_args``, checked without a model: what ``python -m
+    outlierscope.lmeval`` checks before lm-eval indexes its tasks. ``quant`` given empty (``quant=``) is an error,
+    not "unquantized"."""
+    spec = make_spec(bits, format, granularity, layers)
+    if quant is not None and str(quant).strip() in ("", "None"):
+        raise ParamError("quant", "a recipe name (see `outlierscope recipes`), or leave quant out for bits/format/"
+                         "granularity (bits=16: unquantized)", quant)
+    if quant is not None:
+        spec = attention_spec(quant, bits, layers)
+    block = None if attn_block in (None, "", "None") else \
+        _as_int("attn_block", attn_block, "a positive number of query rows")
+    check_placement("auto", str(dtype), device_map, block)
+    return spec, block
+
+
 def _key(tokens) -> bytes:
     return hashlib.blake2b(np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=16).digest()
 
@@ -107,12 +124,9 @@ class OutlierscopeLM(HFLM):
                  quant: str | None = None, **kwargs):
         from outlierscope.models.loading import load_model
 
-        self.quant = make_spec(bits, format, granularity, layers)  # checked before the model loads
-        if quant not in (None, "", "None"):
-            self.quant = attention_spec(quant, bits, layers)
-        self.attn_block = None if attn_block in (None, "", "None") else \
-            _as_int("attn_block", attn_block, "a positive number of query rows")
-        check_placement("auto", str(dtype), device_map, self.attn_block)
+        # checked before the model loads
+        self.quant, self.attn_block = model_args_spec(bits, format, granularity, layers, quant, attn_block, dtype,
+                                                      device_map)
         lm = load_model(str(pretrained), dtype=str(dtype), device=_device(device), device_map=device_map,
                         trust_remote_code=str(trust_remote_code).lower() in ("true", "1"))
         n_layers = num_layers(lm.model.config)

@@ -332,6 +332,33 @@ def _read_config_json(path: Path) -> dict:
     return cfg_json
 
 
+def _check_auto_map(spec: str, path: Path, cfg_json: dict, known: bool, trust_remote_code: bool) -> None:
+    """A config with ``auto_map`` (Python code shipped with the model): without ``trust_remote_code`` refused when
+    transformers has no class of its model_type, else run with transformers' own class and a warning that the shipped
+    code is not run; with it, each module ``auto_map`` names must be in the directory (a Hub snapshot has them)."""
+    auto_map = cfg_json.get("auto_map")
+    if not auto_map:
+        return
+    mt = cfg_json.get("model_type", "missing")
+    if not trust_remote_code:
+        if not known:
+            raise OutlierscopeError(f"{spec}: model_type {mt!r} needs the Python code shipped with the model (auto_map "
+                                    "in config.json); pass --trust-remote-code (trust_remote_code=True) to run that code, "
+                                    "only if you trust its authors")
+        warnings.warn(f"{spec}: config.json's auto_map names Python code shipped with the model, which is not run: "
+                      f"transformers' own {mt} is used (pass --trust-remote-code to run the shipped code instead)",
+                      stacklevel=3)
+        return
+    refs = auto_map.values() if isinstance(auto_map, dict) else ()
+    names = sorted({r.split(".")[0] + ".py" for v in refs for r in (v if isinstance(v, list) else [v])
+                    if isinstance(r, str) and "--" not in r})  # "org/repo--module.Class": code of another repo
+    missing = [n for n in names if not (path / n).exists()]
+    if missing:
+        raise OutlierscopeError(f"{path}: config.json's auto_map names {', '.join(missing)}, which "
+                                f"{'is' if len(missing) == 1 else 'are'} not in the directory; add the model's code "
+                                "files, or drop auto_map to run transformers' own class")
+
+
 def check_model(spec: str, trust_remote_code: bool = False):
     """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, fetched
     model, Hub snapshot, converted GGUF), config.json, a causal LM architecture transformers knows (or custom code
@@ -348,10 +375,7 @@ def check_model(spec: str, trust_remote_code: bool = False):
     if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
         raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
                                 "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
-    if "auto_map" in cfg_json and mt not in CONFIG_MAPPING and not trust_remote_code:
-        raise OutlierscopeError(f"{spec}: model_type {mt!r} needs the Python code shipped with the model (auto_map in "
-                                "config.json); pass --trust-remote-code (trust_remote_code=True) to run that code, only "
-                                "if you trust its authors")
+    _check_auto_map(spec, path, cfg_json, mt in CONFIG_MAPPING, trust_remote_code)
     with quiet_transformers():
         try:
             config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)

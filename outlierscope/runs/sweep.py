@@ -430,12 +430,27 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         return _tabulate(s, cells, tasks, out, **({"model_sources": rec["model_sources"]} if "model_sources" in rec else {}))
 
 
+def _merged_cell(c: dict, recs: list) -> EvalResult:
+    """One cell of a sharded sweep from its parts in the shard directories (``recs``: (directory, record) per shard)."""
+    from outlierscope.eval.evaluate import merge_results
+
+    n, parts = len(recs), []
+    for i, (d, _) in enumerate(recs):
+        res = EvalResult.load(d / "cells", f"{c['cell']}.shard-{i}-of-{n}")
+        if res is None:
+            raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {c['cell']} is missing or incomplete; "
+                                    f"rerun that shard (it resumes), then merge again")
+        parts.append(res)
+    merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
+    merged.extra["cell"] = parts[0].extra["cell"]
+    return merged
+
+
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
     """Combine the shards of a sweep run with ``shard=Shard(i, N)`` (``--shard i/N``) for i = 0..N-1, found
     in ``dirs``, into whole cells and tables in ``out`` (default: the first directory): the same files as
-    one process would write."""
-    from outlierscope.eval.evaluate import merge_results
-
+    one process would write. Every part is read before anything is written: a missing or damaged part writes
+    nothing."""
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "sweep", ".json", "sweep")
     n = len(files)
@@ -446,19 +461,11 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             raise OutlierscopeError("the shards were run with different settings; merge only the shards of one sweep")
     s = SweepSettings.from_record(first["settings"])
     out = Path(out) if out is not None else dirs[0]
+    merged = [(c, _merged_cell(c, recs)) for c in first["cells"]]  # every part read and merged before anything is written
     cells = []
     with output_dir(out), output_dir(out / "cells") as cells_dir:
-        for c in first["cells"]:
-            parts = []
-            for i, (d, _) in enumerate(recs):
-                res = EvalResult.load(d / "cells", f"{c['cell']}.shard-{i}-of-{n}")
-                if res is None:
-                    raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {c['cell']} is missing or incomplete; "
-                                            f"rerun that shard (it resumes), then merge again")
-                parts.append(res)
-            merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
-            merged.extra["cell"] = parts[0].extra["cell"]
-            merged.save(cells_dir, c["cell"])
-            cells.append((c["model"], c["task"], s.spec_of(c), c["cell"], merged))
+        for c, res in merged:
+            res.save(cells_dir, c["cell"])
+            cells.append((c["model"], c["task"], s.spec_of(c), c["cell"], res))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
     return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n)

@@ -257,3 +257,44 @@ def test_a_directory_that_is_not_a_model_does_not_hide_a_named_model(tmp_path, m
     (tmp_path / "plain").mkdir()
     with pytest.raises(OutlierscopeError, match="has no config.json"):  # a path that names no model: as before
         resolve_spec("plain")
+
+
+@pytest.mark.parametrize("content, msg", [(b"", "is empty: not a GGUF model file"),
+                                          (b"hello, not a model\n", "does not start with GGUF's magic bytes")])
+def test_a_file_named_gguf_that_is_not_one(tmp_path, content, msg, capsys):
+    """An empty file or text named .gguf: one line naming the problem (it was the GGUF reader's traceback), from the
+    library, the CLI and as a second model of a sweep (checked before any cell)."""
+    from outlierscope.cli import main
+    from outlierscope.models.loading import check_model
+
+    f = tmp_path / "x.gguf"
+    f.write_bytes(content)
+    with pytest.raises(OutlierscopeError, match=msg):
+        check_model(str(f))
+    assert main(["sweep", "--model", "pair-tiny:diff", "--model", str(f), "--bits", "16", "--limit", "2", "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err and not (tmp_path / "o").exists()
+
+
+def test_auto_map_with_a_known_model_type_and_a_missing_module(tmp_path):
+    """auto_map to code that is not there: without trust_remote_code transformers' own class runs, with a warning
+    that the shipped code does not; with it, the missing file is named (it said 'unsupported architecture')."""
+    import json
+    import shutil
+
+    from outlierscope.models.loading import PRETRAINED_DIR, check_model
+
+    d = tmp_path / "m"
+    shutil.copytree(PRETRAINED_DIR / "pair-tiny" / "transformer", d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.warns(UserWarning, match="which is not run: transformers' own llama is used"):
+        check_model(str(d))
+    with pytest.raises(OutlierscopeError, match="auto_map names configuration_x.py, modeling_x.py, which are not in"):
+        check_model(str(d), trust_remote_code=True)
+    cfg["model_type"] = "notamodel"
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OutlierscopeError, match="needs the Python code shipped with the model"):
+        check_model(str(d))
