@@ -212,3 +212,50 @@ def test_split_streams_merge_to_the_same_bytes(cut):
         assert merged.topk_points(maps).to_csv() == whole.topk_points(maps).to_csv()
     assert {k: v.tolist() for k, v in merged.act_scales().items()} == {k: v.tolist() for k, v in whole.act_scales().items()}
     pd.testing.assert_frame_equal(merged.channels(), whole.channels())
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padding_never_enters_channel_maxima_or_act_scales(side):
+    """Padded batches (the pad token's embedding planted 1000x, so a padding row would top every maximum): channel
+    maxima of the hidden states and down_proj's input, and act_scales, equal those of each sequence run alone without
+    padding, taken by plain forward hooks (SmoothQuant's script)."""
+    model = _model()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[0] *= 1000
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(1, 101, (n,), generator=g) for n in (9, 6, 4)]
+    want_lin, want_ch = {}, {}
+
+    def keep(store, name, t):
+        cur = t.reshape(-1, t.shape[-1]).abs().amax(0).float()  # (C,)
+        store[name] = torch.maximum(store[name], cur) if name in store else cur
+
+    hooks = [m.register_forward_hook(lambda m, x, y, n=n: keep(want_lin, n, x[0]))
+             for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    for i, layer in enumerate(model.model.layers):
+        hooks.append(layer.register_forward_hook(lambda m, x, y, i=i: keep(want_ch, ("hidden", i), y[0] if isinstance(y, tuple) else y)))
+        hooks.append(layer.mlp.down_proj.register_forward_hook(lambda m, x, y, i=i: keep(want_ch, ("mlp.down_proj.input", i), x[0])))
+    with torch.no_grad():
+        for s in seqs:
+            model(input_ids=s[None])
+    for h in hooks:
+        h.remove()
+    T = 9
+    ids, mask = torch.zeros(3, T, dtype=torch.long), torch.zeros(3, T, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        sl = slice(0, len(s)) if side == "right" else slice(T - len(s), T)
+        ids[b, sl], mask[b, sl] = s, 1
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    stats = OutlierStats.for_model(model, seq_len=T)
+    with torch.no_grad(), capture(model, ["layers.*.hidden", "layers.*.mlp.down_proj.input"], preset="smoothquant",
+                                  reducers=stats):
+        model(input_ids=ids, attention_mask=mask, position_ids=pos)
+    got = stats.act_scales()
+    assert sorted(got) == sorted(want_lin)
+    for name in want_lin:
+        torch.testing.assert_close(got[name], want_lin[name], rtol=1e-5, atol=0, msg=name)
+    ch = stats.channels()
+    for (kind, layer), w in want_ch.items():
+        rows = ch[(ch.point == kind) & (ch.layer == layer)].sort_values("channel")
+        np.testing.assert_allclose(rows.absmax.to_numpy(), w.double().numpy(), rtol=1e-5, atol=0)
+        assert (rows.tokens == sum(len(s) for s in seqs)).all()

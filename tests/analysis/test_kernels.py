@@ -92,7 +92,11 @@ def test_token_pass_against_float64(compiled, per_channel):
     B, T, C = 3, 50, 24
     x = adversarial(rng, (B, T, C), 5e3)
     x[0, 3, 7] = 250.0  # above 100 and 6
+    # exactly on the boundaries, and one float32 step below / above: LLM.int8 counts |x| >= 6, massive |x| > 100
+    x[0, 4, 7], x[0, 5, 7], x[1, 3, 2], x[1, 4, 2] = 6.0, -6.0, 100.0, -100.0
+    x[0, 6, 7], x[1, 5, 2] = np.nextafter(np.float32(6), np.float32(0)), np.nextafter(np.float32(100), np.float32(200))
     valid = rng.random((B, T)) > 0.2
+    valid[0, 3:7] = valid[1, 3:6] = True
     shift = (np.full(C, 5e3) if per_channel else np.array([5e3 + 1])).astype(np.float32)
     bins = LogBins()
     table, s = bins.table()
@@ -105,6 +109,7 @@ def test_token_pass_against_float64(compiled, per_channel):
     np.testing.assert_array_equal(chmax, np.where(v3, a, -1).max(1))
     np.testing.assert_array_equal(n_big, (v3 & (a >= 6)).sum(1))
     np.testing.assert_array_equal(n_huge, (v3 & (a > 100)).sum(1))
+    assert n_big[0, 7] >= 3 and n_huge[1, 2] == (v3[1, :, 2] & (a[1, :, 2] > 100)).sum()  # the planted boundaries count
     np.testing.assert_array_equal(idx, np.where(v3, np.searchsorted(edges_f32(bins.lo, bins.ratio, bins.n), a, side="right"), bins.n + 2))
     ab = np.where(v3, a.astype(np.float64), 0.0)
     assert (np.abs(sumabs - ab.sum(1)) <= row_bound(np.moveaxis(ab, 1, -1), 1, T)).all()
