@@ -4,8 +4,8 @@ Reference: Ye et al., Differential Transformer (arXiv 2410.05258), Table 5 and F
 
 One import line for notebooks::
 
-    from outlierscope import load_model, capture, OutlierStats, QuantSpec, quantize_attention, \\
-        profile_model, evaluate, sweep, load_run
+    from outlierscope import load_model, capture, OutlierStats, QuantSpec, AttnQuant, RECIPES, \\
+        quantize_attention, profile_model, evaluate, sweep, load_run
 
 The names are imported on first use (``import outlierscope`` stays light and changes no environment
 variable or logging level).
@@ -31,6 +31,9 @@ _EXPORTS = {
     "POINT_PRESETS": "outlierscope.hooks.points",
     "OutlierStats": "outlierscope.analysis.outliers",
     "QuantSpec": "outlierscope.quant.spec",
+    "AttnQuant": "outlierscope.quant.recipe",
+    "TensorQuant": "outlierscope.quant.recipe",
+    "RECIPES": "outlierscope.quant.recipe",
     "quantize_attention": "outlierscope.quant.apply",
     "quantize_weights": "outlierscope.quant.apply",
     "absmax_scale": "outlierscope.quant.primitives",

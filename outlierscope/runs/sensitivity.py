@@ -44,6 +44,7 @@ from outlierscope.io import git_commit, machine, output_dir, versions, write_csv
 from outlierscope.models.loading import (
     attn_block_option,
     check_placement,
+    device_map_option,
     device_option,
     dtype_option,
     trust_remote_code_option,
@@ -80,6 +81,7 @@ class SensitivitySettings:
                              "quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
     device: str = device_option()
+    device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
     trust_remote_code: bool = trust_remote_code_option()
 
@@ -104,7 +106,7 @@ class SensitivitySettings:
                 raise ParamError(n, ">= 1", getattr(self, n))
         if self.profile_tokens < 1:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
-        check_placement(self.device, self.dtype, None, self.attn_block)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
     def _check_quant(self) -> None:
         """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in
@@ -266,7 +268,8 @@ def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _R
     from outlierscope.report.tables import headline_metric
 
     check_spec(s.spec(), check_model(s.model, s.trust_remote_code)[1])  # the spec fits the model's shape: before it loads
-    lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+    lm = load_model(s.model, dtype=s.dtype, device=s.device, device_map=s.device_map,
+                    trust_remote_code=s.trust_remote_code)
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),

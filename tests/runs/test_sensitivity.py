@@ -359,3 +359,18 @@ def test_a_directory_with_another_runs_tables_is_refused(tmp_path):
         sensitivity(SensitivitySettings(model="pair-tiny:transformer", sample=300), tmp_path, progress=False)
     check_previous(tmp_path, SensitivitySettings(model="pair-tiny:transformer", sample=300), force=True)
     check_previous(tmp_path, b, force=False)
+
+
+def test_device_map_reaches_the_model_loader(monkeypatch, tmp_path):
+    """Every command that runs a model takes --device-map (README); sensitivity passes it to load_model."""
+    import outlierscope.models.loading as loading
+
+    seen = {}
+
+    def fake_load(spec, **kw):
+        seen.update(kw)
+        raise OutlierscopeError("stop here")
+
+    monkeypatch.setattr(loading, "load_model", fake_load)
+    assert main(["sensitivity", "--model", "pair-tiny:diff", "--device-map", "auto", "--out", str(tmp_path)]) == 2
+    assert seen["device_map"] == "auto"
