@@ -17,7 +17,7 @@ forward (measured on SmolLM2's ``down_proj``, 1536 -> 576: rows 64-141 vs 256+ d
 matmuls of sequences under ~16 tokens by their padded length. Unquantized, per-item scores then move by ~1e-5 nats
 with the batch size; quantized, such a last bit can cross a quantizer's rounding boundary and move a score by up to
 ~0.5 nats (SmolLM2-135M, sage1, ARC-Easy, batch 32 vs 1: 26 of 161 choices by more than 1e-4). So a quantized cell's
-identity holds its batch size, and ``batch_size=1`` (one sequence per forward, no padding) is the exactly
+identity holds its batch size (when not the default 32), and ``batch_size=1`` (one sequence per forward, no padding) is the exactly
 batch-invariant setting, at about twice the time on 2 CPU cores. (Fixed-size row chunks for every linear layer plus
 padding to multiples of 64 tokens made the scores identical in a test here, at 2.2-2.5x the time: no cheaper, and a
 property of one BLAS, so not used.)

@@ -14,6 +14,8 @@ from pathlib import Path
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.parallel import Shard, World
 
+DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch size is another cell (float32 rounding)
+
 
 def cell_id(settings: dict) -> str:
     """``<model>_b<bits>_<10 hex digits of the settings' sha256>``: the same settings, the same name."""

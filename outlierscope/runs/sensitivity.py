@@ -53,7 +53,7 @@ from outlierscope.quant.apply import check_spec, quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import cached_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell
 from outlierscope.settings import option
 
 
@@ -77,7 +77,7 @@ class SensitivitySettings:
     attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
                               "one cell)")
     profile_tokens: int = option(20_000, "tokens of the short profile for the per-layer outlier statistic")
-    batch_size: int = option(32, "sequences per forward; quantized scores depend on it by float32 rounding (part of a "
+    batch_size: int = option(DEFAULT_BATCH, "sequences per forward; quantized scores depend on it by float32 rounding (part of a "
                              "quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
     device: str = device_option()
@@ -200,8 +200,8 @@ class _Run:
                     "layers": list(spec.layers) if spec and spec.layers else None,
                     "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
                     "attn_error": measure.label if measure else False}
-        if spec or keep:  # a quantized cell's scores depend on its batch size by float32 rounding
-            settings["batch_size"] = s.batch_size
+        if (spec or keep) and s.batch_size != DEFAULT_BATCH:  # a quantized cell's scores depend on its batch size by
+            settings["batch_size"] = s.batch_size  # float32 rounding; cells at the default keep their ids
 
         def compute():
             stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None

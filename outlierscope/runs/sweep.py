@@ -44,7 +44,7 @@ from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
-from outlierscope.runs.cells import cached_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell
 from outlierscope.settings import option
 
 
@@ -74,7 +74,7 @@ class SweepSettings:
                               "validation set)")
     text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     text_tokens: int = option(65_536, "tokens of --text to use")
-    batch_size: int = option(32, "(context, ending) sequences per forward; quantized scores depend on it by float32 "
+    batch_size: int = option(DEFAULT_BATCH, "(context, ending) sequences per forward; quantized scores depend on it by float32 "
                              "rounding (part of a quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
     device: str = device_option()
@@ -184,9 +184,9 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
                   device: str = "cpu", task: str = "hellaswag") -> dict:
     """A cell's identity: what its numbers depend on. ``dtype`` and ``device`` are the loaded model's; the
     device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
-    does not enter: blocked and unblocked attention give the same numbers. A quantized cell's batch size does: its
-    per-item scores depend on it by float32 rounding (:mod:`outlierscope.eval.scorer`); an unquantized cell's
-    differ by ~1e-5 nats at most and keep their ids."""
+    does not enter: blocked and unblocked attention give the same numbers. A quantized cell's batch size does when it
+    is not the default 32 (cells at 32 keep their ids): its per-item scores depend on it by float32 rounding
+    (:mod:`outlierscope.eval.scorer`); an unquantized cell's differ by ~1e-5 nats at most and keep their ids."""
     ident = spec.is_identity
     out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
            "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
@@ -199,8 +199,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["task"] = task
     if s.attn_error and not ident:  # cells without it keep their ids
         out["attn_error"] = True
-    if not ident:  # float32 rounding that depends on the batch's shape can cross a quantizer's rounding boundary
-        out["batch_size"] = s.batch_size
+    if not ident and s.batch_size != DEFAULT_BATCH:  # float32 rounding that depends on the batch's shape can cross a
+        out["batch_size"] = s.batch_size  # quantizer's rounding boundary; cells at the default keep their ids
     if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
         out["quant"] = str(spec)
     return out
