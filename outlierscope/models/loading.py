@@ -390,7 +390,48 @@ def check_model(spec: str, trust_remote_code: bool = False):
     if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
         warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
                       stacklevel=2)
+    _check_weight_headers(path, config, trust_remote_code)
+    _check_tokenizer_size(path, config, trust_remote_code)
     return source, config
+
+
+def _check_weight_headers(path: Path, config, trust_remote_code: bool) -> None:
+    """What :func:`_check_loading_info` refuses at load time, read from the safetensors headers before anything
+    loads (a second model of a run is checked before the first one's cells): a tensor the model needs that no file
+    holds, a shape the config does not expect. Only where the files name the tensors as the model does (at least
+    90% of them): a checkpoint that transformers converts on loading (renamed or fused tensors) is left to load."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        return
+    shapes = {}
+    for f in files:
+        with safe_open(str(f), "pt") as st:
+            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    want = {k: tuple(v.shape) for k, v in meta_model(config, trust_remote_code).state_dict().items()}
+    if sum(k in want for k in shapes) < 0.9 * len(shapes):
+        return
+    tied = getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
+    missing = sorted(k for k in want if k not in shapes and not (tied and k == "lm_head.weight"))
+    mismatched = [(k, shapes[k], want[k]) for k in sorted(shapes) if k in want and shapes[k] != want[k]]
+    _check_loading_info(path, {"missing_keys": missing, "mismatched_keys": mismatched})
+
+
+def _check_tokenizer_size(path: Path, config, trust_remote_code: bool) -> None:
+    """:func:`_check_vocab` before the weights load: the tokenizer's ids against the config's vocab_size."""
+    from transformers import AutoTokenizer
+
+    rows = getattr(config.get_text_config(), "vocab_size", None)
+    if not isinstance(rows, int):
+        return
+    with quiet_transformers():
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+        except Exception as e:  # tokenizers raise many types; all mean the same to the user
+            raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or "
+                                    "tokenizer files in the directory") from None
+    _check_vocab(path, rows, tokenizer)
 
 
 def meta_model(config, trust_remote_code: bool = False):
@@ -427,10 +468,14 @@ def num_layers(config) -> int:
     return n
 
 
-def _check_vocab(path: Path, model, tokenizer) -> None:
-    """Refuse a tokenizer whose ids reach past the model's embedding table (the first forward would fail deep inside)."""
+def _embedding_rows(model) -> int | None:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    rows = emb.num_embeddings if emb is not None and hasattr(emb, "num_embeddings") else None
+    return emb.num_embeddings if emb is not None and hasattr(emb, "num_embeddings") else None
+
+
+def _check_vocab(path: Path, rows: int | None, tokenizer) -> None:
+    """Refuse a tokenizer whose ids reach past the model's embedding table of ``rows`` (the first forward would fail
+    deep inside)."""
     if rows is None:
         return
     top = max(len(tokenizer) - 1, *(i for i in tokenizer.all_special_ids if i is not None), -1)
@@ -474,7 +519,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
     _check_loading_info(path, info)
-    _check_vocab(path, model, tokenizer)
+    _check_vocab(path, _embedding_rows(model), tokenizer)
     if device_map is None and dev != "cpu":
         model.to(dev)
     model.eval()

@@ -298,3 +298,42 @@ def test_auto_map_with_a_known_model_type_and_a_missing_module(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(OutlierscopeError, match="needs the Python code shipped with the model"):
         check_model(str(d))
+
+
+@pytest.mark.parametrize("broken", ["missing", "mismatch", "tokenizer"])
+def test_a_broken_second_model_is_named_before_the_first_ones_cells(model_dir, tmp_path, broken, monkeypatch, capsys):
+    """A missing tensor, a shape mismatch or a tokenizer past the vocab, found from the file headers and the
+    tokenizer by check_model (no weights read), so a sweep's second model fails before the first one's cells."""
+    import shutil
+
+    from outlierscope.cli import main
+    from outlierscope.models.loading import check_model
+
+    if broken == "missing":
+        d = _copy_with(model_dir, tmp_path, lambda w: w.pop("model.layers.0.mlp.up_proj.weight"))
+        msg = "lack 1 tensor(s) the model needs (model.layers.0.mlp.up_proj.weight)"
+    elif broken == "mismatch":
+        d = _copy_with(model_dir, tmp_path, lambda w: w.__setitem__("model.norm.weight", w["model.norm.weight"][:3].clone()))
+        msg = "tensor model.norm.weight has shape (3,) in the checkpoint but the config expects ("
+    else:
+        from transformers import AutoTokenizer
+
+        d = tmp_path / "big-tok"
+        shutil.copytree(model_dir, d)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        tok.add_tokens([f"<extra{i}>" for i in range(600)])
+        tok.save_pretrained(d)
+        msg = "but the model's embedding has 512 rows"
+    with pytest.raises(OutlierscopeError) as e:
+        check_model(str(d))
+    assert msg in str(e.value)
+    import outlierscope.eval.evaluate as ev
+
+    def no_cell(*a, **k):
+        raise AssertionError("a cell ran before the second model was checked")
+
+    monkeypatch.setattr(ev, "evaluate", no_cell)
+    assert main(["sweep", "--model", str(model_dir), "--model", str(d), "--bits", "16", "--limit", "2", "--out",
+                 str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and msg in err
