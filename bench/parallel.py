@@ -1,13 +1,15 @@
-"""Data-parallel sweep: 2 processes under torchrun (gloo) against 1, on the same items, same results.
+"""Data parallelism: N processes under torchrun (gloo) against 1, on the same items, same results.
 
-Runs ``outlierscope sweep --model pair-tiny:diff --bits 16 4 --limit 400`` as one process and under
-``torchrun --nproc-per-node 2``, every process with one thread (``OMP_NUM_THREADS=1``: torchrun's default,
-and what byte-identity needs, since BLAS sums a product in another order with another number of
-threads), each timed as a whole process (start-up, loading, scoring, gather, writing), and checks that
-``sweep.csv`` and the per-item cell files are byte-identical. On a 2-core machine this measures how the
-work divides over 2 processes of one core each.
+``--command sweep`` (default) runs ``outlierscope sweep --model pair-tiny:diff --bits 16 4 --limit 400``;
+``--command sensitivity`` runs ``outlierscope sensitivity --model smollm2-135m --quant kivi-2bit --limit 8
+--no-all-but --profile-tokens 2000`` (every per-layer cell and the greedy's tries, each split over the processes). Each
+runs as one process and under ``torchrun --nproc-per-node N``, every process with one thread (``OMP_NUM_THREADS=1``:
+torchrun's default, and what byte-identity needs, since BLAS sums a product in another order with another number
+of threads), each timed as a whole process (start-up, loading, scoring, gather, writing), and the bench checks that
+the data files (csv) are byte-identical. On a 2-core machine this measures how the work divides over 2 processes of
+one core each.
 
-Usage: python bench/parallel.py [--limit 400] [--procs 2] [--reps 3]
+Usage: python bench/parallel.py [--command sweep|sensitivity] [--limit N] [--procs 2] [--reps 3] [--model M]
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# command -> (default model, default items, its other arguments)
+COMMANDS = {"sweep": ("pair-tiny:diff", 400, ["--bits", "16", "4"]),
+            "sensitivity": ("smollm2-135m", 8, ["--quant", "kivi-2bit", "--no-all-but", "--profile-tokens", "2000"])}
 
 
 def run(args: list[str], procs: int, out: Path) -> float:
@@ -38,12 +43,15 @@ def main() -> int:
 
     start = begin()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--limit", type=int, default=400)
+    p.add_argument("--command", choices=tuple(COMMANDS), default="sweep")
+    p.add_argument("--limit", type=int, help="items (default: sweep 400, sensitivity 8)")
     p.add_argument("--procs", type=int, default=2)
-    p.add_argument("--model", default="pair-tiny:diff")
+    p.add_argument("--model", help="default: sweep pair-tiny:diff, sensitivity smollm2-135m")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each side, alternating (median quoted)")
     a = p.parse_args()
-    args = ["sweep", "--model", a.model, "--bits", "16", "4", "--limit", str(a.limit)]
+    model, limit, rest = COMMANDS[a.command]
+    a.model, a.limit = a.model or model, a.limit or limit
+    args = [a.command, "--model", a.model, *rest, "--limit", str(a.limit)]
     t1, tn, same = [], [], True
     for _ in range(a.reps):  # fresh output directories: every run computes every cell
         with tempfile.TemporaryDirectory() as tmp:
@@ -57,7 +65,7 @@ def main() -> int:
     m1, mn = median(t1), median(tn)
     derived = {"one_process_s": round(m1, 1), "processes_s": round(mn, 1), "speedup": round(m1 / mn, 2),
                "identical_files": same, "procs": a.procs, "items": a.limit}
-    write(f"parallel_sweep_{a.procs}", raw, derived, start=start,
+    write(f"parallel_{a.command}_{a.procs}", raw, derived, start=start,
           notes=f"whole processes of one thread each (OMP_NUM_THREADS=1), {a.reps} runs of each side alternating, "
                 "medians")
     return 0 if same else 1

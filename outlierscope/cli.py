@@ -148,9 +148,11 @@ def _cmd_sensitivity(a) -> None:
     from outlierscope.settings import from_cli
 
     _headless()
-    sensitivity(from_cli(SensitivitySettings, vars(a)), a.out, force=a.force)
-    print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, sensitivity.json, "
-          "figures/)")
+    shard, world = _parallel(a)
+    rec = sensitivity(from_cli(SensitivitySettings, vars(a)), a.out, force=a.force, shard=shard, world=world)
+    if rec is not None:
+        print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, "
+              "sensitivity.json, figures/)")
 
 
 def _cmd_merge(a) -> None:
@@ -158,22 +160,25 @@ def _cmd_merge(a) -> None:
 
     from outlierscope.report.tables import sweep_table
     from outlierscope.runs.profile import merge_profile
+    from outlierscope.runs.sensitivity import merge_sensitivity
     from outlierscope.runs.sweep import merge_sweep
 
     dirs = [Path(d) for d in a.dirs]
     for d in dirs:
         if not d.is_dir():
             raise OutlierscopeError(f"{d} is not a directory; pass the output directories of the --shard runs")
-    has_sweep = any(any(d.glob("sweep.shard-*-of-*.json")) for d in dirs)
-    has_profile = any(any(d.glob("profile.shard-*-of-*.pt")) for d in dirs)
-    if not (has_sweep or has_profile):
-        raise OutlierscopeError(f"no shard files in {', '.join(map(str, dirs))}: expected sweep.shard-i-of-N.json or "
-                                "profile.shard-i-of-N.pt from `sweep`/`profile` runs with --shard i/N")
+    has = {kind: any(any(d.glob(f"{kind}.shard-*-of-*.{ext}")) for d in dirs)
+           for kind, ext in (("sweep", "json"), ("profile", "pt"), ("sensitivity", "json"))}
+    if not any(has.values()):
+        raise OutlierscopeError(f"no shard files in {', '.join(map(str, dirs))}: expected sweep.shard-i-of-N.json, "
+                                "profile.shard-i-of-N.pt or sensitivity.shard-i-of-N.json from runs with --shard i/N")
     out = a.out or str(dirs[0])
-    if has_profile:
+    if has["profile"]:
         print(merge_profile(dirs, out).markdown())
-    if has_sweep:
+    if has["sweep"]:
         print(sweep_table(merge_sweep(dirs, out).table))
+    if has["sensitivity"]:
+        merge_sensitivity(dirs, out)
     print(f"merged results written to {out}")
 
 
@@ -401,6 +406,7 @@ def _add_run_commands(sub) -> None:
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
     s.add_argument("--force", action="store_true", help="replace the tables of a sensitivity run with other settings "
                                                         "in --out")
+    _add_shard(s)
     s.set_defaults(func=_cmd_sensitivity)
 
     s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
@@ -440,7 +446,7 @@ def _add_generate_command(sub) -> None:
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
-            "sensitivity": {"--out", "--force"}, "reproduce": set()}
+            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set()}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

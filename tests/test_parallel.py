@@ -18,7 +18,8 @@ from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-SWEEP = ["sweep", "--model", "pair-tiny:diff", "--bits", "16", "4", "--limit", "40", "--batch-size", "8"]
+SWEEP = ["sweep", "--model", "pair-tiny:diff", "--bits", "16", "4", "--limit", "40", "--batch-size", "8", "--attn-error"]
+SENS = ["sensitivity", "--model", "pair-tiny:diff", "--limit", "6", "--batch-size", "4", "--profile-tokens", "256"]
 PROFILE = ["profile", "--model", "pair-tiny:diff", "--tokens", "20000", "--batch-size", "4"]
 
 
@@ -51,19 +52,63 @@ def runs(tmp_path_factory, hellaswag_cached):
         _cli([*SWEEP, "--out", str(root / "sweep-torchrun-shards"), "--shard", f"{i}/2"], procs=2)
     _cli(["merge", str(root / "sweep-apart-0"), str(root / "sweep-apart-1"), "--out", str(root / "sweep-apart")])
     _cli(["merge", str(root / "sweep-torchrun-shards")])
+    # sensitivity: 1, 2 and 3 processes; 2 shards, merged, then the greedy in one process
+    for procs in (1, 2, 3):
+        _cli([*SENS, "--out", str(root / f"sens-{procs}")], procs=procs)
+    for i in range(2):
+        _cli([*SENS, "--out", str(root / "sens-shards"), "--shard", f"{i}/2"])
+    _cli(["merge", str(root / "sens-shards")])
+    _cli([*SENS, "--out", str(root / "sens-shards")])
     return root
 
 
 @pytest.mark.parametrize("kind", ["sweep", "profile"])
 def test_two_processes_and_merged_shards_equal_one_process(runs, kind):
     one = _csvs(runs / f"{kind}-1")
-    assert one and (("sweep.csv" in one and len([k for k in one if k.startswith("cells/")]) == 2) if kind == "sweep"
+    assert one and (("sweep.csv" in one and "attn_error.csv" in one
+                     and len([k for k in one if k.startswith("cells/") and k.count(".") == 1]) == 2) if kind == "sweep"
                     else {"table5.csv", "per_layer.csv", "per_head.csv", "topk_hidden.csv"} <= set(one))
     for other in ("2", "shards", *(("apart", "torchrun-shards") if kind == "sweep" else ())):
         got = {k: v for k, v in _csvs(runs / f"{kind}-{other}").items() if ".shard-" not in k}
         assert got.keys() == one.keys(), other
         for name in one:
             assert got[name] == one[name], f"{kind}-{other}/{name} differs from the single process's"
+
+
+@pytest.mark.parametrize("other", ["sens-2", "sens-3", "sens-shards"])
+def test_sensitivity_on_processes_and_shards_equals_one_process(runs, other):
+    """Every data file of a sensitivity study (per-layer table, greedy tries, attention error, each cell and its
+    attention-error table) byte-identical for 1, 2 and 3 processes and for 2 shards merged (then the greedy in one)."""
+    one = _csvs(runs / "sens-1")
+    assert {"sensitivity.csv", "greedy.csv", "attn_error.csv"} <= set(one) and sum(k.startswith("cells/") for k in one) >= 9
+    got = {k: v for k, v in _csvs(runs / other).items() if ".shard-" not in k}
+    assert got.keys() == one.keys()
+    for name in one:
+        assert got[name] == one[name], f"{other}/{name} differs from the single process's"
+    import json
+
+    if other == "sens-shards":
+        assert json.loads((runs / other / "sensitivity.shard-1-of-2.json").read_text())["shard"] == [1, 2]
+    else:
+        assert json.loads((runs / other / "sensitivity.json").read_text())["processes"] == int(other[-1])
+
+
+def test_sensitivity_resumes_an_interrupted_study(runs, tmp_path):
+    """A study stopped before its last cells (two removed, and its tables): the rerun computes only those and writes
+    the same bytes."""
+    import shutil
+
+    d = tmp_path / "s"
+    shutil.copytree(runs / "sens-1", d)
+    cells = sorted((d / "cells").glob("*_b4_*.json"))[:2]
+    for c in cells:
+        for f in d.glob(f"cells/{c.stem}.*"):
+            f.unlink()
+    for f in ("sensitivity.csv", "greedy.csv", "sensitivity.json"):
+        (d / f).unlink()
+    r = _cli([*SENS, "--out", str(d)])
+    assert r.stdout.count("done earlier") + r.stderr.count("done earlier") >= 7
+    assert _csvs(d) == _csvs(runs / "sens-1")
 
 
 def test_records_say_how_it_ran(runs):
@@ -79,7 +124,7 @@ def test_records_say_how_it_ran(runs):
 
 
 def test_merge_needs_every_shard(tmp_path, hellaswag_cached):
-    _cli([*SWEEP[:-4], "--limit", "8", "--bits", "16", "--out", str(tmp_path), "--shard", "0/2"])
+    _cli(["sweep", "--model", "pair-tiny:diff", "--limit", "8", "--bits", "16", "--out", str(tmp_path), "--shard", "0/2"])
     r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(tmp_path)], cwd=ROOT, env=ENV,
                        capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "shard(s) 1/2 missing" in r.stderr

@@ -35,6 +35,7 @@ from outlierscope.hooks.attention import (
     repeat_kv,
     repeat_kv_t,
 )
+from outlierscope.parallel import VIRTUAL_SHARDS
 from outlierscope.quant.apply import absmax_reduction, as_attn_quant, attention_stage, logits_spec
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec
@@ -76,25 +77,38 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
 
 
 class AttentionErrorStats:
-    """Per (layer, head) sums, maxima and counts of :func:`attention_row_errors` over every row seen."""
+    """Per (layer, head) sums, maxima and counts of :func:`attention_row_errors` over every row seen, kept per virtual
+    shard (:mod:`outlierscope.parallel`; :meth:`set_shard` before each batch): the shards' float64 sums are added in
+    shard order only at the end, so 1 process, N processes and N ``--shard`` runs give the same bytes."""
 
     FIELDS = ("rows", "changed", "kl_sum", "kl_max", "rel_sum", "rel_max")
+    SHARD_COLUMNS = ["vshard", "layer", "head", *FIELDS]
 
     def __init__(self, n_layers: int, n_heads: int | None = None):
         """``n_heads``: the heads of the logits (DiffLlama: both maps); None: taken from the first update."""
         self.n_layers = n_layers
         self.has_output = False
         self.n_heads = None
+        self.shard = 0
         if n_heads is not None:
             self._allocate(n_heads)
 
     def _allocate(self, n_heads: int) -> None:
-        n_layers = self.n_layers
         self.n_heads = n_heads
-        z64 = lambda dt: torch.zeros(n_layers, n_heads, dtype=dt)  # noqa: E731
-        self.rows, self.changed = z64(torch.int64), z64(torch.int64)
-        self.kl_sum, self.kl_max = z64(torch.float64), z64(torch.float64)
-        self.rel_sum, self.rel_max = z64(torch.float64), z64(torch.float64)
+        shape = (VIRTUAL_SHARDS, self.n_layers, n_heads)  # (S, L, H)
+        self.per_shard = {f: torch.zeros(shape, dtype=torch.int64 if f in ("rows", "changed") else torch.float64)
+                          for f in self.FIELDS}
+
+    def set_shard(self, shard: int) -> None:
+        """The virtual shard the next rows belong to (the batch's: ``shard_of(batch)``)."""
+        self.shard = shard
+
+    def __getattr__(self, name: str):
+        """``rows``, ``changed``, ``kl_sum``, ... (L, H): over the virtual shards (sums in shard order, maxima)."""
+        if name in AttentionErrorStats.FIELDS and "per_shard" in self.__dict__:
+            t = self.per_shard[name]
+            return t.amax(0) if name.endswith("_max") else _ordered_sum(t)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
                value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
@@ -103,46 +117,72 @@ class AttentionErrorStats:
         if self.n_heads is None:
             self._allocate(ref.shape[1])
         e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value, quant_probs, quant_value).items()}
-        self.rows[layer] += e["rows"].sum((0, 2))  # (B, H, t) -> (H,)
-        self.changed[layer] += e["changed"].sum((0, 2))
-        self.kl_sum[layer] += e["kl"].sum((0, 2))
-        self.kl_max[layer] = torch.maximum(self.kl_max[layer], e["kl"].amax((0, 2)))
+        at = self.per_shard
+        s = self.shard
+        at["rows"][s, layer] += e["rows"].sum((0, 2))  # (B, H, t) -> (H,)
+        at["changed"][s, layer] += e["changed"].sum((0, 2))
+        at["kl_sum"][s, layer] += e["kl"].sum((0, 2))
+        at["kl_max"][s, layer] = torch.maximum(at["kl_max"][s, layer], e["kl"].amax((0, 2)))
         if "rel_out" in e:
             self.has_output = True
-            self.rel_sum[layer] += e["rel_out"].sum((0, 2))
-            self.rel_max[layer] = torch.maximum(self.rel_max[layer], e["rel_out"].amax((0, 2)))
+            at["rel_sum"][s, layer] += e["rel_out"].sum((0, 2))
+            at["rel_max"][s, layer] = torch.maximum(at["rel_max"][s, layer], e["rel_out"].amax((0, 2)))
 
     def merge(self, other: AttentionErrorStats) -> AttentionErrorStats:
-        """Add ``other``'s rows (other data of the same model): counts and maxima exact, sums float64."""
+        """Add ``other``'s rows: other virtual shards of the same run (exact: each shard's numbers come from one
+        side, the other's are zero), or other data (counts and maxima exact, sums float64)."""
         if other.n_heads is None:
             return self
         if self.n_heads is None:
             self._allocate(other.n_heads)
         if (other.n_layers, other.n_heads) != (self.n_layers, self.n_heads):
             raise ValueError(f"shapes differ: ({self.n_layers}, {self.n_heads}) vs ({other.n_layers}, {other.n_heads})")
-        for f in ("rows", "changed", "kl_sum", "rel_sum"):
-            getattr(self, f).add_(getattr(other, f))
-        for f in ("kl_max", "rel_max"):
-            setattr(self, f, torch.maximum(getattr(self, f), getattr(other, f)))
+        for f, t in self.per_shard.items():
+            t.copy_(torch.maximum(t, other.per_shard[f]) if f.endswith("_max") else t + other.per_shard[f])
         self.has_output |= other.has_output
         return self
+
+    def shard_table(self) -> pd.DataFrame:
+        """The raw per virtual shard numbers (one row per shard, layer and head with rows): what a ``--shard`` run
+        saves beside its partial cell, for :meth:`from_shard_tables` to merge exactly."""
+        if self.n_heads is None:
+            return pd.DataFrame(columns=self.SHARD_COLUMNS)
+        idx = torch.nonzero(self.per_shard["rows"] > 0)  # (R, 3): (shard, layer, head)
+        cols = {"vshard": idx[:, 0], "layer": idx[:, 1], "head": idx[:, 2]}
+        cols.update({f: self.per_shard[f][idx[:, 0], idx[:, 1], idx[:, 2]] for f in self.FIELDS})
+        return pd.DataFrame({k: v.numpy() for k, v in cols.items()}).assign(has_output=self.has_output)
+
+    @classmethod
+    def from_shard_tables(cls, tables: list[pd.DataFrame], n_layers: int) -> AttentionErrorStats:
+        """The statistics of :meth:`shard_table` parts (disjoint virtual shards) combined."""
+        st = cls(n_layers)
+        rows = pd.concat([t for t in tables if len(t)], ignore_index=True) if any(len(t) for t in tables) else None
+        if rows is None:
+            return st
+        st._allocate(int(rows["head"].max()) + 1)
+        i = [torch.as_tensor(rows[c].to_numpy(), dtype=torch.long) for c in ("vshard", "layer", "head")]
+        for f, t in st.per_shard.items():
+            t[i[0], i[1], i[2]] = torch.as_tensor(rows[f].to_numpy(), dtype=t.dtype)
+        st.has_output = bool(rows["has_output"].any())
+        return st
 
     def table(self) -> pd.DataFrame:
         """One row per layer and head: rows, mean and max KL, argmax change rate, mean and max relative output error."""
         if self.n_heads is None:
             return pd.DataFrame(columns=["layer", "head", "rows", "kl_mean", "kl_max", "argmax_change_rate"])
-        n = self.rows.clamp_min(1).double()
+        rows, changed, kl_sum, kl_max, rel_sum, rel_max = (getattr(self, f) for f in self.FIELDS)  # (L, H) each
+        n = rows.clamp_min(1).double()
         recs = []
         for layer in range(self.n_layers):
             for h in range(self.n_heads):
-                if self.rows[layer, h] == 0:
+                if rows[layer, h] == 0:
                     continue
-                r = {"layer": layer, "head": h, "rows": int(self.rows[layer, h]),
-                     "kl_mean": float(self.kl_sum[layer, h] / n[layer, h]), "kl_max": float(self.kl_max[layer, h]),
-                     "argmax_change_rate": float(self.changed[layer, h] / n[layer, h])}
+                r = {"layer": layer, "head": h, "rows": int(rows[layer, h]),
+                     "kl_mean": float(kl_sum[layer, h] / n[layer, h]), "kl_max": float(kl_max[layer, h]),
+                     "argmax_change_rate": float(changed[layer, h] / n[layer, h])}
                 if self.has_output:
-                    r["rel_out_mean"] = float(self.rel_sum[layer, h] / n[layer, h])
-                    r["rel_out_max"] = float(self.rel_max[layer, h])
+                    r["rel_out_mean"] = float(rel_sum[layer, h] / n[layer, h])
+                    r["rel_out_max"] = float(rel_max[layer, h])
                 recs.append(r)
         return pd.DataFrame(recs)
 
@@ -153,6 +193,15 @@ class AttentionErrorStats:
 
 _POOLED = {"kl_mean": "mean", "kl_max": "max", "argmax_change_rate": "mean", "rel_out_mean": "mean",
            "rel_out_max": "max"}  # how each column of a table pools: row-weighted mean or maximum
+
+
+def _ordered_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (S, ...) summed over its first dim one slice after another, in order: the same bytes whatever process
+    computed which slice."""
+    out = t[0].clone()
+    for x in t[1:]:
+        out += x
+    return out
 
 
 def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.DataFrame:

@@ -31,7 +31,7 @@ from outlierscope.eval.requests import build_requests, lmeval_max_length, predic
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
-from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
+from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
 from outlierscope.quant.apply import quantize_attention
 from outlierscope.quant.spec import QuantSpec
 
@@ -257,7 +257,7 @@ def _options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
 
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str = "hellaswag", items=None,
              limit: int | None = None, sample: int | None = None, seed: int = 0, data: str | None = None,
-             text_seqs=None, attn_error=None, shard: Shard | None = None, world: World | None = None,
+             text_seqs=None, attn_error=None, attn_error_spec=None, shard: Shard | None = None, world: World | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
     (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
@@ -272,7 +272,9 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
     each attention row depends on its own keys: unquantized or per_row); None: :func:`layout_for` ``quant``.
     ``attn_error``: an :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` that also receives, per
-    layer and head, what ``quant`` does to the attention of every scored sequence (one process, whole runs).
+    layer and head, what ``quant`` does to the attention of every scored sequence (per virtual shard: with ``world``
+    rank 0's gets every rank's; with a partial ``shard``, this shard's, to merge with the others'). ``attn_error_spec``:
+    measure this spec instead of ``quant``, without applying it (each layer's error on the unquantized input).
     Non-finite log-likelihoods are an error naming the first such item.
 
     Data parallel (:mod:`outlierscope.parallel`): with ``world`` (processes of ``torchrun``) each rank
@@ -286,10 +288,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     shard, world = shard or Shard(), world or World()
     spec = quant or QuantSpec(bits=16)
     if attn_error is not None:
-        measured_spec(spec)  # a spec it cannot measure fails here, before any forward
-    if attn_error is not None and not (shard.whole and world.size == 1):
-        raise ParamError("attn_error", "None for a sharded or multi-process evaluation (it is measured in one "
-                         "process for now)", type(attn_error).__name__)
+        measured_spec(attn_error_spec or spec)  # a spec it cannot measure fails here, before any forward
     layout = opt.layout or layout_for(spec)
     if layout == "shared" and layout_for(spec) != "shared":
         raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
@@ -301,7 +300,11 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
                 "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
                 "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
                 "device": model_device(model), "attn_block": opt.block_rows, "task": task}
-    part = _score(model, requests, spec, settings, opt, text_seqs, attn_error, shard, world, opt.desc or task)
+    measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
+    part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task)
+    if world.size > 1 and attn_error is not None:  # each rank measured its virtual shards: rank 0 gets them all
+        for other in (world.gather(attn_error) or [])[1:]:
+            attn_error.merge(other)
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -313,7 +316,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     return _complete(part, opt.desc or task)
 
 
-def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, attn_error, shard: Shard,
+def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, measure, shard: Shard,
            world: World, desc: str) -> EvalResult:
     """This process's part: the scores of its virtual shards (all of them in one process), timed; ``settings``: what
     produced them (the result's record)."""
@@ -326,10 +329,12 @@ def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, t
         desc = f"{desc} (rank 0 of {world.size}: its share)"
     with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
                                         disable=not opt.progress or not world.is_main or None, dynamic_ncols=True) as bar:
-        with measure_attention_error(model, spec, attn_error, opt.block_rows) if attn_error is not None \
+        stats = measure[0] if measure is not None else None  # (stats, the spec measured)
+        with measure_attention_error(model, measure[1], stats, opt.block_rows) if measure is not None \
                 else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=opt.block_rows):
             scores = score_requests(model, requests, settings["layout"], opt.batch_size,
-                                    lambda done: bar.update(done - bar.n), shards=None if whole else own)
+                                    lambda done: bar.update(done - bar.n), shards=None if whole else own,
+                                    on_batch=None if stats is None else lambda k: stats.set_shard(shard_of(k)))
             # the LM loss is one process's job: the one with virtual shard 0
             loss = lm_loss(model, text_seqs, opt.batch_size) if text_seqs is not None and 0 in own else None
     return _partial(requests, scores, loss, settings, time.time() - t0, own, settings["layout"])

@@ -136,7 +136,7 @@ def _separate_row(req: Request, j: int) -> dict:
 
 @torch.no_grad()
 def score_requests(model, requests: Sequence[Request], layout: str = "shared", batch_size: int = 32,
-                   progress=None, shards: Collection[int] | None = None) -> np.ndarray:
+                   progress=None, shards: Collection[int] | None = None, on_batch=None) -> np.ndarray:
     """Summed log-probabilities (N, C) of each item's continuations, in the order of ``requests`` (C: the most
     choices of an item; NaN where an item has fewer).
 
@@ -147,7 +147,8 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
 
     ``shards``: compute only the batches of these virtual shards (batch ``b`` is in shard
     ``b % VIRTUAL_SHARDS``, :mod:`outlierscope.parallel`); the other scores are NaN. The batches are
-    the same whatever the shards, so every score equals the one a whole run computes.
+    the same whatever the shards, so every score equals the one a whole run computes. ``on_batch(k)`` is called
+    before the forward of batch ``k`` (its virtual shard is ``shard_of(k)``).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -164,14 +165,18 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     for units, rows in ((shared, max(1, batch_size // 4)), (separate, batch_size)):
         units.sort(key=lambda u: (-u[0], u[1], -1 if u[2] is None else u[2]))  # longest first: little padding
         batches += [units[s : s + rows] for s in range(0, len(units), rows)]
+    numbered = list(enumerate(batches))
     if shards is not None:
         keep = set(shards)
-        batches = [b for k, b in enumerate(batches) if shard_of(k) in keep]
+        numbered = [(k, b) for k, b in numbered if shard_of(k) in keep]
+    batches = [b for _, b in numbered]
     head = _head(model)
     done_parts = np.zeros(len(requests), dtype=np.int64)
     need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item (in these batches)
     with attention_stages(model, _identity):
-        for batch in batches:
+        for k, batch in numbered:
+            if on_batch is not None:
+                on_batch(k)
             rows = [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
             for (_, i, j), v in zip(batch, _score_rows(model, head, rows)):
                 if j is None:

@@ -11,6 +11,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
+
+from outlierscope.analysis.attention_error import AttentionErrorStats
+from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.parallel import Shard, World
 
@@ -42,3 +46,27 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
         res.save_cell(cells_dir, name, settings, side)
         log(f"{desc}: {len(res.items)} items in {res.seconds:.0f} s ({name})")
     return res, cid
+
+
+def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dict]:
+    """One cell of a ``--shard`` run from its parts in ``dirs`` (shard i in ``dirs[i]/cells``): the whole result and
+    its side tables (the attention error, merged exactly from the parts' virtual shards)."""
+    from outlierscope.eval.evaluate import merge_results
+
+    n, parts, errors = len(dirs), [], []
+    for i, d in enumerate(dirs):
+        name = f"{cell}.shard-{i}-of-{n}"
+        res = EvalResult.load(d / "cells", name)
+        side = d / "cells" / f"{name}.attn_error.csv"
+        if res is None or res.extra.get("cell", {}).get("attn_error") and not side.exists():
+            raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {cell} is missing or incomplete; "
+                                    f"rerun that shard (it resumes), then merge again")
+        parts.append(res)
+        if side.exists():
+            errors.append(pd.read_csv(side, float_precision="round_trip"))
+    merged = merge_results(parts, desc=desc)
+    merged.extra["cell"] = parts[0].extra["cell"]
+    if not errors:
+        return merged, {}
+    layers = 1 + max((int(t["layer"].max()) for t in errors if len(t)), default=0)
+    return merged, {"attn_error": AttentionErrorStats.from_shard_tables(errors, layers).table()}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -33,14 +33,22 @@ import pandas as pd
 
 from outlierscope.analysis.attention_error import (
     AttentionErrorStats,
-    measure_attention_error,
     measured_spec,
     pool_heads,
 )
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import (
+    git_commit,
+    machine,
+    output_dir,
+    read_record,
+    versions,
+    write_csv,
+    write_json,
+    write_text,
+)
 from outlierscope.models.loading import (
     attn_block_option,
     check_placement,
@@ -49,11 +57,12 @@ from outlierscope.models.loading import (
     dtype_option,
     trust_remote_code_option,
 )
+from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell
 from outlierscope.settings import option
 
 
@@ -188,6 +197,8 @@ class _Run:
     progress: bool
     log: object
     cells: dict  # role (base, only_3, keep_0_1, ...) -> cell id, recorded in sensitivity.json
+    shard: Shard = field(default_factory=Shard)  # a --shard run computes its share of the per-layer cells
+    world: World = field(default_factory=World)  # the processes of torchrun: every cell split over them
 
     def cell(self, role: str, spec: QuantSpec | None, keep: QuantSpec | None = None,
              measure: QuantSpec | None = None) -> EvalResult:
@@ -205,48 +216,95 @@ class _Run:
 
         def compute():
             stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None
-            with contextlib.ExitStack() as stack:
-                if measure:
-                    stack.enter_context(measure_attention_error(self.lm.model, measure, stats, s.attn_block))
-                if keep:
-                    stack.enter_context(quantize_attention(self.lm.model, keep, s.attn_block))
+            with quantize_attention(self.lm.model, keep, s.attn_block) if keep else contextlib.nullcontext():
                 res = evaluate(self.lm, quant=spec, items=self.items, batch_size=s.batch_size, progress=self.progress,
-                               desc=role, block_rows=s.attn_block, task=s.task, layout=self.ident["layout"])
-            return res, ({"attn_error": stats.table()} if measure else None)
+                               desc=role, block_rows=s.attn_block, task=s.task, layout=self.ident["layout"],
+                               shard=self.shard, world=self.world, attn_error=stats, attn_error_spec=measure)
+            table = None if not measure else stats.table() if self.shard.whole else stats.shard_table()
+            return res, ({"attn_error": table} if measure else None)
 
         res, self.cells[role] = cached_cell(self.cells_dir, settings, compute, role, self.log,
-                                            ("attn_error",) if measure else ())
-        return res
+                                            ("attn_error",) if measure else (), self.shard, self.world)
+        return self.world.broadcast(res)  # every rank takes the same next step (the greedy's bisection)
 
 
-def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print, force: bool = False) -> dict:
+def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
+                shard: Shard | None = None, world: World | None = None) -> dict | None:
     """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
     ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and head), ``sensitivity.json``
     (settings, ranking, suggestion, rank correlation, the cell of each evaluation), ``sensitivity.md`` (all of it
     as tables) and ``figures/``. A directory that holds a run with other settings is refused unless ``force``.
-    Returns the record."""
+    Returns the record (None on the ranks other than 0).
+
+    ``world`` (torchrun): every cell, the greedy's tries too, is split over the processes as a sweep's cells are, and
+    rank 0 writes. A partial ``shard`` (``--shard i/N``, no communication) computes its share of the unquantized and
+    per-layer cells and writes ``sensitivity.shard-i-of-N.json``; ``outlierscope merge`` combines the shards' cells,
+    and a run without ``shard`` then reads them and runs the greedy's few tries. Any split gives the same bytes."""
     out = Path(out)
-    check_previous(out, s, force)
-    with output_dir(out), output_dir(out / "cells") as cells_dir:
-        run = _prepare(s, cells_dir, progress, log)
+    shard, world = shard or Shard(), world or World()
+    main = world.is_main
+    if main:
+        check_previous(out, s, force, shard)
+    with output_dir(out) if main else contextlib.nullcontext(), output_dir(out / "cells") if main else \
+            contextlib.nullcontext():
+        run = _prepare(s, out / "cells", progress, log, shard, world)
         base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
         table = _per_layer(run, base)
-        table = _with_attention_error(table, base, out) if "attn_error_table" in base.extra else table
+        if not shard.whole:
+            return _write_shard(run, out) if main else None
+        table = _with_attention_error(table, base, out if main else None) if "attn_error_table" in base.extra else table
         table = _with_outlier_ratio(run, table)
         order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()  # most harmful first
         keep, tries = greedy_keep(order, run.layers, _within(run, base))
         record = _record(run, table, order, keep, tries)
-        _write(out, record, table, tries)
-    _log_summary(run, record)
-    return record
+        if main:
+            _write(out, record, table, tries)
+    if main:
+        _log_summary(run, record)
+    return record if main else None
 
 
-def check_previous(out: Path, s: SensitivitySettings, force: bool) -> None:
-    """Refuse to replace the tables of a sensitivity run with other settings in ``out`` unless ``force`` (its cells
-    with matching settings are reused either way). A setting an older record lacks counts as its default."""
+def _write_shard(run: _Run, out: Path) -> None:
+    """A --shard run's record: its settings and the cells whose parts it computed (for ``outlierscope merge``)."""
+    rec = {"settings": asdict(run.s), "shard": [run.shard.index, run.shard.count], "cells": run.cells,
+           "n_layers": len(decoder_layers(run.lm.model)), "versions": versions(), "machine": machine(),
+           "git_commit": git_commit()}
+    write_json(out / f"sensitivity.{run.shard.tag}.json", rec)
+    run.log(f"shard {run.shard.index}/{run.shard.count}: its parts of {len(run.cells)} cells in {out / 'cells'}; "
+            f"when every shard is done: `outlierscope merge DIR...`, then the same sensitivity command without "
+            "--shard (it reads the merged cells and runs the greedy's tries)")
+    return None
+
+
+def merge_sensitivity(dirs: list[str | Path], out: str | Path | None = None, log=print) -> Path:
+    """Combine the cells of the ``--shard i/N`` runs of one sensitivity study (``sensitivity.shard-i-of-N.json`` in
+    ``dirs``) into whole cells in ``out`` (default: the first directory), the files one process writes; then the
+    same command without ``--shard`` reads them and runs the greedy's tries. Every part is read before anything is
+    written."""
+    dirs = [Path(d) for d in dirs]
+    files = find_shards(dirs, "sensitivity", ".json", "sensitivity")
+    recs = [(f.parent, read_record(f, ("settings", "cells"), "sensitivity shard record")) for f in files]
+    first = recs[0][1]
+    if any(r["settings"] != first["settings"] or r["cells"] != first["cells"] for _, r in recs[1:]):
+        raise OutlierscopeError("the shards were run with different settings; merge only the shards of one "
+                                "sensitivity study")
+    merged = [(cid, *merged_cell(cid, [d for d, _ in recs], role)) for role, cid in first["cells"].items()]
+    out = Path(out) if out is not None else dirs[0]
+    with output_dir(out), output_dir(out / "cells") as cells_dir:
+        for cid, res, tables in merged:
+            res.save_cell(cells_dir, cid, res.extra["cell"], tables)
+    log(f"merged {len(recs)} shards of {len(merged)} sensitivity cells into {out / 'cells'}; now run the same "
+        f"`outlierscope sensitivity` command with --out {out} and without --shard (ranking, greedy tries, tables)")
+    return out
+
+
+def check_previous(out: Path, s: SensitivitySettings, force: bool, shard: Shard | None = None) -> None:
+    """Refuse to replace the tables (or shard record) of a sensitivity run with other settings in ``out`` unless
+    ``force`` (its cells with matching settings are reused either way). A setting an older record lacks counts as its
+    default."""
     import json
 
-    prev = out / "sensitivity.json"
+    prev = out / ("sensitivity.json" if shard is None or shard.whole else f"sensitivity.{shard.tag}.json")
     if force or not prev.exists():
         return
     try:
@@ -261,39 +319,43 @@ def check_previous(out: Path, s: SensitivitySettings, force: bool) -> None:
                                 "with matching settings are reused)")
 
 
-def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log) -> _Run:
+def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> _Run:
     """Load the model and the items; the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import check_model, load_model
     from outlierscope.report.tables import headline_metric
 
     check_spec(s.spec(), check_model(s.model, s.trust_remote_code)[1])  # the spec fits the model's shape: before it loads
-    lm = load_model(s.model, dtype=s.dtype, device=s.device, device_map=s.device_map,
+    lm = load_model(s.model, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
                     trust_remote_code=s.trust_remote_code)
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
              "dtype": lm.dtype, "layout": layout}
     return _Run(s, lm, items, headline_metric(task_metrics(s.task)), attention_layers(lm.model), ident, cells_dir,
-                progress, log, {})
+                progress and world.is_main, log if world.is_main else (lambda *_: None), {}, shard, world)
 
 
 def _per_layer(run: _Run, base: EvalResult) -> pd.DataFrame:
     """Per attention layer: the change with only that layer quantized, and (``all_but``) with all the others."""
     s, rows = run.s, []
+    whole = run.shard.whole  # a --shard run computes its parts only (no change to compute from them)
     for i in run.layers:
-        row = {"layer": i, **{f"only_{k}": v for k, v in change(run.cell(f"only_{i}", s.spec([i])), base, run.metric).items()}}
+        only = run.cell(f"only_{i}", s.spec([i]))
+        row = {"layer": i, **({f"only_{k}": v for k, v in change(only, base, run.metric).items()} if whole else {})}
         if s.all_but and len(run.layers) > 1:
             rest = run.cell(f"all_but_{i}", s.spec([j for j in run.layers if j != i]))
-            row.update({f"all_but_{k}": v for k, v in change(rest, base, run.metric).items()})
+            row.update({f"all_but_{k}": v for k, v in change(rest, base, run.metric).items()} if whole else {})
         rows.append(row)
     return pd.DataFrame(rows)
 
 
-def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path) -> pd.DataFrame:
-    """Each layer's attention error, measured in the unquantized cell (attn_error.csv per head, pooled per layer)."""
+def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | None) -> pd.DataFrame:
+    """Each layer's attention error, measured in the unquantized cell (attn_error.csv per head, pooled per layer;
+    written into ``out`` unless None)."""
     heads = base.extra["attn_error_table"]
-    write_csv(out / "attn_error.csv", heads)
+    if out is not None:
+        write_csv(out / "attn_error.csv", heads)
     return table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
 
 
@@ -302,8 +364,9 @@ def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
     prof = profile_model(run.lm, settings=ProfileSettings(tokens=run.s.profile_tokens, points=("layers.*.attn.logits",),
-                                                          attn_block=run.s.attn_block), progress=run.progress)
-    pl = prof.tables["per_layer"]
+                                                          attn_block=run.s.attn_block), progress=run.progress,
+                         world=run.world)
+    pl = run.world.broadcast(prof.tables["per_layer"] if prof is not None else None)  # rank 0's, on every rank
     pl = pl[pl["point"] == "attn.logits"][["layer", "top1", "median"]]
     table = table.merge(pl.assign(outlier_ratio=pl["top1"] / pl["median"])[["layer", "outlier_ratio"]], on="layer")
     table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
@@ -340,7 +403,8 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
                     "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
                     "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
             "model_source": run.lm.provenance(run.ident["weights_sha256"]),
-            "cells": run.cells, "versions": versions(), "machine": machine(), "git_commit": git_commit()}
+            "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
+            "git_commit": git_commit()}
 
 
 def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict]) -> None:

@@ -44,7 +44,7 @@ from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell
 from outlierscope.settings import option
 
 
@@ -82,7 +82,7 @@ class SweepSettings:
     attn_block: int | None = attn_block_option()
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
                               "argmax changes, output error) into attn_error.csv, for the logits cells and the --quant cells; "
-                              "costs 2-5x the time of a cell, one process")
+                              "costs 2-5x the time of a cell; split over processes and shards like the scores")
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
@@ -220,7 +220,9 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
         stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if measure else None
         res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
                        desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats)
-        return res, ({"attn_error": stats.table()} if measure else None)
+        # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
+        table = None if not measure else stats.table() if shard is None or shard.whole else stats.shard_table()
+        return res, ({"attn_error": table} if measure else None)
 
     return cached_cell(cells_dir, settings, compute, desc, log, ("attn_error",) if measure else (), shard, world)
 
@@ -430,22 +432,6 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         return _tabulate(s, cells, tasks, out, **({"model_sources": rec["model_sources"]} if "model_sources" in rec else {}))
 
 
-def _merged_cell(c: dict, recs: list) -> EvalResult:
-    """One cell of a sharded sweep from its parts in the shard directories (``recs``: (directory, record) per shard)."""
-    from outlierscope.eval.evaluate import merge_results
-
-    n, parts = len(recs), []
-    for i, (d, _) in enumerate(recs):
-        res = EvalResult.load(d / "cells", f"{c['cell']}.shard-{i}-of-{n}")
-        if res is None:
-            raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {c['cell']} is missing or incomplete; "
-                                    f"rerun that shard (it resumes), then merge again")
-        parts.append(res)
-    merged = merge_results(parts, desc=f"{c['model']} {c['bits']} bits")
-    merged.extra["cell"] = parts[0].extra["cell"]
-    return merged
-
-
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
     """Combine the shards of a sweep run with ``shard=Shard(i, N)`` (``--shard i/N``) for i = 0..N-1, found
     in ``dirs``, into whole cells and tables in ``out`` (default: the first directory): the same files as
@@ -461,11 +447,12 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             raise OutlierscopeError("the shards were run with different settings; merge only the shards of one sweep")
     s = SweepSettings.from_record(first["settings"])
     out = Path(out) if out is not None else dirs[0]
-    merged = [(c, _merged_cell(c, recs)) for c in first["cells"]]  # every part read and merged before anything is written
+    # every part read and merged before anything is written
+    merged = [(c, *merged_cell(c["cell"], [d for d, _ in recs], f"{c['model']} {c['bits']} bits")) for c in first["cells"]]
     cells = []
     with output_dir(out), output_dir(out / "cells") as cells_dir:
-        for c, res in merged:
-            res.save(cells_dir, c["cell"])
+        for c, res, tables in merged:
+            res.save_cell(cells_dir, c["cell"], res.extra["cell"], tables)
             cells.append((c["model"], c["task"], s.spec_of(c), c["cell"], res))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
     return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n)

@@ -5,6 +5,7 @@ effect on the model)."""
 import math
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -144,8 +145,8 @@ def test_layer_subset_and_bits_order(batch):
 
 
 def test_evaluate_with_attention_error(hellaswag_cached):
-    """evaluate(attn_error=...): the scores are those without it; every layer's real rows are measured; one process."""
-    from outlierscope.errors import OutlierscopeError
+    """evaluate(attn_error=...): the scores are those without it; every layer's real rows are measured; two shards'
+    statistics, each through its raw per-virtual-shard table, merge to the whole run's table byte for byte."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.parallel import Shard
 
@@ -157,8 +158,16 @@ def test_evaluate_with_attention_error(hellaswag_cached):
     assert np.array_equal(plain.items[plain.score_columns].to_numpy(), res.items[res.score_columns].to_numpy())
     per_layer = st.per_layer()
     assert len(per_layer) == lm.model.config.num_hidden_layers and per_layer["rows"].nunique() == 1
-    with pytest.raises(OutlierscopeError, match="attn_error must be None for a sharded"):
-        evaluate(lm, quant=spec, limit=6, progress=False, shard=Shard(0, 2), attn_error=AttentionErrorStats(4))
+    parts = []
+    for i in range(2):
+        part = AttentionErrorStats(lm.model.config.num_hidden_layers)
+        evaluate(lm, quant=spec, limit=6, progress=False, batch_size=2, shard=Shard(i, 2), attn_error=part)
+        parts.append(part.shard_table())
+    whole = AttentionErrorStats(lm.model.config.num_hidden_layers)
+    evaluate(lm, quant=spec, limit=6, progress=False, batch_size=2, attn_error=whole)
+    assert sorted(set(parts[0].vshard)) != sorted(set(parts[1].vshard))  # the shards split the batches
+    merged = AttentionErrorStats.from_shard_tables(parts, lm.model.config.num_hidden_layers)
+    pd.testing.assert_frame_equal(merged.table(), whole.table(), check_exact=True)
 
 
 # -- q/k/v/P specs (kernel recipes): against the recipes' naive float64 attention ----------------------------------

@@ -194,7 +194,8 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
     np.testing.assert_array_equal(both.items[both.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     d4, d8 = abs(g["delta_gold_ll"].iloc[0]), abs(g["delta_gold_ll"].iloc[1])
     assert d8 < d4
-    rec = sensitivity(SensitivitySettings(tolerance=(d4 + d8) / 2, **kw), tmp_path, progress=False, log=lambda *_: None)
+    rec = sensitivity(SensitivitySettings(tolerance=(d4 + d8) / 2, **kw), tmp_path, progress=False, log=lambda *_: None,
+                      force=True)  # another tolerance: its tables replaced, the cells reused
     first = rec["ranking"][0]
     mixed = EvalResult.load(tmp_path / "cells", rec["cells"][f"keep8_{first}"])
     assert mixed.extra["cell"]["keep"] == {"quant": f"8-bit int per_tensor layers {first}", "layers": [first]}
