@@ -186,9 +186,11 @@ def test_run_flags_are_the_settings_fields(cmd):
     assert from_cli(cls, parsed) == cls(**required)
 
 
-def test_sensitivity_offers_no_device_map():
-    flags = {o for a in _subparser("sensitivity")._actions for o in a.option_strings}
-    assert "--device-map" not in flags and "--device" in flags
+def test_every_command_that_runs_a_model_takes_device_map():
+    """README: every command that runs a model takes --device-map (sensitivity did not)."""
+    for cmd in ("profile", "sweep", "sensitivity", "reproduce", "generate"):
+        flags = {o for a in _subparser(cmd)._actions for o in a.option_strings}
+        assert "--device-map" in flags and "--device" in flags, cmd
 
 
 def test_task_is_one_flag_everywhere():
