@@ -1,8 +1,9 @@
 """Data parallelism: N processes under torchrun (gloo) against 1, on the same items, same results.
 
 ``--command sweep`` (default) runs ``outlierscope sweep --model pair-tiny:diff --bits 16 4 --limit 400``;
-``--command sensitivity`` runs ``outlierscope sensitivity --model smollm2-135m --quant kivi-2bit --limit 8
---no-all-but --profile-tokens 2000`` (every per-layer cell and the greedy's tries, each split over the processes). Each
+``--command sensitivity`` runs ``outlierscope sensitivity --model smollm2-135m --quant kivi-2bit --limit 4
+--no-all-but --no-attn-error --profile-tokens 1000`` (its 30 one-layer cells and the greedy's tries, each split over
+the processes: a study's shape at a bench's size). Each
 runs as one process and under ``torchrun --nproc-per-node N``, every process with one thread (``OMP_NUM_THREADS=1``:
 torchrun's default, and what byte-identity needs, since BLAS sums a product in another order with another number
 of threads), each timed as a whole process (start-up, loading, scoring, gather, writing), and the bench checks that
@@ -25,7 +26,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # command -> (default model, default items, its other arguments)
 COMMANDS = {"sweep": ("pair-tiny:diff", 400, ["--bits", "16", "4"]),
-            "sensitivity": ("smollm2-135m", 8, ["--quant", "kivi-2bit", "--no-all-but", "--profile-tokens", "2000"])}
+            "sensitivity": ("smollm2-135m", 4, ["--quant", "kivi-2bit", "--no-all-but", "--no-attn-error",
+                                                "--profile-tokens", "1000"])}
 
 
 def run(args: list[str], procs: int, out: Path) -> float:
@@ -44,7 +46,7 @@ def main() -> int:
     start = begin()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--command", choices=tuple(COMMANDS), default="sweep")
-    p.add_argument("--limit", type=int, help="items (default: sweep 400, sensitivity 8)")
+    p.add_argument("--limit", type=int, help="items (default: sweep 400, sensitivity 4)")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--model", help="default: sweep pair-tiny:diff, sensitivity smollm2-135m")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each side, alternating (median quoted)")
