@@ -13,14 +13,13 @@ The language-model head and log-softmax are computed only at continuation positi
 sorted by length and batched, right-padded. Nothing of one sequence enters another's quantization (scales, blocks and
 groups are per sequence, counted from its first real token; tested in float64 at batch 1, 7 and 32 for every
 recipe). The arithmetic is not batch-invariant in float32: the BLAS picks a GEMM kernel by the number of rows of a
-forward (measured on SmolLM2's ``down_proj``, 1536 -> 576: rows 64-141 vs 256+ differ in the last bit) and attention
-matmuls of sequences under ~16 tokens by their padded length. Unquantized, per-item scores then move by ~1e-5 nats
-with the batch size; quantized, such a last bit can cross a quantizer's rounding boundary and move a score by up to
-~0.5 nats (SmolLM2-135M, sage1, ARC-Easy, batch 32 vs 1: 26 of 161 choices by more than 1e-4). So a quantized cell's
-identity holds its batch size (when not the default 32), and ``batch_size=1`` (one sequence per forward, no padding) is the exactly
-batch-invariant setting, at about twice the time on 2 CPU cores. (Fixed-size row chunks for every linear layer plus
-padding to multiples of 64 tokens made the scores identical in a test here, at 2.2-2.5x the time: no cheaper, and a
-property of one BLAS, so not used.)
+forward (seen on SmolLM2's ``down_proj``) and attention matmuls of very short sequences by their padded length.
+Unquantized, per-item scores then move in their last digits with the batch size; quantized, such a last bit can cross
+a quantizer's rounding boundary and move a score by a fraction of a nat. So a quantized cell's identity holds its
+batch size (when not the default 32), and ``batch_size=1`` (one sequence per forward, no padding) is the exactly
+batch-invariant setting, at the cost of batching. (Fixed-size row chunks for every linear layer plus padding to
+multiples of 64 tokens made the scores identical in a trial here, at more than twice the time and as a property of
+one BLAS, so it is not used.)
 """
 
 from __future__ import annotations

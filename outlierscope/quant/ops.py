@@ -50,14 +50,20 @@ def _rolled(x: torch.Tensor, start: torch.Tensor, dim: int, back: bool = False) 
     return x.gather(dim, idx.view(shape).expand(x.shape))
 
 
-def _from_first_real(fn, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """``fn(x', valid')`` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T) rolled so that each sequence's first real
-    token is index 0, the result rolled back: token groups counted from the first real token. Right-padded and
-    unpadded batches (every start 0) are not copied."""
-    start = first_real(valid)  # (B,)
-    if not bool(start.any()):
+def _from_start(fn, x: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, dim: int,
+                valid_dim: int) -> torch.Tensor:
+    """``fn(x', valid')`` with each sequence of ``x`` (along ``dim``) and ``valid`` (along ``valid_dim``) rolled so that
+    index ``start[b]`` comes first, the result rolled back: groups counted from there. Where every start is 0 (right
+    padding, no padding) or ``start`` is None nothing is copied."""
+    if start is None or not bool(start.any()):
         return fn(x, valid)
-    return _rolled(fn(_rolled(x, start, 2), _rolled(valid, start, 1)), start, 2, back=True)
+    return _rolled(fn(_rolled(x, start, dim), _rolled(valid, start, valid_dim)), start, dim, back=True)
+
+
+def _from_first_real(fn, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`_from_start` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T): token groups counted from each
+    sequence's first real token."""
+    return _from_start(fn, x, valid, first_real(valid), 2, 1)
 
 
 def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, tuple]:
@@ -158,9 +164,7 @@ def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_st
         def blocks(p_, v_):
             return torch.where(v_, _sequence_blocks(p_.masked_fill(~v_, 0), tq.format), p_)
 
-        if key_start is None or not bool(key_start.any()):
-            return blocks(p, valid)
-        return _rolled(blocks(_rolled(p, key_start, 3), _rolled(valid, key_start, 3)), key_start, 3, back=True)
+        return _from_start(blocks, p, valid, key_start, 3, 3)
     bits, fmt = tq.grid
     if tq.granularity == "static":
         scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
