@@ -1,9 +1,10 @@
 """Data parallelism: N processes under torchrun (gloo) against 1, on the same items, same results.
 
 ``--command sweep`` (default) runs ``outlierscope sweep --model pair-tiny:diff --bits 16 4 --limit 400``;
-``--command sensitivity`` runs ``outlierscope sensitivity --model smollm2-135m --quant kivi-2bit --limit 4
---no-all-but --no-attn-error --profile-tokens 1000`` (its 30 one-layer cells and the greedy's tries, each split over
-the processes: a study's shape at a bench's size). Each
+``--command sensitivity`` runs ``outlierscope sensitivity --model smollm2-135m --quant kivi-2bit --limit 32
+--no-all-but --no-attn-error --profile-tokens 1000`` (its 30 one-layer cells, the unquantized cell and the greedy's
+tries, each split over the processes: a study's shape; 32 items are 4 forwards of 8 items, 2 per process, so the
+scoring dominates the start-up). Each
 runs as one process and under ``torchrun --nproc-per-node N``, every process with one thread (``OMP_NUM_THREADS=1``:
 torchrun's default, and what byte-identity needs, since BLAS sums a product in another order with another number
 of threads), each timed as a whole process (start-up, loading, scoring, gather, writing), and the bench checks that
@@ -26,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # command -> (default model, default items, its other arguments)
 COMMANDS = {"sweep": ("pair-tiny:diff", 400, ["--bits", "16", "4"]),
-            "sensitivity": ("smollm2-135m", 4, ["--quant", "kivi-2bit", "--no-all-but", "--no-attn-error",
+            "sensitivity": ("smollm2-135m", 32, ["--quant", "kivi-2bit", "--no-all-but", "--no-attn-error",
                                                 "--profile-tokens", "1000"])}
 
 
@@ -46,7 +47,7 @@ def main() -> int:
     start = begin()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--command", choices=tuple(COMMANDS), default="sweep")
-    p.add_argument("--limit", type=int, help="items (default: sweep 400, sensitivity 4)")
+    p.add_argument("--limit", type=int, help="items (default: sweep 400, sensitivity 32)")
     p.add_argument("--procs", type=int, default=2)
     p.add_argument("--model", help="default: sweep pair-tiny:diff, sensitivity smollm2-135m")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each side, alternating (median quoted)")
@@ -65,8 +66,12 @@ def main() -> int:
     raw = {"command": "outlierscope " + " ".join(args), "procs": a.procs, "one_process_s": t1, "processes_s": tn,
            "compared_files": files}
     m1, mn = median(t1), median(tn)
+    cells = sum(1 for f in files if f.startswith("cells/"))
+    raw["cells"] = cells
     derived = {"one_process_s": round(m1, 1), "processes_s": round(mn, 1), "speedup": round(m1 / mn, 2),
-               "identical_files": same, "procs": a.procs, "items": a.limit}
+               "identical_files": same, "procs": a.procs, "items": a.limit, "cells": cells,
+               # one thread's seconds per (cell, item), start-up included: what a reader scales to another study
+               "one_process_s_per_cell_item": round(m1 / (cells * a.limit), 4)}
     write(f"parallel_{a.command}_{a.procs}", raw, derived, start=start,
           notes=f"whole processes of one thread each (OMP_NUM_THREADS=1), {a.reps} runs of each side alternating, "
                 "medians")
