@@ -32,7 +32,7 @@ from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
@@ -46,10 +46,15 @@ def item_columns(n_choices: int) -> list[str]:
 
 def layout_for(spec) -> str:
     """Prefix sharing is exact only when each attention row depends on its own keys alone (an attention spec's
-    q/k/v scales and smoothing span tokens: separate)."""
+    q/k/v scales and smoothing span tokens: separate) and each linear's output at a token on that token alone
+    (per-token, per-group, static and MX activations; not per-sequence scales or outlier columns)."""
     if spec.is_identity:
         return "shared"
-    return "shared" if spec.format != "attn" and spec.granularity == "per_row" else "separate"
+    if spec.format == "attn":
+        from outlierscope.quant.linear import token_local
+
+        return "shared" if not spec.has_attention and token_local(spec) else "separate"
+    return "shared" if spec.granularity == "per_row" else "separate"
 
 
 def select_items(limit: int | None = None, sample: int | None = None, seed: int = 0,
@@ -301,7 +306,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
                 "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
                 "device": model_device(model), "attn_block": opt.block_rows, "task": task}
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
-    part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task)
+    calibration = _calibration(model, tokenizer, spec)
+    part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task, calibration)
     if world.size > 1 and attn_error is not None:  # each rank measured its virtual shards: rank 0 gets them all
         for other in (world.gather(attn_error) or [])[1:]:
             attn_error.merge(other)
@@ -316,8 +322,20 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     return _complete(part, opt.desc or task)
 
 
+def _calibration(model, tokenizer, spec):
+    """The calibration pass of a spec with SmoothQuant or static activation scales (every process computes the same:
+    it reads the same text), else None."""
+    from outlierscope.quant.linear import calibrate, linear_sites, needs_calibration
+    from outlierscope.quant.recipe import AttnQuant
+
+    if not isinstance(spec, AttnQuant) or not spec.has_linear:
+        return None
+    linear_sites(model, spec)  # patterns that match nothing fail here, before any forward
+    return calibrate(model, tokenizer, spec) if needs_calibration(spec) else None
+
+
 def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, measure, shard: Shard,
-           world: World, desc: str) -> EvalResult:
+           world: World, desc: str, calibration=None) -> EvalResult:
     """This process's part: the scores of its virtual shards (all of them in one process), timed; ``settings``: what
     produced them (the result's record)."""
     from tqdm.auto import tqdm
@@ -331,7 +349,7 @@ def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, t
                                         disable=not opt.progress or not world.is_main or None, dynamic_ncols=True) as bar:
         stats = measure[0] if measure is not None else None  # (stats, the spec measured)
         with measure_attention_error(model, measure[1], stats, opt.block_rows) if measure is not None \
-                else contextlib.nullcontext(), quantize_attention(model, spec, block_rows=opt.block_rows):
+                else contextlib.nullcontext(), quantize_model(model, spec, opt.block_rows, calibration):
             scores = score_requests(model, requests, settings["layout"], opt.batch_size,
                                     lambda done: bar.update(done - bar.n), shards=None if whole else own,
                                     on_batch=None if stats is None else lambda k: stats.set_shard(shard_of(k)))

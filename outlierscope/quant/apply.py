@@ -1,4 +1,5 @@
-"""Apply quantization to a model: attention logits (our primitives) and weights (bitsandbytes).
+"""Apply quantization to a model: attention (logits, q/k/v, P), linear layers' inputs and weights (our primitives),
+and weights through bitsandbytes.
 
 What quantization does to attention is measured in :mod:`outlierscope.analysis.attention_error`."""
 
@@ -13,6 +14,7 @@ from torch import nn
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
+from outlierscope.quant.linear import Calibration, check_linear_shapes, quantize_linears
 from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
 from outlierscope.quant.recipe import AttnQuant, TensorQuant
@@ -34,9 +36,13 @@ def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = N
 
 def check_spec(spec, config) -> None:
     """What an attention spec needs of the model's shape, from its config (before anything loads): group sizes that
-    divide head_dim, a power-of-2 head_dim for a Hadamard rotation. A logits spec needs nothing."""
+    divide head_dim, a power-of-2 head_dim for a Hadamard rotation; linear parts: ``linears`` patterns that match,
+    group sizes that divide each quantized linear's in_features, rotations of its order. A logits spec needs
+    nothing."""
     if not isinstance(spec, AttnQuant):
         return
+    if spec.has_linear:
+        check_linear_shapes(spec, config)
     cfg = getattr(config, "text_config", None) or config
     heads = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "n_head", None)
     d = getattr(cfg, "head_dim", None) or ((getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 0)) // heads
@@ -122,26 +128,36 @@ def as_attn_quant(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
 
 
 @contextlib.contextmanager
-def quantize_attention(model: nn.Module, spec: QuantSpec | AttnQuant | str,
-                       block_rows: int | None = None) -> Iterator[QuantSpec | AttnQuant]:
-    """Quantize the attention of ``model`` as ``spec`` says: a :class:`QuantSpec` (the paper: the logits, after
-    scaling, before soft-capping, masking and softmax), or an :class:`AttnQuant` / recipe name / spec text (q, k, v,
-    logits, P, with smoothing and rotations; see :mod:`outlierscope.quant.recipe`).
+def quantize_model(model: nn.Module, spec: QuantSpec | AttnQuant | str, block_rows: int | None = None,
+                   calibration: Calibration | None = None) -> Iterator[QuantSpec | AttnQuant]:
+    """Quantize ``model`` as ``spec`` says: a :class:`QuantSpec` (the paper: the attention logits, after scaling,
+    before soft-capping, masking and softmax), or an :class:`AttnQuant` / recipe name / spec text (attention: q, k, v,
+    logits, P, with smoothing and rotations; linear layers: inputs and weights, with SmoothQuant, rotations, LLM.int8;
+    see :mod:`outlierscope.quant.recipe` and :mod:`outlierscope.quant.linear`). ``calibration``:
+    :func:`~outlierscope.quant.linear.calibrate`'s, for a spec with ``smooth`` or static activation scales.
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
-    [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages run in the order the
-    contexts were entered, so ``quantize_attention`` outside ``capture`` profiles the quantized logits.
+    [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages and hooks run in the order the
+    contexts were entered, so ``quantize_model`` outside ``capture`` profiles the quantized model.
     ``block_rows``: query rows per attention block (see :mod:`outlierscope.hooks.attention`); per_head
     and per_tensor logit scales then take a first pass over the blocks for the absmax: same result
     (q, k and v are quantized once per call, whole; P per row, inside its block).
     Everything is restored in ``finally``.
     """
     spec = as_attn_quant(spec)
-    check_layers(spec, len(decoder_layers(model)), attention_layers(model))
+    check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
     stage = _logit_stage(spec) if isinstance(spec, QuantSpec) else attention_stage(spec)
+    linear = quantize_linears(model, spec, calibration) if isinstance(spec, AttnQuant) else contextlib.nullcontext()
     # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
-    with attention_stages(model, stage, block_rows=block_rows):
+    with linear, attention_stages(model, stage, block_rows=block_rows):
         yield spec
+
+
+def _touches_attention(spec) -> bool:
+    return not isinstance(spec, AttnQuant) or spec.has_attention or not spec.has_linear
+
+
+quantize_attention = quantize_model  # the name before linear layers joined
 
 
 def quantize_weights(model: nn.Module, mode: str) -> nn.Module:

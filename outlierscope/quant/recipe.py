@@ -19,6 +19,25 @@ one token's d values), ``per_channel[:N]`` (a channel over all tokens, or groups
 consecutive tokens x d, as kernels tile them), ``per_group:G`` (G consecutive channels of a token). P: ``per_row``
 or ``static`` (P <= 1: the scale is 1 / the format's max, as SageAttention2's FP8 P).
 Logits: ``per_tensor``, ``per_head``, ``per_row`` (the paper's absmax, :class:`~outlierscope.quant.spec.QuantSpec`).
+
+Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.linear`) in the same text::
+
+    w=int8/per_channel; a=int8/per_token                       # W8A8 (llm-compressor, torchao int8 dynamic)
+    w=int8/per_channel; a=int8/per_token; smooth:0.5           # + SmoothQuant's migration, alpha 0.5
+    w=int4/per_channel; a=int4/per_token; rotate:0             # W4A4 with a seeded Hadamard rotation (QuaRot)
+    w=int8/per_channel; a=int8/per_token; outliers:6.0         # LLM.int8(): input columns with |x| >= 6 unquantized
+    w8a8; kivi-4bit                                             # recipe names combine with each other and with parts
+
+``a`` (a linear's input, (tokens, in_features)): ``per_token``, ``per_tensor`` (one scale per sequence, dynamic),
+``per_group:G`` (G consecutive input channels of a token), ``static`` (one scale per linear from a calibration
+pass: max |x| / the format's max); ``w`` (the weight, (out_features, in_features)): ``per_channel`` (an output
+row), ``per_group:G`` (G consecutive inputs of a row), ``per_tensor``. Formats as above (RTN); MX and NVFP4 blocks
+run along in_features for both (NVFP4's per-tensor scale: the weight's, and each sequence's for activations).
+``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every quantized linear's input
+dimension), ``outliers:T`` (LLM.int8's decomposition), ``linears:PATTERN[,PATTERN]`` (which linears, by module path
+inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``; default every ``nn.Linear`` of the decoder layers),
+``calib:SOURCE`` (what ``smooth`` and ``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a
+SmoothQuant ``act_scales.pt``). ``layers:`` applies to the attention and the linear parts alike.
 """
 
 from __future__ import annotations
@@ -30,18 +49,22 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.formats import MX_FORMATS
 
 TARGETS = ("logits", "q", "k", "v", "probs")
+LINEAR_TARGETS = ("a", "w")  # a linear layer's input (activations) and weight
+ALL_TARGETS = TARGETS + LINEAR_TARGETS
 FLOAT_FORMATS = ("e4m3", "e5m2")
 BLOCK_FORMATS = (*MX_FORMATS, "nvfp4")
 GRANULARITIES = {  # target kind -> granularities it takes
     "logits": ("per_tensor", "per_head", "per_row"),
     "qkv": ("per_tensor", "per_head", "per_token", "per_row", "per_channel", "per_block", "per_group"),
     "probs": ("per_row", "static"),
+    "a": ("per_token", "per_tensor", "per_group", "static"),
+    "w": ("per_channel", "per_group", "per_tensor"),
 }
 SIZED = {"per_block": True, "per_group": True, "per_channel": False}  # granularity -> its size is required
 
 
 def _kind(target: str) -> str:
-    return target if target in ("logits", "probs") else "qkv"
+    return target if target in ("logits", "probs", "a", "w") else "qkv"
 
 
 @dataclass(frozen=True)
@@ -56,8 +79,9 @@ class TensorQuant:
     size: int | None = None
 
     def __post_init__(self):
-        if self.target not in TARGETS:
-            raise OutlierscopeError(f"quantization target must be one of {', '.join(TARGETS)} (or kv), got {self.target!r}")
+        if self.target not in ALL_TARGETS:
+            raise OutlierscopeError(f"quantization target must be one of {', '.join(ALL_TARGETS)} (or kv), "
+                                    f"got {self.target!r}")
         if self.format in ("int", "asym"):
             if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
                 raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..8, got {self.bits!r}")
@@ -83,6 +107,8 @@ class TensorQuant:
             raise OutlierscopeError(f"{self.target}: granularity must be one of {', '.join(GRANULARITIES[kind])}, got {g!r}")
         if g == "static" and self.format not in FLOAT_FORMATS + ("int",):
             raise OutlierscopeError(f"{self.target}: static scales need a symmetric format (int or FP8)")
+        if self.target == "w" and g == "per_channel" and self.size is not None:
+            raise OutlierscopeError("w: per_channel is one scale per output row; it takes no size")
         if SIZED.get(g) and (not isinstance(self.size, int) or self.size < 1):
             raise OutlierscopeError(f"{self.target}: {g} needs a size >= 1 ({g}:N), got {self.size!r}")
         if g not in SIZED and self.size is not None or g == "per_channel" and self.size is not None and self.size < 1:
@@ -121,11 +147,16 @@ def _parse_part(text: str) -> list[TensorQuant]:
 
 @dataclass(frozen=True)
 class AttnQuant:
-    """What an attention kernel quantizes: ``parts`` (one :class:`TensorQuant` per target, in :data:`TARGETS` order),
-    ``smooth_k`` (subtract K's per-channel mean over the sequence's tokens: exact under softmax), ``smooth_q``
-    (subtract Q's per-channel mean over blocks of that many rows and add ``mean_q . k^T`` back in full precision, as
-    SageAttention2), ``hadamard`` (seed of a random-sign Hadamard rotation of q and k along head_dim: exact in full
-    precision), ``layers`` (None: every layer)."""
+    """What an attention kernel and the linear layers quantize (the text form in the module docstring).
+
+    Attention: ``parts`` (one :class:`TensorQuant` per target, in :data:`ALL_TARGETS` order), ``smooth_k`` (subtract
+    K's per-channel mean over the sequence's tokens: exact under softmax), ``smooth_q`` (subtract Q's per-channel mean
+    over blocks of that many rows and add ``mean_q . k^T`` back in full precision, as SageAttention2), ``hadamard``
+    (seed of a random-sign Hadamard rotation of q and k along head_dim: exact in full precision).
+    Linear layers (:mod:`outlierscope.quant.linear`): the ``a`` and ``w`` parts, ``smooth`` (SmoothQuant's alpha),
+    ``rotate`` (seed of a random-sign Hadamard rotation of each quantized linear's input), ``outliers`` (LLM.int8's
+    threshold), ``linears`` (module-path patterns inside a decoder layer; None: every ``nn.Linear``), ``calib`` (what
+    ``smooth`` and static activation scales calibrate on; None: ``hellaswag``). ``layers``: None: every layer."""
 
     parts: tuple[TensorQuant, ...] = ()
     smooth_k: bool = False
@@ -133,20 +164,48 @@ class AttnQuant:
     hadamard: int | None = None
     layers: tuple[int, ...] | None = None
     name: str | None = field(default=None, compare=False)  # the recipe it came from, if any
+    smooth: float | None = None
+    rotate: int | None = None
+    outliers: float | None = None
+    linears: tuple[str, ...] | None = None
+    calib: str | None = None
 
     def __post_init__(self):
-        parts = sorted(self.parts, key=lambda p: TARGETS.index(p.target))
+        parts = sorted(self.parts, key=lambda p: ALL_TARGETS.index(p.target))
         seen = [p.target for p in parts]
         dup = sorted({t for t in seen if seen.count(t) > 1})
         if dup:
             raise OutlierscopeError(f"target {dup[0]} is quantized twice; give each target one format")
         if self.smooth_q is not None and self.smooth_q < 1:
             raise OutlierscopeError(f"smooth_q needs a block of rows >= 1, got {self.smooth_q}")
-        if self.hadamard is not None and not 0 <= self.hadamard < 2**63:
-            raise OutlierscopeError(f"hadamard:SEED needs a seed in 0..2^63-1 (a torch generator's range), got {self.hadamard}")
+        for key in ("hadamard", "rotate"):
+            seed = getattr(self, key)
+            if seed is not None and not 0 <= seed < 2**63:
+                raise OutlierscopeError(f"{key}:SEED needs a seed in 0..2^63-1 (a torch generator's range), got {seed}")
         if self.layers is not None:
             object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
         object.__setattr__(self, "parts", tuple(parts))
+        self._check_linear()
+
+    def _check_linear(self) -> None:
+        if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
+            raise OutlierscopeError(f"smooth:ALPHA needs an alpha in 0..1 (SmoothQuant's migration strength), got {self.smooth}")
+        if self.outliers is not None and not self.outliers > 0:
+            raise OutlierscopeError(f"outliers:T needs a threshold > 0 (LLM.int8: 6.0), got {self.outliers}")
+        if self.outliers is not None and self.part("a") is None:
+            raise OutlierscopeError("outliers:T keeps activation columns out of the a= quantization; add an a= part")
+        if self.linears is not None:
+            object.__setattr__(self, "linears", tuple(dict.fromkeys(self.linears)))
+            bad = [p for p in self.linears if not re.fullmatch(r"[A-Za-z0-9_.*]+", p)]
+            if not self.linears or bad:
+                raise OutlierscopeError(f"linears:PATTERN needs module paths or * patterns like self_attn.* or "
+                                        f"mlp.down_proj, got {','.join(self.linears) or 'nothing'}")
+        a = self.part("a")
+        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static")
+        if self.calib is not None and not needs_calib:
+            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA and a=.../static only; leave it out")
+        if self.calib is not None and (not self.calib.strip() or ";" in self.calib):
+            raise OutlierscopeError(f"calib:SOURCE needs hellaswag, a text file or an act_scales.pt, got {self.calib!r}")
 
     def part(self, target: str) -> TensorQuant | None:
         return next((p for p in self.parts if p.target == target), None)
@@ -155,13 +214,26 @@ class AttnQuant:
         return self.layers is None or layer in self.layers
 
     @property
+    def has_attention(self) -> bool:
+        """Whether anything happens inside attention (a q/k/v/logits/probs part, smoothing, a rotation of q and k)."""
+        return any(p.target in TARGETS for p in self.parts) or self.smooth_k or self.smooth_q is not None \
+            or self.hadamard is not None
+
+    @property
+    def has_linear(self) -> bool:
+        """Whether anything happens to the linear layers (an a/w part, smoothing, a rotation)."""
+        return any(p.target in LINEAR_TARGETS for p in self.parts) or self.smooth is not None or self.rotate is not None
+
+    @property
     def is_identity(self) -> bool:
-        return not self.parts and not self.smooth_k and self.smooth_q is None and self.hadamard is None
+        return not self.has_attention and not self.has_linear
 
     def __str__(self) -> str:
         items = [str(p) for p in self.parts]
         items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
         items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
+        items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "calib") if (v := getattr(self, k)) is not None]
+        items += [f"linears:{','.join(self.linears)}"] if self.linears is not None else []
         items += [f"layers:{','.join(map(str, self.layers))}"] if self.layers is not None else []
         return "; ".join(items) or "none"
 
@@ -183,34 +255,45 @@ class AttnQuant:
 
     @classmethod
     def parse(cls, text: str) -> AttnQuant:
-        """A spec from its text, or a recipe's name (:data:`RECIPES`)."""
+        """A spec from its text, a recipe's name (:data:`RECIPES`), or recipe names and parts joined by ``;``."""
         text = text.strip()
         if not text:
             raise OutlierscopeError("empty quantization spec: give a recipe name (see `outlierscope recipes`), a spec "
                                     "like 'k=int4/per_group:32', or 'none'")
         if text in RECIPES:
             return RECIPES[text].spec
-        if not any(c in text for c in "=:;") and text not in ("none", "smooth_k"):
-            import difflib
-
-            close = difflib.get_close_matches(text, list(RECIPES), n=3, cutoff=0.5)
-            raise OutlierscopeError(f"unknown quantization recipe {text!r}: expected one of {', '.join(RECIPES)} or a "
-                                    "spec like 'q,k=int8/per_block:128; smooth_k'"
-                                    + (f"; did you mean {', '.join(close)}?" if close else ""))
         if text == "none":
             return cls()
+        items = [s.strip() for s in text.split(";")]
+        names = [i for i in items if i in RECIPES]
         parts, kw = [], {}
-        for item in (s.strip() for s in text.split(";")):
+        for item in (x for i in items for x in (RECIPES[i].text.split(";") if i in RECIPES else [i])):
+            item = item.strip()
             key, _, arg = item.partition(":")
             if key in kw or item == "smooth_k" and "smooth_k" in kw:
                 raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
             if item == "smooth_k":
                 kw["smooth_k"] = True
-            elif key in ("smooth_q", "hadamard", "layers") and "=" not in item:
+            elif key in _FLAGS and "=" not in key:
                 kw[key] = _flag_value(key, arg, text)
+            elif "=" not in item and ":" not in item:
+                _unknown_recipe(item, text)
             else:
                 parts += _parse_part(item)
-        return cls(tuple(parts), **kw)
+        name = "; ".join(names) if len(names) == len(items) else None
+        return cls(tuple(parts), **kw, name=name)
+
+
+_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "linears", "calib")
+
+
+def _unknown_recipe(item: str, text: str):
+    import difflib
+
+    close = difflib.get_close_matches(item, list(RECIPES), n=3, cutoff=0.5)
+    raise OutlierscopeError(f"unknown quantization recipe {item!r}" + (f" in {text!r}" if item != text else "")
+                            + f": expected one of {', '.join(RECIPES)} or a spec like 'q,k=int8/per_block:128; smooth_k'"
+                            + (f"; did you mean {', '.join(close)}?" if close else ""))
 
 
 def _nominal_bits(p: TensorQuant) -> int:
@@ -222,11 +305,18 @@ def _nominal_bits(p: TensorQuant) -> int:
 def _flag_value(key: str, arg: str, text: str):
     from outlierscope.quant.spec import parse_layers
 
+    if key == "linears":
+        return tuple(p.strip() for p in arg.split(","))
+    if key == "calib":
+        return arg.strip()
     try:
-        return tuple(parse_layers(arg.replace("+", ","))) if key == "layers" else int(arg)
+        if key == "layers":
+            return tuple(parse_layers(arg.replace("+", ",")))
+        return float(arg) if key in ("smooth", "outliers") else int(arg)
     except (ValueError, TypeError):
-        raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected {key}:N"
-                                + (" (layers:0-3 or layers:0,2)" if key == "layers" else "")) from None
+        expected = {"layers": "layers:0-3 or layers:0,2", "smooth": "smooth:0.5", "outliers": "outliers:6.0"}
+        raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected "
+                                + expected.get(key, f"{key}:N")) from None
 
 
 @dataclass(frozen=True)
@@ -240,8 +330,9 @@ class Recipe:
 
     @property
     def spec(self) -> AttnQuant:
-        s = AttnQuant.parse(self.text)
-        return AttnQuant(s.parts, s.smooth_k, s.smooth_q, s.hadamard, s.layers, name=self.name)
+        import dataclasses
+
+        return dataclasses.replace(AttnQuant.parse(self.text), name=self.name)
 
 
 _SAGE = "sageattention/triton/quant_per_block.py (BLKQ=128, BLKK=64)"
@@ -274,4 +365,39 @@ RECIPES = {r.name: r for r in (
            "the matmuls' accumulation precision"),
     *(Recipe(f"logits-int{b}", f"logits=int{b}/per_tensor", "Diff Transformer (arXiv 2410.05258) Figure 8",
              "nothing: it is the paper's post-hoc quantization of the logits") for b in (8, 6, 4)),
+    # linear layers: weights RTN (no GPTQ/AWQ), activations dynamic unless said
+    Recipe("w8a8", "w=int8/per_channel; a=int8/per_token",
+           "llm-compressor W8A8 (INT8 channel weights, dynamic per-token activations); torchao "
+           "Int8DynamicActivationInt8WeightConfig", "the int32 accumulation (here float32 sums of the dequantized "
+           "values); GPTQ's weight rounding (RTN here)"),
+    Recipe("w8a8-sq", "w=int8/per_channel; a=int8/per_token; smooth:0.5",
+           "SmoothQuant (arXiv 2211.10438) sec. 4, alpha 0.5; llm-compressor SmoothQuantModifier",
+           "the scales are applied to the linear's input, not folded into the norm (same values); calibration text "
+           "and size (calib:, 32 x 512 tokens)"),
+    Recipe("w4a16", "w=int4/per_group:128", "llm-compressor W4A16 (symmetric INT4, groups of 128 inputs)",
+           "GPTQ/AWQ's weight rounding (RTN here); the kernel's FP16 dequantization"),
+    Recipe("w4a8", "w=int4/per_group:128; a=int8/per_token",
+           "llm-compressor W4A8 (INT4 group-128 weights, dynamic per-token INT8 activations)",
+           "GPTQ's weight rounding (RTN here)"),
+    Recipe("w4a4", "w=int4/per_channel; a=int4/per_token", "QuaRot (arXiv 2404.00456) W4A4 without its rotation "
+           "(symmetric per-channel weights, per-token activations)", "GPTQ (RTN here); QuaRot's clipping ratio"),
+    Recipe("w4a4-rotated", "w=int4/per_channel; a=int4/per_token; rotate:0",
+           "QuaRot (arXiv 2404.00456): a random Hadamard rotation of each linear's input (x H, W H), then W4A4",
+           "QuaRot folds the rotation of the residual stream into the weights and norms and rotates online only "
+           "down_proj's input; here every quantized linear's input is rotated online (the same arithmetic in full "
+           "precision); GPTQ (RTN here)"),
+    Recipe("fp8-dynamic", "w=e4m3/per_channel; a=e4m3/per_token",
+           "llm-compressor FP8_DYNAMIC (E4M3 channel weights, dynamic per-token E4M3 activations)",
+           "the FP8 GEMM's accumulation precision"),
+    Recipe("mxfp4", "w=mxfp4; a=mxfp4", "OCP MX v1.0 MXFP4 weights and activations (32-element blocks along the "
+           "inputs, E8M0 scales); torchao MXLinear", "the matmul's accumulation precision"),
+    Recipe("nvfp4", "w=nvfp4; a=nvfp4", "NVIDIA NVFP4 weights and activations (llm-compressor NVFP4: 16-element "
+           "blocks, E4M3 block scales, FP32 per-tensor scales)", "the activations' per-tensor scale is each "
+           "sequence's (llm-compressor calibrates a static one); the accumulation precision"),
+    Recipe("llm-int8", "w=int8/per_channel; a=int8/per_token; outliers:6.0",
+           "LLM.int8() (arXiv 2208.07339) sec. 3.2; bitsandbytes Linear8bitLt(threshold=6.0)",
+           "the outlier columns are chosen per sequence (bitsandbytes: over the batch's rows), so a sequence's "
+           "result does not depend on the batch"),
 )}
+
+LINEAR_RECIPES = tuple(n for n, r in RECIPES.items() if r.spec.has_linear)

@@ -1,0 +1,329 @@
+"""Quantize the ``nn.Linear`` layers of a model's decoder layers: their inputs and weights, with SmoothQuant, a Hadamard
+rotation or LLM.int8's decomposition (the ``a=``/``w=`` parts of :class:`~outlierscope.quant.recipe.AttnQuant`).
+
+What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant's factors, ``H`` the rotation)::
+
+    x' = (x / s) @ H                      # exact in full precision: (x / s) H (W s H)^T = x W^T
+    W' = (W * s) @ H                      # (out, in): s scales input columns
+    cols = outlier_columns(x', 6.0)        # LLM.int8: kept in full precision, left out of every scale
+    y = quant_a(x', cols) @ quant_w(W')^T + b
+
+The weights are never changed: ``W'`` is computed from the untouched parameter at each forward of that linear (a
+``torch.nn.utils.parametrize`` parametrization), so at most one linear's quantized copy exists at a time and leaving
+the context restores the model exactly (the parametrization is removed, the original ``Parameter`` put back).
+Activations go through a forward pre-hook. Per-sequence statistics (``a=.../per_tensor``, NVFP4's activation scale,
+the outlier columns) read the padding of the forward's 2-D ``attention_mask`` (a trunk pre-hook): padding never enters
+them. Token-local parts (``per_token``, ``per_group``, ``static``, MX) need no mask.
+
+SmoothQuant's ``s`` is shared by the linears that read the same input tensor (q/k/v, gate/up: SmoothQuant folds it
+into the norm before them) and computed from their calibrated ``max|X_j|`` and the largest ``|W_ij|`` over all of
+them; a linear reading an input of its own (o_proj, down_proj) is not smoothed, as SmoothQuant's and llm-compressor's
+Llama mappings. :func:`calibrate` runs the calibration pass (or reads ``act_scales.pt``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.points import decoder_layers, trunk
+from outlierscope.quant.linear_ops import outlier_columns, quantize_activation, quantize_weight, rotation, smooth_scales
+from outlierscope.quant.recipe import AttnQuant
+
+CALIB_SEQ_LEN, CALIB_TOKENS = 512, 4096  # the calibration pass: 8 packed sequences of 512 tokens (fewer if shorter)
+
+
+@dataclass(frozen=True)
+class LinearSite:
+    """One quantized linear: its decoder layer, its path inside the layer (``self_attn.q_proj``), its full name."""
+
+    layer: int
+    path: str
+    name: str
+    module: nn.Linear = field(compare=False, repr=False)
+
+
+def layer_linears(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
+    """Per decoder layer, its ``nn.Linear`` modules as (path inside the layer, module)."""
+    return [[(p, m) for p, m in layer.named_modules() if isinstance(m, nn.Linear)] for layer in decoder_layers(model)]
+
+
+def linear_sites(model: nn.Module, spec: AttnQuant) -> list[LinearSite]:
+    """The linears ``spec`` quantizes: those of its layers whose path matches one of ``spec.linears`` (None: all); a
+    pattern that matches nothing is an error with the closest paths."""
+    names = {id(m): n for n, m in model.named_modules()}
+    per_layer = layer_linears(model)
+    paths = sorted({p for layer in per_layer for p, _ in layer})
+    for pat in spec.linears or ():
+        if not any(fnmatch.fnmatchcase(p, pat) for p in paths):
+            close = difflib.get_close_matches(pat, paths, n=3, cutoff=0.4)
+            raise OutlierscopeError(f"linears:{pat} matches no nn.Linear of the decoder layers (they are "
+                                    f"{', '.join(paths)})" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    return [LinearSite(i, p, names[id(m)], m) for i, layer in enumerate(per_layer) if spec.applies_to(i)
+            for p, m in layer if spec.linears is None or any(fnmatch.fnmatchcase(p, pat) for pat in spec.linears)]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a calibration pass saw: per linear (full name) its input's per-channel max |x| (float32, CPU), and the
+    groups of linears that read the same input tensor (each a tuple of names); ``source``: where it came from."""
+
+    act_max: dict[str, torch.Tensor]
+    groups: tuple[tuple[str, ...], ...]
+    source: str
+
+
+def needs_calibration(spec: AttnQuant) -> bool:
+    a = spec.part("a")
+    return spec.smooth is not None or (a is not None and a.granularity == "static")
+
+
+@contextlib.contextmanager
+def _recording(sites: list[LinearSite], act_max: dict | None, seen: dict | None) -> Iterator[None]:
+    """Pre-hooks that record, per site, the input tensor it read (``seen``: name -> the tensor, held so that no later
+    tensor takes its memory and its identity) and, with ``act_max``, the running per-channel max |x|."""
+    handles = []
+
+    def hook(site):
+        def pre(mod, args):
+            x = args[0]
+            if seen is not None:
+                seen[site.name] = x
+            if act_max is not None:
+                m = x.detach().abs().reshape(-1, x.shape[-1]).amax(0).float().cpu()  # (C,)
+                act_max[site.name] = m if site.name not in act_max else torch.maximum(act_max[site.name], m)
+
+        return pre
+
+    try:
+        for s in sites:
+            handles.append(s.module.register_forward_pre_hook(hook(s)))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, ...], ...]:
+    """The groups of ``sites`` that read the same input tensor (q/k/v, gate/up), found by one forward of two tokens."""
+    seen: dict = {}
+    with _recording(sites, None, seen):
+        model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
+    by_input: dict = {}
+    for s in sites:
+        by_input.setdefault((s.layer, id(seen.get(s.name))), []).append(s.name)
+    return tuple(tuple(g) for g in by_input.values())
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, tokenizer, spec: AttnQuant) -> Calibration:
+    """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
+    input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
+    endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
+    SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward)."""
+    from outlierscope.data.text import pack_sequences, text_documents
+
+    sites = linear_sites(model, spec)
+    source = spec.calib or "hellaswag"
+    if source.endswith(".pt"):
+        return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
+    if source != "hellaswag" and not Path(source).is_file():
+        raise OutlierscopeError(f"calib:{source}: no such file; give hellaswag, a .txt/.jsonl file or an act_scales.pt")
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None) or CALIB_SEQ_LEN
+    seqs = pack_sequences(tokenizer, text_documents(source), min(CALIB_SEQ_LEN, ctx), CALIB_TOKENS)  # (N, T)
+    act_max: dict = {}
+    dev = next(model.parameters()).device
+    with _recording(sites, act_max, None):
+        for row in seqs:
+            model(input_ids=row[None].to(dev), use_cache=False)
+    return Calibration(act_max, input_groups(model, sites), source)
+
+
+def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tensor]:
+    if not Path(path).is_file():
+        raise OutlierscopeError(f"calib:{path}: no such file; give an act_scales.pt (profile --preset smoothquant)")
+    scales = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(scales, dict):
+        raise OutlierscopeError(f"calib:{path}: expected SmoothQuant's act_scales.pt (module name -> per-channel "
+                                f"max |x|), got a {type(scales).__name__}")
+    out = {}
+    for s in sites:
+        a = scales.get(s.name)
+        if a is None or tuple(a.shape) != (s.module.in_features,):
+            close = difflib.get_close_matches(s.name, list(scales), n=1)
+            raise OutlierscopeError(f"calib:{path} has no scales of {s.name} ({s.module.in_features} channels)"
+                                    + (f"; it has {close[0]}" if close and a is None else
+                                       f", got shape {tuple(a.shape)}" if a is not None else ""))
+        out[s.name] = a.float()
+    return out
+
+
+def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict[str, torch.Tensor]:
+    """Per linear name, SmoothQuant's factors (in_features,) (float64, CPU): shared by a group of linears reading the
+    same input, from its calibrated max |x| and the largest |W_ij| per input channel over the group; linears that read
+    an input of their own get none."""
+    by_name = {s.name: s for s in sites}
+    out = {}
+    for group in calib.groups:
+        if len(group) < 2:
+            continue
+        w_max = torch.stack([by_name[n].module.weight.detach().abs().amax(0).double().cpu() for n in group]).amax(0)
+        s = smooth_scales(calib.act_max[group[0]], w_max, alpha)
+        out.update({n: s for n in group})
+    return out
+
+
+def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """``x @ rot`` in float32 at least (float64 for float64 ``x``), back in ``x``'s dtype."""
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(work) @ rot.to(x.device, work)).to(x.dtype)
+
+
+class _WeightTransform(nn.Module):
+    """The parametrization ``W -> quant_w((W * s) @ H)``: computed from the untouched weight at each access."""
+
+    def __init__(self, spec: AttnQuant, scale: torch.Tensor | None, rot: torch.Tensor | None):
+        super().__init__()
+        self.part, self.scale, self.rot = spec.part("w"), scale, rot  # plain attributes: not in any state_dict
+
+    @torch.no_grad()  # fake quantization has no useful gradient; the weights stay leaves of nothing
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.scale is not None:
+            w = w * self.scale.to(w.device, w.dtype)  # (O, I) * (I,): SmoothQuant's W diag(s)
+        if self.rot is not None:
+            w = _rotated(w, self.rot)  # (O, I) @ (I, I)
+        return quantize_weight(w, self.part) if self.part is not None else w
+
+
+@dataclass
+class _Padding:
+    """The 2-D padding mask (B, T) of the forward in progress (None: none given, or a 4-D mask)."""
+
+    mask: torch.Tensor | None = None
+
+    def pre_forward(self, mod, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        self.mask = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+
+    def valid_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The validity (B, T) of a (B, T, C) input: the mask's last T tokens (a forward with a cache), or None."""
+        m = self.mask
+        if m is None or x.dim() != 3 or m.shape[0] != x.shape[0] or m.shape[1] < x.shape[1]:
+            return None
+        return m[:, -x.shape[1]:].to(x.device)  # (B, T)
+
+
+def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
+                static_amax: torch.Tensor | None):
+    """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
+    part with LLM.int8's outlier columns kept (see the module docstring)."""
+    part = spec.part("a")
+
+    def pre(mod, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        y = x
+        if scale is not None:
+            y = y / scale.to(y.device, y.dtype)  # (..., I)
+        if rot is not None:
+            y = _rotated(y, rot)  # (..., I) @ (I, I)
+        if part is not None:
+            x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
+            valid = padding.valid_for(x3)
+            cols = outlier_columns(x3, valid, spec.outliers) if spec.outliers is not None else None  # (B, 1, I)
+            y = quantize_activation(x3, valid, part, cols, static_amax).reshape(y.shape)
+        return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
+
+    return pre
+
+
+def _check_linear_spec(spec: AttnQuant, calibration: Calibration | None) -> None:
+    a = spec.part("a")
+    if a is not None and a.granularity == "static" and spec.rotate is not None:
+        raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
+                                "dynamic activation granularity with rotate")
+    if needs_calibration(spec) and calibration is None:
+        raise OutlierscopeError(f"{spec.label}: smooth and static scales need a calibration; pass "
+                                "calibration=calibrate(model, tokenizer, spec)")
+
+
+@contextlib.contextmanager
+def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration | None = None
+                     ) -> Iterator[list[LinearSite]]:
+    """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
+    ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
+    :func:`needs_calibration`. Yields the quantized sites. Every hook and parametrization is removed in ``finally``:
+    the model's weights are the same tensors, unchanged."""
+    sites = linear_sites(model, spec) if spec.has_linear else []
+    if not sites:
+        yield sites
+        return
+    _check_linear_spec(spec, calibration)
+    scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
+    rots: dict[int, torch.Tensor] = {}
+    padding, handles, parametrized = _Padding(), [], []
+    a = spec.part("a")
+    try:
+        handles.append(trunk(model).register_forward_pre_hook(padding.pre_forward, with_kwargs=True))
+        for site in sites:
+            d = site.module.in_features
+            rot = rots.setdefault(d, rotation(d, spec.rotate, torch.float64)) if spec.rotate is not None else None
+            s = scales.get(site.name)
+            if spec.part("w") is not None or s is not None or rot is not None:
+                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, s, rot))
+                parametrized.append(site.module)
+            static = None
+            if a is not None and a.granularity == "static":
+                act = calibration.act_max[site.name]
+                static = (act / s if s is not None else act).amax()
+            handles.append(site.module.register_forward_pre_hook(_input_hook(spec, padding, s, rot, static),
+                                                                 with_kwargs=True))
+        yield sites
+    finally:
+        for h in handles:
+            h.remove()
+        for m in parametrized:
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+
+
+def token_local(spec: AttnQuant) -> bool:
+    """Whether every linear's output at a token depends on that token alone (no per-sequence statistic): then a
+    context's choices may share its prefix (:func:`~outlierscope.eval.evaluate.layout_for`)."""
+    a = spec.part("a")
+    return spec.outliers is None and (a is None or a.granularity in ("per_token", "per_group", "static")
+                                      or a.format not in ("nvfp4",) and a.granularity is None)
+
+
+def check_linear_shapes(spec: AttnQuant, config) -> None:
+    """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
+    weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
+    in_features, a rotation of each in_features. A config transformers cannot build is left to the first forward."""
+    from outlierscope.models.quiet import quiet_transformers
+    from outlierscope.quant.linear_ops import _base_order
+
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # custom code, an architecture without a causal-LM class: checked when the model is loaded
+        return
+    if spec.layers is not None and max(spec.layers) >= len(decoder_layers(model)):
+        return  # check_layers says it
+    for site in linear_sites(model, spec):
+        d = site.module.in_features
+        for p in (spec.part("a"), spec.part("w")):
+            if p is not None and p.granularity == "per_group" and d % p.size:
+                raise OutlierscopeError(f"{p}: {site.path} has {d} inputs, not a multiple of the group size {p.size}; "
+                                        "choose a group size that divides it, or leave it out with linears:")
+        if spec.rotate is not None:
+            _base_order(d)
