@@ -9,7 +9,7 @@ REPRODUCE_ARGS ?=
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
-.PHONY: install data reproduce test lint bench lmeval-venv lmeval-compare clean
+.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ lint: install
 
 test: install data lint
 	$(BIN)/python -m pytest -q
+
+# every notebook run top to bottom in place, outputs kept (they are committed with them)
+notebooks: install data
+	$(BIN)/python notebooks/execute.py
 
 bench: install data
 	$(BIN)/python bench/profile_throughput.py

@@ -5,7 +5,7 @@ Reference: Ye et al., Differential Transformer (arXiv 2410.05258), Table 5 and F
 One import line for notebooks::
 
     from outlierscope import load_model, capture, OutlierStats, QuantSpec, AttnQuant, RECIPES, \\
-        quantize_attention, profile_model, evaluate, sweep, load_run
+        quantize_model, profile_model, evaluate, sweep, load_run
 
 The names are imported on first use (``import outlierscope`` stays light and changes no environment
 variable or logging level).
@@ -36,6 +36,9 @@ _EXPORTS = {
     "RECIPES": "outlierscope.quant.recipe",
     "quantize_attention": "outlierscope.quant.apply",
     "quantize_weights": "outlierscope.quant.apply",
+    "quantize_model": "outlierscope.quant.apply",
+    "calibration_for": "outlierscope.quant.linear",
+    "LinearErrorStats": "outlierscope.analysis.linear_error",
     "absmax_scale": "outlierscope.quant.primitives",
     "fake_quant": "outlierscope.quant.primitives",
     "evaluate": "outlierscope.eval.evaluate",

@@ -337,7 +337,8 @@ def _add_data_commands(sub) -> None:
     s.set_defaults(func=_cmd_tasks)
 
     s = sub.add_parser("recipes", help="named low-bit attention recipes (SageAttention, FA3 FP8, KIVI, MX, NVFP4) and "
-                                       "their specs; with SPEC: check a spec and print its canonical text")
+                                       "linear-layer schemes (W8A8, SmoothQuant, W4A8, W4A4 rotated, FP8, MXFP4, NVFP4, "
+                                       "LLM.int8) with their specs; with SPEC: check a spec and print its canonical text")
     s.add_argument("spec", nargs="?", help="a recipe name or spec text, e.g. 'q,k=int8/per_block:128; smooth_k'")
     s.set_defaults(func=_cmd_recipes)
 

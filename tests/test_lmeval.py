@@ -77,16 +77,18 @@ def test_quantized_equals_our_scorer(task_dir, granularity):
 
 
 @needs_hellaswag
-def test_recipe_equals_our_scorer(task_dir):
-    """quant=RECIPE in model_args: the adapter's log-likelihoods equal evaluate()'s with that recipe, item by item."""
+@pytest.mark.parametrize("recipe", ["kivi-2bit", "w8a8-sq", "llm-int8"])
+def test_recipe_equals_our_scorer(task_dir, recipe):
+    """quant=RECIPE in model_args: the adapter's log-likelihoods equal evaluate()'s with that recipe, item by item
+    (a linear scheme too; w8a8-sq's calibration pass runs when the adapter loads the model)."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
     from outlierscope.quant.recipe import AttnQuant
 
     tasks = write_task_yamls(task_dir, ["hellaswag"])
-    res = evaluate(load_model(PAIR_DIFF, device="cpu"), quant=AttnQuant.parse("kivi-2bit"), limit=8, batch_size=8,
+    res = evaluate(load_model(PAIR_DIFF, device="cpu"), quant=AttnQuant.parse(recipe), limit=8, batch_size=8,
                    progress=False)
-    theirs = _lls(_evaluate(OutlierscopeLM(PAIR_DIFF, quant="kivi-2bit", device="cpu", batch_size=3), tasks, task_dir, 8),
+    theirs = _lls(_evaluate(OutlierscopeLM(PAIR_DIFF, quant=recipe, device="cpu", batch_size=3), tasks, task_dir, 8),
                   tasks[0])
     assert np.abs(theirs - res.items[res.score_columns].to_numpy()).max() < 1e-4
 

@@ -18,7 +18,8 @@ from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-SWEEP = ["sweep", "--model", "pair-tiny:diff", "--bits", "16", "4", "--limit", "40", "--batch-size", "8", "--attn-error"]
+SWEEP = ["sweep", "--model", "pair-tiny:diff", "--bits", "16", "4", "--quant", "w8a8-sq", "--limit", "40", "--batch-size",
+         "8", "--attn-error"]  # w8a8-sq: a calibration pass in every process, the linear error per virtual shard
 SENS = ["sensitivity", "--model", "pair-tiny:diff", "--limit", "6", "--batch-size", "4", "--profile-tokens", "256"]
 PROFILE = ["profile", "--model", "pair-tiny:diff", "--tokens", "20000", "--batch-size", "4"]
 
@@ -65,8 +66,8 @@ def runs(tmp_path_factory, hellaswag_cached):
 @pytest.mark.parametrize("kind", ["sweep", "profile"])
 def test_two_processes_and_merged_shards_equal_one_process(runs, kind):
     one = _csvs(runs / f"{kind}-1")
-    assert one and (("sweep.csv" in one and "attn_error.csv" in one
-                     and len([k for k in one if k.startswith("cells/") and k.count(".") == 1]) == 2) if kind == "sweep"
+    assert one and (("sweep.csv" in one and "attn_error.csv" in one and "linear_error.csv" in one
+                     and len([k for k in one if k.startswith("cells/") and k.count(".") == 1]) == 3) if kind == "sweep"
                     else {"table5.csv", "per_layer.csv", "per_head.csv", "topk_hidden.csv"} <= set(one))
     for other in ("2", "shards", *(("apart", "torchrun-shards") if kind == "sweep" else ())):
         got = {k: v for k, v in _csvs(runs / f"{kind}-{other}").items() if ".shard-" not in k}

@@ -160,9 +160,9 @@ class AttentionErrorStats:
         if rows is None:
             return st
         st._allocate(int(rows["head"].max()) + 1)
-        i = [torch.as_tensor(rows[c].to_numpy(), dtype=torch.long) for c in ("vshard", "layer", "head")]
+        i = [torch.as_tensor(rows[c].to_numpy().copy(), dtype=torch.long) for c in ("vshard", "layer", "head")]
         for f, t in st.per_shard.items():
-            t[i[0], i[1], i[2]] = torch.as_tensor(rows[f].to_numpy(), dtype=t.dtype)
+            t[i[0], i[1], i[2]] = torch.as_tensor(rows[f].to_numpy().copy(), dtype=t.dtype)
         st.has_output = bool(rows["has_output"].any())
         return st
 

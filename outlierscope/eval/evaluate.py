@@ -33,6 +33,7 @@ from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
 from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.linear import calibration_for
 from outlierscope.quant.spec import QuantSpec
 
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
@@ -262,7 +263,8 @@ def _options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
 
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str = "hellaswag", items=None,
              limit: int | None = None, sample: int | None = None, seed: int = 0, data: str | None = None,
-             text_seqs=None, attn_error=None, attn_error_spec=None, shard: Shard | None = None, world: World | None = None,
+             text_seqs=None, attn_error=None, attn_error_spec=None, linear_error=None, shard: Shard | None = None,
+             world: World | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
     (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
@@ -280,6 +282,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     layer and head, what ``quant`` does to the attention of every scored sequence (per virtual shard: with ``world``
     rank 0's gets every rank's; with a partial ``shard``, this shard's, to merge with the others'). ``attn_error_spec``:
     measure this spec instead of ``quant``, without applying it (each layer's error on the unquantized input).
+    ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
+    linear's relative output error (per virtual shard, gathered as ``attn_error``).
     Non-finite log-likelihoods are an error naming the first such item.
 
     Data parallel (:mod:`outlierscope.parallel`): with ``world`` (processes of ``torchrun``) each rank
@@ -306,11 +310,13 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
                 "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
                 "device": model_device(model), "attn_block": opt.block_rows, "task": task}
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
-    calibration = _calibration(model, tokenizer, spec)
-    part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task, calibration)
-    if world.size > 1 and attn_error is not None:  # each rank measured its virtual shards: rank 0 gets them all
-        for other in (world.gather(attn_error) or [])[1:]:
-            attn_error.merge(other)
+    calibration = calibration_for(model, tokenizer, spec)
+    part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task, calibration,
+                  linear_error)
+    for stats in (attn_error, linear_error):  # each rank measured its virtual shards: rank 0 gets them all
+        if world.size > 1 and stats is not None:
+            for other in (world.gather(stats) or [])[1:]:
+                stats.merge(other)
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -322,20 +328,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     return _complete(part, opt.desc or task)
 
 
-def _calibration(model, tokenizer, spec):
-    """The calibration pass of a spec with SmoothQuant or static activation scales (every process computes the same:
-    it reads the same text), else None."""
-    from outlierscope.quant.linear import calibrate, linear_sites, needs_calibration
-    from outlierscope.quant.recipe import AttnQuant
-
-    if not isinstance(spec, AttnQuant) or not spec.has_linear:
-        return None
-    linear_sites(model, spec)  # patterns that match nothing fail here, before any forward
-    return calibrate(model, tokenizer, spec) if needs_calibration(spec) else None
-
-
 def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, measure, shard: Shard,
-           world: World, desc: str, calibration=None) -> EvalResult:
+           world: World, desc: str, calibration=None, linear_error=None) -> EvalResult:
     """This process's part: the scores of its virtual shards (all of them in one process), timed; ``settings``: what
     produced them (the result's record)."""
     from tqdm.auto import tqdm
@@ -347,12 +341,17 @@ def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, t
         desc = f"{desc} (rank 0 of {world.size}: its share)"
     with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=desc, unit="item",
                                         disable=not opt.progress or not world.is_main or None, dynamic_ncols=True) as bar:
-        stats = measure[0] if measure is not None else None  # (stats, the spec measured)
-        with measure_attention_error(model, measure[1], stats, opt.block_rows) if measure is not None \
-                else contextlib.nullcontext(), quantize_model(model, spec, opt.block_rows, calibration):
+        stats = [st for st in (measure[0] if measure is not None else None, linear_error) if st is not None]
+
+        def on_batch(k: int) -> None:  # the measured rows belong to the batch's virtual shard
+            for st in stats:
+                st.set_shard(shard_of(k))
+
+        with measure_attention_error(model, measure[1], measure[0], opt.block_rows) if measure is not None \
+                else contextlib.nullcontext(), quantize_model(model, spec, opt.block_rows, calibration, linear_error):
             scores = score_requests(model, requests, settings["layout"], opt.batch_size,
                                     lambda done: bar.update(done - bar.n), shards=None if whole else own,
-                                    on_batch=None if stats is None else lambda k: stats.set_shard(shard_of(k)))
+                                    on_batch=on_batch if stats else None)
             # the LM loss is one process's job: the one with virtual shard 0
             loss = lm_loss(model, text_seqs, opt.batch_size) if text_seqs is not None and 0 in own else None
     return _partial(requests, scores, loss, settings, time.time() - t0, own, settings["layout"])

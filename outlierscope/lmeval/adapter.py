@@ -34,6 +34,7 @@ from lm_eval.models.huggingface import HFLM
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import check_placement, num_layers
 from outlierscope.quant.apply import check_layers, check_spec, quantize_attention
+from outlierscope.quant.linear import calibration_for
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
@@ -49,7 +50,7 @@ def attention_spec(quant: str, bits, layers) -> AttnQuant:
     """``quant``: a recipe name (``sage2-int4``; lm-eval splits model_args at commas and '=', so spec texts go through
     Python keywords); with ``layers``, only those layers. Not together with ``bits`` below 16."""
     if _as_int("bits", bits, "an integer number of bits (16 = unquantized)") != 16:
-        raise OutlierscopeError("pass bits (the logits' bit width) or quant (an attention recipe), not both")
+        raise OutlierscopeError("pass bits (the logits' bit width) or quant (a recipe or spec), not both")
     spec = AttnQuant.parse(str(quant))
     return spec if layers is None else dataclasses.replace(spec, layers=_layers(layers))
 
@@ -110,8 +111,9 @@ class OutlierscopeLM(HFLM):
     ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
     file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
     :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    :class:`~outlierscope.quant.spec.QuantSpec`; or ``quant``: an attention recipe (``quant=sage2-int4``, see
-    ``outlierscope recipes``; a spec text from Python), with ``layers`` if given; ``attn_block``: query rows per attention block; ``dtype``,
+    :class:`~outlierscope.quant.spec.QuantSpec`; or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
+    ``outlierscope recipes``; a spec text from Python: attention and linear parts), with ``layers`` if given (a spec
+    with SmoothQuant or static scales runs its calibration pass once, when the model loads); ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
     these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
     (:func:`~outlierscope.hooks.capture.capture`), after quantization: the reducers see what the model
@@ -135,6 +137,7 @@ class OutlierscopeLM(HFLM):
         if max(_layers(layers) or (0,)) >= n_layers:  # at 16 bits too: a typo is not silently ignored
             raise OutlierscopeError(f"layers {layers} out of range: the model has layers 0..{n_layers - 1}")
         self.spec_name = str(pretrained)
+        self.calibration = calibration_for(lm.model, lm.tokenizer, self.quant)  # SmoothQuant / static scales: once, before any request
         if bool(points) != bool(reducers):
             raise OutlierscopeError("points and reducers go together: pass both (observation points and the reducers "
                                     "that receive them) or neither")
@@ -146,7 +149,7 @@ class OutlierscopeLM(HFLM):
     def _attention(self):
         from outlierscope.hooks.capture import capture
 
-        with quantize_attention(self.model, self.quant, block_rows=self.attn_block), (
+        with quantize_attention(self.model, self.quant, block_rows=self.attn_block, calibration=self.calibration), (
                 capture(self.model, self.points, reducers=self.reducers, block_rows=self.attn_block)
                 if self.reducers else contextlib.nullcontext()):
             yield

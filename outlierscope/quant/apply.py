@@ -129,12 +129,14 @@ def as_attn_quant(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
 
 @contextlib.contextmanager
 def quantize_model(model: nn.Module, spec: QuantSpec | AttnQuant | str, block_rows: int | None = None,
-                   calibration: Calibration | None = None) -> Iterator[QuantSpec | AttnQuant]:
+                   calibration: Calibration | None = None, linear_error=None) -> Iterator[QuantSpec | AttnQuant]:
     """Quantize ``model`` as ``spec`` says: a :class:`QuantSpec` (the paper: the attention logits, after scaling,
     before soft-capping, masking and softmax), or an :class:`AttnQuant` / recipe name / spec text (attention: q, k, v,
     logits, P, with smoothing and rotations; linear layers: inputs and weights, with SmoothQuant, rotations, LLM.int8;
     see :mod:`outlierscope.quant.recipe` and :mod:`outlierscope.quant.linear`). ``calibration``:
     :func:`~outlierscope.quant.linear.calibrate`'s, for a spec with ``smooth`` or static activation scales.
+    ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
+    linear's relative output error.
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
     [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages and hooks run in the order the
@@ -147,7 +149,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec | AttnQuant | str, block_ro
     spec = as_attn_quant(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
     stage = _logit_stage(spec) if isinstance(spec, QuantSpec) else attention_stage(spec)
-    linear = quantize_linears(model, spec, calibration) if isinstance(spec, AttnQuant) else contextlib.nullcontext()
+    linear = quantize_linears(model, spec, calibration, linear_error) if isinstance(spec, AttnQuant) \
+        else contextlib.nullcontext()
     # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
     with linear, attention_stages(model, stage, block_rows=block_rows):
         yield spec

@@ -149,6 +149,16 @@ def calibrate(model: nn.Module, tokenizer, spec: AttnQuant) -> Calibration:
     return Calibration(act_max, input_groups(model, sites), source)
 
 
+def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
+    """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
+    with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
+    forward). Every process computes the same (it reads the same text)."""
+    if not isinstance(spec, AttnQuant) or not spec.has_linear:
+        return None
+    linear_sites(model, spec)
+    return calibrate(model, tokenizer, spec) if needs_calibration(spec) else None
+
+
 def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise OutlierscopeError(f"calib:{path}: no such file; give an act_scales.pt (profile --preset smoothquant)")
@@ -246,6 +256,25 @@ def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, 
     return pre
 
 
+def _measuring(site: LinearSite, padding: _Padding, error):
+    """(pre-hook, hook) that give ``error.update`` each forward's output against the unquantized weight on the original
+    input (the pre-hook runs before the quantizing one: it keeps the input the linear was given)."""
+    stash: dict = {}
+
+    def pre(mod, args, kwargs):
+        stash["x"] = args[0] if args else kwargs["input"]
+
+    def post(mod, args, kwargs, out):
+        x = stash.pop("x")
+        w = mod.parametrizations.weight.original if parametrize.is_parametrized(mod, "weight") else mod.weight
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        ref = torch.nn.functional.linear(x.to(work), w.to(work), None if mod.bias is None else mod.bias.to(work))
+        x3 = x if x.dim() == 3 else x.reshape(1, -1, x.shape[-1])  # (B, T, I)
+        error.update(site.layer, site.path, ref, out, padding.valid_for(x3))
+
+    return pre, post
+
+
 def _check_linear_spec(spec: AttnQuant, calibration: Calibration | None) -> None:
     a = spec.part("a")
     if a is not None and a.granularity == "static" and spec.rotate is not None:
@@ -257,12 +286,13 @@ def _check_linear_spec(spec: AttnQuant, calibration: Calibration | None) -> None
 
 
 @contextlib.contextmanager
-def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration | None = None
-                     ) -> Iterator[list[LinearSite]]:
+def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration | None = None,
+                     error=None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
-    :func:`needs_calibration`. Yields the quantized sites. Every hook and parametrization is removed in ``finally``:
-    the model's weights are the same tensors, unchanged."""
+    :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
+    receives each quantized linear's relative output error. Yields the quantized sites. Every hook and
+    parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
     sites = linear_sites(model, spec) if spec.has_linear else []
     if not sites:
         yield sites
@@ -287,6 +317,10 @@ def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration
                 static = (act / s if s is not None else act).amax()
             handles.append(site.module.register_forward_pre_hook(_input_hook(spec, padding, s, rot, static),
                                                                  with_kwargs=True))
+            if error is not None:
+                pre, post = _measuring(site, padding, error)
+                handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
+                handles.append(site.module.register_forward_hook(post, with_kwargs=True))
         yield sites
     finally:
         for h in handles:

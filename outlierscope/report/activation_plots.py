@@ -180,3 +180,30 @@ def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> 
     fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (pooled over heads)")
     fig.suptitle(f"Attention error per layer: {value}", fontsize=11)
     return fig
+
+
+def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean") -> plt.Figure | None:
+    """Per linear scheme (``sweep --quant w8a8 --attn-error``): a linear x layer heatmap of each quantized linear's
+    relative output error ``||x W^T - x~ W~^T|| / ||x W^T||`` (mean over real tokens; log colour scale), one panel per
+    model, task and scheme: where a scheme breaks."""
+    from outlierscope.data.tasks import task_label
+
+    vals = linear_error[value].to_numpy()
+    vals = vals[np.isfinite(vals) & (vals > 0)]
+    if not len(vals):
+        return None
+    norm = matplotlib.colors.LogNorm(vmin=max(vals.min(), vals.max() * 1e-4), vmax=vals.max())
+    groups = list(linear_error.groupby(["model", "task", "label"], sort=False))
+    n_layers, n_lin = linear_error["layer"].nunique(), linear_error["linear"].nunique()
+    fig, axes = plt.subplots(len(groups), 1, figsize=(min(3.5 + 0.32 * n_layers, 16), (1 + 0.28 * n_lin) * len(groups)),
+                             layout="constrained", squeeze=False)
+    for ax, ((model, task, label), g) in zip(axes[:, 0], groups):
+        grid = g.pivot(index="linear", columns="layer", values=value).reindex(list(dict.fromkeys(g["linear"])))  # (linears, layers)
+        im = ax.imshow(grid.to_numpy(), aspect="auto", interpolation="nearest", cmap="rocket_r", norm=norm)
+        ax.set_yticks(range(len(grid.index)), grid.index, fontsize=7)
+        ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns], fontsize=6)
+        ax.set_xlabel("layer")
+        ax.set_title(f"{_short(model)}, {task_label(task)}: {label}", fontsize=9)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (relative output error)")
+    fig.suptitle("Linear layers: relative output error per layer and linear", fontsize=11)
+    return fig

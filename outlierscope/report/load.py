@@ -43,7 +43,9 @@ PROFILE_TABLES = {
 SWEEP_TABLES = {"sweep": (["model", "bits", "label", "granularity", "metric", "value", "stderr", "n_items"],
                           ["bits", "value"]),
                 "attn_error": (["model", "task", "bits", "label", "layer", "head", "rows", "kl_mean", "kl_max",
-                                "argmax_change_rate"], ["layer", "head", "rows", "kl_mean", "argmax_change_rate"])}
+                                "argmax_change_rate"], ["layer", "head", "rows", "kl_mean", "argmax_change_rate"]),
+                "linear_error": (["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean", "rel_err_max"],
+                                 ["layer", "tokens", "rel_err_mean", "rel_err_max"])}
 MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel", "massive", "massive_recurrence",
                 "int8_features"}
 
@@ -169,6 +171,9 @@ def load_run(run_dir: str | Path) -> RunResults:
             errors = read_table(cand / "attn_error.csv", *SWEEP_TABLES["attn_error"])  # `sweep --attn-error`
             if errors is not None:
                 res.tables["attn_error"] = errors
+            lin = read_table(cand / "linear_error.csv", *SWEEP_TABLES["linear_error"])  # with linear schemes
+            if lin is not None:
+                res.tables["linear_error"] = lin
             for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
                 df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
                 if df is not None:

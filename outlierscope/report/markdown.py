@@ -49,6 +49,8 @@ POINT_FIGURES = [
     ("recipe_lines", "sweep", lambda p, df, r: p.recipe_lines(df), "Accuracy vs bits: a line per attention recipe"),
     ("attn_error_layers", "attn_error", lambda p, df, r: p.attention_error_layers(df),
      "Attention error per layer (mean KL)"),
+    ("linear_error", "linear_error", lambda p, df, r: p.linear_error_heatmap(df),
+     "Linear layers: relative output error per layer and linear"),
 ]
 
 

@@ -42,7 +42,7 @@ def quantized_said(settings: dict) -> str:
     return "quantized attention logits" if not settings.get("quant") else _quant_said(settings, quote="")
 
 
-def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -> str:
+def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> str:
     """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""
     s, metric = record["settings"], record["metric"]
@@ -79,4 +79,10 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict]) -
         lines.append(f"| {t['kept']} | {t['kept_layers']} | "
                      f"{t['delta_gold_ll']:+.4f} | {t[f'delta_{metric}'] * 100:+.2f} | {t['flip_rate'] * 100:.1f}% | "
                      f"{'yes' if t['within_tolerance'] else 'no'} |")
+    if kinds is not None:
+        lines += ["", "Linear kinds, each quantized alone in every layer (most harmful first):", "",
+                  f"| linear | damage | Δ{metric} | flip |", "|---|---|---|---|"]
+        for _, r in kinds.sort_values(["delta_gold_ll", "linear"]).iterrows():
+            lines.append(f"| {r['linear']} | {r['delta_gold_ll']:+.4f} | {r[f'delta_{metric}'] * 100:+.2f} | "
+                         f"{r['flip_rate'] * 100:.1f}% |")
     return "\n".join(lines) + "\n"

@@ -51,22 +51,32 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
 def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dict]:
     """One cell of a ``--shard`` run from its parts in ``dirs`` (shard i in ``dirs[i]/cells``): the whole result and
     its side tables (the attention error, merged exactly from the parts' virtual shards)."""
+    from outlierscope.analysis.linear_error import LinearErrorStats
     from outlierscope.eval.evaluate import merge_results
 
-    n, parts, errors = len(dirs), [], []
+    n, parts, sides, seen = len(dirs), [], {"attn_error": [], "linear_error": []}, set()
     for i, d in enumerate(dirs):
         name = f"{cell}.shard-{i}-of-{n}"
         res = EvalResult.load(d / "cells", name)
-        side = d / "cells" / f"{name}.attn_error.csv"
-        if res is None or res.extra.get("cell", {}).get("attn_error") and not side.exists():
+        found = {key: d / "cells" / f"{name}.{key}.csv" for key in sides}
+        found = {key: f for key, f in found.items() if f.exists()}
+        if res is None or res_measured(res) and not found or i and set(found) != seen:
             raise OutlierscopeError(f"{d / 'cells'}: part {i}/{n} of cell {cell} is missing or incomplete; "
                                     f"rerun that shard (it resumes), then merge again")
+        seen = set(found)
         parts.append(res)
-        if side.exists():
-            errors.append(pd.read_csv(side, float_precision="round_trip"))
+        for key, f in found.items():
+            sides[key].append(pd.read_csv(f, float_precision="round_trip"))
     merged = merge_results(parts, desc=desc)
     merged.extra["cell"] = parts[0].extra["cell"]
-    if not errors:
-        return merged, {}
-    layers = 1 + max((int(t["layer"].max()) for t in errors if len(t)), default=0)
-    return merged, {"attn_error": AttentionErrorStats.from_shard_tables(errors, layers).table()}
+    out = {}
+    for key, cls in (("attn_error", AttentionErrorStats), ("linear_error", LinearErrorStats)):
+        if sides[key]:
+            layers = 1 + max((int(t["layer"].max()) for t in sides[key] if len(t)), default=0)
+            out[key] = cls.from_shard_tables(sides[key], layers).table()
+    return merged, out
+
+
+def res_measured(res: EvalResult) -> bool:
+    """Whether a cell was computed with its errors measured (``attn_error`` in its settings)."""
+    return bool(res.extra.get("cell", {}).get("attn_error"))

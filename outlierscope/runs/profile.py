@@ -73,6 +73,8 @@ class ProfileSettings:
     sink_k: int = option(4, "key positions counted as the attention sink (from 0), for attn.probs points")
     massive_abs: float = option(MASSIVE_ABS, "massive activations: |x| above this (Sun et al. 2024: 100) ...")
     massive_rel: float = option(MASSIVE_REL, "... and above this many times the layer's median |x| (Sun et al.: 1000)")
+    quant: str | None = option(None, "profile the model quantized by this recipe or spec (see `outlierscope recipes`; "
+                               "e.g. w8a8-sq: what the quantized linears and attention see)", metavar="RECIPE_OR_SPEC")
     compile: bool = option(True, "run the statistics' per-element passes uncompiled (torch.compile fuses them into one "
                            "loop; the statistics are the same, moments within float32 rounding)", flag="--no-compile")
     dtype: str = dtype_option()
@@ -95,6 +97,10 @@ class ProfileSettings:
                 raise ParamError(name, "a threshold >= 0", getattr(self, name))
         if self.preset is not None and self.preset not in PRESETS:
             raise ParamError("preset", f"one of {', '.join(PRESETS)}", self.preset)
+        if self.quant is not None:
+            from outlierscope.quant.recipe import AttnQuant
+
+            AttnQuant.parse(self.quant)  # a bad spec: before anything loads
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
     @property
@@ -105,6 +111,20 @@ class ProfileSettings:
     def stats_options(self) -> dict:
         return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel,
                 "compile": self.compile}
+
+
+def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
+    """The model quantized by ``quant`` (with its calibration pass, if it needs one), or as it is for None."""
+    import contextlib
+
+    if quant is None:
+        return contextlib.nullcontext()
+    from outlierscope.quant.apply import quantize_model
+    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.recipe import AttnQuant
+
+    spec = AttnQuant.parse(quant)
+    return quantize_model(module, spec, attn_block, calibration_for(module, tokenizer, spec))
 
 
 # one CSV per table: (file stem, OutlierStats method)
@@ -277,8 +297,10 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     t0 = time.time()
     with tqdm(total=sum(min(settings.batch_size, len(seqs) - i) * seq_len for i in starts), desc=f"profile {name}",
               unit="tok", unit_scale=True, disable=not progress or not world.is_main or None) as bar:
-        with world.failing_together(), capture(module, list(settings.point_patterns), reducers=[stats],
-                                               block_rows=settings.attn_block, preset=settings.preset) as cap:
+        # quantized outside the capture: the capture observes what the quantized model computes
+        with world.failing_together(), _quantized(module, tokenizer, settings.quant, settings.attn_block), \
+                capture(module, list(settings.point_patterns), reducers=[stats], block_rows=settings.attn_block,
+                        preset=settings.preset) as cap:
             for i in starts:
                 stats.set_shard(shard_of(i // settings.batch_size))
                 cap.sequences = i  # the global number of the batch's first sequence (top-k locations)

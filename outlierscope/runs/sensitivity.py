@@ -73,8 +73,9 @@ class SensitivitySettings:
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
                               choices=GRANULARITIES)
-    quant: str | None = option(None, "an attention recipe or spec (see `outlierscope recipes`) instead of --bits, "
-                               "--format, --granularity: each layer in turn gets it", metavar="RECIPE_OR_SPEC")
+    quant: str | None = option(None, "a recipe or spec of attention or linear layers (see `outlierscope recipes`) "
+                               "instead of --bits, --format, --granularity: each layer in turn gets it",
+                               metavar="RECIPE_OR_SPEC")
     task: str = option("hellaswag", "hellaswag or a zero-shot task (see `outlierscope tasks`)", metavar="TASK")
     limit: int | None = option(None, "first N validation items", exclusive="items")
     sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
@@ -85,6 +86,8 @@ class SensitivitySettings:
     all_but: bool = option(True, "skip the second pass (every layer quantized but one)")
     attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
                               "one cell)")
+    kinds: bool = option(True, "skip the pass over linear kinds (a linear spec: each kind, q_proj ... down_proj, "
+                         "quantized alone in every layer)")
     profile_tokens: int = option(20_000, "tokens of the short profile for the per-layer outlier statistic")
     batch_size: int = option(DEFAULT_BATCH, "sequences per forward; quantized scores depend on it by float32 rounding (part of a "
                              "quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
@@ -248,8 +251,9 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     with output_dir(out) if main else contextlib.nullcontext(), output_dir(out / "cells") if main else \
             contextlib.nullcontext():
         run = _prepare(s, out / "cells", progress, log, shard, world)
-        base = run.cell("base", None, measure=s.spec() if s.attn_error else None)
+        base = run.cell("base", None, measure=s.spec() if s.attn_error and _in_attention(s.spec()) else None)
         table = _per_layer(run, base)
+        kinds = _per_kind(run, base)
         if not shard.whole:
             return _write_shard(run, out) if main else None
         table = _with_attention_error(table, base, out if main else None) if "attn_error_table" in base.extra else table
@@ -257,8 +261,10 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()  # most harmful first
         keep, tries = greedy_keep(order, run.layers, _within(run, base))
         record = _record(run, table, order, keep, tries)
+        if kinds is not None:
+            record["kinds"] = kinds.sort_values(["delta_gold_ll", "linear"])["linear"].tolist()  # most harmful first
         if main:
-            _write(out, record, table, tries)
+            _write(out, record, table, tries, kinds)
     if main:
         _log_summary(run, record)
     return record if main else None
@@ -350,6 +356,28 @@ def _per_layer(run: _Run, base: EvalResult) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def _in_attention(spec) -> bool:
+    """Whether ``spec`` changes anything inside attention (a linear-only spec has no attention error to measure)."""
+    return not isinstance(spec, AttnQuant) or spec.has_attention
+
+
+def _per_kind(run: _Run, base: EvalResult) -> pd.DataFrame | None:
+    """Per linear kind (its path in a decoder layer: ``self_attn.q_proj`` ... ``mlp.down_proj``): the change with only
+    that kind quantized, in every layer. None unless the spec quantizes linear layers (and ``kinds``)."""
+    import dataclasses as dc
+
+    from outlierscope.quant.linear import linear_sites
+
+    spec = run.s.spec()
+    if not run.s.kinds or not isinstance(spec, AttnQuant) or not spec.has_linear:
+        return None
+    rows = []
+    for path in dict.fromkeys(site.path for site in linear_sites(run.lm.model, spec)):
+        res = run.cell(f"kind_{path}", dc.replace(spec, linears=(path,)))
+        rows.append({"linear": path, **(change(res, base, run.metric) if run.shard.whole else {})})
+    return pd.DataFrame(rows)
+
+
 def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | None) -> pd.DataFrame:
     """Each layer's attention error, measured in the unquantized cell (attn_error.csv per head, pooled per layer;
     written into ``out`` unless None)."""
@@ -407,13 +435,15 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
             "git_commit": git_commit()}
 
 
-def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict]) -> None:
+def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> None:
     from outlierscope.report.sensitivity import sensitivity_markdown
 
     write_csv(out / "sensitivity.csv", table)
+    if kinds is not None:
+        write_csv(out / "kinds.csv", kinds)
     write_csv(out / "greedy.csv", pd.DataFrame(tries))
     write_json(out / "sensitivity.json", record)
-    write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries))
+    write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries, kinds))
     _figures(table, out, record)
 
 

@@ -81,8 +81,10 @@ class SweepSettings:
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
-                              "argmax changes, output error) into attn_error.csv, for the logits cells and the --quant cells; "
-                              "costs 2-5x the time of a cell; split over processes and shards like the scores")
+                              "argmax changes, output error) into attn_error.csv, for the logits cells and the --quant cells, "
+                              "and per layer and linear each quantized linear's relative output error into "
+                              "linear_error.csv; costs 2-5x the time of a cell; split over processes and shards like the "
+                              "scores")
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
@@ -131,6 +133,10 @@ class SweepSettings:
         if self.attn_error:
             for q in self.quant:
                 measured_spec(q)
+        linear_w = [q for q in self.quant if AttnQuant.parse(q).part("w") is not None]
+        if linear_w and self.weights != "none":
+            raise ParamError("weights", f"'none' with a quant spec that quantizes the weights itself ({linear_w[0]!r}): "
+                             "one weight quantization at a time", self.weights)
         dup = sorted({t for t in texts if texts.count(t) > 1})
         if dup:
             raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
@@ -215,16 +221,28 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
         f"{settings['model']} {spec.label}"
     measure = bool(settings.get("attn_error"))
+    in_attention = measure and (not isinstance(spec, AttnQuant) or spec.has_attention)
+    in_linears = measure and isinstance(spec, AttnQuant) and spec.has_linear
+    tables = ("attn_error",) * in_attention + ("linear_error",) * in_linears
 
     def compute():
-        stats = AttentionErrorStats(lm.model.config.num_hidden_layers) if measure else None
-        res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                       desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats)
-        # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
-        table = None if not measure else stats.table() if shard is None or shard.whole else stats.shard_table()
-        return res, ({"attn_error": table} if measure else None)
+        from outlierscope.analysis.linear_error import LinearErrorStats
+        from outlierscope.quant.linear import layer_linears
 
-    return cached_cell(cells_dir, settings, compute, desc, log, ("attn_error",) if measure else (), shard, world)
+        n_layers = lm.model.config.num_hidden_layers
+        stats = AttentionErrorStats(n_layers) if in_attention else None
+        kinds = list(dict.fromkeys(p for layer in layer_linears(lm.model) for p, _ in layer))
+        lin = LinearErrorStats(n_layers, kinds) if in_linears else None
+        res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
+                       desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
+                       linear_error=lin)
+        # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
+        whole = shard is None or shard.whole
+        side = {name: st.table() if whole else st.shard_table() for name, st in (("attn_error", stats),
+                                                                                  ("linear_error", lin)) if st is not None}
+        return res, (side or None)
+
+    return cached_cell(cells_dir, settings, compute, desc, log, tables, shard, world)
 
 
 def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("acc", "acc_norm")) -> dict:
@@ -311,10 +329,12 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
     """The sweep's tables from its cells (model, task, spec, cell id, result), each (model, task)'s 16-bit cell
     first. ``tasks``: :func:`task_record` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
     and ``chance`` at the record's top level (where they were before sweeps had several tasks)."""
-    rows, cell_index, base, errors = [], [], None, []
+    rows, cell_index, base, errors, lin_errors = [], [], None, [], []
     for model, task, spec, cid, res in cells:
         if "attn_error_table" in res.extra:
             errors.append(res.extra.pop("attn_error_table").assign(model=model, task=task, bits=spec.bits, label=spec.label))
+        if "linear_error_table" in res.extra:
+            lin_errors.append(res.extra.pop("linear_error_table").assign(model=model, task=task, label=spec.label))
         if spec.is_identity:
             base = res
         metrics = cell_metrics(res, None if spec.is_identity else base, s.seed, task_metrics(task))
@@ -331,6 +351,10 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
         t = pd.concat(errors, ignore_index=True)
         write_csv(out / "attn_error.csv", t[["model", "task", "bits", "label"] + [c for c in t.columns
                                                                                 if c not in ("model", "task", "bits", "label")]])
+    if lin_errors:  # per model, task, scheme, layer and linear: each quantized linear's relative output error
+        t = pd.concat(lin_errors, ignore_index=True)
+        write_csv(out / "linear_error.csv", t[["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean",
+                                               "rel_err_max"]])
     return result
 
 

@@ -6,6 +6,7 @@ with torchao's real int8 kernel and llm-int8 with bitsandbytes where it runs."""
 
 import math
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
@@ -415,3 +416,46 @@ def test_linear_patterns_and_layers_choose_the_sites():
     assert sites[0].name == "model.layers.0.self_attn.o_proj"
     with quantize_linears(model, AttnQuant.parse("w4a16; linears:mlp.down_proj")):
         assert model.model.layers[1].mlp.up_proj.weight is model.model.layers[1].mlp.up_proj.weight  # untouched
+
+
+def test_linear_error_against_each_linears_own_product():
+    """LinearErrorStats through quantize_model: per layer and linear, the mean and max over real tokens of
+    ||y~ - x W^T - b|| / ||x W^T + b||, x the input the linear was given, computed here by hooks of the test; the
+    same numbers split over virtual shards and merged from shard tables."""
+    from outlierscope.analysis.linear_error import LinearErrorStats
+
+    model = _model()
+    kinds = [p for p, m in model.model.layers[0].named_modules() if isinstance(m, nn.Linear)]
+    ids, mask = _batch()
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    seen, handles = {}, []
+    for i, layer in enumerate(model.model.layers):
+        for p in kinds:
+            m = layer.get_submodule(p)
+            handles.append(m.register_forward_pre_hook(lambda mod, a, key=(i, p): seen.__setitem__(key, [a[0]])))
+            handles.append(m.register_forward_hook(lambda mod, a, out, key=(i, p): seen[key].append(out)))
+    whole, parts = LinearErrorStats(2, kinds), [LinearErrorStats(2, kinds) for _ in range(2)]
+    with torch.no_grad():
+        with quantize_model(model, "w4a8", linear_error=whole):
+            model(**kw)
+        want = {}
+        for (i, p), (x, y) in seen.items():
+            m = model.model.layers[i].get_submodule(p)
+            ref = x @ m.weight.T + (m.bias if m.bias is not None else 0)
+            rel = ((y - ref).norm(dim=-1) / ref.norm(dim=-1))[mask.bool()]  # (real tokens,)
+            want[(i, p)] = (len(rel), float(rel.mean()), float(rel.max()))
+        for b, part in enumerate(parts):  # two batches, two virtual shards
+            part.set_shard(b + 3)
+            sl = slice(b, b + 2) if b == 0 else slice(2, 3)
+            with quantize_model(model, "w4a8", linear_error=part):
+                model(**{k: v[sl] for k, v in kw.items()})
+    for h in handles:
+        h.remove()
+    got = whole.table()
+    assert len(got) == 2 * len(kinds)
+    for r in got.itertuples():
+        n, mean, mx = want[(r.layer, r.linear)]
+        assert r.tokens == n and r.rel_err_mean == pytest.approx(mean, rel=1e-9) and r.rel_err_max == pytest.approx(mx, rel=1e-9)
+    merged = LinearErrorStats.from_shard_tables([p.shard_table() for p in parts], 2).table()
+    pd.testing.assert_frame_equal(merged, parts[0].merge(parts[1]).table())
+    pd.testing.assert_frame_equal(merged, got, rtol=1e-9)

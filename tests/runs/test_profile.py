@@ -76,3 +76,32 @@ def test_unknown_preset_is_refused_by_the_parser(tmp_path, capsys):
         main(["profile", "--model", "pair-tiny:diff", "--preset", "kvv", "--out", str(tmp_path / "out")])
     assert e.value.code == 2 and "invalid choice: 'kvv'" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_profile_of_a_smoothed_model_sees_the_smoothed_inputs(tmp_path, tiny_corpus):
+    """profile --quant 'smooth:0.5; calib:act_scales.pt': the q/k/v and gate/up inputs it observes are x / s, s
+    SmoothQuant's factors computed here from the first profile's act_scales.pt and the weights, so their per-channel
+    max is the unsmoothed one divided by s (up to the float32 rounding that smoothing moves through the layers);
+    o_proj and down_proj read inputs of their own and are not smoothed. s is 1e-2..1e2 here: a wrong s fails."""
+    from outlierscope.models.loading import load_model
+
+    text = ["--model", "pair-tiny:transformer", "--text", str(tiny_corpus / "val.jsonl"), "--tokens", "600",
+            "--preset", "smoothquant"]
+    assert main(["profile", *text, "--out", str(tmp_path / "plain")]) == 0
+    scales = torch.load(tmp_path / "plain" / "act_scales.pt", weights_only=True)
+    spec = f"smooth:0.5; calib:{tmp_path / 'plain' / 'act_scales.pt'}"
+    assert main(["profile", *text, "--quant", spec, "--out", str(tmp_path / "smoothed")]) == 0
+    smoothed = torch.load(tmp_path / "smoothed" / "act_scales.pt", weights_only=True)
+    model = load_model("pair-tiny:transformer").model
+    for i, layer in enumerate(model.model.layers):
+        for group in (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj")):
+            w = torch.stack([layer.get_submodule(p).weight.detach().abs().amax(0) for p in group]).amax(0).double()
+            a = scales[f"model.layers.{i}.{group[0]}"].double()
+            s = (a.clamp(min=1e-5) ** 0.5 / w.clamp(min=1e-5) ** 0.5).clamp(min=1e-5).float()
+            assert (s - 1).abs().max() > 0.1  # smoothing moves these channels visibly
+            for p in group:
+                torch.testing.assert_close(smoothed[f"model.layers.{i}.{p}"], scales[f"model.layers.{i}.{p}"] / s,
+                                           rtol=1e-4, atol=0, msg=p)
+        for p in ("self_attn.o_proj", "mlp.down_proj"):
+            torch.testing.assert_close(smoothed[f"model.layers.{i}.{p}"], scales[f"model.layers.{i}.{p}"], rtol=1e-4,
+                                       atol=0)

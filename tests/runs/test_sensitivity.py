@@ -223,8 +223,8 @@ def test_cli_missing_model(tmp_path, capsys):
 PLANTED = {0: 0.0, 1: 6.0, 2: 0.6, 3: 2.0}  # layer -> amplitude of the corruption its "quantization" adds
 
 
-def _planted_quantization(model, spec, block_rows=None):
-    """Stands in for quantize_attention: 'quantizing' layer i adds PLANTED[i] * cos(1.7 * key) to its logits (a fixed
+def _planted_quantization(model, spec, block_rows=None, calibration=None, linear_error=None):
+    """Stands in for quantize_model: 'quantizing' layer i adds PLANTED[i] * cos(1.7 * key) to its logits (a fixed
     pattern over key positions), so the harm of each layer is known in advance: 1 > 3 > 2 > 0 (0 changes nothing)."""
     from outlierscope.hooks.attention import attention_stages
 
@@ -245,7 +245,7 @@ def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp
     import outlierscope.eval.evaluate as ev
 
     matplotlib.use("Agg")
-    monkeypatch.setattr(ev, "quantize_attention", _planted_quantization)
+    monkeypatch.setattr(ev, "quantize_model", _planted_quantization)
     s = SensitivitySettings(model="pair-tiny:transformer", limit=24, batch_size=8, profile_tokens=256, all_but=False,
                             attn_error=False, tolerance=0.05)
     rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
@@ -375,3 +375,35 @@ def test_device_map_reaches_the_model_loader(monkeypatch, tmp_path):
     monkeypatch.setattr(loading, "load_model", fake_load)
     assert main(["sensitivity", "--model", "pair-tiny:diff", "--device-map", "auto", "--out", str(tmp_path)]) == 2
     assert seen["device_map"] == "auto"
+
+
+def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp_path):
+    """--quant w8a8: each layer in turn, then each linear kind alone in every layer (kinds.csv, most harmful first in
+    the record); a kind's cell equals evaluate() with that kind's pattern; no attention error (nothing in attention
+    changes)."""
+    import dataclasses
+
+    from outlierscope.eval.evaluate import evaluate, select_items
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.linear import layer_linears
+    from outlierscope.quant.recipe import AttnQuant
+
+    s = SensitivitySettings(model="pair-tiny:diff", quant="w8a8", limit=6, batch_size=8, profile_tokens=256,
+                            all_but=False, tolerance=0.0)
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    lm = load_model("pair-tiny:diff")
+    paths = [p for p, _ in layer_linears(lm.model)[0]]
+    kinds = pd.read_csv(tmp_path / "kinds.csv")
+    assert kinds["linear"].tolist() == paths and len(paths) >= 7
+    assert rec["kinds"] == kinds.sort_values(["delta_gold_ll", "linear"])["linear"].tolist()
+    assert not (tmp_path / "attn_error.csv").exists()
+    path = paths[-1]
+    df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'kind_{path}']}.csv")
+    direct = evaluate(lm, quant=dataclasses.replace(AttnQuant.parse("w8a8"), linears=(path,)),
+                      items=select_items(limit=6), batch_size=8, progress=False)
+    np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
+    gold = direct.items.apply(lambda r: r[f"score{int(r['label'])}"], axis=1)
+    base = pd.read_csv(tmp_path / "cells" / f"{rec['cells']['base']}.csv")
+    want = float((gold - base.apply(lambda r: r[f"score{int(r['label'])}"], axis=1)).mean())
+    assert kinds.set_index("linear").loc[path, "delta_gold_ll"] == pytest.approx(want, abs=1e-12)
+    assert "Linear kinds, each quantized alone" in (tmp_path / "sensitivity.md").read_text()
