@@ -17,7 +17,7 @@ from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.linear import Calibration, check_linear_shapes, quantize_linears
 from outlierscope.quant.names import WEIGHT_MODES
 from outlierscope.quant.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
-from outlierscope.quant.recipe import AttnQuant, TensorQuant
+from outlierscope.quant.recipe import TARGETS, AttnQuant, TensorQuant
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -50,7 +50,7 @@ def check_spec(spec, config) -> None:
     if not d:
         return
     for p in spec.parts:
-        if p.granularity == "per_group" and d % p.size:
+        if p.target in TARGETS and p.granularity == "per_group" and d % p.size:  # a/w groups: check_linear_shapes
             raise OutlierscopeError(f"{p}: the model's head_dim {d} is not a multiple of the group size {p.size}")
     if spec.hadamard is not None and d & (d - 1):
         raise OutlierscopeError(f"hadamard needs a power-of-2 head_dim; the model's is {d}")

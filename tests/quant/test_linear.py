@@ -408,6 +408,20 @@ def test_bad_specs_are_one_line(text, msg):
             model(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
+def test_a_linear_group_is_checked_against_in_features_not_head_dim():
+    """head_dim 64 here, the linears' inputs 256 and 384: a weight group of 128 divides every input (accepted before
+    anything runs), a key group of 128 does not divide head_dim (refused), and a weight group of 96 does not divide
+    256 (refused, naming the linear)."""
+    from outlierscope.quant.apply import check_spec
+
+    cfg = _model().config
+    check_spec(AttnQuant.parse("w=int4/per_group:128; a=int8/per_token"), cfg)
+    with pytest.raises(OutlierscopeError, match="head_dim 64 is not a multiple of the group size 128"):
+        check_spec(AttnQuant.parse("k=int4/per_group:128"), cfg)
+    with pytest.raises(OutlierscopeError, match="q_proj has 256 inputs"):
+        check_spec(AttnQuant.parse("w=int4/per_group:96"), cfg)
+
+
 def test_linear_patterns_and_layers_choose_the_sites():
     model = _model(layers=3)
     sites = linear_sites(model, AttnQuant.parse("w8a8; linears:mlp.*,self_attn.o_proj; layers:0,2"))
