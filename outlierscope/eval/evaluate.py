@@ -32,7 +32,7 @@ from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
-from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.apply import as_attn_quant, check_spec, quantize_model
 from outlierscope.quant.linear import calibration_for
 from outlierscope.quant.spec import QuantSpec
 
@@ -268,7 +268,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
     (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
-    it, with the attention logits quantized by ``quant`` (None: unquantized).
+    it, quantized by ``quant`` (a :class:`QuantSpec`, an :class:`AttnQuant` or its text: a recipe name such as
+    ``"w8a8"`` or ``"kivi-2bit"``, or parts such as ``"a=int8/per_token; w=int4/per_group:64"``; None: unquantized).
 
     Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
     or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
@@ -295,7 +296,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     check_causal(model)
     opt = _options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
-    spec = quant or QuantSpec(bits=16)
+    spec = as_attn_quant(quant) if quant else QuantSpec(bits=16)
+    attn_error_spec = as_attn_quant(attn_error_spec) if attn_error_spec else None
+    for sp in (spec, attn_error_spec):
+        check_spec(sp, model.config)  # group sizes, patterns, rotations fit the model: before the first forward
     if attn_error is not None:
         measured_spec(attn_error_spec or spec)  # a spec it cannot measure fails here, before any forward
     layout = opt.layout or layout_for(spec)

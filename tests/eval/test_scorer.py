@@ -254,3 +254,22 @@ def test_quantized_scores_depend_on_the_batch_only_through_float32_rounding(setu
     np.testing.assert_allclose(got[7], got[1], rtol=0, atol=1e-9)
     np.testing.assert_allclose(got[32], got[1], rtol=0, atol=1e-9)
     assert np.abs(got[1] - plain).max() > 1e-3  # the quantization does change the scores
+
+
+def test_evaluate_takes_a_spec_as_text(setup, hs_jsonl):
+    """evaluate(quant="w8a8; k=int4/per_token") is the parsed spec's evaluation (same scores and record); a misspelt recipe
+    fails with did-you-mean before any forward."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.quant.recipe import AttnQuant
+
+    lm, _ = setup
+    kw = dict(data=hs_jsonl, limit=4, batch_size=4, progress=False)
+    got = evaluate(lm, quant="w8a8; k=int4/per_token", **kw)
+    ref = evaluate(lm, quant=AttnQuant.parse("w8a8; k=int4/per_token"), **kw)
+    assert got.settings == ref.settings and got.items.equals(ref.items)
+    assert not got.items.equals(evaluate(lm, **kw).items)
+    with pytest.raises(OutlierscopeError, match="did you mean w8a8"):
+        evaluate(lm, quant="w8a9", **kw)
+    with pytest.raises(OutlierscopeError, match="the model.s head_dim 8 is not a multiple of the group size 32"):
+        evaluate(lm, quant="kivi-2bit", **kw)  # checked against the model's shape before the first forward
