@@ -3,7 +3,8 @@
 * :func:`mean_stderr`: mean and standard error (sample std with n - 1, over sqrt(n)), lm-eval's ``stderr``;
 * :func:`paired_bootstrap`: 95% percentile interval of mean(b - a), items resampled with replacement (seeded);
 * :func:`mcnemar_exact`: two-sided exact McNemar p-value (binomial test on the discordant pairs);
-* :func:`compare`: all of the above for one metric, plus the flip rate (share of changed predictions).
+* :func:`compare`: all of the above for one metric, plus the flip rate (share of changed predictions);
+* :func:`mean_change`: mean(b - a) of per-item scores (a log-likelihood) with its paired bootstrap interval.
 
 Tested against scipy and numpy re-computations in ``tests/stats/test_paired.py``.
 """
@@ -55,3 +56,11 @@ def compare(base_correct, correct, base_pred, pred, seed: int = 0) -> dict:
     return {"delta": float(correct.mean() - base_correct.mean()), "ci_low": lo, "ci_high": hi,
             "mcnemar_p": mcnemar_exact(base_correct, correct),
             "flip_rate": float((np.asarray(pred) != np.asarray(base_pred)).mean())}
+
+
+def mean_change(a, b, seed: int = 0) -> dict:
+    """mean(b - a) over items of a per-item score (e.g. the gold log-likelihood) and its 95% paired bootstrap
+    interval: ``{"delta", "ci_low", "ci_high"}``."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    lo, hi = paired_bootstrap(a, b, seed=seed)
+    return {"delta": float((b - a).mean()), "ci_low": lo, "ci_high": hi}

@@ -137,6 +137,11 @@ class EvalResult:
     def correct(self, metric: str) -> np.ndarray:
         return (self.items[METRICS[metric]] == self.items["label"]).to_numpy()
 
+    def gold_loglik(self) -> np.ndarray:
+        """Each item's summed log-likelihood of its gold choice (N,)."""
+        scores = self.items[self.score_columns].to_numpy()  # (N, choices)
+        return scores[np.arange(len(scores)), self.items["label"].to_numpy()]
+
     def compare(self, base: EvalResult, seed: int = 0) -> dict:
         """Paired change against ``base`` (same items, same order): per metric delta, 95% bootstrap interval,
         McNemar p and flip rate, and the mean |change| of the per-choice log-likelihoods."""

@@ -45,7 +45,9 @@ SWEEP_TABLES = {"sweep": (["model", "bits", "label", "granularity", "metric", "v
                 "attn_error": (["model", "task", "bits", "label", "layer", "head", "rows", "kl_mean", "kl_max",
                                 "argmax_change_rate"], ["layer", "head", "rows", "kl_mean", "argmax_change_rate"]),
                 "linear_error": (["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean", "rel_err_max"],
-                                 ["layer", "tokens", "rel_err_mean", "rel_err_max"])}
+                                 ["layer", "tokens", "rel_err_mean", "rel_err_max"]),
+                "gold_ll": (["model", "task", "label", "n_items", "delta_gold_ll", "ci_low", "ci_high"],
+                            ["n_items", "delta_gold_ll", "ci_low", "ci_high"])}
 MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_channel", "massive", "massive_recurrence",
                 "int8_features"}
 
@@ -171,6 +173,9 @@ def load_run(run_dir: str | Path) -> RunResults:
             errors = read_table(cand / "attn_error.csv", *SWEEP_TABLES["attn_error"])  # `sweep --attn-error`
             if errors is not None:
                 res.tables["attn_error"] = errors
+            gold = read_table(cand / "gold_ll.csv", *SWEEP_TABLES["gold_ll"])  # sweeps since issue #38
+            if gold is not None:
+                res.tables["gold_ll"] = gold
             lin = read_table(cand / "linear_error.csv", *SWEEP_TABLES["linear_error"])  # with linear schemes
             if lin is not None:
                 res.tables["linear_error"] = lin

@@ -16,7 +16,9 @@ from outlierscope.report.outcome import outcome_paragraph
 from outlierscope.report.tables import (
     attention_error_markdown,
     by_task,
+    gold_ll_markdown,
     key_channels_markdown,
+    linear_error_markdown,
     massive_origin,
     origin_markdown,
     recipe_rows,
@@ -200,6 +202,18 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
                   "||p V - P~ V~|| / ||p V|| (everything, P and V included); pooled over heads and layers weighted by "
                   "rows (per head: attn_error.csv).", "",
                   attention_error_markdown(run.tables["attn_error"]), ""]
+    if "gold_ll" in run.tables:
+        parts += ["## Gold log-likelihood", "", "Per quantized setting, the mean change of each item's gold-choice "
+                  "log-likelihood against the same model unquantized (nats; < 0 hurts; it moves where accuracy sits at "
+                  "chance), with its 95% paired bootstrap interval; for a second model, its change minus the first "
+                  "model's on the same items (< 0: the second is hurt more). From gold_ll.csv.", "",
+                  gold_ll_markdown(run.tables["gold_ll"]), ""]
+    if "linear_error" in run.tables:
+        parts += ["## What quantization does to the linear layers", "", "Measured in every cell with linear parts "
+                  "(`--attn-error`): each quantized linear's relative output error ||x W^T - x~ W~^T|| / ||x W^T|| per "
+                  "real token, x the input it was given in that forward; the mean weighted by tokens, the worst "
+                  "(layer, linear) and the largest single token, then the mean per linear kind (per layer: "
+                  "linear_error.csv).", "", linear_error_markdown(run.tables["linear_error"]), ""]
     if written:
         parts += ["## Figures", ""]
         for title, path in written:

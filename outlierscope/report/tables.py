@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.outliers import TABLE5_RANKS
@@ -207,3 +208,52 @@ def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
             row += f" {c.rel_out_mean:.3g} |" if pd.notna(c.rel_out_mean) else " |"  # NaN: not measured
         out.append(row)
     return out
+
+
+def gold_ll_markdown(gold: pd.DataFrame) -> str:
+    """A sweep's ``gold_ll.csv``: per model, task and quantized setting the mean change of the gold choice's
+    log-likelihood (nats) with its 95% paired interval and, for the models after the first, that change minus the
+    first model's (paired by item)."""
+    from outlierscope.data.tasks import task_label
+
+    first = gold["model"].iloc[0]
+    two = gold["minus_first_model"].notna().any() if "minus_first_model" in gold else False
+    out = ["| Model | Task | Setting | items | Δ gold log-lik. [95% CI] |" + (f" minus {first}'s [95% CI] |" if two else ""),
+           "|---|---|---|---|---|" + ("---|" if two else "")]
+    for _, r in gold.iterrows():
+        vs = f" {r['minus_first_model']:+.3f} [{r['minus_first_ci_low']:+.3f}, {r['minus_first_ci_high']:+.3f}] |" \
+            if two and np.isfinite(r["minus_first_model"]) else (" |" if two else "")
+        out.append(f"| {r['model']} | {task_label(r['task'])} | {r['label']} | {int(r['n_items'])} | "
+                   f"{r['delta_gold_ll']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}] |{vs}")
+    return "\n".join(out)
+
+
+def linear_error_summary(linear_error: pd.DataFrame) -> pd.DataFrame:
+    """A sweep's ``linear_error.csv`` per model, task and scheme: the token-weighted mean relative output error over
+    every quantized linear, the (layer, linear) with the largest mean and its value, the largest single token's
+    error, and the mean per linear kind (columns named by the kind)."""
+    keys = ["model", "task", "label"]
+    rows = []
+    for k, g in linear_error.groupby(keys, sort=False):
+        w = g["tokens"].to_numpy(dtype=np.float64)
+        worst = g.loc[g["rel_err_mean"].idxmax()]
+        kinds = {lin: float(np.average(h["rel_err_mean"], weights=h["tokens"])) for lin, h in g.groupby("linear", sort=False)}
+        rows.append({**dict(zip(keys, k)), "rel_err_mean": float(np.average(g["rel_err_mean"], weights=w)),
+                     "worst": f"{int(worst['layer'])}.{worst['linear']}", "worst_mean": float(worst["rel_err_mean"]),
+                     "max": float(g["rel_err_max"].max()), **kinds})
+    return pd.DataFrame(rows)
+
+
+def linear_error_markdown(linear_error: pd.DataFrame) -> str:
+    """:func:`linear_error_summary` as a markdown table (kinds by their last name: q_proj, down_proj, ...)."""
+    from outlierscope.data.tasks import task_label
+
+    t = linear_error_summary(linear_error)
+    kinds = [c for c in t.columns if c not in ("model", "task", "label", "rel_err_mean", "worst", "worst_mean", "max")]
+    out = ["| Model | Task | Scheme | mean rel. error | worst linear (mean) | largest token | "
+           + " | ".join(k.split(".")[-1] for k in kinds) + " |", "|---|---|---|---|---|---|" + "---|" * len(kinds)]
+    for _, r in t.iterrows():
+        out.append(f"| {r['model']} | {task_label(r['task'])} | {r['label']} | {r['rel_err_mean']:.3g} | "
+                   f"{r['worst']} ({r['worst_mean']:.3g}) | {r['max']:.3g} | "
+                   + " | ".join(f"{r[k]:.3g}" for k in kinds) + " |")
+    return "\n".join(out)

@@ -145,8 +145,7 @@ class SensitivitySettings:
 
 def gold_scores(res: EvalResult) -> np.ndarray:
     """Each item's log-likelihood of its gold choice (N,)."""
-    scores = res.items[res.score_columns].to_numpy()
-    return scores[np.arange(len(scores)), res.items["label"].to_numpy()]
+    return res.gold_loglik()
 
 
 def change(res: EvalResult, base: EvalResult, metric: str) -> dict:

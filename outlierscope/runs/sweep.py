@@ -18,10 +18,11 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.attention_error import AttentionErrorStats, measured_spec
-from outlierscope.analysis.paired import BOOTSTRAP_REPS
+from outlierscope.analysis.paired import BOOTSTRAP_REPS, mean_change
 from outlierscope.data.tasks import chance_percent, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
@@ -355,7 +356,35 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
         t = pd.concat(lin_errors, ignore_index=True)
         write_csv(out / "linear_error.csv", t[["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean",
                                                "rel_err_max"]])
+    gold = gold_ll_table(cells, s.seed)
+    if len(gold):
+        write_csv(out / "gold_ll.csv", gold)
     return result
+
+
+GOLD_COLUMNS = ["model", "task", "label", "n_items", "delta_gold_ll", "ci_low", "ci_high", "minus_first_model",
+                "minus_first_ci_low", "minus_first_ci_high"]
+
+
+def gold_ll_table(cells: list[tuple[str, str, QuantSpec, str, EvalResult]], seed: int) -> pd.DataFrame:
+    """Per quantized cell: the mean change of the gold choice's log-likelihood against its model's unquantized cell
+    (nats; < 0 hurts) with its 95% paired bootstrap interval, a measure that moves where accuracy sits at chance;
+    and that change minus the first model's change of the same task and setting, paired by item (the pair: Diff
+    minus Transformer; < 0: this model is hurt more), NaN for the first model."""
+    base, change, rows = {}, {}, []
+    for model, task, spec, _, res in cells:
+        if spec.is_identity:
+            base[model, task] = res
+            continue
+        b = base[model, task]
+        change[model, task, spec.label] = (res.items["index"].to_numpy(), res.gold_loglik() - b.gold_loglik())
+        first = next(m for (m, t, lab) in change if (t, lab) == (task, spec.label))  # insertion order: the first model
+        c = mean_change(b.gold_loglik(), res.gold_loglik(), seed)
+        idx, d = change[model, task, spec.label]
+        f_idx, f = change[first, task, spec.label]
+        vs = mean_change(f, d, seed) if first != model and np.array_equal(idx, f_idx) else dict.fromkeys(c, np.nan)
+        rows.append([model, task, spec.label, len(d), c["delta"], c["ci_low"], c["ci_high"], *vs.values()])
+    return pd.DataFrame(rows, columns=GOLD_COLUMNS)
 
 
 def check_models(s: SweepSettings) -> None:
@@ -439,7 +468,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
 
 def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
     """The tables of a finished sweep, computed again from its record (``sweep.json``) and per-item cells into ``out``:
-    the same ``sweep.csv`` as the run wrote (tested on the committed docs/). No model runs."""
+    the same ``sweep.csv``, ``attn_error.csv``, ``linear_error.csv`` and ``gold_ll.csv`` as the run wrote (tested on
+    the committed docs/). No model runs."""
     run_dir = Path(run_dir)
     rec = read_record(run_dir / "sweep.json", ("settings", "cells"), "sweep record")
     s = SweepSettings.from_record(rec["settings"])
@@ -450,6 +480,9 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         res = EvalResult.load(run_dir / "cells", c["cell"])
         if res is None:
             raise OutlierscopeError(f"{run_dir / 'cells'}: cell {c['cell']} is missing or incomplete; run the sweep again")
+        for key in ("attn_error", "linear_error"):  # the cell's side tables, as load_cell reads them
+            if (side := run_dir / "cells" / f"{c['cell']}.{key}.csv").exists():
+                res.extra[f"{key}_table"] = pd.read_csv(side, float_precision="round_trip")
         cells.append((c["model"], c.get("task", s.tasks[0]), s.spec_of(c), c["cell"], res))
     out = Path(out)
     with output_dir(out):

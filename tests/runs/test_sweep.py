@@ -488,3 +488,50 @@ def test_a_spec_with_its_own_layers_and_layers_is_refused():
         SweepSettings(models=("m",), quant=("k=int4/per_token; layers:0-1",), layers=(2, 3))
     s = SweepSettings(models=("m",), quant=("k=int4/per_token; layers:0-1", "sage1"))
     assert [sp.layers for sp in s.specs()[-2:]] == [(0, 1), None]
+
+
+def test_linear_schemes_gold_loglik_and_linear_error(tiny_pair, hs_jsonl, tmp_path):
+    """A pair swept with linear schemes: gold_ll.csv's changes and Diff-minus-Transformer differences equal numpy
+    recomputations from the per-item cell files (intervals around them); linear_error.csv and the report's linear
+    section (token-weighted means per scheme and kind); tabulating again from the cells writes the same files."""
+    from outlierscope.report.markdown import write_report
+
+    models = (str(tiny_pair["transformer"]), str(tiny_pair["diff"]))
+    s = SweepSettings(models=models, bits=(16,), quant=("w4a4", "w8a8"), data=str(hs_jsonl), limit=12, batch_size=8,
+                      attn_error=True)
+    out = tmp_path / "lin"
+    res = sweep(s, out, progress=False, log=lambda *_: None)
+    cells = res.record["cells"]
+
+    def gold(cell):
+        df = pd.read_csv(out / "cells" / f"{cell}.csv")
+        return df[[f"score{j}" for j in range(4)]].to_numpy()[np.arange(len(df)), df["label"].to_numpy()]
+
+    g = pd.read_csv(out / "gold_ll.csv")
+    assert len(g) == 4 and not (out / "attn_error.csv").exists()  # linear-only specs: no attention error
+    change = {}
+    for c in cells:
+        if c["bits"] == 16:
+            continue
+        base = next(b for b in cells if b["model"] == c["model"] and b["bits"] == 16)
+        change[c["model"], c["label"]] = d = gold(c["cell"]) - gold(base["cell"])
+        row = g[(g["model"] == c["model"]) & (g["label"] == c["label"])].iloc[0]
+        assert row["delta_gold_ll"] == pytest.approx(d.mean(), abs=1e-9) and row["ci_low"] <= d.mean() <= row["ci_high"]
+        if c["model"] == models[1]:
+            vs = d - change[models[0], c["label"]]
+            assert row["minus_first_model"] == pytest.approx(vs.mean(), abs=1e-9)
+        else:
+            assert np.isnan(row["minus_first_model"])
+    w4 = g.set_index(["model", "label"])["delta_gold_ll"]
+    assert (w4.xs("w4a4", level="label").abs() > w4.xs("w8a8", level="label").abs()).all()  # 4 bits move it more
+    lin = pd.read_csv(out / "linear_error.csv")
+    assert len(lin) == 2 * 2 * 2 * 7 and (lin["tokens"] > 0).all()  # models x schemes x layers x linears
+    report = write_report(out).read_text()
+    for (m, label), h in lin.groupby(["model", "label"]):
+        mean = np.average(h["rel_err_mean"], weights=h["tokens"])
+        down = np.average(h[h["linear"] == "mlp.down_proj"]["rel_err_mean"], weights=h[h["linear"] == "mlp.down_proj"]["tokens"])
+        assert f"| {m} | HellaSwag | {label} | {mean:.3g} |" in report and f" {down:.3g} |" in report
+    assert "## Gold log-likelihood" in report and "figures/linear_error.png" in report
+    sw.tabulate_sweep(out, tmp_path / "again")
+    for name in ("sweep.csv", "gold_ll.csv", "linear_error.csv"):
+        assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
