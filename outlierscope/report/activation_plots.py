@@ -96,20 +96,46 @@ def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
     for ax, (task, t) in zip(axes[0], tasks):
         hm = headline_metric(t["metric"])
         rows = t[t["metric"] == hm]
-        labels = list(dict.fromkeys(rows["label"]))
-        models = list(dict.fromkeys(rows["model"]))
-        for k, (model, g) in enumerate(rows.groupby("model", sort=False)):
-            y = [labels.index(lb) + (k - (len(models) - 1) / 2) * 0.8 / len(models) for lb in g["label"]]
-            err = [100 * (g["delta_vs_16"] - g["ci_low"]), 100 * (g["ci_high"] - g["delta_vs_16"])]
-            ax.barh(y, 100 * g["delta_vs_16"], height=0.8 / len(models), xerr=err, color=colors[model],
-                    label=_short(model), capsize=3)
-        ax.axvline(0, color="0.3", lw=1)
-        ax.set_yticks(range(len(labels)), labels, fontsize=8)
+        _interval_bars(ax, rows, "delta_vs_16", colors, scale=100)
         ax.set_xlabel(f"Δ {hm} vs 16 bits (points, 95% CI)")
         ax.set_title(task_label(task), fontsize=10)
-        ax.grid(axis="x", alpha=0.3)
-        ax.legend(frameon=False, fontsize=8)
     fig.suptitle("Low-bit attention recipes: accuracy change", fontsize=11)
+    return fig
+
+
+def _interval_bars(ax, rows: pd.DataFrame, value: str, colors: dict, scale: float = 1.0) -> None:
+    """Horizontal bars of ``rows[value]`` with their ``ci_low``..``ci_high`` interval, a row of bars per label and
+    one bar per model in it (times ``scale``)."""
+    labels = list(dict.fromkeys(rows["label"]))
+    models = list(dict.fromkeys(rows["model"]))
+    for k, (model, g) in enumerate(rows.groupby("model", sort=False)):
+        y = [labels.index(lb) + (k - (len(models) - 1) / 2) * 0.8 / len(models) for lb in g["label"]]
+        err = [scale * (g[value] - g["ci_low"]), scale * (g["ci_high"] - g[value])]
+        ax.barh(y, scale * g[value], height=0.8 / len(models), xerr=err, color=colors[model], label=_short(model),
+                capsize=3)
+    ax.axvline(0, color="0.3", lw=1)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)
+
+
+def gold_ll_changes(gold: pd.DataFrame) -> plt.Figure | None:
+    """A sweep's ``gold_ll.csv``: per quantized setting the mean change of the gold choice's log-likelihood (nats)
+    with its 95% paired interval, one panel per task, models side by side (where accuracy sits at chance, this
+    still moves). None without rows."""
+    from outlierscope.data.tasks import task_label
+
+    if gold.empty:
+        return None
+    tasks = list(gold.groupby("task", sort=False))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(6.2 * len(tasks), 1.4 + 0.45 * gold["label"].nunique()),
+                             layout="constrained", squeeze=False)
+    colors = _colors(gold["model"])
+    for ax, (task, t) in zip(axes[0], tasks):
+        _interval_bars(ax, t.rename(columns={"delta_gold_ll": "delta"}), "delta", colors)
+        ax.set_xlabel("Δ mean gold log-likelihood vs 16 bits (nats, 95% CI)")
+        ax.set_title(task_label(task), fontsize=10)
+    fig.suptitle("Gold log-likelihood change per quantized setting", fontsize=11)
     return fig
 
 

@@ -53,6 +53,7 @@ POINT_FIGURES = [
      "Attention error per layer (mean KL)"),
     ("linear_error", "linear_error", lambda p, df, r: p.linear_error_heatmap(df),
      "Linear layers: relative output error per layer and linear"),
+    ("gold_ll", "gold_ll", lambda p, df, r: p.gold_ll_changes(df), "Gold log-likelihood change per quantized setting"),
 ]
 
 

@@ -531,7 +531,7 @@ def test_linear_schemes_gold_loglik_and_linear_error(tiny_pair, hs_jsonl, tmp_pa
         mean = np.average(h["rel_err_mean"], weights=h["tokens"])
         down = np.average(h[h["linear"] == "mlp.down_proj"]["rel_err_mean"], weights=h[h["linear"] == "mlp.down_proj"]["tokens"])
         assert f"| {m} | HellaSwag | {label} | {mean:.3g} |" in report and f" {down:.3g} |" in report
-    assert "## Gold log-likelihood" in report and "figures/linear_error.png" in report
+    assert "## Gold log-likelihood" in report and "figures/linear_error.png" in report and "figures/gold_ll.png" in report
     sw.tabulate_sweep(out, tmp_path / "again")
     for name in ("sweep.csv", "gold_ll.csv", "linear_error.csv"):
         assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
