@@ -1,6 +1,6 @@
-"""The commands the README says made docs/recipes/ are the ones that made it: each line of the README's recipes
-command block, parsed by the CLI's own parser, gives exactly the settings its directory's record holds, and every
-record under docs/recipes/ has its line."""
+"""The commands the README says made docs/recipes/ and docs/linear/ are the ones that made them: each line of the
+README's command block, parsed by the CLI's own parser, gives exactly the settings its directory's record holds, and
+every record under the directory has its line."""
 
 import json
 import re
@@ -8,19 +8,23 @@ import shlex
 from dataclasses import asdict, fields
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
-RECIPES = ROOT / "docs" / "recipes"
 
 
-def _recipe_commands() -> list[list[str]]:
-    """The README's recipes command block as argument lists, with its ``Q`` (defined in the text above it) expanded."""
+def _commands(folder: str, letter: str) -> list[list[str]]:
+    """The README's command block for docs/``folder``/ as argument lists, with its ``letter`` (``Q``: the recipes,
+    ``S``: the linear schemes; defined in the text above the block) expanded."""
     text = (ROOT / "README.md").read_text()
-    q = re.search(r"\(`Q` = `(.*?)`;", text, re.S).group(1).replace("\n", " ")
-    block = text.split("The committed results under `docs/recipes/` were made by these commands", 1)[1].split("```")[1]
-    return [shlex.split(line.replace(" Q ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
+    after = text.split(f"The committed results under `docs/{folder}/` were made by these commands", 1)[1]
+    q = re.search(rf"\(`{letter}` = `(.*?)`;", after, re.S).group(1).replace("\n", " ")
+    block = after.split("```")[1]
+    return [shlex.split(line.replace(f" {letter} ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
 
 
-def test_readme_recipe_commands_give_the_recorded_settings():
+@pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S")])
+def test_readme_commands_give_the_recorded_settings(folder, letter):
     from outlierscope.cli import build_parser
     from outlierscope.runs.sensitivity import SensitivitySettings
     from outlierscope.runs.sweep import SweepSettings
@@ -28,7 +32,7 @@ def test_readme_recipe_commands_give_the_recorded_settings():
 
     classes = {"sweep": SweepSettings, "sensitivity": SensitivitySettings}
     made = set()
-    for argv in _recipe_commands():
+    for argv in _commands(folder, letter):
         assert argv[0] == "outlierscope", argv
         if argv[1] == "report":
             continue
@@ -40,5 +44,6 @@ def test_readme_recipe_commands_give_the_recorded_settings():
         record = {**{k: defaults[k] for k in settings.keys() - record.keys()}, **record}
         assert settings == record, a.out
         made.add((ROOT / a.out).resolve())
-    recorded = {p.parent.resolve() for p in RECIPES.rglob("*.json") if p.name in ("sweep.json", "sensitivity.json")}
+    recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
+                if p.name in ("sweep.json", "sensitivity.json")}
     assert recorded and made == recorded
