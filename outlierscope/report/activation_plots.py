@@ -233,3 +233,32 @@ def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean"
     fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (relative output error)")
     fig.suptitle("Linear layers: relative output error per layer and linear", fontsize=11)
     return fig
+
+
+def linear_error_vs_outliers(joined: pd.DataFrame, schemes: list[str] | None = None) -> plt.Figure | None:
+    """:func:`~outlierscope.report.tables.linear_error_vs_outliers`: each quantized linear's mean relative output
+    error against its input's largest |x| over the median |x| (the profile's), one point per layer and linear, a
+    colour per linear kind, a panel per model and scheme (``schemes``: those, in order; default all): whether the
+    linears whose inputs hold outliers are the ones a scheme breaks."""
+    d = joined if schemes is None else joined[joined["label"].isin(schemes)]
+    if d.empty:
+        return None
+    groups = list(d.groupby(["model", "label"], sort=False))
+    cols = min(3, len(groups))
+    rows = -(-len(groups) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), layout="constrained", squeeze=False)
+    kinds = list(dict.fromkeys(d["linear"]))
+    palette = dict(zip(kinds, sns.color_palette("tab10", len(kinds))))
+    for ax, ((model, label), g) in zip(axes.flat, groups):
+        for kind, h in g.groupby("linear", sort=False):
+            ax.scatter(h["top1_over_median"], h["rel_err_mean"], s=14, color=palette[kind], label=kind.split(".")[-1])
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_title(f"{_short(model)}: {label}", fontsize=9)
+        ax.set_xlabel("input max |x| / median |x|", fontsize=8)
+        ax.set_ylabel("mean relative output error", fontsize=8)
+    for ax in list(axes.flat)[len(groups):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(frameon=False, fontsize=7)
+    fig.suptitle("Linear error against the input's outliers", fontsize=11)
+    return fig

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 
@@ -257,3 +259,24 @@ def linear_error_markdown(linear_error: pd.DataFrame) -> str:
                    f"{r['worst']} ({r['worst_mean']:.3g}) | {r['max']:.3g} | "
                    + " | ".join(f"{r[k]:.3g}" for k in kinds) + " |")
     return "\n".join(out)
+
+
+def linear_error_vs_outliers(linear_error: pd.DataFrame, per_layer: pd.DataFrame,
+                             int8_features: pd.DataFrame | None = None) -> pd.DataFrame:
+    """A sweep's ``linear_error.csv`` beside a profile's statistics of the same inputs (``profile --points
+    'layers.*.**'``: the point ``{linear}.input`` of each layer): per model, scheme, layer and linear the error, the
+    input's largest |x| (``top1``), its median |x| and their ratio, and with ``int8_features`` the number of LLM.int8
+    feature channels (|x| >= 6) of that input in that layer. Rows whose input the profile did not observe are left
+    out."""
+    stats = per_layer.assign(linear=per_layer["point"].str.removesuffix(".input"))[
+        ["model", "layer", "linear", "top1", "median"]]
+    out = linear_error.merge(stats[per_layer["point"].str.endswith(".input")], on=["model", "layer", "linear"])
+    out["top1_over_median"] = out["top1"] / out["median"]
+    if int8_features is not None:
+        f = int8_features[int8_features["point"].str.endswith(".input")]
+        rows = [(m, p.removesuffix(".input"), int(layer)) for m, p, layers in zip(f["model"], f["point"], f["layers"])
+                for layer in json.loads(layers)]
+        counts = pd.DataFrame(rows, columns=["model", "linear", "layer"]).value_counts().rename("int8_features")
+        out = out.merge(counts.reset_index(), on=["model", "linear", "layer"], how="left")
+        out["int8_features"] = out["int8_features"].fillna(0).astype(int)
+    return out

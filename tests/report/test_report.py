@@ -287,3 +287,24 @@ def test_attention_error_cell_without_output_error():
     md = attention_error_markdown(t)
     assert "| m | HellaSwag | a | 400 | 0.1 | 0 (0.1) | 0.00% | 0.025 |" in md
     assert "| m | HellaSwag | b | 400 | 0.1 | 0 (0.1) | 0.00% | |" in md
+
+
+def test_linear_error_beside_the_profile_of_the_same_inputs():
+    """Values worked by hand: layer 1's down_proj input has max 300 over median 0.5 (ratio 600) and two LLM.int8
+    feature channels in layer 1 (one also in layer 0); q_proj's input was not profiled in layer 1 (left out); the
+    point ``hidden`` is no linear's input."""
+    from outlierscope.report import activation_plots
+    from outlierscope.report.tables import linear_error_vs_outliers
+
+    lin = pd.DataFrame({"model": "m", "task": "hellaswag", "label": "w8a8", "layer": [0, 1, 1],
+                        "linear": ["mlp.down_proj", "mlp.down_proj", "self_attn.q_proj"], "tokens": 10,
+                        "rel_err_mean": [0.01, 0.2, 0.03], "rel_err_max": [0.02, 0.5, 0.04]})
+    per_layer = pd.DataFrame({"model": "m", "point": ["mlp.down_proj.input", "mlp.down_proj.input", "hidden"],
+                              "layer": [0, 1, 1], "top1": [4.0, 300.0, 9.0], "median": [1.0, 0.5, 1.0]})
+    feats = pd.DataFrame({"model": "m", "point": ["mlp.down_proj.input", "mlp.down_proj.input", "hidden"],
+                          "channel": [3, 7, 3], "layers": ["[0, 1]", "[1]", "[1]"]})
+    j = linear_error_vs_outliers(lin, per_layer, feats).set_index(["layer", "linear"])
+    assert list(j.index) == [(0, "mlp.down_proj"), (1, "mlp.down_proj")]
+    assert j.loc[(1, "mlp.down_proj"), "top1_over_median"] == 600.0 and j.loc[(0, "mlp.down_proj"), "top1_over_median"] == 4.0
+    assert list(j["int8_features"]) == [1, 2] and list(j["rel_err_mean"]) == [0.01, 0.2]
+    assert activation_plots.linear_error_vs_outliers(j.reset_index()) is not None
