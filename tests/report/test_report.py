@@ -38,13 +38,13 @@ def test_figures_and_report(run_dir):
     written, skipped = render_figures(load_run(run_dir), svg=True)
     assert {png.stem for _, png in written} == {"figure8_acc_norm", "figure8_acc", "quantization_damage", "table5_bars",
                                                 "per_layer", "head_heatmap", "histograms", "lambda",
-                                                "channels_hidden"}  # a profile's channels.csv: hidden channels
+                                                "channels_hidden", "gold_ll"}  # channels.csv: hidden channels; gold_ll.csv
     assert not skipped
     for _, png in written:
         assert png.stat().st_size > 10_000 and png.with_suffix(".svg").exists()
     report = write_report(run_dir).read_text()
     assert "## Outcome" in report and "| Model | Activation Type |" in report and "McNemar" in report
-    assert report.count("![") == 9
+    assert report.count("![") == 10 and "## Gold log-likelihood" in report
     para = outcome_paragraph(load_run(run_dir))
     assert "Transformer" in para and "acc_norm" in para
 
