@@ -88,3 +88,31 @@ def write(name: str, raw: dict, derived: dict, start: dict, notes: str = "") -> 
     write_json(path, record)
     print(json.dumps(record, indent=2))
     return path
+
+
+def cost_args(description: str):
+    """The arguments of a cell-cost bench (recipe_cost, linear_cost): --reps, --items, --model."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--items", type=int, default=100)
+    ap.add_argument("--model", default="smollm2-135m")
+    return ap.parse_args()
+
+
+def time_cells(lm, specs: dict, items: list, reps: int) -> dict[str, list[float]]:
+    """Seconds of ``evaluate`` per named spec on ``items``, after one warm-up of each on 8 items; per repetition
+    every spec in turn (interleaved, so a change of the machine's load reaches all of them alike)."""
+    from outlierscope.eval.evaluate import evaluate
+
+    for spec in specs.values():  # warm-up
+        evaluate(lm, quant=spec, items=items[:8], progress=False)
+    raw = {name: [] for name in specs}
+    for rep in range(reps):
+        for name, spec in specs.items():
+            t0 = time.perf_counter()
+            evaluate(lm, quant=spec, items=items, progress=False)
+            raw[name].append(round(time.perf_counter() - t0, 2))
+            print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
+    return raw

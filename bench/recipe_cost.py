@@ -11,10 +11,13 @@ Usage: python bench/recipe_cost.py [--reps 3] [--items 100] [--model smollm2-135
 
 from __future__ import annotations
 
-import argparse
-import time
-
-from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import (  # bench/artifact.py (this folder is on sys.path when run as a script)
+    begin,
+    cost_args,
+    median,
+    time_cells,
+    write,
+)
 
 RECIPES = ("sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard", "kivi-2bit", "kivi-4bit", "mxfp4-attn",
            "mxfp8-attn", "nvfp4-attn")
@@ -22,14 +25,9 @@ RECIPES = ("sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard", "kivi-2bit", "k
 
 def main() -> None:
     start = begin()
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--items", type=int, default=100)
-    ap.add_argument("--model", default="smollm2-135m")
-    a = ap.parse_args()
+    a = cost_args(__doc__.splitlines()[0])
 
     from outlierscope.data.hellaswag import load_hellaswag
-    from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
     from outlierscope.quant.recipe import AttnQuant
     from outlierscope.quant.spec import build_spec
@@ -38,15 +36,7 @@ def main() -> None:
     items = load_hellaswag()[: a.items]
     specs = {"logits int4 per_tensor": build_spec(4, "int", "per_tensor", None),
              **{r: AttnQuant.parse(r) for r in RECIPES}}
-    for spec in specs.values():  # warm-up
-        evaluate(lm, quant=spec, items=items[:8], progress=False)
-    raw = {name: [] for name in specs}
-    for rep in range(a.reps):
-        for name, spec in specs.items():
-            t0 = time.perf_counter()
-            evaluate(lm, quant=spec, items=items, progress=False)
-            raw[name].append(time.perf_counter() - t0)
-            print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
+    raw = time_cells(lm, specs, items, a.reps)
     base = median(raw["logits int4 per_tensor"])
     ratio = {name: round(median(t) / base, 3) for name, t in raw.items()}
     derived = {"median_s": {name: round(median(t), 2) for name, t in raw.items()}, "ratio_vs_logits": ratio,
