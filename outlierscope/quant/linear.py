@@ -15,6 +15,11 @@ Activations go through a forward pre-hook. Per-sequence statistics (``a=.../per_
 the outlier columns) read the padding of the forward's 2-D ``attention_mask`` (a trunk pre-hook): padding never enters
 them. Token-local parts (``per_token``, ``per_group``, ``static``, MX) need no mask.
 
+The LM head is quantized only when named (``linears:lm_head``; ``*`` patterns match decoder-layer linears only), as
+llm-compressor's recipes ``ignore: [lm_head]`` by default. Its site's layer is one past the last decoder layer. It
+reads the final hidden state of the positions being scored (gathered rows, not sequences), so it takes token-local
+activation parts only.
+
 SmoothQuant's ``s`` is shared by the linears that read the same input tensor (q/k/v, gate/up: SmoothQuant folds it
 into the norm before them) and computed from their calibrated ``max|X_j|`` and the largest ``|W_ij|`` over all of
 them; a linear reading an input of its own (o_proj, down_proj) is not smoothed, as SmoothQuant's and llm-compressor's
@@ -39,17 +44,23 @@ from outlierscope.hooks.points import decoder_layers, trunk
 from outlierscope.quant.linear_ops import outlier_columns, quantize_activation, quantize_weight, rotation, smooth_scales
 from outlierscope.quant.recipe import AttnQuant
 
+HEAD = "lm_head"  # the pattern that names the LM head (the model's output embeddings)
 CALIB_SEQ_LEN, CALIB_TOKENS = 512, 4096  # the calibration pass: 8 packed sequences of 512 tokens (fewer if shorter)
 
 
 @dataclass(frozen=True)
 class LinearSite:
-    """One quantized linear: its decoder layer, its path inside the layer (``self_attn.q_proj``), its full name."""
+    """One quantized linear: its decoder layer, its path inside the layer (``self_attn.q_proj``), its full name. The
+    LM head: path ``lm_head``, layer one past the last decoder layer."""
 
     layer: int
     path: str
     name: str
     module: nn.Linear = field(compare=False, repr=False)
+
+    @property
+    def is_head(self) -> bool:
+        return self.path == HEAD
 
 
 def layer_linears(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
@@ -58,18 +69,30 @@ def layer_linears(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
 
 
 def linear_sites(model: nn.Module, spec: AttnQuant) -> list[LinearSite]:
-    """The linears ``spec`` quantizes: those of its layers whose path matches one of ``spec.linears`` (None: all); a
-    pattern that matches nothing is an error with the closest paths."""
+    """The linears ``spec`` quantizes: those of its layers whose path matches one of ``spec.linears`` (None: all), and
+    the LM head when a pattern is ``lm_head``; a pattern that matches nothing is an error with the closest paths."""
     names = {id(m): n for n, m in model.named_modules()}
     per_layer = layer_linears(model)
     paths = sorted({p for layer in per_layer for p, _ in layer})
     for pat in spec.linears or ():
-        if not any(fnmatch.fnmatchcase(p, pat) for p in paths):
-            close = difflib.get_close_matches(pat, paths, n=3, cutoff=0.4)
+        if pat != HEAD and not any(fnmatch.fnmatchcase(p, pat) for p in paths):
+            close = difflib.get_close_matches(pat, [*paths, HEAD], n=3, cutoff=0.4)
             raise OutlierscopeError(f"linears:{pat} matches no nn.Linear of the decoder layers (they are "
-                                    f"{', '.join(paths)})" + (f"; did you mean {', '.join(close)}?" if close else ""))
-    return [LinearSite(i, p, names[id(m)], m) for i, layer in enumerate(per_layer) if spec.applies_to(i)
-            for p, m in layer if spec.linears is None or any(fnmatch.fnmatchcase(p, pat) for pat in spec.linears)]
+                                    f"{', '.join(paths)}; the LM head: lm_head)"
+                                    + (f"; did you mean {', '.join(close)}?" if close else ""))
+    sites = [LinearSite(i, p, names[id(m)], m) for i, layer in enumerate(per_layer) if spec.applies_to(i)
+             for p, m in layer if spec.linears is None or any(fnmatch.fnmatchcase(p, pat) for pat in spec.linears)]
+    if HEAD in (spec.linears or ()):
+        head = model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            raise OutlierscopeError(f"linears:lm_head: {type(model).__name__}'s output embeddings are "
+                                    f"{type(head).__name__}, not an nn.Linear")
+        if not token_local(spec):
+            raise OutlierscopeError("linears:lm_head reads the scored positions' final hidden states, not whole "
+                                    "sequences: give it a token-local activation (per_token, per_group, static, MX) and "
+                                    "no outliers:")
+        sites.append(LinearSite(len(per_layer), HEAD, names[id(head)], head))
+    return sites
 
 
 @dataclass(frozen=True)
@@ -301,6 +324,7 @@ def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration
     scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
     rots: dict[int, torch.Tensor] = {}
     padding, handles, parametrized = _Padding(), [], []
+    no_mask = _Padding()  # the LM head's input: gathered positions, all real
     a = spec.part("a")
     try:
         handles.append(trunk(model).register_forward_pre_hook(padding.pre_forward, with_kwargs=True))
@@ -315,10 +339,11 @@ def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration
             if a is not None and a.granularity == "static":
                 act = calibration.act_max[site.name]
                 static = (act / s if s is not None else act).amax()
-            handles.append(site.module.register_forward_pre_hook(_input_hook(spec, padding, s, rot, static),
+            mask = no_mask if site.is_head else padding
+            handles.append(site.module.register_forward_pre_hook(_input_hook(spec, mask, s, rot, static),
                                                                  with_kwargs=True))
             if error is not None:
-                pre, post = _measuring(site, padding, error)
+                pre, post = _measuring(site, mask, error)
                 handles.append(site.module.register_forward_pre_hook(pre, with_kwargs=True, prepend=True))
                 handles.append(site.module.register_forward_hook(post, with_kwargs=True))
         yield sites

@@ -228,12 +228,13 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
 
     def compute():
         from outlierscope.analysis.linear_error import LinearErrorStats
-        from outlierscope.quant.linear import layer_linears
+        from outlierscope.quant.linear import linear_sites
 
         n_layers = lm.model.config.num_hidden_layers
         stats = AttentionErrorStats(n_layers) if in_attention else None
-        kinds = list(dict.fromkeys(p for layer in layer_linears(lm.model) for p, _ in layer))
-        lin = LinearErrorStats(n_layers, kinds) if in_linears else None
+        sites = linear_sites(lm.model, spec) if in_linears else []  # the LM head, when named: layer n_layers
+        lin = LinearErrorStats(max(site.layer for site in sites) + 1, list(dict.fromkeys(site.path for site in sites))) \
+            if sites else None
         res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
                        desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
                        linear_error=lin)

@@ -473,3 +473,43 @@ def test_linear_error_against_each_linears_own_product():
     merged = LinearErrorStats.from_shard_tables([p.shard_table() for p in parts], 2).table()
     pd.testing.assert_frame_equal(merged, parts[0].merge(parts[1]).table())
     pd.testing.assert_frame_equal(merged, got, rtol=1e-9)
+
+
+def test_the_lm_head_only_when_named():
+    """linears:lm_head quantizes the output embeddings alone (per-token int8 inputs, per-row int8 weights, against a
+    float64 computation here from the unquantized trunk's last hidden state); '*' never takes it; a tied head keeps
+    its tie and leaves the embedding unquantized; a per-sequence activation is refused for it."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    model = _model()
+    assert all(s.path != "lm_head" for s in linear_sites(model, AttnQuant.parse("w8a8; linears:*")))
+    ids, mask = (t[:2] for t in _batch())  # unpadded and right-padded (an eager left-padded row is NaN here)
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+
+    def q(t):  # (rows, K) int8 absmax / 127 per row, float64
+        s = t.abs().amax(-1, keepdim=True) / 127
+        return torch.round(t / s) * s
+
+    with torch.no_grad():
+        h = model.model(**kw).last_hidden_state  # (B, T, D) float64
+        w = model.lm_head.weight
+        want = (q(h.reshape(-1, D_MODEL)) @ q(w).T).reshape(*h.shape[:2], -1)  # (B, T, V)
+        with quantize_model(model, "w8a8; linears:lm_head") as _:
+            got = model(**kw).logits
+        plain = model(**kw).logits
+    real = mask.bool()  # (B, T): padded positions are no scored position
+    got, want, plain = got[real], want[real], plain[real]  # (N, V)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9 * float(want.abs().max()))
+    assert (got - plain).abs().max() > 1e-3 * plain.abs().max()
+    cfg = tf.LlamaConfig(vocab_size=101, hidden_size=D_MODEL, intermediate_size=D_FF, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, tie_word_embeddings=True)
+    tied = AutoModelForCausalLM.from_config(cfg).double().eval()
+    emb = tied.model.embed_tokens.weight
+    with torch.no_grad(), quantize_model(tied, "w=int4/per_channel; linears:lm_head"):
+        assert torch.equal(tied.model.embed_tokens(ids), emb[ids])  # the embedding reads the untouched weight
+        assert not torch.equal(tied.lm_head.weight, emb)
+    assert tied.lm_head.weight is emb and tied.model.embed_tokens.weight is emb
+    with pytest.raises(OutlierscopeError, match="linears:lm_head reads the scored positions"):
+        with quantize_model(model, "a=int8/per_tensor; linears:lm_head"):
+            pass

@@ -535,3 +535,20 @@ def test_linear_schemes_gold_loglik_and_linear_error(tiny_pair, hs_jsonl, tmp_pa
     sw.tabulate_sweep(out, tmp_path / "again")
     for name in ("sweep.csv", "gold_ll.csv", "linear_error.csv"):
         assert (tmp_path / "again" / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_lm_head_scheme_through_the_scorer(tiny_pair, hs_jsonl, tmp_path):
+    """linears:lm_head through sweep: the scorer feeds the head the scored positions only; linear_error.csv holds one
+    row (layer one past the last decoder layer) over exactly the continuation tokens of every choice, and the cell
+    is a real change (the gold log-likelihood moves)."""
+    s = SweepSettings(models=(str(tiny_pair["diff"]),), bits=(16,), quant=("w=int4/per_channel; a=int8/per_token; linears:lm_head",),
+                      data=str(hs_jsonl), limit=6, batch_size=8, attn_error=True)
+    out = tmp_path / "head"
+    sweep(s, out, progress=False, log=lambda *_: None)
+    lin = pd.read_csv(out / "linear_error.csv")
+    cell = next(c for c in json.loads((out / "sweep.json").read_text())["cells"] if c["bits"] != 16)
+    items = pd.read_csv(out / "cells" / f"{cell['cell']}.csv")
+    assert list(lin["linear"]) == ["lm_head"] and list(lin["layer"]) == [2]
+    assert lin["tokens"].iloc[0] == items[[f"tokens{j}" for j in range(4)]].to_numpy().sum()
+    assert 0 < lin["rel_err_mean"].iloc[0] < lin["rel_err_max"].iloc[0]
+    assert pd.read_csv(out / "gold_ll.csv")["delta_gold_ll"].abs().iloc[0] > 0
