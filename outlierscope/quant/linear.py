@@ -261,6 +261,7 @@ def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, 
     """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
     part with LLM.int8's outlier columns kept (see the module docstring)."""
     part = spec.part("a")
+    local = token_local(spec)  # a token's quantized input depends on that token alone: padding needs no mask
 
     def pre(mod, args, kwargs):
         x = args[0] if args else kwargs["input"]
@@ -271,7 +272,7 @@ def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, 
             y = _rotated(y, rot)  # (..., I) @ (I, I)
         if part is not None:
             x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
-            valid = padding.valid_for(x3)
+            valid = None if local else padding.valid_for(x3)
             cols = outlier_columns(x3, valid, spec.outliers) if spec.outliers is not None else None  # (B, 1, I)
             y = quantize_activation(x3, valid, part, cols, static_amax).reshape(y.shape)
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})

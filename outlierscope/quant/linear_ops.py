@@ -33,9 +33,9 @@ def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)  # (..., C/G, G)
 
 
-def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor, dims: tuple, tq: TensorQuant) -> torch.Tensor:
+def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, tq: TensorQuant) -> torch.Tensor:
     if tq.format == "asym":
-        return _asymmetric(x, valid, dims, tq.bits)
+        return _asymmetric(x, torch.ones_like(x, dtype=torch.bool) if valid is None else valid, dims, tq.bits)
     bits, fmt = tq.grid
     return quantize_absmax(x, bits, dims, valid, fmt)
 
@@ -45,10 +45,12 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
     """``x`` (B, T, C) quantized-dequantized per ``tq`` (an ``a=`` part); ``valid`` (B, T) or None (all valid); a new
     tensor in ``x``'s dtype. ``static_amax``: the calibrated absmax of ``a=.../static``."""
     B, T, C = x.shape
-    v = (torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid)[..., None].expand(B, T, C)
+    v = None  # every entry real and quantized: no mask to build or apply (the common token-local case)
+    if valid is not None or outlier_cols is not None:
+        v = (torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid)[..., None].expand(B, T, C)
     if outlier_cols is not None:
         v = v & ~outlier_cols  # (B, T, C): outlier columns enter no scale and stay as they are
-    w = x.masked_fill(~v, 0)
+    w = x if v is None else x.masked_fill(~v, 0)
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
         amax = w.abs().amax((1, 2))[:, None] if tq.format == "nvfp4" else None  # (B, 1): each sequence's
         out = block_quant(w, tq.format, amax)
@@ -57,21 +59,20 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
         out = fake_quant(w, static_amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
                          / qmax(bits, fmt), bits, fmt)
     elif tq.granularity == "per_group":
-        out = _symmetric_or_asym(_grouped(w, tq.size, str(tq)), _grouped(v, tq.size, str(tq)), (-1,), tq).reshape(B, T, C)
+        out = _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None if v is None else _grouped(v, tq.size, str(tq)),
+                                 (-1,), tq).reshape(B, T, C)
     else:
         out = _symmetric_or_asym(w, v, (-1,) if tq.granularity == "per_token" else (1, 2), tq)
-    return torch.where(v, out, x)
+    return out if v is None else torch.where(v, out, x)
 
 
 def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """A weight (O, I) quantized-dequantized per ``tq`` (a ``w=`` part); a new tensor in ``w``'s dtype."""
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
         return block_quant(w, tq.format, w.abs().amax()[None] if tq.format == "nvfp4" else None)
-    valid = torch.ones_like(w, dtype=torch.bool)
     if tq.granularity == "per_group":
-        return _symmetric_or_asym(_grouped(w, tq.size, str(tq)), _grouped(valid, tq.size, str(tq)), (-1,),
-                                  tq).reshape(w.shape)
-    return _symmetric_or_asym(w, valid, (1,) if tq.granularity == "per_channel" else (0, 1), tq)
+        return _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None, (-1,), tq).reshape(w.shape)
+    return _symmetric_or_asym(w, None, (1,) if tq.granularity == "per_channel" else (0, 1), tq)
 
 
 def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
