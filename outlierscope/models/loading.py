@@ -484,6 +484,15 @@ def _check_vocab(path: Path, rows: int | None, tokenizer) -> None:
                                 "(vocab_size); the tokenizer and the weights do not belong together")
 
 
+def _decompress_now(model) -> None:
+    """A compressed-tensors checkpoint (llm-compressor's W8A8, W4A16, FP8, NVFP4) loads packed and decompresses on
+    the first forward of the whole model (a pre-hook); the scorer and the profile run the trunk alone, so decompress
+    here. Each quantized linear keeps compressed-tensors' own quantized forward (its activation scheme emulated)."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(model, "ct_decompress_hook", None) is not None and hasattr(quantizer, "compressor"):
+        quantizer.compressor.decompress_model(model)
+
+
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
                device_map: str | dict | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (:func:`resolve_model`: a directory, a ``.gguf`` file, a preset
@@ -520,6 +529,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
     _check_loading_info(path, info)
     _check_vocab(path, _embedding_rows(model), tokenizer)
+    _decompress_now(model)
     if device_map is None and dev != "cpu":
         model.to(dev)
     model.eval()

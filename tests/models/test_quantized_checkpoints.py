@@ -1,0 +1,67 @@
+"""Quantized checkpoints as users download them (issue #40): a compressed-tensors W8A8 checkpoint made here with
+compressed-tensors' own API (no network), loaded by directory. The reference is compressed-tensors' own quantized
+forward: the whole model run by transformers, whose first forward decompresses the packed weights."""
+
+import pytest
+import torch
+
+ct = pytest.importorskip("compressed_tensors")
+
+
+def _w8a8_checkpoint(src: str, out):
+    """The Transformer of the test pair as compressed-tensors W8A8 (int8 per-channel weights, RTN with
+    compressed-tensors' own scales; int8 dynamic per-token activations; the LM head ignored), saved compressed."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        QuantizationStatus,
+        apply_quantization_config,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    from outlierscope.models.loading import load_model
+
+    lm = load_model(src)
+    w = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
+    a = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
+    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w,
+                                                                             input_activations=a)}, ignore=["lm_head"])
+    apply_quantization_config(lm.model, config)
+    for mod in lm.model.modules():
+        if hasattr(mod, "weight_scale"):
+            weight = mod.weight.data
+            scale, _ = calculate_qparams(weight.amin(1, keepdim=True), weight.amax(1, keepdim=True), w)
+            mod.weight_scale.data.copy_(scale)
+            mod.quantization_status = QuantizationStatus.FROZEN
+    compressor = ModelCompressor.from_pretrained_model(lm.model)
+    compressor.compress_model(lm.model)
+    lm.model.save_pretrained(out)
+    compressor.update_config(out)
+    lm.tokenizer.save_pretrained(out)
+    return out
+
+
+def test_compressed_tensors_w8a8_loads_by_directory_and_scores(tiny_pair, hs_jsonl, tmp_path):
+    """load_model decompresses at load: the trunk alone (as the scorer and the hooks run it) gives the hidden states of
+    compressed-tensors' own whole-model forward exactly, with int8 weights dequantized and activations quantized
+    (the output differs from the float model's); evaluate scores it."""
+    from transformers import AutoModelForCausalLM
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+
+    path = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
+    lm = load_model(str(path))
+    assert lm.model.model.layers[0].self_attn.q_proj.weight.dtype == torch.float32  # decompressed
+    ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")  # decompressed by its hook
+    with torch.no_grad():
+        trunk = lm.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
+        ref = ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1]
+        plain = load_model(str(tiny_pair["transformer"])).model.model(input_ids=ids).last_hidden_state
+    assert torch.equal(trunk, ref)
+    assert (trunk - plain).abs().max() > 1e-4 * plain.abs().max()
+    res = evaluate(lm, data=hs_jsonl, limit=4, batch_size=4, progress=False)
+    assert 0 <= res.metrics["acc"] <= 1 and len(res.items) == 4
