@@ -186,9 +186,19 @@ class LoadedModel:
 
     def provenance(self, weights_sha256: str | None = None) -> dict:
         """What a run record says of the model: the spec as given, its kind, the Hub commit or GGUF details, and the
-        sha256 of the weight files (``weights_sha256`` when the caller has it already)."""
+        sha256 of the weight files (``weights_sha256`` when the caller has it already); for a checkpoint saved
+        quantized (compressed-tensors, GPTQ, AWQ, bitsandbytes) its ``quantization_config`` as transformers read it:
+        the scheme, the modules it ignores, the KV-cache scheme."""
         base = self.source.record() if self.source is not None else {"given": self.spec, "kind": "module"}
-        return {**base, "weights_sha256": weights_sha256 or self.weights_sha256()}
+        quant = self.quantization_config()
+        return {**base, "weights_sha256": weights_sha256 or self.weights_sha256(),
+                **({"quantization_config": quant} if quant else {})}
+
+    def quantization_config(self) -> dict | None:
+        """A checkpoint saved quantized: its ``quantization_config`` as transformers read it (JSON values), else None."""
+        quant = getattr(self.model.config, "quantization_config", None)
+        quant = quant.to_dict() if hasattr(quant, "to_dict") else quant
+        return json.loads(json.dumps(quant, default=str)) if quant else None
 
     @property
     def model_type(self) -> str:

@@ -65,3 +65,40 @@ def test_compressed_tensors_w8a8_loads_by_directory_and_scores(tiny_pair, hs_jso
     assert (trunk - plain).abs().max() > 1e-4 * plain.abs().max()
     res = evaluate(lm, data=hs_jsonl, limit=4, batch_size=4, progress=False)
     assert 0 <= res.metrics["acc"] <= 1 and len(res.items) == 4
+
+
+def test_the_record_states_the_checkpoints_quantization(tiny_pair, tmp_path):
+    """provenance (what every run record says of its model) carries the checkpoint's quantization_config: the scheme
+    as written here, the ignored LM head; a full-precision model's record has no such key."""
+    from outlierscope.models.loading import load_model
+
+    rec = load_model(str(_w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8"))).provenance()
+    q = rec["quantization_config"]
+    group = q["config_groups"]["group_0"]
+    assert q["quant_method"] == "compressed-tensors" and q["ignore"] == ["lm_head"]
+    assert (group["weights"]["num_bits"], group["weights"]["strategy"]) == (8, "channel")
+    assert (group["input_activations"]["strategy"], group["input_activations"]["dynamic"]) == ("token", True)
+    assert "quantization_config" not in load_model(str(tiny_pair["transformer"])).provenance()
+
+
+def test_profile_and_sweep_of_a_checkpoint(tiny_pair, hs_jsonl, tiny_corpus, tmp_path):
+    """Everything works on it: a profile of every point (the linears' inputs among them) and a sweep with an attention
+    recipe on top; both records state its quantization_config."""
+    import json
+
+    from outlierscope.runs.profile import ProfileSettings, profile
+    from outlierscope.runs.sweep import SweepSettings, sweep
+
+    path = str(_w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8"))
+    profile([path], ProfileSettings(tokens=512, text=str(tiny_corpus / "train.jsonl"), seq_len=64,
+                                    points=("layers.*.**",)), tmp_path / "prof", progress=False)
+    facts = json.loads((tmp_path / "prof" / "profile.json").read_text())["models"]
+    assert next(iter(facts.values()))["quantization_config"]["quant_method"] == "compressed-tensors"
+    import pandas as pd
+
+    points = set(pd.read_csv(tmp_path / "prof" / "per_layer.csv")["point"])
+    assert {"self_attn.q_proj.input", "mlp.down_proj.input", "attn.logits"} <= points
+    sweep(SweepSettings(models=(path,), bits=(16,), quant=("k=int4/per_token",), data=str(hs_jsonl), limit=4,
+                        batch_size=4), tmp_path / "sw", progress=False, log=lambda *_: None)
+    rec = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert rec["model_sources"][path]["quantization_config"]["ignore"] == ["lm_head"]
