@@ -400,9 +400,29 @@ def check_model(spec: str, trust_remote_code: bool = False):
     if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
         warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
                       stacklevel=2)
+    _check_quantization_packages(path, cfg_json.get("quantization_config"))
     _check_weight_headers(path, config, trust_remote_code)
     _check_tokenizer_size(path, config, trust_remote_code)
     return source, config
+
+
+QUANT_PACKAGES = {  # a checkpoint's quant_method -> the modules transformers needs to load it (its own import checks)
+    "compressed-tensors": ("compressed_tensors",), "gptq": ("optimum", "gptqmodel"), "awq": ("gptqmodel",),
+    "bitsandbytes": ("bitsandbytes",), "fp8": (), "mxfp4": (),
+}
+
+
+def _check_quantization_packages(path: Path, quant: dict | None) -> None:
+    """A checkpoint saved quantized whose loader is not installed: one line naming the packages, before any work (a
+    second model of a run is checked before the first one's cells)."""
+    import importlib.util
+
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    missing = [m for m in QUANT_PACKAGES.get(method, ()) if importlib.util.find_spec(m) is None]
+    if missing:
+        names = " ".join(m.replace("_", "-") for m in missing)
+        raise OutlierscopeError(f"{path}: a {method} checkpoint needs {', '.join(missing)} to load; install it "
+                                f"(pip install {names}) or use the model's full-precision weights")
 
 
 def _check_weight_headers(path: Path, config, trust_remote_code: bool) -> None:

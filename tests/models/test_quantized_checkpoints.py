@@ -128,3 +128,26 @@ def test_a_checkpoint_by_hub_id_through_the_stand_in_hub(tiny_pair, tmp_path, mo
     finally:
         server.stop()
         hubmod._resolve.cache_clear()
+
+
+def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(tiny_pair, hs_jsonl, tmp_path, capsys):
+    """A GPTQ checkpoint without optimum/gptqmodel installed: one line naming them, before the first model's cells
+    (nothing written)."""
+    import importlib.util
+    import shutil
+
+    from outlierscope.cli import main
+
+    if importlib.util.find_spec("optimum") and importlib.util.find_spec("gptqmodel"):
+        pytest.skip("optimum and gptqmodel are installed here")
+    d = tmp_path / "gptq"
+    shutil.copytree(tiny_pair["transformer"], d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    (d / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--model", str(d), "--bits", "16", "--data", str(hs_jsonl),
+               "--limit", "4", "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "a gptq checkpoint needs" in err[0] and "pip install" in err[0]
+    assert not out.exists()
