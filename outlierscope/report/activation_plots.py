@@ -84,22 +84,30 @@ def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
 def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
     """Per attention recipe (``sweep --quant``): the change of the headline metric vs 16 bits with its 95% interval,
     one panel per task, models side by side. None without recipe rows."""
-    from outlierscope.data.tasks import task_label
-
     d = sweep[recipe_rows(sweep)]
     if d.empty:
         return None
-    tasks = by_task(d)
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.2 * len(tasks), 1.4 + 0.45 * d["label"].nunique()),
-                             layout="constrained", squeeze=False)
-    colors = _colors(sweep["model"])
-    for ax, (task, t) in zip(axes[0], tasks):
+    panels = []
+    for task, t in by_task(d):
         hm = headline_metric(t["metric"])
-        rows = t[t["metric"] == hm]
-        _interval_bars(ax, rows, "delta_vs_16", colors, scale=100)
-        ax.set_xlabel(f"Δ {hm} vs 16 bits (points, 95% CI)")
+        panels.append((task, t[t["metric"] == hm], f"Δ {hm} vs 16 bits (points, 95% CI)"))
+    return _interval_figure(panels, "delta_vs_16", _colors(sweep["model"]), "Low-bit attention recipes: accuracy change",
+                            scale=100)
+
+
+def _interval_figure(panels: list[tuple[str, pd.DataFrame, str]], value: str, colors: dict, title: str,
+                     scale: float = 1.0) -> plt.Figure:
+    """One panel per (task, rows, x label) of :func:`_interval_bars` of ``rows[value]``, side by side."""
+    from outlierscope.data.tasks import task_label
+
+    n_labels = len({lb for _, rows, _ in panels for lb in rows["label"]})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 1.4 + 0.45 * n_labels), layout="constrained",
+                             squeeze=False)
+    for ax, (task, rows, xlabel) in zip(axes[0], panels):
+        _interval_bars(ax, rows, value, colors, scale)
+        ax.set_xlabel(xlabel)
         ax.set_title(task_label(task), fontsize=10)
-    fig.suptitle("Low-bit attention recipes: accuracy change", fontsize=11)
+    fig.suptitle(title, fontsize=11)
     return fig
 
 
@@ -123,20 +131,10 @@ def gold_ll_changes(gold: pd.DataFrame) -> plt.Figure | None:
     """A sweep's ``gold_ll.csv``: per quantized setting the mean change of the gold choice's log-likelihood (nats)
     with its 95% paired interval, one panel per task, models side by side (where accuracy sits at chance, this
     still moves). None without rows."""
-    from outlierscope.data.tasks import task_label
-
     if gold.empty:
         return None
-    tasks = list(gold.groupby("task", sort=False))
-    fig, axes = plt.subplots(1, len(tasks), figsize=(6.2 * len(tasks), 1.4 + 0.45 * gold["label"].nunique()),
-                             layout="constrained", squeeze=False)
-    colors = _colors(gold["model"])
-    for ax, (task, t) in zip(axes[0], tasks):
-        _interval_bars(ax, t.rename(columns={"delta_gold_ll": "delta"}), "delta", colors)
-        ax.set_xlabel("Δ mean gold log-likelihood vs 16 bits (nats, 95% CI)")
-        ax.set_title(task_label(task), fontsize=10)
-    fig.suptitle("Gold log-likelihood change per quantized setting", fontsize=11)
-    return fig
+    panels = [(task, t, "Δ mean gold log-likelihood vs 16 bits (nats, 95% CI)") for task, t in gold.groupby("task", sort=False)]
+    return _interval_figure(panels, "delta_gold_ll", _colors(gold["model"]), "Gold log-likelihood change per quantized setting")
 
 
 def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
