@@ -182,6 +182,15 @@ def _cmd_merge(a) -> None:
     print(f"merged results written to {out}")
 
 
+def _cmd_export(a) -> None:
+    from outlierscope.runs.export import ExportSettings, export
+    from outlierscope.settings import from_cli
+
+    out = export(from_cli(ExportSettings, vars(a)), a.out)
+    print(f"written to {out} (recipe.yaml: llm-compressor's oneshot; quantization_config.json: compressed-tensors; "
+          "export.json: the source and how the emulation differs)")
+
+
 def _headless() -> None:
     import matplotlib
 
@@ -422,6 +431,14 @@ def _add_result_commands(sub) -> None:
     s.add_argument("--out", help="where the merged results go (default: the first DIR)")
     s.set_defaults(func=_cmd_merge)
 
+    from outlierscope.runs.export import ExportSettings
+
+    s = sub.add_parser("export", help="a sensitivity or sweep answer as an llm-compressor recipe and a "
+                                      "compressed-tensors quantization_config")
+    _add_settings(s, ExportSettings)
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(func=_cmd_export)
+
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
     s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")
     s.add_argument("--svg", action="store_true", help="also write SVG files")
@@ -447,7 +464,7 @@ def _add_generate_command(sub) -> None:
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
-            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set()}
+            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

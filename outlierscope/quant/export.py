@@ -1,0 +1,187 @@
+"""A quantization spec as the tools that build deployed models read it: compressed-tensors' ``quantization_config``
+(what a checkpoint's config.json carries, what vLLM reads) and an llm-compressor recipe (what ``oneshot`` runs).
+
+What maps (one compressed-tensors ``QuantizationArgs`` per ``a=``/``w=`` part; every other spec item is refused
+in one line naming why)::
+
+    w=intB/per_channel        -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
+    w=intB/per_group:G        -> weights {..., strategy: group, group_size: G}     (asymB: symmetric: false)
+    a=intB/per_token          -> input_activations {..., strategy: token, dynamic: true}
+    a=intB/per_tensor|static  -> input_activations {..., strategy: tensor, dynamic: true | false}
+    e4m3                      -> {num_bits: 8, type: float}   (compressed-tensors' FP8 is E4M3 only)
+    mxfp4, mxfp8_e4m3, nvfp4  -> compressed-tensors' MXFP4 / MXFP8 / NVFP4 arguments
+    smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
+    k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
+
+Which modules: ``targets: [Linear]`` and an ``ignore`` list of every ``nn.Linear`` the spec leaves alone, read from
+the model's module tree exactly as :func:`~outlierscope.quant.linear.linear_sites` selects (``linears:``, ``layers:``,
+the layers a sensitivity study keeps, the LM head unless named). A decoder layer left whole is one ``re:`` pattern.
+
+The emulation and the real scheme are not bit-identical; :func:`differences` lists how, per export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from torch import nn
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.points import decoder_layers
+from outlierscope.quant.recipe import TARGETS, AttnQuant, TensorQuant
+
+TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
+BLOCK_ARGS = {  # our block formats -> compressed-tensors' arguments (its MXFP4 / MXFP8 / NVFP4 presets)
+    "mxfp4": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+    "mxfp8_e4m3": {"num_bits": 8, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+    "nvfp4": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
+              "scale_dtype": "torch.float8_e4m3fn"},
+}
+STRATEGY = {"per_channel": "channel", "per_group": "group", "per_tensor": "tensor", "per_token": "token",
+            "static": "tensor", "per_head": "attn_head"}
+
+
+def _ct():
+    try:
+        import compressed_tensors.quantization as ctq
+    except ImportError:
+        raise OutlierscopeError("exporting a quantization_config needs compressed-tensors (the library that reads "
+                                "it): pip install compressed-tensors") from None
+    return ctq
+
+
+def tensor_args(p: TensorQuant) -> dict:
+    """compressed-tensors' ``QuantizationArgs`` fields of one ``a=``/``w=`` part (or ``k``/``v`` of a KV cache)."""
+    dynamic = p.target == "a" and p.granularity != "static"
+    if p.format in BLOCK_ARGS:
+        args = {**BLOCK_ARGS[p.format], "symmetric": True, "dynamic": dynamic}
+        if p.format == "nvfp4" and dynamic:  # per-block scales dynamic, the global one calibrated
+            args.update(dynamic="local", observer="static_minmax")
+        return args
+    if p.format in ("int", "asym"):
+        args = {"num_bits": p.bits, "type": "int", "symmetric": p.format == "int"}
+    elif p.format == "e4m3":
+        args = {"num_bits": 8, "type": "float", "symmetric": True}
+    else:
+        raise OutlierscopeError(f"{p}: compressed-tensors has no {p.format} format (it takes intN, asymN, e4m3, "
+                                f"{', '.join(BLOCK_ARGS)}); export a spec in one of those")
+    args.update(strategy=STRATEGY[p.granularity], dynamic=dynamic)
+    if p.granularity == "per_group":
+        args["group_size"] = p.size
+    return args
+
+
+def kv_cache_args(spec: AttnQuant) -> dict | None:
+    """The ``kv_cache_scheme`` of a spec whose attention parts are exactly a KV cache's: ``k`` and ``v`` in one
+    format, per_tensor or per_head (None when it quantizes nothing inside attention)."""
+    if not spec.has_attention:
+        return None
+    k, v = spec.part("k"), spec.part("v")
+    others = [str(p) for p in spec.parts if p.target in TARGETS and p.target not in ("k", "v")]
+    others += [n for n, on in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q is not None),
+                               ("hadamard", spec.hadamard is not None)) if on]
+    same = k is not None and v is not None and dataclasses.replace(k, target="v") == v
+    if others or not same or k.format not in ("int", "e4m3") or k.bits not in (None, 8) \
+            or k.granularity not in ("per_tensor", "per_head"):
+        raise OutlierscopeError(f"{spec}: compressed-tensors quantizes attention only as a KV cache (k and v alike, "
+                                "int8 or e4m3, per_tensor or per_head); expected e.g. 'kv=e4m3/per_tensor' or no "
+                                "attention parts" + (f", got {', '.join(others)}" if others else ""))
+    return {**tensor_args(dataclasses.replace(k, target="a", granularity="static")),
+            "strategy": STRATEGY[k.granularity]}
+
+
+def check_exportable(spec: AttnQuant) -> None:
+    """Refuse what compressed-tensors and llm-compressor's quantization cannot state, before any model is read."""
+    if spec.rotate is not None:
+        raise OutlierscopeError(f"{spec}: rotate:SEED has no compressed-tensors form that reproduces it (llm-compressor's "
+                                "QuIP/SpinQuant modifiers rotate differently); export the spec without it")
+    if spec.outliers is not None:
+        raise OutlierscopeError(f"{spec}: outliers:T is LLM.int8's decomposition, bitsandbytes' "
+                                f"(BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold={spec.outliers})), not a "
+                                "compressed-tensors scheme")
+    if spec.part("w") is None and spec.part("a") is not None:
+        raise OutlierscopeError(f"{spec}: compressed-tensors quantizes activations only with the weights; add a w= part")
+    if spec.part("w") is None and kv_cache_args(spec) is None:
+        raise OutlierscopeError(f"{spec}: quantizes nothing compressed-tensors can state; expected w= (and a=) parts "
+                                "or a KV cache (kv=e4m3/per_tensor)")
+    for p in (spec.part("w"), spec.part("a")):
+        if p is not None:
+            tensor_args(p)
+    kv_cache_args(spec)
+
+
+def linear_scheme(spec: AttnQuant) -> dict | None:
+    """The ``QuantizationScheme`` of the quantized linears (targets, weights, input_activations), or None."""
+    w, a = spec.part("w"), spec.part("a")
+    if w is None:
+        return None
+    return {"targets": [TARGET_CLASS], "weights": tensor_args(w), **({"input_activations": tensor_args(a)} if a else {})}
+
+
+def ignore_list(model: nn.Module, quantized: set[str]) -> list[str]:
+    """Every ``nn.Linear`` of ``model`` not in ``quantized`` (full module names): a decoder layer none of whose
+    linears is quantized as one ``re:`` pattern, the others by name, in module order."""
+    names = {id(m): n for n, m in model.named_modules()}
+    linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    ignore, whole = [], set()
+    for layer in decoder_layers(model):
+        inside = [names[id(m)] for m in layer.modules() if isinstance(m, nn.Linear)]
+        if inside and not quantized.intersection(inside):
+            ignore.append(f"re:{re.escape(names[id(layer)])}\\.")
+            whole.update(inside)
+    return ignore + [n for n in linears if n not in quantized and n not in whole]
+
+
+def differences(spec: AttnQuant) -> list[str]:
+    """How the emulation of ``spec`` and the real scheme built from the export differ."""
+    notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
+             "GPTQModifier or AWQModifier in its place would correct the rounding error"]
+    parts = [p for p in (spec.part("w"), spec.part("a")) if p is not None]
+    if any(p.format == "int" for p in parts):
+        notes.append("symmetric int grid: the emulation's scale is absmax / (2^(b-1) - 1) on [-(2^(b-1)-1), "
+                     "2^(b-1)-1]; compressed-tensors' absmax / ((2^b - 1) / 2) on [-2^(b-1), 2^(b-1)-1]")
+    a = spec.part("a")
+    if a is not None and a.granularity == "per_tensor":
+        notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "
+                     "per-tensor scale is the whole batch's")
+    if a is not None and a.format == "nvfp4":
+        notes.append("nvfp4 activations: the emulation's global scale is each sequence's; compressed-tensors "
+                     "calibrates a static one (dynamic: local)")
+    if spec.smooth is not None or a is not None and a.granularity == "static":
+        notes.append("calibration: llm-compressor calibrates the smoothing factors and static scales on the dataset "
+                     f"given to oneshot; the emulation on {spec.calib or 'hellaswag'}")
+    if spec.has_attention:
+        notes.append("KV cache: compressed-tensors' scales are static (calibrated); the emulation's per sequence")
+    return notes
+
+
+def quantization_config(spec: AttnQuant, ignore: list[str]) -> dict:
+    """The ``quantization_config`` of config.json for ``spec`` (validated by compressed-tensors' own classes)."""
+    ctq = _ct()
+    from compressed_tensors.compressors.format import infer_module_format
+
+    scheme = linear_scheme(spec)
+    groups = {"group_0": ctq.QuantizationScheme(**scheme)} if scheme else {}
+    kv = kv_cache_args(spec)
+    fmt = infer_module_format(nn.Linear, groups["group_0"]).value if groups else "dense"
+    config = ctq.QuantizationConfig(config_groups=groups, ignore=ignore, format=fmt,
+                                    kv_cache_scheme=ctq.QuantizationArgs(**kv) if kv else None,
+                                    quantization_status="compressed")
+    return config.model_dump(mode="json", exclude_none=True)
+
+
+def recipe(spec: AttnQuant, ignore: list[str]) -> dict:
+    """An llm-compressor recipe (``oneshot(model, recipe=...)``): SmoothQuant when the spec smooths, then the
+    quantization with the same scheme, ignore list and KV cache scheme as :func:`quantization_config`."""
+    modifiers = {}
+    if spec.smooth is not None:
+        modifiers["SmoothQuantModifier"] = {"smoothing_strength": spec.smooth}
+    scheme, kv = linear_scheme(spec), kv_cache_args(spec)
+    quant = {"targets": [TARGET_CLASS], "ignore": ignore}
+    if scheme:
+        quant["config_groups"] = {"group_0": scheme}
+    if kv:
+        quant["kv_cache_scheme"] = kv
+    modifiers["QuantizationModifier"] = quant
+    return {"default_stage": {"default_modifiers": modifiers}}

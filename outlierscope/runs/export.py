@@ -1,0 +1,135 @@
+"""A study's answer as the input of the tools that build the deployed model: an llm-compressor recipe and the
+matching compressed-tensors ``quantization_config`` (:mod:`outlierscope.quant.export`).
+
+    spec, model, keep = what the run chose      # sensitivity: its quant and the layers its greedy keeps;
+                                                #   sweep: the one --quant of its cells you pick; or given directly
+    check_exportable(spec)                      # one line for what compressed-tensors cannot state, before any model
+    meta = the model's module tree (no weights)
+    quantized = linear_sites(meta, spec on every layer but keep)
+    ignore = every other nn.Linear (a layer kept whole: one re: pattern)
+    write recipe.yaml, quantization_config.json, export.json (the source, the differences from the emulation)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.hooks.points import decoder_layers
+from outlierscope.io import git_commit, output_dir, read_record, versions, write_json, write_text
+from outlierscope.models.loading import check_model, meta_model, trust_remote_code_option
+from outlierscope.quant import export as qexport
+from outlierscope.quant.linear import check_linear_shapes, linear_sites
+from outlierscope.quant.recipe import AttnQuant
+from outlierscope.settings import option
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """What to export: a run directory (a sensitivity study, or a sweep with the ``quant`` of one of its cells), or a
+    ``model`` and a ``quant`` directly."""
+
+    run: str | None = option(None, "a sensitivity or sweep output directory whose answer to export", metavar="DIR")
+    model: str | None = option(None, "the model (default: the run's; a sweep of several models needs it)",
+                               metavar="SPEC")
+    quant: str | None = option(None, "the scheme (a sweep: one of its --quant; without a run: any linear spec)",
+                               metavar="SPEC")
+    trust_remote_code: bool = trust_remote_code_option()
+
+    def __post_init__(self):
+        if self.run is None and (self.model is None or self.quant is None):
+            raise ParamError("run", "a sensitivity or sweep directory, or model and quant both given", self.run)
+        if self.run is not None and not (Path(self.run) / "sensitivity.json").exists() \
+                and not (Path(self.run) / "sweep.json").exists():
+            raise ParamError("run", "a directory with sensitivity.json or sweep.json", self.run)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What is exported: the spec, the model, the decoder layers left unquantized, where it came from."""
+
+    spec: AttnQuant
+    model: str
+    keep: tuple[int, ...] = ()
+    source: dict = dataclasses.field(default_factory=dict)
+
+
+def _from_sensitivity(s: ExportSettings, rec: dict) -> Choice:
+    st = rec["settings"]
+    if st.get("quant") is None:
+        raise OutlierscopeError(f"{s.run}: this study quantized the attention logits, which compressed-tensors and "
+                                "llm-compressor do not quantize; export a study run with --quant (a linear scheme)")
+    if s.quant is not None and AttnQuant.parse(s.quant) != AttnQuant.parse(st["quant"]):
+        raise ParamError("quant", f"the study's own {st['quant']!r} (or left out)", s.quant)
+    if rec.get("keep_bits", 16) != 16 and rec.get("keep"):
+        raise OutlierscopeError(f"{s.run}: the kept layers run at keep_bits={rec['keep_bits']} logits, which "
+                                "compressed-tensors does not quantize; export a study with keep_bits 16")
+    return Choice(AttnQuant.parse(st["quant"]), s.model or st["model"], tuple(rec.get("keep") or ()),
+                  {"run": str(s.run), "kind": "sensitivity", "git_commit": rec.get("git_commit"),
+                   "final": rec.get("final")})
+
+
+def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
+    st = rec["settings"]
+    quants = st.get("quant") or []
+    if s.quant is None or AttnQuant.parse(s.quant) not in [AttnQuant.parse(q) for q in quants]:
+        close = difflib.get_close_matches(s.quant or "", quants, n=3, cutoff=0.3)
+        raise ParamError("quant", f"one of the sweep's quantizations ({'; '.join(map(repr, quants)) or 'none'})",
+                         s.quant, f"did you mean {', '.join(close)}?" if close else "")
+    models = st["models"]
+    if s.model is None and len(models) > 1:
+        raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
+    if s.model is not None and s.model not in models:
+        raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
+    return Choice(AttnQuant.parse(s.quant), s.model or models[0], (),
+                  {"run": str(s.run), "kind": "sweep", "git_commit": rec.get("git_commit")})
+
+
+def choose(s: ExportSettings) -> Choice:
+    """The spec, model and kept layers ``s`` names (a run's record, or the settings themselves)."""
+    if s.run is None:
+        return Choice(AttnQuant.parse(s.quant), s.model)
+    run = Path(s.run)
+    if (run / "sensitivity.json").exists():
+        return _from_sensitivity(s, read_record(run / "sensitivity.json", ("settings",)))
+    return _from_sweep(s, read_record(run / "sweep.json", ("settings",)))
+
+
+def _quantized_names(model, choice: Choice) -> set[str]:
+    n, spec = len(decoder_layers(model)), choice.spec
+    layers = [i for i in range(n) if spec.applies_to(i) and i not in choice.keep]
+    if not layers:
+        raise OutlierscopeError(f"{spec}: every layer is kept or left out; nothing to quantize")
+    return {site.name for site in linear_sites(model, dataclasses.replace(spec, layers=tuple(layers)))}
+
+
+def export(s: ExportSettings, out: str | Path, log=print) -> Path:
+    """Write ``recipe.yaml``, ``quantization_config.json`` and ``export.json`` into ``out``; returns ``out``."""
+    import yaml
+
+    choice = choose(s)
+    qexport.check_exportable(choice.spec)
+    if choice.spec.has_attention and (choice.keep or choice.spec.layers is not None):
+        raise OutlierscopeError(f"{choice.spec}: a KV cache scheme applies to every layer in compressed-tensors; "
+                                "export it without kept or named layers")
+    source, config = check_model(choice.model, s.trust_remote_code)
+    check_linear_shapes(choice.spec, config)
+    model = meta_model(config, s.trust_remote_code)
+    ignore = qexport.ignore_list(model, _quantized_names(model, choice)) if choice.spec.part("w") else []
+    qconfig = qexport.quantization_config(choice.spec, ignore)
+    recipe = qexport.recipe(choice.spec, ignore)
+    record = {"settings": dataclasses.asdict(s), "spec": str(choice.spec), "model": choice.model,
+              "model_source": source.record(), "keep": list(choice.keep), "from": choice.source,
+              "differences": qexport.differences(choice.spec), "versions": versions(), "git_commit": git_commit()}
+    with output_dir(out) as d:
+        write_text(d / "recipe.yaml", f"# outlierscope export of {choice.spec} for {choice.model}\n"
+                   + yaml.safe_dump(recipe, sort_keys=False))
+        write_text(d / "quantization_config.json", json.dumps(qconfig, indent=2) + "\n")
+        write_json(d / "export.json", record)
+    log(f"{choice.spec} on {choice.model}: {len(ignore)} ignore entries"
+        + (f" (kept layers {', '.join(map(str, choice.keep))})" if choice.keep else ""))
+    return Path(out)

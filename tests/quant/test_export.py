@@ -1,0 +1,107 @@
+"""outlierscope.quant.export against compressed-tensors itself: the named schemes' arguments equal compressed-tensors'
+own presets of the same name, the ignore list selects (by compressed-tensors' own matcher) exactly the linears written
+out by hand, and what compressed-tensors cannot state is refused in one line."""
+
+import dataclasses
+import re
+
+import pytest
+
+ctq = pytest.importorskip("compressed_tensors.quantization")
+
+from outlierscope.errors import OutlierscopeError  # noqa: E402
+from outlierscope.quant import export as qexport  # noqa: E402
+from outlierscope.quant.recipe import AttnQuant  # noqa: E402
+
+
+@pytest.mark.parametrize("ours, preset", [
+    ("w8a8", "W8A8"), ("w4a16", "W4A16"), ("w4a8", "W4A8"), ("fp8-dynamic", "FP8_DYNAMIC"), ("mxfp4", "MXFP4"),
+    ("nvfp4", "NVFP4"), ("w=mxfp8_e4m3; a=mxfp8_e4m3", "MXFP8"), ("w=int8/per_group:128", "W8A16"),
+    ("w=int4/per_group:128; a=e4m3/per_token", "W4AFP8"),
+])
+def test_named_schemes_are_compressed_tensors_presets(ours, preset):
+    spec = AttnQuant.parse(ours)
+    qexport.check_exportable(spec)
+    ours_ = ctq.QuantizationScheme(**qexport.linear_scheme(spec)).model_dump(mode="json")
+    assert ours_ == ctq.preset_name_to_scheme(preset, ["Linear"]).model_dump(mode="json")
+
+
+def test_arguments_worked_by_hand():
+    """Granularities and formats outside the presets, against the fields written here."""
+    w = AttnQuant.parse("w=asym4/per_group:32; a=int8/static").part("w")
+    assert qexport.tensor_args(w) == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+                                      "group_size": 32, "dynamic": False}
+    a = AttnQuant.parse("w=int8/per_tensor; a=int8/static").part("a")
+    assert qexport.tensor_args(a) == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                                      "dynamic": False}
+    a = AttnQuant.parse("w=int8/per_tensor; a=int6/per_group:64").part("a")
+    assert qexport.tensor_args(a) == {"num_bits": 6, "type": "int", "symmetric": True, "strategy": "group",
+                                      "group_size": 64, "dynamic": True}
+    kv = qexport.kv_cache_args(AttnQuant.parse("kv=e4m3/per_head"))
+    assert ctq.QuantizationArgs(**kv) == ctq.QuantizationArgs(num_bits=8, type="float", symmetric=True,
+                                                              strategy="attn_head", dynamic=False)
+
+
+@pytest.mark.parametrize("text, msg", [
+    ("w4a4-rotated", "rotate:SEED"), ("llm-int8", "bitsandbytes"), ("w=e5m2/per_channel", "no e5m2"),
+    ("a=int8/per_token", "add a w= part"), ("logits=int8/per_tensor", "as a KV cache"),
+    ("kivi-2bit", "as a KV cache"), ("w8a8; k=e4m3/per_tensor", "k and v alike"),
+    ("w=int8/per_channel; kv=int4/per_tensor", "as a KV cache"), ("w=mxint8", "no mxint8"),
+])
+def test_what_compressed_tensors_cannot_state_is_refused(text, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        qexport.check_exportable(AttnQuant.parse(text))
+
+
+def _meta_llama(layers=3):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2)
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("text, layers, expected", [
+    ("w8a8", (0, 2), {f"model.layers.{i}.{p}" for i in (0, 2) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}),
+    ("w8a8; linears:mlp.down_proj,self_attn.o_proj", (1,), {"model.layers.1.mlp.down_proj",
+                                                            "model.layers.1.self_attn.o_proj"}),
+    ("w=int8/per_channel; a=int8/per_token; linears:self_attn.*,lm_head", (0, 1, 2),
+     {f"model.layers.{i}.self_attn.{p}_proj" for i in range(3) for p in "qkvo"} | {"lm_head"}),
+])
+def test_ignore_list_selects_exactly_the_quantized_linears(text, layers, expected):
+    """compressed-tensors' own matcher, given targets [Linear] and our ignore list, picks the linears named here."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from outlierscope.quant.linear import linear_sites
+
+    model = _meta_llama()
+    spec = dataclasses.replace(AttnQuant.parse(text), layers=layers)
+    ignore = qexport.ignore_list(model, {s.name for s in linear_sites(model, spec)})
+    assert {n for n, _ in match_named_modules(model, ["Linear"], ignore)} == expected
+    whole = [f"re:model\\.layers\\.{i}\\." for i in range(3) if i not in layers]
+    assert [i for i in ignore if i.startswith("re:")] == whole  # a layer left whole is one pattern, nothing more
+    assert not [n for n in ignore if not n.startswith("re:") and any(re.match(w[3:], n) for w in whole)]
+
+
+def test_quantization_config_reads_back_and_names_its_format():
+    """The config dict validates as compressed-tensors' QuantizationConfig, with the format its compressor infers."""
+    for text, fmt in (("w8a8", "int-quantized"), ("w4a16", "pack-quantized"), ("fp8-dynamic", "float-quantized"),
+                      ("nvfp4", "nvfp4-pack-quantized"), ("mxfp4", "mxfp4-pack-quantized")):
+        d = qexport.quantization_config(AttnQuant.parse(text), ["lm_head"])
+        back = ctq.QuantizationConfig.model_validate(d)
+        assert back.format == fmt and back.ignore == ["lm_head"] and back.quant_method == "compressed-tensors"
+    d = qexport.quantization_config(AttnQuant.parse("w8a8; kv=e4m3/per_tensor"), [])
+    assert ctq.QuantizationConfig.model_validate(d).kv_cache_scheme.type == "float"
+
+
+def test_recipe_carries_smoothquant_and_the_same_scheme():
+    r = qexport.recipe(AttnQuant.parse("w8a8-sq"), ["lm_head"])["default_stage"]["default_modifiers"]
+    assert list(r) == ["SmoothQuantModifier", "QuantizationModifier"]  # smoothing first, as llm-compressor's examples
+    assert r["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
+    q = r["QuantizationModifier"]
+    assert q["ignore"] == ["lm_head"] and ctq.QuantizationScheme(**q["config_groups"]["group_0"]) == \
+        ctq.preset_name_to_scheme("W8A8", ["Linear"])

@@ -1,0 +1,87 @@
+"""outlierscope export: a sweep's chosen cell and a sensitivity study's kept layers become an llm-compressor recipe and
+a compressed-tensors quantization_config that select (by compressed-tensors' own matcher on the real module tree)
+exactly the linears the study quantized; refusals are one line, exit 2, and leave no files."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+ctq = pytest.importorskip("compressed_tensors.quantization")
+
+from outlierscope.cli import main  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+PAIR_SWEEP = ROOT / "docs/linear/pair/hellaswag"  # committed: the pair's eleven linear schemes
+
+
+def _selected(model_dir, qconfig: dict) -> set[str]:
+    """The modules compressed-tensors quantizes under ``qconfig`` in the model's real module tree."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    from outlierscope.models.loading import load_model
+
+    model = load_model(str(model_dir)).model
+    targets = [t for g in qconfig["config_groups"].values() for t in g["targets"]]
+    return {n for n, _ in match_named_modules(model, targets, qconfig["ignore"])}
+
+
+def test_a_sweeps_cell_exported(tmp_path, capsys):
+    out = tmp_path / "ex"
+    assert main(["export", "--run", str(PAIR_SWEEP), "--quant", "w8a8-sq", "--model", "pair-tiny:diff",
+                 "--out", str(out)]) == 0
+    q = json.loads((out / "quantization_config.json").read_text())
+    back = ctq.QuantizationConfig.model_validate(q)
+    assert back.format == "int-quantized" and back.ignore == ["lm_head"]
+    mods = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
+    assert mods["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
+    assert mods["QuantizationModifier"]["config_groups"] == q["config_groups"]
+    rec = json.loads((out / "export.json").read_text())
+    assert rec["from"]["kind"] == "sweep" and rec["model_source"]["kind"] == "preset"
+    assert any("absmax / ((2^b - 1) / 2)" in d for d in rec["differences"])
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--run", str(PAIR_SWEEP), "--quant", "w8a8-sq"], "one of the sweep's models"),
+    (["--run", str(PAIR_SWEEP), "--quant", "w8a8-qs", "--model", "pair-tiny:diff"], "did you mean w8a8-sq"),
+    (["--run", str(PAIR_SWEEP), "--quant", "w4a4-rotated", "--model", "pair-tiny:diff"], "rotate:SEED"),
+    (["--run", str(PAIR_SWEEP), "--quant", "llm-int8", "--model", "pair-tiny:diff"], "bitsandbytes"),
+    (["--model", "smollm2-135m"], "--run must be"),
+    (["--run", str(ROOT / "docs"), "--quant", "w8a8"], "sensitivity.json or sweep.json"),
+    (["--model", "pair-tiny:diff", "--quant", "w=int8/per_group:7"], "not a multiple of the group size 7"),
+])
+def test_refusals_are_one_line_and_write_nothing(argv, msg, tmp_path, capsys):
+    assert main(["export", *argv, "--out", str(tmp_path / "ex")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert msg in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "ex").exists()
+
+
+def _study(tmp_path, model, quant, keep, keep_bits=16) -> Path:
+    """A sensitivity record as a study writes it (only what export reads of it)."""
+    d = tmp_path / "study"
+    d.mkdir()
+    rec = {"settings": {"model": str(model), "quant": quant}, "keep": keep, "keep_bits": keep_bits,
+           "git_commit": None, "final": {}}
+    (d / "sensitivity.json").write_text(json.dumps(rec))
+    return d
+
+
+def test_a_studys_kept_layers_are_ignored(tiny_pair, tmp_path):
+    """Layer 1 kept: compressed-tensors then quantizes exactly layer 0's seven linears of the 2-layer model."""
+    study = _study(tmp_path, tiny_pair["transformer"], "w8a8; linears:mlp.*", [1])
+    assert main(["export", "--run", str(study), "--out", str(tmp_path / "ex")]) == 0
+    q = json.loads((tmp_path / "ex/quantization_config.json").read_text())
+    assert q["ignore"][0] == r"re:model\.layers\.1\."
+    assert _selected(tiny_pair["transformer"], q) == {f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down")}
+
+
+@pytest.mark.parametrize("quant, keep_bits, msg", [
+    (None, 16, "quantized the attention logits"), ("w8a8", 8, "keep_bits 16"),
+    ("kv=e4m3/per_tensor", 16, "applies to every layer"),
+])
+def test_studies_compressed_tensors_cannot_state(quant, keep_bits, msg, tiny_pair, tmp_path, capsys):
+    study = _study(tmp_path, tiny_pair["diff"], quant, [0], keep_bits)
+    assert main(["export", "--run", str(study), "--out", str(tmp_path / "ex")]) == 2
+    assert msg in capsys.readouterr().err
