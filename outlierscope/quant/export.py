@@ -4,7 +4,7 @@
 What maps (one compressed-tensors ``QuantizationArgs`` per ``a=``/``w=`` part; every other spec item is refused
 in one line naming why)::
 
-    w=intB/per_channel        -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
+    w=intB|fintB/per_channel  -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
     w=intB/per_group:G        -> weights {..., strategy: group, group_size: G}     (asymB: symmetric: false)
     a=intB/per_token          -> input_activations {..., strategy: token, dynamic: true}
     a=intB/per_tensor|static  -> input_activations {..., strategy: tensor, dynamic: true | false}
@@ -59,8 +59,8 @@ def tensor_args(p: TensorQuant) -> dict:
         if p.format == "nvfp4" and dynamic:  # per-block scales dynamic, the global one calibrated
             args.update(dynamic="local", observer="static_minmax")
         return args
-    if p.format in ("int", "asym"):
-        args = {"num_bits": p.bits, "type": "int", "symmetric": p.format == "int"}
+    if p.format in ("int", "fint", "asym"):  # int and fint: one symmetric grid there (fint's: the same values)
+        args = {"num_bits": p.bits, "type": "int", "symmetric": p.format != "asym"}
     elif p.format == "e4m3":
         args = {"num_bits": 8, "type": "float", "symmetric": True}
     else:
@@ -140,7 +140,8 @@ def differences(spec: AttnQuant) -> list[str]:
     parts = [p for p in (spec.part("w"), spec.part("a")) if p is not None]
     if any(p.format == "int" for p in parts):
         notes.append("symmetric int grid: the emulation's scale is absmax / (2^(b-1) - 1) on [-(2^(b-1)-1), "
-                     "2^(b-1)-1]; compressed-tensors' absmax / ((2^b - 1) / 2) on [-2^(b-1), 2^(b-1)-1]")
+                     "2^(b-1)-1]; compressed-tensors' absmax / ((2^b - 1) / 2) on [-2^(b-1), 2^(b-1)-1] (fintB in "
+                     "the spec emulates that grid)")
     a = spec.part("a")
     if a is not None and a.granularity == "per_tensor":
         notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "

@@ -7,6 +7,9 @@
 * ``fake_quant(x, scale, bits)``: symmetric round-to-nearest onto [-qmax, qmax] * scale, ties to
   even (``torch.round``), dequantized back to ``x``'s dtype. FP8: the cast to ``float8_e4m3fn`` /
   ``float8_e5m2`` (round to nearest even) after dividing by the scale.
+* ``fmt="fint"``: the full-range symmetric integer grid of compressed-tensors and torchao (``MappingType.SYMMETRIC``):
+  scale = absmax / ((2^bits - 1) / 2) (int8: / 127.5), values clamped to [-2^(bits-1), 2^(bits-1) - 1]; ``int``
+  is the restricted range (absmax / 127 onto [-127, 127]: SmoothQuant's, bitsandbytes', vLLM's dynamic kernels).
 
 A zero scale (all zeros, or no valid entry) returns the input unchanged: never NaN or inf.
 A non-finite scale (an inf in the input) also returns the input unchanged.
@@ -22,22 +25,25 @@ from outlierscope.quant.names import FORMATS, UNQUANTIZED_BITS
 INT_BITS = tuple(range(2, 16))  # integer absmax formats; 16 means "unquantized"
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 assert FORMATS == ("int", *FP8_FORMATS)
+GRIDS = (*FORMATS, "fint")  # "fint": the full-range integer grid (module docstring)
 
 
 def check_bits(bits: int, fmt: str = "int") -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if fmt == "int" and (not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= UNQUANTIZED_BITS):
+    if fmt not in GRIDS:
+        raise ValueError(f"format must be one of {', '.join(GRIDS)}, got {fmt!r}")
+    if fmt in ("int", "fint") and (not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= UNQUANTIZED_BITS):
         raise ValueError(f"bits must be in 2..16 (16 = unquantized), got {bits!r}")
-    if fmt != "int" and bits not in (8, UNQUANTIZED_BITS):
+    if fmt in FP8_FORMATS and bits not in (8, UNQUANTIZED_BITS):
         raise ValueError(f"bits for format {fmt} must be 8 (or 16 = unquantized), got {bits!r}")
 
 
 def qmax(bits: int, fmt: str = "int") -> float:
-    """Largest representable magnitude on the quantization grid."""
+    """What absmax maps to on the grid: its largest magnitude (``fint``: the middle of its asymmetric range)."""
     check_bits(bits, fmt)
     if fmt == "int":
         return float(2 ** (bits - 1) - 1)
+    if fmt == "fint":
+        return (2**bits - 1) / 2
     return float(torch.finfo(FP8_FORMATS[fmt]).max)
 
 
@@ -74,6 +80,8 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
     # One new tensor, then in-place passes on it (the logits tensors are large: fewer passes, fewer allocations).
     if fmt == "int":
         q = torch.div(w, safe).round_().clamp_(-m, m)  # round half to even
+    elif fmt == "fint":
+        q = torch.div(w, safe).round_().clamp_(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
     else:
         q = torch.div(w, safe).clamp_(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
     out = q.mul_(safe)

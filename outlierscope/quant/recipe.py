@@ -33,7 +33,9 @@ Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.lin
 pass: max |x| / the format's max); ``w`` (the weight, (out_features, in_features)): ``per_channel`` (an output
 row), ``per_group:G`` (G consecutive inputs of a row), ``per_tensor``. Formats as above (RTN); MX and NVFP4 blocks
 run along in_features for both (NVFP4's per-tensor scale: the weight's, and each sequence's for activations).
-``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every quantized linear's input
+``fintB`` (``a=``/``w=`` only): the full-range symmetric grid of compressed-tensors and torchao (absmax / 127.5 onto
+[-128, 127] at 8 bits) where ``intB`` is the restricted one (absmax / 127 onto [-127, 127]): to emulate a
+compressed-tensors checkpoint exactly. ``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every quantized linear's input
 dimension), ``outliers:T`` (LLM.int8's decomposition), ``linears:PATTERN[,PATTERN]`` (which linears, by module path
 inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``; default every ``nn.Linear`` of the decoder layers),
 ``calib:SOURCE`` (what ``smooth`` and ``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a
@@ -82,14 +84,18 @@ class TensorQuant:
         if self.target not in ALL_TARGETS:
             raise OutlierscopeError(f"quantization target must be one of {', '.join(ALL_TARGETS)} (or kv), "
                                     f"got {self.target!r}")
-        if self.format in ("int", "asym"):
+        if self.format in ("int", "asym", "fint"):
             if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
                 raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..8, got {self.bits!r}")
+            if self.format == "fint" and self.target not in LINEAR_TARGETS:
+                raise OutlierscopeError(f"{self.target}: fint (the full-range grid of compressed-tensors and torchao) "
+                                        "is for a= and w= parts; use int here")
         elif self.format in FLOAT_FORMATS or self.format in BLOCK_FORMATS:
             if self.bits is not None:
                 raise OutlierscopeError(f"{self.target}: format {self.format} has no bits setting")
         else:
             raise OutlierscopeError(f"{self.target}: unknown format {self.format!r}; expected int2..int8, asym2..asym8, "
+                                    "fint2..fint8 (a=, w=), "
                                     f"{', '.join(FLOAT_FORMATS + BLOCK_FORMATS)}")
         self._check_granularity()
 
@@ -105,7 +111,7 @@ class TensorQuant:
             raise OutlierscopeError("logits: symmetric formats only (int or FP8), as the paper's absmax")
         if g not in GRANULARITIES[kind]:
             raise OutlierscopeError(f"{self.target}: granularity must be one of {', '.join(GRANULARITIES[kind])}, got {g!r}")
-        if g == "static" and self.format not in FLOAT_FORMATS + ("int",):
+        if g == "static" and self.format not in FLOAT_FORMATS + ("int", "fint"):
             raise OutlierscopeError(f"{self.target}: static scales need a symmetric format (int or FP8)")
         if self.target == "w" and g == "per_channel" and self.size is not None:
             raise OutlierscopeError("w: per_channel is one scale per output row; it takes no size")
@@ -118,7 +124,7 @@ class TensorQuant:
     def grid(self) -> tuple[int, str]:
         """(bits, format) of a symmetric grid as :mod:`outlierscope.quant.primitives` names it: ``int`` with its bits,
         FP8 formats at 8."""
-        return (self.bits, "int") if self.format == "int" else (8, self.format)
+        return (self.bits, self.format) if self.format in ("int", "fint") else (8, self.format)
 
     @property
     def format_text(self) -> str:
@@ -137,7 +143,7 @@ def _parse_part(text: str) -> list[TensorQuant]:
     if not m:
         raise OutlierscopeError(f"cannot read {text!r}: expected TARGETS=FORMAT[/GRANULARITY[:N]], e.g. k=int4/per_group:32")
     fmt, bits = m["fmt"], None
-    num = re.fullmatch(r"(int|asym)(\d+)", fmt)
+    num = re.fullmatch(r"(int|asym|fint)(\d+)", fmt)
     if num:
         fmt, bits = num[1], int(num[2])
     targets = [t for name in m["targets"].split(",") for t in (("k", "v") if name == "kv" else (name,))]

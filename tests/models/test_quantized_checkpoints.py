@@ -151,3 +151,22 @@ def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(tiny_pair, h
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "a gptq checkpoint needs" in err[0] and "pip install" in err[0]
     assert not out.exists()
+
+
+def test_the_emulation_on_compressed_tensors_grid_is_the_checkpoint(tiny_pair, tmp_path):
+    """Emulated vs real: the float model under `w=fint8/per_channel; a=fint8/per_token` (compressed-tensors' full-range
+    grid) gives the W8A8 checkpoint's hidden states exactly; our restricted-range w8a8 (absmax / 127) does not."""
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.apply import quantize_model
+
+    real = load_model(str(_w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")))
+    plain = load_model(str(tiny_pair["transformer"]))
+    ids = torch.randint(1, 300, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
+        with quantize_model(plain.model, "w=fint8/per_channel; a=fint8/per_token"):
+            full = plain.model.model(input_ids=ids).last_hidden_state
+        with quantize_model(plain.model, "w8a8"):
+            restricted = plain.model.model(input_ids=ids).last_hidden_state
+    assert torch.equal(full, want)
+    assert (restricted - want).abs().max() > 1e3 * (full - want).abs().max().clamp_min(1e-12)

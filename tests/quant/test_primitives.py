@@ -163,3 +163,20 @@ def test_fp8_equals_torch_cast(fmt, dtype, arr):
     ok = scale >= torch.finfo(torch.float32).tiny  # a subnormal scale (|x| ~ 1e-36): x unchanged, as for zero
     expect = torch.where(ok, (x / torch.where(ok, scale, 1)).to(dtype).float() * scale, x)
     torch.testing.assert_close(quantize_absmax(x, 8, (1,), fmt=fmt), expect, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_full_range_grid_against_numpy(bits):
+    """fint: scale absmax / ((2^b - 1) / 2), values in [-2^(b-1), 2^(b-1) - 1] (numpy float64, written here): +absmax
+    loses half a step to the clamp, -absmax reaches the extra negative level."""
+    import numpy as np
+
+    from outlierscope.quant.primitives import quantize_absmax
+
+    x = np.random.default_rng(bits).normal(size=(6, 40))
+    x[0, 3], x[1, 5] = 9.0, -9.0  # the row's absmax on each side
+    s = np.abs(x).max(-1, keepdims=True) / ((2**bits - 1) / 2)
+    want = np.clip(np.round(x / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * s
+    got = quantize_absmax(torch.from_numpy(x), bits, (-1,), fmt="fint").numpy()
+    np.testing.assert_array_equal(got, want)
+    assert got[0, 3] < 9.0 and got[1, 5] == -9.0 * (2 ** (bits - 1)) / ((2**bits - 1) / 2)
