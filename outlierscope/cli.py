@@ -191,6 +191,15 @@ def _cmd_export(a) -> None:
           "export.json: the source and how the emulation differs)")
 
 
+def _cmd_compare_quant(a) -> None:
+    from outlierscope.runs.compare import CompareSettings, compare_quant
+    from outlierscope.settings import from_cli
+
+    _headless()
+    compare_quant(from_cli(CompareSettings, vars(a)), a.out)
+    print(f"results written to {a.out} (compare.md, compare.csv, compare.json; the sweeps in real/ and emulated/)")
+
+
 def _headless() -> None:
     import matplotlib
 
@@ -439,6 +448,14 @@ def _add_result_commands(sub) -> None:
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=_cmd_export)
 
+    from outlierscope.runs.compare import CompareSettings
+
+    s = sub.add_parser("compare-quant", help="a quantized checkpoint against the emulation of its scheme on the float "
+                                             "model it came from, per item")
+    _add_settings(s, CompareSettings)
+    s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.set_defaults(func=_cmd_compare_quant)
+
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
     s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")
     s.add_argument("--svg", action="store_true", help="also write SVG files")
@@ -464,7 +481,8 @@ def _add_generate_command(sub) -> None:
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
-            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out"}}
+            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out"},
+            "compare-quant": {"--out"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

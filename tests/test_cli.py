@@ -152,7 +152,11 @@ RUNS = {"profile": ("outlierscope.runs.profile", "ProfileSettings", ["--model", 
         "sweep": ("outlierscope.runs.sweep", "SweepSettings", ["--out", "o"], {}),
         "sensitivity": ("outlierscope.runs.sensitivity", "SensitivitySettings", ["--model", "m", "--out", "o"],
                         {"model": "m"}),
-        "reproduce": ("outlierscope.runs.reproduce", "ReproduceSettings", [], {})}
+        "reproduce": ("outlierscope.runs.reproduce", "ReproduceSettings", [], {}),
+        "export": ("outlierscope.runs.export", "ExportSettings", ["--model", "m", "--quant", "w8a8", "--out", "o"],
+                   {"model": "m", "quant": "w8a8"}),
+        "compare-quant": ("outlierscope.runs.compare", "CompareSettings", ["--real", "r", "--model", "m", "--out", "o"],
+                          {"real": "r", "model": "m"})}
 
 
 def _subparser(cmd):
@@ -188,7 +192,7 @@ def test_run_flags_are_the_settings_fields(cmd):
 
 def test_every_command_that_runs_a_model_takes_device_map():
     """README: every command that runs a model takes --device-map (sensitivity did not)."""
-    for cmd in ("profile", "sweep", "sensitivity", "reproduce", "generate"):
+    for cmd in ("profile", "sweep", "sensitivity", "reproduce", "generate", "compare-quant"):
         flags = {o for a in _subparser(cmd)._actions for o in a.option_strings}
         assert "--device-map" in flags and "--device" in flags, cmd
 

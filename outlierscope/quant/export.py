@@ -186,3 +186,81 @@ def recipe(spec: AttnQuant, ignore: list[str]) -> dict:
         quant["kv_cache_scheme"] = kv
     modifiers["QuantizationModifier"] = quant
     return {"default_stage": {"default_modifiers": modifiers}}
+
+
+# the other direction: what a checkpoint's quantization_config says, as a spec the emulation runs on float weights
+
+def _format_from_args(args: dict) -> tuple[str, bool]:
+    """(format text, whether it brings its own blocks) of compressed-tensors ``QuantizationArgs`` fields."""
+    for fmt, block in BLOCK_ARGS.items():
+        keys = ("num_bits", "type", "group_size", "strategy")
+        if all(args.get(k) == block[k] for k in keys):
+            return fmt, True
+    if args.get("type") == "int":
+        return f"{'fint' if args.get('symmetric', True) else 'asym'}{args['num_bits']}", False
+    if args.get("type") == "float" and args.get("num_bits") == 8:
+        return "e4m3", False
+    raise OutlierscopeError(f"compressed-tensors arguments {args} have no emulation here (expected int, FP8 E4M3, "
+                            f"{', '.join(BLOCK_ARGS)})")
+
+
+def part_text(target: str, args: dict) -> str:
+    """One ``a=``/``w=`` part (or ``kv=``) of a spec from compressed-tensors ``QuantizationArgs`` fields; symmetric
+    int on compressed-tensors' own full-range grid (``fint``)."""
+    fmt, block = _format_from_args(args)
+    if block:
+        return f"{target}={fmt}"
+    strategy = args.get("strategy")
+    if target == "a" and strategy == "tensor":
+        return f"a={fmt}/{'per_tensor' if args.get('dynamic') else 'static'}"
+    gran = {"channel": "per_channel", "token": "per_token", "tensor": "per_tensor", "attn_head": "per_head"}.get(strategy)
+    if strategy == "group":
+        gran = f"per_group:{args['group_size']}"
+    if gran is None:
+        raise OutlierscopeError(f"compressed-tensors strategy {strategy!r} of {target}= has no emulation here "
+                                "(expected channel, group, tensor, token)")
+    return f"{target}={fmt}/{gran}"
+
+
+def _scope(model: nn.Module, quantized: set[str]) -> str:
+    """``layers:``/``linears:`` items that select exactly ``quantized`` (the decoder layers' linear names)."""
+    from outlierscope.quant.linear import HEAD, layer_linears
+
+    names = {id(m): n for n, m in model.named_modules()}
+    per_layer = [{p: names[id(m)] for p, m in layer} for layer in layer_linears(model)]
+    head = names.get(id(model.get_output_embeddings()))
+    extra = quantized - {n for layer in per_layer for n in layer.values()} - {head}
+    layers = [i for i, layer in enumerate(per_layer) if quantized.intersection(layer.values())]
+    paths = {tuple(sorted(p for p, n in per_layer[i].items() if n in quantized)) for i in layers}
+    if extra or len(paths) != 1:
+        raise OutlierscopeError("the checkpoint quantizes "
+                                + ("modules outside the decoder layers (" + ", ".join(sorted(extra)) + ")" if extra
+                                   else "different linears in different layers")
+                                + "; give the emulation's spec yourself (quant=)")
+    (chosen,) = paths
+    pats = ["*"] if set(chosen) == set(per_layer[layers[0]]) else list(chosen)
+    pats += [HEAD] if head in quantized else []
+    items = [] if pats == ["*"] else [f"linears:{','.join(pats)}"]
+    return "; ".join(items + ([] if len(layers) == len(per_layer) else [f"layers:{','.join(map(str, layers))}"]))
+
+
+def spec_from_config(qconfig: dict, model: nn.Module) -> AttnQuant:
+    """The spec that emulates a checkpoint's compressed-tensors ``quantization_config`` on its float weights: one
+    config group of ``Linear`` targets (weights, input activations), the modules its ignore list leaves quantized
+    in ``model`` (a meta model will do), the KV cache scheme. Refused in one line when it has no such form."""
+    from compressed_tensors.utils.match import match_named_modules
+
+    groups = list((qconfig.get("config_groups") or {}).values())
+    if len(groups) > 1 or groups and groups[0].get("output_activations"):
+        raise OutlierscopeError("the checkpoint's quantization_config has several config groups or output "
+                                "activations; give the emulation's spec yourself (quant=)")
+    items = []
+    if groups:
+        g = groups[0]
+        items += [part_text(t, g[k]) for t, k in (("w", "weights"), ("a", "input_activations")) if g.get(k)]
+        quantized = {n for n, m in match_named_modules(model, g["targets"], qconfig.get("ignore") or [])
+                     if isinstance(m, nn.Linear)}
+        items.append(_scope(model, quantized))
+    if qconfig.get("kv_cache_scheme"):
+        items.append(part_text("kv", {**qconfig["kv_cache_scheme"], "dynamic": False}).replace("/static", "/per_tensor"))
+    return AttnQuant.parse("; ".join(i for i in items if i) or "none")

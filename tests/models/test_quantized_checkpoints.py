@@ -170,3 +170,32 @@ def test_the_emulation_on_compressed_tensors_grid_is_the_checkpoint(tiny_pair, t
             restricted = plain.model.model(input_ids=ids).last_hidden_state
     assert torch.equal(full, want)
     assert (restricted - want).abs().max() > 1e3 * (full - want).abs().max().clamp_min(1e-12)
+
+
+def test_compare_quant_reads_the_scheme_and_pairs_items(tiny_pair, hs_jsonl, hellaswag_cached, tmp_path):
+    """compare-quant on the W8A8 checkpoint: the scheme read from its quantization_config is compressed-tensors' grid
+    (fint8); that emulation scores every item exactly as the checkpoint does (no log-likelihood moves), our
+    restricted-range w8a8 moves them; float vs real equals float vs the exact emulation (computed here from the cells)."""
+    import pandas as pd
+
+    from outlierscope.cli import main
+
+    ckpt = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
+    out = tmp_path / "cmp"
+    assert main(["compare-quant", "--real", str(ckpt), "--model", str(tiny_pair["transformer"]), "--limit", "12",
+                 "--quant", "a=fint8/per_token; w=fint8/per_channel", "--quant", "w8a8", "--out", str(out)]) == 0
+    t = pd.read_csv(out / "compare.csv").set_index(["a", "b"])
+    exact = t.loc[("real", "emulated: a=fint8/per_token; w=fint8/per_channel")]
+    assert exact["max_abs_ll_change"] == 0 and exact["acc_norm_pred_differs"] == 0
+    assert t.loc[("real", "emulated: a=int8/per_token; w=int8/per_channel")]["max_abs_ll_change"] > 1e-4
+    real = pd.read_csv(next((out / "real/cells").glob("*_b16_*.csv")))
+    base = pd.read_csv(next(p for p in (out / "emulated/cells").glob("*_b16_*.csv")))
+    cols = [c for c in real if c.startswith("score")]
+    want = (real[cols] - base[cols]).abs().to_numpy().mean()
+    assert t.loc[("float", "real")]["mean_abs_ll_change"] == pytest.approx(want, rel=1e-12) and want > 0
+    rec = json.loads((out / "compare.json").read_text())
+    assert rec["quantization_config"]["quant_method"] == "compressed-tensors"
+    assert main(["compare-quant", "--real", str(ckpt), "--model", str(tiny_pair["transformer"]), "--limit", "12",
+                 "--out", str(tmp_path / "derived")]) == 0
+    assert json.loads((tmp_path / "derived/compare.json").read_text())["specs"] == \
+        ["a=fint8/per_token; w=fint8/per_channel"]

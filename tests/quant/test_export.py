@@ -105,3 +105,41 @@ def test_recipe_carries_smoothquant_and_the_same_scheme():
     q = r["QuantizationModifier"]
     assert q["ignore"] == ["lm_head"] and ctq.QuantizationScheme(**q["config_groups"]["group_0"]) == \
         ctq.preset_name_to_scheme("W8A8", ["Linear"])
+
+
+@pytest.mark.parametrize("text", [
+    "w=fint8/per_channel; a=fint8/per_token", "w=fint4/per_group:16", "w=asym4/per_group:16; a=fint8/per_token",
+    "w=e4m3/per_channel; a=e4m3/per_token", "nvfp4", "mxfp4", "w=fint8/per_channel; a=fint8/static",
+    "w=fint8/per_channel; linears:mlp.down_proj,self_attn.o_proj", "w=fint8/per_channel; layers:0,2",
+    "w=fint8/per_channel; a=fint8/per_token; kv=e4m3/per_tensor", "w=fint8/per_channel; a=fint8/per_token; "
+    "linears:*,lm_head", "w=fint8/per_channel; linears:mlp.down_proj,lm_head; layers:1",
+])
+def test_a_checkpoints_config_reads_back_as_the_spec(text):
+    """spec -> quantization_config -> spec, through compressed-tensors' matcher on the module tree (int reads back as
+    fint: compressed-tensors has one symmetric grid, the full-range one)."""
+    model = _meta_llama()
+    spec = AttnQuant.parse(text)
+    config = qexport.quantization_config(spec, qexport.ignore_list(model, {s.name for s in _sites(model, spec)}))
+    assert qexport.spec_from_config(config, model) == spec
+    int_spec = AttnQuant.parse(text.replace("fint", "int"))
+    config = qexport.quantization_config(int_spec, qexport.ignore_list(model, {s.name for s in _sites(model, int_spec)}))
+    assert qexport.spec_from_config(config, model) == spec
+
+
+def _sites(model, spec):
+    from outlierscope.quant.linear import linear_sites
+
+    return linear_sites(model, spec)
+
+
+def test_a_config_with_no_spec_form_is_refused():
+    model = _meta_llama()
+    w = qexport.tensor_args(AttnQuant.parse("w=int8/per_channel").part("w"))
+    mixed = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": w}},
+             "ignore": ["lm_head", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj"]}
+    with pytest.raises(OutlierscopeError, match="different linears in different layers"):
+        qexport.spec_from_config(mixed, model)
+    block = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": {**w, "strategy": "block",
+                                                                              "block_structure": [128, 128]}}}}
+    with pytest.raises(OutlierscopeError, match="strategy 'block'"):
+        qexport.spec_from_config(block, model)

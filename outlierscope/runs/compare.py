@@ -1,0 +1,160 @@
+"""Emulated vs real: a quantized checkpoint against the emulation of its scheme on the float weights it came from,
+per item, with paired statistics.
+
+    spec    = quant, or what the checkpoint's quantization_config says (quant.export.spec_from_config:
+              int on compressed-tensors' full-range grid, fintB)
+    real    = sweep(checkpoint, 16 bits)                 -> out/real      (its own quantized forward)
+    emulated = sweep(float model, 16 bits + each spec)   -> out/emulated  (cells resume, reports as any sweep)
+    per task: real vs each emulation (same items, same order): predictions that differ, McNemar p, mean and max
+              |change| of a choice's log-likelihood, gold log-likelihood change with its paired interval; and what
+              each costs against the float model
+    write compare.csv, compare.md, compare.json (both models' sources, the checkpoint's quantization_config, the
+          spec, how emulation and real differ by construction)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from outlierscope.analysis.paired import mcnemar_exact, mean_change
+from outlierscope.errors import ParamError
+from outlierscope.eval.evaluate import EvalResult
+from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
+from outlierscope.models.loading import (
+    check_model,
+    device_map_option,
+    device_option,
+    dtype_option,
+     meta_model,
+    trust_remote_code_option,
+)
+from outlierscope.quant import export as qexport
+from outlierscope.quant.recipe import AttnQuant
+from outlierscope.runs.sweep import SweepSettings, sweep
+from outlierscope.settings import option
+
+
+@dataclass(frozen=True)
+class CompareSettings:
+    real: str = option(None, "the quantized checkpoint (directory, Hub id)", metavar="SPEC")
+    model: str = option(None, "the float model it was made from", metavar="SPEC")
+    quant: tuple[str, ...] = option((), "the emulation(s) to compare (default: the checkpoint's quantization_config "
+                                    "as a spec); repeat", flag="--quant", repeat=True, metavar="SPEC")
+    tasks: tuple[str, ...] = option(("hellaswag",), "tasks, as sweep's --task", flag="--task", repeat=True,
+                                    metavar="TASK")
+    sample: int | None = option(None, "N items of each task drawn at random (with --seed)")
+    limit: int | None = option(None, "first N items of each task")
+    seed: int = option(0, "seeds --sample and the bootstrap")
+    batch_size: int = option(32, "(context, ending) sequences per forward")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    device_map: str | None = device_map_option()
+    trust_remote_code: bool = trust_remote_code_option()
+
+    def __post_init__(self):
+        for name in ("real", "model"):
+            if not getattr(self, name):
+                raise ParamError(name, "a model spec (directory, Hub id, preset role or fetched model)", getattr(self, name))
+        if self.real == self.model:
+            raise ParamError("real", "another model than model (the checkpoint, not its float source)", self.real)
+        object.__setattr__(self, "quant", tuple(self.quant))
+        self.sweep_settings(self.model, ())  # tasks, items, batch and dtype checked as sweep checks them
+
+    def sweep_settings(self, model: str, quant: tuple[str, ...]) -> SweepSettings:
+        return SweepSettings(models=(model,), bits=(16,), quant=quant, tasks=self.tasks, sample=self.sample,
+                             limit=self.limit, seed=self.seed, batch_size=self.batch_size, dtype=self.dtype,
+                             device=self.device, device_map=self.device_map, trust_remote_code=self.trust_remote_code)
+
+
+def emulations(s: CompareSettings) -> tuple[list[str], dict | None]:
+    """The specs to emulate (``quant``, or the checkpoint's quantization_config as one) and that config."""
+    import json
+
+    source, config = check_model(s.real, s.trust_remote_code)
+    qconfig = json.loads((source.path / "config.json").read_text()).get("quantization_config")
+    if s.quant:
+        return [str(AttnQuant.parse(q)) for q in s.quant], qconfig
+    if not qconfig or qconfig.get("quant_method") != "compressed-tensors":
+        raise ParamError("quant", f"given: {s.real} is no compressed-tensors checkpoint whose scheme could be read "
+                         f"(quant_method {qconfig and qconfig.get('quant_method')!r})", s.quant)
+    return [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))], qconfig
+
+
+def _cells(out: Path) -> dict[tuple[str, str], EvalResult]:
+    """(task, quant text or '16') -> the sweep's cell result, read back from ``out``."""
+    rec = read_record(out / "sweep.json", ("cells",))
+    return {(c["task"], c.get("quant", "16")): EvalResult.load(out / "cells", c["cell"]) for c in rec["cells"]}
+
+
+def pair_row(a: EvalResult, b: EvalResult, seed: int) -> dict:
+    """b against a on the same items: predictions that differ, McNemar p, log-likelihood changes, gold change."""
+    cols = a.score_columns
+    change = np.abs(b.items[cols].to_numpy() - a.items[cols].to_numpy())  # (N, choices); NaN: no such choice
+    gold = mean_change(a.gold_loglik(), b.gold_loglik(), seed)
+    row = {"n_items": len(a.items)}
+    for m, col in (("acc", "pred"), ("acc_norm", "pred_norm")):
+        if col in a.items:
+            row[f"{m}_a"], row[f"{m}_b"] = a.metrics[m], b.metrics[m]
+            row[f"{m}_pred_differs"] = int((a.items[col].to_numpy() != b.items[col].to_numpy()).sum())
+            row[f"{m}_mcnemar_p"] = mcnemar_exact(a.correct(m), b.correct(m))
+    return {**row, "mean_abs_ll_change": float(np.nanmean(change)), "max_abs_ll_change": float(np.nanmax(change)),
+            "gold_ll_delta": gold["delta"], "gold_ll_ci_low": gold["ci_low"], "gold_ll_ci_high": gold["ci_high"]}
+
+
+def compare_table(real: dict, emulated: dict, specs: list[str], tasks, seed: int) -> pd.DataFrame:
+    """Per task: float vs real, float vs each emulation, real vs each emulation (a = the first, b = the second)."""
+    rows = []
+    for task in tasks:
+        base, r = emulated[(task, "16")], real[(task, "16")]
+        rows.append({"task": task, "a": "float", "b": "real", **pair_row(base, r, seed)})
+        for spec in specs:
+            e = emulated[(task, spec)]
+            rows.append({"task": task, "a": "float", "b": f"emulated: {spec}", **pair_row(base, e, seed)})
+            rows.append({"task": task, "a": "real", "b": f"emulated: {spec}", **pair_row(r, e, seed)})
+    return pd.DataFrame(rows)
+
+
+def _markdown(table: pd.DataFrame, record: dict) -> str:
+    lines = [f"# Emulated vs real: {record['real']} against {record['model']}", "",
+             "b against a on the same items: acc_norm of each, predictions that differ, McNemar p, mean / max |change| "
+             "of a choice's log-likelihood (nats), gold log-likelihood change b - a with its 95% paired interval.", "",
+             "| task | a | b | acc_norm a | acc_norm b | differ | p | mean abs | max abs | gold ll change |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    m = "acc_norm" if "acc_norm_a" in table and table["acc_norm_a"].notna().all() else "acc"
+    for r in table.itertuples(index=False):
+        d = r._asdict()
+        lines.append(f"| {d['task']} | {d['a']} | {d['b']} | {100 * d[f'{m}_a']:.2f} | {100 * d[f'{m}_b']:.2f} | "
+                     f"{d[f'{m}_pred_differs']} / {d['n_items']} | {d[f'{m}_mcnemar_p']:.3g} | "
+                     f"{d['mean_abs_ll_change']:.3g} | {d['max_abs_ll_change']:.3g} | {d['gold_ll_delta']:+.3f} "
+                     f"[{d['gold_ll_ci_low']:+.3f}, {d['gold_ll_ci_high']:+.3f}] |")
+    lines += ["", "How emulation and real differ by construction:", ""]
+    lines += [f"- {d}" for d in record["differences"]]
+    return "\n".join(lines) + "\n"
+
+
+def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, log=print) -> pd.DataFrame:
+    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison."""
+    specs, qconfig = emulations(s)
+    check_model(s.model, s.trust_remote_code)
+    out = Path(out)
+    with output_dir(out):
+        log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}")
+        real_run = sweep(s.sweep_settings(s.real, ()), out / "real", progress=progress, log=log)
+        emu_run = sweep(s.sweep_settings(s.model, tuple(specs)), out / "emulated", progress=progress, log=log)
+        tasks = real_run.record["settings"]["tasks"]
+        table = compare_table(_cells(out / "real"), _cells(out / "emulated"), specs, tasks, s.seed)
+        record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
+                  "quantization_config": qconfig, "model_sources": {**real_run.record["model_sources"],
+                                                                    **emu_run.record["model_sources"]},
+                  "differences": [d for spec in specs for d in qexport.differences(AttnQuant.parse(spec))],
+                  "versions": versions(), "machine": machine(), "git_commit": git_commit()}
+        record["differences"] = list(dict.fromkeys(record["differences"]))
+        write_csv(out / "compare.csv", table)
+        write_text(out / "compare.md", _markdown(table, record))
+        write_json(out / "compare.json", record)
+    return table
