@@ -9,7 +9,7 @@ REPRODUCE_ARGS ?=
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
-.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare clean
+.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare llmc-venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,16 @@ lmeval-venv: .venv-lmeval/.installed
 LMEVAL_MODEL ?= outlierscope/pretrained/pair-tiny/diff
 lmeval-compare: install data lmeval-venv
 	$(BIN)/python bench/eval_vs_lmeval.py --model $(LMEVAL_MODEL) $(LMEVAL_ARGS)
+
+# llm-compressor 0.14.0.1 in a venv of its own (it pins compressed-tensors 0.19.0 and transformers <= 5.17), for
+# bench/llmc_oneshot.py: a compressed-tensors checkpoint from an `outlierscope export` (docs/checkpoints)
+.venv-llmc/.installed:
+	$(PYTHON) -m venv .venv-llmc
+	.venv-llmc/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	.venv-llmc/bin/python -m pip install -q --disable-pip-version-check "llmcompressor==0.14.0.1"
+	touch $@
+
+llmc-venv: .venv-llmc/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

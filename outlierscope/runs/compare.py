@@ -43,8 +43,9 @@ from outlierscope.settings import option
 class CompareSettings:
     real: str = option(None, "the quantized checkpoint (directory, Hub id)", metavar="SPEC")
     model: str = option(None, "the float model it was made from", metavar="SPEC")
-    quant: tuple[str, ...] = option((), "the emulation(s) to compare (default: the checkpoint's quantization_config "
-                                    "as a spec); repeat", flag="--quant", repeat=True, metavar="SPEC")
+    quant: tuple[str, ...] = option((), "also compare these emulations (a compressed-tensors checkpoint's own scheme "
+                                    "is always compared, read from its quantization_config; other checkpoints need "
+                                    "one); repeat", flag="--quant", repeat=True, metavar="SPEC")
     tasks: tuple[str, ...] = option(("hellaswag",), "tasks, as sweep's --task", flag="--task", repeat=True,
                                     metavar="TASK")
     sample: int | None = option(None, "N items of each task drawn at random (with --seed)")
@@ -72,17 +73,19 @@ class CompareSettings:
 
 
 def emulations(s: CompareSettings) -> tuple[list[str], dict | None]:
-    """The specs to emulate (``quant``, or the checkpoint's quantization_config as one) and that config."""
+    """The specs to emulate (a compressed-tensors checkpoint's own, read from its quantization_config, then
+    ``quant``) and that config."""
     import json
 
     source, config = check_model(s.real, s.trust_remote_code)
     qconfig = json.loads((source.path / "config.json").read_text()).get("quantization_config")
-    if s.quant:
-        return [str(AttnQuant.parse(q)) for q in s.quant], qconfig
-    if not qconfig or qconfig.get("quant_method") != "compressed-tensors":
+    own = []
+    if qconfig and qconfig.get("quant_method") == "compressed-tensors":
+        own = [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))]
+    elif not s.quant:
         raise ParamError("quant", f"given: {s.real} is no compressed-tensors checkpoint whose scheme could be read "
-                         f"(quant_method {qconfig and qconfig.get('quant_method')!r})", s.quant)
-    return [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))], qconfig
+                         f"(quant_method {qconfig and qconfig.get('quant_method')!r}); name its emulation", s.quant)
+    return list(dict.fromkeys(own + [str(AttnQuant.parse(q)) for q in s.quant])), qconfig
 
 
 def _cells(out: Path) -> dict[tuple[str, str], EvalResult]:
