@@ -423,6 +423,21 @@ def _check_quantization_packages(path: Path, quant: dict | None) -> None:
         names = " ".join(m.replace("_", "-") for m in missing)
         raise OutlierscopeError(f"{path}: a {method} checkpoint needs {', '.join(missing)} to load; install it "
                                 f"(pip install {names}) or use the model's full-precision weights")
+    if method == "bitsandbytes":
+        _check_bnb_state(path, quant)
+
+
+def _check_bnb_state(path: Path, quant: dict) -> None:
+    """A bitsandbytes config over weights saved in full precision (no int8 ``SCB`` / 4-bit ``quant_state`` tensors):
+    transformers would take them for quantized ones and fail in the first forward."""
+    from safetensors import safe_open
+
+    keys = [k for f in sorted(path.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()]
+    if keys and not any(k.endswith(".SCB") or ".quant_state." in k or k.endswith(".absmax") for k in keys):
+        bits = "4-bit" if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else "8-bit"
+        raise OutlierscopeError(f"{path}: config.json asks bitsandbytes for {bits} weights, but the safetensors hold "
+                                "full-precision ones (no quantization state); remove quantization_config from "
+                                "config.json, or save the model quantized with bitsandbytes first")
 
 
 def _check_weight_headers(path: Path, config, trust_remote_code: bool) -> None:
@@ -545,6 +560,9 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     stored = stored.get("dtype") or stored.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
     placement = {"device_map": device_map} if device_map is not None else {}
+    bnb = (_read_config_json(path).get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
+    if bnb and device_map is None:  # bitsandbytes quantizes (or reads its int8/4-bit state) only when placed at load
+        placement = {"device_map": {"": dev}}
     with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -560,7 +578,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     _check_loading_info(path, info)
     _check_vocab(path, _embedding_rows(model), tokenizer)
     _decompress_now(model)
-    if device_map is None and dev != "cpu":
+    if not placement and dev != "cpu":
         model.to(dev)
     model.eval()
     return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source)

@@ -196,3 +196,56 @@ def test_compare_quant_reads_the_scheme_and_pairs_items(tiny_pair, hs_jsonl, hel
     rec = json.loads((out / "compare.json").read_text())
     assert rec["quantization_config"]["quant_method"] == "compressed-tensors"
     assert rec["specs"] == ["a=fint8/per_token; w=fint8/per_channel", "a=int8/per_token; w=int8/per_channel"]
+
+
+def _bnb_checkpoint(src: str, out, bits: int):
+    """The test pair's Transformer saved by transformers + bitsandbytes on the CPU (8-bit LLM.int8 or 4-bit NF4)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    cfg = BitsAndBytesConfig(load_in_8bit=True) if bits == 8 else \
+        BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    AutoModelForCausalLM.from_pretrained(src, quantization_config=cfg, device_map="cpu").save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return out
+
+
+@pytest.mark.parametrize("bits, layer", [(8, "Linear8bitLt"), (4, "Linear4bit")])
+def test_bitsandbytes_saved_checkpoints_load_and_score(bits, layer, tmp_path):
+    """A bitsandbytes-saved model loads by directory with its quantized layers; the trunk gives transformers' own
+    forward of the same checkpoint; a profile of the hidden states and an evaluation run on it."""
+    from transformers import AutoModelForCausalLM
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model, resolve_spec
+
+    src = str(resolve_spec("pair-tiny:transformer"))  # bitsandbytes' CPU 4-bit kernel needs wider layers than 32
+    path = _bnb_checkpoint(src, tmp_path / f"bnb{bits}", bits)
+    lm = load_model(str(path))
+    assert type(lm.model.model.layers[0].mlp.down_proj).__name__ == layer
+    ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = AutoModelForCausalLM.from_pretrained(path, device_map="cpu", attn_implementation="eager")
+    with torch.no_grad():
+        plain = load_model(src).model.model(input_ids=ids).last_hidden_state
+        trunk = lm.model.model(input_ids=ids).last_hidden_state
+        assert torch.equal(trunk, ref.model(input_ids=ids).last_hidden_state)
+    assert (trunk - plain).abs().max() > 1e-4 * plain.abs().max()  # quantized
+    assert lm.provenance()["quantization_config"]["quant_method"] == "bitsandbytes"
+    res = evaluate(lm, limit=4, batch_size=4, progress=False)
+    assert len(res.items) == 4
+
+
+def test_a_bitsandbytes_config_over_float_weights_is_one_line(tiny_pair, tmp_path, capsys):
+    """A config.json asking bitsandbytes for load_in_8bit over full-precision weights (a defect: a traceback in the
+    first forward, as transformers takes them for quantized ones) is refused in one line before any work."""
+    import shutil
+
+    from outlierscope.cli import main
+
+    path = tmp_path / "float-8bit"
+    shutil.copytree(tiny_pair["transformer"], path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert main(["sweep", "--model", str(path), "--bits", "16", "--limit", "2", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "full-precision ones" in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
