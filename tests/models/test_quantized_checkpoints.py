@@ -10,32 +10,36 @@ import torch
 ct = pytest.importorskip("compressed_tensors")
 
 
-def _w8a8_checkpoint(src: str, out):
-    """The Transformer of the test pair as compressed-tensors W8A8 (int8 per-channel weights, RTN with
-    compressed-tensors' own scales; int8 dynamic per-token activations; the LM head ignored), saved compressed."""
+def _checkpoint(src: str, out, preset: str = "W8A8", group: int | None = None):
+    """A model of the test pair as compressed-tensors' ``preset`` (W8A8: int8 per-channel weights, int8 dynamic
+    per-token activations; W4A16: int4 weights in groups of ``group`` inputs), RTN with compressed-tensors' own
+    scales (calculate_qparams on each channel's or group's min and max), the LM head ignored, saved compressed."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
-        QuantizationArgs,
         QuantizationConfig,
-        QuantizationScheme,
         QuantizationStatus,
         apply_quantization_config,
+        preset_name_to_scheme,
     )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
     from outlierscope.models.loading import load_model
 
     lm = load_model(src)
-    w = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")
-    a = QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
-    config = QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=w,
-                                                                             input_activations=a)}, ignore=["lm_head"])
-    apply_quantization_config(lm.model, config)
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    if group is not None:
+        scheme.weights.group_size = group
+    w = scheme.weights
+    apply_quantization_config(lm.model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
     for mod in lm.model.modules():
         if hasattr(mod, "weight_scale"):
-            weight = mod.weight.data
-            scale, _ = calculate_qparams(weight.amin(1, keepdim=True), weight.amax(1, keepdim=True), w)
-            mod.weight_scale.data.copy_(scale)
+            weight = mod.weight.data  # (O, I)
+            if w.strategy == "group":
+                weight = weight.reshape(weight.shape[0], -1, w.group_size)  # (O, I/G, G)
+            lo, hi = weight.amin(-1), weight.amax(-1)  # (O, I/G) or (O,)
+            scale, _ = calculate_qparams(lo if w.strategy == "group" else lo[:, None],
+                                         hi if w.strategy == "group" else hi[:, None], w)
+            mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
             mod.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(lm.model)
     compressor.compress_model(lm.model)
@@ -43,6 +47,43 @@ def _w8a8_checkpoint(src: str, out):
     compressor.update_config(out)
     lm.tokenizer.save_pretrained(out)
     return out
+
+
+def _w8a8_checkpoint(src: str, out):
+    return _checkpoint(src, out)
+
+
+@pytest.mark.parametrize("role, preset, group, spec, fmt", [
+    ("transformer", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
+    ("diff", "W8A8", None, "a=fint8/per_token; w=fint8/per_channel", "int-quantized"),
+    ("diff", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
+])
+def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(role, preset, group, spec, fmt,
+                                                                             tiny_pair, tmp_path):
+    """W4A16 (packed int4 groups) and the Diff model: loaded by directory, the trunk gives compressed-tensors' own
+    whole-model forward; the spec read from the quantization_config is the one written here, and the float model
+    under it gives the same hidden states bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from outlierscope.models.loading import load_model, meta_model
+    from outlierscope.quant.apply import quantize_model
+    from outlierscope.quant.export import spec_from_config
+    from outlierscope.quant.recipe import AttnQuant
+
+    path = _checkpoint(str(tiny_pair[role]), tmp_path / "ckpt", preset, group)
+    qconfig = json.loads((path / "config.json").read_text())["quantization_config"]
+    assert qconfig["format"] == fmt
+    real, plain = load_model(str(path)), load_model(str(tiny_pair[role]))
+    ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    derived = spec_from_config(qconfig, meta_model(real.model.config))
+    assert derived == AttnQuant.parse(spec)
+    with torch.no_grad():
+        trunk = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
+        assert torch.equal(trunk, ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
+        with quantize_model(plain.model, derived):
+            assert torch.equal(plain.model.model(input_ids=ids).last_hidden_state, trunk)
+        assert not torch.equal(plain.model.model(input_ids=ids).last_hidden_state, trunk)
 
 
 def test_compressed_tensors_w8a8_loads_by_directory_and_scores(tiny_pair, hs_jsonl, tmp_path):
@@ -249,3 +290,33 @@ def test_a_bitsandbytes_config_over_float_weights_is_one_line(tiny_pair, tmp_pat
     assert main(["sweep", "--model", str(path), "--bits", "16", "--limit", "2", "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip()
     assert "full-precision ones" in err and len(err.splitlines()) == 1 and not (tmp_path / "o").exists()
+
+
+def test_sensitivity_and_the_lmeval_adapter_on_a_checkpoint(tiny_pair, hellaswag_cached, tmp_path):
+    """Sensitivity of an attention recipe on top of the W8A8 checkpoint (its record states the quantization_config),
+    and lm-eval's run through the adapter on the checkpoint: its log-likelihoods are evaluate()'s item by item."""
+    import numpy as np
+
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.lmeval.adapter import OutlierscopeLM
+    from outlierscope.lmeval.tasks import write_task_yamls
+    from outlierscope.models.loading import load_model
+    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+
+    path = str(_w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8"))
+    rec = sensitivity(SensitivitySettings(model=path, quant="k=int4/per_token", limit=4, batch_size=8, profile_tokens=256,
+                                          all_but=False), tmp_path / "sens", progress=False, log=lambda *_: None)
+    assert rec["model_source"]["quantization_config"]["quant_method"] == "compressed-tensors"
+    tasks = write_task_yamls(tmp_path / "tasks", ["hellaswag"])
+    res = lm_eval.simple_evaluate(model=OutlierscopeLM(path, bits=16, device="cpu", batch_size=4), tasks=tasks, limit=6,
+                                  log_samples=True,
+                                  task_manager=TaskManager(include_path=str(tmp_path / "tasks"), include_defaults=False))
+    theirs = np.array([[float(r[0]) for r in s["filtered_resps"]] for s in res["samples"][tasks[0]]])  # (N, C)
+    mine = evaluate(load_model(path), limit=6, batch_size=4, progress=False)
+    # lm-eval batches otherwise: float32 rounding can move an activation across an int8 step of the checkpoint's own
+    # per-token quantization (a few 1e-4 nats on ~100), never a prediction
+    np.testing.assert_allclose(theirs, mine.items[mine.score_columns].to_numpy(), rtol=1e-5, atol=0)
+    assert (theirs.argmax(1) == mine.items["pred"].to_numpy()).all()
