@@ -532,10 +532,14 @@ def _check_vocab(path: Path, rows: int | None, tokenizer) -> None:
 def _decompress_now(model) -> None:
     """A compressed-tensors checkpoint (llm-compressor's W8A8, W4A16, FP8, NVFP4) loads packed and decompresses on
     the first forward of the whole model (a pre-hook); the scorer and the profile run the trunk alone, so decompress
-    here. Each quantized linear keeps compressed-tensors' own quantized forward (its activation scheme emulated)."""
+    here. Each quantized linear keeps compressed-tensors' own quantized forward (its activation scheme emulated).
+    Weights that decompress to another dtype (NVFP4: bfloat16) take the model's, as its own forward would need."""
     quantizer = getattr(model, "hf_quantizer", None)
     if getattr(model, "ct_decompress_hook", None) is not None and hasattr(quantizer, "compressor"):
         quantizer.compressor.decompress_model(model)
+        for p in model.parameters():  # NVFP4 decompresses to bfloat16 whatever the model's dtype (exact in float32)
+            if p.is_floating_point() and p.dtype != model.dtype:
+                p.data = p.data.to(model.dtype)
 
 
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",

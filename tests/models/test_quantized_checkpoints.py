@@ -21,7 +21,7 @@ def _checkpoint(src: str, out, preset: str = "W8A8", group: int | None = None):
         apply_quantization_config,
         preset_name_to_scheme,
     )
-    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 
     from outlierscope.models.loading import load_model
 
@@ -34,11 +34,16 @@ def _checkpoint(src: str, out, preset: str = "W8A8", group: int | None = None):
     for mod in lm.model.modules():
         if hasattr(mod, "weight_scale"):
             weight = mod.weight.data  # (O, I)
-            if w.strategy == "group":
+            grouped = w.strategy in ("group", "tensor_group")
+            gscale = None
+            if w.strategy == "tensor_group":  # NVFP4: a float32 per-tensor scale above the E4M3 group scales
+                gscale = generate_gparam(weight.amin()[None], weight.amax()[None])
+                mod.weight_global_scale.data.copy_(gscale.reshape(mod.weight_global_scale.shape))
+            if grouped:
                 weight = weight.reshape(weight.shape[0], -1, w.group_size)  # (O, I/G, G)
             lo, hi = weight.amin(-1), weight.amax(-1)  # (O, I/G) or (O,)
-            scale, _ = calculate_qparams(lo if w.strategy == "group" else lo[:, None],
-                                         hi if w.strategy == "group" else hi[:, None], w)
+            scale, _ = calculate_qparams(lo if grouped else lo[:, None], hi if grouped else hi[:, None], w,
+                                         global_scale=gscale)
             mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
             mod.quantization_status = QuantizationStatus.FROZEN
     compressor = ModelCompressor.from_pretrained_model(lm.model)
@@ -57,6 +62,8 @@ def _w8a8_checkpoint(src: str, out):
     ("transformer", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
     ("diff", "W8A8", None, "a=fint8/per_token; w=fint8/per_channel", "int-quantized"),
     ("diff", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
+    ("transformer", "FP8_DYNAMIC", None, "a=e4m3/per_token; w=e4m3/per_channel", "float-quantized"),
+    ("transformer", "NVFP4A16", None, "w=nvfp4", "nvfp4-pack-quantized"),
 ])
 def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(role, preset, group, spec, fmt,
                                                                              tiny_pair, tmp_path):
@@ -80,6 +87,13 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     assert derived == AttnQuant.parse(spec)
     with torch.no_grad():
         trunk = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
+        if preset.startswith("NVFP4"):  # decompressed to bfloat16 (their forward of a float32 model fails on that)
+            from outlierscope.quant.linear_ops import quantize_weight
+
+            w = plain.model.model.layers[1].mlp.down_proj.weight  # (O, I)
+            want = quantize_weight(w, derived.part("w")).to(torch.bfloat16).float()
+            assert torch.equal(real.model.model.layers[1].mlp.down_proj.weight, want)
+            return
         assert torch.equal(trunk, ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
         with quantize_model(plain.model, derived):
             assert torch.equal(plain.model.model(input_ids=ids).last_hidden_state, trunk)
