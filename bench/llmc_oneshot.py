@@ -8,7 +8,7 @@ transformers <= 5.17, not ours), imports nothing of outlierscope. Steps:
 2. ``oneshot(model, recipe)`` on the float model (RTN weights; SmoothQuant and static scales calibrate on
    ``--calib-text``, packed into ``--calib-seqs`` sequences of ``--calib-len`` tokens);
 3. the model saved compressed into ``--out``; the ``quantization_config`` llm-compressor wrote must again match the
-   export's. What it found goes to ``--out``/llmc_oneshot.json (and stdout).
+   export's. What it found goes to llmc_oneshot.json in ``--out`` and in the export's directory (and stdout).
 
 Usage: .venv-llmc/bin/python bench/llmc_oneshot.py --model DIR --export EXPORT_DIR --out CKPT_DIR [--calib-text F]
 """
@@ -92,7 +92,8 @@ def main() -> None:
               "versions": {"llmcompressor": llmcompressor.__version__, "compressed_tensors": compressed_tensors.__version__,
                            "transformers": transformers.__version__, "torch": torch.__version__,
                            "python": platform.python_version()}}
-    (Path(a.out) / "llmc_oneshot.json").write_text(json.dumps(record, indent=1) + "\n")
+    for d in (Path(a.out), export):
+        (d / "llmc_oneshot.json").write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps(record, indent=1))
     if not (record["parser_matches_export"] and record["checkpoint_matches_export"]):
         raise SystemExit("llm-compressor's reading of the export differs from it (see the record above)")
