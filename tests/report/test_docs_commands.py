@@ -47,3 +47,39 @@ def test_readme_commands_give_the_recorded_settings(folder, letter):
     recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
                 if p.name in ("sweep.json", "sensitivity.json")}
     assert recorded and made == recorded
+
+
+def test_readme_commands_made_docs_checkpoints():
+    """docs/checkpoints/: each export, compare-quant and profile line of the README gives its record's settings (the
+    profile: also its models), each llm-compressor line names the export and checkpoint its record holds, and every
+    record under the directory has its line."""
+    from outlierscope.cli import build_parser
+    from outlierscope.runs.compare import CompareSettings
+    from outlierscope.runs.export import ExportSettings
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.settings import from_cli
+
+    classes = {"export": (ExportSettings, "export.json"), "compare-quant": (CompareSettings, "compare.json"),
+               "profile": (ProfileSettings, "profile.json")}
+    made = set()
+    for argv in _commands("checkpoints", "W"):
+        if argv[0] == "rm":  # the profile's bulky per-channel and per-position tables (tens of MB)
+            continue
+        if argv[0].endswith("python"):
+            a = dict(zip(argv[2::2], argv[3::2]))
+            record = json.loads((ROOT / a["--export"] / "llmc_oneshot.json").read_text())
+            assert (record["export"], record["out"]) == (a["--export"], a["--out"])
+            assert record["parser_matches_export"] and record["checkpoint_matches_export"]
+            made.add((ROOT / a["--export"] / "llmc_oneshot.json").resolve())
+            continue
+        assert argv[0] == "outlierscope", argv
+        a = build_parser().parse_args(argv[1:])
+        cls, name = classes[argv[1]]
+        record = json.loads((ROOT / a.out / name).read_text())
+        assert json.loads(json.dumps(asdict(from_cli(cls, vars(a))))) == record["settings"], a.out
+        if argv[1] == "profile":
+            assert [m["spec"] for m in record["models"].values()] == a.model
+        made.add((ROOT / a.out / name).resolve())
+    recorded = {p.resolve() for p in (ROOT / "docs" / "checkpoints").rglob("*.json")
+                if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json")}
+    assert recorded and made == recorded
