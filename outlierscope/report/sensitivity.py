@@ -19,6 +19,12 @@ def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict
     return record, pd.read_csv(d / "sensitivity.csv"), tries
 
 
+def load_kinds(run_dir: str | Path) -> pd.DataFrame | None:
+    """A linear scheme's per-kind table (``kinds.csv``: q_proj ... down_proj, each quantized alone), else None."""
+    path = Path(run_dir) / "kinds.csv"
+    return pd.read_csv(path, float_precision="round_trip") if path.exists() else None
+
+
 def kept_as(keep_bits: int) -> str:
     """How a sensitivity run's kept layers run: ``unquantized`` (16 bits) or ``at 8 bits``."""
     return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"

@@ -33,9 +33,10 @@ def test_report_rerenders(run_dir, tmp_path):
 
 @pytest.mark.parametrize("run_dir", SENSITIVITY, ids=_id)
 def test_sensitivity_markdown_rerenders(run_dir):
-    from outlierscope.report.sensitivity import load_sensitivity, sensitivity_markdown
+    from outlierscope.report.sensitivity import load_kinds, load_sensitivity, sensitivity_markdown
 
-    assert sensitivity_markdown(*load_sensitivity(run_dir)) == (run_dir / "sensitivity.md").read_text()
+    text = sensitivity_markdown(*load_sensitivity(run_dir), load_kinds(run_dir))  # kinds: a linear scheme's
+    assert text == (run_dir / "sensitivity.md").read_text()
 
 
 @pytest.mark.parametrize("run_dir", SWEEPS, ids=_id)
