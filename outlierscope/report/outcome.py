@@ -99,7 +99,7 @@ def _sweep_outcome(sw) -> list[str]:
 
 
 def _recipe_outcome(rows) -> list[str]:
-    """Per task and model, the attention recipes (``sweep --quant`` rows) that change the most and the fewest of the
+    """Per task and model, the attention recipes or linear schemes (``sweep --quant`` rows) that change the most and the fewest of the
     headline metric's choices (flip rate), with the change of the metric itself."""
     out = []
     for task, t in by_task(rows):
@@ -110,9 +110,21 @@ def _recipe_outcome(rows) -> list[str]:
                 continue
             delta = g[g.metric == hm].set_index("label")
             hi, lo = (_recipe_said(lb, flips[lb], delta.loc[lb], hm) for lb in (flips.idxmax(), flips.idxmin()))
-            out.append(f"{model} on {task_label(task)}, {len(flips)} attention recipes: the most damaging is {hi}, "
+            kind = _kind_said(flips.index)  # labels: recipe names or spec texts
+            out.append(f"{model} on {task_label(task)}, {len(flips)} {kind}: the most damaging is {hi}, "
                        f"the least {lo}.")
     return out
+
+
+def _kind_said(texts) -> str:
+    """What a sweep's ``--quant`` rows are (their labels: recipe names or spec texts): attention recipes, linear-layer
+    schemes, or both."""
+    from outlierscope.quant.recipe import AttnQuant
+
+    specs = [AttnQuant.parse(t) for t in texts]
+    if not any(s.has_linear for s in specs):
+        return "attention recipes"
+    return "linear-layer schemes" if not any(s.has_attention for s in specs) else "quantization recipes"
 
 
 def _recipe_said(label: str, flip: float, row, metric: str) -> str:

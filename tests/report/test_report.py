@@ -308,3 +308,16 @@ def test_linear_error_beside_the_profile_of_the_same_inputs():
     assert j.loc[(1, "mlp.down_proj"), "top1_over_median"] == 600.0 and j.loc[(0, "mlp.down_proj"), "top1_over_median"] == 4.0
     assert list(j["int8_features"]) == [1, 2] and list(j["rel_err_mean"]) == [0.01, 0.2]
     assert activation_plots.linear_error_vs_outliers(j.reset_index()) is not None
+
+
+@pytest.mark.parametrize("texts, said", [
+    (["q=int8/per_block:128; k=int8/per_block:64; smooth_k", "logits=int4/per_tensor"], "attention recipes"),
+    (["a=int8/per_token; w=int8/per_channel", "w=int4/per_group:64"], "linear-layer schemes"),
+    (["a=int8/per_token; w=int8/per_channel", "k=asym2/per_channel:32; v=asym2/per_group:32"], "quantization recipes"),
+    (["a=int8/per_token; w=int8/per_channel; k=e4m3/per_tensor; v=e4m3/per_tensor"], "quantization recipes"),
+])
+def test_the_outcome_names_what_the_quant_rows_are(texts, said):
+    """A sweep of linear schemes was called '11 attention recipes' in its outcome sentence."""
+    from outlierscope.report.outcome import _kind_said
+
+    assert _kind_said(texts) == said
