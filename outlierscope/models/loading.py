@@ -560,11 +560,11 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     source, _ = check_model(spec, trust_remote_code)  # a wrong path is named before a wrong device
     path = source.path
     dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
-    stored = _read_config_json(path)
-    stored = stored.get("dtype") or stored.get("torch_dtype")
+    cfg_json = _read_config_json(path)
+    stored = cfg_json.get("dtype") or cfg_json.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
     placement = {"device_map": device_map} if device_map is not None else {}
-    bnb = (_read_config_json(path).get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
+    bnb = (cfg_json.get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
     if bnb and device_map is None:  # bitsandbytes quantizes (or reads its int8/4-bit state) only when placed at load
         placement = {"device_map": {"": dev}}
     with quiet_transformers():

@@ -102,13 +102,12 @@ def check_exportable(spec: AttnQuant) -> None:
                                 "compressed-tensors scheme")
     if spec.part("w") is None and spec.part("a") is not None:
         raise OutlierscopeError(f"{spec}: compressed-tensors quantizes activations only with the weights; add a w= part")
-    if spec.part("w") is None and kv_cache_args(spec) is None:
+    if kv_cache_args(spec) is None and spec.part("w") is None:  # kv_cache_args refuses other attention parts
         raise OutlierscopeError(f"{spec}: quantizes nothing compressed-tensors can state; expected w= (and a=) parts "
                                 "or a KV cache (kv=e4m3/per_tensor)")
     for p in (spec.part("w"), spec.part("a")):
         if p is not None:
             tensor_args(p)
-    kv_cache_args(spec)
 
 
 def linear_scheme(spec: AttnQuant) -> dict | None:

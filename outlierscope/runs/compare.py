@@ -26,11 +26,12 @@ from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import (
+    _read_config_json,
     check_model,
     device_map_option,
     device_option,
     dtype_option,
-     meta_model,
+    meta_model,
     trust_remote_code_option,
 )
 from outlierscope.quant import export as qexport
@@ -75,10 +76,8 @@ class CompareSettings:
 def emulations(s: CompareSettings) -> tuple[list[str], dict | None]:
     """The specs to emulate (a compressed-tensors checkpoint's own, read from its quantization_config, then
     ``quant``) and that config."""
-    import json
-
     source, config = check_model(s.real, s.trust_remote_code)
-    qconfig = json.loads((source.path / "config.json").read_text()).get("quantization_config")
+    qconfig = _read_config_json(source.path).get("quantization_config")
     own = []
     if qconfig and qconfig.get("quant_method") == "compressed-tensors":
         own = [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))]
@@ -154,9 +153,8 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
                   "quantization_config": qconfig, "model_sources": {**real_run.record["model_sources"],
                                                                     **emu_run.record["model_sources"]},
-                  "differences": [d for spec in specs for d in qexport.differences(AttnQuant.parse(spec))],
+                  "differences": list(dict.fromkeys(d for spec in specs for d in qexport.differences(AttnQuant.parse(spec)))),
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
-        record["differences"] = list(dict.fromkeys(record["differences"]))
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))
         write_json(out / "compare.json", record)

@@ -81,9 +81,7 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
         raise ParamError("quant", f"one of the sweep's quantizations ({'; '.join(map(repr, quants)) or 'none'})",
                          s.quant, f"did you mean {', '.join(close)}?" if close else "")
     models = st["models"]
-    if s.model is None and len(models) > 1:
-        raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
-    if s.model is not None and s.model not in models:
+    if (s.model is None and len(models) > 1) or (s.model is not None and s.model not in models):
         raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
     return Choice(AttnQuant.parse(s.quant), s.model or models[0], (),
                   {"run": str(s.run), "kind": "sweep", "git_commit": rec.get("git_commit")})
