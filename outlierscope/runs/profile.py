@@ -64,9 +64,10 @@ class ProfileSettings:
     batch_size: int = option(8, "sequences per forward; the statistics do not depend on it")
     seed: int = option(0, "seeds the document order")
     k: int = option(100, "largest values kept with their locations (>= 100)", flag="--top-k")
-    points: tuple[str, ...] = option(DEFAULT_POINTS, "observation points or patterns (layers.*.attn.k, "
-                                     "layers.*.mlp.down_proj.input, lm_head.input); repeat", flag="--points",
-                                     repeat=True, metavar="POINT")
+    points: tuple[str, ...] | None = option(None, "observation points or patterns (layers.*.attn.k, "
+                                            "layers.*.mlp.down_proj.input, lm_head.input); repeat (default: "
+                                            f"{' and '.join(DEFAULT_POINTS)}; none with --preset)", flag="--points",
+                                            repeat=True, metavar="POINT")
     preset: str | None = option(None, "a named set of points instead of the default two (with --points: added to "
                                 "them): " + "; ".join(f"{p.name}: {p.help}" for p in PRESETS.values()),
                                 choices=tuple(PRESETS))
@@ -84,7 +85,8 @@ class ProfileSettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
-        object.__setattr__(self, "points", tuple(self.points))
+        # not given: the default two, or none besides a preset's (given, even as the default two: added to it)
+        object.__setattr__(self, "points", default_points(self.preset) if self.points is None else tuple(self.points))
         for name in ("tokens", "batch_size"):
             if getattr(self, name) < 1:
                 raise ParamError(name, ">= 1", getattr(self, name))
@@ -97,20 +99,29 @@ class ProfileSettings:
                 raise ParamError(name, "a threshold >= 0", getattr(self, name))
         if self.preset is not None and self.preset not in PRESETS:
             raise ParamError("preset", f"one of {', '.join(PRESETS)}", self.preset)
+        if not self.points and self.preset is None:
+            raise ParamError("points", "at least one point or pattern (or a preset)", self.points)
         if self.quant is not None:
             from outlierscope.quant.recipe import AttnQuant
 
             AttnQuant.parse(self.quant)  # a bad spec: before anything loads
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
-    @property
-    def point_patterns(self) -> tuple[str, ...]:
-        """The patterns a capture gets besides the preset's: none when a preset replaces the default two."""
-        return () if self.preset is not None and self.points == DEFAULT_POINTS else self.points
-
     def stats_options(self) -> dict:
         return {"k": self.k, "sink_k": self.sink_k, "massive_abs": self.massive_abs, "massive_rel": self.massive_rel,
                 "compile": self.compile}
+
+
+def default_points(preset: str | None) -> tuple[str, ...]:
+    """The points profiled when none are given: the paper's two, or none besides a preset's."""
+    return DEFAULT_POINTS if preset is None else ()
+
+
+def _replaced(settings: ProfileSettings, overrides: dict) -> ProfileSettings:
+    """``settings`` with ``overrides``; a new preset without points replaces the default points it had."""
+    if "preset" in overrides and "points" not in overrides and settings.points == default_points(settings.preset):
+        overrides = {**overrides, "points": None}
+    return dataclasses.replace(settings, **overrides)
 
 
 def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
@@ -271,7 +282,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     from tqdm.auto import tqdm
 
     try:
-        settings = dataclasses.replace(settings or ProfileSettings(), **overrides)
+        settings = _replaced(settings or ProfileSettings(), overrides)
     except TypeError as e:
         raise OutlierscopeError(f"profile_model: {e}; valid settings: {', '.join(f.name for f in dataclasses.fields(ProfileSettings))}") from None
     if isinstance(model, LoadedModel):
@@ -300,7 +311,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
               unit="tok", unit_scale=True, disable=not progress or not world.is_main or None) as bar:
         # quantized outside the capture: the capture observes what the quantized model computes
         with world.failing_together(), _quantized(module, tokenizer, settings.quant, settings.attn_block), \
-                capture(module, list(settings.point_patterns), reducers=[stats], block_rows=settings.attn_block,
+                capture(module, list(settings.points), reducers=[stats], block_rows=settings.attn_block,
                         preset=settings.preset) as cap:
             for i in starts:
                 stats.set_shard(shard_of(i // settings.batch_size))
@@ -337,7 +348,7 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
     for spec in specs:  # every model found (a Hub id: downloaded) and its points resolved before the first one runs
         _, config = check_model(spec, settings.trust_remote_code)
-        resolve_points(meta_model(config, settings.trust_remote_code), settings.point_patterns, settings.preset)
+        resolve_points(meta_model(config, settings.trust_remote_code), settings.points, settings.preset)
         seq_len = resolve_seq_len(config, settings.seq_len)
         if settings.sink_k >= seq_len:  # every key would be a sink: each share 1.0
             raise ParamError("sink_k", f"below the sequence length ({seq_len} tokens for {spec})", settings.sink_k)

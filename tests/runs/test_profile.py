@@ -105,3 +105,34 @@ def test_profile_of_a_smoothed_model_sees_the_smoothed_inputs(tmp_path, tiny_cor
         for p in ("self_attn.o_proj", "mlp.down_proj"):
             torch.testing.assert_close(smoothed[f"model.layers.{i}.{p}"], scales[f"model.layers.{i}.{p}"], rtol=1e-4,
                                        atol=0)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    ([], {"attn.logits", "hidden"}),  # the paper's two
+    (["--preset", "kv"], {"attn.q", "attn.k", "attn.v"}),  # the preset's alone
+    (["--preset", "kv", "--points", "layers.*.attn.logits", "--points", "layers.*.hidden"],  # given: added, even when
+     {"attn.q", "attn.k", "attn.v", "attn.logits", "hidden"}),                             # they are the default two
+    (["--preset", "kv", "--points", "layers.*.hidden"], {"attn.q", "attn.k", "attn.v", "hidden"}),
+])
+def test_points_given_with_a_preset_are_added_to_it(argv, expected):
+    """The point kinds a profile observes, from its command line (the kv preset's are hand-listed)."""
+    from outlierscope.cli import build_parser
+    from outlierscope.hooks.points import resolve_points
+    from outlierscope.models.loading import load_model
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.settings import from_cli
+
+    a = build_parser().parse_args(["profile", "--model", "pair-tiny:transformer", *argv, "--out", "x"])
+    s = from_cli(ProfileSettings, vars(a))
+    model = load_model("pair-tiny:transformer").model
+    assert {p.kind for p in resolve_points(model, s.points, s.preset)} == expected
+
+
+def test_profile_model_with_a_new_preset_drops_the_default_points(tiny_corpus):
+    """profile_model(..., preset=P) over default settings observes P's points alone; with points=... given too, both."""
+    from outlierscope.runs.profile import ProfileSettings, _replaced
+
+    assert _replaced(ProfileSettings(), {"preset": "kv"}).points == ()
+    assert _replaced(ProfileSettings(), {"preset": "kv", "points": ("layers.*.hidden",)}).points == ("layers.*.hidden",)
+    with pytest.raises(ValueError, match="points must be at least one point or pattern"):
+        ProfileSettings(points=())
