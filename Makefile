@@ -9,7 +9,7 @@ REPRODUCE_ARGS ?=
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
-.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare llmc-venv clean
+.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare llmc-venv gptq-venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -68,6 +68,16 @@ lmeval-compare: install data lmeval-venv
 	touch $@
 
 llmc-venv: .venv-llmc/.installed
+
+# GPT-QModel 7.6.0 + optimum in a venv of their own (gptqmodel 7.7 wants torch >= 2.14), for bench/gptq_fixtures.py
+# (the GPTQ/AWQ checkpoints under tests/models/packed) and bench/gptq_oneshot.py (docs/checkpoints' GPTQ model)
+.venv-gptq/.installed:
+	$(PYTHON) -m venv .venv-gptq
+	.venv-gptq/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	.venv-gptq/bin/python -m pip install -q --disable-pip-version-check "gptqmodel==7.6.0" "optimum==2.3.0" "transformers==5.24.0"
+	touch $@
+
+gptq-venv: .venv-gptq/.installed
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

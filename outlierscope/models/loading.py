@@ -19,6 +19,7 @@ from pathlib import Path
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
+from outlierscope.models.packed import PACKED_SUFFIXES, decode_into, packed_modules, packed_scheme
 from outlierscope.models.presets import PRESETS, ROLES
 from outlierscope.models.quiet import quiet_transformers
 from outlierscope.settings import option
@@ -170,6 +171,7 @@ class LoadedModel:
     model: object
     tokenizer: object
     source: ModelSource | None = None  # where the spec led (None: built in Python, not loaded by spec)
+    decoded: dict | None = None  # a GPTQ/AWQ checkpoint whose packed weights outlierscope decoded (models.packed)
 
     @property
     def name(self) -> str:
@@ -192,7 +194,8 @@ class LoadedModel:
         base = self.source.record() if self.source is not None else {"given": self.spec, "kind": "module"}
         quant = self.quantization_config()
         return {**base, "weights_sha256": weights_sha256 or self.weights_sha256(),
-                **({"quantization_config": quant} if quant else {})}
+                **({"quantization_config": quant} if quant else {}),
+                **({"packed_weights": self.decoded} if self.decoded else {})}
 
     def quantization_config(self) -> dict | None:
         """A checkpoint saved quantized: its ``quantization_config`` as transformers read it (JSON values), else None."""
@@ -419,12 +422,47 @@ def _check_quantization_packages(path: Path, quant: dict | None) -> None:
 
     method = quant.get("quant_method") if isinstance(quant, dict) else None
     missing = [m for m in QUANT_PACKAGES.get(method, ()) if importlib.util.find_spec(m) is None]
+    if missing and method in ("gptq", "awq"):  # without their kernels: decoded (or one line naming what is needed)
+        packed_scheme(quant)
+        if not packed_modules(path):
+            raise OutlierscopeError(f"{path}: config.json says {method}, but the safetensors hold no packed weights "
+                                    "(no qweight tensors); remove quantization_config from config.json, or quantize "
+                                    f"the model with {method} first")
+        return
     if missing:
         names = " ".join(m.replace("_", "-") for m in missing)
         raise OutlierscopeError(f"{path}: a {method} checkpoint needs {', '.join(missing)} to load; install it "
                                 f"(pip install {names}) or use the model's full-precision weights")
     if method == "bitsandbytes":
         _check_bnb_state(path, quant)
+
+
+def _decodes_packed(quant: dict | None) -> bool:
+    """A GPTQ/AWQ checkpoint that outlierscope decodes itself (:mod:`outlierscope.models.packed`): the packages
+    transformers would load it with (GPT-QModel's kernels) are not installed."""
+    import importlib.util
+
+    method = quant.get("quant_method") if isinstance(quant, dict) else None
+    return packed_scheme(quant) is not None and any(importlib.util.find_spec(m) is None for m in QUANT_PACKAGES[method])
+
+
+def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
+    """Fill a model loaded without its GPTQ/AWQ config (its packed linears plain and unfilled) with the decoded
+    weights; the loading info, less those linears' weights and packed tensors, is checked as any other. Returns
+    what the run record says of it."""
+    names = packed_modules(path)
+    done = {f"{n}.weight" for n in names}
+    packed = {f"{n}{s}" for n in names for s in PACKED_SUFFIXES}
+    _check_loading_info(path, {"missing_keys": [k for k in info.get("missing_keys") or () if k not in done],
+                               "mismatched_keys": info.get("mismatched_keys")})
+    extra = sorted(k for k in info.get("unexpected_keys") or () if k not in packed and not k.endswith(".bias"))
+    if extra:
+        raise OutlierscopeError(f"{path}: {len(extra)} tensor(s) of the {quant['quant_method']} checkpoint are not "
+                                f"read ({', '.join(extra[:3])}); expected qweight/qzeros/scales/g_idx per linear")
+    decode_into(model, path, quant)
+    model.config.quantization_config = quant
+    return {"decoded_by": "outlierscope.models.packed", "method": quant["quant_method"], "modules": len(names),
+            "forward": "each linear: the float matmul of its exactly dequantized weights, in the model's dtype"}
 
 
 def _check_bnb_state(path: Path, quant: dict) -> None:
@@ -564,9 +602,12 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     stored = cfg_json.get("dtype") or cfg_json.get("torch_dtype")
     dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
     placement = {"device_map": device_map} if device_map is not None else {}
-    bnb = (cfg_json.get("quantization_config") or {}).get("quant_method") == "bitsandbytes"
+    quant = cfg_json.get("quantization_config") or None
+    bnb = (quant or {}).get("quant_method") == "bitsandbytes"
     if bnb and device_map is None:  # bitsandbytes quantizes (or reads its int8/4-bit state) only when placed at load
         placement = {"device_map": {"": dev}}
+    packed = _decodes_packed(quant)  # then built as a float model, its packed linears decoded after loading
+    float_config = {"config": _config_without_quantization(path, trust_remote_code)} if packed else {}
     with quiet_transformers():
         try:
             tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
@@ -576,16 +617,28 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
                 output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code, **placement,
+                **float_config,
             )
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
-    _check_loading_info(path, info)
+    decoded = _load_packed(path, quant, model, info) if packed else None
+    if not packed:
+        _check_loading_info(path, info)
     _check_vocab(path, _embedding_rows(model), tokenizer)
     _decompress_now(model)
     if not placement and dev != "cpu":
         model.to(dev)
     model.eval()
-    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source)
+    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source, decoded=decoded)
+
+
+def _config_without_quantization(path: Path, trust_remote_code: bool):
+    """The checkpoint's config without its quantization_config: transformers builds plain linears from it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+    del config.quantization_config
+    return config
 
 
 def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k: int, config=None) -> None:

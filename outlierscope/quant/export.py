@@ -263,3 +263,39 @@ def spec_from_config(qconfig: dict, model: nn.Module) -> AttnQuant:
     if qconfig.get("kv_cache_scheme"):
         items.append(part_text("kv", {**qconfig["kv_cache_scheme"], "dynamic": False}).replace("/static", "/per_tensor"))
     return AttnQuant.parse("; ".join(i for i in items if i) or "none")
+
+
+def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) -> AttnQuant:
+    """The RTN emulation of a GPTQ / AWQ checkpoint's weights on its float weights: the same bits, groups and grid
+    (symmetric: fintB, GPTQ's scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1]; with zero points: asymB),
+    on the linears the checkpoint holds ``packed`` (their module names)."""
+    bits, group = int(qconfig["bits"]), int(qconfig.get("group_size") or -1)
+    sym = qconfig.get("sym", True) if qconfig["quant_method"] == "gptq" else not qconfig.get("zero_point", True)
+    gran = f"per_group:{group}" if group > 0 else "per_channel"
+    scope = _scope(model, set(packed))
+    return AttnQuant.parse("; ".join(i for i in (f"w={'fint' if sym else 'asym'}{bits}/{gran}", scope) if i))
+
+
+def packed_differences(qconfig: dict) -> list[str]:
+    """How a GPTQ / AWQ checkpoint and the RTN emulation of its scheme (:func:`spec_from_packed_config`) differ."""
+    method = qconfig["quant_method"]
+    if method == "gptq":
+        notes = ["weights: GPTQ rounds the input columns one after another and moves each column's rounding error "
+                 "onto the columns not yet rounded (through the Hessian of its calibration inputs); the emulation "
+                 "rounds every weight to nearest (RTN), so the checkpoint's codes are not the emulation's"]
+        if qconfig.get("desc_act"):
+            notes.append("act order: GPTQ takes the input channels by decreasing Hessian diagonal and its groups "
+                         "follow that order (g_idx); the emulation's groups are contiguous channels")
+    else:
+        notes = ["weights: AWQ scales each input channel by its calibration activations' magnitude before rounding "
+                 "(the inverse folded into the previous op) and searches a clipping range per group; the emulation "
+                 "rounds the unscaled weights to nearest over each group's full range"]
+    notes.append("scales: the checkpoint stores them in float16, the emulation computes them in float32; a weight "
+                 "at a group's absmax sits on a tie (w / scale = (2^b - 1) / 2 on the symmetric grid) that either "
+                 "rounding may take")
+    sym = qconfig.get("sym", True) if method == "gptq" else not qconfig.get("zero_point", True)
+    if not sym:
+        notes.append(f"zero points: {method.upper()}'s are integers on a range that holds 0 (min(w, 0) .. max(w, 0)); "
+                     "the emulation's asymB grid runs from each group's min to its max, its offset not rounded")
+    return notes
+

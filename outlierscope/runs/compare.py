@@ -34,6 +34,7 @@ from outlierscope.models.loading import (
     meta_model,
     trust_remote_code_option,
 )
+from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.runs.sweep import SweepSettings, sweep
@@ -44,8 +45,8 @@ from outlierscope.settings import option
 class CompareSettings:
     real: str = option(None, "the quantized checkpoint (directory, Hub id)", metavar="SPEC")
     model: str = option(None, "the float model it was made from", metavar="SPEC")
-    quant: tuple[str, ...] = option((), "also compare these emulations (a compressed-tensors checkpoint's own scheme "
-                                    "is always compared, read from its quantization_config; other checkpoints need "
+    quant: tuple[str, ...] = option((), "also compare these emulations (a compressed-tensors, GPTQ or AWQ checkpoint's own "
+                                    "scheme is always compared, read from its quantization_config; other checkpoints need "
                                     "one); repeat", flag="--quant", repeat=True, metavar="SPEC")
     tasks: tuple[str, ...] = option(("hellaswag",), "tasks, as sweep's --task", flag="--task", repeat=True,
                                     metavar="TASK")
@@ -74,17 +75,27 @@ class CompareSettings:
 
 
 def emulations(s: CompareSettings) -> tuple[list[str], dict | None]:
-    """The specs to emulate (a compressed-tensors checkpoint's own, read from its quantization_config, then
+    """The specs to emulate (a compressed-tensors / GPTQ / AWQ checkpoint's own, read from its quantization_config, then
     ``quant``) and that config."""
     source, config = check_model(s.real, s.trust_remote_code)
     qconfig = _read_config_json(source.path).get("quantization_config")
-    own = []
-    if qconfig and qconfig.get("quant_method") == "compressed-tensors":
+    own, method = [], (qconfig or {}).get("quant_method")
+    if method == "compressed-tensors":
         own = [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))]
+    elif packed_scheme(qconfig) is not None:
+        own = [str(qexport.spec_from_packed_config(qconfig, meta_model(config, s.trust_remote_code),
+                                                   packed_modules(source.path)))]
     elif not s.quant:
-        raise ParamError("quant", f"given: {s.real} is no compressed-tensors checkpoint whose scheme could be read "
+        raise ParamError("quant", f"given: {s.real} is no compressed-tensors, GPTQ or AWQ checkpoint whose scheme could be read "
                          f"(quant_method {qconfig and qconfig.get('quant_method')!r}); name its emulation", s.quant)
     return list(dict.fromkeys(own + [str(AttnQuant.parse(q)) for q in s.quant])), qconfig
+
+
+def _differences(specs: list[str], qconfig: dict | None) -> list[str]:
+    """How the real checkpoint and the emulations differ by construction (GPTQ / AWQ: their algorithms' own)."""
+    if packed_scheme(qconfig) is not None:
+        return qexport.packed_differences(qconfig)
+    return list(dict.fromkeys(d for spec in specs for d in qexport.differences(AttnQuant.parse(spec))))
 
 
 def _cells(out: Path) -> dict[tuple[str, str], EvalResult]:
@@ -153,7 +164,7 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
                   "quantization_config": qconfig, "model_sources": {**real_run.record["model_sources"],
                                                                     **emu_run.record["model_sources"]},
-                  "differences": list(dict.fromkeys(d for spec in specs for d in qexport.differences(AttnQuant.parse(spec)))),
+                  "differences": _differences(specs, qconfig),
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))

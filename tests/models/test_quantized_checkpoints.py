@@ -185,9 +185,18 @@ def test_a_checkpoint_by_hub_id_through_the_stand_in_hub(tiny_pair, tmp_path, mo
         hubmod._resolve.cache_clear()
 
 
-def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(tiny_pair, hs_jsonl, tmp_path, capsys):
-    """A GPTQ checkpoint without optimum/gptqmodel installed: one line naming them, before the first model's cells
-    (nothing written)."""
+@pytest.mark.parametrize("quant, msg", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True, "checkpoint_format": "marlin"},
+     "a GPTQ checkpoint in format 'marlin' with 4 bits is not decoded here"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"},
+     "an AWQ checkpoint of version 'gemv' with 4 bits is not decoded here"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+     "config.json says gptq, but the safetensors hold no packed weights"),
+])
+def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(quant, msg, tiny_pair, hs_jsonl, tmp_path, capsys):
+    """Without optimum/gptqmodel installed: a GPTQ/AWQ layout outlierscope does not decode is one line naming the
+    packages (and the device their kernels need), a GPTQ config over float weights one line too; both before the
+    first model's cells (nothing written)."""
     import importlib.util
     import shutil
 
@@ -198,13 +207,14 @@ def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(tiny_pair, h
     d = tmp_path / "gptq"
     shutil.copytree(tiny_pair["transformer"], d)
     cfg = json.loads((d / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    cfg["quantization_config"] = quant
     (d / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
     rc = main(["sweep", "--model", str(tiny_pair["diff"]), "--model", str(d), "--bits", "16", "--data", str(hs_jsonl),
                "--limit", "4", "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "a gptq checkpoint needs" in err[0] and "pip install" in err[0]
+    assert rc == 2 and len(err) == 1 and msg in err[0], err
+    assert ("install gptqmodel" in err[0]) == ("not decoded" in msg)
     assert not out.exists()
 
 

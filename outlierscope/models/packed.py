@@ -1,0 +1,154 @@
+"""GPTQ and AWQ checkpoints without their kernels: the packed integer weights decoded into the float weights they
+stand for, so that such a checkpoint loads (and is profiled, swept, scored) on any device where GPT-QModel's
+kernels are not installed, a CPU included.
+
+Both methods quantize weights only, so a layer's output is ``x @ W_deq.T`` whatever the kernel: the dequantized
+weights are the checkpoint's exact weights, and the forward differs from a kernel's only by the activations' dtype
+and the matmul's summation order (GPT-QModel's CPU kernels compute in float16 / bfloat16; here in the model's dtype).
+
+Formats (GPT-QModel's ``gptqmodel.utils.model_dequant`` and AWQ's ``packing_utils``, re-implemented)::
+
+    GPTQ (checkpoint_format gptq = v1, gptq_v2), bits 2, 3, 4, 8, int32 words:
+      qweight (in / (32/bits), out)  codes packed along the input dim, lowest bits first (3 bits: one bit stream)
+      qzeros  (groups, out / (32/bits)) zero points packed along the output dim; v1 stores zero - 1 per field
+      scales  (groups, out)           g_idx (in,): each input channel's group (act-order permutes it)
+      W[o, i] = (q[i, o] - z[g_idx[i], o]) * s[g_idx[i], o]
+    AWQ (version gemm), 4 bits:
+      qweight (in, out / 8), qzeros (groups, out / 8): 8 codes per word along the output dim, in the order
+      AWQ_ORDER (word field k holds output column 8 * w + AWQ_ORDER[k]); scales (groups, out)
+      W[o, i] = (q[i, o] - z[i // group, o]) * s[i // group, o]
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column each 4-bit field of an AWQ word holds, within its 8
+GPTQ_FORMATS = ("gptq", "gptq_v2")  # checkpoint_format: v1 (zero points stored minus one) and v2
+GPTQ_BITS = (2, 3, 4, 8)
+PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
+
+
+def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """The ``bits``-wide unsigned codes packed in int32 ``words`` along ``dim``, lowest bits first, as int32: the
+    dim grows by 32 / bits. Widths that do not divide 32 (3) run as one bit stream across the words."""
+    if words.dtype != torch.int32:
+        raise OutlierscopeError(f"packed weights must be int32 words, got {words.dtype}")
+    w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF  # (..., n) unsigned
+    if 32 % bits == 0:
+        shifts = torch.arange(0, 32, bits, device=w.device)  # (per,)
+        codes = (w.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # (..., n, per)
+        codes = codes.flatten(-2)  # (..., n * per)
+    else:
+        if w.shape[-1] % bits:
+            raise OutlierscopeError(f"{bits}-bit codes come in runs of {bits} int32 words; got {w.shape[-1]} words")
+        stream = (w.unsqueeze(-1) >> torch.arange(32, device=w.device)) & 1  # (..., n, 32) bits
+        stream = stream.flatten(-2).unflatten(-1, (-1, bits))  # (..., n * 32 / bits, bits)
+        codes = (stream << torch.arange(bits, device=w.device)).sum(-1)  # (..., n * 32 / bits)
+    return codes.to(torch.int32).movedim(-1, dim)
+
+
+def gptq_weight(qweight, qzeros, scales, g_idx, bits: int, group_size: int, v1: bool) -> torch.Tensor:
+    """A GPTQ linear's weight (out, in) in float32 (exact: a small integer times a float16 scale)."""
+    q = unpack_codes(qweight, bits, 0)  # (in, out)
+    z = unpack_codes(qzeros, bits, 1)[:, : scales.shape[1]]  # (groups, out)
+    if v1:  # v1 stores zero - 1 in each field (GPT-QModel reads it back field by field, modulo 2**bits)
+        z = (z + 1) & ((1 << bits) - 1)
+    if g_idx is None:
+        g_idx = torch.arange(q.shape[0], device=q.device) // (group_size if group_size > 0 else q.shape[0])
+    g = g_idx.long()  # (in,)
+    w = (q - z[g]).float() * scales.float()[g]  # (in, out)
+    return w.t().contiguous()  # (out, in)
+
+
+def awq_weight(qweight, qzeros, scales, bits: int, group_size: int) -> torch.Tensor:
+    """An AWQ (gemm) linear's weight (out, in) in float32."""
+    if bits != 4:
+        raise OutlierscopeError(f"AWQ gemm checkpoints hold 4-bit weights; this one says bits={bits}")
+    inverse = torch.tensor(AWQ_ORDER).argsort()  # field of each output column within its 8
+
+    def columns(words):  # (rows, out / 8) -> (rows, out), output columns in order
+        codes = unpack_codes(words, 4, 1)  # (rows, out) in field order
+        order = (torch.arange(codes.shape[1]) // 8 * 8 + inverse.repeat(codes.shape[1] // 8)).to(codes.device)
+        return codes[:, order]
+
+    q, z = columns(qweight), columns(qzeros)  # (in, out), (groups, out)
+    g = torch.arange(q.shape[0], device=q.device) // (group_size if group_size > 0 else q.shape[0])  # (in,)
+    w = (q - z[g]).float() * scales.float()[g]  # (in, out)
+    return w.t().contiguous()  # (out, in)
+
+
+def packed_scheme(quant: dict | None) -> str | None:
+    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one :func:`decode` reads, None for any
+    other method; a GPTQ/AWQ layout it cannot read is one line naming what can (GPT-QModel's kernels)."""
+    method = (quant or {}).get("quant_method")
+    if method not in ("gptq", "awq"):
+        return None
+    bits = quant.get("bits")
+    if method == "gptq":
+        fmt = quant.get("checkpoint_format") or "gptq"
+        if fmt not in GPTQ_FORMATS or bits not in GPTQ_BITS:
+            raise OutlierscopeError(f"a GPTQ checkpoint in format {fmt!r} with {bits} bits is not decoded here "
+                                    f"(formats {', '.join(GPTQ_FORMATS)}, bits {', '.join(map(str, GPTQ_BITS))}); "
+                                    "install gptqmodel and optimum to load it with their kernels (marlin, bitblas: a CUDA GPU)")
+    else:
+        version = str(quant.get("version") or quant.get("format") or "gemm").lower()
+        if version != "gemm" or bits != 4:
+            raise OutlierscopeError(f"an AWQ checkpoint of version {version!r} with {bits} bits is not decoded here "
+                                    "(version gemm, 4 bits); install gptqmodel to load it with its kernels (gemv, "
+                                    "exllama, marlin: a CUDA GPU)")
+    return method
+
+
+def _tensor_files(path: Path) -> dict[str, Path]:
+    """Which safetensors file holds each tensor (the index of a sharded checkpoint, else the single file)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    out = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: f for k in st.keys()})
+    return out
+
+
+def packed_modules(path: Path) -> list[str]:
+    """The module names of a checkpoint's packed linears (those with a ``qweight``)."""
+    return sorted(k[: -len(".qweight")] for k in _tensor_files(path) if k.endswith(".qweight"))
+
+
+def decode_into(model, path: Path, quant: dict) -> list[str]:
+    """Write each packed linear's dequantized weight into ``model`` (built from the config without its
+    quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is
+    one layer's codes. Returns the decoded module names."""
+    from safetensors import safe_open
+
+    method, files = packed_scheme(quant), _tensor_files(path)
+    bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
+    names = packed_modules(path)
+    for name in names:
+        def get(suffix, name=name):
+            if name + suffix not in files:
+                return None
+            with safe_open(str(files[name + suffix]), "pt") as st:
+                return st.get_tensor(name + suffix)
+
+        if method == "gptq":
+            w = gptq_weight(get(".qweight"), get(".qzeros"), get(".scales"), get(".g_idx"), bits, group,
+                            v1=(quant.get("checkpoint_format") or "gptq") == "gptq")
+        else:
+            w = awq_weight(get(".qweight"), get(".qzeros"), get(".scales"), bits, group)
+        linear = model.get_submodule(name)
+        if tuple(linear.weight.shape) != tuple(w.shape):
+            raise OutlierscopeError(f"{path}: {name} decodes to a weight of shape {tuple(w.shape)}, but the model's "
+                                    f"linear is {tuple(linear.weight.shape)}; the config and the packed weights differ")
+        with torch.no_grad():
+            linear.weight.copy_(w.to(linear.weight.dtype))
+    return names
