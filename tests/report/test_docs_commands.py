@@ -3,6 +3,7 @@ README's command block, parsed by the CLI's own parser, gives exactly the settin
 every record under the directory has its line."""
 
 import json
+import os
 import re
 import shlex
 from dataclasses import asdict, fields
@@ -65,6 +66,18 @@ def test_readme_commands_made_docs_checkpoints():
     for argv in _commands("checkpoints", "W"):
         if argv[0] == "rm":  # the profile's bulky per-channel and per-position tables (tens of MB)
             continue
+        if argv[0].endswith("python") and argv[1] == "bench/gptq_oneshot.py":  # GPT-QModel's venv
+            flags = [x for x in argv[2:] if x in ("--asym", "--desc-act")]
+            a = dict(zip(*[iter([x for x in argv[2:] if x not in flags])] * 2))
+            record = json.loads((ROOT / a["--record"]).read_text())
+            assert (record["out"], record["method"], record["calibration"]["text"]) == (a["--out"], a["--method"],
+                                                                                        a["--calib-text"])
+            assert (record["quantize_config"]["bits"], record["quantize_config"]["group_size"]) == (
+                int(a["--bits"]), int(a["--group"]))
+            assert record["quantize_config"]["sym"] == ("--asym" not in flags)
+            assert record["command"].split()[1:] == [os.path.expanduser(x) for x in argv[2:]]
+            made.add((ROOT / a["--record"]).resolve())
+            continue
         if argv[0].endswith("python"):
             a = dict(zip(argv[2::2], argv[3::2]))
             record = json.loads((ROOT / a["--export"] / "llmc_oneshot.json").read_text())
@@ -81,5 +94,5 @@ def test_readme_commands_made_docs_checkpoints():
             assert [m["spec"] for m in record["models"].values()] == a.model
         made.add((ROOT / a.out / name).resolve())
     recorded = {p.resolve() for p in (ROOT / "docs" / "checkpoints").rglob("*.json")
-                if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json")}
+                if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json", "gptq_oneshot.json")}
     assert recorded and made == recorded
