@@ -64,12 +64,15 @@ def _w8a8_checkpoint(src: str, out):
     ("diff", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
     ("transformer", "FP8_DYNAMIC", None, "a=e4m3/per_token; w=e4m3/per_channel", "float-quantized"),
     ("transformer", "NVFP4A16", None, "w=nvfp4", "nvfp4-pack-quantized"),
+    ("pair-tiny:diff", "W8A8", None, "a=fint8/per_token; w=fint8/per_channel", "int-quantized"),  # the bundled pair
+    ("pair-tiny:transformer", "W4A16", 32, "w=fint4/per_group:32", "pack-quantized"),
 ])
 def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(role, preset, group, spec, fmt,
                                                                              tiny_pair, tmp_path):
-    """W4A16 (packed int4 groups) and the Diff model: loaded by directory, the trunk gives compressed-tensors' own
-    whole-model forward; the spec read from the quantization_config is the one written here, and the float model
-    under it gives the same hidden states bit for bit."""
+    """W4A16 (packed int4 groups) and the Diff model, of the random test pair and the bundled trained pair: loaded by
+    directory, the trunk gives compressed-tensors' own whole-model forward; the spec read from the
+    quantization_config is the one written here, and the float model under it gives the same hidden states bit for
+    bit."""
     from transformers import AutoModelForCausalLM
 
     from outlierscope.models.loading import load_model, meta_model
@@ -77,10 +80,11 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     from outlierscope.quant.export import spec_from_config
     from outlierscope.quant.recipe import AttnQuant
 
-    path = _checkpoint(str(tiny_pair[role]), tmp_path / "ckpt", preset, group)
+    src = role if role.startswith("pair-tiny:") else str(tiny_pair[role])  # the bundled pair, or the random test pair
+    path = _checkpoint(src, tmp_path / "ckpt", preset, group)
     qconfig = json.loads((path / "config.json").read_text())["quantization_config"]
     assert qconfig["format"] == fmt
-    real, plain = load_model(str(path)), load_model(str(tiny_pair[role]))
+    real, plain = load_model(str(path)), load_model(src)
     ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     ref_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     derived = spec_from_config(qconfig, meta_model(real.model.config))
