@@ -12,7 +12,7 @@ import pandas as pd
 from outlierscope.data.tasks import task_label
 from outlierscope.io import atomic_path, write_text
 from outlierscope.report.load import RunResults, load_run
-from outlierscope.report.outcome import outcome_paragraph
+from outlierscope.report.outcome import outcome_paragraph, quantized_heading
 from outlierscope.report.tables import (
     attention_error_markdown,
     by_task,
@@ -184,14 +184,15 @@ def write_report(run_dir: str | Path, svg: bool = False) -> Path:
         s = run.sweep_meta["settings"] if run.sweep_meta else {}
         sw = run.tables["sweep"]
         n_items = ", ".join(f"{task_label(t)} {int(g['n_items'].iloc[0]):,}" for t, g in by_task(sw))
-        parts += [f"## Quantized attention logits on {', '.join(sweep_tasks(run))} (Figure 8)", "",
+        parts += [f"## {quantized_heading(sw)} on {', '.join(sweep_tasks(run))} (Figure 8)", "",
                   f"Dynamic absmax post-training quantization of the pre-softmax attention logits, format `{s.get('format')}`, "
                   f"granularity `{s.get('granularity')}`, weights `{s.get('weights')}`, validation items: {n_items}; "
                   "zero-shot, lm-eval 0.4.13 scoring. "
                   "16 bits = unquantized. Intervals: 95% paired bootstrap "
                   f"({run.sweep_meta['bootstrap_reps'] if run.sweep_meta else '?'} resamples); p: exact McNemar test."
-                  + (" Rows named by a recipe or spec (`--quant`) quantize what it says instead (q, k, v, P, "
-                     "KV cache; `outlierscope recipes`), their bits column the fewest bits any of its tensors use."
+                  + (" Rows named by a recipe or spec (`--quant`) quantize what it says instead (attention's q, k, "
+                     "v, P, KV cache; the linear layers' weights and inputs; `outlierscope recipes`), their bits "
+                     "column the fewest bits any of its tensors use."
                      if recipe_rows(sw).any() else ""), "",
                   sweep_table(run.tables["sweep"]), ""]
         parts += _timing_table(run.sweep_meta)

@@ -116,6 +116,21 @@ def _recipe_outcome(rows) -> list[str]:
     return out
 
 
+def quantized_heading(sweep) -> str:
+    """What a sweep table's quantized rows quantize, for its report section's heading: the attention logits (the
+    paper's bit widths), or what its ``--quant`` rows are besides (attention, the linear layers, both)."""
+    from outlierscope.report.tables import recipe_rows
+
+    rows = recipe_rows(sweep)
+    if not rows.any():
+        return "Quantized attention logits"
+    kind = _kind_said(sweep.loc[rows, "label"].unique())
+    logits = (~rows & sweep["bits"].ne(16)).any()
+    what = {"attention recipes": "attention recipes", "linear-layer schemes": "linear layers",
+            "quantization recipes": "attention and linear layers"}[kind]
+    return f"Quantized {'attention logits and ' if logits else ''}{what}"
+
+
 def _kind_said(texts) -> str:
     """What a sweep's ``--quant`` rows are (their labels: recipe names or spec texts): attention recipes, linear-layer
     schemes, or both."""

@@ -321,3 +321,23 @@ def test_the_outcome_names_what_the_quant_rows_are(texts, said):
     from outlierscope.report.outcome import _kind_said
 
     assert _kind_said(texts) == said
+
+
+@pytest.mark.parametrize("rows, heading", [
+    ([(16, "int", "16 (unquantized)"), (4, "int", "4-bit")], "Quantized attention logits"),
+    ([(16, "int", "16 (unquantized)"), (8, "attn", "k=int8/per_token")], "Quantized attention recipes"),
+    ([(16, "int", "16 (unquantized)"), (4, "int", "4-bit"), (8, "attn", "sage1")],
+     "Quantized attention logits and attention recipes"),
+    ([(16, "int", "16 (unquantized)"), (8, "attn", "w8a8"), (4, "attn", "w=int4/per_group:64")],
+     "Quantized linear layers"),
+    ([(16, "int", "16 (unquantized)"), (8, "attn", "w8a8"), (8, "attn", "k=int8/per_token")],
+     "Quantized attention and linear layers"),
+])
+def test_the_sweep_heading_names_what_its_rows_quantize(rows, heading):
+    """The report's Figure 8 section is named for its rows: logits bit widths, attention recipes, linear schemes."""
+    import pandas as pd
+
+    from outlierscope.report.outcome import quantized_heading
+
+    sweep = pd.DataFrame(rows, columns=["bits", "format", "label"])
+    assert quantized_heading(sweep) == heading
