@@ -290,12 +290,12 @@ def packed_differences(qconfig: dict) -> list[str]:
         notes = ["weights: AWQ scales each input channel by its calibration activations' magnitude before rounding "
                  "(the inverse folded into the previous op) and searches a clipping range per group; the emulation "
                  "rounds the unscaled weights to nearest over each group's full range"]
-    notes.append("scales: the checkpoint stores them in float16, the emulation computes them in float32; a weight "
-                 "at a group's absmax sits on a tie (w / scale = (2^b - 1) / 2 on the symmetric grid) that either "
+    notes.append("scales: the checkpoint stores them in float16, the emulation computes them in float32; on the "
+                 "symmetric grid a weight at a group's absmax sits on a tie (w / scale = (2^b - 1) / 2) that either "
                  "rounding may take")
     sym = qconfig.get("sym", True) if method == "gptq" else not qconfig.get("zero_point", True)
     if not sym:
-        notes.append(f"zero points: {method.upper()}'s are integers on a range that holds 0 (min(w, 0) .. max(w, 0)); "
-                     "the emulation's asymB grid runs from each group's min to its max, its offset not rounded")
+        notes.append(f"zero points: {method.upper()}'s are integers (0 lies exactly on its grid); the emulation's "
+                     "asymB grid runs from each group's min to its max, its offset not rounded")
     return notes
 
