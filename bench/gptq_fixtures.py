@@ -18,13 +18,14 @@ Runs in GPT-QModel's own venv (``make gptq-venv``: gptqmodel 7.6.0 + optimum 2.3
 5. keeps the float model they were all made from (float16 weights) as ``float/`` (no tokenizer): compare-quant's
    emulation runs on it.
 
-Usage: GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python bench/gptq_fixtures.py --out tests/models/packed
+Usage: .venv-gptq/bin/python bench/gptq_fixtures.py --out tests/models/packed
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -104,6 +105,9 @@ def reference_forward(path: Path) -> tuple[dict, str]:
 
 
 def main() -> None:
+    # GPT-QModel's default CPU pool, (cores + 1) // 2 workers, is smaller than the 2 its model loader asks for on a
+    # 2-core machine (ValueError); the environment variable is its own override
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, ((os.cpu_count() or 1) + 1) // 2)))
     from importlib.metadata import version
 
     import gptqmodel

@@ -7,7 +7,7 @@ desc_act as given (the classic algorithm); AWQ: gemm layout, packed by GPT-QMode
 default needs CUDA). Writes the checkpoint (with the float model's tokenizer) into ``--out`` and what was done to
 ``gptq_oneshot.json`` there and, with ``--record``, a copy of that record (the checkpoint itself is not committed).
 
-Usage: GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python bench/gptq_oneshot.py --model DIR --method gptq --bits 4
+Usage: .venv-gptq/bin/python bench/gptq_oneshot.py --model DIR --method gptq --bits 4
        --group 64 --calib-text ../shared/corpus/wiki-train-00.jsonl.xz --out runs/checkpoints/NAME --record FILE
 """
 
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import lzma
+import os
 import platform
 import shlex
 import sys
@@ -42,6 +43,9 @@ def calibration(tok, path: str, seqs: int, length: int) -> list[dict]:
 
 
 def main() -> None:
+    # GPT-QModel's default CPU pool, (cores + 1) // 2 workers, is smaller than the 2 its model loader asks for on a
+    # 2-core machine (ValueError); the environment variable is its own override
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", str(max(2, ((os.cpu_count() or 1) + 1) // 2)))
     import torch
     from gptqmodel import GPTQModel, QuantizeConfig
     from gptqmodel.utils.backend import BACKEND

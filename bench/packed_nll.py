@@ -95,7 +95,7 @@ def compare(paths: list[str]) -> dict:
             x = np.array(run["nll"])
             rows.append({"file": p, "run": name, "loader": run["loader"], "mean_nll": float(x.mean()),
                          "vs_first_real_mean": float((x - ref).mean()), "vs_first_real_max_abs": float(np.abs(x - ref).max())})
-    return {"files": paths, "rows": rows}
+    return {"files": paths, "rows": rows, "command": " ".join(["bench/packed_nll.py", *sys.argv[1:]])}
 
 
 def main() -> None:

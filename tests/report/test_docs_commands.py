@@ -52,8 +52,9 @@ def test_readme_commands_give_the_recorded_settings(folder, letter):
 
 def test_readme_commands_made_docs_checkpoints():
     """docs/checkpoints/: each export, compare-quant and profile line of the README gives its record's settings (the
-    profile: also its models), each llm-compressor line names the export and checkpoint its record holds, and every
-    record under the directory has its line."""
+    profile: also its models), each llm-compressor line names the export and checkpoint its record holds, each
+    GPT-QModel line the checkpoint, scheme and calibration its record holds, each packed_nll line is its record's
+    command, and every record under the directory has its line."""
     from outlierscope.cli import build_parser
     from outlierscope.runs.compare import CompareSettings
     from outlierscope.runs.export import ExportSettings
@@ -65,6 +66,11 @@ def test_readme_commands_made_docs_checkpoints():
     made = set()
     for argv in _commands("checkpoints", "W"):
         if argv[0] == "rm":  # the profile's bulky per-channel and per-position tables (tens of MB)
+            continue
+        if argv[0].endswith("python") and argv[1] == "bench/packed_nll.py":  # either venv: its record names its argv
+            out = argv[argv.index("--out") + 1]
+            assert json.loads((ROOT / out).read_text())["command"].split()[1:] == argv[2:], out
+            made.add((ROOT / out).resolve())
             continue
         if argv[0].endswith("python") and argv[1] == "bench/gptq_oneshot.py":  # GPT-QModel's venv
             flags = [x for x in argv[2:] if x in ("--asym", "--desc-act")]
@@ -94,5 +100,6 @@ def test_readme_commands_made_docs_checkpoints():
             assert [m["spec"] for m in record["models"].values()] == a.model
         made.add((ROOT / a.out / name).resolve())
     recorded = {p.resolve() for p in (ROOT / "docs" / "checkpoints").rglob("*.json")
-                if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json", "gptq_oneshot.json")}
+                if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json", "gptq_oneshot.json")
+                or p.parent.name == "packed_nll"}
     assert recorded and made == recorded
