@@ -34,7 +34,9 @@ reproduce: install data
 lint: install
 	$(BIN)/ruff check .
 
+# the real model too: tests/models/test_smollm2_checkpoint.py compares a W8A8 checkpoint of it with the emulation
 test: install data lint
+	$(BIN)/outlierscope models fetch $(REAL_MODEL)
 	$(BIN)/python -m pytest -q
 
 # every notebook run top to bottom in place, outputs kept (they are committed with them)
