@@ -264,9 +264,10 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
     return fig
 
 
-def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits") -> plt.Figure:
+def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits",
+                     what: str = "|logit|") -> plt.Figure:
     """Per layer: the damage of quantizing only that layer (mean change of the gold log-likelihood), and beside it
-    the layer's top-1 / median |logit| (its outlier statistic); ``quantized`` says what each layer gets (the title)."""
+    the layer's top-1 / median ``what`` (its outlier statistic); ``quantized`` says what each layer gets (the title)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     c = sns.color_palette(PALETTE, 3)
     a.bar(table["layer"], table["only_delta_gold_ll"], color=c[0], label="only this layer quantized")
@@ -278,7 +279,7 @@ def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention 
     a.legend(frameon=False, fontsize=8)
     b.bar(table["layer"], table["outlier_ratio"], color=c[2])
     b.set_xlabel("layer")
-    b.set_ylabel("top-1 / median |logit|")
+    b.set_ylabel(f"top-1 / median {what}")
     for ax in (a, b):
         ax.grid(axis="y", alpha=0.3)
         ax.set_xticks(table["layer"].tolist()[::-(-len(table) // 16)])  # at most 16 labels
@@ -286,14 +287,14 @@ def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention 
     return fig
 
 
-def damage_vs_outliers(table: pd.DataFrame, rho: float) -> plt.Figure:
-    """Scatter across layers: harm of quantizing the layer alone against its top-1 / median |logit|."""
+def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|") -> plt.Figure:
+    """Scatter across layers: harm of quantizing the layer alone against its top-1 / median ``what``."""
     fig, ax = plt.subplots(figsize=(5.2, 4), layout="constrained")
     ax.scatter(table["outlier_ratio"], -table["only_delta_gold_ll"], color=sns.color_palette(PALETTE, 1)[0])
     for _, r in table.iterrows():
         ax.annotate(str(int(r["layer"])), (r["outlier_ratio"], -r["only_delta_gold_ll"]), fontsize=7,
                     xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("top-1 / median |logit| of the layer")
+    ax.set_xlabel(f"top-1 / median {what} of the layer")
     ax.set_ylabel("harm: -Δ mean gold log-likelihood (nats)")
     ax.set_title(f"Do outliers predict the damage? Spearman ρ = {rho:+.2f}", fontsize=10)
     ax.grid(alpha=0.3)

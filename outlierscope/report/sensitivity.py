@@ -62,7 +62,7 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], k
              f"Greedy suggestion: keep layers {record['keep'] or 'none'} {kept_as(record['keep_bits'])}, quantize "
              f"{len(record['quantized'])} of {record['n_layers']}: {final['delta_gold_ll']:+.4f} nats ({reach}), "
              f"Δ{metric} {final[f'delta_{metric}'] * 100:+.2f}, flip {final['flip_rate'] * 100:.1f}%.", "",
-             f"Spearman rank correlation of harm with the layer's top-1/median |logit|: "
+             f"Spearman rank correlation of harm with the layer's top-1/median {outliers_said(record)}: "
              f"{record['spearman_damage_vs_outlier_ratio']:+.2f} (> 0: larger outliers, more harm)"
              + (f"; with the layer's mean attention KL: {record['spearman_damage_vs_kl_mean']:+.2f}"
                 if record.get("spearman_damage_vs_kl_mean") is not None else "") + ".", ""]
@@ -92,3 +92,16 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], k
             lines.append(f"| {r['linear']} | {r['delta_gold_ll']:+.4f} | {r[f'delta_{metric}'] * 100:+.2f} | "
                          f"{r['flip_rate'] * 100:.1f}% |")
     return "\n".join(lines) + "\n"
+
+
+LOGITS = ["layers.*.attn.logits"]
+
+
+def outliers_said(record: dict) -> str:
+    """What a sensitivity run's outlier ratio measures (its ``outlier_points``; records before them: the logits)."""
+    points = record.get("outlier_points") or LOGITS
+    if points == LOGITS:
+        return "|logit|"
+    return "|x| over its logits and quantized linears' inputs" if LOGITS[0] in points else \
+        "|input| of its quantized linears"
+

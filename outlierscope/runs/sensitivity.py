@@ -386,16 +386,33 @@ def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | Non
     return table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
 
 
+def outlier_points(spec, model) -> tuple[str, ...]:
+    """The points whose top-1 / median |x| is a layer's outlier ratio: the attention logits when the spec quantizes
+    attention (or is the logits' bit width), the inputs of the decoder linears it quantizes when it has linear
+    parts (both for a mixed spec)."""
+    from outlierscope.quant.linear import linear_sites
+
+    linear = getattr(spec, "has_linear", False)
+    points = ["layers.*.attn.logits"] if not linear or spec.has_attention else []
+    if linear:
+        paths = sorted({site.path for site in linear_sites(model, spec) if not site.is_head})
+        points += [f"layers.*.{p}.input" for p in paths]
+    return tuple(points)
+
+
 def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
-    """Each layer's top-1 / median |logit| from a short profile, and the rank of its harm (1 = most harmful)."""
+    """Each layer's outlier ratio (the largest top-1 / median |x| over its :func:`outlier_points`, from a short
+    profile), and the rank of its harm (1 = most harmful)."""
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
-    prof = profile_model(run.lm, settings=ProfileSettings(tokens=run.s.profile_tokens, points=("layers.*.attn.logits",),
+    points = outlier_points(run.s.spec(), run.lm.model)
+    prof = profile_model(run.lm, settings=ProfileSettings(tokens=run.s.profile_tokens, points=points,
                                                           attn_block=run.s.attn_block), progress=run.progress,
                          world=run.world)
     pl = run.world.broadcast(prof.tables["per_layer"] if prof is not None else None)  # rank 0's, on every rank
-    pl = pl[pl["point"] == "attn.logits"][["layer", "top1", "median"]]
-    table = table.merge(pl.assign(outlier_ratio=pl["top1"] / pl["median"])[["layer", "outlier_ratio"]], on="layer")
+    pl = pl[pl["point"].isin([p.removeprefix("layers.*.") for p in points])]
+    ratio = (pl["top1"] / pl["median"]).groupby(pl["layer"]).max().rename("outlier_ratio").reset_index()
+    table = table.merge(ratio, on="layer")
     table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
     return table
 
@@ -425,10 +442,12 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
             "quantized": [i for i in run.layers if i not in keep], "final": next(t for t in tries if t["kept"] == len(keep)),
             # > 0: layers with larger outliers (or a larger attention KL) are hurt more
             "spearman_damage_vs_outlier_ratio": float(harm.corr(table["outlier_ratio"].rank())),
+            "outlier_points": list(outlier_points(s.spec(), run.lm.model)),
             "spearman_damage_vs_kl_mean": float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None,
             "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
-                    "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's top-1/median "
-                    "|logit| (> 0: layers with larger outliers are hurt more), and with the layer's mean attention KL",
+                    "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's outlier ratio, "
+                    "its largest top-1/median |x| over outlier_points (> 0: layers with larger outliers are hurt more), "
+                    "and with the layer's mean attention KL",
             "model_source": run.lm.provenance(run.ident["weights_sha256"]),
             "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
             "git_commit": git_commit()}
@@ -460,9 +479,10 @@ def _log_summary(run: _Run, record: dict) -> None:
 def _figures(table: pd.DataFrame, out: Path, record: dict) -> None:
     from outlierscope.report import plots
     from outlierscope.report.markdown import save_figure
-    from outlierscope.report.sensitivity import quantized_said
+    from outlierscope.report.sensitivity import outliers_said, quantized_said
 
     (out / "figures").mkdir(exist_ok=True)
-    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"])), out / "figures", "sensitivity")
-    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"]), out / "figures",
+    what = outliers_said(record)
+    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"]), what), out / "figures", "sensitivity")
+    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"], what), out / "figures",
                 "damage_vs_outliers")

@@ -407,3 +407,27 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
     want = float((gold - base.apply(lambda r: r[f"score{int(r['label'])}"], axis=1)).mean())
     assert kinds.set_index("linear").loc[path, "delta_gold_ll"] == pytest.approx(want, abs=1e-12)
     assert "Linear kinds, each quantized alone" in (tmp_path / "sensitivity.md").read_text()
+
+
+def test_a_linear_schemes_outlier_ratio_is_its_linears_inputs(hellaswag_cached, tmp_path):
+    """--quant w8a8: a layer's outlier ratio is the largest top-1 / median |x| over the inputs of the linears it
+    quantizes (every decoder linear), from a profile of the same tokens (computed here from its per-layer table),
+    not the attention logits'; the record names the points, sensitivity.md says what the ratio measures."""
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.linear import layer_linears
+    from outlierscope.runs.profile import ProfileSettings, profile_model
+
+    s = SensitivitySettings(model="pair-tiny:diff", quant="w8a8", limit=4, batch_size=8, profile_tokens=256,
+                            all_but=False, kinds=False, tolerance=0.0)
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    lm = load_model("pair-tiny:diff")
+    points = [f"layers.*.{p}.input" for p in sorted(p for p, _ in layer_linears(lm.model)[0])]
+    assert rec["outlier_points"] == points
+    pl = profile_model(lm, settings=ProfileSettings(tokens=256, points=tuple(points)), progress=False).tables["per_layer"]
+    want = {layer: float((g["top1"] / g["median"]).max()) for layer, g in pl.groupby("layer")}
+    got = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")["outlier_ratio"]
+    assert got.to_dict() == pytest.approx(want, rel=1e-12)
+    logits = profile_model(lm, settings=ProfileSettings(tokens=256), progress=False).tables["per_layer"]
+    logits = logits[logits.point == "attn.logits"].set_index("layer")
+    assert not np.allclose(got.sort_index().to_numpy(), (logits["top1"] / logits["median"]).sort_index().to_numpy())
+    assert "top-1/median |input| of its quantized linears" in (tmp_path / "sensitivity.md").read_text()
