@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import os
 import platform
 import shlex
@@ -24,21 +23,14 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
+from textpack import packed_ids  # bench/textpack.py (this folder is on sys.path when run as a script)
+
 
 def calibration(tok, path: str, seqs: int, length: int) -> list[dict]:
-    """``seqs`` rows of ``length`` token ids, packed from the file's documents in order (EOS between them)."""
+    """``seqs`` rows of ``length`` token ids packed from the file's documents, as GPT-QModel's calibration rows."""
     import torch
 
-    opener = lzma.open if path.endswith(".xz") else open
-    ids: list[int] = []
-    with opener(path, "rt") as f:
-        for line in f:
-            ids += tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id]
-            if len(ids) >= seqs * length:
-                break
-    if len(ids) < seqs * length:
-        raise SystemExit(f"{path}: {len(ids)} tokens, fewer than --calib-seqs x --calib-len = {seqs * length}")
-    rows = torch.tensor(ids[: seqs * length]).reshape(seqs, length)  # (N, T)
+    rows = packed_ids(tok, path, seqs, length)  # (N, T)
     return [{"input_ids": r[None], "attention_mask": torch.ones(1, length, dtype=torch.long)} for r in rows]
 
 

@@ -18,24 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import lzma
 import platform
 import sys
 from importlib.metadata import version
 from pathlib import Path
 
-
-def sequences(tok, path: str, seqs: int, length: int):
-    import torch
-
-    opener = lzma.open if path.endswith(".xz") else open
-    ids: list[int] = []
-    with opener(path, "rt") as f:
-        for line in f:
-            ids += tok(json.loads(line)["text"])["input_ids"] + [tok.eos_token_id]
-            if len(ids) >= seqs * length:
-                break
-    return torch.tensor(ids[: seqs * length]).reshape(seqs, length)  # (N, T)
+from textpack import packed_ids  # bench/textpack.py (this folder is on sys.path when run as a script)
 
 
 def nll(model, ids) -> list[float]:
@@ -56,7 +44,7 @@ def measure(a) -> dict:
 
     torch.set_num_threads(max(1, torch.get_num_threads()))
     tok = AutoTokenizer.from_pretrained(a.model)
-    ids = sequences(tok, a.text, a.seqs, a.len)
+    ids = packed_ids(tok, a.text, a.seqs, a.len)
     res = {}
     if a.loader == "transformers":
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()

@@ -19,7 +19,14 @@ from pathlib import Path
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
-from outlierscope.models.packed import PACKED_SUFFIXES, decode_into, packed_modules, packed_scheme
+from outlierscope.models.packed import (
+    PACKED_SUFFIXES,
+    decode_into,
+    packed_modules,
+    packed_names,
+    packed_scheme,
+    tensor_files,
+)
 from outlierscope.models.presets import PRESETS, ROLES
 from outlierscope.models.quiet import quiet_transformers
 from outlierscope.settings import option
@@ -415,13 +422,18 @@ QUANT_PACKAGES = {  # a checkpoint's quant_method -> the modules transformers ne
 }
 
 
-def _check_quantization_packages(path: Path, quant: dict | None) -> None:
-    """A checkpoint saved quantized whose loader is not installed: one line naming the packages, before any work (a
-    second model of a run is checked before the first one's cells)."""
+def _missing_packages(quant: dict | None) -> tuple[str | None, list[str]]:
+    """A checkpoint's quant_method and the modules transformers needs to load it that are not installed."""
     import importlib.util
 
     method = quant.get("quant_method") if isinstance(quant, dict) else None
-    missing = [m for m in QUANT_PACKAGES.get(method, ()) if importlib.util.find_spec(m) is None]
+    return method, [m for m in QUANT_PACKAGES.get(method, ()) if importlib.util.find_spec(m) is None]
+
+
+def _check_quantization_packages(path: Path, quant: dict | None) -> None:
+    """A checkpoint saved quantized whose loader is not installed: one line naming the packages, before any work (a
+    second model of a run is checked before the first one's cells)."""
+    method, missing = _missing_packages(quant)
     if missing and method in ("gptq", "awq"):  # without their kernels: decoded (or one line naming what is needed)
         packed_scheme(quant)
         if not packed_modules(path):
@@ -440,17 +452,15 @@ def _check_quantization_packages(path: Path, quant: dict | None) -> None:
 def _decodes_packed(quant: dict | None) -> bool:
     """A GPTQ/AWQ checkpoint that outlierscope decodes itself (:mod:`outlierscope.models.packed`): the packages
     transformers would load it with (GPT-QModel's kernels) are not installed."""
-    import importlib.util
-
-    method = quant.get("quant_method") if isinstance(quant, dict) else None
-    return packed_scheme(quant) is not None and any(importlib.util.find_spec(m) is None for m in QUANT_PACKAGES[method])
+    return packed_scheme(quant) is not None and bool(_missing_packages(quant)[1])
 
 
 def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
     """Fill a model loaded without its GPTQ/AWQ config (its packed linears plain and unfilled) with the decoded
     weights; the loading info, less those linears' weights and packed tensors, is checked as any other. Returns
     what the run record says of it."""
-    names = packed_modules(path)
+    files = tensor_files(path)
+    names = packed_names(files)
     done = {f"{n}.weight" for n in names}
     packed = {f"{n}{s}" for n in names for s in PACKED_SUFFIXES}
     _check_loading_info(path, {"missing_keys": [k for k in info.get("missing_keys") or () if k not in done],
@@ -459,7 +469,7 @@ def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
     if extra:
         raise OutlierscopeError(f"{path}: {len(extra)} tensor(s) of the {quant['quant_method']} checkpoint are not "
                                 f"read ({', '.join(extra[:3])}); expected qweight/qzeros/scales/g_idx per linear")
-    decode_into(model, path, quant)
+    decode_into(model, path, quant, files)
     model.config.quantization_config = quant
     return {"decoded_by": "outlierscope.models.packed", "method": quant["quant_method"], "modules": len(names),
             "forward": "each linear: the float matmul of its exactly dequantized weights, in the model's dtype"}
@@ -621,8 +631,10 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
             )
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
-    decoded = _load_packed(path, quant, model, info) if packed else None
-    if not packed:
+    decoded = None
+    if packed:
+        decoded = _load_packed(path, quant, model, info)
+    else:
         _check_loading_info(path, info)
     _check_vocab(path, _embedding_rows(model), tokenizer)
     _decompress_now(model)

@@ -84,7 +84,7 @@ def awq_weight(qweight, qzeros, scales, bits: int, group_size: int) -> torch.Ten
 
 
 def packed_scheme(quant: dict | None) -> str | None:
-    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one :func:`decode` reads, None for any
+    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one :func:`decode_into` reads, None for any
     other method; a GPTQ/AWQ layout it cannot read is one line naming what can (GPT-QModel's kernels)."""
     method = (quant or {}).get("quant_method")
     if method not in ("gptq", "awq"):
@@ -105,7 +105,7 @@ def packed_scheme(quant: dict | None) -> str | None:
     return method
 
 
-def _tensor_files(path: Path) -> dict[str, Path]:
+def tensor_files(path: Path) -> dict[str, Path]:
     """Which safetensors file holds each tensor (the index of a sharded checkpoint, else the single file)."""
     from safetensors import safe_open
 
@@ -119,21 +119,25 @@ def _tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
+def packed_names(files: dict[str, Path]) -> list[str]:
+    """The module names of a checkpoint's packed linears (those with a ``qweight``), from :func:`tensor_files`."""
+    return sorted(k[: -len(".qweight")] for k in files if k.endswith(".qweight"))
+
+
 def packed_modules(path: Path) -> list[str]:
-    """The module names of a checkpoint's packed linears (those with a ``qweight``)."""
-    return sorted(k[: -len(".qweight")] for k in _tensor_files(path) if k.endswith(".qweight"))
+    """The module names of the packed linears of the checkpoint at ``path``."""
+    return packed_names(tensor_files(path))
 
 
-def decode_into(model, path: Path, quant: dict) -> list[str]:
+def decode_into(model, path: Path, quant: dict, files: dict[str, Path]) -> None:
     """Write each packed linear's dequantized weight into ``model`` (built from the config without its
     quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is
-    one layer's codes. Returns the decoded module names."""
+    one layer's codes. ``files``: :func:`tensor_files` of ``path``."""
     from safetensors import safe_open
 
-    method, files = packed_scheme(quant), _tensor_files(path)
+    method = packed_scheme(quant)
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
-    names = packed_modules(path)
-    for name in names:
+    for name in packed_names(files):
         def get(suffix, name=name):
             if name + suffix not in files:
                 return None
@@ -151,4 +155,3 @@ def decode_into(model, path: Path, quant: dict) -> list[str]:
                                     f"linear is {tuple(linear.weight.shape)}; the config and the packed weights differ")
         with torch.no_grad():
             linear.weight.copy_(w.to(linear.weight.dtype))
-    return names

@@ -265,12 +265,17 @@ def spec_from_config(qconfig: dict, model: nn.Module) -> AttnQuant:
     return AttnQuant.parse("; ".join(i for i in items if i) or "none")
 
 
+def _packed_symmetric(qconfig: dict) -> bool:
+    """Whether a GPTQ / AWQ checkpoint's grid is symmetric (GPTQ ``sym``; AWQ without ``zero_point``)."""
+    return qconfig.get("sym", True) if qconfig["quant_method"] == "gptq" else not qconfig.get("zero_point", True)
+
+
 def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) -> AttnQuant:
     """The RTN emulation of a GPTQ / AWQ checkpoint's weights on its float weights: the same bits, groups and grid
     (symmetric: fintB, GPTQ's scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1]; with zero points: asymB),
     on the linears the checkpoint holds ``packed`` (their module names)."""
     bits, group = int(qconfig["bits"]), int(qconfig.get("group_size") or -1)
-    sym = qconfig.get("sym", True) if qconfig["quant_method"] == "gptq" else not qconfig.get("zero_point", True)
+    sym = _packed_symmetric(qconfig)
     gran = f"per_group:{group}" if group > 0 else "per_channel"
     scope = _scope(model, set(packed))
     return AttnQuant.parse("; ".join(i for i in (f"w={'fint' if sym else 'asym'}{bits}/{gran}", scope) if i))
@@ -293,9 +298,7 @@ def packed_differences(qconfig: dict) -> list[str]:
     notes.append("scales: the checkpoint stores them in float16, the emulation computes them in float32; on the "
                  "symmetric grid a weight at a group's absmax sits on a tie (w / scale = (2^b - 1) / 2) that either "
                  "rounding may take")
-    sym = qconfig.get("sym", True) if method == "gptq" else not qconfig.get("zero_point", True)
-    if not sym:
+    if not _packed_symmetric(qconfig):
         notes.append(f"zero points: {method.upper()}'s are integers (0 lies exactly on its grid); the emulation's "
                      "asymB grid runs from each group's min to its max, its offset not rounded")
     return notes
-

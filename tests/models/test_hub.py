@@ -2,6 +2,7 @@
 at it and HF_HUB_CACHE in a temporary directory: download by id, by id@tag and by id@commit, what a second load asks,
 offline mode, sharded and pickle-only checkpoints, custom code, and every failure as one line."""
 
+import contextlib
 import json
 import shutil
 from pathlib import Path
@@ -50,23 +51,33 @@ def dirs(tmp_path_factory):
     return out, model
 
 
+@contextlib.contextmanager
+def serving(repos: dict, tmp_path, monkeypatch):
+    """The stand-in Hub serving ``repos`` (``ORG/NAME`` -> :class:`Repo`), online, with a fresh cache and no saved
+    login, while the block runs; then stopped and the process's resolutions forgotten."""
+    server = HubServer(repos).start()
+    try:
+        set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=False)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        yield server
+    finally:
+        server.stop()
+        hubmod._resolve.cache_clear()
+
+
 @pytest.fixture
 def hub(dirs, tmp_path, monkeypatch):
     d, _ = dirs
-    server = HubServer({
+    with serving({
         "org/tiny": Repo.from_dir(d["whole"], {"main": SHA_MAIN, "v1.0": SHA_TAG}),
         "org/sharded": Repo.from_dir(d["sharded"], {"main": SHA_MAIN}),
         "org/pickle": Repo.from_dir(d["pickle"], {"main": SHA_MAIN}),
         "org/custom": Repo.from_dir(d["custom"], {"main": SHA_MAIN}),
         "org/bert": Repo.from_dir(d["bert"], {"main": SHA_MAIN}),
         "org/gated": Repo.from_dir(d["whole"], {"main": SHA_MAIN}, gated=True),
-    }).start()
-    set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=False)
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))  # no saved login
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    yield server
-    server.stop()
-    hubmod._resolve.cache_clear()
+    }, tmp_path, monkeypatch) as server:
+        yield server
 
 
 def set_hub(monkeypatch, endpoint, cache, offline: bool):

@@ -153,17 +153,12 @@ def test_profile_sweep_sensitivity_and_lmeval_on_gptq_and_awq(hs_jsonl, hellaswa
 def test_a_gptq_checkpoint_by_hub_id_through_the_stand_in_hub(tmp_path, monkeypatch):
     """Served by the local stand-in Hub (HF_ENDPOINT on 127.0.0.1): loads by ``ORG/NAME`` and computes what the
     directory computes; the record names the Hub commit, the quantization_config and the decoding."""
-    from outlierscope.models import hub as hubmod
     from outlierscope.models.loading import load_model
-    from tests.models.hub_server import HubServer, Repo
-    from tests.models.test_hub import SHA_MAIN, set_hub
+    from tests.models.hub_server import Repo
+    from tests.models.test_hub import SHA_MAIN, serving
 
     path = _checkpoint("gptq-w3g32-sym", tmp_path)
-    server = HubServer({"org/tiny-gptq": Repo.from_dir(path, {"main": SHA_MAIN})}).start()
-    try:
-        set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=False)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+    with serving({"org/tiny-gptq": Repo.from_dir(path, {"main": SHA_MAIN})}, tmp_path, monkeypatch):
         hub, local = load_model("org/tiny-gptq"), load_model(str(path))
         ids = torch.randint(1, 6144, (1, 16), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
@@ -172,9 +167,6 @@ def test_a_gptq_checkpoint_by_hub_id_through_the_stand_in_hub(tmp_path, monkeypa
         rec = hub.provenance()
         assert rec["quantization_config"]["bits"] == 3 and rec["packed_weights"]["method"] == "gptq"
         assert SHA_MAIN in json.dumps(rec)
-    finally:
-        server.stop()
-        hubmod._resolve.cache_clear()
 
 
 @pytest.mark.parametrize("variant, spec", [

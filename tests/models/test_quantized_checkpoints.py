@@ -166,17 +166,12 @@ def test_profile_and_sweep_of_a_checkpoint(tiny_pair, hs_jsonl, tiny_corpus, tmp
 def test_a_checkpoint_by_hub_id_through_the_stand_in_hub(tiny_pair, tmp_path, monkeypatch):
     """The same checkpoint served by the local stand-in Hub (HF_ENDPOINT on 127.0.0.1) loads by ``ORG/NAME`` and
     computes what it computes loaded by directory; its record names the Hub commit and the quantization_config."""
-    from outlierscope.models import hub as hubmod
     from outlierscope.models.loading import load_model
-    from tests.models.hub_server import HubServer, Repo
-    from tests.models.test_hub import SHA_MAIN, set_hub
+    from tests.models.hub_server import Repo
+    from tests.models.test_hub import SHA_MAIN, serving
 
     path = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
-    server = HubServer({"org/tiny-w8a8": Repo.from_dir(path, {"main": SHA_MAIN})}).start()
-    try:
-        set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=False)
-        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+    with serving({"org/tiny-w8a8": Repo.from_dir(path, {"main": SHA_MAIN})}, tmp_path, monkeypatch):
         hub, local = load_model("org/tiny-w8a8"), load_model(str(path))
         ids = torch.randint(1, 300, (1, 16), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
@@ -184,9 +179,6 @@ def test_a_checkpoint_by_hub_id_through_the_stand_in_hub(tiny_pair, tmp_path, mo
                                local.model.model(input_ids=ids).last_hidden_state)
         rec = hub.provenance()
         assert rec["quantization_config"]["quant_method"] == "compressed-tensors" and SHA_MAIN in json.dumps(rec)
-    finally:
-        server.stop()
-        hubmod._resolve.cache_clear()
 
 
 @pytest.mark.parametrize("quant, msg", [
