@@ -10,8 +10,8 @@
   (G consecutive inputs of a row), ``per_tensor``; MX / NVFP4 blocks along I (NVFP4's per-tensor scale: the weight's).
 * ``smooth_scales(act_max, weight_max, alpha)``: SmoothQuant's ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``.
 * ``outlier_columns(x, valid, threshold)``: LLM.int8's outlier feature dimensions per sequence.
-* ``rotation(d, seed)``: an orthonormal random-sign Hadamard matrix of any order ``2^k * m`` where a Hadamard matrix of
-  order m comes from Paley's constructions (QuaRot's non-power-of-2 sizes: 12, 20, 28, 36, 44, 60, 108, ...).
+* ``rotation(d, seed)``: an orthonormal random-sign Hadamard matrix (signs on the input side, as QuaRot's) of any
+  order ``2^k * m`` where a Hadamard matrix of order m comes from Paley's constructions (QuaRot's non-power-of-2 sizes: 12, 20, 28, 36, 44, 60, 108, ...).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.formats import MX_FORMATS
-from outlierscope.quant.ops import _asymmetric, block_quant
+from outlierscope.quant.ops import _asymmetric, block_quant, random_sign_hadamard, sylvester
 from outlierscope.quant.primitives import fake_quant, qmax, quantize_absmax
 from outlierscope.quant.recipe import TensorQuant
 
@@ -132,14 +132,11 @@ def _base_order(d: int) -> tuple[int, int | None]:
 
 
 def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """A (d, d) orthonormal random-sign Hadamard matrix ``H diag(signs) / sqrt(d)``: H Sylvester's for a power of 2
-    (the same matrix as :func:`outlierscope.quant.ops.hadamard`), else ``kron(Paley's H_m, Sylvester's H_2^k)``."""
+    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H / sqrt(d)`` (QuaRot's randomized Hadamard:
+    :func:`~outlierscope.quant.ops.random_sign_hadamard`): H Sylvester's for a power of 2 (the same matrix as
+    :func:`outlierscope.quant.ops.hadamard`), else ``kron(Paley's H_m, Sylvester's H_2^k)``."""
     m, q = _base_order(d)
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] * m < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    h = sylvester(d // m)
     if q is not None:
-        h = torch.kron(_paley(q), h)
-    g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
-    return (h * signs / math.sqrt(d)).to(dtype=dtype, device=device)
+        h = torch.kron(_paley(q), h)  # (d, d)
+    return random_sign_hadamard(h, seed, dtype, device)

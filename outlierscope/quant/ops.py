@@ -196,14 +196,28 @@ def _block_means(q: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tenso
     return mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
 
 
-def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A (d, d) orthonormal random-sign Hadamard matrix: Sylvester's H_d / sqrt(d) times diag(signs) drawn from
-    ``seed``; ``d`` must be a power of 2."""
-    if d < 1 or d & (d - 1):
-        raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
+def sylvester(d: int) -> torch.Tensor:
+    """Sylvester's (d, d) Hadamard matrix (entries +-1, float64); ``d`` a power of 2."""
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # (2n, 2n)
+    return h
+
+
+def random_sign_hadamard(h: torch.Tensor, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``diag(signs) . h / sqrt(d)`` with ``signs`` drawn from ``seed``: QuaRot's randomized Hadamard. The signs sit
+    on the input side (``x @ R = (x * signs) @ h / sqrt(d)``), so they change what is quantized; on the output side
+    (``h . diag(signs)``) they would only flip the signs of the rotated values, which a symmetric quantizer commutes
+    with: every seed would quantize alike."""
+    d = h.shape[0]
     g = torch.Generator().manual_seed(seed)
     signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
-    return (h * signs / math.sqrt(d)).to(dtype=dtype, device=device)
+    return (signs[:, None] * h / math.sqrt(d)).to(dtype=dtype, device=device)  # (d, d): row i times signs[i]
+
+
+def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H_d / sqrt(d)`` (Sylvester's H_d, signs drawn
+    from ``seed``: :func:`random_sign_hadamard`); ``d`` must be a power of 2."""
+    if d < 1 or d & (d - 1):
+        raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
+    return random_sign_hadamard(sylvester(d), seed, dtype, device)

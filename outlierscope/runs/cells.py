@@ -28,6 +28,14 @@ def cell_id(settings: dict) -> str:
     return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
+def revised(*specs) -> dict:
+    """Keys a cell's identity gains where the arithmetic behind a spec's text changed, so that cells computed before
+    are never read back as today's: a rotation's signs moved to its input side (``rotate:``/``hadamard:``; before, the
+    seed did nothing)."""
+    rotated = any(getattr(sp, "rotate", None) is not None or getattr(sp, "hadamard", None) is not None for sp in specs)
+    return {"rotation": "input-signs"} if rotated else {}
+
+
 def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[EvalResult, dict | None]], desc: str,
                 log=print, tables: tuple[str, ...] = (), shard: Shard | None = None,
                 world: World | None = None) -> tuple[EvalResult | None, str]:

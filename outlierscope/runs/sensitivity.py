@@ -62,7 +62,7 @@ from outlierscope.quant.apply import check_spec, quantize_attention
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
 from outlierscope.settings import option
 
 
@@ -212,7 +212,7 @@ class _Run:
         settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": label,
                     "layers": list(spec.layers) if spec and spec.layers else None,
                     "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
-                    "attn_error": measure.label if measure else False}
+                    "attn_error": measure.label if measure else False, **revised(spec, keep)}
         if (spec or keep) and s.batch_size != DEFAULT_BATCH:  # a quantized cell's scores depend on its batch size by
             settings["batch_size"] = s.batch_size  # float32 rounding; cells at the default keep their ids
 

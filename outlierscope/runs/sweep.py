@@ -45,7 +45,7 @@ from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
 from outlierscope.settings import option
 
 
@@ -210,7 +210,7 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["batch_size"] = s.batch_size  # quantizer's rounding boundary; cells at the default keep their ids
     if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
         out["quant"] = str(spec)
-    return out
+    return {**out, **revised(spec)}
 
 
 def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,

@@ -224,6 +224,42 @@ def test_rotation_is_an_orthonormal_hadamard(d):
     assert torch.allclose(r.abs(), torch.full_like(r, 1 / math.sqrt(d)))  # +-1/sqrt(d): a scaled Hadamard matrix
 
 
+@pytest.mark.parametrize("d", [64, 256, 12, 20, 28, 384, 576])
+def test_rotation_signs_sit_on_the_input_side(d):
+    """QuaRot's randomized Hadamard is diag(signs) . H: row i of every seed's matrix is the same Hadamard row times
+    the seed's i-th sign (drawn as the test draws it); for a power of 2, H is scipy's Sylvester matrix."""
+    from scipy.linalg import hadamard as scipy_hadamard
+
+    def signs(seed):
+        g = torch.Generator().manual_seed(seed)
+        return torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+
+    unsigned = [rotation(d, seed, torch.float64) * signs(seed)[:, None] * math.sqrt(d) for seed in (0, 7, 123)]
+    for h in unsigned[1:]:
+        torch.testing.assert_close(h, unsigned[0], rtol=0, atol=1e-12)
+    if d & (d - 1) == 0:
+        torch.testing.assert_close(unsigned[0], torch.tensor(scipy_hadamard(d), dtype=torch.float64), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("text", ["w4a4; rotate:{seed}", "a=int8/per_token; w=int4/per_group:64; rotate:{seed}"])
+def test_rotation_seed_changes_what_is_quantized(text):
+    """Two seeds: the same outputs unquantized (float rounding), different quantized outputs (a seed whose signs
+    only flipped the rotated values would quantize alike: a symmetric grid commutes with a sign flip)."""
+    model = _model()
+    ids, mask = _batch()
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    real = mask.bool()
+    out = {}
+    with torch.no_grad():
+        for seed in (0, 7):
+            with quantize_model(model, text.format(seed=seed)):
+                out[seed] = model(**kw).logits[real]
+            with quantize_model(model, f"rotate:{seed}"):
+                out[f"plain{seed}"] = model(**kw).logits[real]
+    torch.testing.assert_close(out["plain0"], out["plain7"], rtol=1e-10, atol=1e-10)
+    assert (out[0] - out[7]).abs().max() > 1e-3
+
+
 @pytest.mark.parametrize("name", ["w8a8", "nvfp4", "llm-int8", "w=int4/per_group:64; a=int4/per_tensor",
                                   "w=asym4/per_group:128; a=asym8/per_tensor", "a=e4m3/per_tensor"])
 def test_a_sequence_alone_or_padded_in_a_batch(name):

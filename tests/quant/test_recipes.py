@@ -148,7 +148,7 @@ def _hadamard(d: int, seed: int) -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     signs = torch.randint(0, 2, (d,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
-    return h * signs / math.sqrt(d)
+    return signs[:, None] * h / math.sqrt(d)  # diag(signs) . H: QuaRot's randomized Hadamard (signs on the input)
 
 
 def _mean_rows(x: torch.Tensor, real: torch.Tensor, rows: int | None) -> torch.Tensor:
@@ -351,6 +351,20 @@ def test_exact_transforms_change_nothing_unquantized(text):
         with quantize_attention(model, text):
             got = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[real], plain[real], rtol=2e-6, atol=2e-6)
+
+
+def test_hadamard_seed_changes_what_is_quantized():
+    """Two seeds of the attention's rotation: the same unquantized outputs, different quantized ones."""
+    model = _model("llama")
+    ids, mask = _batch()
+    real = mask.bool()
+    out = {}
+    with torch.no_grad():
+        for text in ("k=int4/per_token; hadamard:0", "k=int4/per_token; hadamard:5", "hadamard:0", "hadamard:5"):
+            with quantize_attention(model, text):
+                out[text] = model(input_ids=ids, attention_mask=mask).logits[real]
+    torch.testing.assert_close(out["hadamard:0"], out["hadamard:5"], rtol=2e-6, atol=2e-6)
+    assert (out["k=int4/per_token; hadamard:0"] - out["k=int4/per_token; hadamard:5"]).abs().max() > 1e-3
 
 
 @pytest.mark.parametrize("text", ["q,k=int8/per_block:128; smooth_k", "kv=asym2/per_channel:32",
