@@ -4,14 +4,17 @@
 What maps (one compressed-tensors ``QuantizationArgs`` per ``a=``/``w=`` part; every other spec item is refused
 in one line naming why)::
 
-    w=intB|fintB/per_channel  -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
-    w=intB/per_group:G        -> weights {..., strategy: group, group_size: G}     (asymB: symmetric: false)
-    a=intB/per_token          -> input_activations {..., strategy: token, dynamic: true}
-    a=intB/per_tensor|static  -> input_activations {..., strategy: tensor, dynamic: true | false}
+    w=fintB/per_channel       -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
+    w=fintB/per_group:G       -> weights {..., strategy: group, group_size: G}
+    a=fintB/per_token         -> input_activations {..., strategy: token, dynamic: true}
+    a=fintB/per_tensor|static -> input_activations {..., strategy: tensor, dynamic: true | false}
     e4m3                      -> {num_bits: 8, type: float}   (compressed-tensors' FP8 is E4M3 only)
     mxfp4, mxfp8_e4m3, nvfp4  -> compressed-tensors' MXFP4 / MXFP8 / NVFP4 arguments
     smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
     k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
+
+Only the grid that was measured is written: ``intB`` (the restricted grid, absmax / (2^(B-1) - 1)) and ``asymB`` (a
+float zero point) are refused in one line naming the ``fintB`` spelling, since compressed-tensors writes neither.
 
 Which modules: ``targets: [Linear]`` and an ``ignore`` list of every ``nn.Linear`` the spec leaves alone, read from
 the model's module tree exactly as :func:`~outlierscope.quant.linear.linear_sites` selects (``linears:``, ``layers:``,
@@ -59,8 +62,16 @@ def tensor_args(p: TensorQuant) -> dict:
         if p.format == "nvfp4" and dynamic:  # per-block scales dynamic, the global one calibrated
             args.update(dynamic="local", observer="static_minmax")
         return args
-    if p.format in ("int", "fint", "asym"):  # int and fint: one symmetric grid there (fint's: the same values)
-        args = {"num_bits": p.bits, "type": "int", "symmetric": p.format != "asym"}
+    if p.format == "int":
+        raise OutlierscopeError(f"{p}: {p.format_text} is the restricted grid (absmax / {2 ** (p.bits - 1) - 1}), which "
+                                "compressed-tensors does not write: its int grid is the full-range one (absmax / "
+                                f"{(2 ** p.bits - 1) / 2}); measure and export {p.target}=fint{p.bits}"
+                                + (f"/{p.granularity}" if p.granularity else "") + (f":{p.size}" if p.size else ""))
+    if p.format == "asym":
+        raise OutlierscopeError(f"{p}: asym{p.bits}'s zero point is a float here (min-max); compressed-tensors rounds "
+                                "it to an integer, another grid; export a symmetric fint or FP format")
+    if p.format == "fint":  # compressed-tensors' symmetric int grid: absmax / ((2^b - 1) / 2) onto [-2^(b-1), 2^(b-1)-1]
+        args = {"num_bits": p.bits, "type": "int", "symmetric": True}
     elif p.format == "e4m3":
         args = {"num_bits": 8, "type": "float", "symmetric": True}
     else:
@@ -82,11 +93,12 @@ def kv_cache_args(spec: AttnQuant) -> dict | None:
     others += [n for n, on in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q is not None),
                                ("hadamard", spec.hadamard is not None)) if on]
     same = k is not None and v is not None and dataclasses.replace(k, target="v") == v
-    if others or not same or k.format not in ("int", "e4m3") or k.bits not in (None, 8) \
+    if others or not same or k.format not in ("fint", "int", "e4m3") or k.bits not in (None, 8) \
             or k.granularity not in ("per_tensor", "per_head"):
         raise OutlierscopeError(f"{spec}: compressed-tensors quantizes attention only as a KV cache (k and v alike, "
-                                "int8 or e4m3, per_tensor or per_head); expected e.g. 'kv=e4m3/per_tensor' or no "
+                                "fint8 or e4m3, per_tensor or per_head); expected e.g. 'kv=e4m3/per_tensor' or no "
                                 "attention parts" + (f", got {', '.join(others)}" if others else ""))
+    tensor_args(k)  # the grid's check, naming k's own spelling
     return {**tensor_args(dataclasses.replace(k, target="a", granularity="static")),
             "strategy": STRATEGY[k.granularity]}
 
@@ -96,9 +108,9 @@ def check_exportable(spec: AttnQuant) -> None:
     if spec.rotate is not None:
         raise OutlierscopeError(f"{spec}: rotate:SEED has no compressed-tensors form that reproduces it (llm-compressor's "
                                 "QuIP/SpinQuant modifiers rotate differently); export the spec without it")
-    if spec.outliers is not None:
+    if spec.outlier_threshold is not None:
         raise OutlierscopeError(f"{spec}: outliers:T is LLM.int8's decomposition, bitsandbytes' "
-                                f"(BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold={spec.outliers})), not a "
+                                f"(BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold={spec.outlier_threshold})), not a "
                                 "compressed-tensors scheme")
     if spec.part("w") is None and spec.part("a") is not None:
         raise OutlierscopeError(f"{spec}: compressed-tensors quantizes activations only with the weights; add a w= part")
@@ -136,11 +148,6 @@ def differences(spec: AttnQuant) -> list[str]:
     """How the emulation of ``spec`` and the real scheme built from the export differ."""
     notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
              "GPTQModifier or AWQModifier in its place would correct the rounding error"]
-    parts = [p for p in (spec.part("w"), spec.part("a")) if p is not None]
-    if any(p.format == "int" for p in parts):
-        notes.append("symmetric int grid: the emulation's scale is absmax / (2^(b-1) - 1) on [-(2^(b-1)-1), "
-                     "2^(b-1)-1]; compressed-tensors' absmax / ((2^b - 1) / 2) on [-2^(b-1), 2^(b-1)-1] (fintB in "
-                     "the spec emulates that grid)")
     a = spec.part("a")
     if a is not None and a.granularity == "per_tensor":
         notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "

@@ -273,8 +273,12 @@ def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, 
         if part is not None:
             x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
             valid = None if local else padding.valid_for(x3)
-            cols = outlier_columns(x3, valid, spec.outliers) if spec.outliers is not None else None  # (B, 1, I)
-            y = quantize_activation(x3, valid, part, cols, static_amax).reshape(y.shape)
+            cols = skip = None
+            if spec.outlier_threshold is not None:
+                cols = outlier_columns(x3, valid, spec.outlier_threshold)  # (B, 1, I)
+                if spec.bnb_outliers is not None:  # bitsandbytes: only the outlier elements leave the row scales
+                    skip = x3.abs() >= spec.bnb_outliers  # (B, T, I)
+            y = quantize_activation(x3, valid, part, cols, static_amax, skip).reshape(y.shape)
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
 
     return pre
@@ -359,7 +363,7 @@ def token_local(spec: AttnQuant) -> bool:
     """Whether every linear's output at a token depends on that token alone (no per-sequence statistic): then a
     context's choices may share its prefix (:func:`~outlierscope.eval.evaluate.layout_for`)."""
     a = spec.part("a")
-    return spec.outliers is None and (a is None or a.granularity in ("per_token", "per_group", "static")
+    return spec.outlier_threshold is None and (a is None or a.granularity in ("per_token", "per_group", "static")
                                       or a.format not in ("nvfp4",) and a.granularity is None)
 
 

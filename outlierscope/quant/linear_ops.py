@@ -41,15 +41,20 @@ def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple,
 
 
 def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQuant,
-                        outlier_cols: torch.Tensor | None = None, static_amax: torch.Tensor | None = None) -> torch.Tensor:
+                        outlier_cols: torch.Tensor | None = None, static_amax: torch.Tensor | None = None,
+                        scale_skip: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` (B, T, C) quantized-dequantized per ``tq`` (an ``a=`` part); ``valid`` (B, T) or None (all valid); a new
-    tensor in ``x``'s dtype. ``static_amax``: the calibrated absmax of ``a=.../static``."""
+    tensor in ``x``'s dtype. ``static_amax``: the calibrated absmax of ``a=.../static``. ``outlier_cols`` come back
+    unquantized and, unless ``scale_skip`` (B, T, C) names the entries left out of the scales instead (bitsandbytes'
+    rule: the outlier elements alone), enter no scale."""
     B, T, C = x.shape
     v = None  # every entry real and quantized: no mask to build or apply (the common token-local case)
     if valid is not None or outlier_cols is not None:
         v = (torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid)[..., None].expand(B, T, C)
+    keep = v
     if outlier_cols is not None:
-        v = v & ~outlier_cols  # (B, T, C): outlier columns enter no scale and stay as they are
+        keep = v & ~outlier_cols  # (B, T, C): outlier columns stay as they are
+        v = keep if scale_skip is None else v & ~scale_skip  # (B, T, C): what enters the scales
     w = x if v is None else x.masked_fill(~v, 0)
     if tq.format in MX_FORMATS or tq.format == "nvfp4":
         amax = w.abs().amax((1, 2))[:, None] if tq.format == "nvfp4" else None  # (B, 1): each sequence's
@@ -63,7 +68,7 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
                                  (-1,), tq).reshape(B, T, C)
     else:
         out = _symmetric_or_asym(w, v, (-1,) if tq.granularity == "per_token" else (1, 2), tq)
-    return out if v is None else torch.where(v, out, x)
+    return out if keep is None else torch.where(keep, out, x)
 
 
 def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:

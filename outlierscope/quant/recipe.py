@@ -22,8 +22,8 @@ Logits: ``per_tensor``, ``per_head``, ``per_row`` (the paper's absmax, :class:`~
 
 Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.linear`) in the same text::
 
-    w=int8/per_channel; a=int8/per_token                       # W8A8 (llm-compressor, torchao int8 dynamic)
-    w=int8/per_channel; a=int8/per_token; smooth:0.5           # + SmoothQuant's migration, alpha 0.5
+    w=fint8/per_channel; a=fint8/per_token                     # W8A8 (llm-compressor, compressed-tensors)
+    w=int8/per_channel; a=int8/per_token; smooth:0.5           # SmoothQuant (its restricted grid), alpha 0.5
     w=int4/per_channel; a=int4/per_token; rotate:0             # W4A4 with a seeded Hadamard rotation (QuaRot)
     w=int8/per_channel; a=int8/per_token; outliers:6.0         # LLM.int8(): input columns with |x| >= 6 unquantized
     w8a8; kivi-4bit                                             # recipe names combine with each other and with parts
@@ -33,10 +33,15 @@ Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.lin
 pass: max |x| / the format's max); ``w`` (the weight, (out_features, in_features)): ``per_channel`` (an output
 row), ``per_group:G`` (G consecutive inputs of a row), ``per_tensor``. Formats as above (RTN); MX and NVFP4 blocks
 run along in_features for both (NVFP4's per-tensor scale: the weight's, and each sequence's for activations).
-``fintB`` (``a=``/``w=`` only): the full-range symmetric grid of compressed-tensors and torchao (absmax / 127.5 onto
-[-128, 127] at 8 bits) where ``intB`` is the restricted one (absmax / 127 onto [-127, 127]): to emulate a
-compressed-tensors checkpoint exactly. ``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every quantized linear's input
-dimension), ``outliers:T`` (LLM.int8's decomposition), ``linears:PATTERN[,PATTERN]`` (which linears, by module path
+``fintB`` (``a=``/``w=``, and ``q``/``k``/``v``): the full-range symmetric grid of compressed-tensors and torchao
+(absmax / 127.5 onto [-128, 127] at 8 bits; values divided by the scale, as compressed-tensors: torchao multiplies by
+its reciprocal, which moves codes at exact ties) where ``intB`` is the restricted one (absmax / 127 onto [-127, 127]:
+SmoothQuant's, bitsandbytes', vLLM's dynamic activation kernel). The named ``w8a8``, ``w4a16``, ``w4a8`` are on the
+full-range grid (llm-compressor's presets); ``w8a8-restricted``, ``w8a8-sq``, ``llm-int8``, ``w4a4`` on the restricted
+one (their sources'). ``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every quantized linear's input
+dimension), ``outliers:T`` (LLM.int8's decomposition as the paper
+states it: input columns with some |x| >= T leave the quantized product whole), ``bnb_outliers:T`` (bitsandbytes'
+rule: only the elements with |x| >= T are left out of a token's scale; their columns still run in full precision), ``linears:PATTERN[,PATTERN]`` (which linears, by module path
 inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``; default every ``nn.Linear`` of the decoder layers),
 ``calib:SOURCE`` (what ``smooth`` and ``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a
 SmoothQuant ``act_scales.pt``). ``layers:`` applies to the attention and the linear parts alike.
@@ -87,15 +92,15 @@ class TensorQuant:
         if self.format in ("int", "asym", "fint"):
             if not isinstance(self.bits, int) or not 2 <= self.bits <= 8:
                 raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..8, got {self.bits!r}")
-            if self.format == "fint" and self.target not in LINEAR_TARGETS:
+            if self.format == "fint" and self.target in ("logits", "probs"):
                 raise OutlierscopeError(f"{self.target}: fint (the full-range grid of compressed-tensors and torchao) "
-                                        "is for a= and w= parts; use int here")
+                                        "is for a=, w=, q, k and v parts; use int here")
         elif self.format in FLOAT_FORMATS or self.format in BLOCK_FORMATS:
             if self.bits is not None:
                 raise OutlierscopeError(f"{self.target}: format {self.format} has no bits setting")
         else:
             raise OutlierscopeError(f"{self.target}: unknown format {self.format!r}; expected int2..int8, asym2..asym8, "
-                                    "fint2..fint8 (a=, w=), "
+                                    "fint2..fint8 (a=, w=, q, k, v), "
                                     f"{', '.join(FLOAT_FORMATS + BLOCK_FORMATS)}")
         self._check_granularity()
 
@@ -174,6 +179,7 @@ class AttnQuant:
     rotate: int | None = None
     outliers: float | None = None
     linears: tuple[str, ...] | None = None
+    bnb_outliers: float | None = None
     calib: str | None = None
 
     def __post_init__(self):
@@ -196,10 +202,15 @@ class AttnQuant:
     def _check_linear(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
             raise OutlierscopeError(f"smooth:ALPHA needs an alpha in 0..1 (SmoothQuant's migration strength), got {self.smooth}")
-        if self.outliers is not None and not self.outliers > 0:
-            raise OutlierscopeError(f"outliers:T needs a threshold > 0 (LLM.int8: 6.0), got {self.outliers}")
-        if self.outliers is not None and self.part("a") is None:
-            raise OutlierscopeError("outliers:T keeps activation columns out of the a= quantization; add an a= part")
+        if self.outliers is not None and self.bnb_outliers is not None:
+            raise OutlierscopeError("outliers:T (the paper's decomposition) and bnb_outliers:T (bitsandbytes' rule) "
+                                    "are two ways of one thing; give one")
+        for key in ("outliers", "bnb_outliers"):
+            t = getattr(self, key)
+            if t is not None and not t > 0:
+                raise OutlierscopeError(f"{key}:T needs a threshold > 0 (LLM.int8: 6.0), got {t}")
+            if t is not None and self.part("a") is None:
+                raise OutlierscopeError(f"{key}:T keeps activation columns out of the a= quantization; add an a= part")
         if self.linears is not None:
             object.__setattr__(self, "linears", tuple(dict.fromkeys(self.linears)))
             bad = [p for p in self.linears if not re.fullmatch(r"[A-Za-z0-9_.*]+", p)]
@@ -212,6 +223,11 @@ class AttnQuant:
             raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA and a=.../static only; leave it out")
         if self.calib is not None and (not self.calib.strip() or ";" in self.calib):
             raise OutlierscopeError(f"calib:SOURCE needs hellaswag, a text file or an act_scales.pt, got {self.calib!r}")
+
+    @property
+    def outlier_threshold(self) -> float | None:
+        """LLM.int8's threshold, whichever rule (``outliers`` or ``bnb_outliers``) gives it; None: no decomposition."""
+        return self.outliers if self.outliers is not None else self.bnb_outliers
 
     def part(self, target: str) -> TensorQuant | None:
         return next((p for p in self.parts if p.target == target), None)
@@ -238,7 +254,8 @@ class AttnQuant:
         items = [str(p) for p in self.parts]
         items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
         items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
-        items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "calib") if (v := getattr(self, k)) is not None]
+        items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "bnb_outliers", "calib")
+                  if (v := getattr(self, k)) is not None]
         items += [f"linears:{','.join(self.linears)}"] if self.linears is not None else []
         items += [f"layers:{','.join(map(str, self.layers))}"] if self.layers is not None else []
         return "; ".join(items) or "none"
@@ -290,7 +307,7 @@ class AttnQuant:
         return cls(tuple(parts), **kw, name=name)
 
 
-_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "linears", "calib")
+_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib")
 
 
 def _unknown_recipe(item: str, text: str):
@@ -318,9 +335,10 @@ def _flag_value(key: str, arg: str, text: str):
     try:
         if key == "layers":
             return tuple(parse_layers(arg.replace("+", ",")))
-        return float(arg) if key in ("smooth", "outliers") else int(arg)
+        return float(arg) if key in ("smooth", "outliers", "bnb_outliers") else int(arg)
     except (ValueError, TypeError):
-        expected = {"layers": "layers:0-3 or layers:0,2", "smooth": "smooth:0.5", "outliers": "outliers:6.0"}
+        expected = {"layers": "layers:0-3 or layers:0,2", "smooth": "smooth:0.5", "outliers": "outliers:6.0",
+                    "bnb_outliers": "bnb_outliers:6.0"}
         raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected "
                                 + expected.get(key, f"{key}:N")) from None
 
@@ -372,19 +390,28 @@ RECIPES = {r.name: r for r in (
     *(Recipe(f"logits-int{b}", f"logits=int{b}/per_tensor", "Diff Transformer (arXiv 2410.05258) Figure 8",
              "nothing: it is the paper's post-hoc quantization of the logits") for b in (8, 6, 4)),
     # linear layers: weights RTN (no GPTQ/AWQ), activations dynamic unless said
-    Recipe("w8a8", "w=int8/per_channel; a=int8/per_token",
-           "llm-compressor W8A8 (INT8 channel weights, dynamic per-token activations); torchao "
-           "Int8DynamicActivationInt8WeightConfig", "the int32 accumulation (here float32 sums of the dequantized "
-           "values); GPTQ's weight rounding (RTN here)"),
+    Recipe("w8a8", "w=fint8/per_channel; a=fint8/per_token",
+           "llm-compressor / compressed-tensors W8A8 (INT8 channel weights, dynamic per-token activations, the "
+           "full-range grid: absmax / 127.5 onto [-128, 127]); torchao Int8DynamicActivationInt8WeightConfig's grid",
+           "the int32 accumulation (here float32 sums of the dequantized values); GPTQ's weight rounding (RTN here); "
+           "torchao multiplies by the scale's reciprocal where compressed-tensors and we divide (codes differ at "
+           "exact ties: ~0.02% of values)"),
+    Recipe("w8a8-restricted", "w=int8/per_channel; a=int8/per_token",
+           "W8A8 on the restricted grid (absmax / 127 onto [-127, 127]): SmoothQuant's fake quantization, "
+           "bitsandbytes' int8 vectors, vLLM's dynamic per-token INT8 activation kernel",
+           "the int32 accumulation (here float32 sums of the dequantized values); GPTQ's weight rounding (RTN here); "
+           "not llm-compressor's W8A8 (its grid is w8a8's)"),
     Recipe("w8a8-sq", "w=int8/per_channel; a=int8/per_token; smooth:0.5",
-           "SmoothQuant (arXiv 2211.10438) sec. 4, alpha 0.5; llm-compressor SmoothQuantModifier",
+           "SmoothQuant (arXiv 2211.10438) sec. 4, alpha 0.5, on its own restricted INT8 grid (absmax / 127); "
+           "llm-compressor's SmoothQuantModifier + W8A8 is 'w8a8; smooth:0.5' (the full-range grid)",
            "the scales are applied to the linear's input, not folded into the norm (same values); calibration text "
-           "and size (calib:, 32 x 512 tokens)"),
-    Recipe("w4a16", "w=int4/per_group:128", "llm-compressor W4A16 (symmetric INT4, groups of 128 inputs)",
+           "and size (calib:, 8 x 512 tokens)"),
+    Recipe("w4a16", "w=fint4/per_group:128", "llm-compressor / compressed-tensors W4A16 (symmetric INT4 on the "
+           "full-range grid: absmax / 7.5 onto [-8, 7], groups of 128 inputs)",
            "GPTQ/AWQ's weight rounding (RTN here); the kernel's FP16 dequantization"),
-    Recipe("w4a8", "w=int4/per_group:128; a=int8/per_token",
-           "llm-compressor W4A8 (INT4 group-128 weights, dynamic per-token INT8 activations)",
-           "GPTQ's weight rounding (RTN here)"),
+    Recipe("w4a8", "w=fint4/per_group:128; a=fint8/per_token",
+           "llm-compressor / compressed-tensors W4A8 (INT4 group-128 weights, dynamic per-token INT8 activations, "
+           "both on the full-range grid)", "GPTQ's weight rounding (RTN here)"),
     Recipe("w4a4", "w=int4/per_channel; a=int4/per_token", "QuaRot (arXiv 2404.00456) W4A4 without its rotation "
            "(symmetric per-channel weights, per-token activations)", "GPTQ (RTN here); QuaRot's clipping ratio"),
     Recipe("w4a4-rotated", "w=int4/per_channel; a=int4/per_token; rotate:0",
@@ -396,14 +423,21 @@ RECIPES = {r.name: r for r in (
            "llm-compressor FP8_DYNAMIC (E4M3 channel weights, dynamic per-token E4M3 activations)",
            "the FP8 GEMM's accumulation precision"),
     Recipe("mxfp4", "w=mxfp4; a=mxfp4", "OCP MX v1.0 MXFP4 weights and activations (32-element blocks along the "
-           "inputs, E8M0 scales); torchao MXLinear", "the matmul's accumulation precision"),
+           "inputs, E8M0 scales: floor(log2(amax)) - 2); torchao MXLinear", "the matmul's accumulation precision; "
+           "not compressed-tensors' MXFP4, which rounds a block's max up to the next power of 2 when its mantissa is "
+           ">= 1.75 before taking the exponent (~6% of values differ)"),
     Recipe("nvfp4", "w=nvfp4; a=nvfp4", "NVIDIA NVFP4 weights and activations (llm-compressor NVFP4: 16-element "
            "blocks, E4M3 block scales, FP32 per-tensor scales)", "the activations' per-tensor scale is each "
            "sequence's (llm-compressor calibrates a static one); the accumulation precision"),
-    Recipe("llm-int8", "w=int8/per_channel; a=int8/per_token; outliers:6.0",
-           "LLM.int8() (arXiv 2208.07339) sec. 3.2; bitsandbytes Linear8bitLt(threshold=6.0)",
+    Recipe("llm-int8", "w=int8/per_channel; a=int8/per_token; bnb_outliers:6.0",
+           "bitsandbytes Linear8bitLt(threshold=6.0) (int8_vectorwise_quant: only the elements with |x| >= 6 are "
+           "left out of a row's absmax; their columns are computed in full precision against the int8 weights)",
            "the outlier columns are chosen per sequence (bitsandbytes: over the batch's rows), so a sequence's "
-           "result does not depend on the batch"),
+           "result does not depend on the batch; bitsandbytes' float16 copies of x and W (~0.3%)"),
+    Recipe("llm-int8-paper", "w=int8/per_channel; a=int8/per_token; outliers:6.0",
+           "LLM.int8() (arXiv 2208.07339) sec. 3.2: the outlier columns leave X whole (out of every row's scale)",
+           "the outlier columns are chosen per sequence, so a sequence's result does not depend on the batch; "
+           "not bitsandbytes' rule (llm-int8: its row scales still see an outlier column's other elements)"),
 )}
 
 LINEAR_RECIPES = tuple(n for n, r in RECIPES.items() if r.spec.has_linear)

@@ -16,8 +16,8 @@ from outlierscope.quant.recipe import AttnQuant  # noqa: E402
 
 @pytest.mark.parametrize("ours, preset", [
     ("w8a8", "W8A8"), ("w4a16", "W4A16"), ("w4a8", "W4A8"), ("fp8-dynamic", "FP8_DYNAMIC"), ("mxfp4", "MXFP4"),
-    ("nvfp4", "NVFP4"), ("w=mxfp8_e4m3; a=mxfp8_e4m3", "MXFP8"), ("w=int8/per_group:128", "W8A16"),
-    ("w=int4/per_group:128; a=e4m3/per_token", "W4AFP8"),
+    ("nvfp4", "NVFP4"), ("w=mxfp8_e4m3; a=mxfp8_e4m3", "MXFP8"), ("w=fint8/per_group:128", "W8A16"),
+    ("w=fint4/per_group:128; a=e4m3/per_token", "W4AFP8"),
 ])
 def test_named_schemes_are_compressed_tensors_presets(ours, preset):
     spec = AttnQuant.parse(ours)
@@ -28,13 +28,13 @@ def test_named_schemes_are_compressed_tensors_presets(ours, preset):
 
 def test_arguments_worked_by_hand():
     """Granularities and formats outside the presets, against the fields written here."""
-    w = AttnQuant.parse("w=asym4/per_group:32; a=int8/static").part("w")
-    assert qexport.tensor_args(w) == {"num_bits": 4, "type": "int", "symmetric": False, "strategy": "group",
+    w = AttnQuant.parse("w=fint4/per_group:32; a=fint8/static").part("w")
+    assert qexport.tensor_args(w) == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": 32, "dynamic": False}
-    a = AttnQuant.parse("w=int8/per_tensor; a=int8/static").part("a")
+    a = AttnQuant.parse("w=fint8/per_tensor; a=fint8/static").part("a")
     assert qexport.tensor_args(a) == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
                                       "dynamic": False}
-    a = AttnQuant.parse("w=int8/per_tensor; a=int6/per_group:64").part("a")
+    a = AttnQuant.parse("w=fint8/per_tensor; a=fint6/per_group:64").part("a")
     assert qexport.tensor_args(a) == {"num_bits": 6, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": 64, "dynamic": True}
     kv = qexport.kv_cache_args(AttnQuant.parse("kv=e4m3/per_head"))
@@ -46,7 +46,13 @@ def test_arguments_worked_by_hand():
     ("w4a4-rotated", "rotate:SEED"), ("llm-int8", "bitsandbytes"), ("w=e5m2/per_channel", "no e5m2"),
     ("a=int8/per_token", "add a w= part"), ("logits=int8/per_tensor", "as a KV cache"),
     ("kivi-2bit", "as a KV cache"), ("w8a8; k=e4m3/per_tensor", "k and v alike"),
-    ("w=int8/per_channel; kv=int4/per_tensor", "as a KV cache"), ("w=mxint8", "no mxint8"),
+    ("w=fint8/per_channel; kv=int4/per_tensor", "as a KV cache"), ("w=mxint8", "no mxint8"),
+    # the restricted grid and a float zero point are not compressed-tensors' grids: the fint spelling is named
+    ("w8a8-restricted", "restricted grid.*export w=fint8/per_channel$"),
+    ("w=int4/per_group:64", r"absmax / 7\).*absmax / 7.5\); measure and export w=fint4/per_group:64$"),
+    ("w=fint8/per_channel; a=int8/per_token", "export a=fint8/per_token$"),
+    ("w=fint8/per_channel; kv=int8/per_tensor", "export k=fint8/per_tensor$"),
+    ("w=asym4/per_group:32", "zero point is a float"),
 ])
 def test_what_compressed_tensors_cannot_state_is_refused(text, msg):
     with pytest.raises(OutlierscopeError, match=msg):
@@ -99,7 +105,7 @@ def test_quantization_config_reads_back_and_names_its_format():
 
 
 def test_recipe_carries_smoothquant_and_the_same_scheme():
-    r = qexport.recipe(AttnQuant.parse("w8a8-sq"), ["lm_head"])["default_stage"]["default_modifiers"]
+    r = qexport.recipe(AttnQuant.parse("w8a8; smooth:0.5"), ["lm_head"])["default_stage"]["default_modifiers"]
     assert list(r) == ["SmoothQuantModifier", "QuantizationModifier"]  # smoothing first, as llm-compressor's examples
     assert r["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
     q = r["QuantizationModifier"]
@@ -108,21 +114,17 @@ def test_recipe_carries_smoothquant_and_the_same_scheme():
 
 
 @pytest.mark.parametrize("text", [
-    "w=fint8/per_channel; a=fint8/per_token", "w=fint4/per_group:16", "w=asym4/per_group:16; a=fint8/per_token",
+    "w=fint8/per_channel; a=fint8/per_token", "w=fint4/per_group:16", "w=fint4/per_group:16; a=fint8/per_token",
     "w=e4m3/per_channel; a=e4m3/per_token", "nvfp4", "mxfp4", "w=fint8/per_channel; a=fint8/static",
     "w=fint8/per_channel; linears:mlp.down_proj,self_attn.o_proj", "w=fint8/per_channel; layers:0,2",
     "w=fint8/per_channel; a=fint8/per_token; kv=e4m3/per_tensor", "w=fint8/per_channel; a=fint8/per_token; "
     "linears:*,lm_head", "w=fint8/per_channel; linears:mlp.down_proj,lm_head; layers:1",
 ])
 def test_a_checkpoints_config_reads_back_as_the_spec(text):
-    """spec -> quantization_config -> spec, through compressed-tensors' matcher on the module tree (int reads back as
-    fint: compressed-tensors has one symmetric grid, the full-range one)."""
+    """spec -> quantization_config -> spec, through compressed-tensors' matcher on the module tree."""
     model = _meta_llama()
     spec = AttnQuant.parse(text)
     config = qexport.quantization_config(spec, qexport.ignore_list(model, {s.name for s in _sites(model, spec)}))
-    assert qexport.spec_from_config(config, model) == spec
-    int_spec = AttnQuant.parse(text.replace("fint", "int"))
-    config = qexport.quantization_config(int_spec, qexport.ignore_list(model, {s.name for s in _sites(model, int_spec)}))
     assert qexport.spec_from_config(config, model) == spec
 
 
@@ -134,7 +136,7 @@ def _sites(model, spec):
 
 def test_a_config_with_no_spec_form_is_refused():
     model = _meta_llama()
-    w = qexport.tensor_args(AttnQuant.parse("w=int8/per_channel").part("w"))
+    w = qexport.tensor_args(AttnQuant.parse("w=fint8/per_channel").part("w"))
     mixed = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": w}},
              "ignore": ["lm_head", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj"]}
     with pytest.raises(OutlierscopeError, match="different linears in different layers"):
