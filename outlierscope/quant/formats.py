@@ -9,8 +9,9 @@
   ``mxint8``: elements are 8-bit two's complement with an implicit 2^-6 (``round(V / X * 64) / 64``, clamped to
   +-127/64 as the microxcaling reference does).
 * ``nvfp4_quant(x, tensor_amax)``: NVIDIA NVFP4: blocks of 16 along the last dim, FP4 E2M1 elements, an E4M3
-  block scale ``e4m3(amax_block / 6 / g)`` under a float32 per-tensor scale ``g = tensor_amax / (448 * 6)``;
-  elements are ``e2m1(x * ((1 / g) / block_scale))`` (the reciprocal form of NVIDIA's kernels). The block scale
+  block scale ``e4m3(gs * (amax_block / 6))`` under a float32 global scale ``gs = 448 * 6 / tensor_amax``; elements
+  are ``e2m1(x / (block_scale / gs))``: compressed-tensors' order of operations, bit for bit (on bfloat16-valued
+  weights many block scales land on E4M3 ties, where ``(amax_block / 6) / (tensor_amax / 2688)`` rounds otherwise). The block scale
   is converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3 subnormals down to 2^-9 kept; a scale
   that rounds to zero makes its block zero), as NVIDIA's Model Optimizer and compressed-tensors keep it; torchao
   clamps it up to E4M3's smallest normal 2^-6 instead, so blocks whose amax is below 2^-6 * 6 * g differ from
@@ -100,25 +101,29 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def nvfp4_scales(x: torch.Tensor, tensor_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4's scales of ``x`` (blocks of 16 along the last dim): the float32 per-tensor scale ``g`` (..., 1, 1) and
-    each block's E4M3 scale (..., n, 1), converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3
-    subnormals down to 2^-9 kept; 0 where it rounds to zero), returned as float32."""
+    """NVFP4's scales of ``x`` (blocks of 16 along the last dim), in compressed-tensors' float32 order: the global
+    scale ``gs = 448 * 6 / tensor_amax`` (..., 1, 1; 1 where the amax is 0) and each block's E4M3 scale
+    ``e4m3(gs * (amax_block / 6))`` (..., n, 1), converted as NVIDIA's hardware does (round to nearest, satfinite,
+    E4M3 subnormals down to 2^-9 kept; 0 where it rounds to zero), returned as float32."""
     w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16): NVFP4's scales are float32 arithmetic
-    g = (tensor_amax.float() / (E4M3_MAX * E2M1_MAX))[..., None, None]  # (..., 1, 1)
-    g = torch.where(g > 0, g, torch.ones_like(g))
-    block_scale = (w.abs().amax(-1, keepdim=True) / E2M1_MAX) / g  # (..., n, 1)
-    return g, block_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    amax = tensor_amax.float()[..., None, None]  # (..., 1, 1)
+    gs = (E4M3_MAX * E2M1_MAX) / amax
+    gs = torch.where((amax > 0) & torch.isfinite(gs), gs, torch.ones_like(gs))
+    block_scale = gs * (w.abs().amax(-1, keepdim=True) / E2M1_MAX)  # (..., n, 1)
+    return gs, block_scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn).float()
 
 
 def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
     """Quantize-dequantize ``x`` in NVFP4 (blocks of 16 along the last dim) under the per-tensor ``tensor_amax``
-    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor. A block whose scale rounds to
-    zero comes back zero."""
+    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor. As compressed-tensors'
+    fake quantization: each block's effective scale ``s / gs``, elements ``e2m1(x / (s / gs))``, back as
+    ``q * (s / gs)``. A block whose scale rounds to zero comes back zero."""
     w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16)
-    g, s = nvfp4_scales(x, tensor_amax)
-    inv = torch.where(s > 0, (1.0 / g) / s, torch.zeros_like(s))
-    q = round_minifloat(w * inv, "e2m1")
-    return (q * (s * g)).reshape(x.shape).to(x.dtype)
+    gs, s = nvfp4_scales(x, tensor_amax)
+    eff = s / gs  # (..., n, 1)
+    ok = eff > 0
+    q = round_minifloat(w / torch.where(ok, eff, torch.ones_like(eff)), "e2m1")
+    return torch.where(ok, q * eff, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
 
 
 def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

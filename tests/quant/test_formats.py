@@ -58,26 +58,41 @@ def _block_scales(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     return s.clamp(max=448).to(torch.float8_e4m3fn).double()
 
 
-def test_nvfp4_equals_compressed_tensors():
-    """compressed-tensors divides by ``scale / global_scale``, we multiply by the reciprocal (NVIDIA's kernels): the
-    same E2M1 codes and block scales, values within one float32 rounding of the dequantization."""
-    x = _data(2)
+def _bf16_weights(seed: int) -> torch.Tensor:
+    """bfloat16-valued weights of a real checkpoint's kind (8 mantissa bits: block maxima repeat, scales meet E4M3
+    ties), with an outlier row and column, as float32."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(96, 256, generator=g) * 0.02
+    w[:, 7] *= 30
+    w[11] *= 8
+    return w.bfloat16().float()
+
+
+@pytest.mark.parametrize("data", ["adversarial", "bf16-weights-0", "bf16-weights-1"])
+def test_nvfp4_equals_compressed_tensors(data):
+    """compressed-tensors' own fake quantization (the checkpoints' format): the same values bit for bit, on random
+    float32 data (subnormal and zero block scales included) and on bfloat16-valued weights, where block scales land on
+    E4M3 ties that another order of operations rounds the other way."""
+    x = _data(2) if data == "adversarial" else _bf16_weights(int(data[-1]))
     amax = x.abs().amax()
     got, ref = nvfp4_quant(x, amax), compressed_tensors_nvfp4(x, amax)
-    s = _block_scales(x, amax)
-    assert ((s > 0) & (s < 2**-6)).sum() >= 10 and (s == 0).sum() >= 10  # subnormal and zero scales are tested
-    torch.testing.assert_close(got, ref, rtol=2**-23, atol=0)
+    if data == "adversarial":
+        s = _block_scales(x, amax)
+        assert ((s > 0) & (s < 2**-6)).sum() >= 10 and (s == 0).sum() >= 10  # subnormal and zero scales are tested
+    assert torch.equal(got, ref)
 
 
 def test_nvfp4_equals_torchao_where_scales_are_normal():
-    """torchao clamps a block scale up to E4M3's smallest normal 2^-6: equal wherever the scale is normal, and
-    different in blocks whose scale is subnormal (we keep it, as the hardware) or rounds to zero (we zero the block)."""
+    """torchao clamps a block scale up to E4M3's smallest normal 2^-6 and divides by ``amax / 2688`` where
+    compressed-tensors multiplies by ``2688 / amax``: on random float32 data (no ties) equal within a float32
+    rounding wherever the scale is normal, and different in blocks whose scale is subnormal (we keep it, as the hardware) or rounds to zero (we zero
+    the block)."""
     x = _data(2)
     amax = x.abs().amax()
     ref = nv.NVFP4Tensor.to_nvfp4(x, per_tensor_scale=nv.per_tensor_amax_to_scale(amax)).dequantize(torch.float32)
     got = nvfp4_quant(x, amax)
     normal = (_block_scales(x, amax) >= 2**-6).repeat_interleave(16, -1)  # (rows, cols)
-    assert torch.equal(got[normal], ref[normal])
+    torch.testing.assert_close(got[normal], ref[normal], rtol=2**-22, atol=0)  # float32 rounding of the order only
     assert not torch.equal(got[~normal], ref[~normal])
     assert torch.equal(got[(_block_scales(x, amax) == 0).repeat_interleave(16, -1)].abs().max(), torch.tensor(0.0))
 
