@@ -21,6 +21,7 @@ from outlierscope.io import sha256_files
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.packed import (
     PACKED_SUFFIXES,
+    check_packed,
     decode_into,
     packed_modules,
     packed_names,
@@ -32,7 +33,9 @@ from outlierscope.models.quiet import quiet_transformers
 from outlierscope.settings import option
 
 PRETRAINED_DIR = Path(__file__).resolve().parent.parent / "pretrained"
-DTYPES = ("auto", "float32", "bfloat16", "float16")  # weights and activations; bf16/fp16 halve the memory of a big model
+# weights and activations; bf16/fp16 halve the memory of a big model; float64: scores that do not depend on the batch's
+# shape or the processor's kernels (quantized float32 scores can: a last-bit difference crosses a rounding boundary)
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")  # auto: cuda when available, else cpu
 # config names under which architectures state their context length, in the order they are read
 CONTEXT_NAMES = ("max_position_embeddings", "n_positions", "max_target_positions", "max_sequence_length",
@@ -46,8 +49,9 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 
 # the placement settings every run shares, declared once (outlierscope.settings): the runs' dataclasses use these
 def dtype_option():
-    return option("auto", "weights and activations (auto: the checkpoint's bf16/fp16 on cuda, float32 on the cpu); "
-                  "attention logits are float32 in any case", choices=DTYPES)
+    return option("auto", "weights and activations (auto: the checkpoint's bf16/fp16 on cuda, float32 on the cpu; "
+                  "attention logits are float32 at least; float64: independent of batch size and processor, slower)",
+                  choices=DTYPES)
 
 
 def device_option():
@@ -391,6 +395,7 @@ def check_model(spec: str, trust_remote_code: bool = False):
     source = resolve_model(spec, trust_remote_code)
     path = source.path
     cfg_json = _read_config_json(path)
+    quant = _quantization_config(path, cfg_json)
     mt = cfg_json.get("model_type", "missing")
     if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
         raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
@@ -410,8 +415,11 @@ def check_model(spec: str, trust_remote_code: bool = False):
     if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
         warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
                       stacklevel=2)
-    _check_quantization_packages(path, cfg_json.get("quantization_config"))
-    _check_weight_headers(path, config, trust_remote_code)
+    shapes = header_shapes(path)
+    _check_quantization_packages(path, quant)
+    if _decodes_packed(quant):
+        check_packed(path, quant, shapes, _linear_shapes(meta_model(config, trust_remote_code)))
+    _check_weight_headers(path, config, trust_remote_code, shapes)
     _check_tokenizer_size(path, config, trust_remote_code)
     return source, config
 
@@ -420,6 +428,51 @@ QUANT_PACKAGES = {  # a checkpoint's quant_method -> the modules transformers ne
     "compressed-tensors": ("compressed_tensors",), "gptq": ("optimum", "gptqmodel"), "awq": ("gptqmodel",),
     "bitsandbytes": ("bitsandbytes",), "fp8": (), "mxfp4": (),
 }
+
+
+def _quantization_config(path: Path, cfg_json: dict) -> dict | None:
+    """config.json's quantization_config, checked: a dict whose quant_method transformers knows (an unknown method
+    would load the float weights silently, a string a traceback)."""
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
+
+    quant = cfg_json.get("quantization_config")
+    if quant is None:
+        return None
+    if not isinstance(quant, dict):
+        raise OutlierscopeError(f"{path}: config.json's quantization_config is a {type(quant).__name__}, expected an "
+                                "object with a quant_method (as transformers saves it); fix or remove it")
+    method = quant.get("quant_method")
+    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING and method != "bitsandbytes":  # transformers: bitsandbytes_4bit/8bit
+        import difflib
+
+        close = difflib.get_close_matches(str(method), list(AUTO_QUANTIZATION_CONFIG_MAPPING), n=1)
+        raise OutlierscopeError(f"{path}: quant_method {method!r} is not one transformers loads (known: "
+                                f"{', '.join(sorted(AUTO_QUANTIZATION_CONFIG_MAPPING))})"
+                                + (f"; did you mean {close[0]}?" if close else "; fix or remove quantization_config"))
+    return quant
+
+
+def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape from the safetensors headers of ``path`` (nothing loaded); a cut or foreign file is one
+    line naming it."""
+    from safetensors import SafetensorError, safe_open
+
+    shapes = {}
+    for f in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(f), "pt") as st:
+                shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+        except (SafetensorError, OSError) as e:
+            raise OutlierscopeError(f"{f}: not a readable safetensors file ({_first_line(e)}); it may be cut short "
+                                    "(an interrupted download or copy): fetch or save it again") from None
+    return shapes
+
+
+def _linear_shapes(model) -> dict[str, tuple[int, int]]:
+    """(out, in) of every ``nn.Linear`` of a (meta) model, by module name."""
+    from torch import nn
+
+    return {n: (m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, nn.Linear)}
 
 
 def _missing_packages(quant: dict | None) -> tuple[str | None, list[str]]:
@@ -488,20 +541,14 @@ def _check_bnb_state(path: Path, quant: dict) -> None:
                                 "config.json, or save the model quantized with bitsandbytes first")
 
 
-def _check_weight_headers(path: Path, config, trust_remote_code: bool) -> None:
+def _check_weight_headers(path: Path, config, trust_remote_code: bool, shapes: dict) -> None:
     """What :func:`_check_loading_info` refuses at load time, read from the safetensors headers before anything
     loads (a second model of a run is checked before the first one's cells): a tensor the model needs that no file
     holds, a shape the config does not expect. Only where the files name the tensors as the model does (at least
-    90% of them): a checkpoint that transformers converts on loading (renamed or fused tensors) is left to load."""
-    from safetensors import safe_open
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
+    90% of them): a checkpoint that transformers converts on loading (renamed or fused tensors) is left to load.
+    ``shapes``: :func:`header_shapes`."""
+    if not shapes:
         return
-    shapes = {}
-    for f in files:
-        with safe_open(str(f), "pt") as st:
-            shapes.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
     want = {k: tuple(v.shape) for k, v in meta_model(config, trust_remote_code).state_dict().items()}
     if sum(k in want for k in shapes) < 0.9 * len(shapes):
         return

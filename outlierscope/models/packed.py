@@ -129,6 +129,40 @@ def packed_modules(path: Path) -> list[str]:
     return packed_names(tensor_files(path))
 
 
+def expected_shapes(method: str, bits: int, group: int, out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
+    """The packed tensors a GPTQ / AWQ (gemm) linear of weight (out_f, in_f) holds, by suffix, and their shapes."""
+    groups = -(-in_f // (group if group > 0 else in_f))  # ceil: GPTQ's last group may be short
+    if method == "gptq":
+        return {".qweight": (in_f * bits // 32, out_f), ".qzeros": (groups, out_f * bits // 32), ".scales": (groups, out_f)}
+    return {".qweight": (in_f, out_f // 8), ".qzeros": (groups, out_f // 8), ".scales": (groups, out_f)}
+
+
+def check_packed(path: Path, quant: dict, shapes: dict[str, tuple[int, ...]], linears: dict[str, tuple[int, int]]) -> None:
+    """Every packed linear's tensors (``shapes``: name -> shape from the safetensors headers) against the config's
+    bits and group size and the model's linear (``linears``: name -> (out, in)), before anything loads: a missing
+    tensor or a shape that another group size or bit width would give is one line (a wrong group size would
+    otherwise decode wrong weights silently)."""
+    method = packed_scheme(quant)
+    bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
+    for name in packed_names(shapes):
+        if name not in linears:
+            raise OutlierscopeError(f"{path}: packed weights for {name}, which the model has no nn.Linear at; the "
+                                    "config and the checkpoint are not one model")
+        out_f, in_f = linears[name]
+        want = expected_shapes(method, bits, group, out_f, in_f)
+        if method == "gptq" and name + ".g_idx" in shapes:
+            want[".g_idx"] = (in_f,)
+        for suffix, shape in want.items():
+            got = shapes.get(name + suffix)
+            if got is None:
+                raise OutlierscopeError(f"{path}: {name}{suffix} is missing; a {method} linear needs "
+                                        f"{', '.join(s[1:] for s in want)}: re-save the checkpoint")
+            if tuple(got) != shape:
+                raise OutlierscopeError(f"{path}: {name}{suffix} has shape {tuple(got)}, but {bits} bits and "
+                                        f"group_size {group} over the model's {out_f} x {in_f} linear give {shape}; "
+                                        "the quantization_config (bits, group_size) and the packed tensors disagree")
+
+
 def decode_into(model, path: Path, quant: dict, files: dict[str, Path]) -> None:
     """Write each packed linear's dequantized weight into ``model`` (built from the config without its
     quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is

@@ -243,3 +243,70 @@ def test_compare_quant_on_gptq_shows_its_error_correction(hellaswag_cached, tmp_
         assert rec["specs"] == ["w=fint8/per_group:64"] and "GPTQ rounds the input columns" in rec["differences"][0]
     # RTN codes: float16 scales and ties at a group's absmax only; GPTQ's codes: about ten times the change here
     assert change["rtn"][0] < 0.25 * change["gptq"][0] and change["rtn"][1] < 0.25 * change["gptq"][1], change
+
+
+def _rewrite(d: Path, drop: str | None = None, reshape: str | None = None) -> None:
+    """The checkpoint's tensors saved again without ``drop`` / with ``reshape`` cut to its first half of rows."""
+    from safetensors.torch import load_file, save_file
+
+    t = load_file(d / "model.safetensors")
+    if drop:
+        del t[drop]
+    if reshape:
+        t[reshape] = t[reshape][: t[reshape].shape[0] // 2].contiguous()
+    save_file(t, d / "model.safetensors", metadata={"format": "pt"})
+
+
+def _set_config(d: Path, **quant) -> None:
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["quantization_config"].update(quant)
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+L0 = "model.layers.0.self_attn.q_proj"
+
+
+@pytest.mark.parametrize("variant, change, msg", [
+    ("awq-w4g32-zp", lambda d: _set_config(d, group_size=64), r"qzeros has shape \(\d+, \d+\), but 4 bits and group_size 64"),
+    ("awq-w4g32-zp", lambda d: _set_config(d, group_size=48), "group_size 48 over the model's"),
+    ("gptq-w4g32-asym-actorder", lambda d: _set_config(d, group_size=64), "the quantization_config .bits, group_size. and"),
+    ("gptq-w4g32-asym-actorder", lambda d: _rewrite(d, drop=f"{L0}.qzeros"), f"{L0}.qzeros is missing"),
+    ("awq-w4g32-zp", lambda d: _rewrite(d, drop=f"{L0}.scales"), f"{L0}.scales is missing"),
+    ("gptq-w3g32-sym", lambda d: _rewrite(d, reshape=f"{L0}.qweight"), f"{L0}.qweight has shape"),
+])
+def test_a_packed_checkpoint_that_disagrees_with_its_config_is_one_line(variant, change, msg, tmp_path):
+    """A missing tensor, a cut qweight, a group_size that disagrees with the packed tensors (AWQ's 64 or 48 over 32
+    decoded wrong weights silently): one line from check_model, before anything loads."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.models.loading import check_model
+
+    d = _checkpoint(variant, tmp_path)
+    change(d)
+    with pytest.raises(OutlierscopeError, match=msg) as e:
+        check_model(str(d))
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("what, msg", [
+    ("cut", "not a readable safetensors file"),
+    ("string", "quantization_config is a str, expected an object"),
+    ("unknown", "quant_method 'gptqq' is not one transformers loads.*did you mean gptq"),
+])
+def test_a_broken_checkpoint_is_one_line_before_loading(what, msg, tmp_path):
+    """A cut safetensors file, a quantization_config written as a string, an unknown quant_method (it loaded the
+    float weights silently): one line from check_model."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.models.loading import check_model
+
+    d = _checkpoint("gptq-w8g64-sym", tmp_path)
+    if what == "cut":
+        data = (d / "model.safetensors").read_bytes()
+        (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    else:
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["quantization_config"] = json.dumps(cfg["quantization_config"]) if what == "string" else \
+            {**cfg["quantization_config"], "quant_method": "gptqq"}
+        (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(OutlierscopeError, match=msg) as e:
+        check_model(str(d))
+    assert "\n" not in str(e.value)

@@ -160,7 +160,8 @@ def test_attention_error_of_the_unquantized_cell_is_each_one_layer_cells_own(tin
     lm, items = load_model(s.model, device="cpu"), select_items(5, None, 0, None, "hellaswag")
     for i in (0, 1):
         st = AttentionErrorStats(2)
-        evaluate(lm, quant=s.spec([i]), items=items, batch_size=3, progress=False, attn_error=st)
+        evaluate(lm, quant=s.spec([i]), items=items, batch_size=s.batch_size, progress=False, attn_error=st)  # quantized
+        # float32 scores are compared at the cell's batch size: another batch shape may round otherwise
         own = st.table()
         assert set(own["layer"]) == {i}
         pd.testing.assert_frame_equal(own.reset_index(drop=True), shadow[shadow["layer"] == i].reset_index(drop=True),
@@ -189,8 +190,8 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
     assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
     both = EvalResult.load(tmp_path / "cells", rec["cells"]["keep8_0_1"])
     lm = load_model(kw["model"], device="cpu")
-    direct = evaluate(lm, quant=QuantSpec(bits=8), items=select_items(5, None, 0, None, "hellaswag"), batch_size=3,
-                      progress=False)
+    direct = evaluate(lm, quant=QuantSpec(bits=8), items=select_items(5, None, 0, None, "hellaswag"),
+                      batch_size=kw["batch_size"], progress=False)  # quantized float32: the cell's batch size
     np.testing.assert_array_equal(both.items[both.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     d4, d8 = abs(g["delta_gold_ll"].iloc[0]), abs(g["delta_gold_ll"].iloc[1])
     assert d8 < d4
@@ -335,7 +336,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
         assert cell["quant"] == f"{AttnQuant.parse('kivi-2bit')}; layers:{i}"
         df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.csv")
         spec = dataclasses.replace(AttnQuant.parse("kivi-2bit"), layers=(i,))
-        direct = evaluate(lm, quant=spec, items=items, batch_size=5, progress=False)
+        direct = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=False)  # the cell's batch size
         np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     err = pd.read_csv(tmp_path / "attn_error.csv")
     assert sorted(set(err["layer"])) == list(range(lm.model.config.num_hidden_layers)) and (err["rel_out_mean"] > 0).all()

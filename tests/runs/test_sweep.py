@@ -433,7 +433,8 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     assert set(table[table.format == "attn"]["label"]) == {"sage2-int4", "k=int4/per_group:8"}
     lm = load_model(str(tiny_pair["diff"]))
     items = s.task_items()["hellaswag"]
-    direct = evaluate(lm, quant=AttnQuant.parse("k=int4/per_group:8"), items=items, batch_size=3, progress=False)
+    direct = evaluate(lm, quant=AttnQuant.parse("k=int4/per_group:8"), items=items, batch_size=s.batch_size,
+                      progress=False)  # quantized float32 scores: compared at the cell's batch size
     cell = pd.read_csv(out / "cells" / f"{quant[1]['cell']}.csv")
     np.testing.assert_array_equal(cell[[f"score{j}" for j in range(4)]].to_numpy(), direct.items[[f"score{j}" for j in range(4)]].to_numpy())
     logs = []
