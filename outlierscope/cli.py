@@ -186,7 +186,7 @@ def _cmd_export(a) -> None:
     from outlierscope.runs.export import ExportSettings, export
     from outlierscope.settings import from_cli
 
-    out = export(from_cli(ExportSettings, vars(a)), a.out)
+    out = export(from_cli(ExportSettings, vars(a)), a.out, force=a.force)
     print(f"written to {out} (recipe.yaml: llm-compressor's oneshot; quantization_config.json: compressed-tensors; "
           "export.json: the source and how the emulation differs)")
 
@@ -196,7 +196,7 @@ def _cmd_compare_quant(a) -> None:
     from outlierscope.settings import from_cli
 
     _headless()
-    compare_quant(from_cli(CompareSettings, vars(a)), a.out)
+    compare_quant(from_cli(CompareSettings, vars(a)), a.out, force=a.force)
     print(f"results written to {a.out} (compare.md, compare.csv, compare.json; the sweeps in real/ and emulated/)")
 
 
@@ -255,7 +255,7 @@ def _add_settings(s: argparse.ArgumentParser, cls) -> None:
             groups[o.exclusive] = s.add_mutually_exclusive_group()
         target = groups[o.exclusive] if o.exclusive else s
         shown = " ".join(map(str, o.default)) if isinstance(o.default, tuple) else o.default
-        tail = "" if o.kind == "flag" or o.default in (None, MISSING) else f" (default {shown})"
+        tail = "" if o.kind == "flag" or o.default in (None, MISSING, ()) else f" (default {shown})"
         kw = {"dest": o.name, "help": (o.help + tail).replace("%", "%%")}
         if o.kind == "flag":
             kw.update(action="store_false" if o.default is True else "store_true", default=o.default)
@@ -446,6 +446,7 @@ def _add_result_commands(sub) -> None:
                                       "compressed-tensors quantization_config")
     _add_settings(s, ExportSettings)
     s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--force", action="store_true", help="replace an earlier export in --out")
     s.set_defaults(func=_cmd_export)
 
     from outlierscope.runs.compare import CompareSettings
@@ -454,6 +455,8 @@ def _add_result_commands(sub) -> None:
                                              "model it came from, per item")
     _add_settings(s, CompareSettings)
     s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.add_argument("--force", action="store_true", help="replace the tables of an earlier comparison with other "
+                   "settings in --out (cells with matching settings are reused)")
     s.set_defaults(func=_cmd_compare_quant)
 
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
@@ -481,8 +484,8 @@ def _add_generate_command(sub) -> None:
 
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
-            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out"},
-            "compare-quant": {"--out"}}
+            "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out", "--force"},
+            "compare-quant": {"--out", "--force"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

@@ -266,6 +266,9 @@ def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
     path = Path(spec).expanduser()
     if path.exists() and (not _is_name(spec) or path.is_file() or (path / "config.json").exists()):
         return _local(spec, path)
+    if spec.endswith(".gguf"):
+        raise OutlierscopeError(f"GGUF file not found: {path}; pass an existing .gguf file (it is converted to a HF "
+                                "model directory once), a HF model directory or a Hub id")
     if spec in FETCHABLE:
         if not is_fetched(spec):
             raise OutlierscopeError(f"model {spec} is not fetched yet; run `outlierscope models fetch {spec}` "

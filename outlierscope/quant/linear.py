@@ -185,7 +185,11 @@ def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
 def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tensor]:
     if not Path(path).is_file():
         raise OutlierscopeError(f"calib:{path}: no such file; give an act_scales.pt (profile --preset smoothquant)")
-    scales = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        scales = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a cut or foreign file
+        raise OutlierscopeError(f"calib:{path}: not a readable torch file ({type(e).__name__}); give SmoothQuant's "
+                                "act_scales.pt (profile --preset smoothquant writes one)") from None
     if not isinstance(scales, dict):
         raise OutlierscopeError(f"calib:{path}: expected SmoothQuant's act_scales.pt (module name -> per-channel "
                                 f"max |x|), got a {type(scales).__name__}")
@@ -197,6 +201,11 @@ def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tens
             raise OutlierscopeError(f"calib:{path} has no scales of {s.name} ({s.module.in_features} channels)"
                                     + (f"; it has {close[0]}" if close and a is None else
                                        f", got shape {tuple(a.shape)}" if a is not None else ""))
+        if not torch.isfinite(a).all() or (a < 0).any() or not (a > 0).any():
+            raise OutlierscopeError(f"calib:{path}: the scales of {s.name} are "
+                                    + ("not all finite" if not torch.isfinite(a).all() else "negative somewhere"
+                                       if (a < 0).any() else "all zero")
+                                    + "; expected max |x| per channel (>= 0, some > 0): make it again")
         out[s.name] = a.float()
     return out
 
@@ -304,10 +313,6 @@ def _measuring(site: LinearSite, padding: _Padding, error):
 
 
 def _check_linear_spec(spec: AttnQuant, calibration: Calibration | None) -> None:
-    a = spec.part("a")
-    if a is not None and a.granularity == "static" and spec.rotate is not None:
-        raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
-                                "dynamic activation granularity with rotate")
     if needs_calibration(spec) and calibration is None:
         raise OutlierscopeError(f"{spec.label}: smooth and static scales need a calibration; pass "
                                 "calibration=calibrate(model, tokenizer, spec)")
@@ -391,3 +396,34 @@ def check_linear_shapes(spec: AttnQuant, config) -> None:
                                         "choose a group size that divides it, or leave it out with linears:")
         if spec.rotate is not None:
             _base_order(d)
+    check_calibration(spec, model)
+
+
+def check_calibration(spec: AttnQuant, model: nn.Module) -> None:
+    """``calib:`` read before any forward (a mistake found after the 16-bit cell is a defect): a text file that exists,
+    is a file and holds text; an act_scales.pt that loads and has finite, non-negative scales of each quantized
+    linear's shape, not all zero for any (every smoothing factor would silently be 1: plain W8A8 under the
+    SmoothQuant label)."""
+    if not needs_calibration(spec):
+        return
+    source = spec.calib or "hellaswag"
+    if source.endswith(".pt"):
+        _read_act_scales(source, linear_sites(model, spec))
+    elif source != "hellaswag":
+        _check_text(source)
+
+
+def _check_text(source: str) -> None:
+    from outlierscope.data.text import text_documents
+
+    path = Path(source)
+    if not path.is_file():
+        raise OutlierscopeError(f"calib:{source}: " + ("a directory" if path.is_dir() else "no such file")
+                                + "; give hellaswag, a .txt/.jsonl file or an act_scales.pt")
+    try:
+        first = next((d for d in text_documents(source) if d.strip()), None)
+    except (UnicodeDecodeError, ValueError, OSError, EOFError) as e:
+        raise OutlierscopeError(f"calib:{source}: not readable as text ({type(e).__name__}); give a UTF-8 .txt or "
+                                ".jsonl file") from None
+    if first is None:
+        raise OutlierscopeError(f"calib:{source}: holds no text; give a .txt/.jsonl file with documents")

@@ -218,6 +218,9 @@ class AttnQuant:
                 raise OutlierscopeError(f"linears:PATTERN needs module paths or * patterns like self_attn.* or "
                                         f"mlp.down_proj, got {','.join(self.linears) or 'nothing'}")
         a = self.part("a")
+        if a is not None and a.granularity == "static" and self.rotate is not None:
+            raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
+                                    "dynamic activation granularity with rotate")
         needs_calib = self.smooth is not None or (a is not None and a.granularity == "static")
         if self.calib is not None and not needs_calib:
             raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA and a=.../static only; leave it out")
@@ -288,6 +291,8 @@ class AttnQuant:
         if text == "none":
             return cls()
         items = [s.strip() for s in text.split(";")]
+        if "" in items:
+            raise OutlierscopeError(f"an empty part in {text!r} (a trailing or doubled ';'); remove it")
         names = [i for i in items if i in RECIPES]
         parts, kw = [], {}
         for item in (x for i in items for x in (RECIPES[i].text.split(";") if i in RECIPES else [i])):
@@ -300,6 +305,9 @@ class AttnQuant:
             elif key in _FLAGS and "=" not in key:
                 kw[key] = _flag_value(key, arg, text)
             elif "=" not in item and ":" not in item:
+                if "calib" in kw and any(c in item for c in "/.\\"):
+                    raise OutlierscopeError(f"{item!r} in {text!r} reads as the rest of a calib: path, but ';' separates "
+                                            "the parts of a spec; rename the file without ';'")
                 _unknown_recipe(item, text)
             else:
                 parts += _parse_part(item)
@@ -313,7 +321,7 @@ _FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb
 def _unknown_recipe(item: str, text: str):
     import difflib
 
-    close = difflib.get_close_matches(item, list(RECIPES), n=3, cutoff=0.5)
+    close = [item.lower()] if item.lower() in RECIPES else difflib.get_close_matches(item, list(RECIPES), n=3, cutoff=0.5)
     raise OutlierscopeError(f"unknown quantization recipe {item!r}" + (f" in {text!r}" if item != text else "")
                             + f": expected one of {', '.join(RECIPES)} or a spec like 'q,k=int8/per_block:128; smooth_k'"
                             + (f"; did you mean {', '.join(close)}?" if close else ""))

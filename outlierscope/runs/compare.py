@@ -37,7 +37,7 @@ from outlierscope.models.loading import (
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
 from outlierscope.quant.recipe import AttnQuant
-from outlierscope.runs.sweep import SweepSettings, sweep
+from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, sweep
 from outlierscope.settings import option
 
 
@@ -66,6 +66,9 @@ class CompareSettings:
         if self.real == self.model:
             raise ParamError("real", "another model than model (the checkpoint, not its float source)", self.real)
         object.__setattr__(self, "quant", tuple(self.quant))
+        dup = [q for i, q in enumerate(self.quant) if q in self.quant[:i]]
+        if dup:
+            raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
         self.sweep_settings(self.model, ())  # tasks, items, batch and dtype checked as sweep checks them
 
     def sweep_settings(self, model: str, quant: tuple[str, ...]) -> SweepSettings:
@@ -150,15 +153,38 @@ def _markdown(table: pd.DataFrame, record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, log=print) -> pd.DataFrame:
-    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison."""
+def check_source(s: CompareSettings) -> None:
+    """The float model is the checkpoint's source by shape: the same linears (names, out x in) and embeddings; a
+    checkpoint of another model gives meaningless pairs."""
+    from torch import nn
+
+    def shapes(spec):
+        model = meta_model(check_model(spec, s.trust_remote_code)[1], s.trust_remote_code)
+        return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
+
+    real, float_ = shapes(s.real), shapes(s.model)
+    if real != float_:
+        diff = sorted(set(real.items()) ^ set(float_.items()))[0][0]
+        raise ParamError("model", f"the float model {s.real} was made from (the same linears and embeddings)", s.model,
+                         f"{diff}: {real.get(diff)} in the checkpoint, {float_.get(diff)} in the float model")
+
+
+def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, log=print,
+                  force: bool = False) -> pd.DataFrame:
+    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison. Everything
+    is checked before the first cell: both models, that the float one is the checkpoint's source, each emulation
+    against it, and earlier results in ``out`` (replaced only with ``force``)."""
     specs, qconfig = emulations(s)
-    check_model(s.model, s.trust_remote_code)
+    check_source(s)
     out = Path(out)
+    real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
+    check_models(emu_s)
+    for sub, settings in (("real", real_s), ("emulated", emu_s)):
+        check_previous(out / sub, dataclasses.asdict(settings), force)
     with output_dir(out):
         log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}")
-        real_run = sweep(s.sweep_settings(s.real, ()), out / "real", progress=progress, log=log)
-        emu_run = sweep(s.sweep_settings(s.model, tuple(specs)), out / "emulated", progress=progress, log=log)
+        real_run = sweep(real_s, out / "real", progress=progress, log=log, force=force)
+        emu_run = sweep(emu_s, out / "emulated", progress=progress, log=log, force=force)
         tasks = real_run.record["settings"]["tasks"]
         table = compare_table(_cells(out / "real"), _cells(out / "emulated"), specs, tasks, s.seed)
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,

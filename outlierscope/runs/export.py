@@ -41,6 +41,8 @@ class ExportSettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        if self.run is None and self.model is not None and self.quant is None:
+            raise ParamError("quant", f"the scheme to export for {self.model} (a linear spec such as w8a8)", self.quant)
         if self.run is None and (self.model is None or self.quant is None):
             raise ParamError("run", "a sensitivity or sweep directory, or model and quant both given", self.run)
         if self.run is not None and not (Path(self.run) / "sensitivity.json").exists() \
@@ -83,7 +85,12 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
     models = st["models"]
     if (s.model is None and len(models) > 1) or (s.model is not None and s.model not in models):
         raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
-    return Choice(AttnQuant.parse(s.quant), s.model or models[0], (),
+    spec = AttnQuant.parse(s.quant)
+    measured = {c["quant"] for c in rec.get("cells") or () if "quant" in c}
+    if measured and str(spec) not in measured:  # a recipe name whose meaning changed since the sweep ran
+        raise OutlierscopeError(f"{s.run}: {s.quant} is {spec} today, which this sweep did not measure (its cells: "
+                                f"{'; '.join(sorted(measured))}); run the sweep again, then export")
+    return Choice(spec, s.model or models[0], (),
                   {"run": str(s.run), "kind": "sweep", "git_commit": rec.get("git_commit")})
 
 
@@ -105,10 +112,17 @@ def _quantized_names(model, choice: Choice) -> set[str]:
     return {site.name for site in linear_sites(model, dataclasses.replace(spec, layers=tuple(layers)))}
 
 
-def export(s: ExportSettings, out: str | Path, log=print) -> Path:
-    """Write ``recipe.yaml``, ``quantization_config.json`` and ``export.json`` into ``out``; returns ``out``."""
+def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -> Path:
+    """Write ``recipe.yaml``, ``quantization_config.json`` and ``export.json`` into ``out``; returns ``out``. An
+    earlier export in ``out`` with other settings is replaced only with ``force``."""
     import yaml
 
+    prev = Path(out) / "export.json"
+    if prev.exists() and not force:
+        old = read_record(prev, ("settings",))["settings"]
+        if old != json.loads(json.dumps(dataclasses.asdict(s))):
+            raise OutlierscopeError(f"{out} holds an export with other settings ({old.get('quant') or old.get('run')}); "
+                                    "choose another output directory, or pass force=True (--force) to replace it")
     choice = choose(s)
     qexport.check_exportable(choice.spec)
     if choice.spec.has_attention and (choice.keep or choice.spec.layers is not None):

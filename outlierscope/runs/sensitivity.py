@@ -129,6 +129,12 @@ class SensitivitySettings:
                              self.quant, "'none' leaves every layer as it is")
         if spec.layers is not None:
             raise ParamError("quant", "a spec that names no layers (each layer in turn gets it)", self.quant)
+        if not spec.parts:
+            raise ParamError("quant", "a spec with a quantized part (e.g. 'k=int4/per_token; smooth_k'): smoothing and "
+                             "rotations alone are exact, nothing to be sensitive to", self.quant)
+        if spec.linears is not None and "lm_head" in spec.linears:
+            raise ParamError("quant", "linears inside the decoder layers: sensitivity ranks layers, and the LM head is "
+                             "in none (evaluate it with sweep --quant '...; linears:lm_head')", self.quant)
         for name in ("bits", "format", "granularity"):
             default = next(f.default for f in dataclasses.fields(self) if f.name == name)
             if getattr(self, name) != default:

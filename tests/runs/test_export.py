@@ -29,17 +29,22 @@ def _selected(model_dir, qconfig: dict) -> set[str]:
 
 def test_a_sweeps_cell_exported(tmp_path, capsys):
     out = tmp_path / "ex"
-    assert main(["export", "--run", str(PAIR_SWEEP), "--quant", "w8a8-sq", "--model", "pair-tiny:diff",
+    assert main(["export", "--run", str(PAIR_SWEEP), "--quant", "w8a8", "--model", "pair-tiny:diff",
                  "--out", str(out)]) == 0
     q = json.loads((out / "quantization_config.json").read_text())
     back = ctq.QuantizationConfig.model_validate(q)
     assert back.format == "int-quantized" and back.ignore == ["lm_head"]
     mods = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
-    assert mods["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
-    assert mods["QuantizationModifier"]["config_groups"] == q["config_groups"]
+    assert list(mods) == ["QuantizationModifier"] and mods["QuantizationModifier"]["config_groups"] == q["config_groups"]
     rec = json.loads((out / "export.json").read_text())
     assert rec["from"]["kind"] == "sweep" and rec["model_source"]["kind"] == "preset"
-    assert any("absmax / ((2^b - 1) / 2)" in d for d in rec["differences"])
+    assert not any("grid" in d for d in rec["differences"])  # the grid exported is the grid measured
+    argv = ["export", "--model", "pair-tiny:diff", "--quant", "w8a8; smooth:0.5", "--out", str(out)]
+    assert main(argv) == 2  # an export with other settings is not replaced silently
+    assert "holds an export with other settings" in capsys.readouterr().err
+    assert main([*argv, "--force"]) == 0
+    mods = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
+    assert mods["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -47,7 +52,9 @@ def test_a_sweeps_cell_exported(tmp_path, capsys):
     (["--run", str(PAIR_SWEEP), "--quant", "w8a8-qs", "--model", "pair-tiny:diff"], "did you mean w8a8-sq"),
     (["--run", str(PAIR_SWEEP), "--quant", "w4a4-rotated", "--model", "pair-tiny:diff"], "rotate:SEED"),
     (["--run", str(PAIR_SWEEP), "--quant", "llm-int8", "--model", "pair-tiny:diff"], "bitsandbytes"),
-    (["--model", "smollm2-135m"], "--run must be"),
+    (["--model", "smollm2-135m"], "--quant must be the scheme to export for smollm2-135m"),
+    (["--run", str(PAIR_SWEEP), "--quant", "w8a8-sq", "--model", "pair-tiny:diff"], "export w=fint8/per_channel"),
+    (["--model", "pair-tiny:diff", "--quant", "w=int4/per_group:64"], "export w=fint4/per_group:64"),
     (["--run", str(ROOT / "docs"), "--quant", "w8a8"], "sensitivity.json or sweep.json"),
     (["--model", "pair-tiny:diff", "--quant", "w=int8/per_group:7"], "not a multiple of the group size 7"),
 ])
