@@ -240,3 +240,39 @@ def test_generate_checks_its_arguments_before_loading(monkeypatch, capsys, args,
     monkeypatch.setattr(loading, "load_model", never)
     assert main(["generate", "pair-tiny:diff", *args]) == 2
     assert msg in capsys.readouterr().err
+
+
+def _calib_files(tmp_path):
+    import torch
+
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "cut.pt").write_bytes(b"PK\x03\x04 not a whole torch file")
+    torch.save({"model.layers.0.self_attn.q_proj": torch.full((192,), float("nan"))}, tmp_path / "nan.pt")
+    (tmp_path / "bin.txt").write_bytes(bytes(range(128, 256)) * 4)
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/missing.txt"], "calib:{tmp}/missing.txt: no such file"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}"], "calib:{tmp}: a directory"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/empty.txt"], "empty"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/bin.txt"], "bin.txt is not UTF-8 text"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/cut.pt"], "not a readable torch file"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/nan.pt"], "q_proj are not all finite"),
+    (["sweep", "--quant", "a=int8/static; w=int8/per_channel; rotate:0"], "a=.../static with rotate"),
+    (["sweep", "--quant", "w8a8;"], "an empty part in 'w8a8;'"),
+    (["sweep", "--quant", "W8A8"], "did you mean w8a8?"),
+    (["sensitivity", "--quant", "smooth_k"], "--quant must be a spec with a quantized part"),
+    (["sensitivity", "--quant", "rotate:0"], "--quant must be a spec with a quantized part"),
+    (["sensitivity", "--quant", "w8a8; linears:lm_head"], "the LM head is in none"),
+    (["compare-quant", "--real", "pair-tiny:transformer", "--quant", "w8a8", "--quant", "w8a8"], "w8a8 is given twice"),
+])
+def test_inputs_that_ended_late_are_one_line_before_any_cell(argv, msg, tmp_path, capsys):
+    """Each was found only after the 16-bit cell (or all of a study's cells), or was a traceback: now one line, exit
+    2, nothing written, before anything is evaluated."""
+    _calib_files(tmp_path)
+    out = tmp_path / "out"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    rc = main([argv[0], "--model", "pair-tiny:diff", *argv[1:], "--limit", "2", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg.replace("{tmp}", str(tmp_path)) in err and err.count("\n") == 1, err
+    assert not out.exists()
