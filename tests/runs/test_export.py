@@ -29,11 +29,11 @@ def _selected(model_dir, qconfig: dict) -> set[str]:
 
 def test_a_sweeps_cell_exported(tmp_path, capsys):
     out = tmp_path / "ex"
-    assert main(["export", "--run", str(PAIR_SWEEP), "--quant", "w8a8", "--model", "pair-tiny:diff",
+    assert main(["export", "--run", str(PAIR_SWEEP), "--quant", "fp8-dynamic", "--model", "pair-tiny:diff",
                  "--out", str(out)]) == 0
     q = json.loads((out / "quantization_config.json").read_text())
     back = ctq.QuantizationConfig.model_validate(q)
-    assert back.format == "int-quantized" and back.ignore == ["lm_head"]
+    assert back.format == "float-quantized" and back.ignore == ["lm_head"]
     mods = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
     assert list(mods) == ["QuantizationModifier"] and mods["QuantizationModifier"]["config_groups"] == q["config_groups"]
     rec = json.loads((out / "export.json").read_text())
@@ -47,16 +47,31 @@ def test_a_sweeps_cell_exported(tmp_path, capsys):
     assert mods["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
 
 
+def test_a_recipe_name_whose_meaning_changed_since_the_sweep_is_refused(tmp_path, capsys):
+    """A sweep recorded 'w8a8' when it was the restricted grid (its cell's text says so); today's w8a8 is the
+    full-range grid, which that sweep did not measure: exporting it from that sweep is refused, not relabelled."""
+    run = tmp_path / "old"
+    run.mkdir()
+    rec = {"settings": {"models": ["pair-tiny:diff"], "quant": ["w8a8"]},
+           "cells": [{"cell": "c", "model": "pair-tiny:diff", "task": "hellaswag", "bits": 8,
+                      "quant": "a=int8/per_token; w=int8/per_channel"}]}
+    (run / "sweep.json").write_text(json.dumps(rec))
+    assert main(["export", "--run", str(run), "--quant", "w8a8", "--out", str(tmp_path / "ex")]) == 2
+    err = capsys.readouterr().err
+    assert "which this sweep did not measure" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "ex").exists()
+
+
 @pytest.mark.parametrize("argv, msg", [
     (["--run", str(PAIR_SWEEP), "--quant", "w8a8-sq"], "one of the sweep's models"),
     (["--run", str(PAIR_SWEEP), "--quant", "w8a8-qs", "--model", "pair-tiny:diff"], "did you mean w8a8-sq"),
     (["--run", str(PAIR_SWEEP), "--quant", "w4a4-rotated", "--model", "pair-tiny:diff"], "rotate:SEED"),
-    (["--run", str(PAIR_SWEEP), "--quant", "llm-int8", "--model", "pair-tiny:diff"], "bitsandbytes"),
+    (["--run", str(PAIR_SWEEP), "--quant", "llm-int8-paper", "--model", "pair-tiny:diff"], "bitsandbytes"),
     (["--model", "smollm2-135m"], "--quant must be the scheme to export for smollm2-135m"),
     (["--run", str(PAIR_SWEEP), "--quant", "w8a8-sq", "--model", "pair-tiny:diff"], "export w=fint8/per_channel"),
     (["--model", "pair-tiny:diff", "--quant", "w=int4/per_group:64"], "export w=fint4/per_group:64"),
     (["--run", str(ROOT / "docs"), "--quant", "w8a8"], "sensitivity.json or sweep.json"),
-    (["--model", "pair-tiny:diff", "--quant", "w=int8/per_group:7"], "not a multiple of the group size 7"),
+    (["--model", "pair-tiny:diff", "--quant", "w=fint8/per_group:7"], "not a multiple of the group size 7"),
 ])
 def test_refusals_are_one_line_and_write_nothing(argv, msg, tmp_path, capsys):
     assert main(["export", *argv, "--out", str(tmp_path / "ex")]) == 2
