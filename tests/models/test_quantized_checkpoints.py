@@ -216,7 +216,8 @@ def test_a_checkpoint_whose_loader_is_missing_fails_before_any_work(quant, msg, 
 
 def test_the_emulation_on_compressed_tensors_grid_is_the_checkpoint(tiny_pair, tmp_path):
     """Emulated vs real: the float model under `w=fint8/per_channel; a=fint8/per_token` (compressed-tensors' full-range
-    grid) gives the W8A8 checkpoint's hidden states exactly; our restricted-range w8a8 (absmax / 127) does not."""
+    grid), which is the named w8a8, gives the W8A8 checkpoint's hidden states exactly; w8a8-restricted (absmax / 127)
+    does not."""
     from outlierscope.models.loading import load_model
     from outlierscope.quant.apply import quantize_model
 
@@ -228,15 +229,17 @@ def test_the_emulation_on_compressed_tensors_grid_is_the_checkpoint(tiny_pair, t
         with quantize_model(plain.model, "w=fint8/per_channel; a=fint8/per_token"):
             full = plain.model.model(input_ids=ids).last_hidden_state
         with quantize_model(plain.model, "w8a8"):
+            named = plain.model.model(input_ids=ids).last_hidden_state
+        with quantize_model(plain.model, "w8a8-restricted"):
             restricted = plain.model.model(input_ids=ids).last_hidden_state
-    assert torch.equal(full, want)
+    assert torch.equal(full, want) and torch.equal(named, want)
     assert (restricted - want).abs().max() > 1e3 * (full - want).abs().max().clamp_min(1e-12)
 
 
 def test_compare_quant_reads_the_scheme_and_pairs_items(tiny_pair, hs_jsonl, hellaswag_cached, tmp_path):
     """compare-quant on the W8A8 checkpoint: the scheme read from its quantization_config is compressed-tensors' grid
     (fint8); that emulation scores every item exactly as the checkpoint does (no log-likelihood moves), our
-    restricted-range w8a8 moves them; float vs real equals float vs the exact emulation (computed here from the cells)."""
+    w8a8-restricted moves them; float vs real equals float vs the exact emulation (computed here from the cells)."""
     import pandas as pd
 
     from outlierscope.cli import main
@@ -244,7 +247,7 @@ def test_compare_quant_reads_the_scheme_and_pairs_items(tiny_pair, hs_jsonl, hel
     ckpt = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
     out = tmp_path / "cmp"
     assert main(["compare-quant", "--real", str(ckpt), "--model", str(tiny_pair["transformer"]), "--limit", "12",
-                 "--quant", "w8a8", "--out", str(out)]) == 0
+                 "--quant", "w8a8-restricted", "--out", str(out)]) == 0
     t = pd.read_csv(out / "compare.csv").set_index(["a", "b"])
     exact = t.loc[("real", "emulated: a=fint8/per_token; w=fint8/per_channel")]
     assert exact["max_abs_ll_change"] == 0 and exact["acc_norm_pred_differs"] == 0
