@@ -224,7 +224,7 @@ def test_bfloat16_sweep_close_to_float32(full, tiny_pair, hs_jsonl, tmp_path):
     diff = np.abs(a[s].values - b[s].values)
     assert 0 < diff.max() < 0.05 * np.abs(a[s].values).max()  # bf16 arithmetic, same model
     assert set(table["bits"]) == {16}
-    with pytest.raises(OutlierscopeError, match="dtype must be one of auto, float32, bfloat16, float16, got 'int8'"):
+    with pytest.raises(OutlierscopeError, match="dtype must be one of auto, float32, bfloat16, float16, float64, got 'int8'"):
         SweepSettings(dtype="int8")
 
 
