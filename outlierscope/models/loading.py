@@ -23,7 +23,6 @@ from outlierscope.models.packed import (
     PACKED_SUFFIXES,
     check_packed,
     decode_into,
-    packed_modules,
     packed_names,
     packed_scheme,
     tensor_files,
@@ -418,11 +417,12 @@ def check_model(spec: str, trust_remote_code: bool = False):
     if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
         warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
                       stacklevel=2)
-    shapes = header_shapes(path)
-    _check_quantization_packages(path, quant)
+    shapes = header_shapes(path)  # every safetensors header read once for the checks below
+    _check_quantization_packages(path, quant, shapes)
+    meta = meta_model(config, trust_remote_code) if shapes else None
     if _decodes_packed(quant):
-        check_packed(path, quant, shapes, _linear_shapes(meta_model(config, trust_remote_code)))
-    _check_weight_headers(path, config, trust_remote_code, shapes)
+        check_packed(path, quant, shapes, _linear_shapes(meta))
+    _check_weight_headers(path, config, shapes, meta)
     _check_tokenizer_size(path, config, trust_remote_code)
     return source, config
 
@@ -436,11 +436,11 @@ QUANT_PACKAGES = {  # a checkpoint's quant_method -> the modules transformers ne
 def _quantization_config(path: Path, cfg_json: dict) -> dict | None:
     """config.json's quantization_config, checked: a dict whose quant_method transformers knows (an unknown method
     would load the float weights silently, a string a traceback)."""
-    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
-
     quant = cfg_json.get("quantization_config")
     if quant is None:
         return None
+    from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING  # imports torchao & co.: only when needed
+
     if not isinstance(quant, dict):
         raise OutlierscopeError(f"{path}: config.json's quantization_config is a {type(quant).__name__}, expected an "
                                 "object with a quant_method (as transformers saves it); fix or remove it")
@@ -486,13 +486,13 @@ def _missing_packages(quant: dict | None) -> tuple[str | None, list[str]]:
     return method, [m for m in QUANT_PACKAGES.get(method, ()) if importlib.util.find_spec(m) is None]
 
 
-def _check_quantization_packages(path: Path, quant: dict | None) -> None:
+def _check_quantization_packages(path: Path, quant: dict | None, shapes: dict) -> None:
     """A checkpoint saved quantized whose loader is not installed: one line naming the packages, before any work (a
-    second model of a run is checked before the first one's cells)."""
+    second model of a run is checked before the first one's cells). ``shapes``: :func:`header_shapes`."""
     method, missing = _missing_packages(quant)
     if missing and method in ("gptq", "awq"):  # without their kernels: decoded (or one line naming what is needed)
         packed_scheme(quant)
-        if not packed_modules(path):
+        if not packed_names(shapes):
             raise OutlierscopeError(f"{path}: config.json says {method}, but the safetensors hold no packed weights "
                                     "(no qweight tensors); remove quantization_config from config.json, or quantize "
                                     f"the model with {method} first")
@@ -502,7 +502,7 @@ def _check_quantization_packages(path: Path, quant: dict | None) -> None:
         raise OutlierscopeError(f"{path}: a {method} checkpoint needs {', '.join(missing)} to load; install it "
                                 f"(pip install {names}) or use the model's full-precision weights")
     if method == "bitsandbytes":
-        _check_bnb_state(path, quant)
+        _check_bnb_state(path, quant, shapes)
 
 
 def _decodes_packed(quant: dict | None) -> bool:
@@ -531,12 +531,10 @@ def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
             "forward": "each linear: the float matmul of its exactly dequantized weights, in the model's dtype"}
 
 
-def _check_bnb_state(path: Path, quant: dict) -> None:
+def _check_bnb_state(path: Path, quant: dict, shapes: dict) -> None:
     """A bitsandbytes config over weights saved in full precision (no int8 ``SCB`` / 4-bit ``quant_state`` tensors):
     transformers would take them for quantized ones and fail in the first forward."""
-    from safetensors import safe_open
-
-    keys = [k for f in sorted(path.glob("*.safetensors")) for k in safe_open(str(f), "pt").keys()]
+    keys = list(shapes)
     if keys and not any(k.endswith(".SCB") or ".quant_state." in k or k.endswith(".absmax") for k in keys):
         bits = "4-bit" if quant.get("load_in_4bit") or quant.get("_load_in_4bit") else "8-bit"
         raise OutlierscopeError(f"{path}: config.json asks bitsandbytes for {bits} weights, but the safetensors hold "
@@ -544,15 +542,15 @@ def _check_bnb_state(path: Path, quant: dict) -> None:
                                 "config.json, or save the model quantized with bitsandbytes first")
 
 
-def _check_weight_headers(path: Path, config, trust_remote_code: bool, shapes: dict) -> None:
+def _check_weight_headers(path: Path, config, shapes: dict, meta) -> None:
     """What :func:`_check_loading_info` refuses at load time, read from the safetensors headers before anything
     loads (a second model of a run is checked before the first one's cells): a tensor the model needs that no file
     holds, a shape the config does not expect. Only where the files name the tensors as the model does (at least
     90% of them): a checkpoint that transformers converts on loading (renamed or fused tensors) is left to load.
-    ``shapes``: :func:`header_shapes`."""
+    ``shapes``: :func:`header_shapes`; ``meta``: the model on the meta device (None without safetensors)."""
     if not shapes:
         return
-    want = {k: tuple(v.shape) for k, v in meta_model(config, trust_remote_code).state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in meta.state_dict().items()}
     if sum(k in want for k in shapes) < 0.9 * len(shapes):
         return
     tied = getattr(config.get_text_config(), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False)
