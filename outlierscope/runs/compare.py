@@ -77,17 +77,15 @@ class CompareSettings:
                              device=self.device, device_map=self.device_map, trust_remote_code=self.trust_remote_code)
 
 
-def emulations(s: CompareSettings) -> tuple[list[str], dict | None]:
+def emulations(s: CompareSettings, path: Path, meta) -> tuple[list[str], dict | None]:
     """The specs to emulate (a compressed-tensors / GPTQ / AWQ checkpoint's own, read from its quantization_config, then
-    ``quant``) and that config."""
-    source, config = check_model(s.real, s.trust_remote_code)
-    qconfig = _read_config_json(source.path).get("quantization_config")
+    ``quant``) and that config. ``path``: the checkpoint's directory; ``meta``: it on the meta device."""
+    qconfig = _read_config_json(path).get("quantization_config")
     own, method = [], (qconfig or {}).get("quant_method")
     if method == "compressed-tensors":
-        own = [str(qexport.spec_from_config(qconfig, meta_model(config, s.trust_remote_code)))]
+        own = [str(qexport.spec_from_config(qconfig, meta))]
     elif packed_scheme(qconfig) is not None:
-        own = [str(qexport.spec_from_packed_config(qconfig, meta_model(config, s.trust_remote_code),
-                                                   packed_modules(source.path)))]
+        own = [str(qexport.spec_from_packed_config(qconfig, meta, packed_modules(path)))]
     elif not s.quant:
         raise ParamError("quant", f"given: {s.real} is no compressed-tensors, GPTQ or AWQ checkpoint whose scheme could be read "
                          f"(quant_method {qconfig and qconfig.get('quant_method')!r}); name its emulation", s.quant)
@@ -153,16 +151,15 @@ def _markdown(table: pd.DataFrame, record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def check_source(s: CompareSettings) -> None:
-    """The float model is the checkpoint's source by shape: the same linears (names, out x in) and embeddings; a
-    checkpoint of another model gives meaningless pairs."""
+def check_source(s: CompareSettings, real_meta, float_meta) -> None:
+    """The float model is the checkpoint's source by shape: the same linears (names, out x in) and embeddings (both
+    models on the meta device); a checkpoint of another model gives meaningless pairs."""
     from torch import nn
 
-    def shapes(spec):
-        model = meta_model(check_model(spec, s.trust_remote_code)[1], s.trust_remote_code)
+    def shapes(model):
         return {n: tuple(m.weight.shape) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding))}
 
-    real, float_ = shapes(s.real), shapes(s.model)
+    real, float_ = shapes(real_meta), shapes(float_meta)
     if real != float_:
         diff = sorted(set(real.items()) ^ set(float_.items()))[0][0]
         raise ParamError("model", f"the float model {s.real} was made from (the same linears and embeddings)", s.model,
@@ -174,8 +171,10 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison. Everything
     is checked before the first cell: both models, that the float one is the checkpoint's source, each emulation
     against it, and earlier results in ``out`` (replaced only with ``force``)."""
-    specs, qconfig = emulations(s)
-    check_source(s)
+    real_source, real_config = check_model(s.real, s.trust_remote_code)
+    real_meta = meta_model(real_config, s.trust_remote_code)
+    specs, qconfig = emulations(s, real_source.path, real_meta)
+    check_source(s, real_meta, meta_model(check_model(s.model, s.trust_remote_code)[1], s.trust_remote_code))
     out = Path(out)
     real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
     check_models(emu_s)

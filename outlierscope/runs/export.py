@@ -79,14 +79,14 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
     st = rec["settings"]
     quants = st.get("quant") or []
     measured = {c["quant"] for c in rec.get("cells") or () if "quant" in c}  # the texts of what its cells computed
-    if s.quant is None or str(AttnQuant.parse(s.quant)) not in {str(AttnQuant.parse(q)) for q in quants} | measured:
+    spec = AttnQuant.parse(s.quant) if s.quant is not None else None
+    if spec is None or str(spec) not in {str(AttnQuant.parse(q)) for q in quants} | measured:
         close = difflib.get_close_matches(s.quant or "", quants, n=3, cutoff=0.3)
         raise ParamError("quant", f"one of the sweep's quantizations ({'; '.join(map(repr, quants)) or 'none'})",
                          s.quant, f"did you mean {', '.join(close)}?" if close else "")
     models = st["models"]
     if (s.model is None and len(models) > 1) or (s.model is not None and s.model not in models):
         raise ParamError("model", f"one of the sweep's models ({', '.join(models)})", s.model)
-    spec = AttnQuant.parse(s.quant)
     if measured and str(spec) not in measured:  # a recipe name whose meaning changed since the sweep ran
         raise OutlierscopeError(f"{s.run}: {s.quant} is {spec} today, which this sweep did not measure (its cells: "
                                 f"{'; '.join(sorted(measured))}); run the sweep again, then export")
