@@ -3,6 +3,7 @@ compressed-tensors' own API (no network), loaded by directory. The reference is 
 forward: the whole model run by transformers, whose first forward decompresses the packed weights."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -343,3 +344,32 @@ def test_sensitivity_and_the_lmeval_adapter_on_a_checkpoint(tiny_pair, hellaswag
     # per-token quantization (a few 1e-4 nats on ~100), never a prediction
     np.testing.assert_allclose(theirs, mine.items[mine.score_columns].to_numpy(), rtol=1e-5, atol=0)
     assert (theirs.argmax(1) == mine.items["pred"].to_numpy()).all()
+
+
+def test_compare_quant_checks_everything_before_the_real_sweep(tiny_pair, hellaswag_cached, tmp_path, capsys):
+    """A float model the checkpoint did not come from (the 64-wide GPTQ fixtures' source against the 192-wide pair's
+    W8A8 checkpoint) and earlier results with other settings: one line, exit 2, before any cell (nothing written);
+    --force replaces the tables and reuses the cells."""
+    import shutil
+
+    from outlierscope.cli import main
+
+    ckpt = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
+    other = Path(shutil.copytree(Path(__file__).parent / "packed" / "float", tmp_path / "other"))
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(tiny_pair["transformer"]) / f, other / f)
+    out = tmp_path / "cmp"
+    capsys.readouterr()  # the checkpoint's making printed progress
+    assert main(["compare-quant", "--real", str(ckpt), "--model", str(other), "--limit", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--model must be the float model" in err and "in the checkpoint" in err and err.count("\n") == 1
+    assert not out.exists()
+    argv = ["compare-quant", "--real", str(ckpt), "--model", str(tiny_pair["transformer"]), "--out", str(out)]
+    assert main([*argv, "--limit", "2", "--quant", "w=fint4/per_group:7"]) == 2  # an emulation that does not fit
+    assert "not a multiple of the group size 7" in capsys.readouterr().err and not out.exists()
+    assert main([*argv, "--limit", "2"]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in (out / "real" / "cells").iterdir()}
+    assert main([*argv, "--limit", "3"]) == 2  # other settings: refused before the real sweep reruns anything
+    assert "holds a sweep with other settings" in capsys.readouterr().err
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "real" / "cells").iterdir()} == before
+    assert main([*argv, "--limit", "3", "--force"]) == 0
