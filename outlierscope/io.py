@@ -4,6 +4,7 @@ half-written), sha256 of files, and a JSON-lines reader with line-numbered error
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -217,9 +218,11 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+@functools.cache
 def git_commit() -> str | None:
     """The commit of the outlierscope checkout that ran (with ``+changes`` if its tracked files differ), or None
-    for an installed copy outside git."""
+    for an installed copy outside git. Read once per process, at the first record: a run whose outputs lie in the
+    checkout (docs/) would otherwise mark its later records ``+changes`` with its own earlier files."""
     import subprocess
 
     root = Path(__file__).resolve().parent.parent

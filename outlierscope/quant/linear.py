@@ -375,7 +375,8 @@ def token_local(spec: AttnQuant) -> bool:
 def check_linear_shapes(spec: AttnQuant, config) -> None:
     """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
     weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
-    in_features, a rotation of each in_features. A config transformers cannot build is left to the first forward."""
+    in_features, a rotation of each in_features, and the ``calib:`` source against those linears
+    (:func:`check_calibration`). A config transformers cannot build is left to the first forward."""
     from outlierscope.models.quiet import quiet_transformers
     from outlierscope.quant.linear_ops import _base_order
 

@@ -171,6 +171,7 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison. Everything
     is checked before the first cell: both models, that the float one is the checkpoint's source, each emulation
     against it, and earlier results in ``out`` (replaced only with ``force``)."""
+    git_commit()  # the checkout as the run found it (read once per process): before any record is written
     real_source, real_config = check_model(s.real, s.trust_remote_code)
     real_meta = meta_model(real_config, s.trust_remote_code)
     specs, qconfig = emulations(s, real_source.path, real_meta)

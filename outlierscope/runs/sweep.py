@@ -424,6 +424,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
 
     shard, world = shard or Shard(), world or World()
     out = Path(out)
+    git_commit()  # the checkout as the run found it (read once per process): before any table is written
     error = None
     if world.is_main:
         try:

@@ -1,0 +1,29 @@
+"""outlierscope.io: what a record says of the checkout that made it."""
+
+import subprocess
+from types import SimpleNamespace
+
+
+def test_the_commit_is_the_checkout_as_the_run_found_it(monkeypatch):
+    """Read once per process: files the run writes into the checkout afterwards (docs/ records) do not turn its later
+    records into '+changes'."""
+    from outlierscope import io
+
+    calls = []
+
+    def fake_run(argv, **kw):
+        calls.append(argv)
+        if argv[1] == "rev-parse":
+            return SimpleNamespace(returncode=0, stdout="abc123\n")
+        dirty = sum(1 for a in calls if a[1] == "status") > 1  # the tree is clean at the first look only
+        return SimpleNamespace(returncode=0, stdout=" M docs/x/sweep.json\n" if dirty else "")
+
+    io.git_commit.cache_clear()
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    try:
+        assert io.git_commit() == "abc123"
+        assert io.git_commit() == "abc123"  # the run's own output since then does not count
+        io.git_commit.cache_clear()
+        assert io.git_commit() == "abc123+changes"  # a new process would see the changed tree
+    finally:
+        io.git_commit.cache_clear()
