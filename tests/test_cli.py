@@ -110,11 +110,12 @@ def test_cuda_without_gpu_is_one_line(capsys):
     (["tasks", "requests", "arc_easy", "--limit", "0"], "--limit must be a number of rows >= 1, got 0"),
     (["generate", "pair-tiny:diff", "Hello", "--temperature", "-1"], "--temperature must be >= 0 (0: greedy decoding)"),
     (["generate", "pair-tiny:diff", "Hello", "--top-k", "0"], "--top-k must be >= 1"),
+    (["profile", "--model", "{tmp}/nope.gguf", "--tokens", "10", "--out", "{tmp}/t"], "GGUF file not found: {tmp}/nope.gguf"),
 ])
 def test_bad_values_are_one_line(argv, msg, tmp_path, capsys):
     rc = main([a.replace("{tmp}", str(tmp_path)) for a in argv])
     err = capsys.readouterr().err
-    assert rc == 2 and msg in err and err.count("\n") == 1, err
+    assert rc == 2 and msg.replace("{tmp}", str(tmp_path)) in err and err.count("\n") == 1, err
     assert not (tmp_path / "t").exists()
 
 
@@ -261,6 +262,7 @@ def _calib_files(tmp_path):
     (["sweep", "--quant", "a=int8/static; w=int8/per_channel; rotate:0"], "a=.../static with rotate"),
     (["sweep", "--quant", "w8a8;"], "an empty part in 'w8a8;'"),
     (["sweep", "--quant", "W8A8"], "did you mean w8a8?"),
+    (["sweep", "--quant", "w8a8-sq; calib:{tmp}/a;b.txt"], "reads as the rest of a calib: path"),
     (["sensitivity", "--quant", "smooth_k"], "--quant must be a spec with a quantized part"),
     (["sensitivity", "--quant", "rotate:0"], "--quant must be a spec with a quantized part"),
     (["sensitivity", "--quant", "w8a8; linears:lm_head"], "the LM head is in none"),
