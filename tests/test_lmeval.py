@@ -185,6 +185,8 @@ def test_reducers_see_the_quantized_logits():
     ({"granularity": "per_blob"}, "granularity must be one of"),
     ({"quant": "sage3"}, "did you mean sage1"),
     ({"quant": "sage1", "bits": 4}, "pass bits .* or quant"),
+    ({"quant": "sage1", "granularity": "per_head"}, "granularity=per_head describe the logits' axis"),  # not ignored
+    ({"quant": "w8a8", "format": "e4m3"}, "format=e4m3 describe the logits' axis"),
     ({"quant": ""}, "quant must be a recipe name"),  # quant= given empty is not "unquantized"
 ])
 def test_bad_model_args(kw, msg):
@@ -219,6 +221,18 @@ def test_command_line_errors_are_one_line(model_args, tasks, msg, tmp_path):
                         "--tasks", tasks, "--limit", "1"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stderr.strip().splitlines()[-1].startswith("outlierscope: error: ") and msg in r.stderr
+
+
+def test_a_spec_with_two_linears_survives_lmeval_model_args():
+    """lm-eval splits model_args at commas: two linears patterns joined by '+' reach the adapter whole, parsed by
+    lm-eval's own parser."""
+    from lm_eval.utils import simple_parse_args_string
+
+    from outlierscope.lmeval.adapter import model_args_spec
+
+    args = simple_parse_args_string("pretrained=pair-tiny:diff,quant=w8a8; linears:self_attn.q_proj+mlp.down_proj,dtype=float32")
+    spec, _ = model_args_spec(**{k: v for k, v in args.items() if k != "pretrained"})
+    assert spec.linears == ("self_attn.q_proj", "mlp.down_proj")
 
 
 def test_make_spec_from_strings():

@@ -39,18 +39,23 @@ from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
 
-def make_spec(bits, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
+def make_spec(bits, format: str | None = None, granularity: str | None = None, layers=None) -> QuantSpec:
     """A :class:`QuantSpec` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
-    lm-eval splits its arguments at commas)."""
+    lm-eval splits its arguments at commas). ``format`` None: ``int``; ``granularity`` None: ``per_tensor``."""
     bits = _as_int("bits", bits, "an integer number of bits (16 = unquantized)")
-    return build_spec(bits, str(format), str(granularity), _layers(layers))
+    return build_spec(bits, str(format or "int"), str(granularity or "per_tensor"), _layers(layers))
 
 
-def attention_spec(quant: str, bits, layers) -> AttnQuant:
-    """``quant``: a recipe name (``sage2-int4``; lm-eval splits model_args at commas and '=', so spec texts go through
-    Python keywords); with ``layers``, only those layers. Not together with ``bits`` below 16."""
+def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> AttnQuant:
+    """``quant``: a recipe name or spec text (``sage2-int4``, ``w8a8; linears:self_attn.*+mlp.down_proj``: lm-eval
+    splits model_args at commas, so lists inside a spec take ``+``); with ``layers``, only those layers. Not together
+    with ``bits`` below 16, ``format`` or ``granularity`` (the logits' axis: a spec says its own)."""
     if _as_int("bits", bits, "an integer number of bits (16 = unquantized)") != 16:
         raise OutlierscopeError("pass bits (the logits' bit width) or quant (a recipe or spec), not both")
+    given = [f"{k}={v}" for k, v in (("format", format), ("granularity", granularity)) if v is not None]
+    if given:
+        raise OutlierscopeError(f"{' and '.join(given)} describe the logits' axis (bits), not quant={quant}: a spec "
+                                "says its own format and granularity (e.g. quant=k=int4/per_token); leave them out")
     spec = AttnQuant.parse(str(quant))
     return spec if layers is None else dataclasses.replace(spec, layers=_layers(layers))
 
@@ -83,7 +88,7 @@ def _device(device) -> str:
     return device
 
 
-def model_args_spec(bits=16, format: str = "int", granularity: str = "per_tensor", layers=None, quant=None,
+def model_args_spec(bits=16, format: str | None = None, granularity: str | None = None, layers=None, quant=None,
                     attn_block=None, dtype: str = "auto", device_map=None, **_) -> tuple:
     """(spec, attention block rows) of the adapter's ``model_args``, checked without a model: what ``python -m
     outlierscope.lmeval`` checks before lm-eval indexes its tasks. ``quant`` given empty (``quant=``) is an error,
@@ -93,7 +98,7 @@ def model_args_spec(bits=16, format: str = "int", granularity: str = "per_tensor
         raise ParamError("quant", "a recipe name (see `outlierscope recipes`), or leave quant out for bits/format/"
                          "granularity (bits=16: unquantized)", quant)
     if quant is not None:
-        spec = attention_spec(quant, bits, layers)
+        spec = attention_spec(quant, bits, layers, format, granularity)
     block = None if attn_block in (None, "", "None") else \
         _as_int("attn_block", attn_block, "a positive number of query rows")
     check_placement("auto", str(dtype), device_map, block)
@@ -111,7 +116,7 @@ class OutlierscopeLM(HFLM):
     ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
     file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
     :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    :class:`~outlierscope.quant.spec.QuantSpec`; or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
+    :class:`~outlierscope.quant.spec.QuantSpec` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
     ``outlierscope recipes``; a spec text from Python: attention and linear parts), with ``layers`` if given (a spec
     with SmoothQuant or static scales runs its calibration pass once, when the model loads); ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
@@ -120,7 +125,7 @@ class OutlierscopeLM(HFLM):
     uses. Other keywords go to ``HFLM`` (``batch_size``, ``max_length``, ...).
     """
 
-    def __init__(self, pretrained, bits=16, format: str = "int", granularity: str = "per_tensor", layers=None,
+    def __init__(self, pretrained, bits=16, format: str | None = None, granularity: str | None = None, layers=None,
                  attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",
                  device_map: str | None = None, points=None, reducers=None, trust_remote_code: bool = False,
                  quant: str | None = None, **kwargs):

@@ -44,7 +44,9 @@ states it: input columns with some |x| >= T leave the quantized product whole), 
 rule: only the elements with |x| >= T are left out of a token's scale; their columns still run in full precision), ``linears:PATTERN[,PATTERN]`` (which linears, by module path
 inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``; default every ``nn.Linear`` of the decoder layers),
 ``calib:SOURCE`` (what ``smooth`` and ``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a
-SmoothQuant ``act_scales.pt``). ``layers:`` applies to the attention and the linear parts alike.
+SmoothQuant ``act_scales.pt``). ``layers:`` applies to the attention and the linear parts alike. Lists also take
+``+`` for ``,`` (``q+k=int8/per_token``, ``linears:self_attn.*+mlp.down_proj``, ``layers:0+2``), a form that survives
+lm-eval's ``model_args``, which split at commas; the canonical text uses commas.
 """
 
 from __future__ import annotations
@@ -140,7 +142,7 @@ class TensorQuant:
         return f"{self.target}={self.format_text}{g}"
 
 
-_PART = re.compile(r"^(?P<targets>[a-z,]+)=(?P<fmt>[a-z0-9_]+)(?:/(?P<gran>[a-z_]+)(?::(?P<size>\d+))?)?$")
+_PART = re.compile(r"^(?P<targets>[a-z,+]+)=(?P<fmt>[a-z0-9_]+)(?:/(?P<gran>[a-z_]+)(?::(?P<size>\d+))?)?$")
 
 
 def _parse_part(text: str) -> list[TensorQuant]:
@@ -151,7 +153,7 @@ def _parse_part(text: str) -> list[TensorQuant]:
     num = re.fullmatch(r"(int|asym|fint)(\d+)", fmt)
     if num:
         fmt, bits = num[1], int(num[2])
-    targets = [t for name in m["targets"].split(",") for t in (("k", "v") if name == "kv" else (name,))]
+    targets = [t for name in re.split("[,+]", m["targets"]) for t in (("k", "v") if name == "kv" else (name,))]
     size = int(m["size"]) if m["size"] else None
     return [TensorQuant(t, fmt, bits, m["gran"], size) for t in targets]
 
@@ -337,7 +339,7 @@ def _flag_value(key: str, arg: str, text: str):
     from outlierscope.quant.spec import parse_layers
 
     if key == "linears":
-        return tuple(p.strip() for p in arg.split(","))
+        return tuple(p.strip() for p in re.split("[,+]", arg))  # '+': lm-eval's model_args split at commas
     if key == "calib":
         return arg.strip()
     try:

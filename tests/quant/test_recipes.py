@@ -375,6 +375,15 @@ def test_text_form_round_trips(text):
     assert AttnQuant.parse(str(spec)) == spec
 
 
+def test_plus_separates_lists_like_a_comma():
+    """lm-eval's model_args split at commas, so every list in a spec also takes '+': the same spec as the comma form,
+    written out by hand, whose canonical text keeps the commas."""
+    plus = AttnQuant.parse("q+kv=int8/per_token; layers:0+2; linears:self_attn.*+mlp.down_proj; a=int8/per_token")
+    assert [(p.target, p.bits) for p in plus.parts if p.target in "qkv"] == [("q", 8), ("k", 8), ("v", 8)]
+    assert plus.layers == (0, 2) and plus.linears == ("self_attn.*", "mlp.down_proj")
+    assert "linears:self_attn.*,mlp.down_proj" in str(plus) and "+" not in str(plus)
+
+
 @pytest.mark.parametrize("text,msg", [("sage3", "did you mean sage1"), ("q=int9/per_token", "bits in 2..8"),
                                       ("q=mxfp4/per_token", "brings its own blocks"),
                                       ("probs=int8/per_head", "granularity must be one of per_row, static"),
