@@ -290,7 +290,8 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
         module, tokenizer = lm.model, tokenizer or lm.tokenizer
         name = name or lm.name
         facts = {"spec": lm.spec, "path": str(lm.path), **({"source": lm.source.record()} if lm.source else {}),
-                 **({"quantization_config": q} if (q := lm.quantization_config()) else {})}
+                 **({"quantization_config": q} if (q := lm.quantization_config()) else {}),
+                 **({"packed_weights": lm.decoded} if lm.decoded else {})}  # as LoadedModel.provenance says it
         digest = lm.weights_sha256
     else:
         if tokenizer is None:

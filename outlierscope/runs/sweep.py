@@ -219,8 +219,9 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     the settings, ``cells/<cell>.attn_error.csv`` (per layer and head) is written with the cell and put in
     ``res.extra["attn_error_table"]``."""
     task = settings.get("task", "hellaswag")
-    desc = f"{settings['model']} {task} {spec.label}" if len(s.tasks) > 1 or task != "hellaswag" else \
-        f"{settings['model']} {spec.label}"
+    label = cell_label(spec, {"quantization_config": lm.quantization_config()})
+    desc = f"{settings['model']} {task} {label}" if len(s.tasks) > 1 or task != "hellaswag" else \
+        f"{settings['model']} {label}"
     measure = bool(settings.get("attn_error"))
     in_attention = measure and (not isinstance(spec, AttnQuant) or spec.has_attention)
     in_linears = measure and isinstance(spec, AttnQuant) and spec.has_linear
@@ -265,7 +266,17 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("
     return out
 
 
-def _tidy_rows(model: str, task: str, spec: QuantSpec, s: SweepSettings, metrics: dict, info: dict,
+def cell_label(spec: QuantSpec | AttnQuant, source: dict | None = None) -> str:
+    """A cell's label in tables and on the console: the spec's, except the 16-bit cell of a checkpoint saved quantized
+    (``source``: its :meth:`~outlierscope.models.loading.LoadedModel.provenance`, or the run record's entry), which
+    is no emulation on top of that checkpoint's own quantization, not an unquantized model."""
+    saved = (source or {}).get("quantization_config")
+    if spec.is_identity and saved:
+        return f"16 (no emulation; saved {saved.get('quant_method', 'quantized')})"
+    return spec.label
+
+
+def _tidy_rows(model: str, task: str, spec: QuantSpec, label: str, s: SweepSettings, metrics: dict, info: dict,
                cid: str) -> list[dict]:
     """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p); ``info``: the
     task's :func:`task_record` (its items and chance level go in every row: the table stands alone)."""
@@ -273,7 +284,7 @@ def _tidy_rows(model: str, task: str, spec: QuantSpec, s: SweepSettings, metrics
     for m, v in metrics.items():
         if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
             continue
-        rows.append({"model": model, "task": task, "bits": spec.bits, "label": spec.label, "format": spec.format,
+        rows.append({"model": model, "task": task, "bits": spec.bits, "label": label, "format": spec.format,
                      "granularity": "none" if spec.is_identity else spec.granularity, "weights": s.weights,
                      "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
                      "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
@@ -332,16 +343,18 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
     first. ``tasks``: :func:`task_record` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
     and ``chance`` at the record's top level (where they were before sweeps had several tasks)."""
     rows, cell_index, base, errors, lin_errors = [], [], None, [], []
+    sources = record_extra.get("model_sources") or {}
     for model, task, spec, cid, res in cells:
+        label = cell_label(spec, sources.get(model))
         if "attn_error_table" in res.extra:
-            errors.append(res.extra.pop("attn_error_table").assign(model=model, task=task, bits=spec.bits, label=spec.label))
+            errors.append(res.extra.pop("attn_error_table").assign(model=model, task=task, bits=spec.bits, label=label))
         if "linear_error_table" in res.extra:
-            lin_errors.append(res.extra.pop("linear_error_table").assign(model=model, task=task, label=spec.label))
+            lin_errors.append(res.extra.pop("linear_error_table").assign(model=model, task=task, label=label))
         if spec.is_identity:
             base = res
         metrics = cell_metrics(res, None if spec.is_identity else base, s.seed, task_metrics(task))
-        cell_index.append({**_cell_entry(cid, model, task, spec), "label": spec.label, **metrics, "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
-        rows += _tidy_rows(model, task, spec, s, metrics, tasks[task], cid)
+        cell_index.append({**_cell_entry(cid, model, task, spec), "label": label, **metrics, "seconds": res.seconds, "items_per_s": res.extra.get("items_per_s")})
+        rows += _tidy_rows(model, task, spec, label, s, metrics, tasks[task], cid)
     single = {k: v for k, v in next(iter(tasks.values())).items() if k in ("n_items", "items_sha256", "chance")} \
         if len(tasks) == 1 else {}
     record = {"settings": asdict(s), **single, "tasks": tasks, "bootstrap_reps": BOOTSTRAP_REPS,
@@ -488,7 +501,8 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         cells.append((c["model"], c.get("task", s.tasks[0]), s.spec_of(c), c["cell"], res))
     out = Path(out)
     with output_dir(out):
-        return _tabulate(s, cells, tasks, out, **({"model_sources": rec["model_sources"]} if "model_sources" in rec else {}))
+        return _tabulate(s, cells, tasks, out, **{k: rec[k] for k in ("model_sources", "processes", "merged_shards")
+                                                   if k in rec})
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:

@@ -132,12 +132,18 @@ def test_profile_sweep_sensitivity_and_lmeval_on_gptq_and_awq(hs_jsonl, hellaswa
                                          points=("layers.*.**",)), tmp_path / "prof", progress=False)
     facts = json.loads((tmp_path / "prof" / "profile.json").read_text())["models"]
     assert sorted(f["quantization_config"]["quant_method"] for f in facts.values()) == ["awq", "gptq"]
+    assert sorted(f["packed_weights"]["method"] for f in facts.values()) == ["awq", "gptq"]  # as the README says
     assert {"self_attn.q_proj.input", "mlp.down_proj.input", "attn.logits"} <= set(
         pd.read_csv(tmp_path / "prof" / "per_layer.csv")["point"])
+    said = []
     sweep(SweepSettings(models=(gptq,), bits=(16,), quant=("k=int4/per_token",), data=str(hs_jsonl), limit=4,
-                        batch_size=4), tmp_path / "sw", progress=False, log=lambda *_: None)
+                        batch_size=4), tmp_path / "sw", progress=False, log=said.append)
     rec = json.loads((tmp_path / "sw" / "sweep.json").read_text())
     assert rec["model_sources"][gptq]["packed_weights"]["method"] == "gptq"
+    # a GPTQ checkpoint's 16-bit cell is no emulation on top of it, not an unquantized model: table and console
+    labels = set(pd.read_csv(tmp_path / "sw" / "sweep.csv").query("bits == 16")["label"])
+    assert labels == {"16 (no emulation; saved gptq)"}, labels
+    assert not any("unquantized" in line for line in said) and any("saved gptq" in line for line in said), said
     rec = sensitivity(SensitivitySettings(model=awq, quant="k=int4/per_token", limit=4, batch_size=8, profile_tokens=256,
                                           all_but=False), tmp_path / "sens", progress=False, log=lambda *_: None)
     assert rec["model_source"]["quantization_config"]["quant_method"] == "awq"
