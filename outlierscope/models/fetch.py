@@ -160,6 +160,23 @@ def check_gguf(path: Path) -> None:
                                 "a Hugging Face model directory")
 
 
+def gguf_config(path: str | os.PathLike):
+    """A GGUF file's transformers config from its metadata alone (no tensor data read, no conversion: a second where
+    :func:`gguf_model` takes minutes), as the converted model will have it."""
+    from transformers import AutoConfig
+
+    from outlierscope.models.quiet import quiet_transformers
+
+    path = Path(path)
+    check_gguf(path)
+    with quiet_transformers():
+        try:
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except Exception as e:
+            raise OutlierscopeError(f"{path}: transformers cannot read this GGUF file's metadata ({type(e).__name__}: "
+                                    f"{str(e).splitlines()[0] if str(e) else ''})") from None
+
+
 def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
     """A GGUF file as a model: dequantized once into ``<cache>/gguf/<sha256 prefix>`` (reused while the file's
     bytes are the same), and what a run record says of it: the file, its sha256 and its quantization types (the

@@ -385,6 +385,19 @@ def _check_auto_map(spec: str, path: Path, cfg_json: dict, known: bool, trust_re
                                 "files, or drop auto_map to run transformers' own class")
 
 
+def preview_config(spec: str):
+    """``spec``'s config where reading it is cheap but :func:`check_model` is not: a ``.gguf`` file's, from its
+    metadata (check_model converts the file: minutes for a real model); None for any other spec (check_model reads
+    those in seconds). Runs check their specs against it first, so a spec that does not fit fails before the
+    conversion."""
+    path = Path(spec).expanduser()
+    if not (path.is_file() and path.suffix.lower() == ".gguf"):
+        return None
+    from outlierscope.models.fetch import gguf_config
+
+    return gguf_config(path)
+
+
 def check_model(spec: str, trust_remote_code: bool = False):
     """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, fetched
     model, Hub snapshot, converted GGUF), config.json, a causal LM architecture transformers knows (or custom code

@@ -32,12 +32,13 @@ from outlierscope.models.loading import (
     device_option,
     dtype_option,
     meta_model,
+    preview_config,
     trust_remote_code_option,
 )
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
 from outlierscope.quant.recipe import AttnQuant
-from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, sweep
+from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, check_specs, sweep
 from outlierscope.settings import option
 
 
@@ -175,9 +176,11 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     real_source, real_config = check_model(s.real, s.trust_remote_code)
     real_meta = meta_model(real_config, s.trust_remote_code)
     specs, qconfig = emulations(s, real_source.path, real_meta)
+    real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
+    if (config := preview_config(s.model)) is not None:  # a GGUF float model: its metadata before its conversion
+        check_specs(s.model, emu_s.specs(), config)
     check_source(s, real_meta, meta_model(check_model(s.model, s.trust_remote_code)[1], s.trust_remote_code))
     out = Path(out)
-    real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
     check_models(emu_s)
     for sub, settings in (("real", real_s), ("emulated", emu_s)):
         check_previous(out / sub, dataclasses.asdict(settings), force)

@@ -21,7 +21,7 @@ from pathlib import Path
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.io import git_commit, output_dir, read_record, versions, write_json, write_text
-from outlierscope.models.loading import check_model, meta_model, trust_remote_code_option
+from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
 from outlierscope.quant import export as qexport
 from outlierscope.quant.linear import check_linear_shapes, linear_sites
 from outlierscope.quant.recipe import AttnQuant
@@ -128,6 +128,8 @@ def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -
     if choice.spec.has_attention and (choice.keep or choice.spec.layers is not None):
         raise OutlierscopeError(f"{choice.spec}: a KV cache scheme applies to every layer in compressed-tensors; "
                                 "export it without kept or named layers")
+    if (config := preview_config(choice.model)) is not None:  # a GGUF file's metadata: before its conversion
+        check_linear_shapes(choice.spec, config)
     source, config = check_model(choice.model, s.trust_remote_code)
     check_linear_shapes(choice.spec, config)
     model = meta_model(config, s.trust_remote_code)

@@ -333,9 +333,11 @@ def check_previous(out: Path, s: SensitivitySettings, force: bool, shard: Shard 
 def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> _Run:
     """Load the model and the items; the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
-    from outlierscope.models.loading import check_model, load_model
+    from outlierscope.models.loading import check_model, load_model, preview_config
     from outlierscope.report.tables import headline_metric
 
+    if (config := preview_config(s.model)) is not None:  # a GGUF file's metadata: before its conversion
+        check_spec(s.spec(), config)
     check_spec(s.spec(), check_model(s.model, s.trust_remote_code)[1])  # the spec fits the model's shape: before it loads
     lm = load_model(s.model, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
                     trust_remote_code=s.trust_remote_code)

@@ -35,6 +35,7 @@ from outlierscope.models.loading import (
     device_option,
     dtype_option,
     num_layers,
+    preview_config,
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR
@@ -402,15 +403,22 @@ def gold_ll_table(cells: list[tuple[str, str, QuantSpec, str, EvalResult]], seed
 
 
 def check_models(s: SweepSettings) -> None:
-    """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs."""
-    for m in s.models:
-        _, config = check_model(m, s.trust_remote_code)
-        for spec in s.specs():
-            try:
-                check_layers(spec, num_layers(config))
-                check_spec(spec, config)
-            except OutlierscopeError as e:
-                raise OutlierscopeError(f"{m}: {e}") from None
+    """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs. GGUF
+    files' specs are checked against their metadata first, before any conversion (minutes each)."""
+    previews = [(m, preview_config(m)) for m in s.models]
+    for m, config in [(m, c) for m, c in previews if c is not None] + [(m, None) for m in s.models]:
+        check_specs(m, s.specs(), config if config is not None else check_model(m, s.trust_remote_code)[1])
+
+
+def check_specs(model: str, specs, config) -> None:
+    """Each spec fits ``config`` (its layers exist, its groups and blocks divide the shapes), or one line naming the
+    model."""
+    for spec in specs:
+        try:
+            check_layers(spec, num_layers(config))
+            check_spec(spec, config)
+        except OutlierscopeError as e:
+            raise OutlierscopeError(f"{model}: {e}") from None
 
 
 def _cell_entry(cid: str, model: str, task: str, spec) -> dict:

@@ -268,3 +268,33 @@ def test_gguf_file_as_a_model(source, tmp_path, monkeypatch):
     assert lm.path.parent == tmp_path / "cache" / "gguf"
     monkeypatch.setattr(mf, "convert_gguf", lambda *a, **k: pytest.fail("converted again"))
     assert load_model(str(path), device="cpu").path == lm.path
+
+
+def test_a_spec_that_does_not_fit_a_gguf_file_fails_before_its_conversion(source, tmp_path, monkeypatch):
+    """Groups of 64 over the GGUF model's 32 inputs: sweep, sensitivity and export refuse it from the file's metadata,
+    before the conversion (minutes for a real model), as they do for a HF directory; the metadata's shapes are the
+    converted model's."""
+    from outlierscope.models.loading import check_model
+    from outlierscope.runs.export import ExportSettings, export
+    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+    from outlierscope.runs.sweep import SweepSettings, sweep
+
+    monkeypatch.setenv("OUTLIERSCOPE_CACHE", str(tmp_path / "cache"))
+    _, _, path = source
+    convert = mf.convert_gguf
+    monkeypatch.setattr(mf, "convert_gguf", lambda *a, **k: pytest.fail("converted before the spec was checked"))
+    spec = "w=int4/per_group:64"
+    runs = [lambda: sweep(SweepSettings(models=(str(path),), bits=(16,), quant=(spec,), limit=2), tmp_path / "sw",
+                          progress=False, log=lambda *_: None),
+            lambda: sensitivity(SensitivitySettings(model=str(path), quant=spec, limit=2), tmp_path / "se",
+                                progress=False, log=lambda *_: None),
+            lambda: export(ExportSettings(model=str(path), quant=spec.replace("int4", "fint4")), tmp_path / "ex")]
+    for run in runs:
+        with pytest.raises(OutlierscopeError, match="per_group:64"):
+            run()
+    assert not any((tmp_path / d).exists() for d in ("sw", "se", "ex"))
+    monkeypatch.setattr(mf, "convert_gguf", convert)
+    keys = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "head_dim", "vocab_size")
+    meta, converted = mf.gguf_config(path).to_dict(), check_model(str(path))[1].to_dict()
+    assert {k: meta.get(k) for k in keys} == {k: converted.get(k) for k in keys}
