@@ -7,8 +7,8 @@ import os
 import sys
 import warnings
 
-from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.models.loading import DTYPES
+from outlierscope.errors import OutlierscopeError, ParamError  # nothing heavier at import: main's Ctrl-C handler
+# must be running before torch and transformers load (seconds), or an early Ctrl-C is a traceback
 
 
 def _cmd_info(a) -> None:
@@ -271,7 +271,7 @@ def _add_settings(s: argparse.ArgumentParser, cls) -> None:
 
 def _add_placement(s: argparse.ArgumentParser) -> None:
     """--device, --dtype, --device-map of ``generate`` (the run commands take them from their settings)."""
-    from outlierscope.models.loading import DEVICE_MAPS
+    from outlierscope.models.loading import DEVICE_MAPS, DTYPES
 
     s.add_argument("--device", default="auto", metavar="{auto,cpu,cuda,cuda:N}",
                    help="where the model runs (default auto: cuda when available, else cpu)")

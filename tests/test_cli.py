@@ -221,6 +221,27 @@ def test_interrupt_while_the_parser_imports(monkeypatch, capsys):
     assert capsys.readouterr().err == "outlierscope: interrupted\n"
 
 
+def test_the_command_line_module_imports_no_torch():
+    """The console script imports outlierscope.cli before main's Ctrl-C handler runs: torch and transformers
+    (seconds) load inside main, so a Ctrl-C in the first seconds is one line too."""
+    code = "import sys, outlierscope.cli; print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "[]", r.stdout + r.stderr
+
+
+def test_ctrl_c_in_the_first_second(tmp_path):
+    """SIGINT 1 s after start (torch still loading, about 2-3 s here): 'interrupted', exit 130, no traceback."""
+    import signal
+    import time
+
+    p = subprocess.Popen([sys.executable, "-m", "outlierscope", "sweep", "--out", str(tmp_path / "o"), "--limit", "1"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err and "outlierscope: interrupted" in err, (p.returncode, err)
+
+
 def test_a_single_valued_flag_given_twice_is_an_error(capsys):
     """argparse keeps the last of a repeated flag silently (`sensitivity --quant A --quant B` ran B)."""
     with pytest.raises(SystemExit) as e:
