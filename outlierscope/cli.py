@@ -144,15 +144,15 @@ def _cmd_sweep(a) -> None:
 
 
 def _cmd_sensitivity(a) -> None:
-    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity, written_files
     from outlierscope.settings import from_cli
 
     _headless()
     shard, world = _parallel(a)
-    rec = sensitivity(from_cli(SensitivitySettings, vars(a)), a.out, force=a.force, shard=shard, world=world)
+    s = from_cli(SensitivitySettings, vars(a))
+    rec = sensitivity(s, a.out, force=a.force, shard=shard, world=world)
     if rec is not None:
-        print(f"results written to {a.out} (sensitivity.md, sensitivity.csv, greedy.csv, attn_error.csv, "
-              "sensitivity.json, figures/)")
+        print(f"results written to {a.out} ({', '.join(written_files(s, rec))})")
 
 
 def _cmd_merge(a) -> None:

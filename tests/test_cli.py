@@ -242,6 +242,20 @@ def test_ctrl_c_in_the_first_second(tmp_path):
     assert p.returncode == 130 and "Traceback" not in err and "outlierscope: interrupted" in err, (p.returncode, err)
 
 
+@pytest.mark.parametrize("quant, listed, absent", [("w8a8", "kinds.csv", "attn_error.csv"),
+                                                     ("k=int4/per_token", "attn_error.csv", "kinds.csv")])
+def test_sensitivity_lists_the_files_it_wrote(quant, listed, absent, hellaswag_cached, tmp_path, capsys):
+    """A linear scheme's study writes kinds.csv and no attention error; an attention scheme's the reverse: the closing
+    line names exactly the files in the directory (it named attn_error.csv for both and never kinds.csv)."""
+    out = tmp_path / "s"
+    assert main(["sensitivity", "--model", "pair-tiny:diff", "--quant", quant, "--limit", "3", "--no-all-but",
+                 "--profile-tokens", "256", "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    names = line.split("(", 1)[1].rstrip(")").split(", ")
+    assert listed in names and absent not in names, line
+    assert sorted(n.rstrip("/") for n in names) == sorted(p.name for p in out.iterdir() if p.name != "cells")
+
+
 def test_a_single_valued_flag_given_twice_is_an_error(capsys):
     """argparse keeps the last of a repeated flag silently (`sensitivity --quant A --quant B` ran B)."""
     with pytest.raises(SystemExit) as e:

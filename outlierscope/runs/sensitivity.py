@@ -363,6 +363,13 @@ def _per_layer(run: _Run, base: EvalResult) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def written_files(s: SensitivitySettings, record: dict) -> list[str]:
+    """The files a finished study wrote into its directory, in the order a reader wants them: ``kinds.csv`` only for a
+    scheme with linear parts (``record["kinds"]``), ``attn_error.csv`` only where attention was measured."""
+    return ["sensitivity.md", "sensitivity.csv", "greedy.csv", *(["kinds.csv"] if "kinds" in record else []),
+            *(["attn_error.csv"] if s.attn_error and _in_attention(s.spec()) else []), "sensitivity.json", "figures/"]
+
+
 def _in_attention(spec) -> bool:
     """Whether ``spec`` changes anything inside attention (a linear-only spec has no attention error to measure)."""
     return not isinstance(spec, AttnQuant) or spec.has_attention
