@@ -70,9 +70,29 @@ def _from_sensitivity(s: ExportSettings, rec: dict) -> Choice:
     if rec.get("keep_bits", 16) != 16 and rec.get("keep"):
         raise OutlierscopeError(f"{s.run}: the kept layers run at keep_bits={rec['keep_bits']} logits, which "
                                 "compressed-tensors does not quantize; export a study with keep_bits 16")
-    return Choice(AttnQuant.parse(st["quant"]), s.model or st["model"], tuple(rec.get("keep") or ()),
+    spec = AttnQuant.parse(st["quant"])
+    _check_study_measured(s.run, rec, spec)
+    return Choice(spec, s.model or st["model"], tuple(rec.get("keep") or ()),
                   {"run": str(s.run), "kind": "sensitivity", "git_commit": rec.get("git_commit"),
                    "final": rec.get("final")})
+
+
+def _check_study_measured(run: str, rec: dict, spec: AttnQuant) -> None:
+    """The study's first one-layer cell (``only_L``, its spec text in ``cells/<id>.json``) is ``spec`` on layer L as
+    parsed today: a recipe name whose meaning changed since the study ran is refused, as for sweeps. A study whose
+    cells are gone cannot be checked and passes."""
+    role = next((r for r in rec.get("cells") or {} if r.startswith("only_")), None)
+    cell = Path(run) / "cells" / f"{rec['cells'][role]}.json" if role else None
+    if cell is None or not cell.exists():
+        return
+    try:
+        measured = json.loads(cell.read_text())["settings"]["quant"]
+    except (ValueError, KeyError, TypeError):
+        return
+    today = str(dataclasses.replace(spec, layers=(int(role.split("_")[1]),)))
+    if measured != today:
+        raise OutlierscopeError(f"{run}: {rec['settings']['quant']} on layer {role.split('_')[1]} is {today} today, which "
+                                f"this study did not measure (its cell: {measured}); run the study again, then export")
 
 
 def _from_sweep(s: ExportSettings, rec: dict) -> Choice:

@@ -90,6 +90,26 @@ def _study(tmp_path, model, quant, keep, keep_bits=16) -> Path:
     return d
 
 
+@pytest.mark.parametrize("measured, ok", [("a=int8/per_token; w=int8/per_channel; layers:3", False),
+                                           ("a=fint8/per_token; w=fint8/per_channel; layers:3", True)])
+def test_a_recipe_name_whose_meaning_changed_since_the_study_is_refused(measured, ok, tmp_path, capsys):
+    """A study of 'w8a8' whose one-layer cell (only_3) was computed on the restricted grid (its text, written out by
+    hand) did not measure today's full-range w8a8: refused in one line, nothing written; the same study with the
+    full-range cell exports."""
+    study = _study(tmp_path, "pair-tiny:diff", "w8a8", [])
+    rec = json.loads((study / "sensitivity.json").read_text())
+    (study / "sensitivity.json").write_text(json.dumps({**rec, "cells": {"base": "b", "only_3": "c3"}}))
+    (study / "cells").mkdir()
+    (study / "cells" / "c3.json").write_text(json.dumps({"settings": {"quant": measured}}))
+    code = main(["export", "--run", str(study), "--out", str(tmp_path / "ex")])
+    err = capsys.readouterr().err.strip()
+    if ok:
+        assert code == 0 and (tmp_path / "ex" / "recipe.yaml").exists(), err
+    else:
+        assert code == 2 and "which this study did not measure" in err and len(err.splitlines()) == 1
+        assert not (tmp_path / "ex").exists()
+
+
 def test_a_studys_kept_layers_are_ignored(tiny_pair, tmp_path):
     """Layer 1 kept: compressed-tensors then quantizes exactly layer 0's seven linears of the 2-layer model."""
     study = _study(tmp_path, tiny_pair["transformer"], "w8a8; linears:mlp.*", [1])
