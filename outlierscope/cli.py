@@ -7,8 +7,9 @@ import os
 import sys
 import warnings
 
-from outlierscope.errors import OutlierscopeError, ParamError  # nothing heavier at import: main's Ctrl-C handler
-# must be running before torch and transformers load (seconds), or an early Ctrl-C is a traceback
+# nothing heavier at import: main's Ctrl-C handler must be running before torch and transformers load (seconds),
+# or an early Ctrl-C is a traceback
+from outlierscope.errors import OutlierscopeError, ParamError
 
 
 def _cmd_info(a) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.io import sha256_files
+from outlierscope.models.compressed import decompress_now
 from outlierscope.models.fetch import FETCHABLE, fetched_path, is_fetched
 from outlierscope.models.packed import (
     PACKED_SUFFIXES,
@@ -638,19 +639,6 @@ def _check_vocab(path: Path, rows: int | None, tokenizer) -> None:
                                 "(vocab_size); the tokenizer and the weights do not belong together")
 
 
-def _decompress_now(model) -> None:
-    """A compressed-tensors checkpoint (llm-compressor's W8A8, W4A16, FP8, NVFP4) loads packed and decompresses on
-    the first forward of the whole model (a pre-hook); the scorer and the profile run the trunk alone, so decompress
-    here. Each quantized linear keeps compressed-tensors' own quantized forward (its activation scheme emulated).
-    Weights that decompress to another dtype (NVFP4: bfloat16) take the model's, as its own forward would need."""
-    quantizer = getattr(model, "hf_quantizer", None)
-    if getattr(model, "ct_decompress_hook", None) is not None and hasattr(quantizer, "compressor"):
-        quantizer.compressor.decompress_model(model)
-        for p in model.parameters():  # NVFP4 decompresses to bfloat16 whatever the model's dtype (exact in float32)
-            if p.is_floating_point() and p.dtype != model.dtype:
-                p.data = p.data.to(model.dtype)
-
-
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
                device_map: str | dict | None = None, trust_remote_code: bool = False) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (:func:`resolve_model`: a directory, a ``.gguf`` file, a preset
@@ -698,7 +686,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     else:
         _check_loading_info(path, info)
     _check_vocab(path, _embedding_rows(model), tokenizer)
-    _decompress_now(model)
+    decompress_now(model, path)
     if not placement and dev != "cpu":
         model.to(dev)
     model.eval()

@@ -152,6 +152,12 @@ def differences(spec: AttnQuant) -> list[str]:
     if a is not None and a.granularity == "per_tensor":
         notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "
                      "per-tensor scale is the whole batch's")
+    w = spec.part("w")
+    if w is not None and w.format == "nvfp4":
+        notes.append("nvfp4 weights: a loaded checkpoint's are decoded in float32 (compressed-tensors' dequantize, "
+                     "q x fp32(s / gs), as the emulation computes them); compressed-tensors' own decompression computes "
+                     "in bfloat16, and NVFP4 kernels multiply the codes by the E4M3 scales in the product and divide by "
+                     "the global scales after it: the same values, rounded otherwise")
     if a is not None and a.format == "nvfp4":
         notes.append("nvfp4 activations: the emulation's global scale is each sequence's; compressed-tensors "
                      "calibrates a static one (dynamic: local)")

@@ -92,17 +92,35 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     assert derived == AttnQuant.parse(spec)
     with torch.no_grad():
         trunk = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
-        if preset.startswith("NVFP4"):  # decompressed to bfloat16 (their forward of a float32 model fails on that)
-            from outlierscope.quant.linear_ops import quantize_weight
-
-            w = plain.model.model.layers[1].mlp.down_proj.weight  # (O, I)
-            want = quantize_weight(w, derived.part("w")).to(torch.bfloat16).float()
-            assert torch.equal(real.model.model.layers[1].mlp.down_proj.weight, want)
-            return
-        assert torch.equal(trunk, ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
+        if preset.startswith("NVFP4"):  # their forward decompresses to bfloat16, on which a float32 model fails
+            _assert_nvfp4_decoded_in_float32(real.model, path)
+        else:
+            assert torch.equal(trunk, ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
         with quantize_model(plain.model, derived):
             assert torch.equal(plain.model.model(input_ids=ids).last_hidden_state, trunk)
         assert not torch.equal(plain.model.model(input_ids=ids).last_hidden_state, trunk)
+
+
+def _assert_nvfp4_decoded_in_float32(model, path):
+    """Every NVFP4 linear's weight is the float32 decode of the checkpoint's tensors, computed here from the bytes
+    with float64 arithmetic and explicit float32 roundings: E2M1 nibbles (low nibble first, sign bit 8) times the
+    effective scale fp32(e4m3 scale / global scale), rounded to float32 once more (compressed-tensors' order)."""
+    from safetensors.torch import load_file
+
+    e2m1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float64)
+    tensors = {k: v for f in sorted(path.glob("*.safetensors")) for k, v in load_file(f).items()}
+    names = [k.removesuffix(".weight_packed") for k in tensors if k.endswith(".weight_packed")]
+    assert len(names) >= 7
+    modules = dict(model.named_modules())
+    for name in names:
+        packed = tensors[f"{name}.weight_packed"].long()  # (O, I / 2)
+        nibbles = torch.stack((packed & 0xF, packed >> 4), -1).flatten(1)  # (O, I)
+        q = e2m1[nibbles & 7] * torch.where(nibbles & 8 > 0, -1.0, 1.0)
+        s = tensors[f"{name}.weight_scale"].double()  # (O, I / 16)
+        eff = (s / tensors[f"{name}.weight_global_scale"].double()).float().double()  # fp32(s / gs)
+        want = (q.reshape(q.shape[0], -1, 16) * eff[..., None]).float().reshape(q.shape)  # fp32(q * eff)
+        got = modules[name].weight
+        assert got.dtype == torch.float32 and torch.equal(got, want), name
 
 
 def test_compressed_tensors_w8a8_loads_by_directory_and_scores(tiny_pair, hs_jsonl, tmp_path):

@@ -145,3 +145,11 @@ def test_a_config_with_no_spec_form_is_refused():
                                                                               "block_structure": [128, 128]}}}}
     with pytest.raises(OutlierscopeError, match="strategy 'block'"):
         qexport.spec_from_config(block, model)
+
+
+@pytest.mark.parametrize("text, said", [("w=nvfp4", True), ("nvfp4", True), ("w8a8", False), ("a=nvfp4; w=fint8/per_channel", False)])
+def test_differences_name_how_nvfp4_weights_are_decoded(text, said):
+    """compare.json's differences say how a loaded NVFP4 checkpoint's weights were decoded (float32, as the emulation)
+    wherever the weights are NVFP4, and only there."""
+    notes = qexport.differences(AttnQuant.parse(text))
+    assert any(n.startswith("nvfp4 weights:") for n in notes) is said, notes
