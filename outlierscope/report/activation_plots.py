@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import seaborn as sns
 
-from outlierscope.report.plots import _colors, _short
+from outlierscope.report.plots import _colors, _fit, _short
 from outlierscope.report.tables import by_task, headline_metric, recipe_rows
 
 CHANNEL_POINTS = ("attn.k", "attn.q", "attn.v", "mlp.down_proj.input", "hidden")  # drawn when a run has them
@@ -77,7 +77,8 @@ def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
         ax.set_ylabel("channel")
         ax.grid(alpha=0.3)
         ax.legend(frameon=False, fontsize=7)
-    fig.suptitle("Massive activations (|x| > 100 and > 1000 x median): marker size = share of sequences", fontsize=11)
+    fig.suptitle(_fit("Massive activations (|x| > 100 and > 1000 x median): marker size = share of sequences",
+                      4.6 * len(points), 11), fontsize=11)
     return fig
 
 
@@ -133,8 +134,18 @@ def gold_ll_changes(gold: pd.DataFrame) -> plt.Figure | None:
     still moves). None without rows."""
     if gold.empty:
         return None
-    panels = [(task, t, "Δ mean gold log-likelihood vs 16 bits (nats, 95% CI)") for task, t in gold.groupby("task", sort=False)]
-    return _interval_figure(panels, "delta_gold_ll", _colors(gold["model"]), "Gold log-likelihood change per quantized setting")
+    ends = gold[["ci_low", "ci_high", "delta_gold_ll"]].abs().to_numpy()
+    symlog = bool(np.nanmax(ends) > 100 * SYMLOG_NATS)  # 4-bit's nats would hide 8-bit's hundredths on a linear axis
+    unit = f"nats, 95% CI; symlog axis, linear within ±{SYMLOG_NATS}" if symlog else "nats, 95% CI"
+    label = _fit(f"Δ mean gold log-likelihood vs 16 bits ({unit})", 3.4, 10)  # the panel beside its long y labels
+    panels = [(task, t, label) for task, t in gold.groupby("task", sort=False)]
+    fig = _interval_figure(panels, "delta_gold_ll", _colors(gold["model"]), "Gold log-likelihood change per quantized setting")
+    for ax in fig.axes if symlog else ():
+        ax.set_xscale("symlog", linthresh=SYMLOG_NATS)
+    return fig
+
+
+SYMLOG_NATS = 0.01  # gold_ll's linear range around 0 on a symlog axis (nats)
 
 
 def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
@@ -219,7 +230,8 @@ def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean"
     norm = matplotlib.colors.LogNorm(vmin=max(vals.min(), vals.max() * 1e-4), vmax=vals.max())
     groups = list(linear_error.groupby(["model", "task", "label"], sort=False))
     n_layers, n_lin = linear_error["layer"].nunique(), linear_error["linear"].nunique()
-    fig, axes = plt.subplots(len(groups), 1, figsize=(min(3.5 + 0.32 * n_layers, 16), (1 + 0.28 * n_lin) * len(groups)),
+    width = min(3.5 + 0.32 * n_layers, 16)
+    fig, axes = plt.subplots(len(groups), 1, figsize=(width, (1.2 + 0.28 * n_lin) * len(groups)),
                              layout="constrained", squeeze=False)
     for ax, ((model, task, label), g) in zip(axes[:, 0], groups):
         grid = g.pivot(index="linear", columns="layer", values=value).reindex(list(dict.fromkeys(g["linear"])))  # (linears, layers)
@@ -227,7 +239,7 @@ def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean"
         ax.set_yticks(range(len(grid.index)), grid.index, fontsize=7)
         ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns], fontsize=6)
         ax.set_xlabel("layer")
-        ax.set_title(f"{_short(model)}, {task_label(task)}: {label}", fontsize=9)
+        ax.set_title(_fit(f"{_short(model)}, {task_label(task)}: {label}", width - 1.2, 9), fontsize=9)  # colorbar
     fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (relative output error)")
     fig.suptitle("Linear layers: relative output error per layer and linear", fontsize=11)
     return fig

@@ -62,11 +62,23 @@ def sweep_tasks(run: RunResults) -> list[str]:
     return [task_label(t) for t, _ in by_task(run.tables["sweep"])]
 
 
+class ClippedTextWarning(UserWarning):
+    """A figure's title, label or legend reaches past its canvas (cut off in the saved file)."""
+
+
 def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
-    """``out/stem.png`` (and .svg), each written atomically; the figure is closed in any case."""
+    """``out/stem.png`` (and .svg), each written atomically; the figure is closed in any case. Text cut off at the
+    figure's edge is a :class:`ClippedTextWarning` (the tests turn it into an error for every committed report)."""
+    import warnings
+
     import matplotlib.pyplot as plt
 
+    from outlierscope.report.plots import clipped_texts
+
     try:
+        if cut := clipped_texts(fig):
+            warnings.warn(f"{out / stem}.png: text cut off at the figure's edge: {'; '.join(cut)}", ClippedTextWarning,
+                          stacklevel=2)
         for ext in ("png", "svg") if svg else ("png",):
             with atomic_path(out / f"{stem}.{ext}") as tmp:
                 fig.savefig(tmp, dpi=150, format=ext)

@@ -30,6 +30,29 @@ def _short(name: str) -> str:
     return name.split("/")[-1]
 
 
+def _fit(text: str, width_in: float, fontsize: float) -> str:
+    """``text`` wrapped into lines that fit ``width_in`` inches at ``fontsize`` points (DejaVu Sans: about 0.6 em a
+    character, with a margin), so a long title or label is not cut off at the figure's edge."""
+    import textwrap
+
+    return textwrap.fill(text, max(16, int(width_in * 105 / fontsize)), break_on_hyphens=False)
+
+
+def clipped_texts(fig: plt.Figure) -> list[str]:
+    """What of ``fig`` reaches past its canvas once laid out (a label or title cut off at the edge): the title (or
+    class) of each axes, figure text and legend whose drawn extent leaves the figure by more than a pixel. Ticks
+    outside an axis' view are not drawn and not counted."""
+    fig.canvas.draw()
+    renderer, box = fig.canvas.get_renderer(), fig.bbox
+    out = []
+    for art in [*fig.axes, *fig.texts, *fig.legends]:
+        ext = art.get_tightbbox(renderer) if art.get_visible() else None
+        if ext is not None and (ext.x0 < box.x0 - 1 or ext.x1 > box.x1 + 1 or ext.y0 < box.y0 - 1 or ext.y1 > box.y1 + 1):
+            name = art.get_title() if hasattr(art, "get_title") else getattr(art, "get_text", lambda: "")()
+            out.append(name or type(art).__name__)
+    return out
+
+
 def bits_label(b: int) -> str:
     return "16\n(unquantized)" if int(b) == 16 else str(int(b))
 

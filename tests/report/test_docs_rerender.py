@@ -21,14 +21,19 @@ def _id(p):
 
 @pytest.mark.parametrize("run_dir", REPORTS, ids=_id)
 def test_report_rerenders(run_dir, tmp_path):
+    """report.md byte-identical, and no figure with text cut off at its edge (a ClippedTextWarning is an error)."""
+    import warnings
+
     import matplotlib
 
-    from outlierscope.report.markdown import write_report
+    from outlierscope.report.markdown import ClippedTextWarning, write_report
 
     matplotlib.use("Agg")
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("report.md", "figures"))
-    assert write_report(copy).read_bytes() == (run_dir / "report.md").read_bytes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ClippedTextWarning)
+        assert write_report(copy).read_bytes() == (run_dir / "report.md").read_bytes()
 
 
 @pytest.mark.parametrize("run_dir", SENSITIVITY, ids=_id)

@@ -341,3 +341,42 @@ def test_the_sweep_heading_names_what_its_rows_quantize(rows, heading):
 
     sweep = pd.DataFrame(rows, columns=["bits", "format", "label"])
     assert quantized_heading(sweep) == heading
+
+
+def test_clipped_texts_finds_a_label_past_the_edge():
+    """A 2-inch figure whose x label is 60 characters (about 5 inches at 10 pt) is cut off; the same label wrapped by
+    _fit is not; ticks beyond the view limits do not count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from outlierscope.report.plots import _fit, clipped_texts
+
+    label = "a label that is much wider than the two-inch figure it labels"
+    for text, cut in ((label, True), (_fit(label, 1.6, 10), False)):
+        fig, ax = plt.subplots(figsize=(2, 2), layout="constrained")
+        ax.plot([0, 1], [0, 1])
+        ax.set_xticks([-5, 0, 1, 6])  # -5 and 6 lie outside the view: not drawn
+        ax.set_xlim(0, 1)
+        ax.set_xlabel(text, fontsize=10)
+        assert bool(clipped_texts(fig)) is cut, (text, clipped_texts(fig))
+        plt.close(fig)
+
+
+def test_gold_ll_takes_a_symlog_axis_when_4_bits_would_hide_8_bits():
+    """Changes of -200 nats beside -0.02: symlog (8-bit's bars visible); changes within 1 nat: linear. No text cut."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from outlierscope.report.activation_plots import gold_ll_changes
+    from outlierscope.report.plots import clipped_texts
+
+    for worst, scale in ((-200.0, "symlog"), (-0.5, "linear")):
+        gold = pd.DataFrame({"model": ["m", "m"], "task": "hellaswag", "label": ["w8a8", "w4a4"], "n_items": 10,
+                             "delta_gold_ll": [-0.02, worst], "ci_low": [-0.03, worst - 0.1], "ci_high": [-0.01, worst + 0.1]})
+        fig = gold_ll_changes(gold)
+        assert fig.axes[0].get_xscale() == scale and not clipped_texts(fig)
+        plt.close(fig)
