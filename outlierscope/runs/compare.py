@@ -25,8 +25,8 @@ from outlierscope.analysis.paired import mcnemar_exact, mean_change
 from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
+from outlierscope.models.checks import _read_config_json
 from outlierscope.models.loading import (
-    _read_config_json,
     check_model,
     device_map_option,
     device_option,

@@ -247,10 +247,10 @@ def test_a_directory_that_is_not_a_model_does_not_hide_a_named_model(tmp_path, m
     assert resolve_spec("pair-tiny:diff") == PRETRAINED_DIR / "pair-tiny" / "diff"
     name = next(iter(mf.FETCHABLE))
     (tmp_path / name / "cells").mkdir(parents=True)
-    monkeypatch.setattr("outlierscope.models.loading.is_fetched", lambda n: False)
+    monkeypatch.setattr("outlierscope.models.resolve.is_fetched", lambda n: False)
     with pytest.raises(OutlierscopeError, match=f"model {name} is not fetched yet"):  # not: "has no config.json"
         resolve_spec(name)
-    monkeypatch.setattr("outlierscope.models.loading.is_fetched", lambda n: True)
+    monkeypatch.setattr("outlierscope.models.resolve.is_fetched", lambda n: True)
     assert resolve_model(name).kind == "fetched"
     (tmp_path / "pair-tiny:diff" / "config.json").write_text("{}")  # now a model directory: it wins, as before
     assert resolve_model("pair-tiny:diff").kind == "directory"
