@@ -203,7 +203,9 @@ def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> 
         return None
     norm = matplotlib.colors.LogNorm(vmin=max(vals.min(), vals.max() * 1e-6), vmax=vals.max())
     n_labels, n_layers = layers["label"].nunique(), layers["layer"].nunique()
-    fig, axes = plt.subplots(len(groups), 1, figsize=(min(3.5 + 0.32 * n_layers, 16), (1 + 0.3 * n_labels) * len(groups)),
+    longest = max(len(str(lb)) for lb in layers["label"])  # the y labels (7 pt) take width beside the cells
+    fig, axes = plt.subplots(len(groups), 1, figsize=(min(3.5 + 0.32 * n_layers + 0.06 * longest, 18),
+                                                      max(2.2, (1 + 0.3 * n_labels) * len(groups))),
                              layout="constrained", squeeze=False)
     for ax, ((model, task), g) in zip(axes[:, 0], groups):
         grid = g.pivot(index="label", columns="layer", values=value).reindex(list(dict.fromkeys(g["label"])))  # (labels, layers)
@@ -212,7 +214,7 @@ def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> 
         ax.set_xticks(range(len(grid.columns)), [str(c) for c in grid.columns], fontsize=6)
         ax.set_xlabel("layer")
         ax.set_title(f"{_short(model)}, {task_label(task)}", fontsize=9)
-    fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value} (pooled over heads)")
+    fig.colorbar(im, ax=axes[:, 0].tolist(), label=f"{value}\n(pooled over heads)")  # two lines: fits a short panel
     fig.suptitle(f"Attention error per layer: {value}", fontsize=11)
     return fig
 

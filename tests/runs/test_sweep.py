@@ -313,6 +313,7 @@ def test_task_errors(capsys, tmp_path):
     assert "did you mean winogrande" in capsys.readouterr().err
 
 
+@pytest.mark.filterwarnings("error::outlierscope.report.markdown.ClippedTextWarning")  # its small figures too
 def test_sweep_attention_error(tiny_pair, hs_jsonl, tmp_path):
     """--attn-error: attn_error.csv per model, bit width, layer and head (quantized cells only); cells keep it on
     resume; cells without it keep their ids."""
