@@ -24,9 +24,6 @@ def _commands(folder: str, letter: str) -> list[list[str]]:
     return [shlex.split(line.replace(f" {letter} ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
 
 
-RERUN_PENDING: set[str] = set()
-
-
 @pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S")])
 def test_readme_commands_give_the_recorded_settings(folder, letter):
     from outlierscope.cli import build_parser
@@ -41,9 +38,6 @@ def test_readme_commands_give_the_recorded_settings(folder, letter):
         if argv[1] == "report":
             continue
         a = build_parser().parse_args(argv[1:])
-        if a.out in RERUN_PENDING:  # made with the pre-#46 list of schemes; its rerun with today's is under way
-            made.add((ROOT / a.out).resolve())
-            continue
         settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
         record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
         # a setting added after the run (sensitivity's device_map) counts as recorded at its default, as resume reads it

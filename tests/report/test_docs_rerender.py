@@ -44,17 +44,10 @@ def test_sensitivity_markdown_rerenders(run_dir):
     assert text == (run_dir / "sensitivity.md").read_text()
 
 
-# records made before #46 renamed w8a8 / llm-int8 and fixed the rotation and NVFP4 arithmetic: today's names and cell
-# ids do not find their cells (their rerun is pending; README and the directories' READMEs say so)
-PREDATES_46: set[str] = set()  # every such record was re-run
-
-
 @pytest.mark.parametrize("run_dir", SWEEPS, ids=_id)
 def test_sweep_table_from_its_cells(run_dir, tmp_path):
     from outlierscope.runs.sweep import tabulate_sweep
 
-    if _id(run_dir) in PREDATES_46:
-        pytest.skip("record predates #46 (renamed recipes, fixed rotation and NVFP4): rerun pending")
     tabulate_sweep(run_dir, tmp_path / "again")
     assert (tmp_path / "again" / "sweep.csv").read_bytes() == (run_dir / "sweep.csv").read_bytes()
 
