@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from outlierscope.models.packed import read_tensor, tensor_files
+
 
 def decompress_now(model, path: Path) -> None:
     """Decompress a compressed-tensors ``model`` loaded from ``path`` in place (nothing for other models). Each
@@ -49,16 +51,11 @@ def decode_nvfp4(modules: dict[str, torch.nn.Module], path: Path) -> None:
     in float32, then in the module's dtype."""
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from safetensors import safe_open
 
-    where = {}
-    for file in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            where.update(dict.fromkeys(f.keys(), file))
+    files = tensor_files(Path(path))  # shards included
 
     def tensor(key: str) -> torch.Tensor:
-        with safe_open(where[key], "pt") as f:
-            return f.get_tensor(key)
+        return read_tensor(files, key)
 
     for name, module in modules.items():
         packed = tensor(f"{name}.weight_packed")  # (O, I / 2) uint8: two E2M1 codes a byte

@@ -119,6 +119,16 @@ def tensor_files(path: Path) -> dict[str, Path]:
     return out
 
 
+def read_tensor(files: dict[str, Path], key: str):
+    """Tensor ``key`` from the file :func:`tensor_files` maps it to (None where no file holds it)."""
+    from safetensors import safe_open
+
+    if key not in files:
+        return None
+    with safe_open(str(files[key]), "pt") as st:
+        return st.get_tensor(key)
+
+
 def packed_names(files: dict[str, Path]) -> list[str]:
     """The module names of a checkpoint's packed linears (those with a ``qweight``), from :func:`tensor_files`."""
     return sorted(k[: -len(".qweight")] for k in files if k.endswith(".qweight"))
@@ -167,16 +177,11 @@ def decode_into(model, path: Path, quant: dict, files: dict[str, Path]) -> None:
     """Write each packed linear's dequantized weight into ``model`` (built from the config without its
     quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is
     one layer's codes. ``files``: :func:`tensor_files` of ``path``."""
-    from safetensors import safe_open
-
     method = packed_scheme(quant)
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
     for name in packed_names(files):
         def get(suffix, name=name):
-            if name + suffix not in files:
-                return None
-            with safe_open(str(files[name + suffix]), "pt") as st:
-                return st.get_tensor(name + suffix)
+            return read_tensor(files, name + suffix)
 
         if method == "gptq":
             w = gptq_weight(get(".qweight"), get(".qzeros"), get(".scales"), get(".g_idx"), bits, group,

@@ -405,9 +405,11 @@ def gold_ll_table(cells: list[tuple[str, str, QuantSpec, str, EvalResult]], seed
 def check_models(s: SweepSettings) -> None:
     """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs. GGUF
     files' specs are checked against their metadata first, before any conversion (minutes each)."""
-    previews = [(m, preview_config(m)) for m in s.models]
-    for m, config in [(m, c) for m, c in previews if c is not None] + [(m, None) for m in s.models]:
-        check_specs(m, s.specs(), config if config is not None else check_model(m, s.trust_remote_code)[1])
+    for m in s.models:  # every GGUF file first: a conversion takes minutes
+        if (config := preview_config(m)) is not None:
+            check_specs(m, s.specs(), config)
+    for m in s.models:
+        check_specs(m, s.specs(), check_model(m, s.trust_remote_code)[1])
 
 
 def check_specs(model: str, specs, config) -> None:
