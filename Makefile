@@ -14,11 +14,12 @@ REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-# torch is installed explicitly first: a bare `torch` requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml | $(BIN)/python
+# torch is installed explicitly first: a bare `torch` requirement would pull a multi-GB CUDA build. The rest under
+# constraints.txt (the tested versions): a new transformers once changed which architectures a clean clone supports.
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
 	$(BIN)/python -m pip install -q --disable-pip-version-check --upgrade pip
 	$(BIN)/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[dev,lmeval]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e ".[dev,lmeval]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -51,7 +52,7 @@ bench: install data
 .venv-lmeval/.installed:
 	$(PYTHON) -m venv .venv-lmeval
 	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
-	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "lm_eval[hf]==0.4.13" "transformers>=5,<6"
+	.venv-lmeval/bin/python -m pip install -q --disable-pip-version-check "lm_eval[hf]==0.4.13" "transformers==5.24.0"
 	touch $@
 
 lmeval-venv: .venv-lmeval/.installed

@@ -118,7 +118,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     ``num_hidden_layers`` blocks of which at least one holds an attention module (``model.layers``,
     ``transformer.h``, ``model.decoder.layers``, ``gpt_neox.layers``, ...; in a hybrid model the other blocks
     are state-space or convolution layers). A model whose attention does not go through transformers'
-    ``AttentionInterface`` (Falcon, Bloom, MPT) is refused, naming that reason."""
+    ``AttentionInterface`` (Bloom, MPT; Falcon before transformers 5.25) is refused, naming that reason."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     n = getattr(cfg, "num_hidden_layers", None)
