@@ -59,14 +59,14 @@ def _model(shape: str, device: str, tokens: int):
 def _mode_context(model, mode: str, rows: int, tokens: int):
     """A factory of the context one forward in ``mode`` runs under (unblocked: one block of all rows)."""
     from outlierscope.hooks.attention import attention_stages
-    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.spec import QuantSpec
 
     block = rows if mode.endswith("_blocked") else tokens
     if mode == "eager":
         return contextlib.nullcontext
     if mode.startswith("quant8"):
-        return lambda: quantize_attention(model, QuantSpec(bits=8, granularity="per_tensor"), block_rows=block)
+        return lambda: quantize_model(model, QuantSpec(bits=8, granularity="per_tensor"), block_rows=block)
     return lambda: attention_stages(model, lambda c, x: x, block_rows=block)
 
 

@@ -39,11 +39,11 @@ def main() -> None:
     from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     lm = load_model(a.model)
     items = load_hellaswag()[: a.items]
-    specs = {"unquantized": None, **{r: AttnQuant.parse(r) for r in SCHEMES}}
+    specs = {"unquantized": None, **{r: QuantSpec.parse(r) for r in SCHEMES}}
     evaluate(lm, quant=None, items=items, progress=False)  # the unquantized cell's peak, before any scheme ran
     rss_base = _peak_rss_mb()
     raw = time_cells(lm, specs, items, a.reps)

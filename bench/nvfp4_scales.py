@@ -65,13 +65,13 @@ def main() -> None:
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.hooks.attention import attention_stages
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     lm = load_model(a.model)
     items = select_items(sample=500, seed=0)[: a.items]  # the first of docs/recipes' 500 seeded items
     counter = BlockCounter()
     with attention_stages(lm.model, counter.stage()):
-        res = evaluate(lm, quant=AttnQuant.parse("nvfp4-attn"), items=items, progress=False)
+        res = evaluate(lm, quant=QuantSpec.parse("nvfp4-attn"), items=items, progress=False)
     derived = {t: {**c, "changed_share": round((c["subnormal_scale"] + c["zero_scale"]) / max(c["blocks"], 1), 6)}
                for t, c in counter.counts.items()}
     write("nvfp4_scales", {"counts": counter.counts, "acc_norm": res.metrics["acc_norm"]}, derived, start,

@@ -21,7 +21,8 @@ from artifact import begin, median, repeat, write  # bench/artifact.py (this fol
 def main() -> None:
     start = begin()
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.apply import quantize_model
+    from outlierscope.quant.logits import logits_quant
     from outlierscope.quant.spec import QuantSpec
 
     p = argparse.ArgumentParser()
@@ -32,9 +33,9 @@ def main() -> None:
     valid = torch.ones(256, 256, dtype=torch.bool).tril()[None, None]
     raw["copy_s"] = repeat(lambda: x.clone(), 5)
     for gran in ("per_tensor", "per_head", "per_row"):
-        spec = QuantSpec(bits=8, granularity=gran)
+        spec = logits_quant(QuantSpec(bits=8, granularity=gran))
         raw[f"fake_quant_{gran}_s"] = repeat(lambda spec=spec: spec(x, valid), 5)
-    spec = QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes")
+    spec = logits_quant(QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes"))
     raw["bitsandbytes_per_row_s"] = repeat(lambda: spec(x, valid), 5)
 
     lm = load_model(a.model)
@@ -45,9 +46,9 @@ def main() -> None:
             lm.model.set_attn_implementation(impl)
             raw[f"forward_{impl}_s"] = repeat(run, 5)
         lm.model.set_attn_implementation("eager")
-        with quantize_attention(lm.model, QuantSpec(bits=16)):
+        with quantize_model(lm.model, QuantSpec(bits=16)):
             raw["forward_ours_unquantized_s"] = repeat(run, 5)
-        with quantize_attention(lm.model, QuantSpec(bits=8)):
+        with quantize_model(lm.model, QuantSpec(bits=8)):
             raw["forward_quant8_per_tensor_s"] = repeat(run, 5)
     gb = x.numel() * 4 / 1e9
     derived = {k.removesuffix("_s") + "_GBps": round(gb / median(raw[k]), 2)

@@ -29,13 +29,12 @@ def main() -> None:
 
     from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
-    from outlierscope.quant.spec import build_spec
+    from outlierscope.quant.spec import QuantSpec, build_spec
 
     lm = load_model(a.model)
     items = load_hellaswag()[: a.items]
     specs = {"logits int4 per_tensor": build_spec(4, "int", "per_tensor", None),
-             **{r: AttnQuant.parse(r) for r in RECIPES}}
+             **{r: QuantSpec.parse(r) for r in RECIPES}}
     raw = time_cells(lm, specs, items, a.reps)
     base = median(raw["logits int4 per_tensor"])
     ratio = {name: round(median(t) / base, 3) for name, t in raw.items()}

@@ -4,8 +4,13 @@ Reference: Ye et al., Differential Transformer (arXiv 2410.05258), Table 5 and F
 
 One import line for notebooks::
 
-    from outlierscope import load_model, capture, OutlierStats, QuantSpec, AttnQuant, RECIPES, \\
+    from outlierscope import load_model, capture, OutlierStats, QuantSpec, RECIPES, \\
         quantize_model, profile_model, evaluate, sweep, load_run
+
+``QuantSpec`` is the one spec of everything quantized (the paper's logits, attention kernels, linear layers,
+bitsandbytes weights): ``QuantSpec(bits=4)``, ``QuantSpec.parse("sage2-int4")``, ``QuantSpec.parse("w8a8; kivi-4bit")``,
+``QuantSpec.parse("w=bnb-nf4")``. The names before it (``AttnQuant``, ``quantize_attention``, ``quantize_weights``)
+still resolve for one release, with a DeprecationWarning.
 
 The names are imported on first use (``import outlierscope`` stays light and changes no environment
 variable or logging level).
@@ -31,11 +36,8 @@ _EXPORTS = {
     "POINT_PRESETS": "outlierscope.hooks.points",
     "OutlierStats": "outlierscope.analysis.outliers",
     "QuantSpec": "outlierscope.quant.spec",
-    "AttnQuant": "outlierscope.quant.recipe",
-    "TensorQuant": "outlierscope.quant.recipe",
-    "RECIPES": "outlierscope.quant.recipe",
-    "quantize_attention": "outlierscope.quant.apply",
-    "quantize_weights": "outlierscope.quant.apply",
+    "TensorQuant": "outlierscope.quant.parts",
+    "RECIPES": "outlierscope.quant.recipes",
     "quantize_model": "outlierscope.quant.apply",
     "calibration_for": "outlierscope.quant.linear",
     "LinearErrorStats": "outlierscope.analysis.linear_error",
@@ -61,6 +63,9 @@ _EXPORTS = {
     "RunResults": "outlierscope.report.load",
 }
 _MODULES = {"plots": "outlierscope.report.plots", "activation_plots": "outlierscope.report.activation_plots"}  # public name -> module exported as a whole
+# the names before one spec type (#47): resolved for one release, warning, never cached or listed in __all__
+_DEPRECATED = {"AttnQuant": "outlierscope.quant.recipe", "quantize_attention": "outlierscope.quant.apply",
+               "quantize_weights": "outlierscope.quant.bnb"}
 __all__ = sorted(_EXPORTS.keys() | _MODULES.keys())
 
 
@@ -69,6 +74,8 @@ def __getattr__(name: str):
         value = importlib.import_module(_MODULES[name])
         globals()[name] = value
         return value
+    if name in _DEPRECATED:
+        return getattr(importlib.import_module(_DEPRECATED[name]), name)
     module = _EXPORTS.get(name)
     if module is None:
         import difflib

@@ -57,14 +57,15 @@ def _cmd_tasks(a) -> None:
 
 
 def _cmd_recipes(a) -> None:
-    from outlierscope.quant.recipe import RECIPES, AttnQuant
+    from outlierscope.quant.recipes import RECIPES
+    from outlierscope.quant.spec import QuantSpec
 
     if a.spec is not None:  # check a spec or recipe and print its canonical text (an empty one is an error)
-        spec = AttnQuant.parse(a.spec)
+        spec = QuantSpec.parse(a.spec)
         print(spec)
         return
     for r in RECIPES.values():
-        print(f"{r.name}\n  spec:         {r.spec}\n  follows:      {r.source}\n  not modelled: {r.not_modelled}")
+        print(f"{r.name}\n  spec:         {QuantSpec.parse(r.name)}\n  follows:      {r.source}\n  not modelled: {r.not_modelled}")
 
 
 def _cmd_models_fetch(a) -> None:

@@ -48,7 +48,7 @@ def test_import_changes_no_environment_or_logging():
         "import os, logging; env = dict(os.environ); "
         "from transformers.utils import logging as hl; level = hl.get_verbosity(); root = logging.getLogger().level; "
         "import outlierscope; "
-        "from outlierscope import load_model, capture, OutlierStats, QuantSpec, quantize_attention, profile_model, "
+        "from outlierscope import load_model, capture, OutlierStats, QuantSpec, quantize_model, profile_model, "
         "evaluate, sweep, load_run, plots; "
         "import outlierscope.cli, outlierscope.train.loop; "
         "assert dict(os.environ) == env, set(os.environ.items()) ^ set(env.items()); "
@@ -61,19 +61,19 @@ def test_import_changes_no_environment_or_logging():
 
 
 def test_the_readme_python_form_of_a_recipe_from_the_one_line_import():
-    """README: `quantize_attention(model, AttnQuant.parse(...))` with AttnQuant and RECIPES from `outlierscope`."""
+    """README: `quantize_model(model, QuantSpec.parse(...))` with QuantSpec and RECIPES from `outlierscope`."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from outlierscope import RECIPES, AttnQuant, quantize_attention
+    from outlierscope import RECIPES, QuantSpec, quantize_model
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
                                          num_attention_heads=2, head_dim=16)).eval()
     ids = torch.randint(0, 50, (1, 40))
-    with torch.no_grad(), quantize_attention(model, AttnQuant.parse("k=int4/per_token")) as spec:
+    with torch.no_grad(), quantize_model(model, QuantSpec.parse("k=int4/per_token")) as spec:
         model(input_ids=ids)
-    assert str(spec) == "k=int4/per_token" and "sage1" in RECIPES and RECIPES["sage1"].spec == AttnQuant.parse("sage1")
+    assert str(spec) == "k=int4/per_token" and "sage1" in RECIPES and RECIPES["sage1"].spec == QuantSpec.parse("sage1")
 
 
 def test_unknown_public_name_has_a_hint():

@@ -11,7 +11,8 @@ import torch
 from outlierscope.analysis.outliers import OutlierStats
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.capture import capture
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.logits import logits_quant
 from outlierscope.quant.spec import QuantSpec
 from tests.hooks.test_capture import make
 
@@ -55,7 +56,7 @@ def test_quantized_logits_equal_cpu_reference(granularity):
         model = make("llama").to(dev)
         ids, mask = _batch(dev)
         seen = []
-        with torch.no_grad(), quantize_attention(model, spec), capture(
+        with torch.no_grad(), quantize_model(model, spec), capture(
                 model, ["layers.*.attn.logits"], reducers=lambda o, seen=seen: seen.append((o.x.cpu(), o.valid.cpu()))):
             model(input_ids=ids, attention_mask=mask)
         out[dev] = seen
@@ -72,9 +73,9 @@ def test_blocked_equals_unblocked_on_cuda(granularity):
     ids, mask = _batch("cuda")
     spec = QuantSpec(bits=6, granularity=granularity)
     with torch.no_grad():
-        with quantize_attention(model, spec):
+        with quantize_model(model, spec):
             ref = model(input_ids=ids, attention_mask=mask).logits
-        with quantize_attention(model, spec, block_rows=7):
+        with quantize_model(model, spec, block_rows=7):
             got = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
 
@@ -100,8 +101,8 @@ def test_bitsandbytes_float16_path():
     pytest.importorskip("bitsandbytes")
     x = torch.randn(2, 3, 8, 16, device="cuda") * 20
     valid = torch.ones(8, 16, dtype=torch.bool, device="cuda").tril()[None, None]
-    bnb = QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes")(x, valid)
-    ref = QuantSpec(bits=8, granularity="per_row")(x, valid)
+    bnb = logits_quant(QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes"))(x, valid)
+    ref = logits_quant(QuantSpec(bits=8, granularity="per_row"))(x, valid)
     step = x.abs().amax(-1, keepdim=True) / 127
     assert ((bnb - ref).abs() <= step * 1.01).all()
 
@@ -128,7 +129,7 @@ def test_device_map_split_between_gpu_and_cpu(tmp_path):
     res = {}
     for name, lm in (("split", split), ("whole", whole)):
         st = OutlierStats.for_model(lm.model, T)
-        with torch.no_grad(), quantize_attention(lm.model, spec), capture(lm.model, reducers=[st]):
+        with torch.no_grad(), quantize_model(lm.model, spec), capture(lm.model, reducers=[st]):
             res[name] = (lm.model(input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device)).logits.cpu(), st)
     torch.testing.assert_close(res["split"][0], res["whole"][0], atol=1e-4, rtol=1e-4)
     assert torch.equal(res["split"][1].top["hidden"].locs, res["whole"][1].top["hidden"].locs)

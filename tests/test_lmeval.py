@@ -86,10 +86,10 @@ def test_recipe_equals_our_scorer(task_dir, recipe):
     and the processor's kernels (an AMD EPYC moved one choice by 0.014 nats in float32)."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     tasks = write_task_yamls(task_dir, ["hellaswag"])
-    res = evaluate(load_model(PAIR_DIFF, device="cpu", dtype="float64"), quant=AttnQuant.parse(recipe), limit=8,
+    res = evaluate(load_model(PAIR_DIFF, device="cpu", dtype="float64"), quant=QuantSpec.parse(recipe), limit=8,
                    batch_size=8, progress=False)
     lm = OutlierscopeLM(PAIR_DIFF, quant=recipe, device="cpu", batch_size=3, dtype="float64")
     theirs = _lls(_evaluate(lm, tasks, task_dir, 8), tasks[0])
@@ -309,7 +309,7 @@ def test_loglikelihood_rolling_equals_a_naive_forward(bits):
     reference here is one plain forward of [eot] + tokens, summed log-probabilities (quantized for 4 bits)."""
     from lm_eval.api.instance import Instance
 
-    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.spec import QuantSpec
 
     text = "The history of the river is long, and the city grew along its banks over many centuries."
@@ -317,7 +317,7 @@ def test_loglikelihood_rolling_equals_a_naive_forward(bits):
     (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     toks = lm.tokenizer(text).input_ids
     ids = torch.tensor([[lm.tokenizer.eos_token_id, *toks]])  # (1, T + 1)
-    with torch.no_grad(), quantize_attention(lm.model, QuantSpec(bits=bits)):
+    with torch.no_grad(), quantize_model(lm.model, QuantSpec(bits=bits)):
         lp = torch.log_softmax(lm.model(input_ids=ids).logits[0, :-1].double(), -1)  # (T, V)
     want = float(lp[torch.arange(len(toks)), torch.tensor(toks)].sum())
     assert got == pytest.approx(want, abs=1e-3)

@@ -36,8 +36,8 @@ from outlierscope.hooks.attention import (
     repeat_kv_t,
 )
 from outlierscope.parallel import VIRTUAL_SHARDS
-from outlierscope.quant.apply import absmax_reduction, as_attn_quant, attention_stage, logits_spec
-from outlierscope.quant.recipe import AttnQuant
+from outlierscope.quant.apply import absmax_reduction, attention_stage
+from outlierscope.quant.logits import LogitsQuant, logits_quant
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -227,57 +227,55 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
 
 
 @contextlib.contextmanager
-def measure_attention_error(model: nn.Module, spec: QuantSpec | AttnQuant | str, stats,
+def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
                             block_rows: int | None = None) -> Iterator:
     """Stream into ``stats`` (:class:`AttentionErrorStats`) what quantizing with ``spec`` does to each layer's
     attention, without changing the model: an observing stage quantizes copies and compares. Entered before
-    :func:`quantize_attention` with the same spec, it measures each layer against the unquantized attention of the
-    same forward (same layer input)::
+    :func:`~outlierscope.quant.apply.quantize_model` with the same spec, it measures each layer against the
+    unquantized attention of the same forward (same layer input)::
 
         stats = AttentionErrorStats(n_layers, n_heads)
-        with measure_attention_error(model, spec, stats), quantize_attention(model, spec):
+        with measure_attention_error(model, spec, stats), quantize_model(model, spec):
             model(input_ids=ids, attention_mask=mask)
 
-    ``spec``: the paper's logits :class:`QuantSpec` (the logits before the soft cap, quantized and compared), or an
-    :class:`AttnQuant` / recipe name / spec text quantizing q, k, v and P (:func:`_kernel_stage`). An AttnQuant that
-    quantizes only the logits is measured as the QuantSpec it is; one that quantizes the logits and q/k/v/P together
-    is refused (measure the two parts separately).
+    ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name): the paper's logits part
+    alone (the logits before the soft cap, quantized and compared: :func:`_logit_stage`), or q, k, v and P with their
+    transforms (:func:`_kernel_stage`); one that quantizes the logits and q/k/v/P together is refused (measure the
+    two parts separately). Linear parts and bitsandbytes weights are not measured here (they act outside attention).
     """
     spec = measured_spec(spec)
-    stage = _logit_stage(spec, stats) if isinstance(spec, QuantSpec) else _kernel_stage(spec, stats)
+    lq = logits_quant(spec)
+    stage = _logit_stage(lq, stats, spec.label) if spec.is_logits_only else _kernel_stage(spec, stats)
     with attention_stages(model, stage, block_rows=block_rows):
         yield stats
 
 
-def measured_spec(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
-    """The spec :func:`measure_attention_error` measures for ``spec``: an :class:`AttnQuant` that quantizes only the
-    logits as its :class:`QuantSpec`; one that quantizes the logits and q/k/v/P together is refused (call it before
-    anything expensive)."""
-    spec = as_attn_quant(spec)
-    if not isinstance(spec, AttnQuant):
-        return spec
-    if {tq.target for tq in spec.parts} == {"logits"} and not (spec.smooth_k or spec.smooth_q is not None
-                                                               or spec.hadamard is not None):
-        return logits_spec(spec.part("logits"), spec.layers)
-    if spec.part("logits") is not None:
+def measured_spec(spec: QuantSpec | str) -> QuantSpec:
+    """The attention part of ``spec`` that :func:`measure_attention_error` measures (its linear parts and bitsandbytes
+    weights left out); one that quantizes the logits and q/k/v/P together is refused (call it before anything
+    expensive)."""
+    spec = QuantSpec.of(spec).without_weights()
+    if spec.part("logits") is not None and not spec.is_logits_only:
         raise ParamError("spec", "logits quantization or q/k/v/P quantization, not both, when the attention error is "
                          "measured (measure the two parts in separate cells)", str(spec))
     return spec
 
 
-def _logit_stage(spec: QuantSpec, stats) -> Stage:
-    """Compares each block of logits with its quantized copy (the paper's logits quantization)."""
+def _logit_stage(lq: LogitsQuant | None, stats, label: str) -> Stage:
+    """Compares each block of logits with its quantized copy (the paper's logits quantization); ``lq`` None
+    (unquantized): nothing to measure."""
     def measure(ctx: LogitContext, logits):
-        if spec.applies_to(ctx.layer) and not spec.is_identity:
-            stats.update(ctx.layer, logits, spec(logits, ctx.valid, ctx.reduced(stage)), ctx.valid, ctx.value)
+        if lq is not None and lq.applies_to(ctx.layer):
+            stats.update(ctx.layer, logits, lq(logits, ctx.valid, ctx.reduced(stage)), ctx.valid, ctx.value)
         return logits
 
     # observes: returns its input, runs once per layer (not again in DiffLlama's second call)
-    stage = Stage(apply=measure, observes=True, reduce=absmax_reduction(spec), name=f"attention error {spec.label}")
+    stage = Stage(apply=measure, observes=True, reduce=absmax_reduction(lq) if lq is not None else None,
+                  name=f"attention error {label}")
     return stage
 
 
-def _kernel_stage(spec: AttnQuant, stats) -> Stage:
+def _kernel_stage(spec: QuantSpec, stats) -> Stage:
     """Compares, per block of query rows, the attention of the call's own q, k, v (as the stage receives them) with
     the attention a kernel computes after ``spec``'s transforms (:func:`~outlierscope.quant.apply.attention_stage`'s
     own ``qkv`` and ``probs``, run on copies)::

@@ -32,7 +32,7 @@ from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
-from outlierscope.quant.apply import as_attn_quant, check_spec, quantize_model
+from outlierscope.quant.apply import check_spec, quantize_model
 from outlierscope.quant.linear import calibration_for
 from outlierscope.quant.spec import QuantSpec
 
@@ -45,17 +45,18 @@ def item_columns(n_choices: int) -> list[str]:
             "pred", "pred_norm"]
 
 
-def layout_for(spec) -> str:
-    """Prefix sharing is exact only when each attention row depends on its own keys alone (an attention spec's
-    q/k/v scales and smoothing span tokens: separate) and each linear's output at a token on that token alone
-    (per-token, per-group, static and MX activations; not per-sequence scales or outlier columns)."""
-    if spec.is_identity:
+def layout_for(spec: QuantSpec) -> str:
+    """Prefix sharing is exact only when each attention row depends on its own keys alone (the logits per_row; q/k/v
+    scales and smoothing span tokens: separate) and each linear's output at a token on that token alone (per-token,
+    per-group, static and MX activations, and bitsandbytes' weights; not per-sequence scales or outlier columns)."""
+    core = spec.without_weights()  # bitsandbytes' linears quantize a token's activations alone
+    if core.is_identity:
         return "shared"
-    if spec.format == "attn":
-        from outlierscope.quant.linear import token_local
+    if core.is_logits_only:
+        return "shared" if core.granularity == "per_row" else "separate"
+    from outlierscope.quant.linear import token_local
 
-        return "shared" if not spec.has_attention and token_local(spec) else "separate"
-    return "shared" if spec.granularity == "per_row" else "separate"
+    return "shared" if not core.has_attention and token_local(core) else "separate"
 
 
 def select_items(limit: int | None = None, sample: int | None = None, seed: int = 0,
@@ -266,15 +267,15 @@ def _options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
                          f"did you mean {close[0]}?" if close else "") from None
 
 
-def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str = "hellaswag", items=None,
+def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, task: str = "hellaswag", items=None,
              limit: int | None = None, sample: int | None = None, seed: int = 0, data: str | None = None,
              text_seqs=None, attn_error=None, attn_error_spec=None, linear_error=None, shard: Shard | None = None,
              world: World | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
     (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
-    it, quantized by ``quant`` (a :class:`QuantSpec`, an :class:`AttnQuant` or its text: a recipe name such as
-    ``"w8a8"`` or ``"kivi-2bit"``, or parts such as ``"a=int8/per_token; w=int4/per_group:64"``; None: unquantized).
+    it, quantized by ``quant`` (a :class:`QuantSpec` or its text: a recipe name such as ``"w8a8"`` or ``"kivi-2bit"``,
+    or parts such as ``"a=int8/per_token; w=int4/per_group:64"``; None: unquantized).
 
     Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
     or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
@@ -301,8 +302,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | None = None, task: str
     check_causal(model)
     opt = _options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
-    spec = as_attn_quant(quant) if quant else QuantSpec(bits=16)
-    attn_error_spec = as_attn_quant(attn_error_spec) if attn_error_spec else None
+    spec = QuantSpec.of(quant)
+    attn_error_spec = QuantSpec.of(attn_error_spec) if attn_error_spec else None
     for sp in (spec, attn_error_spec):
         check_spec(sp, model.config)  # group sizes, patterns, rotations fit the model: before the first forward
     if attn_error is not None:

@@ -2,7 +2,7 @@
 
 Every forward (``_model_call``: loglikelihood, rolling loglikelihood) and every generation
 (``_model_generate``: queries of length 1 against the growing key cache) runs inside
-:func:`~outlierscope.quant.apply.quantize_attention` with the spec of ``model_args``; 16 bits goes
+:func:`~outlierscope.quant.apply.quantize_model` with the spec of ``model_args``; 16 bits goes
 through the same attention function unquantized.
 
 Padding. lm-eval batches loglikelihood inputs right-padded with zeros and calls the model without an
@@ -33,9 +33,8 @@ from lm_eval.models.huggingface import HFLM
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.loading import check_placement, num_layers
-from outlierscope.quant.apply import check_layers, check_spec, quantize_attention
+from outlierscope.quant.apply import check_layers, check_spec, quantize_model
 from outlierscope.quant.linear import calibration_for
-from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
 
 
@@ -46,7 +45,7 @@ def make_spec(bits, format: str | None = None, granularity: str | None = None, l
     return build_spec(bits, str(format or "int"), str(granularity or "per_tensor"), _layers(layers))
 
 
-def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> AttnQuant:
+def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> QuantSpec:
     """``quant``: a recipe name or spec text (``sage2-int4``, ``w8a8; linears:self_attn.*+mlp.down_proj``: lm-eval
     splits model_args at commas, so lists inside a spec take ``+``); with ``layers``, only those layers. Not together
     with ``bits`` below 16, ``format`` or ``granularity`` (the logits' axis: a spec says its own)."""
@@ -56,7 +55,7 @@ def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> A
     if given:
         raise OutlierscopeError(f"{' and '.join(given)} describe the logits' axis (bits), not quant={quant}: a spec "
                                 "says its own format and granularity (e.g. quant=k=int4/per_token); leave them out")
-    spec = AttnQuant.parse(str(quant))
+    spec = QuantSpec.parse(str(quant))
     return spec if layers is None else dataclasses.replace(spec, layers=_layers(layers))
 
 
@@ -154,7 +153,7 @@ class OutlierscopeLM(HFLM):
     def _attention(self):
         from outlierscope.hooks.capture import capture
 
-        with quantize_attention(self.model, self.quant, block_rows=self.attn_block, calibration=self.calibration), (
+        with quantize_model(self.model, self.quant, block_rows=self.attn_block, calibration=self.calibration), (
                 capture(self.model, self.points, reducers=self.reducers, block_rows=self.attn_block)
                 if self.reducers else contextlib.nullcontext()):
             yield

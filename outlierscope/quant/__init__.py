@@ -1,18 +1,21 @@
-"""Post-training quantization: attention (logits, q/k/v, P), linear layers (inputs and weights), bitsandbytes weights."""
+"""Post-training quantization: one spec type (:class:`~outlierscope.quant.spec.QuantSpec`) for attention (logits,
+q/k/v, P), linear layers (inputs and weights) and bitsandbytes weights, applied by one ``quantize_model``."""
 
 import importlib
 
 # public name -> module; imported on first use, so that `outlierscope.quant.names` stays free of torch
-_EXPORTS = {"quantize_attention": "apply", "quantize_model": "apply", "quantize_weights": "apply",
-            "quantize_linears": "linear", "calibration_for": "linear", "LINEAR_RECIPES": "recipe", "absmax_scale": "primitives",
-            "fake_quant": "primitives", "quantize_absmax": "primitives", "QuantSpec": "spec",
-            "AttnQuant": "recipe", "TensorQuant": "recipe", "RECIPES": "recipe"}
+_EXPORTS = {"quantize_model": "apply", "quantize_linears": "linear", "calibration_for": "linear",
+            "bnb_weights": "bnb", "LINEAR_RECIPES": "spec", "absmax_scale": "primitives", "fake_quant": "primitives",
+            "quantize_absmax": "primitives", "QuantSpec": "spec", "TensorQuant": "parts", "RECIPES": "recipes"}
+# the names before one spec type (#47): resolved for one release, with a DeprecationWarning, not in __all__
+_DEPRECATED = {"AttnQuant": "recipe", "quantize_attention": "apply", "quantize_weights": "bnb"}
 
 
 def __getattr__(name: str):
-    if name not in _EXPORTS:
+    module = _EXPORTS.get(name) or _DEPRECATED.get(name)
+    if module is None:
         raise AttributeError(f"module 'outlierscope.quant' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"outlierscope.quant.{_EXPORTS[name]}"), name)
+    return getattr(importlib.import_module(f"outlierscope.quant.{module}"), name)
 
-__all__ = ["LINEAR_RECIPES", "RECIPES", "AttnQuant", "QuantSpec", "TensorQuant", "absmax_scale", "calibration_for",
-           "fake_quant", "quantize_absmax", "quantize_attention", "quantize_linears", "quantize_model", "quantize_weights"]
+
+__all__ = sorted(_EXPORTS)

@@ -6,19 +6,19 @@ What quantization does to attention is measured in :mod:`outlierscope.analysis.a
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 
-import torch
 from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
+from outlierscope.quant.bnb import bnb_weights, quantize_weights  # noqa: F401 (quantize_weights: deprecated alias)
 from outlierscope.quant.linear import Calibration, check_linear_shapes, quantize_linears
-from outlierscope.quant.names import WEIGHT_MODES
+from outlierscope.quant.logits import LogitsQuant, logits_quant
 from outlierscope.quant.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
-from outlierscope.quant.recipe import TARGETS, AttnQuant, TensorQuant
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.spec import TARGETS, QuantSpec
 
 
 def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = None) -> None:
@@ -34,13 +34,11 @@ def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = N
                                 f"{','.join(map(str, attention))}")
 
 
-def check_spec(spec, config) -> None:
-    """What an attention spec needs of the model's shape, from its config (before anything loads): group sizes that
-    divide head_dim, a power-of-2 head_dim for a Hadamard rotation; linear parts: ``linears`` patterns that match,
-    group sizes that divide each quantized linear's in_features, rotations of its order. A logits spec needs
-    nothing."""
-    if not isinstance(spec, AttnQuant):
-        return
+def check_spec(spec: QuantSpec | str, config) -> None:
+    """What a spec needs of the model's shape, from its config (before anything loads): group sizes that divide
+    head_dim, a power-of-2 head_dim for a Hadamard rotation; linear parts: ``linears`` patterns that match, group
+    sizes that divide each quantized linear's in_features, rotations of its order. The logits need nothing."""
+    spec = QuantSpec.of(spec)
     if spec.has_linear:
         check_linear_shapes(spec, config)
     cfg = getattr(config, "text_config", None) or config
@@ -56,31 +54,15 @@ def check_spec(spec, config) -> None:
         raise OutlierscopeError(f"hadamard needs a power-of-2 head_dim; the model's is {d}")
 
 
-def absmax_reduction(spec: QuantSpec):
+def absmax_reduction(lq: LogitsQuant):
     """A :class:`~outlierscope.hooks.attention.Stage` ``reduce`` for blocked attention: a scale over query rows
-    (per_head, per_tensor) is the absmax over all blocks of rows; None for a spec whose scale stays in a block."""
-    if not spec.spans_rows:
+    (per_head, per_tensor) is the absmax over all blocks of rows; None for a scale that stays in a block."""
+    if not lq.spans_rows:
         return None
-    return lambda ctx, logits: spec.absmax(logits, ctx.valid) if spec.applies_to(ctx.layer) else None
+    return lambda ctx, logits: lq.absmax(logits, ctx.valid) if lq.applies_to(ctx.layer) else None
 
 
-def logits_spec(tq: TensorQuant | None, layers) -> QuantSpec | None:
-    """The paper's absmax logits quantization (:class:`QuantSpec`) of an :class:`AttnQuant`'s logits part."""
-    if tq is None:
-        return None
-    bits, fmt = tq.grid
-    return QuantSpec(bits=bits, format=fmt, granularity=tq.granularity, layers=layers)
-
-
-def _logit_stage(spec: QuantSpec) -> Stage:
-    def quantize(ctx: LogitContext, logits):
-        return spec(logits, ctx.valid, ctx.reduced(stage)) if spec.applies_to(ctx.layer) else logits
-
-    stage = Stage(apply=quantize, reduce=absmax_reduction(spec), name=f"quantize {spec.label}")
-    return stage
-
-
-def _qkv_transform(spec: AttnQuant):
+def _qkv_transform(spec: QuantSpec):
     """The stage's ``qkv``: Hadamard rotation, K smoothing, Q smoothing (with its full-precision correction), then
     q, k, v quantized per their parts; layers outside ``spec.layers`` pass through."""
     parts = {t: spec.part(t) for t in ("q", "k", "v")}
@@ -105,35 +87,39 @@ def _qkv_transform(spec: AttnQuant):
     return transform
 
 
-def attention_stage(spec: AttnQuant) -> Stage:
-    """One :class:`~outlierscope.hooks.attention.Stage` that does everything ``spec`` asks: q/k/v transforms and
-    quantization, logits quantization (with its reduction over blocks), P quantization."""
-    ls = logits_spec(spec.part("logits"), spec.layers)
-    base = _logit_stage(ls) if ls is not None else None
+def attention_stage(spec: QuantSpec) -> Stage:
+    """One :class:`~outlierscope.hooks.attention.Stage` that does everything ``spec`` asks inside attention: q/k/v
+    transforms and quantization, logits quantization (with its reduction over blocks: the stage's own, looked up by
+    this stage), P quantization."""
+    lq = logits_quant(spec)
     p = spec.part("probs")
     qkv_needed = any(spec.part(t) for t in ("q", "k", "v")) or spec.smooth_k or spec.smooth_q is not None \
         or spec.hadamard is not None
 
+    def logits(ctx: LogitContext, x):
+        return lq(x, ctx.valid, ctx.reduced(stage)) if lq is not None and lq.applies_to(ctx.layer) else x
+
     def probs(ctx: LogitContext, x):
         return quantize_probs(x, ctx.valid, p, ctx.key_start) if spec.applies_to(ctx.layer) else x
 
-    return Stage(apply=base.apply if base else (lambda ctx, logits: logits), reduce=base.reduce if base else None,
-                 name=f"quantize {spec.label}", qkv=_qkv_transform(spec) if qkv_needed else None,
-                 probs=probs if p is not None else None)
+    stage = Stage(apply=logits, reduce=absmax_reduction(lq) if lq is not None else None, name=f"quantize {spec.label}",
+                  qkv=_qkv_transform(spec) if qkv_needed else None, probs=probs if p is not None else None)
+    return stage
 
 
-def as_attn_quant(spec: QuantSpec | AttnQuant | str) -> QuantSpec | AttnQuant:
-    """A spec as given (the paper's :class:`QuantSpec`, or an :class:`AttnQuant`), or one from a recipe name / text."""
-    return AttnQuant.parse(spec) if isinstance(spec, str) else spec
+def as_attn_quant(spec: QuantSpec | str) -> QuantSpec:
+    """Deprecated (for one release): :meth:`QuantSpec.of`."""
+    warnings.warn("as_attn_quant is deprecated: use QuantSpec.of(spec)", DeprecationWarning, stacklevel=2)
+    return QuantSpec.of(spec)
 
 
 @contextlib.contextmanager
-def quantize_model(model: nn.Module, spec: QuantSpec | AttnQuant | str, block_rows: int | None = None,
-                   calibration: Calibration | None = None, linear_error=None) -> Iterator[QuantSpec | AttnQuant]:
-    """Quantize ``model`` as ``spec`` says: a :class:`QuantSpec` (the paper: the attention logits, after scaling,
-    before soft-capping, masking and softmax), or an :class:`AttnQuant` / recipe name / spec text (attention: q, k, v,
-    logits, P, with smoothing and rotations; linear layers: inputs and weights, with SmoothQuant, rotations, LLM.int8;
-    see :mod:`outlierscope.quant.recipe` and :mod:`outlierscope.quant.linear`). ``calibration``:
+def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
+                   calibration: Calibration | None = None, linear_error=None) -> Iterator[QuantSpec]:
+    """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name) says:
+    attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
+    smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
+    :mod:`outlierscope.quant.linear`) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
     :func:`~outlierscope.quant.linear.calibrate`'s, for a spec with ``smooth`` or static activation scales.
     ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
     linear's relative output error.
@@ -146,55 +132,19 @@ def quantize_model(model: nn.Module, spec: QuantSpec | AttnQuant | str, block_ro
     (q, k and v are quantized once per call, whole; P per row, inside its block).
     Everything is restored in ``finally``.
     """
-    spec = as_attn_quant(spec)
+    spec = QuantSpec.of(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
-    stage = _logit_stage(spec) if isinstance(spec, QuantSpec) else attention_stage(spec)
-    linear = quantize_linears(model, spec, calibration, linear_error) if isinstance(spec, AttnQuant) \
-        else contextlib.nullcontext()
-    # 16 bits too goes through the same attention function (spec returns the logits unchanged), for identical arithmetic
-    with linear, attention_stages(model, stage, block_rows=block_rows):
+    # 16 bits too goes through the same attention function (nothing quantized), for identical arithmetic
+    with bnb_weights(model, spec.weights_mode), quantize_linears(model, spec, calibration, linear_error), \
+            attention_stages(model, attention_stage(spec), block_rows=block_rows):
         yield spec
 
 
-def _touches_attention(spec) -> bool:
-    return not isinstance(spec, AttnQuant) or spec.has_attention or not spec.has_linear
+def _touches_attention(spec: QuantSpec) -> bool:
+    return spec.has_attention or not spec.has_linear
 
 
-quantize_attention = quantize_model  # the name before linear layers joined
-
-
-def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
-    """Replace the decoder's ``nn.Linear`` layers (not embeddings or the LM head) by bitsandbytes
-    ``Linear8bitLt`` (int8, absmax per output row) or ``Linear4bit`` (NF4, block 64), in place.
-
-    Works on x86 CPUs with bitsandbytes >= 0.47. Returns the model.
-    """
-    if mode not in WEIGHT_MODES:
-        raise OutlierscopeError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
-    if mode == "none":
-        return model
-    try:
-        import bitsandbytes as bnb
-    except ImportError as e:
-        raise OutlierscopeError(f"weight quantization needs bitsandbytes: {e}") from None
-    dtype = next(model.parameters()).dtype
-    for layer in decoder_layers(model):
-        for child in list(layer.modules()):
-            for cname, lin in list(child.named_children()):
-                if type(lin) is not nn.Linear:
-                    continue
-                if mode == "int8":
-                    new = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                              has_fp16_weights=False, threshold=0.0)
-                else:
-                    new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                            compute_dtype=dtype, quant_type="nf4")
-                new.load_state_dict(lin.state_dict())
-                new = new.to(lin.weight.device)  # quantizes the weights
-                setattr(child, cname, new)
-    try:
-        with torch.no_grad():
-            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
-    except Exception as e:  # a backend that does not run here: say so instead of failing later
-        raise OutlierscopeError(f"bitsandbytes {mode} weights do not run on this device ({type(e).__name__}: {e})") from None
-    return model
+def quantize_attention(*args, **kwargs):
+    """Deprecated (for one release): :func:`quantize_model`, the name before linear layers joined."""
+    warnings.warn("quantize_attention is deprecated: use quantize_model", DeprecationWarning, stacklevel=2)
+    return quantize_model(*args, **kwargs)

@@ -32,7 +32,7 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.quant.recipe import TARGETS, AttnQuant, TensorQuant
+from outlierscope.quant.spec import TARGETS, QuantSpec, TensorQuant
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
 BLOCK_ARGS = {  # our block formats -> compressed-tensors' arguments (its MXFP4 / MXFP8 / NVFP4 presets)
@@ -83,7 +83,7 @@ def tensor_args(p: TensorQuant) -> dict:
     return args
 
 
-def kv_cache_args(spec: AttnQuant) -> dict | None:
+def kv_cache_args(spec: QuantSpec) -> dict | None:
     """The ``kv_cache_scheme`` of a spec whose attention parts are exactly a KV cache's: ``k`` and ``v`` in one
     format, per_tensor or per_head (None when it quantizes nothing inside attention)."""
     if not spec.has_attention:
@@ -103,7 +103,7 @@ def kv_cache_args(spec: AttnQuant) -> dict | None:
             "strategy": STRATEGY[k.granularity]}
 
 
-def check_exportable(spec: AttnQuant) -> None:
+def check_exportable(spec: QuantSpec) -> None:
     """Refuse what compressed-tensors and llm-compressor's quantization cannot state, before any model is read."""
     if spec.rotate is not None:
         raise OutlierscopeError(f"{spec}: rotate:SEED has no compressed-tensors form that reproduces it (llm-compressor's "
@@ -112,6 +112,10 @@ def check_exportable(spec: AttnQuant) -> None:
         raise OutlierscopeError(f"{spec}: outliers:T is LLM.int8's decomposition, bitsandbytes' "
                                 f"(BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold={spec.outlier_threshold})), not a "
                                 "compressed-tensors scheme")
+    if spec.weights_mode != "none":
+        raise OutlierscopeError(f"{spec}: w=bnb-{spec.weights_mode} is bitsandbytes' own format (transformers' "
+                                f"BitsAndBytesConfig), not a compressed-tensors scheme; export w=fint8/per_channel or "
+                                "w=fint4/per_group:128 instead")
     if spec.part("w") is None and spec.part("a") is not None:
         raise OutlierscopeError(f"{spec}: compressed-tensors quantizes activations only with the weights; add a w= part")
     if kv_cache_args(spec) is None and spec.part("w") is None:  # kv_cache_args refuses other attention parts
@@ -122,7 +126,7 @@ def check_exportable(spec: AttnQuant) -> None:
             tensor_args(p)
 
 
-def linear_scheme(spec: AttnQuant) -> dict | None:
+def linear_scheme(spec: QuantSpec) -> dict | None:
     """The ``QuantizationScheme`` of the quantized linears (targets, weights, input_activations), or None."""
     w, a = spec.part("w"), spec.part("a")
     if w is None:
@@ -144,7 +148,7 @@ def ignore_list(model: nn.Module, quantized: set[str]) -> list[str]:
     return ignore + [n for n in linears if n not in quantized and n not in whole]
 
 
-def differences(spec: AttnQuant) -> list[str]:
+def differences(spec: QuantSpec) -> list[str]:
     """How the emulation of ``spec`` and the real scheme built from the export differ."""
     notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
              "GPTQModifier or AWQModifier in its place would correct the rounding error"]
@@ -169,7 +173,7 @@ def differences(spec: AttnQuant) -> list[str]:
     return notes
 
 
-def quantization_config(spec: AttnQuant, ignore: list[str]) -> dict:
+def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
     """The ``quantization_config`` of config.json for ``spec`` (validated by compressed-tensors' own classes)."""
     ctq = _ct()
     from compressed_tensors.compressors.format import infer_module_format
@@ -184,7 +188,7 @@ def quantization_config(spec: AttnQuant, ignore: list[str]) -> dict:
     return config.model_dump(mode="json", exclude_none=True)
 
 
-def recipe(spec: AttnQuant, ignore: list[str]) -> dict:
+def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
     """An llm-compressor recipe (``oneshot(model, recipe=...)``): SmoothQuant when the spec smooths, then the
     quantization with the same scheme, ignore list and KV cache scheme as :func:`quantization_config`."""
     modifiers = {}
@@ -256,7 +260,7 @@ def _scope(model: nn.Module, quantized: set[str]) -> str:
     return "; ".join(items + ([] if len(layers) == len(per_layer) else [f"layers:{','.join(map(str, layers))}"]))
 
 
-def spec_from_config(qconfig: dict, model: nn.Module) -> AttnQuant:
+def spec_from_config(qconfig: dict, model: nn.Module) -> QuantSpec:
     """The spec that emulates a checkpoint's compressed-tensors ``quantization_config`` on its float weights: one
     config group of ``Linear`` targets (weights, input activations), the modules its ignore list leaves quantized
     in ``model`` (a meta model will do), the KV cache scheme. Refused in one line when it has no such form."""
@@ -275,7 +279,7 @@ def spec_from_config(qconfig: dict, model: nn.Module) -> AttnQuant:
         items.append(_scope(model, quantized))
     if qconfig.get("kv_cache_scheme"):
         items.append(part_text("kv", {**qconfig["kv_cache_scheme"], "dynamic": False}).replace("/static", "/per_tensor"))
-    return AttnQuant.parse("; ".join(i for i in items if i) or "none")
+    return QuantSpec.parse("; ".join(i for i in items if i) or "none")
 
 
 def _packed_symmetric(qconfig: dict) -> bool:
@@ -283,7 +287,7 @@ def _packed_symmetric(qconfig: dict) -> bool:
     return qconfig.get("sym", True) if qconfig["quant_method"] == "gptq" else not qconfig.get("zero_point", True)
 
 
-def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) -> AttnQuant:
+def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) -> QuantSpec:
     """The RTN emulation of a GPTQ / AWQ checkpoint's weights on its float weights: the same bits, groups and grid
     (symmetric: fintB, GPTQ's scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1]; with zero points: asymB),
     on the linears the checkpoint holds ``packed`` (their module names)."""
@@ -291,7 +295,7 @@ def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) 
     sym = _packed_symmetric(qconfig)
     gran = f"per_group:{group}" if group > 0 else "per_channel"
     scope = _scope(model, set(packed))
-    return AttnQuant.parse("; ".join(i for i in (f"w={'fint' if sym else 'asym'}{bits}/{gran}", scope) if i))
+    return QuantSpec.parse("; ".join(i for i in (f"w={'fint' if sym else 'asym'}{bits}/{gran}", scope) if i))
 
 
 def packed_differences(qconfig: dict) -> list[str]:

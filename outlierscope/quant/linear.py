@@ -1,5 +1,5 @@
 """Quantize the ``nn.Linear`` layers of a model's decoder layers: their inputs and weights, with SmoothQuant, a Hadamard
-rotation or LLM.int8's decomposition (the ``a=``/``w=`` parts of :class:`~outlierscope.quant.recipe.AttnQuant`).
+rotation or LLM.int8's decomposition (the ``a=``/``w=`` parts of :class:`~outlierscope.quant.spec.QuantSpec`).
 
 What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant's factors, ``H`` the rotation)::
 
@@ -42,7 +42,7 @@ from torch.nn.utils import parametrize
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers, trunk
 from outlierscope.quant.linear_ops import outlier_columns, quantize_activation, quantize_weight, rotation, smooth_scales
-from outlierscope.quant.recipe import AttnQuant
+from outlierscope.quant.spec import QuantSpec
 
 HEAD = "lm_head"  # the pattern that names the LM head (the model's output embeddings)
 CALIB_SEQ_LEN, CALIB_TOKENS = 512, 4096  # the calibration pass: 8 packed sequences of 512 tokens (fewer if shorter)
@@ -68,7 +68,7 @@ def layer_linears(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
     return [[(p, m) for p, m in layer.named_modules() if isinstance(m, nn.Linear)] for layer in decoder_layers(model)]
 
 
-def linear_sites(model: nn.Module, spec: AttnQuant) -> list[LinearSite]:
+def linear_sites(model: nn.Module, spec: QuantSpec) -> list[LinearSite]:
     """The linears ``spec`` quantizes: those of its layers whose path matches one of ``spec.linears`` (None: all), and
     the LM head when a pattern is ``lm_head``; a pattern that matches nothing is an error with the closest paths."""
     names = {id(m): n for n, m in model.named_modules()}
@@ -105,7 +105,7 @@ class Calibration:
     source: str
 
 
-def needs_calibration(spec: AttnQuant) -> bool:
+def needs_calibration(spec: QuantSpec) -> bool:
     a = spec.part("a")
     return spec.smooth is not None or (a is not None and a.granularity == "static")
 
@@ -149,7 +149,7 @@ def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, 
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, tokenizer, spec: AttnQuant) -> Calibration:
+def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
     input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
     endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
@@ -176,7 +176,8 @@ def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
     """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
     with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
     forward). Every process computes the same (it reads the same text)."""
-    if not isinstance(spec, AttnQuant) or not spec.has_linear:
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear:
         return None
     linear_sites(model, spec)
     return calibrate(model, tokenizer, spec) if needs_calibration(spec) else None
@@ -234,7 +235,7 @@ def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 class _WeightTransform(nn.Module):
     """The parametrization ``W -> quant_w((W * s) @ H)``: computed from the untouched weight at each access."""
 
-    def __init__(self, spec: AttnQuant, scale: torch.Tensor | None, rot: torch.Tensor | None):
+    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None):
         super().__init__()
         self.part, self.scale, self.rot = spec.part("w"), scale, rot  # plain attributes: not in any state_dict
 
@@ -265,7 +266,7 @@ class _Padding:
         return m[:, -x.shape[1]:].to(x.device)  # (B, T)
 
 
-def _input_hook(spec: AttnQuant, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
+def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
                 static_amax: torch.Tensor | None):
     """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
     part with LLM.int8's outlier columns kept (see the module docstring)."""
@@ -312,14 +313,14 @@ def _measuring(site: LinearSite, padding: _Padding, error):
     return pre, post
 
 
-def _check_linear_spec(spec: AttnQuant, calibration: Calibration | None) -> None:
+def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None) -> None:
     if needs_calibration(spec) and calibration is None:
         raise OutlierscopeError(f"{spec.label}: smooth and static scales need a calibration; pass "
                                 "calibration=calibrate(model, tokenizer, spec)")
 
 
 @contextlib.contextmanager
-def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration | None = None,
+def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
                      error=None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
@@ -364,7 +365,7 @@ def quantize_linears(model: nn.Module, spec: AttnQuant, calibration: Calibration
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
 
 
-def token_local(spec: AttnQuant) -> bool:
+def token_local(spec: QuantSpec) -> bool:
     """Whether every linear's output at a token depends on that token alone (no per-sequence statistic): then a
     context's choices may share its prefix (:func:`~outlierscope.eval.evaluate.layout_for`)."""
     a = spec.part("a")
@@ -372,7 +373,7 @@ def token_local(spec: AttnQuant) -> bool:
                                       or a.format not in ("nvfp4",) and a.granularity is None)
 
 
-def check_linear_shapes(spec: AttnQuant, config) -> None:
+def check_linear_shapes(spec: QuantSpec, config) -> None:
     """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
     weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
     in_features, a rotation of each in_features, and the ``calib:`` source against those linears
@@ -400,7 +401,7 @@ def check_linear_shapes(spec: AttnQuant, config) -> None:
     check_calibration(spec, model)
 
 
-def check_calibration(spec: AttnQuant, model: nn.Module) -> None:
+def check_calibration(spec: QuantSpec, model: nn.Module) -> None:
     """``calib:`` read before any forward (a mistake found after the 16-bit cell is a defect): a text file that exists,
     is a file and holds text; an act_scales.pt that loads and has finite, non-negative scales of each quantized
     linear's shape, not all zero for any (every smoothing factor would silently be 1: plain W8A8 under the

@@ -1,7 +1,7 @@
 """Tensor operations of linear-layer quantization (pure: no state, never mutate the input).
 
 * ``quantize_activation(x, valid, tq, outlier_cols)``: a linear's input (B, T, C) quantized-dequantized per a
-  :class:`~outlierscope.quant.recipe.TensorQuant` ``a=`` part: ``per_token`` (C values of a token), ``per_group:G``
+  :class:`~outlierscope.quant.parts.TensorQuant` ``a=`` part: ``per_token`` (C values of a token), ``per_group:G``
   (G consecutive channels of a token), ``per_tensor`` (a sequence's valid tokens), ``static`` (one given absmax),
   MX / NVFP4 blocks along C (NVFP4's per-tensor scale: the sequence's absmax). Padding (``valid`` False) never enters a
   scale and comes back unchanged. ``outlier_cols`` (B, 1, C): columns kept in full precision and left out of the
@@ -23,8 +23,8 @@ import torch
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.formats import MX_FORMATS
 from outlierscope.quant.ops import _asymmetric, block_quant, random_sign_hadamard, sylvester
+from outlierscope.quant.parts import TensorQuant
 from outlierscope.quant.primitives import fake_quant, qmax, quantize_absmax
-from outlierscope.quant.recipe import TensorQuant
 
 
 def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Tensor operations of attention quantization (pure: no state, never mutate the input): quantize q/k/v (B, H, T, d)
-and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.recipe.TensorQuant`'s granularity, and the
+and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.parts.TensorQuant`'s granularity, and the
 transforms that are exact in full precision (K and Q smoothing, a random-sign Hadamard rotation).
 
 Valid tokens (``valid``: (B, T), False for padding) never enter a scale, a mean or a block's max, and come back
@@ -21,8 +21,8 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.formats import MX_FORMATS, NVFP4_BLOCK, asym_quant, mx_quant, nvfp4_quant
+from outlierscope.quant.parts import TensorQuant
 from outlierscope.quant.primitives import fake_quant, qmax, quantize_absmax
-from outlierscope.quant.recipe import TensorQuant
 
 
 def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:

@@ -134,9 +134,9 @@ def quantized_heading(sweep) -> str:
 def _kind_said(texts) -> str:
     """What a sweep's ``--quant`` rows are (their labels: recipe names or spec texts): attention recipes, linear-layer
     schemes, or both."""
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
-    specs = [AttnQuant.parse(t) for t in texts]
+    specs = [QuantSpec.parse(t) for t in texts]
     if not any(s.has_linear for s in specs):
         return "attention recipes"
     return "linear-layer schemes" if not any(s.has_attention for s in specs) else "quantization recipes"

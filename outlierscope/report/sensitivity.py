@@ -36,9 +36,9 @@ def _quant_said(settings: dict, quote: str = "`") -> str:
     q = settings.get("quant")
     if not q:
         return f"{settings['bits']}-bit {settings['format']} {settings['granularity']}"
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
-    text = str(AttnQuant.parse(q))
+    text = str(QuantSpec.parse(q))
     return q if text == q else f"{q} ({quote}{text}{quote})"
 
 

@@ -11,11 +11,11 @@ from outlierscope.analysis.outliers import TABLE5_RANKS
 
 
 def recipe_rows(sweep: pd.DataFrame) -> pd.Series:
-    """True for a sweep table's attention-recipe rows (``sweep --quant``: format ``attn``, an
-    :class:`~outlierscope.quant.recipe.AttnQuant`); the logits' rows and tables from before recipes: False."""
-    from outlierscope.quant.recipe import AttnQuant
+    """True for a sweep table's recipe rows (``sweep --quant``: format ``attn``, a spec beyond the paper's logits);
+    the logits' rows and tables from before recipes: False."""
+    from outlierscope.quant.parts import KERNEL_FORMAT
 
-    return sweep["format"].eq(AttnQuant.format) if "format" in sweep else pd.Series(False, index=sweep.index)
+    return sweep["format"].eq(KERNEL_FORMAT) if "format" in sweep else pd.Series(False, index=sweep.index)
 
 
 def table5_markdown(df: pd.DataFrame, facts: dict) -> str:

@@ -37,7 +37,7 @@ from outlierscope.models.loading import (
 )
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
-from outlierscope.quant.recipe import AttnQuant
+from outlierscope.quant.spec import QuantSpec
 from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, check_specs, sweep
 from outlierscope.settings import option
 
@@ -90,14 +90,14 @@ def emulations(s: CompareSettings, path: Path, meta) -> tuple[list[str], dict | 
     elif not s.quant:
         raise ParamError("quant", f"given: {s.real} is no compressed-tensors, GPTQ or AWQ checkpoint whose scheme could be read "
                          f"(quant_method {qconfig and qconfig.get('quant_method')!r}); name its emulation", s.quant)
-    return list(dict.fromkeys(own + [str(AttnQuant.parse(q)) for q in s.quant])), qconfig
+    return list(dict.fromkeys(own + [str(QuantSpec.parse(q)) for q in s.quant])), qconfig
 
 
 def _differences(specs: list[str], qconfig: dict | None) -> list[str]:
     """How the real checkpoint and the emulations differ by construction (GPTQ / AWQ: their algorithms' own)."""
     if packed_scheme(qconfig) is not None:
         return qexport.packed_differences(qconfig)
-    return list(dict.fromkeys(d for spec in specs for d in qexport.differences(AttnQuant.parse(spec))))
+    return list(dict.fromkeys(d for spec in specs for d in qexport.differences(QuantSpec.parse(spec))))
 
 
 def _cells(out: Path) -> dict[tuple[str, str], EvalResult]:

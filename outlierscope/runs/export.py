@@ -24,7 +24,7 @@ from outlierscope.io import git_commit, output_dir, read_record, versions, write
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
 from outlierscope.quant import export as qexport
 from outlierscope.quant.linear import check_linear_shapes, linear_sites
-from outlierscope.quant.recipe import AttnQuant
+from outlierscope.quant.spec import QuantSpec
 from outlierscope.settings import option
 
 
@@ -54,7 +54,7 @@ class ExportSettings:
 class Choice:
     """What is exported: the spec, the model, the decoder layers left unquantized, where it came from."""
 
-    spec: AttnQuant
+    spec: QuantSpec
     model: str
     keep: tuple[int, ...] = ()
     source: dict = dataclasses.field(default_factory=dict)
@@ -65,19 +65,19 @@ def _from_sensitivity(s: ExportSettings, rec: dict) -> Choice:
     if st.get("quant") is None:
         raise OutlierscopeError(f"{s.run}: this study quantized the attention logits, which compressed-tensors and "
                                 "llm-compressor do not quantize; export a study run with --quant (a linear scheme)")
-    if s.quant is not None and AttnQuant.parse(s.quant) != AttnQuant.parse(st["quant"]):
+    if s.quant is not None and QuantSpec.parse(s.quant) != QuantSpec.parse(st["quant"]):
         raise ParamError("quant", f"the study's own {st['quant']!r} (or left out)", s.quant)
     if rec.get("keep_bits", 16) != 16 and rec.get("keep"):
         raise OutlierscopeError(f"{s.run}: the kept layers run at keep_bits={rec['keep_bits']} logits, which "
                                 "compressed-tensors does not quantize; export a study with keep_bits 16")
-    spec = AttnQuant.parse(st["quant"])
+    spec = QuantSpec.parse(st["quant"])
     _check_study_measured(s.run, rec, spec)
     return Choice(spec, s.model or st["model"], tuple(rec.get("keep") or ()),
                   {"run": str(s.run), "kind": "sensitivity", "git_commit": rec.get("git_commit"),
                    "final": rec.get("final")})
 
 
-def _check_study_measured(run: str, rec: dict, spec: AttnQuant) -> None:
+def _check_study_measured(run: str, rec: dict, spec: QuantSpec) -> None:
     """The study's first one-layer cell (``only_L``, its spec text in ``cells/<id>.json``) is ``spec`` on layer L as
     parsed today: a recipe name whose meaning changed since the study ran is refused, as for sweeps. A study whose
     cells are gone cannot be checked and passes."""
@@ -99,8 +99,8 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
     st = rec["settings"]
     quants = st.get("quant") or []
     measured = {c["quant"] for c in rec.get("cells") or () if "quant" in c}  # the texts of what its cells computed
-    spec = AttnQuant.parse(s.quant) if s.quant is not None else None
-    if spec is None or str(spec) not in {str(AttnQuant.parse(q)) for q in quants} | measured:
+    spec = QuantSpec.parse(s.quant) if s.quant is not None else None
+    if spec is None or str(spec) not in {str(QuantSpec.parse(q)) for q in quants} | measured:
         close = difflib.get_close_matches(s.quant or "", quants, n=3, cutoff=0.3)
         raise ParamError("quant", f"one of the sweep's quantizations ({'; '.join(map(repr, quants)) or 'none'})",
                          s.quant, f"did you mean {', '.join(close)}?" if close else "")
@@ -117,7 +117,7 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
 def choose(s: ExportSettings) -> Choice:
     """The spec, model and kept layers ``s`` names (a run's record, or the settings themselves)."""
     if s.run is None:
-        return Choice(AttnQuant.parse(s.quant), s.model)
+        return Choice(QuantSpec.parse(s.quant), s.model)
     run = Path(s.run)
     if (run / "sensitivity.json").exists():
         return _from_sensitivity(s, read_record(run / "sensitivity.json", ("settings",)))

@@ -102,9 +102,9 @@ class ProfileSettings:
         if not self.points and self.preset is None:
             raise ParamError("points", "at least one point or pattern (or a preset)", self.points)
         if self.quant is not None:
-            from outlierscope.quant.recipe import AttnQuant
+            from outlierscope.quant.spec import QuantSpec
 
-            AttnQuant.parse(self.quant)  # a bad spec: before anything loads
+            QuantSpec.parse(self.quant)  # a bad spec: before anything loads
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
 
     def stats_options(self) -> dict:
@@ -132,9 +132,9 @@ def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
         return contextlib.nullcontext()
     from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.linear import calibration_for
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
-    spec = AttnQuant.parse(quant)
+    spec = QuantSpec.parse(quant)
     return quantize_model(module, spec, attn_block, calibration_for(module, tokenizer, spec))
 
 

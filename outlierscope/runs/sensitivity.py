@@ -58,9 +58,8 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.parallel import Shard, World, find_shards
-from outlierscope.quant.apply import check_spec, quantize_attention
+from outlierscope.quant.apply import check_spec, quantize_model
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
-from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
 from outlierscope.settings import option
@@ -123,7 +122,7 @@ class SensitivitySettings:
     def _check_quant(self) -> None:
         """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in
         turn gets it)."""
-        spec = AttnQuant.parse(self.quant)
+        spec = QuantSpec.parse(self.quant)
         if spec.is_identity:
             raise ParamError("quant", "a recipe or spec that quantizes something (see `outlierscope recipes`)",
                              self.quant, "'none' leaves every layer as it is")
@@ -141,11 +140,11 @@ class SensitivitySettings:
                 raise ParamError(name, f"its default {default!r} with quant (quant replaces bits, format and "
                                  "granularity; keep_bits stays the logits' axis)", getattr(self, name))
 
-    def spec(self, layers=None, bits: int | None = None) -> QuantSpec | AttnQuant:
+    def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
         """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
         :attr:`bits`; ``keep_bits`` for the kept layers are always the logits')."""
         if self.quant is not None and bits is None:
-            return dataclasses.replace(AttnQuant.parse(self.quant), layers=tuple(layers) if layers is not None else None)
+            return dataclasses.replace(QuantSpec.parse(self.quant), layers=tuple(layers) if layers is not None else None)
         return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)
 
 
@@ -214,7 +213,7 @@ class _Run:
         cache that sweep uses; with ``measure`` also the attention error of ``measure`` (not applied), per layer and
         head in ``extra["attn_error_table"]``."""
         s = self.s
-        label = (str(spec) if isinstance(spec, AttnQuant) else spec.label) if spec else "16"  # an attention spec: its text
+        label = spec.description if spec else "16"  # the paper's logits in words, any other spec its text
         settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": label,
                     "layers": list(spec.layers) if spec and spec.layers else None,
                     "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
@@ -224,7 +223,7 @@ class _Run:
 
         def compute():
             stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None
-            with quantize_attention(self.lm.model, keep, s.attn_block) if keep else contextlib.nullcontext():
+            with quantize_model(self.lm.model, keep, s.attn_block) if keep else contextlib.nullcontext():
                 res = evaluate(self.lm, quant=spec, items=self.items, batch_size=s.batch_size, progress=self.progress,
                                desc=role, block_rows=s.attn_block, task=s.task, layout=self.ident["layout"],
                                shard=self.shard, world=self.world, attn_error=stats, attn_error_spec=measure)
@@ -372,7 +371,7 @@ def written_files(s: SensitivitySettings, record: dict) -> list[str]:
 
 def _in_attention(spec) -> bool:
     """Whether ``spec`` changes anything inside attention (a linear-only spec has no attention error to measure)."""
-    return not isinstance(spec, AttnQuant) or spec.has_attention
+    return spec.is_logits_only or spec.has_attention
 
 
 def _per_kind(run: _Run, base: EvalResult) -> pd.DataFrame | None:
@@ -383,7 +382,7 @@ def _per_kind(run: _Run, base: EvalResult) -> pd.DataFrame | None:
     from outlierscope.quant.linear import linear_sites
 
     spec = run.s.spec()
-    if not run.s.kinds or not isinstance(spec, AttnQuant) or not spec.has_linear:
+    if not run.s.kinds or not spec.has_linear:
         return None
     rows = []
     for path in dict.fromkeys(site.path for site in linear_sites(run.lm.model, spec)):

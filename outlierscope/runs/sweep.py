@@ -40,9 +40,8 @@ from outlierscope.models.loading import (
 )
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
-from outlierscope.quant.apply import check_layers, check_spec, quantize_weights
+from outlierscope.quant.apply import check_layers, check_spec
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
-from outlierscope.quant.recipe import AttnQuant
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
@@ -127,15 +126,20 @@ class SweepSettings:
         for b in self.bits:  # validate every spec up front: nothing runs with a bad one
             self.spec(b)
         object.__setattr__(self, "quant", tuple(self.quant))
-        texts = [str(AttnQuant.parse(q)) for q in self.quant]
-        own = [q for q in self.quant if AttnQuant.parse(q).layers is not None]
+        parsed = {q: QuantSpec.parse(q) for q in self.quant}
+        texts = [str(sp) for sp in parsed.values()]
+        own = [q for q, sp in parsed.items() if sp.layers is not None]
         if own and self.layers is not None:  # one rule: layers applies to the specs that name none
             raise ParamError("layers", f"left out when a quant spec names its own layers ({own[0]!r}); layers applies to "
                              "the specs that name none: drop one of the two", list(self.layers))
         if self.attn_error:
             for q in self.quant:
                 measured_spec(q)
-        linear_w = [q for q in self.quant if AttnQuant.parse(q).part("w") is not None]
+        bnb = [q for q, sp in parsed.items() if sp.weights_mode != "none"]
+        if bnb:
+            raise ParamError("quant", "specs without bitsandbytes weights: they apply to every cell of a sweep "
+                             f"(weights='{parsed[bnb[0]].weights_mode}', --weights)", bnb[0])
+        linear_w = [q for q, sp in parsed.items() if sp.part("w") is not None]
         if linear_w and self.weights != "none":
             raise ParamError("weights", f"'none' with a quant spec that quantizes the weights itself ({linear_w[0]!r}): "
                              "one weight quantization at a time", self.weights)
@@ -146,21 +150,22 @@ class SweepSettings:
     def spec(self, bits: int) -> QuantSpec:
         return build_spec(bits, self.format, self.granularity, self.layers)
 
-    def specs(self) -> list[QuantSpec | AttnQuant]:
+    def specs(self) -> list[QuantSpec]:
         """Every cell's spec: the bit widths of the logits (16 first: the reference), then each ``quant`` (with
-        ``layers`` when the spec names none)."""
+        ``layers`` when the spec names none). ``weights`` is not in them: each cell
+        runs with it (``spec.with_weights(weights)``) and records it beside them."""
         out: list = [self.spec(b) for b in _bits_order(self)]
         for q in self.quant:
-            a = AttnQuant.parse(q)
+            a = QuantSpec.parse(q)
             out.append(a if a.layers is not None or self.layers is None else dataclasses.replace(a, layers=self.layers))
         return out
 
-    def spec_of(self, cell: dict) -> QuantSpec | AttnQuant:
+    def spec_of(self, cell: dict) -> QuantSpec:
         """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits): the one of
         :meth:`specs` that ran it, with its recipe name."""
         if cell.get("quant"):
-            ran = (sp for sp in self.specs() if isinstance(sp, AttnQuant) and str(sp) == cell["quant"])
-            return next(ran, None) or AttnQuant.parse(cell["quant"])
+            ran = (sp for sp in self.specs() if str(sp) == cell["quant"])
+            return next(ran, None) or QuantSpec.parse(cell["quant"])
         return self.spec(cell["bits"])
 
     def task_items(self) -> dict[str, list]:
@@ -209,7 +214,7 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
         out["attn_error"] = True
     if not ident and s.batch_size != DEFAULT_BATCH:  # float32 rounding that depends on the batch's shape can cross a
         out["batch_size"] = s.batch_size  # quantizer's rounding boundary; cells at the default keep their ids
-    if isinstance(spec, AttnQuant):  # its text is its identity (logits cells keep theirs)
+    if not spec.is_logits_only:  # its text is its identity (the paper's logits cells keep theirs)
         out["quant"] = str(spec)
     return {**out, **revised(spec)}
 
@@ -224,8 +229,8 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
     desc = f"{settings['model']} {task} {label}" if len(s.tasks) > 1 or task != "hellaswag" else \
         f"{settings['model']} {label}"
     measure = bool(settings.get("attn_error"))
-    in_attention = measure and (not isinstance(spec, AttnQuant) or spec.has_attention)
-    in_linears = measure and isinstance(spec, AttnQuant) and spec.has_linear
+    in_attention = measure and (spec.is_logits_only or spec.has_attention)
+    in_linears = measure and spec.has_linear
     tables = ("attn_error",) * in_attention + ("linear_error",) * in_linears
 
     def compute():
@@ -237,8 +242,8 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
         sites = linear_sites(lm.model, spec) if in_linears else []  # the LM head, when named: layer n_layers
         lin = LinearErrorStats(max(site.layer for site in sites) + 1, list(dict.fromkeys(site.path for site in sites))) \
             if sites else None
-        res = evaluate(lm, quant=spec, items=items, text_seqs=text_seqs, batch_size=s.batch_size, progress=progress,
-                       desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
+        res = evaluate(lm, quant=spec.with_weights(s.weights), items=items, text_seqs=text_seqs,
+                       batch_size=s.batch_size, progress=progress, desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
                        linear_error=lin)
         # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
         whole = shard is None or shard.whole
@@ -267,7 +272,7 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("
     return out
 
 
-def cell_label(spec: QuantSpec | AttnQuant, source: dict | None = None) -> str:
+def cell_label(spec: QuantSpec, source: dict | None = None) -> str:
     """A cell's label in tables and on the console: the spec's, except the 16-bit cell of a checkpoint saved quantized
     (``source``: its :meth:`~outlierscope.models.loading.LoadedModel.provenance`, or the run record's entry), which
     is no emulation on top of that checkpoint's own quantization, not an unquantized model."""
@@ -426,7 +431,7 @@ def check_specs(model: str, specs, config) -> None:
 def _cell_entry(cid: str, model: str, task: str, spec) -> dict:
     """A cell as the records list it: an attention spec with its text (``quant``), a logits spec by its bits."""
     return {"cell": cid, "model": model, "task": task, "bits": spec.bits,
-            **({"quant": str(spec)} if isinstance(spec, AttnQuant) else {})}
+            **({"quant": str(spec)} if not spec.is_logits_only else {})}
 
 
 def _bits_order(s: SweepSettings) -> list[int]:
@@ -465,8 +470,6 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         for spec_str in s.models:
             lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
                             trust_remote_code=s.trust_remote_code)
-            if s.weights != "none":
-                quantize_weights(lm.model, s.weights)
             wsha = lm.weights_sha256()
             sources[spec_str] = lm.provenance(wsha)  # as given, resolved commit / GGUF details, weights digest
             text_seqs = None

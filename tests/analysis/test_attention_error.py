@@ -11,7 +11,7 @@ import torch
 
 from outlierscope.analysis.attention_error import AttentionErrorStats, attention_row_errors, measure_attention_error
 from outlierscope.models.loading import load_model
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -108,13 +108,13 @@ def test_measuring_leaves_the_model_alone_and_blocks_agree(role, batch):
     lm = load_model(f"pair-tiny:{role}", device="cpu")
     ids, mask = batch
     spec = QuantSpec(bits=4, granularity="per_tensor")
-    with torch.no_grad(), quantize_attention(lm.model, spec):
+    with torch.no_grad(), quantize_model(lm.model, spec):
         ref = lm.model(input_ids=ids, attention_mask=mask).logits
     stats = {}
     for rows in (None, 5):
         st = AttentionErrorStats(lm.model.config.num_hidden_layers, lm.model.config.num_attention_heads)
         with torch.no_grad(), measure_attention_error(lm.model, spec, st, block_rows=rows), \
-                quantize_attention(lm.model, spec, block_rows=rows):
+                quantize_model(lm.model, spec, block_rows=rows):
             out = lm.model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
         stats[rows] = st
@@ -190,7 +190,7 @@ def _naive_kernel_errors(calls, n_layers):
 @pytest.mark.parametrize("arch,recipe", [("llama", "sage2-int4"), ("llama", "nvfp4-attn"), ("gemma3_text", "kivi-2bit"),
                                          ("gpt2", "fa3-fp8-hadamard"), ("diffllama", "sage2-int4")])
 def test_kernel_recipe_errors_against_naive(arch, recipe):
-    """measure_attention_error for a q/k/v/P recipe, entered before quantize_attention (so each layer's input is the
+    """measure_attention_error for a q/k/v/P recipe, entered before quantize_model (so each layer's input is the
     quantized model's, as in the naive run), equals the naive recipe attention's per-row errors: KL and top-key changes
     from q and k's quantization, output error from everything; the model's outputs are those without measuring."""
     from tests.quant.test_recipes import DESCRIBED, _batch, _model, _run_naive
@@ -204,10 +204,10 @@ def test_kernel_recipe_errors_against_naive(arch, recipe):
     n_layers = len(calls) // (2 if arch == "diffllama" else 1)
     want = _naive_kernel_errors(calls[:: len(calls) // n_layers], n_layers)  # DiffLlama: the layer's first call
     with torch.no_grad():
-        with quantize_attention(model, recipe):
+        with quantize_model(model, recipe):
             plain = model(input_ids=ids, attention_mask=mask).logits
         st = AttentionErrorStats(n_layers)
-        with measure_attention_error(model, recipe, st), quantize_attention(model, recipe):
+        with measure_attention_error(model, recipe, st), quantize_model(model, recipe):
             out = model(input_ids=ids, attention_mask=mask).logits
     assert torch.equal(out, plain)  # measuring changes nothing
     np.testing.assert_array_equal(st.rows.numpy(), want["rows"])
@@ -219,7 +219,7 @@ def test_kernel_recipe_errors_against_naive(arch, recipe):
 
 def test_kernel_recipe_blocked_equals_unblocked_and_under_quantization(batch):
     """Blocks of rows give the same errors (float32 model: the matmuls round per block, ~1e-7 of a logit, and a KL is
-    a small difference of logits); entered before quantize_attention with the same spec, the reference is still the
+    a small difference of logits); entered before quantize_model with the same spec, the reference is still the
     unquantized attention: layer 0 (same input either way) has the same numbers as without quantizing the model."""
     lm = load_model("pair-tiny:diff", device="cpu")
     ids, mask = batch
@@ -228,7 +228,7 @@ def test_kernel_recipe_blocked_equals_unblocked_and_under_quantization(batch):
         st = AttentionErrorStats(lm.model.config.num_hidden_layers)
         with torch.no_grad(), measure_attention_error(lm.model, "sage2-int4", st, block_rows=rows):
             if quantized:
-                with quantize_attention(lm.model, "sage2-int4"):
+                with quantize_model(lm.model, "sage2-int4"):
                     lm.model(input_ids=ids, attention_mask=mask)
             else:
                 lm.model(input_ids=ids, attention_mask=mask)

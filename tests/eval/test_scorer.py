@@ -6,7 +6,7 @@ from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.eval.requests import build_requests, lmeval_max_length
 from outlierscope.eval.scorer import score_requests
 from outlierscope.models.loading import load_model
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -52,7 +52,7 @@ def test_batch_size_independence(setup):
 
 def test_per_row_quantization_exact_with_shared_prefix(setup):
     lm, reqs = setup
-    with quantize_attention(lm.model, QuantSpec(bits=4, granularity="per_row")):
+    with quantize_model(lm.model, QuantSpec(bits=4, granularity="per_row")):
         shared = score_requests(lm.model, reqs, "shared", 8)
         sep = score_requests(lm.model, reqs, "separate", 8)
     np.testing.assert_allclose(shared, sep, atol=1e-4, rtol=0)
@@ -65,7 +65,7 @@ def test_whole_sequence_scales_equal_naive_reference(setup, granularity):
     reference; our batched scores equal it, do not depend on the batch, and differ from unquantized."""
     lm, reqs = setup
     plain = score_requests(lm.model, reqs, "separate", 16)
-    with quantize_attention(lm.model, QuantSpec(bits=4, granularity=granularity)):
+    with quantize_model(lm.model, QuantSpec(bits=4, granularity=granularity)):
         a = score_requests(lm.model, reqs, "separate", 1)
         b = score_requests(lm.model, reqs, "separate", 16)
         ref = naive_scores(lm.model, reqs)
@@ -91,9 +91,9 @@ def test_blocked_attention_same_scores(setup, granularity):
     lm, reqs = setup
     layout = "shared" if granularity == "per_row" else "separate"
     spec = QuantSpec(bits=4, granularity=granularity)
-    with quantize_attention(lm.model, spec):
+    with quantize_model(lm.model, spec):
         ref = score_requests(lm.model, reqs, layout, 8)
-    with quantize_attention(lm.model, spec, block_rows=5):
+    with quantize_model(lm.model, spec, block_rows=5):
         got = score_requests(lm.model, reqs, layout, 8)
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
     assert (got.argmax(1) == ref.argmax(1)).all()
@@ -146,7 +146,7 @@ def test_ragged_choices_and_per_choice_contexts_equal_reference(setup, layout):
     pred, pred_norm = predictions(got, [r.choice_chars for r in reqs])
     assert all(p < len(r.conts) for p, r in zip(pred, reqs)) and all(p < len(r.conts) for p, r in zip(pred_norm, reqs))
     if layout == "separate":  # per_tensor scales see each (context, ending) sequence alone
-        with quantize_attention(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
+        with quantize_model(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
             np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 4), naive(lm.model), atol=1e-4, rtol=0,
                                        equal_nan=True)
 
@@ -248,7 +248,7 @@ def test_quantized_scores_depend_on_the_batch_only_through_float32_rounding(setu
     reqs = reqs[:4]
     model = copy.deepcopy(lm.model).double()
     layout = "shared" if isinstance(quant, QuantSpec) else "separate"
-    with quantize_attention(model, quant):
+    with quantize_model(model, quant):
         got = {b: score_requests(model, reqs, layout, b) for b in (1, 7, 32)}
     plain = score_requests(model, reqs, layout, 32)
     np.testing.assert_allclose(got[7], got[1], rtol=0, atol=1e-9)
@@ -261,12 +261,12 @@ def test_evaluate_takes_a_spec_as_text(setup, hs_jsonl):
     fails with did-you-mean before any forward."""
     from outlierscope.errors import OutlierscopeError
     from outlierscope.eval.evaluate import evaluate
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     lm, _ = setup
     kw = dict(data=hs_jsonl, limit=4, batch_size=4, progress=False)
     got = evaluate(lm, quant="w8a8; k=int4/per_token", **kw)
-    ref = evaluate(lm, quant=AttnQuant.parse("w8a8; k=int4/per_token"), **kw)
+    ref = evaluate(lm, quant=QuantSpec.parse("w8a8; k=int4/per_token"), **kw)
     assert got.settings == ref.settings and got.items.equals(ref.items)
     assert not got.items.equals(evaluate(lm, **kw).items)
     with pytest.raises(OutlierscopeError, match="did you mean w8a8"):

@@ -9,7 +9,7 @@ from outlierscope.analysis.outliers import OutlierStats
 from outlierscope.errors import ParamError
 from outlierscope.hooks.attention import BLOCK_BYTES, attention_stages, block_rows
 from outlierscope.hooks.capture import capture
-from outlierscope.quant.apply import quantize_attention
+from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 from tests.hooks.test_capture import make
 
@@ -38,7 +38,7 @@ def _run(model, rows, spec=None, reducers=None, pad=True):
 
     with torch.no_grad(), contextlib.ExitStack() as st:
         if spec is not None:
-            st.enter_context(quantize_attention(model, spec, block_rows=rows))
+            st.enter_context(quantize_model(model, spec, block_rows=rows))
         st.enter_context(capture(model, ["layers.*.attn.logits", "layers.*.hidden"],
                                  reducers=[keep] + list(reducers or []), block_rows=rows))
         out = model(input_ids=ids, attention_mask=mask).logits
@@ -108,7 +108,7 @@ def test_blocked_quantization_equals_unblocked(arch, granularity, rows):
     out, seen = _run(model, rows, spec)
     same(out, ref)
     a, b = _joined(seen), _joined(ref_seen)
-    for layer in a:  # capture inside quantize_attention: the observed logits are the unquantized ones
+    for layer in a:  # capture inside quantize_model: the observed logits are the unquantized ones
         same(a[layer][0], b[layer][0])
 
 
@@ -122,14 +122,14 @@ def test_blocked_quantization_float32_predictions():
 
 
 def test_quantization_is_observed_in_blocks_after_it():
-    """quantize_attention outside capture: the capture sees the quantized blocks, scaled with the global absmax."""
+    """quantize_model outside capture: the capture sees the quantized blocks, scaled with the global absmax."""
     model = make("llama").double()
     spec = QuantSpec(bits=3, granularity="per_tensor")
     ids, mask = _batch()
     runs = []
     for rows in (None, 4):
         seen = []
-        with torch.no_grad(), quantize_attention(model, spec), capture(model, ["layers.0.attn.logits"],
+        with torch.no_grad(), quantize_model(model, spec), capture(model, ["layers.0.attn.logits"],
                                                                         reducers=lambda o, seen=seen: seen.append(o.x.clone()),
                                                                         block_rows=rows):
             model(input_ids=ids, attention_mask=mask)
@@ -183,11 +183,11 @@ def test_block_rows_must_be_positive(bad):
 
 
 def test_nested_contexts_inherit_block_rows():
-    """A capture entered inside quantize_attention(block_rows=...) keeps the outer block size."""
+    """A capture entered inside quantize_model(block_rows=...) keeps the outer block size."""
     model = make("llama")
     ids, mask = _batch()
     rows = []
-    with torch.no_grad(), quantize_attention(model, QuantSpec(bits=8, granularity="per_row"), block_rows=5), \
+    with torch.no_grad(), quantize_model(model, QuantSpec(bits=8, granularity="per_row"), block_rows=5), \
             capture(model, ["layers.0.attn.logits"], reducers=lambda o: rows.append(o.x.shape[2])):
         model(input_ids=ids, attention_mask=mask)
     assert rows == [5, 5, 1]

@@ -79,7 +79,7 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     from outlierscope.models.loading import load_model, meta_model
     from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.export import spec_from_config
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     src = role if role.startswith("pair-tiny:") else str(tiny_pair[role])  # the bundled pair, or the random test pair
     path = _checkpoint(src, tmp_path / "ckpt", preset, group)
@@ -89,7 +89,7 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     ids = torch.randint(1, 300, (2, 24), generator=torch.Generator().manual_seed(0))
     ref_model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
     derived = spec_from_config(qconfig, meta_model(real.model.config))
-    assert derived == AttnQuant.parse(spec)
+    assert derived == QuantSpec.parse(spec)
     with torch.no_grad():
         trunk = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
         if preset.startswith("NVFP4"):  # their forward decompresses to bfloat16, on which a float32 model fails

@@ -4,7 +4,7 @@ import torch
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.capture import capture
 from outlierscope.models.presets import PairConfig
-from outlierscope.quant.apply import quantize_attention, quantize_weights
+from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -27,7 +27,7 @@ def _logits(model, spec=None):
     with torch.no_grad():
         if spec is None:
             return model(input_ids=IDS).logits
-        with quantize_attention(model, spec):
+        with quantize_model(model, spec):
             return model(input_ids=IDS).logits
 
 
@@ -66,7 +66,7 @@ def test_quantized_attention_equals_float64_reference(model, granularity, bits):
     spec = QuantSpec(bits=bits, granularity=granularity)
     try:
         with torch.no_grad(), capture(model, "layers.*.attn.logits", reducers=keep(raw)), \
-                quantize_attention(model, spec), capture(model, "layers.*.attn.logits", reducers=keep(quant)):
+                quantize_model(model, spec), capture(model, "layers.*.attn.logits", reducers=keep(quant)):
             model(input_ids=ids, attention_mask=mask)
     finally:
         for h in hooks:
@@ -95,7 +95,7 @@ def test_quantized_attention_equals_float64_reference(model, granularity, bits):
 def test_quantized_logits_can_be_profiled(model):
     spec = QuantSpec(bits=3, granularity="per_head")
     seen = []
-    with torch.no_grad(), quantize_attention(model, spec), capture(model, "layers.*.attn.logits", reducers=seen.append):
+    with torch.no_grad(), quantize_model(model, spec), capture(model, "layers.*.attn.logits", reducers=seen.append):
         model(input_ids=IDS[:1])
     for obs in seen:
         # kept observations stay intact: the attention function masks a copy, not the tensor a reducer holds
@@ -105,39 +105,52 @@ def test_quantized_logits_can_be_profiled(model):
 def test_layer_restriction(model):
     seen = {}
     spec = QuantSpec(bits=2, layers=(1,))
-    with torch.no_grad(), quantize_attention(model, spec), capture(model, "layers.*.attn.logits",
+    with torch.no_grad(), quantize_model(model, spec), capture(model, "layers.*.attn.logits",
                                                                    reducers=lambda o: seen.__setitem__(o.point.layer, o.x)):
         model(input_ids=IDS[:1])
     with torch.no_grad(), capture(model, "layers.*.attn.logits", reducers=lambda o: seen.__setitem__(("ref", o.point.layer), o.x)):
         model(input_ids=IDS[:1])
     assert torch.equal(seen[0], seen[("ref", 0)]) and not torch.equal(seen[1], seen[("ref", 1)])
     with pytest.raises(OutlierscopeError, match="out of range"):
-        with quantize_attention(model, QuantSpec(bits=4, layers=(7,))):
+        with quantize_model(model, QuantSpec(bits=4, layers=(7,))):
             pass
 
 
 def test_restored_after_exception(model):
     with pytest.raises(RuntimeError, match="^boom$"):
-        with quantize_attention(model, QuantSpec(bits=4)):
+        with quantize_model(model, QuantSpec(bits=4)):
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "eager"
 
 
 @pytest.mark.parametrize("mode", ["int8", "nf4"])
 def test_weight_quantization_cpu(mode):
-    """Every decoder linear is replaced; each computes F.linear with bitsandbytes' own dequantized weights, and
-    those weights are the originals up to the format's rounding (int8: within one step of the row's absmax / 127;
-    NF4: bitsandbytes' own block-64 quantize/dequantize of the original weights)."""
+    """w=bnb-int8 / w=bnb-nf4: inside quantize_model every decoder linear is bitsandbytes' module; each computes
+    F.linear with bitsandbytes' own dequantized weights, and those weights are the originals up to the format's
+    rounding (int8: within one step of the row's absmax / 127; NF4: bitsandbytes' own block-64 quantize/dequantize of
+    the original weights). On exit the original modules are back, unchanged."""
     import bitsandbytes as bnb
-    import bitsandbytes.functional as bf
 
     m = PairConfig.from_name("pair-test").build("transformer").eval()
-    originals = {n: mod.weight.detach().clone() for n, mod in m.model.layers.named_modules() if type(mod) is torch.nn.Linear}
-    quantize_weights(m, mode)
+    before = {n: mod for n, mod in m.model.layers.named_modules() if type(mod) is torch.nn.Linear}
+    originals = {n: mod.weight.detach().clone() for n, mod in before.items()}
+    ref = _small_logits(m)
     cls = bnb.nn.Linear8bitLt if mode == "int8" else bnb.nn.Linear4bit
-    replaced = {n: mod for n, mod in m.model.layers.named_modules() if isinstance(mod, cls)}
-    assert set(replaced) == set(originals) and type(m.lm_head) is torch.nn.Linear  # the LM head stays
-    x = torch.randn(5, m.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    with quantize_model(m, f"w=bnb-{mode}; logits=int8/per_tensor"):  # combinable with logit quantization
+        replaced = {n: mod for n, mod in m.model.layers.named_modules() if isinstance(mod, cls)}
+        assert set(replaced) == set(originals) and type(m.lm_head) is torch.nn.Linear  # the LM head stays
+        _check_bnb_weights(replaced, originals, mode, m.config.hidden_size)
+        assert torch.isfinite(quantized := _small_logits(m)).all() and (quantized - ref).abs().max() > 0
+    after = {n: mod for n, mod in m.model.layers.named_modules() if type(mod) is torch.nn.Linear}
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    assert all(torch.equal(before[n].weight, originals[n]) for n in before)
+    assert torch.equal(_small_logits(m), ref)
+
+
+def _check_bnb_weights(replaced: dict, originals: dict, mode: str, hidden: int) -> None:
+    import bitsandbytes.functional as bf
+
+    x = torch.randn(5, hidden, generator=torch.Generator().manual_seed(1))
     for name, lin in replaced.items():
         w0 = originals[name]
         if mode == "int8":
@@ -152,8 +165,17 @@ def test_weight_quantization_cpu(mode):
         xi = x[:, : lin.in_features] if lin.in_features <= x.shape[1] else torch.randn(5, lin.in_features)
         with torch.no_grad():
             torch.testing.assert_close(lin(xi), torch.nn.functional.linear(xi, w, lin.bias), rtol=1e-5, atol=1e-6)
-    with torch.no_grad(), quantize_attention(m, QuantSpec(bits=8)):  # combinable with logit quantization
-        assert torch.isfinite(m(input_ids=IDS[:, :8] % 512).logits).all()
+
+
+def test_deprecated_quantize_weights_warns_and_quantizes_in_place():
+    import bitsandbytes as bnb
+
+    from outlierscope import quantize_weights
+
+    m = PairConfig.from_name("pair-test").build("transformer").eval()
+    with pytest.warns(DeprecationWarning, match="quantize_weights is deprecated"):
+        quantize_weights(m, "int8")
+    assert isinstance(m.model.layers[0].mlp.down_proj, bnb.nn.Linear8bitLt)
 
 
 def _small_logits(m):
@@ -162,5 +184,10 @@ def _small_logits(m):
 
 
 def test_weight_mode_error():
+    from outlierscope.quant.bnb import bnb_weights
+
     with pytest.raises(OutlierscopeError, match="weights must be one of none, int8, nf4"):
-        quantize_weights(PairConfig.from_name("pair-test").build("transformer"), "int4")
+        with bnb_weights(PairConfig.from_name("pair-test").build("transformer"), "int4"):
+            pass
+    with pytest.raises(OutlierscopeError, match="unknown format 'bnb-int4'"):
+        QuantSpec.parse("w=bnb-int4")

@@ -11,7 +11,7 @@ ctq = pytest.importorskip("compressed_tensors.quantization")
 
 from outlierscope.errors import OutlierscopeError  # noqa: E402
 from outlierscope.quant import export as qexport  # noqa: E402
-from outlierscope.quant.recipe import AttnQuant  # noqa: E402
+from outlierscope.quant.spec import QuantSpec  # noqa: E402
 
 
 @pytest.mark.parametrize("ours, preset", [
@@ -20,7 +20,7 @@ from outlierscope.quant.recipe import AttnQuant  # noqa: E402
     ("w=fint4/per_group:128; a=e4m3/per_token", "W4AFP8"),
 ])
 def test_named_schemes_are_compressed_tensors_presets(ours, preset):
-    spec = AttnQuant.parse(ours)
+    spec = QuantSpec.parse(ours)
     qexport.check_exportable(spec)
     ours_ = ctq.QuantizationScheme(**qexport.linear_scheme(spec)).model_dump(mode="json")
     assert ours_ == ctq.preset_name_to_scheme(preset, ["Linear"]).model_dump(mode="json")
@@ -28,16 +28,16 @@ def test_named_schemes_are_compressed_tensors_presets(ours, preset):
 
 def test_arguments_worked_by_hand():
     """Granularities and formats outside the presets, against the fields written here."""
-    w = AttnQuant.parse("w=fint4/per_group:32; a=fint8/static").part("w")
+    w = QuantSpec.parse("w=fint4/per_group:32; a=fint8/static").part("w")
     assert qexport.tensor_args(w) == {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": 32, "dynamic": False}
-    a = AttnQuant.parse("w=fint8/per_tensor; a=fint8/static").part("a")
+    a = QuantSpec.parse("w=fint8/per_tensor; a=fint8/static").part("a")
     assert qexport.tensor_args(a) == {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
                                       "dynamic": False}
-    a = AttnQuant.parse("w=fint8/per_tensor; a=fint6/per_group:64").part("a")
+    a = QuantSpec.parse("w=fint8/per_tensor; a=fint6/per_group:64").part("a")
     assert qexport.tensor_args(a) == {"num_bits": 6, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": 64, "dynamic": True}
-    kv = qexport.kv_cache_args(AttnQuant.parse("kv=e4m3/per_head"))
+    kv = qexport.kv_cache_args(QuantSpec.parse("kv=e4m3/per_head"))
     assert ctq.QuantizationArgs(**kv) == ctq.QuantizationArgs(num_bits=8, type="float", symmetric=True,
                                                               strategy="attn_head", dynamic=False)
 
@@ -56,7 +56,7 @@ def test_arguments_worked_by_hand():
 ])
 def test_what_compressed_tensors_cannot_state_is_refused(text, msg):
     with pytest.raises(OutlierscopeError, match=msg):
-        qexport.check_exportable(AttnQuant.parse(text))
+        qexport.check_exportable(QuantSpec.parse(text))
 
 
 def _meta_llama(layers=3):
@@ -85,7 +85,7 @@ def test_ignore_list_selects_exactly_the_quantized_linears(text, layers, expecte
     from outlierscope.quant.linear import linear_sites
 
     model = _meta_llama()
-    spec = dataclasses.replace(AttnQuant.parse(text), layers=layers)
+    spec = dataclasses.replace(QuantSpec.parse(text), layers=layers)
     ignore = qexport.ignore_list(model, {s.name for s in linear_sites(model, spec)})
     assert {n for n, _ in match_named_modules(model, ["Linear"], ignore)} == expected
     whole = [f"re:model\\.layers\\.{i}\\." for i in range(3) if i not in layers]
@@ -97,15 +97,15 @@ def test_quantization_config_reads_back_and_names_its_format():
     """The config dict validates as compressed-tensors' QuantizationConfig, with the format its compressor infers."""
     for text, fmt in (("w8a8", "int-quantized"), ("w4a16", "pack-quantized"), ("fp8-dynamic", "float-quantized"),
                       ("nvfp4", "nvfp4-pack-quantized"), ("mxfp4", "mxfp4-pack-quantized")):
-        d = qexport.quantization_config(AttnQuant.parse(text), ["lm_head"])
+        d = qexport.quantization_config(QuantSpec.parse(text), ["lm_head"])
         back = ctq.QuantizationConfig.model_validate(d)
         assert back.format == fmt and back.ignore == ["lm_head"] and back.quant_method == "compressed-tensors"
-    d = qexport.quantization_config(AttnQuant.parse("w8a8; kv=e4m3/per_tensor"), [])
+    d = qexport.quantization_config(QuantSpec.parse("w8a8; kv=e4m3/per_tensor"), [])
     assert ctq.QuantizationConfig.model_validate(d).kv_cache_scheme.type == "float"
 
 
 def test_recipe_carries_smoothquant_and_the_same_scheme():
-    r = qexport.recipe(AttnQuant.parse("w8a8; smooth:0.5"), ["lm_head"])["default_stage"]["default_modifiers"]
+    r = qexport.recipe(QuantSpec.parse("w8a8; smooth:0.5"), ["lm_head"])["default_stage"]["default_modifiers"]
     assert list(r) == ["SmoothQuantModifier", "QuantizationModifier"]  # smoothing first, as llm-compressor's examples
     assert r["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
     q = r["QuantizationModifier"]
@@ -123,7 +123,7 @@ def test_recipe_carries_smoothquant_and_the_same_scheme():
 def test_a_checkpoints_config_reads_back_as_the_spec(text):
     """spec -> quantization_config -> spec, through compressed-tensors' matcher on the module tree."""
     model = _meta_llama()
-    spec = AttnQuant.parse(text)
+    spec = QuantSpec.parse(text)
     config = qexport.quantization_config(spec, qexport.ignore_list(model, {s.name for s in _sites(model, spec)}))
     assert qexport.spec_from_config(config, model) == spec
 
@@ -136,7 +136,7 @@ def _sites(model, spec):
 
 def test_a_config_with_no_spec_form_is_refused():
     model = _meta_llama()
-    w = qexport.tensor_args(AttnQuant.parse("w=fint8/per_channel").part("w"))
+    w = qexport.tensor_args(QuantSpec.parse("w=fint8/per_channel").part("w"))
     mixed = {"config_groups": {"group_0": {"targets": ["Linear"], "weights": w}},
              "ignore": ["lm_head", "model.layers.0.mlp.up_proj", "model.layers.1.self_attn.q_proj"]}
     with pytest.raises(OutlierscopeError, match="different linears in different layers"):
@@ -151,5 +151,5 @@ def test_a_config_with_no_spec_form_is_refused():
 def test_differences_name_how_nvfp4_weights_are_decoded(text, said):
     """compare.json's differences say how a loaded NVFP4 checkpoint's weights were decoded (float32, as the emulation)
     wherever the weights are NVFP4, and only there."""
-    notes = qexport.differences(AttnQuant.parse(text))
+    notes = qexport.differences(QuantSpec.parse(text))
     assert any(n.startswith("nvfp4 weights:") for n in notes) is said, notes

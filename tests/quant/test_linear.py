@@ -15,7 +15,8 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.linear import calibrate, linear_sites, quantize_linears
 from outlierscope.quant.linear_ops import rotation
-from outlierscope.quant.recipe import LINEAR_RECIPES, RECIPES, AttnQuant
+from outlierscope.quant.recipes import RECIPES
+from outlierscope.quant.spec import LINEAR_RECIPES, QuantSpec
 from tests.quant.test_recipes import _mx_rows
 
 # the schemes as their sources describe them: w: (format, bits, granule, size), a: the same, plus transforms
@@ -175,11 +176,11 @@ def test_scheme_equals_naive_linear(name, tmp_path):
     desc = DESCRIBED[name]
     ids, mask = _batch()
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
-    spec, smooth, calib = AttnQuant.parse(name), None, None
+    spec, smooth, calib = QuantSpec.parse(name), None, None
     if "smooth" in desc:
         path = tmp_path / "act_scales.pt"
         smooth = _smooth_factors(model, {k: v.double() for k, v in _act_scales(model, path).items()}, desc["smooth"])
-        spec = AttnQuant.parse(f"{name}; calib:{path}")
+        spec = QuantSpec.parse(f"{name}; calib:{path}")
         calib = calibrate(model, None, spec)
     with torch.no_grad():
         handles = _reference(model, desc, mask, smooth)
@@ -210,7 +211,7 @@ def test_every_linear_recipe_is_described():
 def test_mitigations_change_nothing_unquantized(text, tmp_path):
     """SmoothQuant's migration and the rotation alone (or on linears left unquantized): float rounding only."""
     model = _model()
-    spec = AttnQuant.parse(text.format(scales=tmp_path / "s.pt"))
+    spec = QuantSpec.parse(text.format(scales=tmp_path / "s.pt"))
     _act_scales(model, tmp_path / "s.pt")
     calib = calibrate(model, None, spec) if spec.smooth is not None else None
     ids, mask = _batch()
@@ -321,7 +322,7 @@ def test_w8a8_equals_an_int8_kernel(name, qmax, lo):
     lin, x = _w8a8_case()
     holder = nn.Sequential(lin)
     with torch.no_grad():
-        with _linears_of(holder, AttnQuant.parse(name)):
+        with _linears_of(holder, QuantSpec.parse(name)):
             got = holder(x)
         plain = holder(x)
         xs = x.reshape(-1, D_FF).abs().amax(-1, keepdim=True) / qmax  # (M, 1)
@@ -363,7 +364,7 @@ def test_torchao_w8a8_is_our_w8a8_but_at_ties():
         holder = nn.Sequential(lin)
         ours = {}
         for name in ("w8a8", "w8a8-restricted"):
-            with _linears_of(holder, AttnQuant.parse(name)):
+            with _linears_of(holder, QuantSpec.parse(name)):
                 ours[name] = holder(x).double().reshape(-1, D_MODEL)
     near = (ours["w8a8"] - exact).abs().max()
     assert near < 5e-3 * exact.abs().max()  # ties only
@@ -415,7 +416,7 @@ def test_llm_int8_rules_against_float64(name):
     |x| < 6 (bitsandbytes' int8_vectorwise_quant) or over the non-outlier columns (the paper, sec. 3.2)."""
     lin, x = _llm_int8_case()
     holder = nn.Sequential(lin)
-    with torch.no_grad(), _linears_of(holder, AttnQuant.parse(name)):
+    with torch.no_grad(), _linears_of(holder, QuantSpec.parse(name)):
         got = holder(x)[0].double()
     xd, w = x[0].double(), lin.weight.detach().double()
     cols = (xd.abs() >= 6.0).any(0)
@@ -440,7 +441,7 @@ def test_llm_int8_equals_bitsandbytes():
         x = x.half().float()
         got = {}
         for name in ("llm-int8", "llm-int8-paper", "w8a8-restricted"):
-            with _linears_of(holder, AttnQuant.parse(name)):
+            with _linears_of(holder, QuantSpec.parse(name)):
                 got[name] = holder(x)[0].double()
         ref = bnb.nn.Linear8bitLt(D_FF, D_MODEL, bias=False, has_fp16_weights=False, threshold=6.0)
         ref.load_state_dict(lin.state_dict())
@@ -459,8 +460,8 @@ def test_llm_int8_equals_bitsandbytes():
                                   "a=e4m3/static; w=e4m3/per_tensor; calib:x.txt", "w=nvfp4; linears:mlp.*,self_attn.o_proj",
                                   "w4a4-rotated; layers:0-3", "a=mxfp4; w=mxfp6_e2m3; outliers:4.5"])
 def test_text_form_round_trips(text):
-    spec = AttnQuant.parse(text)
-    assert AttnQuant.parse(str(spec)) == spec
+    spec = QuantSpec.parse(text)
+    assert QuantSpec.parse(str(spec)) == spec
 
 
 @pytest.mark.parametrize("text,msg", [("w8a9", "did you mean w8a8"), ("a=int8/per_channel", "granularity must be one of"),
@@ -484,20 +485,20 @@ def test_a_linear_group_is_checked_against_in_features_not_head_dim():
     from outlierscope.quant.apply import check_spec
 
     cfg = _model().config
-    check_spec(AttnQuant.parse("w=int4/per_group:128; a=int8/per_token"), cfg)
+    check_spec(QuantSpec.parse("w=int4/per_group:128; a=int8/per_token"), cfg)
     with pytest.raises(OutlierscopeError, match="head_dim 64 is not a multiple of the group size 128"):
-        check_spec(AttnQuant.parse("k=int4/per_group:128"), cfg)
+        check_spec(QuantSpec.parse("k=int4/per_group:128"), cfg)
     with pytest.raises(OutlierscopeError, match="q_proj has 256 inputs"):
-        check_spec(AttnQuant.parse("w=int4/per_group:96"), cfg)
+        check_spec(QuantSpec.parse("w=int4/per_group:96"), cfg)
 
 
 def test_linear_patterns_and_layers_choose_the_sites():
     model = _model(layers=3)
-    sites = linear_sites(model, AttnQuant.parse("w8a8; linears:mlp.*,self_attn.o_proj; layers:0,2"))
+    sites = linear_sites(model, QuantSpec.parse("w8a8; linears:mlp.*,self_attn.o_proj; layers:0,2"))
     assert [(s.layer, s.path) for s in sites] == [(i, p) for i in (0, 2) for p in
                                                   ("self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
     assert sites[0].name == "model.layers.0.self_attn.o_proj"
-    with quantize_linears(model, AttnQuant.parse("w4a16; linears:mlp.down_proj")):
+    with quantize_linears(model, QuantSpec.parse("w4a16; linears:mlp.down_proj")):
         assert model.model.layers[1].mlp.up_proj.weight is model.model.layers[1].mlp.up_proj.weight  # untouched
 
 
@@ -552,7 +553,7 @@ def test_the_lm_head_only_when_named():
     from transformers import AutoModelForCausalLM
 
     model = _model()
-    assert all(s.path != "lm_head" for s in linear_sites(model, AttnQuant.parse("w8a8; linears:*")))
+    assert all(s.path != "lm_head" for s in linear_sites(model, QuantSpec.parse("w8a8; linears:*")))
     ids, mask = (t[:2] for t in _batch())  # unpadded and right-padded (an eager left-padded row is NaN here)
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.apply import quantize_attention
-from outlierscope.quant.recipe import LINEAR_RECIPES, RECIPES, AttnQuant
+from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.recipes import RECIPES
+from outlierscope.quant.spec import LINEAR_RECIPES, QuantSpec
 from tests.quant.test_formats import compressed_tensors_nvfp4
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
@@ -283,7 +284,7 @@ def test_recipe_equals_naive_attention(recipe, arch):
     want = _run_naive(model, DESCRIBED[recipe], ids, mask)
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).logits
-        with quantize_attention(model, recipe):
+        with quantize_model(model, recipe):
             got = model(input_ids=ids, attention_mask=mask).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6)
@@ -294,7 +295,7 @@ def _assert_naive(model, desc, text, T, left):
     ids, mask = _batch(T, left)
     pos = _positions(mask)
     want = _run_naive(model, desc, ids, mask, positions=pos)
-    with torch.no_grad(), quantize_attention(model, text):
+    with torch.no_grad(), quantize_model(model, text):
         got = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     real = mask.bool()
     torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6)
@@ -322,7 +323,7 @@ def test_a_sequence_alone_or_padded_in_a_batch(recipe):
     model = _model("llama")
     g = torch.Generator().manual_seed(11)
     seq, n, L = torch.randint(1, 101, (141,), generator=g), 141, 170
-    with torch.no_grad(), quantize_attention(model, recipe):
+    with torch.no_grad(), quantize_model(model, recipe):
         alone = model(input_ids=seq[None]).logits[0]
         for side in ("left", "right"):
             ids = torch.randint(1, 101, (3, L), generator=g)
@@ -348,7 +349,7 @@ def test_exact_transforms_change_nothing_unquantized(text):
     real = mask.bool()
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask).logits
-        with quantize_attention(model, text):
+        with quantize_model(model, text):
             got = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got[real], plain[real], rtol=2e-6, atol=2e-6)
 
@@ -361,7 +362,7 @@ def test_hadamard_seed_changes_what_is_quantized():
     out = {}
     with torch.no_grad():
         for text in ("k=int4/per_token; hadamard:0", "k=int4/per_token; hadamard:5", "hadamard:0", "hadamard:5"):
-            with quantize_attention(model, text):
+            with quantize_model(model, text):
                 out[text] = model(input_ids=ids, attention_mask=mask).logits[real]
     torch.testing.assert_close(out["hadamard:0"], out["hadamard:5"], rtol=2e-6, atol=2e-6)
     assert (out["k=int4/per_token; hadamard:0"] - out["k=int4/per_token; hadamard:5"]).abs().max() > 1e-3
@@ -371,14 +372,14 @@ def test_hadamard_seed_changes_what_is_quantized():
                                   "q=mxfp4; k=mxfp4; v=mxfp4; probs=mxfp4; layers:0,2", "sage2-int4", "logits=e4m3/per_head",
                                   "fa3-fp8-hadamard", "smooth_k; hadamard:3"])
 def test_text_form_round_trips(text):
-    spec = AttnQuant.parse(text)
-    assert AttnQuant.parse(str(spec)) == spec
+    spec = QuantSpec.parse(text)
+    assert QuantSpec.parse(str(spec)) == spec
 
 
 def test_plus_separates_lists_like_a_comma():
     """lm-eval's model_args split at commas, so every list in a spec also takes '+': the same spec as the comma form,
     written out by hand, whose canonical text keeps the commas."""
-    plus = AttnQuant.parse("q+kv=int8/per_token; layers:0+2; linears:self_attn.*+mlp.down_proj; a=int8/per_token")
+    plus = QuantSpec.parse("q+kv=int8/per_token; layers:0+2; linears:self_attn.*+mlp.down_proj; a=int8/per_token")
     assert [(p.target, p.bits) for p in plus.parts if p.target in "qkv"] == [("q", 8), ("k", 8), ("v", 8)]
     assert plus.layers == (0, 2) and plus.linears == ("self_attn.*", "mlp.down_proj")
     assert "linears:self_attn.*,mlp.down_proj" in str(plus) and "+" not in str(plus)
@@ -395,7 +396,7 @@ def test_plus_separates_lists_like_a_comma():
 def test_bad_specs_are_one_line(text, msg):
     with pytest.raises(OutlierscopeError, match=msg):
         model = _model("llama")
-        with quantize_attention(model, text), torch.no_grad():
+        with quantize_model(model, text), torch.no_grad():
             model(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
@@ -403,9 +404,9 @@ def test_blocked_attention_gives_the_same_result():
     model = _model("llama")
     ids, mask = _batch(24)
     with torch.no_grad():
-        with quantize_attention(model, "sage2-int4"):
+        with quantize_model(model, "sage2-int4"):
             one = model(input_ids=ids, attention_mask=mask).logits
-        with quantize_attention(model, "sage2-int4", block_rows=5):
+        with quantize_model(model, "sage2-int4", block_rows=5):
             blocked = model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(blocked[mask.bool()], one[mask.bool()], rtol=1e-9, atol=1e-9)
 
@@ -418,7 +419,7 @@ def test_blocked_attention_gives_the_same_result():
 def test_granularities_against_naive(gran, size, fmt, bits):
     """quantize_tokens granule by granule against the loops above, with padding tokens in the middle of groups."""
     from outlierscope.quant.ops import quantize_tokens
-    from outlierscope.quant.recipe import TensorQuant
+    from outlierscope.quant.parts import TensorQuant
 
     if fmt == "asym" and gran == "per_head":
         pytest.skip("same code path as per_token")

@@ -85,7 +85,7 @@ def test_one_layer_spec_quantizes_exactly_that_layer():
     """Through capture (inside the quantization): only layer 1's logits sit on the 4-bit grid."""
     from outlierscope.hooks.capture import capture
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.apply import quantize_attention
+    from outlierscope.quant.apply import quantize_model
 
     lm = load_model("pair-tiny:transformer", device="cpu")
     s = SensitivitySettings(model="pair-tiny:transformer")
@@ -96,7 +96,7 @@ def test_one_layer_spec_quantizes_exactly_that_layer():
         distinct[obs.point.layer] = len(v.abs().unique())
 
     ids = torch.randint(5, 300, (1, 24), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad(), quantize_attention(lm.model, s.spec([1])), capture(lm.model, ["layers.*.attn.logits"], reducers=[rec]):
+    with torch.no_grad(), quantize_model(lm.model, s.spec([1])), capture(lm.model, ["layers.*.attn.logits"], reducers=[rec]):
         lm.model(input_ids=ids)
     assert distinct[1] <= 2 ** 3 and all(n > 50 for layer, n in distinct.items() if layer != 1)
 
@@ -321,7 +321,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
 
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="kivi-2bit", limit=6, batch_size=8, profile_tokens=256,
                             all_but=False, tolerance=0.0)
@@ -333,15 +333,15 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
     items = select_items(limit=6)
     for i in (0, 3):
         cell = json.loads((tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]
-        assert cell["quant"] == f"{AttnQuant.parse('kivi-2bit')}; layers:{i}"
+        assert cell["quant"] == f"{QuantSpec.parse('kivi-2bit')}; layers:{i}"
         df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.csv")
-        spec = dataclasses.replace(AttnQuant.parse("kivi-2bit"), layers=(i,))
+        spec = dataclasses.replace(QuantSpec.parse("kivi-2bit"), layers=(i,))
         direct = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=False)  # the cell's batch size
         np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     err = pd.read_csv(tmp_path / "attn_error.csv")
     assert sorted(set(err["layer"])) == list(range(lm.model.config.num_hidden_layers)) and (err["rel_out_mean"] > 0).all()
     title = (tmp_path / "sensitivity.md").read_text().splitlines()[0]  # the recipe, not the unused logits bits
-    assert title == f"# Per-layer sensitivity: pair-tiny:diff, hellaswag, kivi-2bit (`{AttnQuant.parse('kivi-2bit')}`)"
+    assert title == f"# Per-layer sensitivity: pair-tiny:diff, hellaswag, kivi-2bit (`{QuantSpec.parse('kivi-2bit')}`)"
     assert titles["sensitivity"] == "Per-layer sensitivity to kivi-2bit (k=asym2/per_channel:32; v=asym2/per_group:32)"
     with pytest.raises(OutlierscopeError, match="did you mean sage1"):
         SensitivitySettings(model="pair-tiny:diff", quant="sage")
@@ -387,7 +387,7 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.models.loading import load_model
     from outlierscope.quant.linear import layer_linears
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="w8a8", limit=6, batch_size=8, profile_tokens=256,
                             all_but=False, tolerance=0.0)
@@ -400,7 +400,7 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
     assert not (tmp_path / "attn_error.csv").exists()
     path = paths[-1]
     df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'kind_{path}']}.csv")
-    direct = evaluate(lm, quant=dataclasses.replace(AttnQuant.parse("w8a8"), linears=(path,)),
+    direct = evaluate(lm, quant=dataclasses.replace(QuantSpec.parse("w8a8"), linears=(path,)),
                       items=select_items(limit=6), batch_size=8, progress=False)
     np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     gold = direct.items.apply(lambda r: r[f"score{int(r['label'])}"], axis=1)

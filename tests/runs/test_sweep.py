@@ -419,10 +419,10 @@ def test_record_names_each_model_and_its_weights(full, tiny_pair):
 
 def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     """--quant cells: named by their spec text (a recipe's or a spec's), scored as evaluate() scores under
-    quantize_attention with that spec, resumed, tabulated again byte-identical from the cells, merged from shards."""
+    quantize_model with that spec, resumed, tabulated again byte-identical from the cells, merged from shards."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,),
                   quant=("sage2-int4", "k=int4/per_group:8"))
@@ -430,11 +430,11 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     table = sweep(s, out, progress=False, log=lambda *_: None).table
     rec = json.loads((out / "sweep.json").read_text())
     quant = [c for c in rec["cells"] if "quant" in c]
-    assert [c["quant"] for c in quant] == [str(AttnQuant.parse("sage2-int4")), "k=int4/per_group:8"]
+    assert [c["quant"] for c in quant] == [str(QuantSpec.parse("sage2-int4")), "k=int4/per_group:8"]
     assert set(table[table.format == "attn"]["label"]) == {"sage2-int4", "k=int4/per_group:8"}
     lm = load_model(str(tiny_pair["diff"]))
     items = s.task_items()["hellaswag"]
-    direct = evaluate(lm, quant=AttnQuant.parse("k=int4/per_group:8"), items=items, batch_size=s.batch_size,
+    direct = evaluate(lm, quant=QuantSpec.parse("k=int4/per_group:8"), items=items, batch_size=s.batch_size,
                       progress=False)  # quantized float32 scores: compared at the cell's batch size
     cell = pd.read_csv(out / "cells" / f"{quant[1]['cell']}.csv")
     np.testing.assert_array_equal(cell[[f"score{j}" for j in range(4)]].to_numpy(), direct.items[[f"score{j}" for j in range(4)]].to_numpy())
@@ -460,9 +460,9 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
                   attn_error=True)
     sweep(s, tmp_path, progress=False, log=lambda *_: None)
     err = pd.read_csv(tmp_path / "attn_error.csv")
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
 
-    assert set(err["label"]) == {"4-bit int per_tensor", AttnQuant.parse("k=int4/per_group:8").label}
+    assert set(err["label"]) == {"4-bit int per_tensor", QuantSpec.parse("k=int4/per_group:8").label}
     rows = err.groupby("label")["rows"].sum()
     assert rows.nunique() == 1 and rows.iloc[0] > 0 and (err["kl_mean"] > 0).any()  # the same rows, both measured
     with pytest.raises(OutlierscopeError, match="not both"):
@@ -472,14 +472,14 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
 def test_a_quantized_cell_is_named_by_its_batch_size():
     """Quantized per-item scores depend on the batch size by float32 rounding (tests/eval/test_scorer.py), so a
     quantized cell computed at batch 8 is not reused at batch 32; an unquantized cell (~1e-5 nats) keeps its id."""
-    from outlierscope.quant.recipe import AttnQuant
+    from outlierscope.quant.spec import QuantSpec
     from outlierscope.runs.cells import cell_id
 
     def ident(spec, bs):
         return cell_id(sw.cell_settings("m", "w", spec, SweepSettings(models=("m",), batch_size=bs), "d", "float32"))
 
     s = SweepSettings(models=("m",))
-    for spec in (s.spec(4), AttnQuant.parse("sage1")):
+    for spec in (s.spec(4), QuantSpec.parse("sage1")):
         assert ident(spec, 8) != ident(spec, 32)
     assert ident(s.spec(16), 8) == ident(s.spec(16), 32)
 
