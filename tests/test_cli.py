@@ -73,7 +73,7 @@ def test_the_readme_python_form_of_a_recipe_from_the_one_line_import():
     ids = torch.randint(0, 50, (1, 40))
     with torch.no_grad(), quantize_model(model, QuantSpec.parse("k=int4/per_token")) as spec:
         model(input_ids=ids)
-    assert str(spec) == "k=int4/per_token" and "sage1" in RECIPES and RECIPES["sage1"].spec == QuantSpec.parse("sage1")
+    assert str(spec) == "k=int4/per_token" and "sage1" in RECIPES and QuantSpec.parse(RECIPES["sage1"].text) == QuantSpec.parse("sage1")
 
 
 def test_unknown_public_name_has_a_hint():

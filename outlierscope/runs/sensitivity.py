@@ -213,13 +213,7 @@ class _Run:
         cache that sweep uses; with ``measure`` also the attention error of ``measure`` (not applied), per layer and
         head in ``extra["attn_error_table"]``."""
         s = self.s
-        label = spec.description if spec else "16"  # the paper's logits in words, any other spec its text
-        settings = {**self.ident, "bits": spec.bits if spec else UNQUANTIZED_BITS, "quant": label,
-                    "layers": list(spec.layers) if spec and spec.layers else None,
-                    "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
-                    "attn_error": measure.label if measure else False, **revised(spec, keep)}
-        if (spec or keep) and s.batch_size != DEFAULT_BATCH:  # a quantized cell's scores depend on its batch size by
-            settings["batch_size"] = s.batch_size  # float32 rounding; cells at the default keep their ids
+        settings = cell_settings(self.ident, spec, keep, measure, s.batch_size)
 
         def compute():
             stats = AttentionErrorStats(len(decoder_layers(self.lm.model))) if measure else None
@@ -233,6 +227,21 @@ class _Run:
         res, self.cells[role] = cached_cell(self.cells_dir, settings, compute, role, self.log,
                                             ("attn_error",) if measure else (), self.shard, self.world)
         return self.world.broadcast(res)  # every rank takes the same next step (the greedy's bisection)
+
+
+def cell_settings(ident: dict, spec: QuantSpec | None, keep: QuantSpec | None, measure: QuantSpec | None,
+                  batch_size: int) -> dict:
+    """A sensitivity cell's identity: ``ident`` (model, weights, task, items, dtype, layout) and the quantization:
+    ``spec`` (None: unquantized) with its layers, ``keep`` (the kept layers' logits), the spec whose attention error
+    is ``measure``d, and the batch size of a quantized cell when it is not the default."""
+    settings = {**ident, "bits": spec.bits if spec else UNQUANTIZED_BITS,
+                "quant": spec.description if spec else "16",  # the paper's logits in words, any other spec its text
+                "layers": list(spec.layers) if spec and spec.layers else None,
+                "keep": {"quant": keep.label, "layers": list(keep.layers)} if keep else None,
+                "attn_error": measure.label if measure else False, **revised(spec, keep)}
+    if (spec or keep) and batch_size != DEFAULT_BATCH:  # a quantized cell's scores depend on its batch size by
+        settings["batch_size"] = batch_size  # float32 rounding; cells at the default keep their ids
+    return settings
 
 
 def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print, force: bool = False,

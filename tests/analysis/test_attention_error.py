@@ -12,6 +12,7 @@ import torch
 from outlierscope.analysis.attention_error import AttentionErrorStats, attention_row_errors, measure_attention_error
 from outlierscope.models.loading import load_model
 from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.logits import logits_quant
 from outlierscope.quant.spec import QuantSpec
 
 
@@ -84,7 +85,7 @@ def test_identical_logits_have_no_error():
 def test_merge_equals_whole():
     g = torch.Generator().manual_seed(3)
     parts = [(torch.randn(2, 2, 4, 6, generator=g), torch.rand(2, 1, 4, 6, generator=g) > 0.2) for _ in range(4)]
-    spec = QuantSpec(bits=4)
+    spec = logits_quant(QuantSpec(bits=4))
     whole, a, b = AttentionErrorStats(2, 2), AttentionErrorStats(2, 2), AttentionErrorStats(2, 2)
     for i, (x, v) in enumerate(parts):
         whole.update(i % 2, x, spec(x, v), v)

@@ -442,7 +442,7 @@ def test_recipes_command_lists_every_recipe(capsys):
     assert main(["recipes"]) == 0
     out = capsys.readouterr().out
     for r in RECIPES.values():
-        assert f"{r.name}\n  spec:         {r.spec}\n" in out and r.source in out
+        assert f"{r.name}\n  spec:         {QuantSpec.parse(r.name)}\n" in out and r.source in out
     assert main(["recipes", "q,k=int8/per_block:128;smooth_k"]) == 0
     assert capsys.readouterr().out == "q=int8/per_block:128; k=int8/per_block:128; smooth_k\n"  # canonical text
     assert main(["recipes", "sage3"]) == 2

@@ -1,0 +1,198 @@
+"""The one spec type: one parser and one canonical text for every part (property test), the paper's keyword form as
+the same type, the table columns and words the committed cells were named by, bitsandbytes weights as a part, and
+the names before it as deprecated aliases."""
+
+import itertools
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.recipes import RECIPES
+from outlierscope.quant.spec import QuantSpec
+
+SIZE = st.integers(1, 256)
+INT = st.sampled_from(["int", "asym", "fint"]).flatmap(lambda f: st.integers(2, 8).map(lambda b: f"{f}{b}"))
+BLOCK = st.sampled_from(["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8", "nvfp4"])
+
+
+def _gran(names: list[str], sized=("per_block", "per_group")):
+    """A granularity text of ``names``: the sized ones with :N, per_channel with or without."""
+    def one(g):
+        if g in sized:
+            return SIZE.map(lambda n: f"{g}:{n}")
+        if g == "per_channel":
+            return st.one_of(st.just(g), SIZE.map(lambda n: f"{g}:{n}"))
+        return st.just(g)
+    return st.sampled_from(names).flatmap(one)
+
+
+LOGITS = st.one_of(
+    st.tuples(st.integers(2, 15).map(lambda b: f"int{b}") | st.sampled_from(["e4m3", "e5m2"]),
+              st.sampled_from(["per_tensor", "per_head", "per_row"])).map(lambda t: f"logits={t[0]}/{t[1]}"),
+    st.just("logits=bnb-int8"))
+QKV = st.tuples(st.sampled_from(["q", "k", "v", "kv", "q,k"]), st.one_of(
+    st.tuples(INT | st.sampled_from(["e4m3", "e5m2"]),
+              _gran(["per_tensor", "per_head", "per_token", "per_row", "per_channel", "per_block", "per_group"]))
+    .map(lambda t: f"{t[0]}/{t[1]}"), BLOCK)).map(lambda t: f"{t[0]}={t[1]}")
+PROBS = st.one_of(st.tuples(st.integers(2, 8).map(lambda b: f"int{b}") | st.just("e4m3"),
+                            st.sampled_from(["per_row", "static"])).map(lambda t: f"probs={t[0]}/{t[1]}"),
+                  BLOCK.map(lambda f: f"probs={f}"))
+A = st.one_of(st.tuples(INT | st.just("e4m3"), _gran(["per_token", "per_tensor", "per_group", "static"]))
+              .map(lambda t: f"a={t[0]}/{t[1]}"), BLOCK.map(lambda f: f"a={f}"))
+W = st.one_of(st.tuples(INT | st.just("e4m3"), _gran(["per_channel", "per_group", "per_tensor"], sized=("per_group",)))
+              .map(lambda t: f"w={t[0]}/{t[1]}".replace("per_channel:", "per_channel_no:")), BLOCK.map(lambda f: f"w={f}"),
+              st.sampled_from(["w=bnb-int8", "w=bnb-nf4"]))
+FLAGS = st.one_of(
+    st.just("smooth_k"), st.integers(1, 256).map(lambda n: f"smooth_q:{n}"),
+    st.integers(0, 2**63 - 1).map(lambda n: f"hadamard:{n}"), st.integers(0, 2**63 - 1).map(lambda n: f"rotate:{n}"),
+    st.floats(0, 1, allow_nan=False).map(lambda a: f"smooth:{a}"),
+    st.floats(0.01, 100, allow_nan=False).map(lambda t: f"outliers:{t}"),
+    st.floats(0.01, 100, allow_nan=False).map(lambda t: f"bnb_outliers:{t}"),
+    st.lists(st.sampled_from(["self_attn.*", "mlp.down_proj", "mlp.*", "self_attn.q_proj"]), min_size=1, max_size=3)
+    .map(lambda ps: "linears:" + ",".join(ps)),
+    st.lists(st.integers(0, 40), min_size=1, max_size=4).map(lambda ls: "layers:" + ",".join(map(str, ls))),
+    st.sampled_from(["calib:hellaswag", "calib:notes/text.jsonl"]),
+    st.sampled_from(list(RECIPES)))
+
+
+@st.composite
+def spec_texts(draw) -> str:
+    """A spec text: a random subset of parts and transforms (and recipe names), in a random order."""
+    items = draw(st.lists(st.one_of(LOGITS, QKV, PROBS, A, W, FLAGS), min_size=1, max_size=6))
+    return "; ".join(draw(st.permutations(items)))
+
+
+def _parse_or_skip(text: str) -> QuantSpec:
+    try:
+        return QuantSpec.parse(text)
+    except OutlierscopeError:  # an invalid combination (two formats of a target, calib without smooth, ...)
+        assume(False)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.filter_too_much, HealthCheck.too_slow])
+@given(spec_texts())
+def test_parse_of_the_canonical_text_is_the_same_spec(text):
+    spec = _parse_or_skip(text)
+    again = QuantSpec.parse(str(spec))
+    assert again == spec and str(again) == str(spec) and hash(again) == hash(spec)
+
+
+HAND_WRITTEN = ["logits=int4/per_tensor", "logits=e4m3/per_head; layers:0,1", "logits=int12/per_row", "none",
+                "q,k=int8/per_block:128; smooth_k", "kv=asym2/per_channel:32", "q+k=int8/per_token; layers:0+2",
+                "w=fint8/per_channel; a=fint8/per_token; smooth:0.5; calib:hellaswag",
+                "w=int4/per_group:64; a=int8/per_token; linears:self_attn.*,mlp.down_proj",
+                "w=bnb-nf4", "w=bnb-int8; k=int4/per_token", "logits=bnb-int8", "w8a8; kivi-4bit", "sage2-int4; w4a16"]
+
+
+@pytest.mark.parametrize("text", [*RECIPES, *HAND_WRITTEN,
+                                  *(f"{a}; {b}" for a, b in itertools.combinations(RECIPES, 2))])
+def test_every_recipe_pair_and_example_round_trips(text):
+    try:
+        spec = QuantSpec.parse(text)
+    except OutlierscopeError as e:  # two recipes that quantize one target or repeat a transform: refused, naming it
+        assert any(w in str(e) for w in ("quantized twice", "given twice", "two ways of one thing", "bitsandbytes"))
+        return
+    assert QuantSpec.parse(str(spec)) == spec
+
+
+# the paper's keyword form, and the words and table columns its cells were named by before #47 (their old QuantSpec
+# fields and label, written out here by hand)
+@pytest.mark.parametrize("kw,text,bits,fmt,gran,words", [
+    (dict(bits=4), "logits=int4/per_tensor", 4, "int", "per_tensor", "4-bit int per_tensor"),
+    (dict(bits=6, granularity="per_head"), "logits=int6/per_head", 6, "int", "per_head", "6-bit int per_head"),
+    (dict(bits=8, format="e4m3", granularity="per_row", layers=(2, 0)), "logits=e4m3/per_row; layers:0,2", 8, "e4m3",
+     "per_row", "fp8 e4m3 per_row layers 0,2"),
+    (dict(bits=16), "none", 16, "int", "per_tensor", "16 (unquantized)"),
+    (dict(bits=16, format="e5m2", granularity="per_head"), "none", 16, "int", "per_tensor", "16 (unquantized)"),
+    (dict(bits=8, granularity="per_row", backend="bitsandbytes"), "logits=bnb-int8", 8, "bnb-int8", "per_row",
+     "8-bit bnb-int8 per_row"),
+])
+def test_the_paper_keyword_form_is_the_logits_part(kw, text, bits, fmt, gran, words):
+    spec = QuantSpec(**kw)
+    assert spec == QuantSpec.parse(text) and str(spec) == text and spec.is_logits_only
+    assert (spec.bits, spec.format, spec.granularity, spec.description, spec.label) == (bits, fmt, gran, words, words)
+    assert spec.is_identity == (bits == 16)
+
+
+def test_a_spec_beyond_the_logits_keeps_its_table_columns():
+    spec = QuantSpec.parse("sage2-int4")
+    assert (spec.bits, spec.format, spec.granularity, spec.label) == (4, "attn", str(spec), "sage2-int4")
+    assert spec.description == str(spec) and not spec.is_logits_only
+    assert QuantSpec.parse("logits-int4") == QuantSpec(bits=4) and QuantSpec.parse("logits-int4").label == "logits-int4"
+
+
+def test_bitsandbytes_weights_are_a_part():
+    nf4 = QuantSpec.parse("w=bnb-nf4")
+    assert nf4.weights_mode == "nf4" and not nf4.is_identity and not nf4.has_linear
+    assert nf4.without_weights() == QuantSpec() and QuantSpec().with_weights("nf4") == nf4
+    both = QuantSpec(bits=4).with_weights("int8")
+    assert str(both) == "logits=int4/per_tensor; w=bnb-int8" and both.without_weights() == QuantSpec(bits=4)
+    assert QuantSpec(bits=4).with_weights("none") == QuantSpec(bits=4)
+
+
+@pytest.mark.parametrize("text,msg", [
+    ("w=bnb-nf4; a=int8/per_token", "our linear emulation does not apply to bitsandbytes' modules"),
+    ("w=bnb-int8; smooth:0.5; a=int8/per_token", "our linear emulation does not apply"),
+    ("w=bnb-nf4; layers:0", "applies to every decoder layer; leave out layers:"),
+    ("logits=bnb-nf4", "applies to w= only"), ("k=bnb-int8", "applies to w= and logits= only"),
+    ("w=bnb-nf4/per_channel", "brings its own blocks"), ("w=bnb-int8; w8a8", "target w is quantized twice"),
+])
+def test_bitsandbytes_parts_refuse_what_does_not_apply(text, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        QuantSpec.parse(text)
+
+
+@pytest.mark.parametrize("kw", [dict(format="e4m3"), dict(granularity="per_head"), dict(backend="bitsandbytes")])
+def test_logits_settings_without_bits_are_refused(kw):
+    with pytest.raises(OutlierscopeError, match="bits must be a bit width with format, granularity or backend"):
+        QuantSpec(**kw)
+
+
+def test_unknown_keyword_is_a_type_error():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'granularty'"):
+        QuantSpec(bits=4, granularty="per_head")
+
+
+@pytest.mark.parametrize("module,name", [("outlierscope", "AttnQuant"), ("outlierscope.quant", "AttnQuant"),
+                                         ("outlierscope.quant.recipe", "AttnQuant")])
+def test_the_old_type_name_warns_and_is_the_one_type(module, name):
+    import importlib
+
+    with pytest.warns(DeprecationWarning, match="AttnQuant is deprecated"):
+        old = getattr(importlib.import_module(module), name)
+    assert old is QuantSpec
+
+
+def test_the_old_function_names_warn_and_do_the_same():
+    import outlierscope
+    from outlierscope.quant import apply
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        import outlierscope.quant.recipe  # noqa: F401 (importing the old module does not warn; its old names do)
+    with pytest.warns(DeprecationWarning, match="as_attn_quant is deprecated"):
+        assert apply.as_attn_quant("sage1") == QuantSpec.parse("sage1")
+    with pytest.warns(DeprecationWarning, match="quantize_attention is deprecated"):
+        f = outlierscope.quantize_attention
+        f(None, QuantSpec(bits=4)).__enter__ if False else None  # resolving warns nothing; calling does
+        with pytest.raises(AttributeError):  # a real call: it goes on to quantize_model (here: no model)
+            with f(None, QuantSpec(bits=4)):
+                pass
+    assert "AttnQuant" not in outlierscope.__all__ and "quantize_attention" not in outlierscope.__all__
+
+
+def test_no_module_dispatches_between_spec_types():
+    """One type: no isinstance between spec classes, and the old name only in its deprecation shims."""
+    pkg = Path(__file__).resolve().parents[2] / "outlierscope"
+    shims = {"quant/recipe.py", "quant/__init__.py", "__init__.py"}
+    for path in pkg.rglob("*.py"):
+        rel = str(path.relative_to(pkg))
+        text = path.read_text()
+        assert not re.search(r"isinstance\([^()]*,\s*\(?[\w., ]*\b(QuantSpec|AttnQuant)\b", text), rel
+        if rel not in shims:
+            assert "AttnQuant" not in text, f"{rel} still names AttnQuant"

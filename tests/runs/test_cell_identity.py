@@ -1,0 +1,90 @@
+"""Every committed run under docs/ resumes with zero cells recomputed: its settings, read back through today's spec
+type (:class:`~outlierscope.quant.spec.QuantSpec`), name exactly the cells it recorded.
+
+The expected identities are outside the code under test: each cell's own ``<cell>.json`` holds the settings it was
+computed with (written when it ran, by the code of that day), and its file name is their digest."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from outlierscope.runs.cells import cell_id
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+SWEEPS = sorted(p.parent for p in DOCS.rglob("sweep.json") if (p.parent / "cells").is_dir())
+STUDIES = sorted(p.parent for p in DOCS.rglob("sensitivity.json") if (p.parent / "cells").is_dir())
+
+
+def _id(p):
+    return str(p.relative_to(DOCS))
+
+
+def _identity(run_dir: Path, cell: str) -> dict:
+    """The settings a cell was computed with, as its own file recorded them."""
+    return json.loads((run_dir / "cells" / f"{cell}.json").read_text())["cell"]
+
+
+@pytest.mark.parametrize("run_dir", SWEEPS, ids=_id)
+def test_sweep_settings_name_their_recorded_cells(run_dir):
+    from outlierscope.runs.sweep import SweepSettings, cell_settings
+
+    rec = json.loads((run_dir / "sweep.json").read_text())
+    s = SweepSettings.from_record(rec["settings"])
+    recorded = {c["cell"] for c in rec["cells"]}
+    per_model = {}  # model -> what its cells share besides the spec (the loaded weights, dtype, device)
+    for c in rec["cells"]:
+        per_model.setdefault(c["model"], _identity(run_dir, c["cell"]))
+    tasks = rec.get("tasks") or {s.tasks[0]: {"items_sha256": rec["items_sha256"]}}
+    found = set()
+    for model in s.models:
+        shared = per_model[model]
+        for task in s.tasks:
+            for spec in s.specs():
+                settings = cell_settings(model, shared["weights_sha256"], spec, s, tasks[task]["items_sha256"],
+                                         shared["dtype"], shared.get("device", "cpu"), task)
+                cid = cell_id(settings)
+                assert cid in recorded, f"{spec} ({model}, {task}) would be computed again: {settings}"
+                assert settings == _identity(run_dir, cid)
+                found.add(cid)
+    assert found == recorded
+
+
+def _study_specs(s, role: str, n_layers: int):
+    """(spec, keep, measure) of a sensitivity role, as :mod:`outlierscope.runs.sensitivity` builds it."""
+    import dataclasses
+
+    from outlierscope.runs.sensitivity import _in_attention
+
+    layers = list(range(n_layers))
+    tag = "keep" if s.keep_bits == 16 else f"keep{s.keep_bits}"
+    if role == "base":
+        return None, None, s.spec() if s.attn_error and _in_attention(s.spec()) else None
+    if role.startswith("only_"):
+        return s.spec([int(role[5:])]), None, None
+    if role.startswith("all_but_"):
+        return s.spec([j for j in layers if j != int(role[8:])]), None, None
+    if role.startswith("kind_"):
+        return dataclasses.replace(s.spec(), linears=(role[5:],)), None, None
+    kept = [] if role == "all" else [int(i) for i in role.removeprefix(f"{tag}_").split("_")]
+    quantized = [i for i in layers if i not in kept]
+    keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < 16 else None
+    return s.spec(quantized) if quantized else None, keep, None
+
+
+@pytest.mark.parametrize("run_dir", STUDIES, ids=_id)
+def test_sensitivity_settings_name_their_recorded_cells(run_dir):
+    from outlierscope.runs.sensitivity import SensitivitySettings, cell_settings
+
+    rec = json.loads((run_dir / "sensitivity.json").read_text())
+    s = SensitivitySettings(**rec["settings"])
+    base = _identity(run_dir, rec["cells"]["base"])
+    ident = {k: base[k] for k in ("model", "weights_sha256", "task", "items_sha256", "dtype", "layout")}
+    for role, cid in rec["cells"].items():
+        settings = cell_settings(ident, *_study_specs(s, role, rec["n_layers"]), s.batch_size)
+        assert cell_id(settings) == cid, f"{role} would be computed again: {settings}"
+        assert settings == _identity(run_dir, cid)
+
+
+def test_every_committed_kind_is_covered():
+    assert len(SWEEPS) >= 20 and len(STUDIES) >= 1
