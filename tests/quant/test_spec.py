@@ -196,3 +196,36 @@ def test_no_module_dispatches_between_spec_types():
         assert not re.search(r"isinstance\([^()]*,\s*\(?[\w., ]*\b(QuantSpec|AttnQuant)\b", text), rel
         if rel not in shims:
             assert "AttnQuant" not in text, f"{rel} still names AttnQuant"
+
+
+def _readme_one_liners() -> list[str]:
+    """The spec one-liners under the README's "One spec type" (each line of its python block that builds a spec)."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = readme.split("**One spec type.**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("QuantSpec")]
+
+
+def test_the_readme_one_liners_quantize_a_model():
+    """Each one-liner, imported as the README says, changes a model's output inside quantize_model and leaves it as
+    it was afterwards (bitsandbytes NF4: bitsandbytes' modules inside, the original linears after)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ns: dict = {}
+    exec("from outlierscope import QuantSpec, quantize_model", ns)
+    lines = _readme_one_liners()
+    assert len(lines) == 4 and any("bnb-nf4" in x for x in lines)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2, head_dim=32)).eval()
+    ids = torch.randint(0, 64, (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        for line in lines:
+            spec = eval(line, ns)
+            with ns["quantize_model"](model, spec):
+                out = model(input_ids=ids).logits
+                kinds = {type(m).__name__ for m in model.model.layers.modules()}
+            assert (out - ref).abs().max() > 1e-4, line
+            assert ("Linear4bit" in kinds) == ("bnb-nf4" in line), line
+            assert torch.equal(model(input_ids=ids).logits, ref), line
