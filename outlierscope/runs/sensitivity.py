@@ -128,6 +128,10 @@ class SensitivitySettings:
                              self.quant, "'none' leaves every layer as it is")
         if spec.layers is not None:
             raise ParamError("quant", "a spec that names no layers (each layer in turn gets it)", self.quant)
+        if spec.weights_mode != "none":
+            raise ParamError("quant", "a spec without bitsandbytes weights (w=bnb-...: they replace every layer's "
+                             "linears at once, so no layer can be ranked; rank w=int8/per_channel or "
+                             "w=fint4/per_group:128 instead)", self.quant)
         if not spec.parts:
             raise ParamError("quant", "a spec with a quantized part (e.g. 'k=int4/per_token; smooth_k'): smoothing and "
                              "rotations alone are exact, nothing to be sensitive to", self.quant)

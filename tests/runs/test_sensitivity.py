@@ -209,6 +209,7 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
                                      ({"quant": "kivi-2bit", "bits": 8}, "bits must be its default 4 with quant"),
                                      ({"quant": "kivi-2bit", "granularity": "per_row"}, "granularity must be its default"),
                                      ({"quant": "k=int4/per_token; layers:0-1"}, "names no layers"),
+                                     ({"quant": "w=bnb-nf4"}, "a spec without bitsandbytes weights"),
                                      ({"keep_bits": 4}, "keep_bits must be above bits=4"), ({"keep_bits": 17}, "bits must be in 2..16"),
                                      ({"task": "piqaa"}, "did you mean piqa"), ({"bits": 1}, "bits must be in 2..16")])
 def test_settings_errors(kw, msg):

@@ -554,3 +554,41 @@ def test_lm_head_scheme_through_the_scorer(tiny_pair, hs_jsonl, tmp_path):
     assert lin["tokens"].iloc[0] == items[[f"tokens{j}" for j in range(4)]].to_numpy().sum()
     assert 0 < lin["rel_err_mean"].iloc[0] < lin["rel_err_max"].iloc[0]
     assert pd.read_csv(out / "gold_ll.csv")["delta_gold_ll"].abs().iloc[0] > 0
+
+
+def test_sweep_with_bitsandbytes_weights(tiny_pair, hs_jsonl, tmp_path):
+    """--weights nf4: every cell runs with bitsandbytes' Linear4bit in the decoder's linears, put back after each
+    cell. Reference: the model with its linears replaced by bitsandbytes' own modules by hand, evaluated unquantized
+    (16) and with the logits at 4 bits; cells keep the weights in their identity and table rows."""
+    import bitsandbytes as bnb
+    import torch
+
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.hooks.points import decoder_layers
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.spec import QuantSpec
+
+    s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16, 4), weights="nf4", limit=6)
+    out = tmp_path / "nf4"
+    table = sweep(s, out, progress=False, log=lambda *_: None).table
+    assert set(table["weights"]) == {"nf4"} and set(table["label"]) == {"16 (unquantized)", "4-bit int per_tensor"}
+    rec = json.loads((out / "sweep.json").read_text())
+    lm = load_model(str(tiny_pair["diff"]))
+    for layer in decoder_layers(lm.model):  # bitsandbytes by hand
+        for child in list(layer.modules()):
+            for name, lin in list(child.named_children()):
+                if type(lin) is torch.nn.Linear:
+                    new = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                            compute_dtype=lin.weight.dtype, quant_type="nf4")
+                    new.load_state_dict(lin.state_dict())
+                    setattr(child, name, new.to(lin.weight.device))
+    items = s.task_items()["hellaswag"]
+    for c, spec in zip(rec["cells"], (QuantSpec(), QuantSpec(bits=4))):
+        ident = json.loads((out / "cells" / f"{c['cell']}.json").read_text())["cell"]
+        assert ident["weights"] == "nf4" and ident["bits"] == spec.bits
+        ref = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=False)
+        cell = pd.read_csv(out / "cells" / f"{c['cell']}.csv")
+        cols = [f"score{j}" for j in range(4)]
+        np.testing.assert_array_equal(cell[cols].to_numpy(), ref.items[cols].to_numpy())
+    with pytest.raises(OutlierscopeError, match="specs without bitsandbytes weights"):
+        _settings(tiny_pair, hs_jsonl, quant=("w=bnb-nf4",))
