@@ -60,7 +60,7 @@ class SweepSettings:
     quant: tuple[str, ...] = option((), "also: an attention recipe or spec (q/k/v/P/KV cache; see `outlierscope "
                                     "recipes`), e.g. sage2-int4 or 'k=int4/per_group:32'; repeat; --bits stays the "
                                     "logits' axis", flag="--quant", repeat=True, metavar="RECIPE_OR_SPEC")
-    weights: str = option("none", "also quantize linear weights (bitsandbytes)", choices=WEIGHT_MODES)
+    weights: str = option("none", "bitsandbytes weights in every cell (adds w=bnb-int8 or w=bnb-nf4 to each spec)", choices=WEIGHT_MODES)
     layers: tuple[int, ...] | None = option(None, "quantize only these layers, e.g. 0-3 or 0,2 (default all)",
                                             parse=layers_option)
     limit: int | None = option(None, "first N validation items of each task (all of a task with fewer)",

@@ -156,8 +156,8 @@ def test_text_loss(tiny_pair, hs_jsonl, tmp_path, tiny_corpus):
 
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "pair-tny:diff"], "did you mean pair-tiny:diff"),
-    (["--bits", "17"], "bits must be in 2..16"),
-    (["--bits", "4", "--format", "e4m3"], "bits for format e4m3 must be 8"),
+    (["--bits", "17"], "--bits must be in 2..16"),
+    (["--bits", "4", "--format", "e4m3"], "--bits must be 8 (or 16 = unquantized) for format e4m3, got 4"),
     (["--limit", "0"], "--limit must be >= 1, got 0"),
     (["--limit", "10043"], "--limit must be in 1..10042"),
 ])
