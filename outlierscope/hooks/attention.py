@@ -13,7 +13,7 @@ whole (B, H, T, S) float32 logits fit ``block_bytes``)::
         logits = (query[t0:t1] @ repeat_kv(key)^T) * scaling  # (B, H, t1-t0, S), float32 at least
         for stage in stages: logits = stage.apply(ctx, logits) # observe and/or quantize, in entry order
         logits = softcap * tanh(logits / softcap)              # only for models with logit soft-capping
-        probs  = softmax(where(allowed, logits, min), float32) # whole rows: exact
+        probs  = softmax(where(allowed, logits, min), >= fp32) # whole rows: exact (float64 for float64 models)
         tap("attn.probs", probs); tap("attn.probs_diff", p1 - lambda p2)  # Diff models: the differential map
         out[t0:t1] = probs.to(dtype) @ repeat_kv(value)
 
@@ -432,7 +432,9 @@ class _AttentionFunction:
         fill = torch.finfo(torch.float32).min
         # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
-        probs = torch.softmax(logits, dim=-1, dtype=torch.float32).to(call.query.dtype)
+        # float32 at least, as eager attention; a float64 model's in float64 (its reference runs stay float64 through
+        # and cannot move with the padded length through a float32 sum)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.promote_types(logits.dtype, torch.float32)).to(call.query.dtype)
         for stage in stages:
             if stage.probs is not None:
                 probs = stage.probs(ctx, probs)

@@ -1,0 +1,122 @@
+"""Per-token negative log-likelihood and KL divergence to the unquantized model on running text.
+
+For every scored token of the windows (:mod:`outlierscope.eval.windows`) and every quantization spec, from both
+models' full distributions in the same pass (no stored base, nothing rounded; the unquantized trunk runs once per
+batch and is shared by every spec)::
+
+    lq = log_softmax(logits of the quantized model)      lb = log_softmax(logits of the unquantized model)   (V,)
+    nll      = -lq[target]                               nll_base = -lb[target]
+    kld      = sum_v exp(lb[v]) * (lb[v] - lq[v])        (KL(base || quantized), llama.cpp's direction)
+    same_top = argmax lq == argmax lb                    p_diff   = exp(-nll) - exp(-nll_base)
+
+in float64 from the model's logits. llama-perplexity stores the base's log-probabilities in 16 bits and leaves out
+the vocabulary entries below e^-16 of the base; here nothing is left out. Memory: one batch's hidden states at the
+scored positions of both models (tokens x hidden size) and one block of HEAD_ROWS x vocabulary logits at a time
+(256 x 262k x 8 bytes = 0.5 GiB in float64 for a 262k vocabulary); per token only the five values are kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
+from outlierscope.eval.windows import Window
+from outlierscope.parallel import shard_of
+from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.spec import QuantSpec
+
+FLOATS = ("nll", "nll_base", "kld", "p_diff")
+
+
+@dataclass
+class TokenScores:
+    """One spec's values at every scored token, in window order: ``window`` (int64), ``nll``, ``nll_base``, ``kld``,
+    ``p_diff`` (float64) and ``same_top`` (bool), each (N,)."""
+
+    window: np.ndarray
+    nll: np.ndarray
+    nll_base: np.ndarray
+    kld: np.ndarray
+    same_top: np.ndarray
+    p_diff: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.window)
+
+    def save(self, path: str | Path) -> None:
+        np.savez(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
+
+    @classmethod
+    def load(cls, path: str | Path) -> TokenScores:
+        with np.load(path) as z:
+            return cls(**{k: z[k] for k in ("window", "same_top", *FLOATS)})
+
+    @classmethod
+    def concat(cls, parts: Sequence[TokenScores]) -> TokenScores:
+        """Parts of disjoint windows into one, in window order (a stable sort: tokens keep their order)."""
+        whole = {k: np.concatenate([getattr(p, k) for p in parts]) for k in ("window", "same_top", *FLOATS)}
+        order = np.argsort(whole["window"], kind="stable")
+        return cls(**{k: v[order] for k, v in whole.items()})
+
+
+def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token values (module docstring) of logits (n, V) of the quantized and the unquantized model."""
+    lq = torch.log_softmax(logits_q.double(), dim=-1)  # (n, V)
+    lb = torch.log_softmax(logits_b.double(), dim=-1)  # (n, V)
+    t = targets[:, None]
+    nll, nll_base = -lq.gather(1, t)[:, 0], -lb.gather(1, t)[:, 0]
+    return {"nll": nll, "nll_base": nll_base, "kld": (lb.exp() * (lb - lq)).sum(-1),
+            "same_top": lq.argmax(-1) == lb.argmax(-1), "p_diff": torch.exp(-nll) - torch.exp(-nll_base)}
+
+
+def _rows(windows: Sequence[Window]) -> list[dict]:
+    return [{"ids": list(w.input_ids), "pos": list(range(len(w.input_ids))), "mask": None,
+             "gathers": [(list(range(w.first, len(w.input_ids))), list(w.targets))]} for w in windows]
+
+
+def _compare(head_q, head_b, hq: torch.Tensor, hb: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
+    """Per-token values of hidden states (N, D) of both models, the heads applied in blocks of HEAD_ROWS rows."""
+    parts = [token_values(head_q(hq[s:s + HEAD_ROWS]), head_b(hb[s:s + HEAD_ROWS]), targets[s:s + HEAD_ROWS])
+             for s in range(0, len(targets), HEAD_ROWS)]
+    return {k: torch.cat([p[k] for p in parts]).cpu().numpy() for k in parts[0]}
+
+
+@torch.no_grad()
+def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
+                  calibrations: Sequence | None = None, block_rows: int | None = None,
+                  shards: Collection[int] | None = None, progress=None) -> list[TokenScores]:
+    """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
+    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs). The unquantized model runs once
+    per batch, through the same attention function as the quantized ones (so a spec that quantizes nothing has KL
+    divergence 0 exactly); ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`."""
+    calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
+    head_b = lm_head(model, frozen=True)  # the unquantized head, also inside a spec's context
+    batches = [list(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
+    keep = [(k, b) for k, b in enumerate(batches) if shards is None or shard_of(k) in set(shards)]
+    out: list[list[dict]] = [[] for _ in specs]
+    for done, (_, batch) in enumerate(keep):
+        rows = _rows([windows[i] for i in batch])
+        with quantize_model(model, QuantSpec(), block_rows):
+            hb, _, tgt = gathered_hidden(model, rows)
+        targets = torch.tensor(tgt, device=hb.device)
+        window = np.repeat(batch, [len(windows[i].targets) for i in batch])
+        for j, (spec, cal) in enumerate(zip(specs, calibrations)):
+            with quantize_model(model, spec, block_rows, cal):
+                hq, _, _ = gathered_hidden(model, rows)
+                values = _compare(lm_head(model), head_b, hq, hb, targets)
+            out[j].append({"window": window, **values})
+        if progress is not None:
+            progress(done + 1)
+    return [_scores(parts) for parts in out]
+
+
+def _scores(parts: list[dict]) -> TokenScores:
+    if not parts:
+        empty = np.zeros(0)
+        return TokenScores(np.zeros(0, dtype=np.int64), empty, empty, empty, np.zeros(0, dtype=bool), empty)
+    return TokenScores(**{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})

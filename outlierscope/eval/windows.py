@@ -1,0 +1,128 @@
+"""How running text is cut into scored windows: the three protocols that perplexity tables are computed with.
+
+A :class:`Window` is one forward: ``input_ids`` (T,) and the ``targets`` its last ``len(targets)`` positions predict
+(``logits[T - n + j]`` scores ``targets[j]``), with the document it belongs to (``doc``; -1 for text joined across
+documents). Protocols::
+
+    gptq      documents joined with "\\n\\n", tokenized once as GPTQ's datautils does (the tokenizer's default
+              special tokens: a BOS first where it adds one), cut into non-overlapping windows of seq_len; each
+              window scores its tokens 1..T-1 (GPTQ / AWQ / QuaRot's eval_ppl; the remainder is dropped)
+    llamacpp  the text (documents joined with "\\n\\n") tokenized once with special tokens, chunks of ctx tokens
+              (the remainder dropped; at least two chunks), each chunk's first token replaced by BOS where the
+              tokenizer adds one; the second half scored: positions ctx/2 .. ctx-2 predict tokens ctx/2+1 .. ctx-1
+              (llama.cpp's llama-perplexity)
+    lmeval    each document on its own: lm-evaluation-harness 0.4.13's loglikelihood_rolling (get_rolling_token_windows
+              with context_len=1 and make_disjoint_window; the prefix token BOS, else EOS; max_length windows)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from outlierscope.errors import OutlierscopeError, ParamError
+
+PROTOCOLS = ("gptq", "lmeval", "llamacpp")
+GPTQ_SEPARATOR = "\n\n"
+
+
+@dataclass(frozen=True)
+class Window:
+    """One forward: ``input_ids`` whose last ``len(targets)`` positions predict ``targets``; ``doc``: its document
+    (lmeval), -1 when the text was joined."""
+
+    input_ids: tuple[int, ...]
+    targets: tuple[int, ...]
+    doc: int = -1
+
+    @property
+    def first(self) -> int:
+        """The position whose logits predict ``targets[0]``."""
+        return len(self.input_ids) - len(self.targets)
+
+
+def gptq_windows(tokenizer, docs: Sequence[str], seq_len: int) -> list[Window]:
+    """GPTQ's eval_ppl: the documents joined with "\\n\\n", tokenized once, ``numel // seq_len`` windows."""
+    ids = tokenizer(GPTQ_SEPARATOR.join(docs))["input_ids"]
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ParamError("seq_len", f"at most the {len(ids)} tokens of the text (one window at least)", seq_len,
+                         "use more text or a shorter window")
+    return [Window(tuple(ids[i * seq_len:(i + 1) * seq_len]), tuple(ids[i * seq_len + 1:(i + 1) * seq_len]))
+            for i in range(n)]
+
+
+def adds_bos(tokenizer) -> bool:
+    """Whether the tokenizer puts a BOS first when it adds special tokens (llama.cpp's ``add_bos``)."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos is not None and bool(ids) and ids[0] == bos
+
+
+def llamacpp_windows(tokenizer, docs: Sequence[str], ctx: int) -> list[Window]:
+    """llama-perplexity: chunks of ``ctx`` tokens of the whole text, the second half of each scored."""
+    if ctx < 4:
+        raise ParamError("ctx", ">= 4 (llama-perplexity scores the second half of each chunk)", ctx)
+    ids = tokenizer(GPTQ_SEPARATOR.join(docs), add_special_tokens=True)["input_ids"]
+    if len(ids) < 2 * ctx:
+        raise OutlierscopeError(f"the text tokenizes to {len(ids)} tokens; llama-perplexity needs at least 2 x ctx = "
+                                f"{2 * ctx}: use more text or a smaller ctx")
+    bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
+    first = ctx // 2
+    out = []
+    for i in range(len(ids) // ctx):
+        chunk = list(ids[i * ctx:(i + 1) * ctx])
+        targets = tuple(chunk[first + 1:])  # the original tokens, also where the first one became BOS
+        if bos is not None:
+            chunk[0] = bos
+        out.append(Window(tuple(chunk[:-1]), targets))  # position first .. ctx-2 predict first+1 .. ctx-1
+    return out
+
+
+def lmeval_prefix_token(tokenizer) -> int:
+    """lm-eval's HFLM.prefix_token_id: the BOS token, else the EOS token."""
+    tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if tok is None:
+        raise OutlierscopeError("the tokenizer has neither a BOS nor an EOS token: lm-eval's rolling windows need one "
+                                "to condition the first token on")
+    return tok
+
+
+def rolling_windows(tokens: list[int], prefix: int, max_len: int) -> list[tuple[list[int], list[int]]]:
+    """lm-eval's ``get_rolling_token_windows(tokens, prefix, max_len, context_len=1)`` then ``make_disjoint_window``:
+    (context, continuation) pairs whose continuations cover ``tokens`` once."""
+    if not tokens:
+        return []
+    out, done = [], min(max_len, len(tokens))
+    out.append(([prefix], tokens[:done]))  # the first window: every token, the prefix token before them
+    while done < len(tokens):
+        n = min(len(tokens) - done, max_len)  # pred_len = max_len - context_len + 1 = max_len
+        end = done + n
+        ctx = tokens[end - max_len - 1:end - 1]  # end > max_len here: never a negative start
+        out.append((ctx[:len(ctx) - (n - 1)], tokens[end - n:end]))
+        done = end
+    return out
+
+
+def lmeval_windows(tokenizer, docs: Sequence[str], max_len: int) -> list[Window]:
+    """lm-eval's loglikelihood_rolling, per document: each (context, continuation) pair as one forward of
+    ``(context + continuation)[-(max_len + 1):][:-1]`` scoring the continuation."""
+    prefix = lmeval_prefix_token(tokenizer)
+    out = []
+    for d, doc in enumerate(docs):
+        tokens = tokenizer(doc, add_special_tokens=False)["input_ids"]
+        for ctx, cont in rolling_windows(tokens, prefix, max_len):
+            whole = (ctx + cont)[-(max_len + 1):][:-1]
+            out.append(Window(tuple(whole), tuple(cont), d))
+    return out
+
+
+def protocol_windows(protocol: str, tokenizer, docs: Sequence[str], length: int) -> list[Window]:
+    """The windows of ``protocol`` (:data:`PROTOCOLS`) over ``docs``; ``length``: gptq's seq_len, llamacpp's ctx,
+    lmeval's max_length."""
+    if protocol not in PROTOCOLS:
+        raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", protocol)
+    if length < 2:
+        raise ParamError("length", ">= 2 tokens per window", length)
+    build = {"gptq": gptq_windows, "llamacpp": llamacpp_windows, "lmeval": lmeval_windows}[protocol]
+    return build(tokenizer, docs, length)

@@ -1,0 +1,221 @@
+"""Running-text protocols, per-token NLL / KL divergence and their statistics, against references written here from
+their definitions: GPTQ's eval_ppl loop, llama-perplexity's chunking, lm-eval's own rolling-window functions, a
+float64 computation from the full logits of the model's own forward, and hand-worked values."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.analysis import kld as K
+from outlierscope.eval.perplexity import TokenScores, score_windows, token_values
+from outlierscope.eval.windows import gptq_windows, llamacpp_windows, lmeval_windows
+from outlierscope.models.presets import PairConfig
+from outlierscope.quant.spec import QuantSpec
+
+DOCS = [" ".join(f"w{(i * 7 + j * 3) % 50}" for j in range(n)) for i, n in enumerate([3, 40, 0, 120, 17, 260, 9, 75])]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The pair's Diff model in float64 with its tokenizer, weights rounded to bfloat16 values (as checkpoints)."""
+    from outlierscope.models.loading import load_model
+
+    lm = load_model("pair-tiny:diff")
+    model = lm.model.double().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).double())
+    return model, lm.tokenizer
+
+
+class _BosTokenizer:
+    """A tokenizer that puts a BOS first with its special tokens (as Llama's), around the pair's."""
+
+    bos_token_id = 1
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = self.inner(text, add_special_tokens=False)["input_ids"]
+        return {"input_ids": ([1] if add_special_tokens else []) + ids}
+
+
+def test_gptq_windows_are_gptq_eval_ppl_slices(pair):
+    """GPTQ's datautils and eval loop, written out: testenc = tokenizer("\\n\\n".join(texts)); nsamples =
+    numel // seqlen; window i = testenc[i*seqlen:(i+1)*seqlen], scored on tokens 1..seqlen-1."""
+    _, tok = pair
+    testenc = tok("\n\n".join(DOCS), return_tensors="pt").input_ids[0]
+    for seqlen in (16, 64, 100):
+        windows = gptq_windows(tok, DOCS, seqlen)
+        assert len(windows) == testenc.numel() // seqlen
+        for i, w in enumerate(windows):
+            batch = testenc[i * seqlen:(i + 1) * seqlen].tolist()
+            assert list(w.input_ids) == batch and list(w.targets) == batch[1:] and w.first == 1
+
+
+def test_llamacpp_windows_are_llama_perplexity_chunks(pair):
+    """llama-perplexity: tokens = tokenize(text, add_bos); n_chunk = n / n_ctx; chunk i's first token becomes BOS;
+    logits at positions n_ctx/2 .. n_ctx-2 score tokens n_ctx/2+1 .. n_ctx-1 (the original ones)."""
+    tok = _BosTokenizer(pair[1])
+    tokens = tok("\n\n".join(DOCS))["input_ids"]
+    for n_ctx in (16, 32, 50):
+        windows = llamacpp_windows(tok, DOCS, n_ctx)
+        assert len(windows) == len(tokens) // n_ctx
+        first = n_ctx // 2
+        for i, w in enumerate(windows):
+            chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
+            assert list(w.input_ids) == [1] + chunk[1:-1] and w.first == first
+            assert list(w.targets) == chunk[first + 1:] and len(w.targets) == n_ctx - 1 - first
+    plain = llamacpp_windows(pair[1], DOCS, 16)  # a tokenizer without a BOS: the chunk as it is
+    ids = pair[1]("\n\n".join(DOCS))["input_ids"]
+    assert list(plain[1].input_ids) == ids[16:31]
+
+
+def test_lmeval_windows_are_lm_evals_rolling_windows(pair):
+    """lm-eval 0.4.13's own get_rolling_token_windows and make_disjoint_window, then _loglikelihood_tokens' input
+    (context + continuation)[-(max_length + 1):][:-1]."""
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+
+    _, tok = pair
+    for max_len in (8, 33, 200):
+        ours = lmeval_windows(tok, DOCS, max_len)
+        ref = []
+        for d, doc in enumerate(DOCS):
+            toks = tok(doc, add_special_tokens=False)["input_ids"]
+            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(toks, tok.eos_token_id, max_len, 1)):
+                ref.append(((ctx + cont)[-(max_len + 1):][:-1], cont, d))
+        assert [(list(w.input_ids), list(w.targets), w.doc) for w in ours] == ref
+        for d, doc in enumerate(DOCS):  # every token of every document scored once
+            assert sum((list(w.targets) for w in ours if w.doc == d), []) == tok(doc, add_special_tokens=False)["input_ids"]
+
+
+def test_kld_of_planted_distributions():
+    """KL(p || q) of p = (1/2, 1/4, 1/4), q = (1/4, 1/2, 1/4): 1/2 ln 2 - 1/4 ln 2 = ln(2) / 4, by hand."""
+    lb = torch.log(torch.tensor([[0.5, 0.25, 0.25]], dtype=torch.float64)) + 3.0  # logits: any shift
+    lq = torch.log(torch.tensor([[0.25, 0.5, 0.25]], dtype=torch.float64)) - 1.0
+    v = token_values(lq, lb, torch.tensor([0]))
+    assert math.isclose(float(v["kld"][0]), math.log(2) / 4, rel_tol=1e-14)
+    assert math.isclose(float(v["nll"][0]), math.log(4), rel_tol=1e-14) and math.isclose(float(v["nll_base"][0]), math.log(2))
+    assert not bool(v["same_top"][0]) and math.isclose(float(v["p_diff"][0]), 0.25 - 0.5)
+
+
+def _naive(model, windows, spec):
+    """Per-token values from the model's own full forward (its logits), unquantized and quantized, in float64."""
+    from outlierscope.quant.apply import quantize_model
+
+    out = {k: [] for k in ("nll", "nll_base", "kld", "same_top", "p_diff")}
+    for w in windows:
+        ids = torch.tensor([w.input_ids])
+        with torch.no_grad():
+            with quantize_model(model, QuantSpec()):  # the same attention function, quantizing nothing
+                base = model(input_ids=ids).logits[0].double()
+            with quantize_model(model, spec):
+                quant = model(input_ids=ids).logits[0].double()
+        for j, t in enumerate(w.targets):
+            p = torch.softmax(base[w.first + j], -1).numpy()
+            q = torch.softmax(quant[w.first + j], -1).numpy()
+            out["nll"].append(-math.log(q[t]))
+            out["nll_base"].append(-math.log(p[t]))
+            out["kld"].append(float(np.sum(p * (np.log(p) - np.log(q)))))
+            out["same_top"].append(int(np.argmax(p)) == int(np.argmax(q)))
+            out["p_diff"].append(q[t] - p[t])
+    return {k: np.array(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(bits=4), QuantSpec.parse("w8a8; kivi-2bit"), QuantSpec()])
+def test_values_equal_the_full_forward_in_float64(pair, spec):
+    model, tok = pair
+    windows = lmeval_windows(tok, DOCS, 48)[:9]  # several windows per document, of different lengths
+    (ours,) = score_windows(model, windows, [spec], batch_size=4)
+    ref = _naive(model, windows, spec)
+    for k in ("nll", "nll_base", "kld", "p_diff"):
+        np.testing.assert_allclose(getattr(ours, k), ref[k], rtol=1e-9, atol=1e-12, err_msg=k)
+    assert np.array_equal(ours.same_top, ref["same_top"])
+    assert np.array_equal(ours.window, np.repeat(np.arange(9), [len(w.targets) for w in windows]))
+    if spec.is_identity:  # against itself: every value exactly 0 / the same top token
+        assert not ours.kld.any() and ours.same_top.all() and np.array_equal(ours.nll, ours.nll_base)
+    else:
+        assert ours.kld.mean() > 1e-6
+
+
+def test_batch_size_padding_and_shards_change_nothing_in_float64(pair):
+    """Windows of different lengths alone (batch 1) and right-padded together (batch 5): the same values in
+    float64; the virtual shards' parts concatenated: the whole, exactly."""
+    model, tok = pair
+    windows = lmeval_windows(tok, DOCS, 40)
+    spec = QuantSpec.parse("k=int4/per_token; logits=int8/per_tensor")
+    alone, = score_windows(model, windows, [spec], batch_size=1)
+    batched, = score_windows(model, windows, [spec], batch_size=5)
+    for k in ("nll", "nll_base", "kld", "p_diff"):
+        np.testing.assert_allclose(getattr(batched, k), getattr(alone, k), rtol=1e-12, atol=1e-14, err_msg=k)
+    parts = [score_windows(model, windows, [spec], batch_size=1, shards=[s])[0] for s in range(16)]
+    whole = TokenScores.concat([p for p in parts if len(p)])
+    for k in ("window", "same_top", "nll", "nll_base", "kld", "p_diff"):
+        assert np.array_equal(getattr(whole, k), getattr(alone, k)), k
+    assert sum(1 for p in parts if len(p)) > 1
+
+
+def test_base_is_shared_by_every_spec(pair):
+    """Two specs scored together: each equals the spec scored alone (the unquantized pass is shared, not mixed)."""
+    model, tok = pair
+    windows = gptq_windows(tok, DOCS, 32)[:4]
+    a, b = QuantSpec(bits=4), QuantSpec.parse("kivi-2bit")
+    together = score_windows(model, windows, [a, b], batch_size=2)
+    for spec, got in zip((a, b), together):
+        (alone,) = score_windows(model, windows, [spec], batch_size=2)
+        assert np.array_equal(got.kld, alone.kld) and np.array_equal(got.nll_base, alone.nll_base)
+
+
+def _llamacpp_reference(nll, nll_base, kld, p_diff, same):
+    """llama.cpp's kl_divergence() statistics, written out from perplexity.cpp (sums, then the formulas)."""
+    n = len(nll)
+
+    def mu(s, s2):
+        f = s / n
+        df = s2 / n - f * f
+        return f, (math.sqrt(df / (n - 1)) if df > 0 and n > 10 else 0.0)
+
+    lp, lb = mu(nll.sum(), (nll ** 2).sum()), mu(nll_base.sum(), (nll_base ** 2).sum())
+    cov = ((nll * nll_base).sum() / n - nll.sum() / n * nll_base.sum() / n) / (n - 1)
+    mse = mu((p_diff ** 2).sum(), (p_diff ** 4).sum())
+    v = sorted(kld)
+
+    def pct(f):
+        p = f * (n - 1)
+        i = int(p)
+        return (1 - (p - i)) * v[i] + (p - i) * v[min(i + 1, n - 1)]
+
+    return {"ppl": math.exp(lp[0]), "ppl_unc": math.exp(lp[0]) * lp[1], "ln_ppl_ratio": lp[0] - lb[0],
+            "ln_ppl_ratio_unc": math.sqrt(lp[1] ** 2 + lb[1] ** 2 - 2 * cov), "cor_ln_ppl": cov / (lp[1] * lb[1]),
+            "kld_mean": kld.sum() / n, "kld_unc": mu(kld.sum(), (kld ** 2).sum())[1], "kld_max": v[-1],
+            "kld_p99.9": pct(0.999), "kld_p90": pct(0.9), "kld_p1": pct(0.01), "kld_min": v[0],
+            "kld_median": (v[n // 2] + v[n // 2 - 1]) / 2 if n % 2 == 0 else v[n // 2],
+            "p_diff_rms": math.sqrt(mse[0]), "p_diff_rms_unc": 0.5 / math.sqrt(mse[0]) * mse[1],
+            "same_top": same.mean(), "same_top_unc": math.sqrt(same.mean() * (1 - same.mean()) / (n - 1))}
+
+
+@pytest.mark.parametrize("n", [11, 500, 1001])
+def test_statistics_are_llama_cpps(n):
+    rng = np.random.default_rng(n)
+    nll_base = rng.gamma(2.0, 1.5, n)
+    nll = nll_base + rng.normal(0.05, 0.2, n)
+    kld = rng.exponential(0.02, n)
+    p_diff = rng.normal(0, 0.03, n)
+    same = rng.random(n) < 0.9
+    tokens = TokenScores(np.repeat(np.arange(n // 10 + 1), 10)[:n], nll, nll_base, kld, same, p_diff)
+    got = K.summary(tokens)
+    for key, want in _llamacpp_reference(nll, nll_base, kld, p_diff, same).items():
+        assert math.isclose(got[key], want, rel_tol=1e-12, abs_tol=1e-15), key
+
+
+def test_block_intervals_resample_whole_windows():
+    """Windows of one constant change each: every resample's mean lies within the windows' extremes, and the point
+    value is the token-weighted mean (by hand: (3*1 + 1*5) / 4 = 2)."""
+    tokens = TokenScores(np.array([0, 0, 0, 1]), np.array([2.0, 2.0, 2.0, 6.0]), np.array([1.0, 1.0, 1.0, 1.0]),
+                         np.zeros(4), np.ones(4, bool), np.zeros(4))
+    b = K.block_intervals(tokens, seed=3)
+    assert b["delta_nll"] == 2.0 and 1.0 <= b["delta_nll_ci_low"] <= 2.0 <= b["delta_nll_ci_high"] <= 5.0
+    assert b["windows"] == 2
