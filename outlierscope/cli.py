@@ -158,6 +158,14 @@ def _cmd_sensitivity(a) -> None:
         print(f"results written to {a.out} ({', '.join(written_files(s, rec))})")
 
 
+def _cmd_perplexity(a) -> None:
+    from outlierscope.runs.perplexity import PerplexitySettings, perplexity
+    from outlierscope.settings import from_cli
+
+    perplexity(from_cli(PerplexitySettings, vars(a)), a.out)
+    print(f"results written to {a.out} (perplexity.csv, perplexity.md, perplexity.json, cells/)")
+
+
 def _cmd_merge(a) -> None:
     from pathlib import Path
 
@@ -431,6 +439,14 @@ def _add_run_commands(sub) -> None:
     _add_shard(s)
     s.set_defaults(func=_cmd_sensitivity)
 
+    from outlierscope.runs.perplexity import PerplexitySettings
+
+    s = sub.add_parser("perplexity", help="perplexity and KL divergence to the unquantized model on running text, "
+                                          "per quantization spec (llama.cpp's statistics)")
+    _add_settings(s, PerplexitySettings)
+    s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.set_defaults(func=_cmd_perplexity)
+
     s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
     _add_settings(s, ReproduceSettings)
     s.set_defaults(func=_cmd_reproduce)
@@ -488,7 +504,7 @@ def _add_generate_command(sub) -> None:
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
             "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out", "--force"},
-            "compare-quant": {"--out", "--force"}}
+            "compare-quant": {"--out", "--force"}, "perplexity": {"--out"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

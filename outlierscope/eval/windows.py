@@ -41,14 +41,15 @@ class Window:
         return len(self.input_ids) - len(self.targets)
 
 
-def gptq_windows(tokenizer, docs: Sequence[str], seq_len: int) -> list[Window]:
-    """GPTQ's eval_ppl: the documents joined with "\\n\\n", tokenized once, ``numel // seq_len`` windows."""
+def gptq_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
+    """GPTQ's eval_ppl: the documents joined with "\\n\\n", tokenized once, ``numel // length`` windows (its
+    seqlen)."""
     ids = tokenizer(GPTQ_SEPARATOR.join(docs))["input_ids"]
-    n = len(ids) // seq_len
+    n = len(ids) // length
     if n == 0:
-        raise ParamError("seq_len", f"at most the {len(ids)} tokens of the text (one window at least)", seq_len,
+        raise ParamError("length", f"at most the {len(ids)} tokens of the text (one window at least)", length,
                          "use more text or a shorter window")
-    return [Window(tuple(ids[i * seq_len:(i + 1) * seq_len]), tuple(ids[i * seq_len + 1:(i + 1) * seq_len]))
+    return [Window(tuple(ids[i * length:(i + 1) * length]), tuple(ids[i * length + 1:(i + 1) * length]))
             for i in range(n)]
 
 
@@ -59,14 +60,15 @@ def adds_bos(tokenizer) -> bool:
     return bos is not None and bool(ids) and ids[0] == bos
 
 
-def llamacpp_windows(tokenizer, docs: Sequence[str], ctx: int) -> list[Window]:
-    """llama-perplexity: chunks of ``ctx`` tokens of the whole text, the second half of each scored."""
+def llamacpp_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
+    """llama-perplexity: chunks of ``length`` tokens (its n_ctx) of the whole text, the second half of each scored."""
+    ctx = length
     if ctx < 4:
-        raise ParamError("ctx", ">= 4 (llama-perplexity scores the second half of each chunk)", ctx)
+        raise ParamError("length", ">= 4 (llama-perplexity scores the second half of each chunk)", ctx)
     ids = tokenizer(GPTQ_SEPARATOR.join(docs), add_special_tokens=True)["input_ids"]
     if len(ids) < 2 * ctx:
-        raise OutlierscopeError(f"the text tokenizes to {len(ids)} tokens; llama-perplexity needs at least 2 x ctx = "
-                                f"{2 * ctx}: use more text or a smaller ctx")
+        raise ParamError("length", f"at most half the {len(ids)} tokens of the text (llama-perplexity needs two chunks)",
+                         ctx, "use more text or a shorter window")
     bos = tokenizer.bos_token_id if adds_bos(tokenizer) else None
     first = ctx // 2
     out = []

@@ -1,0 +1,222 @@
+"""Perplexity and KL divergence to the unquantized model on running text, per quantization spec.
+
+    text     = load_text(s.text)                                   # documents, with their digest
+    windows  = protocol_windows(s.protocol, tokenizer, docs, length)   # gptq / llamacpp / lmeval
+    for each batch of windows:                                     # the unquantized trunk once per batch,
+        values[spec] += score(batch, spec) for every spec not yet done   # shared by every spec
+    cell per spec (cells/<id>.npz: per-token values; <id>.json: its settings and summary, written last)
+    perplexity.csv: one row per spec: PPL, ln(PPL ratio), mean / percentiles of KLD, same top, RMS dp (llama.cpp's
+                    statistics) and the mean NLL change with a 95% interval from blocks of windows
+
+A rerun reads back every complete cell whose settings match and computes only the others, in one pass. A cell's
+identity: the model's weights, the text's digest, the protocol and window length, the windows scored, the dtype and
+device type, the spec's text, and (quantized, when not the default 1) the batch size.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import MISSING, asdict, dataclass
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.analysis.kld import summary
+from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.eval.perplexity import TokenScores, score_windows
+from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.models.loading import (
+    attn_block_option,
+    check_placement,
+    device_option,
+    dtype_option,
+    trust_remote_code_option,
+)
+from outlierscope.quant.spec import QuantSpec, build_spec
+from outlierscope.runs.cells import cell_id, revised
+from outlierscope.settings import option
+
+DEFAULT_LENGTH = {"gptq": 2048, "llamacpp": 512}  # lmeval: the model's max length, as lm-eval
+COLUMNS = ("label", "quant", "bits", "tokens", "windows", "ppl", "ppl_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc",
+           "delta_nll", "delta_nll_ci_low", "delta_nll_ci_high", "kld_mean", "kld_unc", "kld_ci_low", "kld_ci_high",
+           "kld_max", "kld_p99.9", "kld_p99", "kld_p95", "kld_p90", "kld_median", "kld_p10", "kld_p5", "kld_p1",
+           "kld_p0.1", "kld_min", "same_top", "same_top_unc", "p_diff_mean", "p_diff_rms", "p_diff_rms_unc",
+           "cor_ln_ppl", "ppl_base", "cell")
+
+
+@dataclass(frozen=True)
+class PerplexitySettings:
+    model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched "
+                        "model", metavar="SPEC")
+    bits: tuple[int, ...] = option((16,), "the paper's logits (int, per_tensor) at these bit widths; 16: the "
+                                   "unquantized model (its row is always written)")
+    quant: tuple[str, ...] = option((), "also: a recipe or spec (see `outlierscope recipes`); repeat",
+                                    flag="--quant", repeat=True, metavar="RECIPE_OR_SPEC")
+    text: str = option("lambada", "lambada (offline, from `outlierscope data fetch`), a .txt/.jsonl/.parquet file, "
+                       "or a dataset NAME:CONFIG:SPLIT (e.g. wikitext:wikitext-2-raw-v1:test)", metavar="TEXT")
+    protocol: str = option("gptq", "gptq (joined text, windows of --length, GPTQ/AWQ tables), llamacpp (chunks of "
+                           "--length, second half scored, llama-perplexity) or lmeval (each document rolling, "
+                           "lm-eval's loglikelihood_rolling)", choices=PROTOCOLS)
+    length: int | None = option(None, "tokens per window (gptq: 2048, capped at the model's maximum; llamacpp: 512; "
+                                "lmeval: the model's maximum)")
+    max_windows: int | None = option(None, "score only the first N windows (default: all)")
+    batch_size: int = option(1, "windows per forward; quantized values depend on it by float32 rounding (part of a "
+                             "quantized cell's identity when not 1)")
+    seed: int = option(0, "seeds the bootstrap over windows")
+    dtype: str = dtype_option()
+    device: str = device_option()
+    attn_block: int | None = attn_block_option()
+    trust_remote_code: bool = trust_remote_code_option()
+
+    def __post_init__(self):
+        object.__setattr__(self, "bits", tuple(self.bits))
+        object.__setattr__(self, "quant", tuple(self.quant))
+        for b in self.bits:
+            build_spec(b)
+        texts = [str(sp) for sp in self.specs()]
+        dup = sorted({t for t in texts if texts.count(t) > 1})
+        if dup:
+            raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
+        for name in ("length", "max_windows"):
+            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "length" else 1):
+                raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
+        if self.batch_size < 1:
+            raise ParamError("batch_size", ">= 1", self.batch_size)
+        check_placement(self.device, self.dtype, None, self.attn_block)
+
+    def specs(self) -> list[QuantSpec]:
+        """The unquantized model first, then the logits' bit widths, then each ``quant``."""
+        out = [QuantSpec()] + [build_spec(b) for b in self.bits if b != 16]
+        return out + [QuantSpec.parse(q) for q in self.quant]
+
+
+def window_length(s: PerplexitySettings, model, tokenizer) -> int:
+    """The protocol's window length: given, or its default (gptq capped at the model's maximum)."""
+    from outlierscope.eval.requests import lmeval_max_length
+
+    top = lmeval_max_length(model, tokenizer)
+    if s.length is not None:
+        if s.length > top + (s.protocol == "lmeval"):
+            raise ParamError("length", f"at most the model's {top} positions", s.length)
+        return s.length
+    return top if s.protocol == "lmeval" else min(DEFAULT_LENGTH[s.protocol], top)
+
+
+def cell_settings(ident: dict, spec: QuantSpec, batch_size: int) -> dict:
+    """A perplexity cell's identity: what every cell of the run shares (``ident``) and the spec's text."""
+    out = {**ident, "bits": spec.bits, "quant": str(spec), **revised(spec)}
+    if not spec.is_identity and batch_size != 1:
+        out["batch_size"] = batch_size
+    return out
+
+
+def _load_cell(cells: Path, settings: dict) -> TokenScores | None:
+    cid = cell_id(settings)
+    meta = cells / f"{cid}.json"
+    if not meta.exists():
+        return None
+    if json.loads(meta.read_text()).get("cell") != json.loads(json.dumps(settings)):
+        return None
+    return TokenScores.load(cells / f"{cid}.npz")
+
+
+def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) -> str:
+    """The per-token values, then the settings and summary (written last: they mark the cell complete)."""
+    from outlierscope.io import atomic_path
+
+    cid = cell_id(settings)
+    with atomic_path(cells / f"{cid}.npz") as tmp:
+        with open(tmp, "wb") as f:
+            tokens.save(f)
+    write_json(cells / f"{cid}.json", {"cell": settings, "summary": stats})
+    return cid
+
+
+def _prepare(s: PerplexitySettings, log):
+    """The model, its text and windows, and what every cell shares."""
+    from outlierscope.data.running_text import load_text
+    from outlierscope.models.loading import check_model, load_model
+    from outlierscope.quant.apply import check_spec
+
+    config = check_model(s.model, s.trust_remote_code)[1]
+    for spec in s.specs():  # the specs fit the model's shape: before it loads
+        check_spec(spec, config)
+    text = load_text(s.text)
+    lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+    length = window_length(s, lm.model, lm.tokenizer)
+    windows = protocol_windows(s.protocol, lm.tokenizer, text.docs, length)[: s.max_windows]
+    ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
+             "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
+    if lm.device.split(":")[0] != "cpu":
+        ident["device"] = lm.device.split(":")[0]
+    log(f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
+        f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
+    return lm, text, windows, length, ident
+
+
+def _compute(lm, windows: list[Window], todo: list[QuantSpec], s: PerplexitySettings, log) -> list[TokenScores]:
+    from tqdm.auto import tqdm
+
+    from outlierscope.quant.linear import calibration_for
+
+    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in todo]
+    n_batches = -(-len(windows) // s.batch_size)
+    bar = tqdm(total=n_batches, desc=f"{len(todo)} specs", unit="batch", disable=None)
+    try:
+        return score_windows(lm.model, windows, todo, s.batch_size, cals, s.attn_block,
+                             progress=lambda k: bar.update(k - bar.n))
+    finally:
+        bar.close()
+
+
+def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFrame:
+    """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md`` and ``perplexity.json``
+    (settings, the text's record, the windows, the model's source, versions, machine, commit). Returns the table."""
+    out = Path(out)
+    with output_dir(out), output_dir(out / "cells") as cells:
+        lm, text, windows, length, ident = _prepare(s, log)
+        specs = s.specs()
+        settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
+        have = [_load_cell(cells, st) for st in settings]
+        todo = [i for i, h in enumerate(have) if h is None]
+        log(f"{len(specs) - len(todo)} cells done earlier, {len(todo)} to compute")
+        started = time.perf_counter()
+        if todo:
+            for i, tokens in zip(todo, _compute(lm, windows, [specs[i] for i in todo], s, log)):
+                have[i] = tokens
+                _save_cell(cells, settings[i], tokens, summary(tokens, s.seed))
+        table = _table(specs, settings, have, s.seed)
+        record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
+                  "scored_tokens": int(sum(len(w.targets) for w in windows)), "model_source": lm.provenance(ident["weights_sha256"]),
+                  "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
+                  "git_commit": git_commit(), "cells": dict(zip(table["label"], table["cell"]))}
+        write_csv(out / "perplexity.csv", table)
+        write_text(out / "perplexity.md", perplexity_markdown(table))
+        write_json(out / "perplexity.json", record)
+    log(perplexity_markdown(table))
+    return table
+
+
+def _table(specs, settings, have, seed: int) -> pd.DataFrame:
+    rows = []
+    for spec, st, tokens in zip(specs, settings, have):
+        rows.append({"label": spec.label, "quant": str(spec), "bits": spec.bits, **summary(tokens, seed),
+                     "cell": cell_id(st)})
+    return pd.DataFrame(rows)[list(COLUMNS)]
+
+
+def perplexity_markdown(table: pd.DataFrame) -> str:
+    """One row per spec, as llama.cpp's quantization tables are read: PPL, ln PPL ratio, mean and 99.9% KLD, same
+    top token, RMS dp, and the NLL change with its window-block interval."""
+    if table.empty:
+        raise OutlierscopeError("no spec was scored")
+    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD | 99.9% KLD | same top | RMS Δp |\n"
+            "|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['label']} | {r['ppl']:.4f} ± {r['ppl_unc']:.4f} | {r['ln_ppl_ratio']:+.5f} ± "
+             f"{r['ln_ppl_ratio_unc']:.5f} | {r['delta_nll']:+.5f} [{r['delta_nll_ci_low']:+.5f}, "
+             f"{r['delta_nll_ci_high']:+.5f}] | {r['kld_mean']:.6f} ± {r['kld_unc']:.6f} | {r['kld_p99.9']:.5f} | "
+             f"{100 * r['same_top']:.2f} ± {100 * r['same_top_unc']:.2f}% | {100 * r['p_diff_rms']:.3f}% |"
+             for r in table.to_dict("records")]
+    return head + "\n".join(lines) + "\n"

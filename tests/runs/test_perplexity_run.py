@@ -1,0 +1,129 @@
+"""The perplexity command: text sources, cells with resume, the table and record, one-line errors."""
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from outlierscope.cli import main
+from outlierscope.data.running_text import load_text
+from outlierscope.errors import OutlierscopeError
+from outlierscope.eval.perplexity import TokenScores
+
+PASSAGES = [f"Passage {i}: " + " ".join(f"the {w} went to the {w}s" for w in ("cat", "dog", "fox")[: 1 + i % 3]) * (3 + i)
+            for i in range(30)]
+
+
+@pytest.fixture(scope="module")
+def text(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "passages.jsonl"
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in PASSAGES))
+    return path
+
+
+def test_text_sources(tmp_path, text):
+    import pandas as pd
+
+    assert load_text(str(text)).docs == tuple(PASSAGES)
+    txt = tmp_path / "a.txt"
+    txt.write_text("one\n\ntwo")
+    assert load_text(str(txt)).docs == ("one\n\ntwo",)  # a .txt file is one document, as written
+    pq = tmp_path / "a.parquet"
+    pd.DataFrame({"text": ["x y", "", "z"]}).to_parquet(pq)
+    got = load_text(str(pq))
+    assert got.docs == ("x y", "", "z") and got.kind == "file"
+    assert got.record()["sha256"] != load_text(str(text)).record()["sha256"]
+    for bad, msg in (("nope.txt", "neither 'lambada', an existing file, nor a dataset"),
+                     ("a:b", "neither"), (str(tmp_path / "a.csv"), "neither")):
+        with pytest.raises(OutlierscopeError, match=msg):
+            load_text(bad)
+    (tmp_path / "b.csv").write_text("x")
+    with pytest.raises(OutlierscopeError, match="expected a .txt, .jsonl"):
+        load_text(str(tmp_path / "b.csv"))
+
+
+def test_lambada_is_the_offline_default():
+    from outlierscope.data.running_text import LAMBADA_DOCS, lambada_path
+
+    if not lambada_path().exists():
+        pytest.skip("outlierscope data fetch has not run")
+    t = load_text()
+    assert len(t.docs) == LAMBADA_DOCS and t.docs[0].startswith("In my palm is a clear stone")
+    assert t.docs[0].endswith("I don't care about signs")  # the passage whole: context and its last word
+
+
+def _run(tmp_path, text, *extra, **flags):
+    given = {"--protocol": "gptq", "--length": "64", "--batch-size": "3", **flags}
+    return main(["perplexity", "--model", "pair-tiny:diff", "--text", str(text), "--bits", "16", "4", "--quant",
+                 "kivi-2bit", "--out", str(tmp_path / "p"), *[x for kv in given.items() for x in kv], *extra])
+
+
+def test_run_resume_table_and_record(tmp_path, text, capsys):
+    assert _run(tmp_path, text) == 0
+    out = tmp_path / "p"
+    table = pd.read_csv(out / "perplexity.csv")
+    rec = json.loads((out / "perplexity.json").read_text())
+    assert list(table["label"]) == ["16 (unquantized)", "4-bit int per_tensor", "kivi-2bit"]
+    assert rec["text"]["sha256"] == load_text(str(text)).sha256 and rec["settings"]["protocol"] == "gptq"
+    assert rec["length"] == 64 and rec["scored_tokens"] == rec["windows"] * 63
+    for row in table.to_dict("records"):
+        cell = TokenScores.load(out / "cells" / f"{row['cell']}.npz")
+        assert len(cell) == rec["scored_tokens"] and row["tokens"] == len(cell)
+        assert math.isclose(row["ppl"], math.exp(cell.nll.mean()), rel_tol=1e-12)
+        assert math.isclose(row["delta_nll"], (cell.nll - cell.nll_base).mean(), rel_tol=1e-9, abs_tol=1e-15)
+        assert math.isclose(row["kld_mean"], cell.kld.mean(), rel_tol=1e-12, abs_tol=0)
+    base = table.iloc[0]
+    assert base["kld_max"] == 0 and base["same_top"] == 1 and base["ln_ppl_ratio"] == 0
+    assert (table.iloc[1:]["kld_mean"] > 0).all() and (table["ppl_base"] == base["ppl"]).all()
+    capsys.readouterr()
+    assert _run(tmp_path, text, "--quant", "sage1") == 0  # resumed: only the new spec computed
+    assert "3 cells done earlier, 1 to compute" in capsys.readouterr().out
+    again = pd.read_csv(out / "perplexity.csv")
+    pd.testing.assert_frame_equal(again.iloc[:3], table)
+
+
+@pytest.mark.parametrize("flags,extra,msg", [
+    ({"--length": "1"}, [], "--length must be >= 2"),
+    ({"--length": "100000"}, [], "--length must be at most the model's"), ({}, ["--quant", "sage3"], "did you mean sage1"),
+    ({}, ["--quant", "kivi-2bit"], "is given twice"), ({"--batch-size": "0"}, [], "--batch-size must be >= 1"),
+])
+def test_errors_are_one_line(tmp_path, text, capsys, flags, extra, msg):
+    rc = _run(tmp_path, text, *extra, **flags)
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.count("\n") == 1
+    assert not (tmp_path / "p" / "perplexity.csv").exists()
+
+
+def test_unknown_protocol_is_argparses_choice_error(tmp_path, text, capsys):
+    with pytest.raises(SystemExit) as e:
+        _run(tmp_path, text, **{"--protocol": "bpb"})
+    assert e.value.code == 2 and "invalid choice: 'bpb' (choose from 'gptq', 'lmeval', 'llamacpp')" in capsys.readouterr().err
+
+
+def test_too_little_text_is_one_line(tmp_path, capsys):
+    short = tmp_path / "s.txt"
+    short.write_text("a b c")
+    rc = main(["perplexity", "--model", "pair-tiny:diff", "--text", str(short), "--length", "64", "--out",
+               str(tmp_path / "q")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--length must be at most the 3 tokens of the text" in err and err.count("\n") == 1
+    assert not (tmp_path / "q").exists()
+
+
+def test_windows_are_scored_once_per_batch_of_every_spec(tmp_path, text):
+    """Per-token values of the cells equal the library's score_windows on the same windows (the command adds
+    nothing to them)."""
+    from outlierscope.eval.perplexity import score_windows
+    from outlierscope.eval.windows import protocol_windows
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.spec import QuantSpec
+
+    assert _run(tmp_path, text) == 0
+    table = pd.read_csv(tmp_path / "p" / "perplexity.csv")
+    lm = load_model("pair-tiny:diff")
+    windows = protocol_windows("gptq", lm.tokenizer, PASSAGES, 64)
+    (ref,) = score_windows(lm.model, windows, [QuantSpec.parse("kivi-2bit")], batch_size=3)
+    cell = TokenScores.load(tmp_path / "p" / "cells" / f"{table.iloc[2]['cell']}.npz")
+    assert np.array_equal(cell.kld, ref.kld) and np.array_equal(cell.nll, ref.nll)
