@@ -11,7 +11,6 @@ import torch
 from outlierscope.analysis import kld as K
 from outlierscope.eval.perplexity import TokenScores, score_windows, token_values
 from outlierscope.eval.windows import gptq_windows, llamacpp_windows, lmeval_windows
-from outlierscope.models.presets import PairConfig
 from outlierscope.quant.spec import QuantSpec
 
 DOCS = [" ".join(f"w{(i * 7 + j * 3) % 50}" for j in range(n)) for i, n in enumerate([3, 40, 0, 120, 17, 260, 9, 75])]
