@@ -76,7 +76,7 @@ def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.
 
 def _rows(windows: Sequence[Window]) -> list[dict]:
     return [{"ids": list(w.input_ids), "pos": list(range(len(w.input_ids))), "mask": None,
-             "gathers": [(list(range(w.first, len(w.input_ids))), list(w.targets))]} for w in windows]
+             "gathers": [(list(range(w.first, w.first + len(w.targets))), list(w.targets))]} for w in windows]
 
 
 def _compare(head_q, head_b, hq: torch.Tensor, hb: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:

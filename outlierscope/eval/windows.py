@@ -1,8 +1,8 @@
 """How running text is cut into scored windows: the three protocols that perplexity tables are computed with.
 
-A :class:`Window` is one forward: ``input_ids`` (T,) and the ``targets`` its last ``len(targets)`` positions predict
-(``logits[T - n + j]`` scores ``targets[j]``), with the document it belongs to (``doc``; -1 for text joined across
-documents). Protocols::
+A :class:`Window` is one forward: ``input_ids`` (T,) and the ``targets`` that its logits at positions ``first ..
+first + n - 1`` predict (``logits[first + j]`` scores ``targets[j]``, the token after position ``first + j``), with
+the document it belongs to (``doc``; -1 for text joined across documents). Protocols::
 
     gptq      documents joined with "\\n\\n", tokenized once as GPTQ's datautils does (the tokenizer's default
               special tokens: a BOS first where it adds one), cut into non-overlapping windows of seq_len; each
@@ -28,17 +28,13 @@ GPTQ_SEPARATOR = "\n\n"
 
 @dataclass(frozen=True)
 class Window:
-    """One forward: ``input_ids`` whose last ``len(targets)`` positions predict ``targets``; ``doc``: its document
-    (lmeval), -1 when the text was joined."""
+    """One forward of ``input_ids`` whose logits at positions ``first .. first + len(targets) - 1`` predict
+    ``targets`` (each the token after its position); ``doc``: its document (lmeval), -1 when the text was joined."""
 
     input_ids: tuple[int, ...]
     targets: tuple[int, ...]
+    first: int
     doc: int = -1
-
-    @property
-    def first(self) -> int:
-        """The position whose logits predict ``targets[0]``."""
-        return len(self.input_ids) - len(self.targets)
 
 
 def gptq_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
@@ -49,7 +45,8 @@ def gptq_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
     if n == 0:
         raise ParamError("length", f"at most the {len(ids)} tokens of the text (one window at least)", length,
                          "use more text or a shorter window")
-    return [Window(tuple(ids[i * length:(i + 1) * length]), tuple(ids[i * length + 1:(i + 1) * length]))
+    # the whole window is the input (a per-sequence scale sees all of it, as in GPTQ's forward); logits 0..T-2 score
+    return [Window(tuple(ids[i * length:(i + 1) * length]), tuple(ids[i * length + 1:(i + 1) * length]), 0)
             for i in range(n)]
 
 
@@ -77,7 +74,7 @@ def llamacpp_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window
         targets = tuple(chunk[first + 1:])  # the original tokens, also where the first one became BOS
         if bos is not None:
             chunk[0] = bos
-        out.append(Window(tuple(chunk[:-1]), targets))  # position first .. ctx-2 predict first+1 .. ctx-1
+        out.append(Window(tuple(chunk), targets, first))  # the whole chunk runs; positions first .. ctx-2 score
     return out
 
 
@@ -115,7 +112,7 @@ def lmeval_windows(tokenizer, docs: Sequence[str], max_len: int) -> list[Window]
         tokens = tokenizer(doc, add_special_tokens=False)["input_ids"]
         for ctx, cont in rolling_windows(tokens, prefix, max_len):
             whole = (ctx + cont)[-(max_len + 1):][:-1]
-            out.append(Window(tuple(whole), tuple(cont), d))
+            out.append(Window(tuple(whole), tuple(cont), len(whole) - len(cont), d))
     return out
 
 

@@ -52,7 +52,7 @@ def test_gptq_windows_are_gptq_eval_ppl_slices(pair):
         assert len(windows) == testenc.numel() // seqlen
         for i, w in enumerate(windows):
             batch = testenc[i * seqlen:(i + 1) * seqlen].tolist()
-            assert list(w.input_ids) == batch and list(w.targets) == batch[1:] and w.first == 1
+            assert list(w.input_ids) == batch and list(w.targets) == batch[1:] and w.first == 0
 
 
 def test_llamacpp_windows_are_llama_perplexity_chunks(pair):
@@ -66,11 +66,11 @@ def test_llamacpp_windows_are_llama_perplexity_chunks(pair):
         first = n_ctx // 2
         for i, w in enumerate(windows):
             chunk = tokens[i * n_ctx:(i + 1) * n_ctx]
-            assert list(w.input_ids) == [1] + chunk[1:-1] and w.first == first
+            assert list(w.input_ids) == [1] + chunk[1:] and w.first == first
             assert list(w.targets) == chunk[first + 1:] and len(w.targets) == n_ctx - 1 - first
     plain = llamacpp_windows(pair[1], DOCS, 16)  # a tokenizer without a BOS: the chunk as it is
     ids = pair[1]("\n\n".join(DOCS))["input_ids"]
-    assert list(plain[1].input_ids) == ids[16:31]
+    assert list(plain[1].input_ids) == ids[16:32]
 
 
 def test_lmeval_windows_are_lm_evals_rolling_windows(pair):
@@ -89,6 +89,36 @@ def test_lmeval_windows_are_lm_evals_rolling_windows(pair):
         assert [(list(w.input_ids), list(w.targets), w.doc) for w in ours] == ref
         for d, doc in enumerate(DOCS):  # every token of every document scored once
             assert sum((list(w.targets) for w in ours if w.doc == d), []) == tok(doc, add_special_tokens=False)["input_ids"]
+
+
+def test_every_target_is_the_token_after_its_position(pair):
+    """Next-token prediction in every protocol: logits at position first + j score the token that follows it (the
+    window's own next token; lmeval's last target is the one token its input leaves out)."""
+    tok = _BosTokenizer(pair[1])
+    for windows in (gptq_windows(tok, DOCS, 24), llamacpp_windows(tok, DOCS, 24), lmeval_windows(pair[1], DOCS, 24)):
+        for w in windows:
+            following = list(w.input_ids) + [w.targets[-1]]
+            assert [following[w.first + j + 1] for j in range(len(w.targets))] == list(w.targets)
+
+
+def test_gptq_nll_is_the_models_own_loss(pair):
+    """GPTQ's eval_ppl, written out: per window the model's logits, shift_logits = logits[:, :-1], shift_labels =
+    window[:, 1:], the mean cross entropy (here in float64; transformers' own loss would upcast to float32 only), and
+    PPL = exp of its mean over windows; ours from the per-token values."""
+    from outlierscope.quant.apply import quantize_model
+
+    model, tok = pair
+    windows = gptq_windows(tok, DOCS, 50)
+    (ours,) = score_windows(model, windows, [QuantSpec()], batch_size=2)
+    losses = []
+    with torch.no_grad(), quantize_model(model, "none"):
+        for w in windows:
+            batch = torch.tensor([w.input_ids])
+            logits = model(input_ids=batch).logits
+            losses.append(float(torch.nn.functional.cross_entropy(logits[0, :-1], batch[0, 1:])))
+    assert math.isclose(math.exp(np.mean(losses)), math.exp(ours.nll.mean()), rel_tol=1e-12)
+    per_window = [ours.nll[ours.window == i].mean() for i in range(len(windows))]
+    np.testing.assert_allclose(per_window, losses, rtol=1e-12)
 
 
 def test_kld_of_planted_distributions():
