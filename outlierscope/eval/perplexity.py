@@ -120,3 +120,32 @@ def _scores(parts: list[dict]) -> TokenScores:
         empty = np.zeros(0)
         return TokenScores(np.zeros(0, dtype=np.int64), empty, empty, empty, np.zeros(0, dtype=bool), empty)
     return TokenScores(**{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
+
+
+def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Sequence[str]) -> dict:
+    """lm-evaluation-harness 0.4.13's metrics of a ``loglikelihood_rolling`` task (its wikitext) from the per-token
+    values of lmeval windows: per document the log-likelihood (minus the sum of its tokens' NLL; 0 for an empty one),
+    its words (``len(re.split(r"\\s+", doc))``) and UTF-8 bytes; word_perplexity = exp(-sum ll / sum words),
+    byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte = -sum ll / sum bytes / ln 2. Of the quantized model
+    and (``*_base``) of the unquantized one."""
+    import math
+    import re
+
+    doc_of = np.array([w.doc for w in windows])[tokens.window]  # (N,): each token's document
+    if (doc_of < 0).any():
+        raise ValueError("document metrics need lmeval windows (each of one document)")
+    words = sum(len(re.split(r"\s+", d)) for d in docs)
+    n_bytes = sum(len(d.encode("utf-8")) for d in docs)
+    out = {}
+    for suffix, nll in (("", tokens.nll), ("_base", tokens.nll_base)):
+        ll = -float(np.bincount(doc_of, weights=nll, minlength=len(docs)).sum())
+        out.update({f"word_perplexity{suffix}": math.exp(-ll / words),
+                    f"byte_perplexity{suffix}": math.exp(-ll / n_bytes),
+                    f"bits_per_byte{suffix}": -ll / n_bytes / math.log(2)})
+    return out
+
+
+def document_loglikelihoods(tokens: TokenScores, windows: Sequence[Window], n_docs: int) -> np.ndarray:
+    """Each document's log-likelihood under the quantized model (lm-eval's loglikelihood_rolling result)."""
+    doc_of = np.array([w.doc for w in windows])[tokens.window]
+    return -np.bincount(doc_of, weights=tokens.nll, minlength=n_docs)

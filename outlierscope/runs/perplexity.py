@@ -24,7 +24,7 @@ import pandas as pd
 
 from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.perplexity import TokenScores, score_windows
+from outlierscope.eval.perplexity import TokenScores, document_metrics, score_windows
 from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import (
@@ -44,6 +44,8 @@ COLUMNS = ("label", "quant", "bits", "tokens", "windows", "ppl", "ppl_unc", "ln_
            "kld_max", "kld_p99.9", "kld_p99", "kld_p95", "kld_p90", "kld_median", "kld_p10", "kld_p5", "kld_p1",
            "kld_p0.1", "kld_min", "same_top", "same_top_unc", "p_diff_mean", "p_diff_rms", "p_diff_rms_unc",
            "cor_ln_ppl", "ppl_base", "cell")
+LMEVAL_COLUMNS = ("word_perplexity", "byte_perplexity", "bits_per_byte", "word_perplexity_base",
+                  "byte_perplexity_base", "bits_per_byte_base")  # the lmeval protocol's: lm-eval's wikitext metrics
 
 
 @dataclass(frozen=True)
@@ -187,7 +189,8 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFram
             for i, tokens in zip(todo, _compute(lm, windows, [specs[i] for i in todo], s, log)):
                 have[i] = tokens
                 _save_cell(cells, settings[i], tokens, summary(tokens, s.seed))
-        table = _table(specs, settings, have, s.seed)
+        docs = text.docs if s.protocol == "lmeval" else None
+        table = _table(specs, settings, have, s.seed, windows, docs)
         record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
                   "scored_tokens": int(sum(len(w.targets) for w in windows)), "model_source": lm.provenance(ident["weights_sha256"]),
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
@@ -199,12 +202,14 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFram
     return table
 
 
-def _table(specs, settings, have, seed: int) -> pd.DataFrame:
+def _table(specs, settings, have, seed: int, windows, docs) -> pd.DataFrame:
+    """One row per spec: its statistics, and with ``docs`` (lmeval) lm-eval's document metrics."""
     rows = []
     for spec, st, tokens in zip(specs, settings, have):
-        rows.append({"label": spec.label, "quant": str(spec), "bits": spec.bits, **summary(tokens, seed),
+        extra = document_metrics(tokens, windows, docs) if docs is not None else {}
+        rows.append({"label": spec.label, "quant": str(spec), "bits": spec.bits, **summary(tokens, seed), **extra,
                      "cell": cell_id(st)})
-    return pd.DataFrame(rows)[list(COLUMNS)]
+    return pd.DataFrame(rows)[list(COLUMNS) + (list(LMEVAL_COLUMNS) if docs is not None else [])]
 
 
 def perplexity_markdown(table: pd.DataFrame) -> str:

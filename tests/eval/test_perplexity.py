@@ -248,3 +248,31 @@ def test_block_intervals_resample_whole_windows():
     b = K.block_intervals(tokens, seed=3)
     assert b["delta_nll"] == 2.0 and 1.0 <= b["delta_nll_ci_low"] <= 2.0 <= b["delta_nll_ci_high"] <= 5.0
     assert b["windows"] == 2
+
+
+def test_lmeval_protocol_equals_lm_eval_itself(pair):
+    """lm-eval 0.4.13's own HFLM.loglikelihood_rolling on the same documents (its windows, its forward, its
+    log-softmax) gives every document's log-likelihood ours gives, and its wikitext metrics (its count_words /
+    count_bytes, weighted_perplexity, bits_per_byte aggregations) equal ours. Float64 model; lm-eval runs transformers'
+    eager attention (a float32 softmax), hence the relative tolerance."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.metrics import bits_per_byte, weighted_perplexity
+    from lm_eval.api.task import ConfigurableTask
+    from lm_eval.models.huggingface import HFLM
+
+    from outlierscope.eval.perplexity import document_loglikelihoods, document_metrics
+
+    model, tok = pair
+    docs = DOCS + ["", "one  two\nthree"]
+    hflm = HFLM(pretrained=model, tokenizer=tok, backend="causal", max_length=40, batch_size=4)
+    reqs = [Instance("loglikelihood_rolling", {"page": d}, (d,), i) for i, d in enumerate(docs)]
+    theirs = np.array(hflm.loglikelihood_rolling(reqs, disable_tqdm=True))
+    windows = lmeval_windows(tok, docs, 40)
+    (ours,) = score_windows(model, windows, [QuantSpec()], batch_size=3)
+    np.testing.assert_allclose(document_loglikelihoods(ours, windows, len(docs)), theirs, rtol=1e-6, atol=1e-9)
+    words = [(ll, ConfigurableTask.count_words(d)) for ll, d in zip(theirs, docs)]
+    nbytes = [(ll, ConfigurableTask.count_bytes(d)) for ll, d in zip(theirs, docs)]
+    got = document_metrics(ours, windows, docs)
+    assert math.isclose(got["word_perplexity"], weighted_perplexity(words), rel_tol=1e-6)
+    assert math.isclose(got["byte_perplexity"], weighted_perplexity(nbytes), rel_tol=1e-6)
+    assert math.isclose(got["bits_per_byte"], bits_per_byte(nbytes), rel_tol=1e-6)

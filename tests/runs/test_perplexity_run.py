@@ -127,3 +127,27 @@ def test_windows_are_scored_once_per_batch_of_every_spec(tmp_path, text):
     (ref,) = score_windows(lm.model, windows, [QuantSpec.parse("kivi-2bit")], batch_size=3)
     cell = TokenScores.load(tmp_path / "p" / "cells" / f"{table.iloc[2]['cell']}.npz")
     assert np.array_equal(cell.kld, ref.kld) and np.array_equal(cell.nll, ref.nll)
+
+
+def test_lmeval_protocol_adds_lm_evals_document_metrics(tmp_path, text):
+    """With --protocol lmeval the table holds lm-eval's word/byte perplexity and bits per byte (from its own
+    aggregation functions applied to each document's log-likelihood in the cell)."""
+    from lm_eval.api.metrics import bits_per_byte, weighted_perplexity
+    from lm_eval.api.task import ConfigurableTask
+
+    from outlierscope.eval.perplexity import document_loglikelihoods
+    from outlierscope.eval.windows import lmeval_windows
+    from outlierscope.models.loading import load_model
+
+    assert _run(tmp_path, text, **{"--protocol": "lmeval", "--length": "48"}) == 0
+    table = pd.read_csv(tmp_path / "p" / "perplexity.csv")
+    windows = lmeval_windows(load_model("pair-tiny:diff").tokenizer, PASSAGES, 48)
+    for row in table.to_dict("records"):
+        ll = document_loglikelihoods(TokenScores.load(tmp_path / "p" / "cells" / f"{row['cell']}.npz"), windows,
+                                     len(PASSAGES))
+        nbytes = [(x, ConfigurableTask.count_bytes(d)) for x, d in zip(ll, PASSAGES)]
+        assert math.isclose(row["word_perplexity"], weighted_perplexity(
+            [(x, ConfigurableTask.count_words(d)) for x, d in zip(ll, PASSAGES)]), rel_tol=1e-12)
+        assert math.isclose(row["bits_per_byte"], bits_per_byte(nbytes), rel_tol=1e-12)
+        assert math.isclose(row["byte_perplexity"], weighted_perplexity(nbytes), rel_tol=1e-12)
+    assert table.iloc[0]["word_perplexity"] == table.iloc[0]["word_perplexity_base"]
