@@ -174,7 +174,8 @@ def _compute(lm, windows: list[Window], todo: list[QuantSpec], s: PerplexitySett
 
 
 def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFrame:
-    """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md`` and ``perplexity.json``
+    """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
+    (kld_distribution, nll_and_kld) and ``perplexity.json``
     (settings, the text's record, the windows, the model's source, versions, machine, commit). Returns the table."""
     out = Path(out)
     with output_dir(out), output_dir(out / "cells") as cells:
@@ -196,10 +197,24 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFram
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
                   "git_commit": git_commit(), "cells": dict(zip(table["label"], table["cell"]))}
         write_csv(out / "perplexity.csv", table)
+        _figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
         write_json(out / "perplexity.json", record)
     log(perplexity_markdown(table))
     return table
+
+
+def _figures(out: Path, table: pd.DataFrame, kld: dict) -> None:
+    import matplotlib
+
+    from outlierscope.io import ensure_writable_dir
+    from outlierscope.report.markdown import save_figure
+    from outlierscope.report.perplexity_plots import kld_distribution, nll_and_kld
+
+    matplotlib.use("Agg")
+    ensure_writable_dir(out)
+    save_figure(kld_distribution(kld), out, "kld_distribution")
+    save_figure(nll_and_kld(table), out, "nll_and_kld")
 
 
 def _table(specs, settings, have, seed: int, windows, docs) -> pd.DataFrame:

@@ -151,3 +151,27 @@ def test_lmeval_protocol_adds_lm_evals_document_metrics(tmp_path, text):
         assert math.isclose(row["bits_per_byte"], bits_per_byte(nbytes), rel_tol=1e-12)
         assert math.isclose(row["byte_perplexity"], weighted_perplexity(nbytes), rel_tol=1e-12)
     assert table.iloc[0]["word_perplexity"] == table.iloc[0]["word_perplexity_base"]
+
+
+def test_figures_have_every_quantized_spec(tmp_path, text):
+    """figures/: the KLD distribution with one line per quantized spec (not the unquantized model, whose KLD is 0),
+    and the interval panels with one row each, no text cut off."""
+    import warnings
+
+    import matplotlib
+
+    from outlierscope.report.markdown import ClippedTextWarning
+    from outlierscope.report.perplexity_plots import kld_distribution, nll_and_kld
+
+    matplotlib.use("Agg")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ClippedTextWarning)
+        assert _run(tmp_path, text) == 0
+    out = tmp_path / "p"
+    assert {p.name for p in (out / "figures").iterdir()} == {"kld_distribution.png", "nll_and_kld.png"}
+    table = pd.read_csv(out / "perplexity.csv")
+    kld = {r["label"]: TokenScores.load(out / "cells" / f"{r['cell']}.npz").kld for r in table.to_dict("records")}
+    fig = kld_distribution(kld)
+    assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["4-bit int per_tensor", "kivi-2bit"]
+    fig2 = nll_and_kld(table)
+    assert [t.get_text() for t in fig2.axes[0].get_yticklabels()] == ["4-bit int per_tensor", "kivi-2bit"]
