@@ -49,7 +49,7 @@ class TokenScores:
         return len(self.window)
 
     def save(self, path: str | Path) -> None:
-        np.savez(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
+        np.savez_compressed(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
 
     @classmethod
     def load(cls, path: str | Path) -> TokenScores:
