@@ -162,8 +162,9 @@ def _cmd_perplexity(a) -> None:
     from outlierscope.runs.perplexity import PerplexitySettings, perplexity
     from outlierscope.settings import from_cli
 
-    perplexity(from_cli(PerplexitySettings, vars(a)), a.out)
-    print(f"results written to {a.out} (perplexity.csv, perplexity.md, perplexity.json, cells/)")
+    shard, _ = _parallel(a)
+    if perplexity(from_cli(PerplexitySettings, vars(a)), a.out, shard=shard) is not None:
+        print(f"results written to {a.out} (perplexity.csv, perplexity.md, perplexity.json, figures/, cells/)")
 
 
 def _cmd_merge(a) -> None:
@@ -444,7 +445,9 @@ def _add_run_commands(sub) -> None:
     s = sub.add_parser("perplexity", help="perplexity and KL divergence to the unquantized model on running text, "
                                           "per quantization spec (llama.cpp's statistics)")
     _add_settings(s, PerplexitySettings)
-    s.add_argument("--out", required=True, help="output directory (resumes completed cells)")
+    s.add_argument("--out", required=True, help="output directory (resumes: cells, and parts of cells per shard)")
+    s.add_argument("--shard", metavar="I/N", help="compute share I of N (0-based) into --out's cells/ (one directory "
+                   "for all shares); the run that finds every share's parts there writes the tables")
     s.set_defaults(func=_cmd_perplexity)
 
     s = sub.add_parser("reproduce", help="Table 5 and Figure 8 on the bundled pair (or --model): profile, sweep, plot, report")
@@ -504,7 +507,7 @@ def _add_generate_command(sub) -> None:
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
             "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out", "--force"},
-            "compare-quant": {"--out", "--force"}, "perplexity": {"--out"}}
+            "compare-quant": {"--out", "--force"}, "perplexity": {"--out", "--shard"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:

@@ -34,6 +34,7 @@ from outlierscope.models.loading import (
     dtype_option,
     trust_remote_code_option,
 )
+from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import cell_id, revised
 from outlierscope.settings import option
@@ -158,26 +159,54 @@ def _prepare(s: PerplexitySettings, log):
     return lm, text, windows, length, ident
 
 
-def _compute(lm, windows: list[Window], todo: list[QuantSpec], s: PerplexitySettings, log) -> list[TokenScores]:
+def _part(cells: Path, settings: dict, v: int) -> Path:
+    return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
+
+
+def _compute_parts(lm, windows: list[Window], specs: list[QuantSpec], settings: list[dict], cells: Path,
+                   owned: tuple[int, ...], s: PerplexitySettings) -> None:
+    """Every missing part (one virtual shard of the windows) of each spec: the unit of resume and of --shard. The
+    unquantized model runs once per shard for the specs that still need it."""
     from tqdm.auto import tqdm
 
+    from outlierscope.io import atomic_path
     from outlierscope.quant.linear import calibration_for
 
-    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in todo]
-    n_batches = -(-len(windows) // s.batch_size)
-    bar = tqdm(total=n_batches, desc=f"{len(todo)} specs", unit="batch", disable=None)
-    try:
-        return score_windows(lm.model, windows, todo, s.batch_size, cals, s.attn_block,
-                             progress=lambda k: bar.update(k - bar.n))
-    finally:
-        bar.close()
+    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
+    for v in tqdm(owned, desc=f"{len(specs)} specs", unit="shard", disable=None):
+        missing = [j for j, st in enumerate(settings) if not _part(cells, st, v).exists()]
+        if not missing:
+            continue
+        parts = score_windows(lm.model, windows, [specs[j] for j in missing], s.batch_size, [cals[j] for j in missing],
+                              s.attn_block, shards=[v])
+        for j, tokens in zip(missing, parts):
+            with atomic_path(_part(cells, settings[j], v)) as tmp:
+                with open(tmp, "wb") as f:
+                    tokens.save(f)
 
 
-def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFrame:
+def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
+    """The cell from its parts once every virtual shard's is there (then the parts are removed); else None."""
+    paths = [_part(cells, settings, v) for v in range(VIRTUAL_SHARDS)]
+    if not all(p.exists() for p in paths):
+        return None
+    tokens = TokenScores.concat([TokenScores.load(p) for p in paths])
+    _save_cell(cells, settings, tokens, summary(tokens, seed))
+    for p in paths:
+        p.unlink()
+    return tokens
+
+
+def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None) -> pd.DataFrame | None:
     """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
-    (kld_distribution, nll_and_kld) and ``perplexity.json``
-    (settings, the text's record, the windows, the model's source, versions, machine, commit). Returns the table."""
-    out = Path(out)
+    (kld_distribution, nll_and_kld) and ``perplexity.json`` (settings, the text's record, the windows, the model's
+    source, versions, machine, commit). Returns the table.
+
+    Work is saved per virtual shard of the windows (``cells/<cell>.part-VV-of-16.npz``): an interrupted run resumes
+    at the shard it was in. With ``shard`` (``--shard i/N``) only that share's parts are computed; the run that finds
+    every part in ``out`` (the last shard to finish, or any later run) assembles the cells and writes the tables;
+    until then None is returned."""
+    out, shard = Path(out), shard or Shard()
     with output_dir(out), output_dir(out / "cells") as cells:
         lm, text, windows, length, ident = _prepare(s, log)
         specs = s.specs()
@@ -187,13 +216,19 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print) -> pd.DataFram
         log(f"{len(specs) - len(todo)} cells done earlier, {len(todo)} to compute")
         started = time.perf_counter()
         if todo:
-            for i, tokens in zip(todo, _compute(lm, windows, [specs[i] for i in todo], s, log)):
-                have[i] = tokens
-                _save_cell(cells, settings[i], tokens, summary(tokens, s.seed))
+            _compute_parts(lm, windows, [specs[i] for i in todo], [settings[i] for i in todo], cells,
+                           owned_shards(shard, World()), s)
+            for i in todo:
+                have[i] = _assemble(cells, settings[i], s.seed)
+        if any(h is None for h in have):
+            log(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
+                "assembles the cells and writes the tables")
+            return None
         docs = text.docs if s.protocol == "lmeval" else None
         table = _table(specs, settings, have, s.seed, windows, docs)
         record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
-                  "scored_tokens": int(sum(len(w.targets) for w in windows)), "model_source": lm.provenance(ident["weights_sha256"]),
+                  "scored_tokens": int(sum(len(w.targets) for w in windows)),
+                  "model_source": lm.provenance(ident["weights_sha256"]),
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
                   "git_commit": git_commit(), "cells": dict(zip(table["label"], table["cell"]))}
         write_csv(out / "perplexity.csv", table)

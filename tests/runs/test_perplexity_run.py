@@ -175,3 +175,43 @@ def test_figures_have_every_quantized_spec(tmp_path, text):
     assert [t.get_text() for t in fig.axes[0].get_legend().get_texts()] == ["4-bit int per_tensor", "kivi-2bit"]
     fig2 = nll_and_kld(table)
     assert [t.get_text() for t in fig2.axes[0].get_yticklabels()] == ["4-bit int per_tensor", "kivi-2bit"]
+
+
+def test_shards_in_one_directory_then_assembled_give_the_same_bytes(tmp_path, text, capsys):
+    """--shard 0/2 into an --out writes its parts and no table; --shard 1/2 into the same --out finds every part
+    there, assembles the cells and writes the tables: perplexity.csv byte-identical to a single process's; a later
+    run computes nothing."""
+    assert _run(tmp_path, text) == 0
+    whole = (tmp_path / "p" / "perplexity.csv").read_bytes()
+    split = tmp_path / "split"
+    assert _run(split, text, "--shard", "0/2") == 0
+    assert not (split / "p" / "perplexity.csv").exists()
+    assert len(list((split / "p" / "cells").glob("*.part-*.npz"))) == 3 * 8
+    assert _run(split, text, "--shard", "1/2") == 0
+    assert (split / "p" / "perplexity.csv").read_bytes() == whole
+    assert not list((split / "p" / "cells").glob("*.part-*"))
+    capsys.readouterr()
+    assert _run(split, text) == 0 and "3 cells done earlier, 0 to compute" in capsys.readouterr().out
+
+
+def test_an_interrupted_run_resumes_at_its_shard(tmp_path, text, monkeypatch):
+    """Killed in its 6th virtual shard, a rerun computes only the shards not saved (the first five are read back)
+    and writes the same table as an uninterrupted run."""
+    from outlierscope.runs import perplexity as P
+
+    real, calls = P.score_windows, []
+
+    def failing(*a, **k):
+        calls.append(k["shards"])
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(P, "score_windows", failing)
+    assert _run(tmp_path, text) == 130  # the CLI's exit for an interruption
+    calls.clear()
+    monkeypatch.setattr(P, "score_windows", lambda *a, **k: calls.append(k["shards"]) or real(*a, **k))
+    assert _run(tmp_path, text) == 0
+    assert calls == [[v] for v in range(5, 16)]
+    assert _run(tmp_path / "again", text) == 0
+    assert (tmp_path / "p" / "perplexity.csv").read_bytes() == (tmp_path / "again" / "p" / "perplexity.csv").read_bytes()
