@@ -97,7 +97,8 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     head_b = lm_head(model, frozen=True)  # the unquantized head, also inside a spec's context
     batches = [list(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
-    keep = [(k, b) for k, b in enumerate(batches) if shards is None or shard_of(k) in set(shards)]
+    owned = None if shards is None else set(shards)
+    keep = [(k, b) for k, b in enumerate(batches) if owned is None or shard_of(k) in owned]
     out: list[list[dict]] = [[] for _ in specs]
     for done, (_, batch) in enumerate(keep):
         rows = _rows([windows[i] for i in batch])
@@ -131,9 +132,7 @@ def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Seque
     import math
     import re
 
-    doc_of = np.array([w.doc for w in windows])[tokens.window]  # (N,): each token's document
-    if (doc_of < 0).any():
-        raise ValueError("document metrics need lmeval windows (each of one document)")
+    doc_of = _token_documents(tokens, windows)
     words = sum(len(re.split(r"\s+", d)) for d in docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     out = {}
@@ -147,5 +146,12 @@ def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Seque
 
 def document_loglikelihoods(tokens: TokenScores, windows: Sequence[Window], n_docs: int) -> np.ndarray:
     """Each document's log-likelihood under the quantized model (lm-eval's loglikelihood_rolling result)."""
+    return -np.bincount(_token_documents(tokens, windows), weights=tokens.nll, minlength=n_docs)
+
+
+def _token_documents(tokens: TokenScores, windows: Sequence[Window]) -> np.ndarray:
+    """(N,): the document of each scored token (lmeval windows: each of one document)."""
     doc_of = np.array([w.doc for w in windows])[tokens.window]
-    return -np.bincount(doc_of, weights=tokens.nll, minlength=n_docs)
+    if (doc_of < 0).any():
+        raise ValueError("document metrics need lmeval windows (each of one document)")
+    return doc_of
