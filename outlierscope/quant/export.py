@@ -9,12 +9,15 @@ in one line naming why)::
     a=fintB/per_token         -> input_activations {..., strategy: token, dynamic: true}
     a=fintB/per_tensor|static -> input_activations {..., strategy: tensor, dynamic: true | false}
     e4m3                      -> {num_bits: 8, type: float}   (compressed-tensors' FP8 is E4M3 only)
-    mxfp4, mxfp8_e4m3, nvfp4  -> compressed-tensors' MXFP4 / MXFP8 / NVFP4 arguments
+    ct-mxfp4, ct-mxfp8_e4m3   -> compressed-tensors' MXFP4 / MXFP8 arguments (its own MX scale rounding)
+    nvfp4                     -> compressed-tensors' NVFP4 arguments
     smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
     k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
 
 Only the grid that was measured is written: ``intB`` (the restricted grid, absmax / (2^(B-1) - 1)) and ``asymB`` (a
-float zero point) are refused in one line naming the ``fintB`` spelling, since compressed-tensors writes neither.
+float zero point) are refused in one line naming the ``fintB`` spelling, since compressed-tensors writes neither;
+OCP's ``mxfp4`` / ``mxfp8_e4m3`` likewise name ``ct-mxfp4`` / ``ct-mxfp8_e4m3`` (compressed-tensors rounds a block's
+max to a power of two before its exponent, another scale for a block whose max has mantissa >= 1.75).
 
 Which modules: ``targets: [Linear]`` and an ``ignore`` list of every ``nn.Linear`` the spec leaves alone, read from
 the model's module tree exactly as :func:`~outlierscope.quant.linear.linear_sites` selects (``linears:``, ``layers:``,
@@ -36,8 +39,8 @@ from outlierscope.quant.spec import TARGETS, QuantSpec, TensorQuant
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
 BLOCK_ARGS = {  # our block formats -> compressed-tensors' arguments (its MXFP4 / MXFP8 / NVFP4 presets)
-    "mxfp4": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
-    "mxfp8_e4m3": {"num_bits": 8, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+    "ct-mxfp4": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
+    "ct-mxfp8_e4m3": {"num_bits": 8, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
     "nvfp4": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
               "scale_dtype": "torch.float8_e4m3fn"},
 }
@@ -67,6 +70,10 @@ def tensor_args(p: TensorQuant) -> dict:
                                 "compressed-tensors does not write: its int grid is the full-range one (absmax / "
                                 f"{(2 ** p.bits - 1) / 2}); measure and export {p.target}=fint{p.bits}"
                                 + (f"/{p.granularity}" if p.granularity else "") + (f":{p.size}" if p.size else ""))
+    if f"ct-{p.format}" in BLOCK_ARGS:
+        raise OutlierscopeError(f"{p}: {p.format} is OCP's MX scale (floor(log2 max)), which compressed-tensors does "
+                                "not write: its MX rounds a block's max to a power of two first (up from mantissa "
+                                f"1.75); measure and export {p.target}=ct-{p.format}")
     if p.format == "asym":
         raise OutlierscopeError(f"{p}: asym{p.bits}'s zero point is a float here (min-max); compressed-tensors rounds "
                                 "it to an integer, another grid; export a symmetric fint or FP format")

@@ -8,6 +8,11 @@
   each element is ``V / X`` rounded to the element format with saturation, then multiplied back by ``X``.
   ``mxint8``: elements are 8-bit two's complement with an implicit 2^-6 (``round(V / X * 64) / 64``, clamped to
   +-127/64 as the microxcaling reference does).
+  ``ct-mxfp4`` / ``ct-mxfp8_e4m3``: compressed-tensors' MXFP4 / MXFP8 (what its checkpoints and vLLM hold), which
+  differ from OCP's in one step: the block max is first rounded to a power of two, up when its mantissa is at least
+  1.75 (``round_to_power_2``: add a quarter of the binade, drop the mantissa), so the shared exponent is
+  ``floor(log2(max |V|)) + [mantissa >= 1.75] - emax_elem`` and such blocks take the next scale (their largest
+  element then lands on 4 or 256, not 6 or 448). Elements as OCP's.
 * ``nvfp4_quant(x, tensor_amax)``: NVIDIA NVFP4: blocks of 16 along the last dim, FP4 E2M1 elements, an E4M3
   block scale ``e4m3(gs * (amax_block / 6))`` under a float32 global scale ``gs = 448 * 6 / tensor_amax``; elements
   are ``e2m1(x / (block_scale / gs))``: compressed-tensors' order of operations, bit for bit (on bfloat16-valued
@@ -55,7 +60,9 @@ MINIFLOATS = {
 }
 # MX format -> (element format, block size); "int8": mxint8's fixed-point elements
 MX_FORMATS = {"mxfp8_e4m3": ("e4m3", 32), "mxfp8_e5m2": ("e5m2", 32), "mxfp6_e3m2": ("e3m2", 32),
-              "mxfp6_e2m3": ("e2m3", 32), "mxfp4": ("e2m1", 32), "mxint8": ("int8", 32)}
+              "mxfp6_e2m3": ("e2m3", 32), "mxfp4": ("e2m1", 32), "mxint8": ("int8", 32),
+              "ct-mxfp4": ("e2m1", 32), "ct-mxfp8_e4m3": ("e4m3", 32)}
+CT_MX_ROUND_UP = 0.875  # compressed-tensors' MX: a block max whose frexp mantissa (in [0.5, 1)) reaches 7/8 rounds up
 NVFP4_BLOCK = 16
 E4M3_MAX, E2M1_MAX = 448.0, 6.0
 
@@ -88,7 +95,9 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     w = _blocks(_work(x), block)  # (..., n, 32)
     amax = w.abs().amax(-1, keepdim=True)  # (..., n, 1)
     emax = 0 if elem == "int8" else MINIFLOATS[elem].emax
-    _, exp = torch.frexp(amax)
+    mant, exp = torch.frexp(amax)  # amax = mant 2^exp, mant in [0.5, 1)
+    if fmt.startswith("ct-"):  # compressed-tensors rounds the max to a power of 2 first (up from mantissa 1.75)
+        exp = exp + (mant >= CT_MX_ROUND_UP).to(exp.dtype)
     shared = (exp - 1 - emax).clamp_(-127, 127).to(w.dtype)  # floor(log2(amax)) - emax_elem, E8M0's range
     scale = torch.exp2(shared)
     v = w / scale

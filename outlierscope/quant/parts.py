@@ -136,7 +136,7 @@ class TensorQuant:
         """Bits per element: int/asym/fint their own, FP8, MXINT8 and bitsandbytes int8 8, MXFP6 6, MXFP4, NVFP4, NF4 4."""
         if self.bits is not None:
             return self.bits
-        return {"mxfp6_e3m2": 6, "mxfp6_e2m3": 6, "mxfp4": 4, "nvfp4": 4, "bnb-nf4": 4}.get(self.format, 8)
+        return {"mxfp6_e3m2": 6, "mxfp6_e2m3": 6, "mxfp4": 4, "ct-mxfp4": 4, "nvfp4": 4, "bnb-nf4": 4}.get(self.format, 8)
 
     def __str__(self) -> str:
         g = "" if self.granularity is None else f"/{self.granularity}" + (f":{self.size}" if self.size else "")

@@ -84,7 +84,10 @@ RECIPES = {r.name: r for r in (
     Recipe("mxfp4", "w=mxfp4; a=mxfp4", "OCP MX v1.0 MXFP4 weights and activations (32-element blocks along the "
            "inputs, E8M0 scales: floor(log2(amax)) - 2); torchao MXLinear", "the matmul's accumulation precision; "
            "not compressed-tensors' MXFP4, which rounds a block's max up to the next power of 2 when its mantissa is "
-           ">= 1.75 before taking the exponent (~6% of values differ)"),
+           ">= 1.75 before taking the exponent (~6% of values differ): that one is ct-mxfp4"),
+    Recipe("ct-mxfp4", "w=ct-mxfp4; a=ct-mxfp4", "compressed-tensors / llm-compressor MXFP4 preset (what its "
+           "checkpoints and exports hold: OCP's blocks and E2M1 elements, the block max rounded to a power of 2 "
+           "before the exponent, up from mantissa 1.75)", "the matmul's accumulation precision"),
     Recipe("nvfp4", "w=nvfp4; a=nvfp4", "NVIDIA NVFP4 weights and activations (llm-compressor NVFP4: 16-element "
            "blocks, E4M3 block scales, FP32 per-tensor scales)", "the activations' per-tensor scale is each "
            "sequence's (llm-compressor calibrates a static one); the accumulation precision"),

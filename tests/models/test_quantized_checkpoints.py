@@ -65,6 +65,7 @@ def _w8a8_checkpoint(src: str, out):
     ("diff", "W4A16", 16, "w=fint4/per_group:16", "pack-quantized"),
     ("transformer", "FP8_DYNAMIC", None, "a=e4m3/per_token; w=e4m3/per_channel", "float-quantized"),
     ("transformer", "NVFP4A16", None, "w=nvfp4", "nvfp4-pack-quantized"),
+    ("transformer", "MXFP4A16", None, "w=ct-mxfp4", "mxfp4-pack-quantized"),
     ("pair-tiny:diff", "W8A8", None, "a=fint8/per_token; w=fint8/per_channel", "int-quantized"),  # the bundled pair
     ("pair-tiny:transformer", "W4A16", 32, "w=fint4/per_group:32", "pack-quantized"),
 ])
@@ -94,6 +95,11 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
         trunk = real.model.model(input_ids=ids).last_hidden_state  # (B, T, D)
         if preset.startswith("NVFP4"):  # their forward decompresses to bfloat16, on which a float32 model fails
             _assert_nvfp4_decoded_in_float32(real.model, path)
+        elif preset.startswith("MXFP4"):  # E2M1 codes times powers of 2: their bfloat16 decompression is exact
+            ref_model.hf_quantizer.compressor.decompress_model(ref_model)
+            for p in ref_model.parameters():
+                p.data = p.data.float()
+            assert torch.equal(trunk, ref_model.model(input_ids=ids).last_hidden_state)
         else:
             assert torch.equal(trunk, ref_model(input_ids=ids, output_hidden_states=True).hidden_states[-1])
         with quantize_model(plain.model, derived):

@@ -15,8 +15,8 @@ from outlierscope.quant.spec import QuantSpec  # noqa: E402
 
 
 @pytest.mark.parametrize("ours, preset", [
-    ("w8a8", "W8A8"), ("w4a16", "W4A16"), ("w4a8", "W4A8"), ("fp8-dynamic", "FP8_DYNAMIC"), ("mxfp4", "MXFP4"),
-    ("nvfp4", "NVFP4"), ("w=mxfp8_e4m3; a=mxfp8_e4m3", "MXFP8"), ("w=fint8/per_group:128", "W8A16"),
+    ("w8a8", "W8A8"), ("w4a16", "W4A16"), ("w4a8", "W4A8"), ("fp8-dynamic", "FP8_DYNAMIC"), ("ct-mxfp4", "MXFP4"),
+    ("nvfp4", "NVFP4"), ("w=ct-mxfp8_e4m3; a=ct-mxfp8_e4m3", "MXFP8"), ("w=fint8/per_group:128", "W8A16"),
     ("w=fint4/per_group:128; a=e4m3/per_token", "W4AFP8"),
 ])
 def test_named_schemes_are_compressed_tensors_presets(ours, preset):
@@ -53,6 +53,9 @@ def test_arguments_worked_by_hand():
     ("w=fint8/per_channel; a=int8/per_token", "export a=fint8/per_token$"),
     ("w=fint8/per_channel; kv=int8/per_tensor", "export k=fint8/per_tensor$"),
     ("w=asym4/per_group:32", "zero point is a float"),
+    # OCP's MX scale is not compressed-tensors' (it rounds a block's max to a power of two first)
+    ("mxfp4", "OCP's MX scale.*measure and export w=ct-mxfp4$"),
+    ("w=mxfp8_e4m3; a=ct-mxfp8_e4m3", "measure and export w=ct-mxfp8_e4m3$"),
 ])
 def test_what_compressed_tensors_cannot_state_is_refused(text, msg):
     with pytest.raises(OutlierscopeError, match=msg):
@@ -96,7 +99,7 @@ def test_ignore_list_selects_exactly_the_quantized_linears(text, layers, expecte
 def test_quantization_config_reads_back_and_names_its_format():
     """The config dict validates as compressed-tensors' QuantizationConfig, with the format its compressor infers."""
     for text, fmt in (("w8a8", "int-quantized"), ("w4a16", "pack-quantized"), ("fp8-dynamic", "float-quantized"),
-                      ("nvfp4", "nvfp4-pack-quantized"), ("mxfp4", "mxfp4-pack-quantized")):
+                      ("nvfp4", "nvfp4-pack-quantized"), ("ct-mxfp4", "mxfp4-pack-quantized")):
         d = qexport.quantization_config(QuantSpec.parse(text), ["lm_head"])
         back = ctq.QuantizationConfig.model_validate(d)
         assert back.format == fmt and back.ignore == ["lm_head"] and back.quant_method == "compressed-tensors"
@@ -115,7 +118,7 @@ def test_recipe_carries_smoothquant_and_the_same_scheme():
 
 @pytest.mark.parametrize("text", [
     "w=fint8/per_channel; a=fint8/per_token", "w=fint4/per_group:16", "w=fint4/per_group:16; a=fint8/per_token",
-    "w=e4m3/per_channel; a=e4m3/per_token", "nvfp4", "mxfp4", "w=fint8/per_channel; a=fint8/static",
+    "w=e4m3/per_channel; a=e4m3/per_token", "nvfp4", "ct-mxfp4", "w=fint8/per_channel; a=fint8/static",
     "w=fint8/per_channel; linears:mlp.down_proj,self_attn.o_proj", "w=fint8/per_channel; layers:0,2",
     "w=fint8/per_channel; a=fint8/per_token; kv=e4m3/per_tensor", "w=fint8/per_channel; a=fint8/per_token; "
     "linears:*,lm_head", "w=fint8/per_channel; linears:mlp.down_proj,lm_head; layers:1",

@@ -52,6 +52,43 @@ def compressed_tensors_nvfp4(x: torch.Tensor, amax: torch.Tensor) -> torch.Tenso
     return fake_quantize(x, scale, zp, args, global_scale=gs)
 
 
+def compressed_tensors_mx(x: torch.Tensor, preset: str) -> torch.Tensor:
+    """compressed-tensors' own MX fake quantization (its ``MXFP4`` / ``MXFP8`` preset: groups of 32 along the last dim
+    of a 2-d ``x``, E8M0 scales from its ``generate_mx_scales``)."""
+    from compressed_tensors.quantization import preset_name_to_scheme
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = preset_name_to_scheme(preset, ["Linear"]).weights
+    groups = x.reshape(x.shape[0], -1, 32)  # (rows, n, 32)
+    scale, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+    return fake_quantize(x, scale, zp, args)
+
+
+@pytest.mark.parametrize("data", ["adversarial", "bf16-weights-0", "bf16-weights-1"])
+@pytest.mark.parametrize("ours, preset", [("ct-mxfp4", "MXFP4"), ("ct-mxfp8_e4m3", "MXFP8")])
+def test_ct_mx_equals_compressed_tensors_and_ocp_does_not(ours, preset, data):
+    """``ct-mxfp4`` / ``ct-mxfp8_e4m3`` are compressed-tensors' MX bit for bit (subnormal-range and all-zero blocks,
+    bfloat16-valued weights); OCP's ``mxfp4`` / ``mxfp8_e4m3`` differ from it on the blocks whose max has mantissa
+    >= 1.75 (percents of the values), so neither name may stand for the other."""
+    x = _data(2) if data == "adversarial" else _bf16_weights(int(data[-1]))
+    ref = compressed_tensors_mx(x, preset)
+    assert torch.equal(mx_quant(x, ours), ref)
+    assert (mx_quant(x, ours.removeprefix("ct-")) != ref).float().mean() > 1e-3
+
+
+def test_ct_mx_scale_rounds_up_from_mantissa_1_75_by_hand():
+    """Blocks whose max is 1.5 (mantissa below 1.75) and 1.75: OCP's exponent is floor(log2 max) - 2 = -2 for both
+    (X = 1/4: 1.75 -> 7 saturates to 6 -> 1.5); compressed-tensors rounds 1.75 up to 2 first, X = 1/2, 1.75 -> 3.5
+    -> 4 (ties to even) -> 2.0, and 0.3 -> 0.6 -> 0.5 -> 0.25 where OCP gives 0.3 -> 1.2 -> 1.0 -> 0.25."""
+    x = torch.zeros(2, 32)
+    x[0, :2] = torch.tensor([1.5, 0.3])
+    x[1, :2] = torch.tensor([1.75, 0.3])
+    ocp, ct = mx_quant(x, "mxfp4"), mx_quant(x, "ct-mxfp4")
+    assert ocp[:, :2].tolist() == [[1.5, 0.25], [1.5, 0.25]]
+    assert ct[:, :2].tolist() == [[1.5, 0.25], [2.0, 0.25]]
+
+
 def _block_scales(x: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """Each block's E4M3 scale as NVIDIA's conversion gives it (16-element blocks; computed here in float64)."""
     s = x.double().reshape(x.shape[0], -1, 16).abs().amax(-1) / 6 / (float(amax) / 2688)

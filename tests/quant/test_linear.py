@@ -30,6 +30,7 @@ DESCRIBED = {
     "w4a4-rotated": {"w": ("int", 4, "row", None), "a": ("int", 4, "token", None), "rotate": 0},
     "fp8-dynamic": {"w": ("e4m3", None, "row", None), "a": ("e4m3", None, "token", None)},
     "mxfp4": {"w": ("mxfp4", None, "mx", None), "a": ("mxfp4", None, "mx", None)},
+    "ct-mxfp4": {"w": ("ct-mxfp4", None, "mx", None), "a": ("ct-mxfp4", None, "mx", None)},
     "nvfp4": {"w": ("nvfp4", None, "mx", None), "a": ("nvfp4", None, "mx", None)},
     "llm-int8": {"w": ("int", 8, "row", None), "a": ("int", 8, "token", None), "bnb_outliers": 6.0},
     "llm-int8-paper": {"w": ("int", 8, "row", None), "a": ("int", 8, "token", None), "outliers": 6.0},

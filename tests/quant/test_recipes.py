@@ -12,7 +12,7 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.recipes import RECIPES
 from outlierscope.quant.spec import LINEAR_RECIPES, QuantSpec
-from tests.quant.test_formats import compressed_tensors_nvfp4
+from tests.quant.test_formats import compressed_tensors_mx, compressed_tensors_nvfp4
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 
@@ -94,6 +94,8 @@ def _mx_rows(rows: torch.Tensor, fmt: str, amax=None) -> torch.Tensor:
     padded = torch.nn.functional.pad(rows.float(), (0, -n % block))
     if fmt == "nvfp4":  # compressed-tensors: block scales as NVIDIA's conversion (torchao clamps them to 2^-6)
         out = compressed_tensors_nvfp4(padded, torch.tensor(amax, dtype=torch.float32))
+    elif fmt.startswith("ct-"):  # compressed-tensors' own MX
+        out = compressed_tensors_mx(padded, {"ct-mxfp4": "MXFP4", "ct-mxfp8_e4m3": "MXFP8"}[fmt])
     else:
         s, d = mx.to_mx(padded, MX_ELEM[fmt], 32)
         out = mx.to_dtype(d, s, MX_ELEM[fmt], 32, torch.float32)

@@ -17,7 +17,7 @@ from outlierscope.quant.spec import QuantSpec
 
 SIZE = st.integers(1, 256)
 INT = st.sampled_from(["int", "asym", "fint"]).flatmap(lambda f: st.integers(2, 8).map(lambda b: f"{f}{b}"))
-BLOCK = st.sampled_from(["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8", "nvfp4"])
+BLOCK = st.sampled_from(["mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e3m2", "mxfp6_e2m3", "mxfp4", "mxint8", "nvfp4", "ct-mxfp4", "ct-mxfp8_e4m3"])
 
 
 def _gran(names: list[str], sized=("per_block", "per_group")):
