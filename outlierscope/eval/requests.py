@@ -49,8 +49,10 @@ class Request:
 
 
 def lmeval_max_length(model, tokenizer=None) -> int:
-    """lm-eval's ``resolve_max_length``: n_positions, max_position_embeddings, n_ctx, tokenizer, 2048."""
-    cfg = getattr(model.config, "text_config", None) or model.config
+    """lm-eval's ``resolve_max_length``: n_positions, max_position_embeddings, n_ctx, tokenizer, 2048 (``model``: a
+    model or its config)."""
+    config = getattr(model, "config", model)
+    cfg = getattr(config, "text_config", None) or config
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
         v = getattr(cfg, attr, None)
         if v is not None:

@@ -231,18 +231,22 @@ def _check_weight_headers(path: Path, config, shapes: dict, meta) -> None:
 
 def _check_tokenizer_size(path: Path, config, trust_remote_code: bool) -> None:
     """:func:`_check_vocab` before the weights load: the tokenizer's ids against the config's vocab_size."""
-    from transformers import AutoTokenizer
-
     rows = getattr(config.get_text_config(), "vocab_size", None)
     if not isinstance(rows, int):
         return
+    _check_vocab(path, rows, load_tokenizer(path, trust_remote_code))
+
+
+def load_tokenizer(path: Path, trust_remote_code: bool = False):
+    """The tokenizer of the model directory ``path`` (local files only), or a one-line error."""
+    from transformers import AutoTokenizer
+
     with quiet_transformers():
         try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
         except Exception as e:  # tokenizers raise many types; all mean the same to the user
             raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or "
                                     "tokenizer files in the directory") from None
-    _check_vocab(path, rows, tokenizer)
 
 
 def meta_model(config, trust_remote_code: bool = False):

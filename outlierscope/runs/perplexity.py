@@ -95,11 +95,12 @@ class PerplexitySettings:
         return out + [QuantSpec.parse(q) for q in self.quant]
 
 
-def window_length(s: PerplexitySettings, model, tokenizer) -> int:
-    """The protocol's window length: given, or its default (gptq capped at the model's maximum)."""
+def window_length(s: PerplexitySettings, config, tokenizer) -> int:
+    """The protocol's window length: given, or its default (gptq capped at the model's maximum; ``config``: the
+    model's config)."""
     from outlierscope.eval.requests import lmeval_max_length
 
-    top = lmeval_max_length(model, tokenizer)
+    top = lmeval_max_length(config, tokenizer)
     if s.length is not None:
         if s.length > top + (s.protocol == "lmeval"):
             raise ParamError("length", f"at most the model's {top} positions", s.length)
@@ -138,18 +139,21 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
 
 
 def _prepare(s: PerplexitySettings, log):
-    """The model, its text and windows, and what every cell shares."""
+    """The model, its text and windows, and what every cell shares. Everything but the weights is checked first
+    (the specs against the config, the text and its windows with the tokenizer alone)."""
     from outlierscope.data.running_text import load_text
+    from outlierscope.models.checks import load_tokenizer
     from outlierscope.models.loading import check_model, load_model
     from outlierscope.quant.apply import check_spec
 
-    config = check_model(s.model, s.trust_remote_code)[1]
+    source, config = check_model(s.model, s.trust_remote_code)
     for spec in s.specs():  # the specs fit the model's shape: before it loads
         check_spec(spec, config)
     text = load_text(s.text)
+    tokenizer = load_tokenizer(source.path, s.trust_remote_code)
+    length = window_length(s, config, tokenizer)
+    windows = protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
     lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
-    length = window_length(s, lm.model, lm.tokenizer)
-    windows = protocol_windows(s.protocol, lm.tokenizer, text.docs, length)[: s.max_windows]
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
              "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
     if lm.device.split(":")[0] != "cpu":
@@ -164,16 +168,20 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
 
 
 def _compute_parts(lm, windows: list[Window], specs: list[QuantSpec], settings: list[dict], cells: Path,
-                   owned: tuple[int, ...], s: PerplexitySettings) -> None:
+                   owned: tuple[int, ...], s: PerplexitySettings, log=print) -> None:
     """Every missing part (one virtual shard of the windows) of each spec: the unit of resume and of --shard. The
-    unquantized model runs once per shard for the specs that still need it."""
+    unquantized model runs once per shard for the specs that still need it. Without a terminal (a log file), one
+    line per shard says where the run is."""
+    import sys
+
     from tqdm.auto import tqdm
 
     from outlierscope.io import atomic_path
     from outlierscope.quant.linear import calibration_for
 
     cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
-    for v in tqdm(owned, desc=f"{len(specs)} specs", unit="shard", disable=None):
+    started = time.perf_counter()
+    for n, v in enumerate(tqdm(owned, desc=f"{len(specs)} specs", unit="shard", disable=None)):
         missing = [j for j, st in enumerate(settings) if not _part(cells, st, v).exists()]
         if not missing:
             continue
@@ -183,6 +191,9 @@ def _compute_parts(lm, windows: list[Window], specs: list[QuantSpec], settings: 
             with atomic_path(_part(cells, settings[j], v)) as tmp:
                 with open(tmp, "wb") as f:
                     tokens.save(f)
+        if not sys.stderr.isatty():
+            log(f"shard {v:02d} of {VIRTUAL_SHARDS} done ({n + 1} of {len(owned)} this run, "
+                f"{time.perf_counter() - started:.0f} s)")
 
 
 def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
@@ -217,7 +228,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         started = time.perf_counter()
         if todo:
             _compute_parts(lm, windows, [specs[i] for i in todo], [settings[i] for i in todo], cells,
-                           owned_shards(shard, World()), s)
+                           owned_shards(shard, World()), s, log)
             for i in todo:
                 have[i] = _assemble(cells, settings[i], s.seed)
         if any(h is None for h in have):

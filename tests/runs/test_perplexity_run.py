@@ -102,7 +102,14 @@ def test_unknown_protocol_is_argparses_choice_error(tmp_path, text, capsys):
     assert e.value.code == 2 and "invalid choice: 'bpb' (choose from 'gptq', 'lmeval', 'llamacpp')" in capsys.readouterr().err
 
 
-def test_too_little_text_is_one_line(tmp_path, capsys):
+def test_too_little_text_is_one_line(tmp_path, capsys, monkeypatch):
+    """Found with the tokenizer alone, before the weights load."""
+    import outlierscope.models.loading as loading
+
+    def no_weights(*a, **k):
+        raise AssertionError("the weights were loaded before the text was checked")
+
+    monkeypatch.setattr(loading, "load_model", no_weights)
     short = tmp_path / "s.txt"
     short.write_text("a b c")
     rc = main(["perplexity", "--model", "pair-tiny:diff", "--text", str(short), "--length", "64", "--out",
