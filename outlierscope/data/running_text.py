@@ -9,8 +9,10 @@ Sources::
     PATH.txt                one document: the whole file
     PATH.jsonl[.xz|.gz]     one document per line (its "text" field)
     PATH.parquet            one document per row (its "text" column)
-    NAME:CONFIG:SPLIT       a Hugging Face dataset as papers cite it (wikitext:wikitext-2-raw-v1:test), through
-                            ``datasets`` with its own cache and offline mode (HF_DATASETS_OFFLINE=1); its "text"
+    ORG/NAME:CONFIG:SPLIT   a Hugging Face dataset as papers cite it (Salesforce/wikitext:wikitext-2-raw-v1:test,
+                            the GPTQ/AWQ/QuaRot tables' WikiText-2; the Hub's canonical names without an owner,
+                            "wikitext", are refused by huggingface_hub), through ``datasets`` with its own cache,
+                            endpoint (HF_ENDPOINT) and offline mode (HF_HUB_OFFLINE=1: the cache only); its "text"
                             column, empty rows kept (GPTQ joins wikitext's rows with "\\n\\n" as they come)
 
 The record of a run names the source, its kind, the number of documents and characters, and the sha256 of the
@@ -86,10 +88,16 @@ def _file_docs(path: Path) -> list[str]:
                             f"or {DEFAULT_TEXT!r}")
 
 
+DATASET_EXAMPLE = "Salesforce/wikitext:wikitext-2-raw-v1:test"
+
+
 def _dataset_docs(spec: str) -> list[str]:
     parts = spec.split(":")
     if len(parts) != 3 or not all(parts):
-        raise OutlierscopeError(f"{spec!r}: a dataset is NAME:CONFIG:SPLIT (e.g. wikitext:wikitext-2-raw-v1:test)")
+        raise OutlierscopeError(f"{spec!r}: a dataset is ORG/NAME:CONFIG:SPLIT (e.g. {DATASET_EXAMPLE})")
+    if parts[0].count("/") != 1:
+        raise OutlierscopeError(f"{spec!r}: a dataset's name is ORG/NAME (huggingface_hub refuses the Hub's old "
+                                f"canonical names), e.g. {DATASET_EXAMPLE}")
     try:
         import datasets
     except ImportError as e:
@@ -99,7 +107,8 @@ def _dataset_docs(spec: str) -> list[str]:
         rows = datasets.load_dataset(name, config, split=split)
     except Exception as e:  # offline without a cache, a wrong name or split: one line, naming it
         raise OutlierscopeError(f"dataset {spec}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-                                "check the name, config and split, or set HF_DATASETS_OFFLINE=0 to download") from None
+                                "check the name, config and split (offline, HF_HUB_OFFLINE=1, only a dataset "
+                                "loaded before is found)") from None
     if "text" not in rows.column_names:
         raise OutlierscopeError(f"dataset {spec}: no 'text' column (columns: {', '.join(rows.column_names)})")
     return [str(t) for t in rows["text"]]
@@ -132,7 +141,7 @@ def load_text(source: str = DEFAULT_TEXT) -> RunningText:
         docs, kind = _dataset_docs(source), "dataset"
     else:
         raise OutlierscopeError(f"text {source!r} is neither {DEFAULT_TEXT!r}, an existing file, nor a dataset "
-                                "NAME:CONFIG:SPLIT")
+                                f"ORG/NAME:CONFIG:SPLIT (e.g. {DATASET_EXAMPLE})")
     if not any(d.strip() for d in docs):
         raise OutlierscopeError(f"text {source!r} holds no text")
     return RunningText(source, kind, tuple(docs))

@@ -58,7 +58,7 @@ class PerplexitySettings:
     quant: tuple[str, ...] = option((), "also: a recipe or spec (see `outlierscope recipes`); repeat",
                                     flag="--quant", repeat=True, metavar="RECIPE_OR_SPEC")
     text: str = option("lambada", "lambada (offline, from `outlierscope data fetch`), a .txt/.jsonl/.parquet file, "
-                       "or a dataset NAME:CONFIG:SPLIT (e.g. wikitext:wikitext-2-raw-v1:test)", metavar="TEXT")
+                       "or a dataset ORG/NAME:CONFIG:SPLIT (e.g. Salesforce/wikitext:wikitext-2-raw-v1:test)", metavar="TEXT")
     protocol: str = option("gptq", "gptq (joined text, windows of --length, GPTQ/AWQ tables), llamacpp (chunks of "
                            "--length, second half scored, llama-perplexity) or lmeval (each document rolling, "
                            "lm-eval's loglikelihood_rolling)", choices=PROTOCOLS)

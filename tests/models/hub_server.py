@@ -1,5 +1,6 @@
 """A small stand-in for the Hugging Face Hub on 127.0.0.1, for the tests: it answers the requests ``huggingface_hub``
 makes to download a snapshot (model info by revision, the file tree, file HEAD/GET with commit and ETag headers,
+and the same for datasets, served under ``datasets/ORG/NAME``: what ``datasets.load_dataset`` asks;
 HTTP ranges for resumed downloads), with the Hub's error codes for a missing repository or revision and a gated
 repository, counts every request, and can cut a file's body short (a number of times) to imitate interrupted downloads."""
 
@@ -84,11 +85,14 @@ class HubServer:
     def _answer(self, h, head: bool) -> None:
         path = unquote(urlparse(h.path).path)
         self.requests.append(("HEAD" if head else "GET", path))
-        m = (re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)", path)
+        kind = "datasets/" if path.startswith(("/api/datasets/", "/datasets/")) else ""  # a dataset's paths
+        if kind:
+            path = path.replace("/api/datasets/", "/api/models/", 1).replace("/datasets/", "/", 1)
+        m = (re.match(r"^/api/models/([^/]+/[^/]+)/(revision|tree)/([^/]+)(?:/(.+))?$", path)
              or re.match(r"^/([^/]+/[^/]+)/(resolve)/([^/]+)/(.+)$", path))
-        if not m or m[1] not in self.repos:
+        if not m or kind + m[1] not in self.repos:
             return self._error(h, 404, "RepoNotFound", "Repository not found")
-        repo = self.repos[m[1]]
+        repo = self.repos[kind + m[1]]
         if repo.gated and "authorization" not in {k.lower() for k in h.headers}:
             return self._error(h, 401, "GatedRepo", "Access to this model is restricted: log in")
         commit = self._commit(repo, m[3])
@@ -98,9 +102,22 @@ class HubServer:
             return self._json(h, {"id": m[1], "modelId": m[1], "sha": commit, "private": False,
                                   "siblings": [{"rfilename": f} for f in repo.files]}, head)
         if m[2] == "tree":
-            return self._json(h, [{"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()}
-                                  for f, b in repo.files.items()], head)
+            return self._json(h, self._tree(repo, m[4] or "", "recursive=true" in h.path.lower()), head)
         self._file(h, repo, commit, m[4], head)
+
+    def _tree(self, repo: Repo, under: str, recursive: bool) -> list[dict]:
+        """The Hub's tree listing of the folder ``under``: its files and folders (``recursive``: everything below)."""
+        prefix = under.strip("/") + "/" if under.strip("/") else ""
+        files, folders = [], set()
+        for f, b in repo.files.items():
+            if not f.startswith(prefix):
+                continue
+            parts = f[len(prefix):].split("/")
+            folders.update(prefix + "/".join(parts[:i]) for i in range(1, len(parts) if recursive else min(2, len(parts))))
+            if recursive or len(parts) == 1:
+                files.append({"type": "file", "path": f, "size": len(b), "oid": hashlib.sha1(b).hexdigest()})
+        return files + [{"type": "directory", "path": d, "oid": hashlib.sha1(d.encode()).hexdigest()}
+                        for d in sorted(folders)]
 
     def _file(self, h, repo: Repo, commit: str, name: str, head: bool) -> None:
         if name not in repo.files:
