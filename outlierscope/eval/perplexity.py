@@ -10,9 +10,11 @@ batch and is shared by every spec)::
     same_top = argmax lq == argmax lb                    p_diff   = exp(-nll) - exp(-nll_base)
 
 in float64 from the model's logits. llama-perplexity stores the base's log-probabilities in 16 bits and leaves out
-the vocabulary entries below e^-16 of the base; here nothing is left out. Memory: one batch's hidden states at the
-scored positions of both models (tokens x hidden size) and one block of HEAD_ROWS x vocabulary logits at a time
-(256 x 262k x 8 bytes = 0.5 GiB in float64 for a 262k vocabulary); per token only the five values are kept.
+the vocabulary entries below e^-16 of the base; here nothing is left out. Cost: per batch the unquantized trunk
+once, each spec's trunk once, the base's head and log-softmax once per block of positions shared by every spec.
+Memory: one batch's hidden states at the scored positions of the base and of each spec (tokens x hidden size each)
+and two blocks of HEAD_ROWS x vocabulary float64 log-probabilities at a time (2 x 256 x 262k x 8 bytes = 1 GiB for a
+262k vocabulary, plus the exp and difference of one: about 2 GiB peak); per token only the five values are kept.
 """
 
 from __future__ import annotations
@@ -66,8 +68,11 @@ class TokenScores:
 
 def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """The per-token values (module docstring) of logits (n, V) of the quantized and the unquantized model."""
-    lq = torch.log_softmax(logits_q.double(), dim=-1)  # (n, V)
-    lb = torch.log_softmax(logits_b.double(), dim=-1)  # (n, V)
+    return _values(torch.log_softmax(logits_q.double(), dim=-1), torch.log_softmax(logits_b.double(), dim=-1), targets)
+
+
+def _values(lq: torch.Tensor, lb: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token values of log-probabilities (n, V) in float64 of the quantized and the unquantized model."""
     t = targets[:, None]
     nll, nll_base = -lq.gather(1, t)[:, 0], -lb.gather(1, t)[:, 0]
     return {"nll": nll, "nll_base": nll_base, "kld": (lb.exp() * (lb - lq)).sum(-1),
@@ -79,11 +84,24 @@ def _rows(windows: Sequence[Window]) -> list[dict]:
              "gathers": [(list(range(w.first, w.first + len(w.targets))), list(w.targets))]} for w in windows]
 
 
-def _compare(head_q, head_b, hq: torch.Tensor, hb: torch.Tensor, targets: torch.Tensor) -> dict[str, np.ndarray]:
-    """Per-token values of hidden states (N, D) of both models, the heads applied in blocks of HEAD_ROWS rows."""
-    parts = [token_values(head_q(hq[s:s + HEAD_ROWS]), head_b(hb[s:s + HEAD_ROWS]), targets[s:s + HEAD_ROWS])
-             for s in range(0, len(targets), HEAD_ROWS)]
-    return {k: torch.cat([p[k] for p in parts]).cpu().numpy() for k in parts[0]}
+def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Tensor,
+             targets: torch.Tensor) -> list[dict[str, np.ndarray]]:
+    """Per-token values of several quantized models' hidden states ``hqs`` (each (N, D), with its head) against the
+    unquantized ``hb`` (N, D): in blocks of HEAD_ROWS rows, the base's log-probabilities computed once per block and
+    shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time)."""
+    parts: list[list[dict]] = [[] for _ in hqs]
+    for s in range(0, len(targets), HEAD_ROWS):
+        lb = torch.log_softmax(head_b(hb[s:s + HEAD_ROWS]).double(), dim=-1)  # (n, V)
+        for j, (head, hq) in enumerate(zip(heads, hqs)):
+            lq = torch.log_softmax(head(hq[s:s + HEAD_ROWS]).double(), dim=-1)  # (n, V)
+            parts[j].append(_values(lq, lb, targets[s:s + HEAD_ROWS]))
+    return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
+
+
+def _quantizes_head(spec: QuantSpec) -> bool:
+    from outlierscope.quant.linear import HEAD
+
+    return HEAD in (spec.linears or ())
 
 
 @torch.no_grad()
@@ -93,7 +111,9 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
     """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
     windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs). The unquantized model runs once
     per batch, through the same attention function as the quantized ones (so a spec that quantizes nothing has KL
-    divergence 0 exactly); ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`."""
+    divergence 0 exactly, and is not run again), and its log-probabilities are computed once per block of positions
+    for every spec whose LM head is not quantized; ``calibrations``: each spec's
+    :func:`~outlierscope.quant.linear.calibration_for`."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     head_b = lm_head(model, frozen=True)  # the unquantized head, also inside a spec's context
     batches = [list(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
@@ -106,11 +126,21 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
             hb, _, tgt = gathered_hidden(model, rows)
         targets = torch.tensor(tgt, device=hb.device)
         window = np.repeat(batch, [len(windows[i].targets) for i in batch])
+        values, shared = [None] * len(specs), {}  # shared: spec index -> hidden states under the unquantized head
         for j, (spec, cal) in enumerate(zip(specs, calibrations)):
+            if spec.is_identity and cal is None:
+                shared[j] = hb
+                continue
             with quantize_model(model, spec, block_rows, cal):
                 hq, _, _ = gathered_hidden(model, rows)
-                values = _compare(lm_head(model), head_b, hq, hb, targets)
-            out[j].append({"window": window, **values})
+                if _quantizes_head(spec):  # its head exists inside its context only
+                    values[j] = _compare([lm_head(model)], [hq], head_b, hb, targets)[0]
+                else:
+                    shared[j] = hq
+        for j, v in zip(shared, _compare([head_b] * len(shared), list(shared.values()), head_b, hb, targets)):
+            values[j] = v
+        for j, v in enumerate(values):
+            out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
     return [_scores(parts) for parts in out]
