@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
 from outlierscope.eval.windows import Window
 from outlierscope.parallel import shard_of
@@ -98,7 +99,8 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
     return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
 
 
-def _quantizes_head(spec: QuantSpec) -> bool:
+def quantizes_head(spec: QuantSpec) -> bool:
+    """Whether ``spec`` quantizes the LM head (``linears:lm_head``)."""
     from outlierscope.quant.linear import HEAD
 
     return HEAD in (spec.linears or ())
@@ -116,11 +118,8 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
     :func:`~outlierscope.quant.linear.calibration_for`."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     head_b = lm_head(model, frozen=True)  # the unquantized head, also inside a spec's context
-    batches = [list(range(s, min(s + batch_size, len(windows)))) for s in range(0, len(windows), batch_size)]
-    owned = None if shards is None else set(shards)
-    keep = [(k, b) for k, b in enumerate(batches) if owned is None or shard_of(k) in owned]
     out: list[list[dict]] = [[] for _ in specs]
-    for done, (_, batch) in enumerate(keep):
+    for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
         with quantize_model(model, QuantSpec(), block_rows):
             hb, _, tgt = gathered_hidden(model, rows)
@@ -133,7 +132,7 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
                 continue
             with quantize_model(model, spec, block_rows, cal):
                 hq, _, _ = gathered_hidden(model, rows)
-                if _quantizes_head(spec):  # its head exists inside its context only
+                if quantizes_head(spec):  # its head exists inside its context only
                     values[j] = _compare([lm_head(model)], [hq], head_b, hb, targets)[0]
                 else:
                     shared[j] = hq
@@ -143,6 +142,43 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
             out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
+    return [_scores(parts) for parts in out]
+
+
+def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> list[list[int]]:
+    """The batches (window indices) of ``n`` windows that belong to ``shards`` (all with None): batch k of
+    ``batch_size`` consecutive windows belongs to virtual shard ``shard_of(k)``."""
+    batches = [list(range(s, min(s + batch_size, n))) for s in range(0, n, batch_size)]
+    owned = None if shards is None else set(shards)
+    return [b for k, b in enumerate(batches) if owned is None or shard_of(k) in owned]
+
+
+@torch.no_grad()
+def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
+                calibrations: Sequence | None = None, ref_calibrations: Sequence | None = None,
+                block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
+    """The numerical noise floor of each spec: its :class:`TokenScores` computed by ``model`` against the same spec
+    computed by ``ref_model`` (the same weights in other arithmetic, e.g. float64) as the base, so ``kld`` is
+    KL(ref || model) of one scheme under two arithmetics. A spec that quantizes the LM head is refused (its head
+    exists only inside its context)."""
+    for spec in specs:
+        if quantizes_head(spec):
+            raise OutlierscopeError(f"{spec}: the noise floor of a quantized LM head is not computed; leave lm_head "
+                                    "out of linears:")
+    calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
+    ref_calibrations = list(ref_calibrations) if ref_calibrations is not None else [None] * len(specs)
+    head, ref_head = lm_head(model, frozen=True), lm_head(ref_model, frozen=True)
+    out: list[list[dict]] = [[] for _ in specs]
+    for batch in _owned_batches(len(windows), batch_size, shards):
+        rows = _rows([windows[i] for i in batch])
+        window = np.repeat(batch, [len(windows[i].targets) for i in batch])
+        for j, spec in enumerate(specs):
+            with quantize_model(ref_model, spec, block_rows, ref_calibrations[j]):
+                hr, _, tgt = gathered_hidden(ref_model, rows)
+            with quantize_model(model, spec, block_rows, calibrations[j]):
+                hq, _, _ = gathered_hidden(model, rows)
+            targets = torch.tensor(tgt, device=hr.device)
+            out[j].append({"window": window, **_compare([head], [hq.to(hr.device)], ref_head, hr, targets)[0]})
     return [_scores(parts) for parts in out]
 
 

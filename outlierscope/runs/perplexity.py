@@ -8,6 +8,9 @@
     perplexity.csv: one row per spec: PPL, ln(PPL ratio), mean / percentiles of KLD, same top, RMS dp (llama.cpp's
                     statistics) and the mean NLL change with a 95% interval from blocks of windows
 
+With ``noise`` each quantized spec also gets a noise-floor cell: the same spec in that arithmetic (float64) as the
+base, so its KLD is what rounding alone moves (the table's noise_* columns).
+
 A rerun reads back every complete cell whose settings match and computes only the others, in one pass. A cell's
 identity: the model's weights, the text's digest, the protocol and window length, the windows scored, the dtype and
 device type, the spec's text, and (quantized, when not the default 1) the batch size.
@@ -24,7 +27,7 @@ import pandas as pd
 
 from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.perplexity import TokenScores, document_metrics, score_windows
+from outlierscope.eval.perplexity import TokenScores, document_metrics, quantizes_head, score_windows
 from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 from outlierscope.models.loading import (
@@ -40,6 +43,8 @@ from outlierscope.runs.cells import cell_id, revised
 from outlierscope.settings import option
 
 DEFAULT_LENGTH = {"gptq": 2048, "llamacpp": 512}  # lmeval: the model's max length, as lm-eval
+NOISE = ("float64",)  # the arithmetics a noise-floor cell recomputes a spec in
+NOISE_COLUMNS = ("noise_kld_mean", "noise_kld_unc", "noise_kld_p99.9", "noise_same_top")
 COLUMNS = ("label", "quant", "bits", "tokens", "windows", "ppl", "ppl_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc",
            "delta_nll", "delta_nll_ci_low", "delta_nll_ci_high", "kld_mean", "kld_unc", "kld_ci_low", "kld_ci_high",
            "kld_max", "kld_p99.9", "kld_p99", "kld_p95", "kld_p90", "kld_median", "kld_p10", "kld_p5", "kld_p1",
@@ -67,6 +72,10 @@ class PerplexitySettings:
     max_windows: int | None = option(None, "score only the first N windows (default: all)")
     batch_size: int = option(1, "windows per forward; quantized values depend on it by float32 rounding (part of a "
                              "quantized cell's identity when not 1)")
+    noise: str | None = option(None, "also recompute each quantized spec in this arithmetic and report the KL "
+                               "divergence between the two runs: the noise floor under which a spec's KLD to the "
+                               "unquantized model is rounding, not quantization (a second copy of the model)",
+                               choices=NOISE)
     seed: int = option(0, "seeds the bootstrap over windows")
     dtype: str = dtype_option()
     device: str = device_option()
@@ -87,6 +96,11 @@ class PerplexitySettings:
                 raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
         if self.batch_size < 1:
             raise ParamError("batch_size", ">= 1", self.batch_size)
+        if self.noise is not None and self.noise == self.dtype:
+            raise ParamError("noise", f"an arithmetic other than dtype={self.dtype}", self.noise)
+        if self.noise is not None and any(quantizes_head(sp) for sp in self.specs()):
+            raise ParamError("noise", "specs that leave the LM head unquantized", self.noise,
+                             "the noise floor of a quantized lm_head is not computed")
         check_placement(self.device, self.dtype, None, self.attn_block)
 
     def specs(self) -> list[QuantSpec]:
@@ -167,33 +181,70 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
     return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
 
 
-def _compute_parts(lm, windows: list[Window], specs: list[QuantSpec], settings: list[dict], cells: Path,
-                   owned: tuple[int, ...], s: PerplexitySettings, log=print) -> None:
-    """Every missing part (one virtual shard of the windows) of each spec: the unit of resume and of --shard. The
-    unquantized model runs once per shard for the specs that still need it. Without a terminal (a log file), one
-    line per shard says where the run is."""
+def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], s: PerplexitySettings):
+    """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
+    against the unquantized model, or (``ref``: the model in the noise arithmetic) against the same spec in it."""
+    from outlierscope.eval.perplexity import score_noise
+    from outlierscope.quant.linear import calibration_for
+
+    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
+    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec) for spec in specs] if ref is not None else None
+
+    def score(idx: list[int], shard: int) -> list[TokenScores]:
+        chosen, cal = [specs[j] for j in idx], [cals[j] for j in idx]
+        if ref is None:
+            return score_windows(lm.model, windows, chosen, s.batch_size, cal, s.attn_block, shards=[shard])
+        return score_noise(lm.model, ref.model, windows, chosen, s.batch_size, cal, [ref_cals[j] for j in idx],
+                           s.attn_block, shards=[shard])
+
+    return score
+
+
+def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, ...], log=print) -> None:
+    """Every missing part (one virtual shard of the windows) of each cell: the unit of resume and of --shard.
+    ``score``: :func:`_scorer`'s (the unquantized model runs once per shard for the specs that still need it).
+    Without a terminal (a log file), one line per shard says where the run is."""
     import sys
 
     from tqdm.auto import tqdm
 
     from outlierscope.io import atomic_path
-    from outlierscope.quant.linear import calibration_for
 
-    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
     started = time.perf_counter()
-    for n, v in enumerate(tqdm(owned, desc=f"{len(specs)} specs", unit="shard", disable=None)):
+    for n, v in enumerate(tqdm(owned, desc=f"{len(settings)} cells", unit="shard", disable=None)):
         missing = [j for j, st in enumerate(settings) if not _part(cells, st, v).exists()]
         if not missing:
             continue
-        parts = score_windows(lm.model, windows, [specs[j] for j in missing], s.batch_size, [cals[j] for j in missing],
-                              s.attn_block, shards=[v])
-        for j, tokens in zip(missing, parts):
+        for j, tokens in zip(missing, score(missing, v)):
             with atomic_path(_part(cells, settings[j], v)) as tmp:
                 with open(tmp, "wb") as f:
                     tokens.save(f)
         if not sys.stderr.isatty():
             log(f"shard {v:02d} of {VIRTUAL_SHARDS} done ({n + 1} of {len(owned)} this run, "
                 f"{time.perf_counter() - started:.0f} s)")
+
+
+def _compute_cells(lm, noise_model, windows, specs, settings, have, cells: Path, shard: Shard,
+                   s: PerplexitySettings, log):
+    """``have`` with every missing cell computed (this shard's parts) and assembled where every part is there.
+    ``noise_model``: None for cells against the unquantized model; for noise-floor cells, what loads the model in
+    the noise arithmetic (only when a cell is missing)."""
+    todo = [i for i, h in enumerate(have) if h is None]
+    kind = f"noise-floor ({s.noise}) " if noise_model is not None else ""
+    log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
+    if not todo:
+        return have
+    ref = noise_model() if noise_model is not None else None
+    score = _scorer(lm, ref, windows, [specs[i] for i in todo], s)
+    _compute_parts(score, [settings[i] for i in todo], cells, owned_shards(shard, World()), log)
+    return [_assemble(cells, settings[i], s.seed) if i in todo else h for i, h in enumerate(have)]
+
+
+def _noise_model(s: PerplexitySettings, lm):
+    """The model again in the noise arithmetic (``s.noise``), on the same device."""
+    from outlierscope.models.loading import load_model
+
+    return load_model(s.model, dtype=s.noise, device=lm.device, trust_remote_code=s.trust_remote_code)
 
 
 def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
@@ -222,26 +273,28 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         lm, text, windows, length, ident = _prepare(s, log)
         specs = s.specs()
         settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
+        noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]
+        noise_settings = [{**settings[i], "noise": s.noise} for i in noisy]
         have = [_load_cell(cells, st) for st in settings]
-        todo = [i for i, h in enumerate(have) if h is None]
-        log(f"{len(specs) - len(todo)} cells done earlier, {len(todo)} to compute")
+        noise = [_load_cell(cells, st) for st in noise_settings]
         started = time.perf_counter()
-        if todo:
-            _compute_parts(lm, windows, [specs[i] for i in todo], [settings[i] for i in todo], cells,
-                           owned_shards(shard, World()), s, log)
-            for i in todo:
-                have[i] = _assemble(cells, settings[i], s.seed)
-        if any(h is None for h in have):
+        have = _compute_cells(lm, None, windows, specs, settings, have, cells, shard, s, log)
+        if noisy:
+            noise = _compute_cells(lm, lambda: _noise_model(s, lm), windows, [specs[i] for i in noisy],
+                                   noise_settings, noise, cells, shard, s, log)
+        if any(h is None for h in have + noise):
             log(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
                 "assembles the cells and writes the tables")
             return None
         docs = text.docs if s.protocol == "lmeval" else None
-        table = _table(specs, settings, have, s.seed, windows, docs)
+        table = _table(specs, settings, have, s.seed, windows, docs,
+                       dict(zip(noisy, zip(noise_settings, noise))) if s.noise is not None else None)
+        noise_cells = {f"{specs[i].label} (noise {s.noise})": cell_id(st) for i, st in zip(noisy, noise_settings)}
         record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
                   "scored_tokens": int(sum(len(w.targets) for w in windows)),
                   "model_source": lm.provenance(ident["weights_sha256"]),
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
-                  "git_commit": git_commit(), "cells": dict(zip(table["label"], table["cell"]))}
+                  "git_commit": git_commit(), "cells": {**dict(zip(table["label"], table["cell"])), **noise_cells}}
         write_csv(out / "perplexity.csv", table)
         _figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
@@ -263,14 +316,24 @@ def _figures(out: Path, table: pd.DataFrame, kld: dict) -> None:
     save_figure(nll_and_kld(table), out, "nll_and_kld")
 
 
-def _table(specs, settings, have, seed: int, windows, docs) -> pd.DataFrame:
-    """One row per spec: its statistics, and with ``docs`` (lmeval) lm-eval's document metrics."""
+def _table(specs, settings, have, seed: int, windows, docs, noise: dict | None = None) -> pd.DataFrame:
+    """One row per spec: its statistics, with ``docs`` (lmeval) lm-eval's document metrics, and with ``noise`` (spec
+    index -> (settings, TokenScores) of its noise-floor cell) the KLD between the two arithmetics."""
     rows = []
-    for spec, st, tokens in zip(specs, settings, have):
+    for i, (spec, st, tokens) in enumerate(zip(specs, settings, have)):
         extra = document_metrics(tokens, windows, docs) if docs is not None else {}
+        if noise is not None:
+            extra.update(_noise_columns(noise[i][1], seed) if i in noise else {})
         rows.append({"label": spec.label, "quant": str(spec), "bits": spec.bits, **summary(tokens, seed), **extra,
                      "cell": cell_id(st)})
-    return pd.DataFrame(rows)[list(COLUMNS) + (list(LMEVAL_COLUMNS) if docs is not None else [])]
+    columns = list(COLUMNS) + (list(LMEVAL_COLUMNS) if docs is not None else [])
+    return pd.DataFrame(rows).reindex(columns=columns + (list(NOISE_COLUMNS) if noise is not None else []))
+
+
+def _noise_columns(tokens: TokenScores, seed: int) -> dict:
+    stats = summary(tokens, seed)
+    return {"noise_kld_mean": stats["kld_mean"], "noise_kld_unc": stats["kld_unc"],
+            "noise_kld_p99.9": stats["kld_p99.9"], "noise_same_top": stats["same_top"]}
 
 
 def perplexity_markdown(table: pd.DataFrame) -> str:
@@ -278,11 +341,19 @@ def perplexity_markdown(table: pd.DataFrame) -> str:
     top token, RMS dp, and the NLL change with its window-block interval."""
     if table.empty:
         raise OutlierscopeError("no spec was scored")
-    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD | 99.9% KLD | same top | RMS Δp |\n"
-            "|---|---|---|---|---|---|---|---|\n")
+    noise = "noise_kld_mean" in table.columns
+    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD | 99.9% KLD | same top | RMS Δp |"
+            + (" noise KLD | noise same top |" if noise else "") + "\n|---|---|---|---|---|---|---|---|"
+            + ("---|---|" if noise else "") + "\n")
     lines = [f"| {r['label']} | {r['ppl']:.4f} ± {r['ppl_unc']:.4f} | {r['ln_ppl_ratio']:+.5f} ± "
              f"{r['ln_ppl_ratio_unc']:.5f} | {r['delta_nll']:+.5f} [{r['delta_nll_ci_low']:+.5f}, "
              f"{r['delta_nll_ci_high']:+.5f}] | {r['kld_mean']:.6f} ± {r['kld_unc']:.6f} | {r['kld_p99.9']:.5f} | "
              f"{100 * r['same_top']:.2f} ± {100 * r['same_top_unc']:.2f}% | {100 * r['p_diff_rms']:.3f}% |"
-             for r in table.to_dict("records")]
+             + (_noise_cells(r) if noise else "") for r in table.to_dict("records")]
     return head + "\n".join(lines) + "\n"
+
+
+def _noise_cells(r: dict) -> str:
+    if pd.isna(r["noise_kld_mean"]):
+        return " - | - |"
+    return f" {r['noise_kld_mean']:.2e} ± {r['noise_kld_unc']:.1e} | {100 * r['noise_same_top']:.2f}% |"

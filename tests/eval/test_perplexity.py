@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from outlierscope.analysis import kld as K
-from outlierscope.eval.perplexity import TokenScores, score_windows, token_values
+from outlierscope.eval.perplexity import TokenScores, score_noise, score_windows, token_values
 from outlierscope.eval.windows import gptq_windows, llamacpp_windows, lmeval_windows
 from outlierscope.quant.spec import QuantSpec
 
@@ -168,6 +168,41 @@ def test_values_equal_the_full_forward_in_float64(pair, spec):
         assert not ours.kld.any() and ours.same_top.all() and np.array_equal(ours.nll, ours.nll_base)
     else:
         assert ours.kld.mean() > 1e-6
+
+
+def _logits(model, spec, ids):
+    from outlierscope.quant.apply import quantize_model
+
+    with torch.no_grad(), quantize_model(model, spec):
+        return model(input_ids=ids).logits[0].double()
+
+
+@pytest.mark.parametrize("spec", [QuantSpec.parse("w8a8"), QuantSpec(bits=4)])
+def test_noise_floor_is_the_kld_between_two_arithmetics_of_one_spec(pair, spec):
+    """score_noise: the spec in float32 against the same spec in float64 as the base, equal to KL divergences
+    computed here from both models' own full forwards; the same arithmetic against itself: 0 at every token."""
+    import copy
+
+    model64, tok = pair
+    model32 = copy.deepcopy(model64).float()
+    windows = lmeval_windows(tok, DOCS, 48)[:6]
+    (noise,) = score_noise(model32, model64, windows, [spec], batch_size=1)
+    kld, same = [], []
+    for w in windows:
+        ids = torch.tensor([w.input_ids])
+        p = torch.softmax(_logits(model64, spec, ids), -1).numpy()
+        q = torch.softmax(_logits(model32, spec, ids), -1).numpy()
+        for j in range(len(w.targets)):
+            pj, qj = p[w.first + j], q[w.first + j]
+            kld.append(float(np.sum(pj * (np.log(pj) - np.log(qj)))))
+            same.append(int(np.argmax(pj)) == int(np.argmax(qj)))
+    # float32 logits reach the comparison through two routes (the trunk + head here, the full forward there)
+    np.testing.assert_allclose(noise.kld, kld, rtol=1e-3, atol=1e-9)
+    assert noise.kld.max() > 0 and noise.kld.mean() < 1e-3
+    (self_noise,) = score_noise(model64, copy.deepcopy(model64), windows, [spec])
+    assert not self_noise.kld.any() and self_noise.same_top.all()
+    with pytest.raises(Exception, match="lm_head"):
+        score_noise(model32, model64, windows, [QuantSpec.parse("w=fint8/per_channel; a=fint8/per_token; linears:*,lm_head")])
 
 
 def test_batch_size_padding_and_shards_change_nothing_in_float64(pair):

@@ -84,7 +84,35 @@ def test_run_resume_table_and_record(tmp_path, text, capsys):
     pd.testing.assert_frame_equal(again.iloc[:3], table)
 
 
+def test_noise_floor_cells_beside_each_quantized_spec(tmp_path, text, capsys):
+    """--noise float64: one more cell per quantized spec (the spec in float64 as its base), its KLD beside the
+    spec's, '-' for the unquantized row; the first table's columns unchanged; resumed, nothing recomputed."""
+    assert _run(tmp_path, text) == 0
+    plain = pd.read_csv(tmp_path / "p" / "perplexity.csv")
+    capsys.readouterr()
+    assert _run(tmp_path, text, "--noise", "float64") == 0
+    assert "0 noise-floor (float64) cells done earlier, 2 to compute" in capsys.readouterr().out
+    out = tmp_path / "p"
+    table = pd.read_csv(out / "perplexity.csv")
+    pd.testing.assert_frame_equal(table[plain.columns], plain)
+    rec = json.loads((out / "perplexity.json").read_text())
+    assert rec["settings"]["noise"] == "float64"
+    assert math.isnan(table.iloc[0]["noise_kld_mean"]) and "| - | - |" in (out / "perplexity.md").read_text()
+    for label in ("4-bit int per_tensor", "kivi-2bit"):
+        row = table[table["label"] == label].iloc[0]
+        cell = json.loads((out / "cells" / f"{rec['cells'][f'{label} (noise float64)']}.json").read_text())
+        assert cell["cell"]["noise"] == "float64" and cell["cell"]["quant"] == row["quant"]
+        tokens = TokenScores.load(out / "cells" / f"{rec['cells'][f'{label} (noise float64)']}.npz")
+        assert math.isclose(row["noise_kld_mean"], tokens.kld.mean(), rel_tol=1e-12)
+        assert 0 < row["noise_kld_mean"] < row["kld_mean"]  # rounding moves the output less than 4-bit / 2-bit
+    capsys.readouterr()
+    assert _run(tmp_path, text, "--noise", "float64") == 0
+    assert "2 noise-floor (float64) cells done earlier, 0 to compute" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("flags,extra,msg", [
+    ({"--noise": "float64", "--dtype": "float64"}, [], "--noise must be an arithmetic other than dtype=float64"),
+    ({"--noise": "float64"}, ["--quant", "w=fint8/per_channel; linears:*,lm_head"], "noise floor of a quantized lm_head"),
     ({"--length": "1"}, [], "--length must be >= 2"),
     ({"--length": "100000"}, [], "--length must be at most the model's"), ({}, ["--quant", "sage3"], "did you mean sage1"),
     ({}, ["--quant", "kivi-2bit"], "is given twice"), ({"--batch-size": "0"}, [], "--batch-size must be >= 1"),
