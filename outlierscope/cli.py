@@ -212,6 +212,14 @@ def _cmd_compare_quant(a) -> None:
     print(f"results written to {a.out} (compare.md, compare.csv, compare.json; the sweeps in real/ and emulated/)")
 
 
+def _cmd_compare_perplexity(a) -> None:
+    from outlierscope.runs.perplexity_compare import compare_markdown, compare_perplexity
+
+    table = compare_perplexity(a.a, a.b, a.out, seed=a.seed)
+    print(compare_markdown(table, a.a, a.b))
+    print(f"results written to {a.out} (compare.csv, compare.md, compare.json)")
+
+
 def _headless() -> None:
     import matplotlib
 
@@ -480,6 +488,14 @@ def _add_result_commands(sub) -> None:
     s.add_argument("--force", action="store_true", help="replace the tables of an earlier comparison with other "
                    "settings in --out (cells with matching settings are reused)")
     s.set_defaults(func=_cmd_compare_quant)
+
+    s = sub.add_parser("compare-perplexity", help="two perplexity runs on the same windows (the pair: Transformer vs "
+                                                  "Diff), per spec paired by window: which model a scheme moves more")
+    s.add_argument("a", metavar="A", help="an `outlierscope perplexity` output directory (e.g. the Transformer's)")
+    s.add_argument("b", metavar="B", help="another, on the same text, protocol and windows (e.g. the Diff model's)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--seed", type=int, default=0, help="seeds the bootstrap over windows")
+    s.set_defaults(func=_cmd_compare_perplexity)
 
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
     s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")

@@ -114,3 +114,30 @@ def block_intervals(tokens, seed: int = 0, reps: int = BOOTSTRAP_REPS) -> dict:
 def summary(tokens, seed: int = 0) -> dict:
     """Everything above for one spec's tokens."""
     return {**perplexity_stats(tokens), **kld_stats(tokens), **block_intervals(tokens, seed)}
+
+
+def paired_runs(a, b, seed: int = 0, reps: int = BOOTSTRAP_REPS) -> dict:
+    """Two models' values on the same windows (``a``, ``b``: e.g. the Transformer and the Diff model, each against
+    its own unquantized self under one scheme), paired by window: each model's mean NLL change and mean KLD
+    (token-weighted), the differences b - a and the ratio of mean KLDs b / a, with 95% percentile-bootstrap intervals
+    over windows (the same windows resampled for both). The windows must hold the same numbers of tokens."""
+    count_a, d_a, k_a = window_blocks(a)
+    count_b, d_b, k_b = window_blocks(b)
+    if not np.array_equal(np.unique(a.window), np.unique(b.window)) or not np.array_equal(count_a, count_b):
+        raise ValueError("the two runs' windows differ (another tokenizer, text or protocol): they cannot be paired")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, len(count_a), size=(reps, len(count_a)))  # (reps, windows)
+    n = count_a[idx].sum(1)
+    da, db, ka, kb = (v[idx].sum(1) / n for v in (d_a, d_b, k_a, k_b))
+    total = count_a.sum()
+    out = {"windows": int(len(count_a)), "tokens": int(total),
+           "delta_nll_a": float(d_a.sum() / total), "delta_nll_b": float(d_b.sum() / total),
+           "kld_a": float(k_a.sum() / total), "kld_b": float(k_b.sum() / total)}
+    out["delta_nll_diff"] = out["delta_nll_b"] - out["delta_nll_a"]
+    out["kld_diff"] = out["kld_b"] - out["kld_a"]
+    out["kld_ratio"] = out["kld_b"] / out["kld_a"] if out["kld_a"] > 0 else float("nan")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        for name, boot in (("delta_nll_diff", db - da), ("kld_diff", kb - ka), ("kld_ratio", kb / ka)):
+            lo, hi = np.percentile(boot, [2.5, 97.5]) if np.isfinite(boot).all() else (float("nan"),) * 2
+            out[f"{name}_ci_low"], out[f"{name}_ci_high"] = float(lo), float(hi)
+    return out

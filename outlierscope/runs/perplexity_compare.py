@@ -1,0 +1,102 @@
+"""Two perplexity runs on the same windows, compared spec by spec and paired by window (the pair: the Transformer
+and the Diff model under the same schemes): which model's output distribution a scheme moves more.
+
+    a, b  = perplexity.json and cells/ of two `outlierscope perplexity` runs       # same text, protocol, windows
+    for each quantized spec both ran (by its canonical text):
+        paired_runs(cell_a, cell_b)      # each model's NLL change and mean KLD to its own unquantized self,
+                                         # b - a and KLD b / a with 95% intervals over windows (resampled jointly)
+    compare.csv, compare.md, compare.json (both runs' records, commit, machine)
+
+Each run's KLD is to its own unquantized model, so the comparison asks how far each scheme moves each model, not
+which model is better; windows hold the same tokens only when both models share a tokenizer (checked).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.analysis.kld import paired_runs
+from outlierscope.errors import OutlierscopeError
+from outlierscope.eval.perplexity import TokenScores
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+
+SAME = ("length", "windows", "scored_tokens")  # record fields both runs must share (and the text's digest, protocol)
+COLUMNS = ("label", "quant", "windows", "tokens", "delta_nll_a", "delta_nll_b", "delta_nll_diff",
+           "delta_nll_diff_ci_low", "delta_nll_diff_ci_high", "kld_a", "kld_b", "kld_diff", "kld_diff_ci_low",
+           "kld_diff_ci_high", "kld_ratio", "kld_ratio_ci_low", "kld_ratio_ci_high", "moved_less")
+
+
+def _run(path: Path) -> tuple[dict, pd.DataFrame]:
+    rec_path, csv = path / "perplexity.json", path / "perplexity.csv"
+    if not rec_path.exists() or not csv.exists():
+        raise OutlierscopeError(f"{path}: no perplexity.json / perplexity.csv; expected an `outlierscope perplexity` "
+                                "output directory whose run finished")
+    return json.loads(rec_path.read_text()), pd.read_csv(csv)
+
+
+def check_pairable(rec_a: dict, rec_b: dict, a: Path, b: Path) -> None:
+    """One line naming the first setting in which the two runs' windows can differ."""
+    pairs = [("text sha256", rec_a["text"]["sha256"], rec_b["text"]["sha256"]),
+             ("protocol", rec_a["settings"]["protocol"], rec_b["settings"]["protocol"])]
+    pairs += [(k, rec_a[k], rec_b[k]) for k in SAME]
+    for name, va, vb in pairs:
+        if va != vb:
+            raise OutlierscopeError(f"{a} and {b} differ in {name} ({va} vs {vb}); pair runs of one text, protocol and "
+                                    "length with --max-windows alike")
+
+
+def _rows(a: Path, b: Path, table_a: pd.DataFrame, table_b: pd.DataFrame, seed: int) -> list[dict]:
+    rows = []
+    common = [q for q in table_a["quant"] if q in set(table_b["quant"]) and q != "none"]
+    if not common:
+        raise OutlierscopeError(f"{a} and {b} share no quantized spec; run the same --bits/--quant on both")
+    for quant in common:
+        ra, rb = (t[t["quant"] == quant].iloc[0] for t in (table_a, table_b))
+        tokens_a = TokenScores.load(a / "cells" / f"{ra['cell']}.npz")
+        tokens_b = TokenScores.load(b / "cells" / f"{rb['cell']}.npz")
+        try:
+            stats = paired_runs(tokens_a, tokens_b, seed)
+        except ValueError as e:
+            raise OutlierscopeError(f"{a} and {b}: {e}") from None
+        rows.append({"label": ra["label"], "quant": quant, **stats, "moved_less": _moved_less(stats)})
+    return rows
+
+
+def _moved_less(stats: dict) -> str:
+    """``a``, ``b`` or ``neither`` by the KLD ratio's interval (b / a below 1: b moved less)."""
+    lo, hi = stats["kld_ratio_ci_low"], stats["kld_ratio_ci_high"]
+    if math.isnan(lo) or lo <= 1 <= hi:
+        return "neither"
+    return "b" if hi < 1 else "a"
+
+
+def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int = 0) -> pd.DataFrame:
+    """Compare the perplexity runs in ``a`` and ``b`` (module docstring) into ``out``; returns the table."""
+    a, b, out = Path(a), Path(b), Path(out)
+    (rec_a, table_a), (rec_b, table_b) = _run(a), _run(b)
+    check_pairable(rec_a, rec_b, a, b)
+    table = pd.DataFrame(_rows(a, b, table_a, table_b, seed))[list(COLUMNS)]
+    names = (rec_a["settings"]["model"], rec_b["settings"]["model"])
+    with output_dir(out):
+        write_csv(out / "compare.csv", table)
+        write_text(out / "compare.md", compare_markdown(table, *names))
+        write_json(out / "compare.json", {"a": {"dir": str(a), **rec_a}, "b": {"dir": str(b), **rec_b}, "seed": seed,
+                                          "versions": versions(), "machine": machine(), "git_commit": git_commit()})
+    return table
+
+
+def compare_markdown(table: pd.DataFrame, name_a: str, name_b: str) -> str:
+    """One row per spec: each model's NLL change and mean KLD, the differences and the KLD ratio with intervals."""
+    head = (f"a = {name_a}, b = {name_b}; each against its own unquantized model, paired by window (95% intervals "
+            "over windows)\n\n| spec | ΔNLL a | ΔNLL b | b − a [95% CI] | KLD a | KLD b | KLD b / a [95% CI] | "
+            "moved less |\n|---|---|---|---|---|---|---|---|\n")
+    who = {"a": name_a, "b": name_b, "neither": "neither (interval spans 1)"}
+    lines = [f"| {r['label']} | {r['delta_nll_a']:+.5f} | {r['delta_nll_b']:+.5f} | {r['delta_nll_diff']:+.5f} "
+             f"[{r['delta_nll_diff_ci_low']:+.5f}, {r['delta_nll_diff_ci_high']:+.5f}] | {r['kld_a']:.6f} | "
+             f"{r['kld_b']:.6f} | {r['kld_ratio']:.3f} [{r['kld_ratio_ci_low']:.3f}, {r['kld_ratio_ci_high']:.3f}] | "
+             f"{who[r['moved_less']]} |" for r in table.to_dict("records")]
+    return head + "\n".join(lines) + "\n"
