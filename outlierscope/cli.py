@@ -162,8 +162,8 @@ def _cmd_perplexity(a) -> None:
     from outlierscope.runs.perplexity import PerplexitySettings, perplexity
     from outlierscope.settings import from_cli
 
-    shard, _ = _parallel(a)
-    if perplexity(from_cli(PerplexitySettings, vars(a)), a.out, shard=shard) is not None:
+    shard, world = _parallel(a)
+    if perplexity(from_cli(PerplexitySettings, vars(a)), a.out, shard=shard, world=world) is not None:
         print(f"results written to {a.out} (perplexity.csv, perplexity.md, perplexity.json, figures/, cells/)")
 
 

@@ -152,7 +152,7 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
     return cid
 
 
-def _prepare(s: PerplexitySettings, log):
+def _prepare(s: PerplexitySettings, log, device: str):
     """The model, its text and windows, and what every cell shares. Everything but the weights is checked first
     (the specs against the config, the text and its windows with the tokenizer alone)."""
     from outlierscope.data.running_text import load_text
@@ -167,7 +167,7 @@ def _prepare(s: PerplexitySettings, log):
     tokenizer = load_tokenizer(source.path, s.trust_remote_code)
     length = window_length(s, config, tokenizer)
     windows = protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
-    lm = load_model(s.model, dtype=s.dtype, device=s.device, trust_remote_code=s.trust_remote_code)
+    lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
              "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
     if lm.device.split(":")[0] != "cpu":
@@ -224,20 +224,19 @@ def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, .
                 f"{time.perf_counter() - started:.0f} s)")
 
 
-def _compute_cells(lm, noise_model, windows, specs, settings, have, cells: Path, shard: Shard,
-                   s: PerplexitySettings, log):
-    """``have`` with every missing cell computed (this shard's parts) and assembled where every part is there.
-    ``noise_model``: None for cells against the unquantized model; for noise-floor cells, what loads the model in
-    the noise arithmetic (only when a cell is missing)."""
+def _compute_cells(lm, noise_model, windows, specs, settings, have, cells: Path, shard: Shard, world: World,
+                   s: PerplexitySettings, log) -> None:
+    """The parts of every missing cell (None in ``have``) on this process's virtual shards. ``noise_model``: None
+    for cells against the unquantized model; for noise-floor cells, what loads the model in the noise arithmetic
+    (only when a cell is missing)."""
     todo = [i for i, h in enumerate(have) if h is None]
     kind = f"noise-floor ({s.noise}) " if noise_model is not None else ""
     log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
     if not todo:
-        return have
+        return
     ref = noise_model() if noise_model is not None else None
     score = _scorer(lm, ref, windows, [specs[i] for i in todo], s)
-    _compute_parts(score, [settings[i] for i in todo], cells, owned_shards(shard, World()), log)
-    return [_assemble(cells, settings[i], s.seed) if i in todo else h for i, h in enumerate(have)]
+    _compute_parts(score, [settings[i] for i in todo], cells, owned_shards(shard, world), log)
 
 
 def _noise_model(s: PerplexitySettings, lm):
@@ -259,7 +258,8 @@ def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
     return tokens
 
 
-def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None) -> pd.DataFrame | None:
+def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None,
+               world: World | None = None) -> pd.DataFrame | None:
     """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
     (kld_distribution, nll_and_kld) and ``perplexity.json`` (settings, the text's record, the windows, the model's
     source, versions, machine, commit). Returns the table.
@@ -267,10 +267,13 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     Work is saved per virtual shard of the windows (``cells/<cell>.part-VV-of-16.npz``): an interrupted run resumes
     at the shard it was in. With ``shard`` (``--shard i/N``) only that share's parts are computed; the run that finds
     every part in ``out`` (the last shard to finish, or any later run) assembles the cells and writes the tables;
-    until then None is returned."""
-    out, shard = Path(out), shard or Shard()
+    until then None is returned. Under torchrun (``world=World.from_env()``) every rank computes its virtual shards
+    on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks)."""
+    out, shard, world = Path(out), shard or Shard(), world or World()
+    say = log if world.is_main else (lambda *a, **k: None)
     with output_dir(out), output_dir(out / "cells") as cells:
-        lm, text, windows, length, ident = _prepare(s, log)
+        with world.failing_together():
+            lm, text, windows, length, ident = _prepare(s, say, world.device(s.device))
         specs = s.specs()
         settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
         noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]
@@ -278,12 +281,17 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         have = [_load_cell(cells, st) for st in settings]
         noise = [_load_cell(cells, st) for st in noise_settings]
         started = time.perf_counter()
-        have = _compute_cells(lm, None, windows, specs, settings, have, cells, shard, s, log)
-        if noisy:
-            noise = _compute_cells(lm, lambda: _noise_model(s, lm), windows, [specs[i] for i in noisy],
-                                   noise_settings, noise, cells, shard, s, log)
+        with world.failing_together():  # then every rank's parts are written
+            _compute_cells(lm, None, windows, specs, settings, have, cells, shard, world, s, say)
+            if noisy:
+                _compute_cells(lm, lambda: _noise_model(s, lm), windows, [specs[i] for i in noisy], noise_settings,
+                               noise, cells, shard, world, s, say)
+        if not world.is_main:
+            return None
+        have = [h if h is not None else _assemble(cells, st, s.seed) for h, st in zip(have, settings)]
+        noise = [h if h is not None else _assemble(cells, st, s.seed) for h, st in zip(noise, noise_settings)]
         if any(h is None for h in have + noise):
-            log(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
+            say(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
                 "assembles the cells and writes the tables")
             return None
         docs = text.docs if s.protocol == "lmeval" else None
@@ -292,14 +300,14 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         noise_cells = {f"{specs[i].label} (noise {s.noise})": cell_id(st) for i, st in zip(noisy, noise_settings)}
         record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
                   "scored_tokens": int(sum(len(w.targets) for w in windows)),
-                  "model_source": lm.provenance(ident["weights_sha256"]),
+                  "model_source": lm.provenance(ident["weights_sha256"]), "processes": world.size,
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
                   "git_commit": git_commit(), "cells": {**dict(zip(table["label"], table["cell"])), **noise_cells}}
         write_csv(out / "perplexity.csv", table)
         _figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
         write_json(out / "perplexity.json", record)
-    log(perplexity_markdown(table))
+    say(perplexity_markdown(table))
     return table
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import os
 
 import numpy as np
 import pandas as pd
@@ -250,3 +251,28 @@ def test_an_interrupted_run_resumes_at_its_shard(tmp_path, text, monkeypatch):
     assert calls == [[v] for v in range(5, 16)]
     assert _run(tmp_path / "again", text) == 0
     assert (tmp_path / "p" / "perplexity.csv").read_bytes() == (tmp_path / "again" / "p" / "perplexity.csv").read_bytes()
+
+
+def test_torchrun_two_processes_give_one_process_bytes(tmp_path, text):
+    """Two gloo processes under torchrun (each its virtual shards, rank 0 assembling once both wrote their parts):
+    perplexity.csv and every cell byte-identical to one process's; the record says 2 processes; no part left."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    argv = ["-m", "outlierscope", "perplexity", "--model", "pair-tiny:diff", "--text", str(text), "--bits", "16", "4",
+            "--quant", "kivi-2bit", "--protocol", "gptq", "--length", "64", "--batch-size", "3"]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    for cmd, out in (([sys.executable], "one"), (launch, "two")):
+        r = subprocess.run([*cmd, *argv, "--out", str(tmp_path / out)], env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert r.returncode == 0, r.stderr[-3000:]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert (two / "perplexity.csv").read_bytes() == (one / "perplexity.csv").read_bytes()
+    cells = sorted(p.name for p in (one / "cells").iterdir())
+    assert cells == sorted(p.name for p in (two / "cells").iterdir()) and not [c for c in cells if ".part-" in c]
+    for c in cells:
+        if c.endswith(".npz"):
+            a, b = TokenScores.load(one / "cells" / c), TokenScores.load(two / "cells" / c)
+            assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("window", "nll", "kld", "p_diff"))
+    assert json.loads((two / "perplexity.json").read_text())["processes"] == 2
