@@ -13,8 +13,9 @@ in float64 from the model's logits. llama-perplexity stores the base's log-proba
 the vocabulary entries below e^-16 of the base; here nothing is left out. Cost: per batch the unquantized trunk
 once, each spec's trunk once, the base's head and log-softmax once per block of positions shared by every spec.
 Memory: one batch's hidden states at the scored positions of the base and of each spec (tokens x hidden size each)
-and two blocks of HEAD_ROWS x vocabulary float64 log-probabilities at a time (2 x 256 x 262k x 8 bytes = 1 GiB for a
-262k vocabulary, plus the exp and difference of one: about 2 GiB peak); per token only the five values are kept.
+and, per block of HEAD_ROWS positions, the base's log-probabilities and probabilities and one spec's
+log-probabilities in float64 (3 x 256 x 262k x 8 bytes = 1.5 GiB for a 262k vocabulary, about 2 GiB with one
+temporary; bench/perplexity_cost.py measures the peak); per token only the five values are kept.
 """
 
 from __future__ import annotations
@@ -69,15 +70,22 @@ class TokenScores:
 
 def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """The per-token values (module docstring) of logits (n, V) of the quantized and the unquantized model."""
-    return _values(torch.log_softmax(logits_q.double(), dim=-1), torch.log_softmax(logits_b.double(), dim=-1), targets)
+    base = _base(torch.log_softmax(logits_b.double(), dim=-1), targets)
+    return _values(torch.log_softmax(logits_q.double(), dim=-1), base, targets)
 
 
-def _values(lq: torch.Tensor, lb: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The per-token values of log-probabilities (n, V) in float64 of the quantized and the unquantized model."""
-    t = targets[:, None]
-    nll, nll_base = -lq.gather(1, t)[:, 0], -lb.gather(1, t)[:, 0]
-    return {"nll": nll, "nll_base": nll_base, "kld": (lb.exp() * (lb - lq)).sum(-1),
-            "same_top": lq.argmax(-1) == lb.argmax(-1), "p_diff": torch.exp(-nll) - torch.exp(-nll_base)}
+def _base(lb: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What every spec's values need of the base's log-probabilities (n, V) float64: them, their probabilities,
+    top token and the targets' NLL (computed once per block, shared by every spec)."""
+    return {"lb": lb, "pb": lb.exp(), "top": lb.argmax(-1), "nll": -lb.gather(1, targets[:, None])[:, 0]}
+
+
+def _values(lq: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The per-token values of the quantized model's log-probabilities (n, V) float64 against :func:`_base`'s."""
+    nll, nll_base = -lq.gather(1, targets[:, None])[:, 0], base["nll"]
+    kld = (base["pb"] * (base["lb"] - lq)).sum(-1)  # sum_v p_b (ln p_b - ln p_q)
+    return {"nll": nll, "nll_base": nll_base, "kld": kld, "same_top": lq.argmax(-1) == base["top"],
+            "p_diff": torch.exp(-nll) - torch.exp(-nll_base)}
 
 
 def _rows(windows: Sequence[Window]) -> list[dict]:
@@ -92,10 +100,11 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
     shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time)."""
     parts: list[list[dict]] = [[] for _ in hqs]
     for s in range(0, len(targets), HEAD_ROWS):
-        lb = torch.log_softmax(head_b(hb[s:s + HEAD_ROWS]).double(), dim=-1)  # (n, V)
+        t = targets[s:s + HEAD_ROWS]
+        base = _base(torch.log_softmax(head_b(hb[s:s + HEAD_ROWS]).double(), dim=-1), t)  # (n, V) and per token
         for j, (head, hq) in enumerate(zip(heads, hqs)):
             lq = torch.log_softmax(head(hq[s:s + HEAD_ROWS]).double(), dim=-1)  # (n, V)
-            parts[j].append(_values(lq, lb, targets[s:s + HEAD_ROWS]))
+            parts[j].append(_values(lq, base, t))
     return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
 
 
