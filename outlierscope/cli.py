@@ -220,6 +220,14 @@ def _cmd_compare_perplexity(a) -> None:
     print(f"results written to {a.out} (compare.csv, compare.md, compare.json)")
 
 
+def _cmd_rank_agreement(a) -> None:
+    from outlierscope.runs.perplexity_compare import rank_against_task
+
+    r = rank_against_task(a.perplexity, a.sweep, a.out, seed=a.seed)
+    print(f"Spearman's rho over {r['schemes']} schemes: {r['spearman']:+.3f} [{r['ci_low']:+.3f}, {r['ci_high']:+.3f}]")
+    print(f"results written to {a.out} (rank_agreement.csv, rank_agreement.md, rank_agreement.json)")
+
+
 def _headless() -> None:
     import matplotlib
 
@@ -496,6 +504,14 @@ def _add_result_commands(sub) -> None:
     s.add_argument("--out", required=True, help="output directory")
     s.add_argument("--seed", type=int, default=0, help="seeds the bootstrap over windows")
     s.set_defaults(func=_cmd_compare_perplexity)
+
+    s = sub.add_parser("rank-agreement", help="do a perplexity run's KLD and a sweep's gold log-likelihood change "
+                                              "rank the same model's schemes alike (Spearman, bootstrap interval)")
+    s.add_argument("perplexity", metavar="PERPLEXITY_DIR", help="an `outlierscope perplexity` output directory")
+    s.add_argument("sweep", metavar="SWEEP_DIR", help="a sweep of the same model and schemes (one task)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--seed", type=int, default=0, help="seeds the bootstrap over windows and items")
+    s.set_defaults(func=_cmd_rank_agreement)
 
     s = sub.add_parser("plot", help="render every figure a run directory supports (PNG, and SVG with --svg)")
     s.add_argument("run_dir", help="a profile, sweep or reproduce output directory")

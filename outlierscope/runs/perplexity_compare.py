@@ -7,6 +7,9 @@ and the Diff model under the same schemes): which model's output distribution a 
                                          # b - a and KLD b / a with 95% intervals over windows (resampled jointly)
     compare.csv, compare.md, compare.json (both runs' records, commit, machine)
 
+``rank_against_task``: do the schemes' mean KLD and a sweep's gold log-likelihood change of the same model rank them
+alike (Spearman's rho, windows and items resampled together)?
+
 Each run's KLD is to its own unquantized model, so the comparison asks how far each scheme moves each model, not
 which model is better; windows hold the same tokens only when both models share a tokenizer (checked).
 """
@@ -17,6 +20,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.kld import paired_runs
@@ -99,4 +103,76 @@ def compare_markdown(table: pd.DataFrame, name_a: str, name_b: str) -> str:
              f"[{r['delta_nll_diff_ci_low']:+.5f}, {r['delta_nll_diff_ci_high']:+.5f}] | {r['kld_a']:.6f} | "
              f"{r['kld_b']:.6f} | {r['kld_ratio']:.3f} [{r['kld_ratio_ci_low']:.3f}, {r['kld_ratio_ci_high']:.3f}] | "
              f"{who[r['moved_less']]} |" for r in table.to_dict("records")]
+    return head + "\n".join(lines) + "\n"
+
+
+AGREEMENT_COLUMNS = ("label", "quant", "kld", "delta_gold_ll", "kld_rank", "harm_rank")
+
+
+def _sweep_gold(sweep_dir: Path, model: str) -> tuple[str, dict[str, np.ndarray]]:
+    """The task and, per quantized spec text of ``model``'s cells in a sweep, each item's gold log-likelihood change
+    against its unquantized cell (the sweep's items, in its order)."""
+    from outlierscope.eval.evaluate import EvalResult
+    from outlierscope.io import read_record
+    from outlierscope.runs.sweep import SweepSettings
+
+    rec = read_record(sweep_dir / "sweep.json", ("settings", "cells"), "sweep record")
+    s = SweepSettings.from_record(rec["settings"])
+    if len(s.tasks) != 1:
+        raise OutlierscopeError(f"{sweep_dir}: a sweep of {len(s.tasks)} tasks; give a sweep of one task")
+    results = {}
+    for c in rec["cells"]:
+        if c["model"] == model:
+            res = EvalResult.load(sweep_dir / "cells", c["cell"])
+            if res is None:
+                raise OutlierscopeError(f"{sweep_dir / 'cells'}: cell {c['cell']} is missing or incomplete")
+            results[str(s.spec_of(c))] = res
+    if "none" not in results:
+        raise OutlierscopeError(f"{sweep_dir}: no unquantized cell of {model} (models there: "
+                                f"{', '.join(sorted({c['model'] for c in rec['cells']}))})")
+    base = results.pop("none")
+    return s.tasks[0], {q: r.gold_loglik() - base.gold_loglik() for q, r in results.items()}
+
+
+def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: str | Path, seed: int = 0) -> dict:
+    """Spearman's rho between the schemes' mean KLD in a perplexity run and their mean gold log-likelihood change in
+    a sweep of the same model (the schemes both ran, by spec text), with its window-and-item bootstrap interval
+    (:func:`~outlierscope.analysis.agreement.rank_agreement`); writes rank_agreement.csv/.md/.json into ``out``."""
+    from outlierscope.analysis.agreement import rank_agreement
+    from outlierscope.analysis.kld import window_blocks
+
+    perplexity_dir, sweep_dir, out = Path(perplexity_dir), Path(sweep_dir), Path(out)
+    rec, table = _run(perplexity_dir)
+    model = rec["settings"]["model"]
+    task, gold = _sweep_gold(sweep_dir, model)
+    rows = [r for r in table.to_dict("records") if r["quant"] != "none" and r["quant"] in gold]
+    if len(rows) < 3:
+        raise OutlierscopeError(f"{perplexity_dir} and {sweep_dir} share {len(rows)} quantized spec(s) of {model}; "
+                                "a ranking needs 3 or more")
+    blocks = [window_blocks(TokenScores.load(perplexity_dir / "cells" / f"{r['cell']}.npz")) for r in rows]
+    counts = blocks[0][0]
+    stats = rank_agreement(counts, np.stack([b[2] for b in blocks], 1), np.stack([gold[r["quant"]] for r in rows], 1),
+                           seed)
+    frame = pd.DataFrame({"label": [r["label"] for r in rows], "quant": [r["quant"] for r in rows],
+                          "kld": stats["kld"], "delta_gold_ll": stats["gold"]})
+    frame["kld_rank"] = frame["kld"].rank(ascending=False).astype(int)
+    frame["harm_rank"] = frame["delta_gold_ll"].rank(ascending=True).astype(int)
+    summary = {k: stats[k] for k in ("spearman", "ci_low", "ci_high", "schemes", "windows", "items")}
+    with output_dir(out):
+        write_csv(out / "rank_agreement.csv", frame[list(AGREEMENT_COLUMNS)])
+        write_text(out / "rank_agreement.md", agreement_markdown(frame, summary, model, task))
+        write_json(out / "rank_agreement.json", {"model": model, "task": task, **summary, "seed": seed,
+                                                 "perplexity": str(perplexity_dir), "sweep": str(sweep_dir),
+                                                 "versions": versions(), "machine": machine(),
+                                                 "git_commit": git_commit()})
+    return summary
+
+
+def agreement_markdown(frame: pd.DataFrame, summary: dict, model: str, task: str) -> str:
+    head = (f"{model}: Spearman's rho between mean KLD (running text) and the {task} gold log-likelihood harm over "
+            f"{summary['schemes']} schemes = {summary['spearman']:+.3f} [{summary['ci_low']:+.3f}, "
+            f"{summary['ci_high']:+.3f}] (95%, {summary['windows']} windows and {summary['items']} items resampled)\n\n"
+            "| spec | mean KLD | rank | ΔNLL gold (nats) | rank |\n|---|---|---|---|---|\n")
+    lines = [f"| {r['label']} | {r['kld']:.6f} | {r['kld_rank']} | {r['delta_gold_ll']:+.4f} | {r['harm_rank']} |"
+             for r in frame.sort_values("kld_rank").to_dict("records")]
     return head + "\n".join(lines) + "\n"

@@ -74,3 +74,54 @@ def test_the_pair_compared_by_window(tmp_path, capsys):
     assert "differ in length (64 vs 32)" in err and err.count("\n") == 1 and not (tmp_path / "x").exists()
     assert main(["compare-perplexity", str(a), str(tmp_path / "nothing"), "--out", str(tmp_path / "x")]) == 2
     assert "no perplexity.json" in capsys.readouterr().err
+
+
+def test_rank_agreement_against_scipy_and_planted_orders():
+    """rho is scipy's spearmanr of the schemes' mean KLD and minus their mean gold change; a gold change that orders
+    the schemes as KLD does in every item gives +1 with the interval [1, 1], the reverse -1."""
+    from scipy.stats import spearmanr
+
+    from outlierscope.analysis.agreement import rank_agreement
+
+    rng = np.random.default_rng(0)
+    counts = rng.integers(50, 80, 30)  # (W,)
+    kld = rng.gamma(2.0, 1.0, (30, 6)) * counts[:, None] * np.array([1, 3, 2, 9, 5, 7])  # (W, S) sums
+    gold = rng.normal(0, 1, (40, 6)) - np.array([1, 2, 3, 4, 5, 6])  # (I, S): noisy harms
+    r = rank_agreement(counts, kld, gold, seed=3)
+    want = spearmanr(kld.sum(0) / counts.sum(), -gold.mean(0)).statistic
+    assert math.isclose(r["spearman"], want, abs_tol=1e-12) and r["ci_low"] <= r["spearman"] <= r["ci_high"]
+    planted = -np.tile(np.array([1, 3, 2, 9, 5, 7], float), (40, 1))  # harm exactly in KLD's order, every item
+    same = rank_agreement(counts, kld * 0 + counts[:, None] * np.array([1, 3, 2, 9, 5, 7]), planted)
+    assert same["spearman"] == 1 and same["ci_low"] == same["ci_high"] == 1
+    assert rank_agreement(counts, counts[:, None] * np.array([1., 3, 2, 9, 5, 7]), -planted)["spearman"] == -1
+    with pytest.raises(ValueError, match=">= 3 schemes"):
+        rank_agreement(counts, kld[:, :2], gold[:, :2])
+
+
+def test_rank_agreement_of_a_perplexity_run_and_a_sweep(tmp_path, hellaswag_cached, capsys):
+    """The CLI on the pair's Diff model: the schemes both ran, rho equal to scipy's on the means read back from each
+    run's own cells (KLD from the perplexity cells, gold log-likelihoods from the sweep's)."""
+    from scipy.stats import spearmanr
+
+    from outlierscope.eval.evaluate import EvalResult
+
+    (tmp_path / "t.txt").write_text(" ".join(f"w{(i * 7) % 97}" for i in range(3000)))
+    specs = ["--bits", "16", "8", "4", "--quant", "kivi-2bit", "--quant", "w4a4"]
+    ppl, sweep = tmp_path / "ppl", tmp_path / "sweep"
+    assert main(["perplexity", "--model", "pair-tiny:diff", "--text", str(tmp_path / "t.txt"), "--length", "64",
+                 "--max-windows", "10", *specs, "--out", str(ppl)]) == 0
+    assert main(["sweep", "--model", "pair-tiny:diff", *specs, "--limit", "24", "--out", str(sweep)]) == 0
+    capsys.readouterr()
+    assert main(["rank-agreement", str(ppl), str(sweep), "--out", str(tmp_path / "r")]) == 0
+    assert "Spearman's rho over 4 schemes" in capsys.readouterr().out
+    got = json.loads((tmp_path / "r" / "rank_agreement.json").read_text())
+    table = pd.read_csv(ppl / "perplexity.csv").set_index("quant")
+    rec = json.loads((sweep / "sweep.json").read_text())
+    cells = {c.get("quant") or c["bits"]: EvalResult.load(sweep / "cells", c["cell"]) for c in rec["cells"]}
+    base = cells[16].gold_loglik()
+    quants = [q for q in table.index if q != "none"]
+    gold = [(cells.get(q) or cells[int(q.split("int")[1].split("/")[0])]).gold_loglik().mean() - base.mean()
+            for q in quants]
+    kld = [TokenScores.load(ppl / "cells" / f"{table.loc[q, 'cell']}.npz").kld.mean() for q in quants]
+    assert math.isclose(got["spearman"], spearmanr(kld, -np.array(gold)).statistic, abs_tol=1e-12)
+    assert got["schemes"] == 4 and got["items"] == 24 and got["task"] == "hellaswag"

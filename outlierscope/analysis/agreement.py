@@ -1,0 +1,48 @@
+"""Do two measures rank quantization schemes alike? Spearman's rho between the schemes' mean KL divergence on running
+text and their mean change of the gold choice's log-likelihood on a task, with a bootstrap interval that resamples
+both sources of noise at once: whole windows of the text (the same windows for every scheme) and task items (the same
+items for every scheme).
+
+    kld[s]  = sum over windows of KLD sums / tokens          (larger: the scheme moves the model more)
+    gold[s] = mean over items of gold ll(s) - gold ll(base)   (more negative: the scheme hurts more)
+    rho     = spearman(kld, -gold)                            (+1: both measures order the schemes alike)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from outlierscope.analysis.paired import BOOTSTRAP_REPS
+
+
+def _spearman_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Spearman's rho of each row pair of (R, S) arrays (average ranks for ties)."""
+    from scipy.stats import rankdata
+
+    ra, rb = rankdata(a, axis=1), rankdata(b, axis=1)  # (R, S)
+    ra, rb = ra - ra.mean(1, keepdims=True), rb - rb.mean(1, keepdims=True)
+    den = np.sqrt((ra * ra).sum(1) * (rb * rb).sum(1))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (ra * rb).sum(1) / den
+
+
+def rank_agreement(counts: np.ndarray, kld_sums: np.ndarray, gold_delta: np.ndarray, seed: int = 0,
+                   reps: int = BOOTSTRAP_REPS) -> dict:
+    """``counts`` (W,) tokens per window, ``kld_sums`` (W, S) each scheme's KLD summed over a window's tokens,
+    ``gold_delta`` (I, S) each scheme's per-item gold log-likelihood change: rho (module docstring) and its 95%
+    percentile-bootstrap interval over windows and items resampled together (seeded)."""
+    if kld_sums.shape[1] != gold_delta.shape[1] or kld_sums.shape[1] < 3:
+        raise ValueError(f"rank agreement needs the same >= 3 schemes on both sides, got {kld_sums.shape[1]} and "
+                         f"{gold_delta.shape[1]}")
+    kld = kld_sums.sum(0) / counts.sum()  # (S,)
+    gold = gold_delta.mean(0)  # (S,)
+    rho = float(_spearman_rows(kld[None], -gold[None])[0])
+    rng = np.random.default_rng(seed)
+    w = rng.integers(0, len(counts), size=(reps, len(counts)))  # (R, W)
+    i = rng.integers(0, len(gold_delta), size=(reps, len(gold_delta)))  # (R, I)
+    boot_kld = np.stack([kld_sums[r].sum(0) / counts[r].sum() for r in w])  # (R, S)
+    boot_gold = np.stack([gold_delta[r].mean(0) for r in i])  # (R, S)
+    boots = _spearman_rows(boot_kld, -boot_gold)
+    lo, hi = np.nanpercentile(boots, [2.5, 97.5])
+    return {"spearman": rho, "ci_low": float(lo), "ci_high": float(hi), "schemes": int(len(kld)),
+            "windows": int(len(counts)), "items": int(len(gold_delta)), "kld": kld.tolist(), "gold": gold.tolist()}
