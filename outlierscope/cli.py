@@ -213,10 +213,12 @@ def _cmd_compare_quant(a) -> None:
 
 
 def _cmd_compare_perplexity(a) -> None:
-    from outlierscope.runs.perplexity_compare import compare_markdown, compare_perplexity
+    from pathlib import Path
 
-    table = compare_perplexity(a.a, a.b, a.out, seed=a.seed)
-    print(compare_markdown(table, a.a, a.b))
+    from outlierscope.runs.perplexity_compare import compare_perplexity
+
+    compare_perplexity(a.a, a.b, a.out, seed=a.seed)
+    print((Path(a.out) / "compare.md").read_text())
     print(f"results written to {a.out} (compare.csv, compare.md, compare.json)")
 
 
