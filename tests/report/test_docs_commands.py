@@ -103,3 +103,44 @@ def test_readme_commands_made_docs_checkpoints():
                 if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json", "gptq_oneshot.json")
                 or p.parent.name == "packed_nll"}
     assert recorded and made == recorded
+
+
+def test_readme_commands_made_docs_perplexity():
+    """docs/perplexity/: each perplexity line of the README gives its record's settings, each compare-perplexity and
+    rank-agreement line names the directories its record compared; every record under the directory has its line;
+    every committed table re-renders from its csv (the markdown the command wrote)."""
+    import pandas as pd
+
+    from outlierscope.cli import build_parser
+    from outlierscope.runs.perplexity import PerplexitySettings, perplexity_markdown
+    from outlierscope.runs.perplexity_compare import agreement_markdown, compare_markdown
+    from outlierscope.settings import from_cli
+
+    made = set()
+    for argv in _commands("perplexity", "Q"):
+        assert argv[0] == "outlierscope", argv
+        a = build_parser().parse_args(argv[1:])
+        out = ROOT / a.out
+        if argv[1] == "perplexity":
+            record = json.loads((out / "perplexity.json").read_text())
+            assert json.loads(json.dumps(asdict(from_cli(PerplexitySettings, vars(a))))) == record["settings"], a.out
+            assert perplexity_markdown(pd.read_csv(out / "perplexity.csv")) == (out / "perplexity.md").read_text()
+            made.add((out / "perplexity.json").resolve())
+        elif argv[1] == "compare-perplexity":
+            record = json.loads((out / "compare.json").read_text())
+            assert (record["a"]["dir"], record["b"]["dir"], record["seed"]) == (a.a, a.b, a.seed)
+            names = record["a"]["settings"]["model"], record["b"]["settings"]["model"]
+            assert compare_markdown(pd.read_csv(out / "compare.csv"), *names) == (out / "compare.md").read_text()
+            made.add((out / "compare.json").resolve())
+        else:
+            assert argv[1] == "rank-agreement", argv
+            record = json.loads((out / "rank_agreement.json").read_text())
+            assert (record["perplexity"], record["sweep"], record["seed"]) == (a.perplexity, a.sweep, a.seed)
+            summary = {k: record[k] for k in ("spearman", "ci_low", "ci_high", "schemes", "windows", "items")}
+            frame = pd.read_csv(out / "rank_agreement.csv")
+            md = agreement_markdown(frame, summary, record["model"], record["task"])
+            assert md == (out / "rank_agreement.md").read_text()
+            made.add((out / "rank_agreement.json").resolve())
+    recorded = {p.resolve() for p in (ROOT / "docs" / "perplexity").rglob("*.json")
+                if p.name in ("perplexity.json", "compare.json", "rank_agreement.json")}
+    assert recorded and made == recorded
