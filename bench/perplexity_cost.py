@@ -73,8 +73,8 @@ def timings(a) -> dict:
     raw = {}
     for k in (1, 4, 8):
         specs = [QuantSpec.parse(t) for t in SCHEMES[:k]]
-        runs = {"plain": lambda: plain_nll(lm.model, windows, specs),
-                "kld": lambda: score_windows(lm.model, windows, specs)}
+        runs = {"plain": lambda specs=specs: plain_nll(lm.model, windows, specs),
+                "kld": lambda specs=specs: score_windows(lm.model, windows, specs)}
         for fn in runs.values():
             fn()  # warm-up
         for _ in range(a.reps):

@@ -130,6 +130,15 @@ TABLES = {
                                      "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn")),
         ("slowest recipe vs the logits cell (goal <= 1.5x)", "max_ratio", "**{}x**"),
     ]),
+    "perplexity_cost": ("perplexity_cost", [
+        ("model, windows x tokens scored", ("model", "windows", "tokens"), "{}, {} windows, {} tokens"),
+        *((f"k = {k} schemes: s per repetition, plain NLL / KLD run", (f"k{k}_plain_s", f"k{k}_kld_s"), "{} / {}")
+          for k in (1, 4, 8)),
+        ("KLD run / plain NLL at k = 1 / 4 / 8 (goal <= 1.15x at k = 8)", ("k1_ratio", "k4_ratio", "k8_ratio"),
+         "{}x / {}x / **{}x**"),
+        ("peak RSS MB of a KLD run: the model's vocabulary / 262,144", ("peak_rss_mb", "peak_rss_262k_vocab_mb"),
+         "{} / {}"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),

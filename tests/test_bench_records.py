@@ -165,6 +165,17 @@ def test_recipe_cost_record_recomputed():
     assert d["max_ratio"] == max(v for k, v in d["ratio_vs_logits"].items() if k != "logits int4 per_tensor")
 
 
+def test_perplexity_cost_record_recomputed():
+    r = _rec("perplexity_cost")
+    raw, d = r["raw"], r["derived"]
+    for k in (1, 4, 8):
+        plain, kld = raw[f"k{k}_plain_s"], raw[f"k{k}_kld_s"]
+        assert len(plain) >= 3 and len(kld) >= 3
+        assert abs(d[f"k{k}_ratio"] - _median(kld) / _median(plain)) <= 0.00051, k
+    assert d["peak_rss_mb"] == round(raw["peak_rss_mb"][0])
+    assert d["peak_rss_262k_vocab_mb"] == round(raw["peak_rss_262k_vocab_mb"][0])
+
+
 def test_records_hold_the_load_when_the_bench_began(tmp_path, monkeypatch):
     """The load average a record calls "at start" is read by ``begin()``, not when the module is imported (a bench
     importing bench/artifact.py after its work) nor when the record is written (the bench's own load)."""
