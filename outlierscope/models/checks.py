@@ -237,6 +237,23 @@ def _check_tokenizer_size(path: Path, config, trust_remote_code: bool) -> None:
     _check_vocab(path, rows, load_tokenizer(path, trust_remote_code))
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
+
+
+def tokenizer_record(path: Path, tokenizer) -> dict:
+    """What a record says of the tokenizer that cut a text into tokens: its class, its number of tokens, and the
+    files of ``path`` it was read from with one sha256 over them (name, then bytes, in the listed order)."""
+    import hashlib
+
+    files = [n for n in TOKENIZER_FILES if (Path(path) / n).is_file()]
+    digest = hashlib.sha256()
+    for n in files:
+        digest.update(n.encode() + b"\0" + (Path(path) / n).read_bytes())
+    return {"class": type(tokenizer).__name__, "tokens": len(tokenizer), "files": files,
+            "files_sha256": digest.hexdigest()}
+
+
 def load_tokenizer(path: Path, trust_remote_code: bool = False):
     """The tokenizer of the model directory ``path`` (local files only), or a one-line error."""
     from transformers import AutoTokenizer

@@ -153,10 +153,10 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
 
 
 def _prepare(s: PerplexitySettings, log, device: str):
-    """The model, its text and windows, and what every cell shares. Everything but the weights is checked first
-    (the specs against the config, the text and its windows with the tokenizer alone)."""
+    """The model, its text and windows, what every cell shares, and the tokenizer's record. Everything but the
+    weights is checked first (the specs against the config, the text and its windows with the tokenizer alone)."""
     from outlierscope.data.running_text import load_text
-    from outlierscope.models.checks import load_tokenizer
+    from outlierscope.models.checks import load_tokenizer, tokenizer_record
     from outlierscope.models.loading import check_model, load_model
     from outlierscope.quant.apply import check_spec
 
@@ -168,13 +168,14 @@ def _prepare(s: PerplexitySettings, log, device: str):
     length = window_length(s, config, tokenizer)
     windows = protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
     lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
+    tok = tokenizer_record(source.path, tokenizer)
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
              "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
     if lm.device.split(":")[0] != "cpu":
         ident["device"] = lm.device.split(":")[0]
     log(f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
         f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
-    return lm, text, windows, length, ident
+    return lm, text, windows, length, ident, tok
 
 
 def _part(cells: Path, settings: dict, v: int) -> Path:
@@ -273,7 +274,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     say = log if world.is_main else (lambda *a, **k: None)
     with output_dir(out), output_dir(out / "cells") as cells:
         with world.failing_together():
-            lm, text, windows, length, ident = _prepare(s, say, world.device(s.device))
+            lm, text, windows, length, ident, tok = _prepare(s, say, world.device(s.device))
         specs = s.specs()
         settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
         noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]
@@ -298,7 +299,8 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         table = _table(specs, settings, have, s.seed, windows, docs,
                        dict(zip(noisy, zip(noise_settings, noise))) if s.noise is not None else None)
         noise_cells = {f"{specs[i].label} (noise {s.noise})": cell_id(st) for i, st in zip(noisy, noise_settings)}
-        record = {"settings": asdict(s), "text": text.record(), "length": length, "windows": len(windows),
+        record = {"settings": asdict(s), "text": text.record(), "tokenizer": tok, "length": length,
+                  "windows": len(windows),
                   "scored_tokens": int(sum(len(w.targets) for w in windows)),
                   "model_source": lm.provenance(ident["weights_sha256"]), "processes": world.size,
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),

@@ -69,6 +69,7 @@ def test_run_resume_table_and_record(tmp_path, text, capsys):
     assert list(table["label"]) == ["16 (unquantized)", "4-bit int per_tensor", "kivi-2bit"]
     assert rec["text"]["sha256"] == load_text(str(text)).sha256 and rec["settings"]["protocol"] == "gptq"
     assert rec["length"] == 64 and rec["scored_tokens"] == rec["windows"] * 63
+    _assert_tokenizer_record(rec["tokenizer"])
     for row in table.to_dict("records"):
         cell = TokenScores.load(out / "cells" / f"{row['cell']}.npz")
         assert len(cell) == rec["scored_tokens"] and row["tokens"] == len(cell)
@@ -276,3 +277,21 @@ def test_torchrun_two_processes_give_one_process_bytes(tmp_path, text):
             a, b = TokenScores.load(one / "cells" / c), TokenScores.load(two / "cells" / c)
             assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("window", "nll", "kld", "p_diff"))
     assert json.loads((two / "perplexity.json").read_text())["processes"] == 2
+
+
+def _assert_tokenizer_record(tok: dict) -> None:
+    """The record names the tokenizer that cut the text: its class and size as transformers loads it from the pair's
+    directory, and a sha256 over its files computed here (name, NUL, bytes)."""
+    import hashlib
+
+    from transformers import AutoTokenizer
+
+    from outlierscope.models.resolve import resolve_model
+
+    path = resolve_model("pair-tiny:diff").path
+    ref = AutoTokenizer.from_pretrained(path)
+    assert (tok["class"], tok["tokens"]) == (type(ref).__name__, len(ref)) and "tokenizer.json" in tok["files"]
+    digest = hashlib.sha256()
+    for name in tok["files"]:
+        digest.update(name.encode() + b"\0" + (path / name).read_bytes())
+    assert tok["files_sha256"] == digest.hexdigest()
