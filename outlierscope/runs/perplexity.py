@@ -347,17 +347,20 @@ def _noise_columns(tokens: TokenScores, seed: int) -> dict:
 
 
 def perplexity_markdown(table: pd.DataFrame) -> str:
-    """One row per spec, as llama.cpp's quantization tables are read: PPL, ln PPL ratio, mean and 99.9% KLD, same
-    top token, RMS dp, and the NLL change with its window-block interval."""
+    """One row per spec, as llama.cpp's quantization tables are read: PPL and ln PPL ratio with llama.cpp's
+    uncertainties, the NLL change and the mean KLD with their 95% intervals over whole windows (llama.cpp's
+    per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens as independent and is
+    far narrower), the 99.9% KLD, same top token and RMS dp."""
     if table.empty:
         raise OutlierscopeError("no spec was scored")
     noise = "noise_kld_mean" in table.columns
-    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD | 99.9% KLD | same top | RMS Δp |"
+    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD [95% CI] | 99.9% KLD | same top | RMS Δp |"
             + (" noise KLD | noise same top |" if noise else "") + "\n|---|---|---|---|---|---|---|---|"
             + ("---|---|" if noise else "") + "\n")
     lines = [f"| {r['label']} | {r['ppl']:.4f} ± {r['ppl_unc']:.4f} | {r['ln_ppl_ratio']:+.5f} ± "
              f"{r['ln_ppl_ratio_unc']:.5f} | {r['delta_nll']:+.5f} [{r['delta_nll_ci_low']:+.5f}, "
-             f"{r['delta_nll_ci_high']:+.5f}] | {r['kld_mean']:.6f} ± {r['kld_unc']:.6f} | {r['kld_p99.9']:.5f} | "
+             f"{r['delta_nll_ci_high']:+.5f}] | {r['kld_mean']:.6f} [{r['kld_ci_low']:.6f}, {r['kld_ci_high']:.6f}] | "
+             f"{r['kld_p99.9']:.5f} | "
              f"{100 * r['same_top']:.2f} ± {100 * r['same_top_unc']:.2f}% | {100 * r['p_diff_rms']:.3f}% |"
              + (_noise_cells(r) if noise else "") for r in table.to_dict("records")]
     return head + "\n".join(lines) + "\n"
