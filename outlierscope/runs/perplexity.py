@@ -349,8 +349,8 @@ def _noise_columns(tokens: TokenScores, seed: int) -> dict:
 def perplexity_markdown(table: pd.DataFrame) -> str:
     """One row per spec, as llama.cpp's quantization tables are read: PPL and ln PPL ratio with llama.cpp's
     uncertainties, the NLL change and the mean KLD with their 95% intervals over whole windows (llama.cpp's
-    per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens as independent and is
-    far narrower), the 99.9% KLD, same top token and RMS dp."""
+    per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens as independent: on the
+    pair about half as wide), the 99.9% KLD, same top token and RMS dp."""
     if table.empty:
         raise OutlierscopeError("no spec was scored")
     noise = "noise_kld_mean" in table.columns
