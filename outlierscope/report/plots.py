@@ -287,18 +287,19 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
     return fig
 
 
-def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits",
-                     what: str = "|logit|") -> plt.Figure:
-    """Per layer: the damage of quantizing only that layer (mean change of the gold log-likelihood), and beside it
-    the layer's top-1 / median ``what`` (its outlier statistic); ``quantized`` says what each layer gets (the title)."""
+def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits", what: str = "|logit|",
+                     column: str = "delta_gold_ll", label: str = "Δ mean gold log-likelihood (nats)") -> plt.Figure:
+    """Per layer: the damage of quantizing only that layer (its ``column``: by default the mean change of the gold
+    log-likelihood; ``label``: it in words), and beside it the layer's top-1 / median ``what`` (its outlier
+    statistic); ``quantized`` says what each layer gets (the title)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     c = sns.color_palette(PALETTE, 3)
-    a.bar(table["layer"], table["only_delta_gold_ll"], color=c[0], label="only this layer quantized")
-    if "all_but_delta_gold_ll" in table:
-        a.plot(table["layer"], table["all_but_delta_gold_ll"], "o", color=c[1], label="all layers but this one")
+    a.bar(table["layer"], table[f"only_{column}"], color=c[0], label="only this layer quantized")
+    if f"all_but_{column}" in table:
+        a.plot(table["layer"], table[f"all_but_{column}"], "o", color=c[1], label="all layers but this one")
     a.axhline(0, color="0.4", lw=0.8)
     a.set_xlabel("layer")
-    a.set_ylabel("Δ mean gold log-likelihood (nats)")
+    a.set_ylabel(label)
     a.legend(frameon=False, fontsize=8)
     b.bar(table["layer"], table["outlier_ratio"], color=c[2])
     b.set_xlabel("layer")
@@ -310,15 +311,17 @@ def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention 
     return fig
 
 
-def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|") -> plt.Figure:
-    """Scatter across layers: harm of quantizing the layer alone against its top-1 / median ``what``."""
+def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|", harm_sign: int = -1,
+                       column: str = "delta_gold_ll", label: str = "Δ mean gold log-likelihood (nats)") -> plt.Figure:
+    """Scatter across layers: harm (``harm_sign`` x the layer-alone ``column``, ``label`` in words) of quantizing the
+    layer alone against its top-1 / median ``what``."""
     fig, ax = plt.subplots(figsize=(5.2, 4), layout="constrained")
-    ax.scatter(table["outlier_ratio"], -table["only_delta_gold_ll"], color=sns.color_palette(PALETTE, 1)[0])
-    for _, r in table.iterrows():
-        ax.annotate(str(int(r["layer"])), (r["outlier_ratio"], -r["only_delta_gold_ll"]), fontsize=7,
-                    xytext=(3, 3), textcoords="offset points")
+    harm = harm_sign * table[f"only_{column}"]
+    ax.scatter(table["outlier_ratio"], harm, color=sns.color_palette(PALETTE, 1)[0])
+    for (_, r), h in zip(table.iterrows(), harm):
+        ax.annotate(str(int(r["layer"])), (r["outlier_ratio"], h), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_xlabel(f"top-1 / median {what} of the layer")
-    ax.set_ylabel("harm: -Δ mean gold log-likelihood (nats)")
+    ax.set_ylabel(f"harm: {'-' if harm_sign < 0 else ''}{label}")
     ax.set_title(f"Do outliers predict the damage? Spearman ρ = {rho:+.2f}", fontsize=10)
     ax.grid(alpha=0.3)
     return fig

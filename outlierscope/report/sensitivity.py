@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from outlierscope.analysis.harm import rank_by_of
 from outlierscope.io import read_record
 from outlierscope.quant.names import UNQUANTIZED_BITS
 
@@ -51,6 +52,8 @@ def quantized_said(settings: dict) -> str:
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> str:
     """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""
+    if rank_by_of(record["settings"]).on_text:
+        return _text_markdown(record, table, tries, kinds)
     s, metric = record["settings"], record["metric"]
     quant = _quant_said(s)
     final = record["final"]
@@ -92,6 +95,46 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], k
             lines.append(f"| {r['linear']} | {r['delta_gold_ll']:+.4f} | {r[f'delta_{metric}'] * 100:+.2f} | "
                          f"{r['flip_rate'] * 100:.1f}% |")
     return "\n".join(lines) + "\n"
+
+
+def _text_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None) -> str:
+    """:func:`sensitivity_markdown` of a run ranked on running text (metric kld or ppl)."""
+    s, rb, t = record["settings"], rank_by_of(record["settings"]), record["rank_by"]
+    final = record["final"]
+    reach = ("at most" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} {rb.unit}"
+    lines = [f"# Per-layer sensitivity: {s['model']}, {t['text']['source']}, {_quant_said(s)}", "",
+             f"{t['windows']} {t['protocol']} windows of {t['length']} tokens, {t['scored_tokens']:,} scored tokens; "
+             f"ranked by {rb.label}. KLD: mean KL divergence to the unquantized model at every scored token (nats, "
+             "> 0 hurts) with its 95% interval over windows; ln PPL ratio = the mean NLL change; same top: share of "
+             "tokens whose most likely next token is unchanged.", "",
+             f"Greedy suggestion: keep layers {record['keep'] or 'none'} unquantized, quantize "
+             f"{len(record['quantized'])} of {record['n_layers']}: {rb.column} {final[rb.column]:.5f} ({reach}), "
+             f"mean KLD {final['kld_mean']:.5f}, ln PPL ratio {final['ln_ppl_ratio']:+.5f}, same top "
+             f"{final['same_top'] * 100:.2f}%.", "",
+             f"Spearman rank correlation of harm with the layer's top-1/median {outliers_said(record)}: "
+             f"{record['spearman_damage_vs_outlier_ratio']:+.2f} (> 0: larger outliers, more harm).", "",
+             "| Rank | Layer | only: KLD [95% CI] | only: ln PPL ratio | only: same top | all but: KLD | top-1/median |",
+             "|---|---|---|---|---|---|---|"]
+    for _, r in table.sort_values("rank").iterrows():
+        rest = f"{r['all_but_kld_mean']:.5f}" if "all_but_kld_mean" in r else "-"
+        lines.append(f"| {int(r['rank'])} | {int(r['layer'])} | {_kld(r, 'only_')} | {r['only_ln_ppl_ratio']:+.5f} | "
+                     f"{r['only_same_top'] * 100:.2f}% | {rest} | {r['outlier_ratio']:.1f} |")
+    lines += ["", "Greedy tries (bisection over k, the number of most harmful layers kept):", "",
+              "| kept | kept layers | KLD [95% CI] | ln PPL ratio | same top | within |", "|---|---|---|---|---|---|"]
+    for tr in tries:
+        lines.append(f"| {tr['kept']} | {tr['kept_layers']} | {_kld(tr, '')} | {tr['ln_ppl_ratio']:+.5f} | "
+                     f"{tr['same_top'] * 100:.2f}% | {'yes' if tr['within_tolerance'] else 'no'} |")
+    if kinds is not None:
+        lines += ["", "Linear kinds, each quantized alone in every layer (most harmful first):", "",
+                  "| linear | KLD [95% CI] | ln PPL ratio | same top |", "|---|---|---|---|"]
+        order = kinds.assign(_h=rb.harm(kinds[rb.column])).sort_values(["_h", "linear"], ascending=[False, True])
+        for _, r in order.iterrows():
+            lines.append(f"| {r['linear']} | {_kld(r, '')} | {r['ln_ppl_ratio']:+.5f} | {r['same_top'] * 100:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def _kld(r, prefix: str) -> str:
+    return f"{r[prefix + 'kld_mean']:.5f} [{r[prefix + 'kld_ci_low']:.5f}, {r[prefix + 'kld_ci_high']:.5f}]"
 
 
 LOGITS = ["layers.*.attn.logits"]

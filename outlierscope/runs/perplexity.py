@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import MISSING, asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -43,6 +43,7 @@ from outlierscope.runs.cells import cell_id, revised
 from outlierscope.settings import option
 
 DEFAULT_LENGTH = {"gptq": 2048, "llamacpp": 512}  # lmeval: the model's max length, as lm-eval
+SPECS_PER_PASS = 16  # specs scored together: each holds one batch's hidden states (tokens x hidden) until the head
 NOISE = ("float64",)  # the arithmetics a noise-floor cell recomputes a spec in
 NOISE_COLUMNS = ("noise_kld_mean", "noise_kld_unc", "noise_kld_p99.9", "noise_same_top")
 COLUMNS = ("label", "quant", "bits", "tokens", "windows", "ppl", "ppl_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc",
@@ -54,6 +55,27 @@ LMEVAL_COLUMNS = ("word_perplexity", "byte_perplexity", "bits_per_byte", "word_p
                   "byte_perplexity_base", "bits_per_byte_base")  # the lmeval protocol's: lm-eval's wikitext metrics
 
 
+def text_option():
+    """The running text (a settings field, shared by every command that scores text)."""
+    return option("lambada", "lambada (offline, from `outlierscope data fetch`), a .txt/.jsonl/.parquet file, or a "
+                  "dataset ORG/NAME:CONFIG:SPLIT (e.g. Salesforce/wikitext:wikitext-2-raw-v1:test)", metavar="TEXT")
+
+
+def protocol_option():
+    return option("gptq", "gptq (joined text, windows of --length, GPTQ/AWQ tables), llamacpp (chunks of --length, "
+                  "second half scored, llama-perplexity) or lmeval (each document rolling, lm-eval's "
+                  "loglikelihood_rolling)", choices=PROTOCOLS)
+
+
+def length_option():
+    return option(None, "tokens per window (gptq: 2048, capped at the model's maximum; llamacpp: 512; lmeval: the "
+                  "model's maximum)")
+
+
+def max_windows_option():
+    return option(None, "score only the first N windows (default: all)")
+
+
 @dataclass(frozen=True)
 class PerplexitySettings:
     model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched "
@@ -62,14 +84,10 @@ class PerplexitySettings:
                                    "unquantized model (its row is always written)")
     quant: tuple[str, ...] = option((), "also: a recipe or spec (see `outlierscope recipes`); repeat",
                                     flag="--quant", repeat=True, metavar="RECIPE_OR_SPEC")
-    text: str = option("lambada", "lambada (offline, from `outlierscope data fetch`), a .txt/.jsonl/.parquet file, "
-                       "or a dataset ORG/NAME:CONFIG:SPLIT (e.g. Salesforce/wikitext:wikitext-2-raw-v1:test)", metavar="TEXT")
-    protocol: str = option("gptq", "gptq (joined text, windows of --length, GPTQ/AWQ tables), llamacpp (chunks of "
-                           "--length, second half scored, llama-perplexity) or lmeval (each document rolling, "
-                           "lm-eval's loglikelihood_rolling)", choices=PROTOCOLS)
-    length: int | None = option(None, "tokens per window (gptq: 2048, capped at the model's maximum; llamacpp: 512; "
-                                "lmeval: the model's maximum)")
-    max_windows: int | None = option(None, "score only the first N windows (default: all)")
+    text: str = text_option()
+    protocol: str = protocol_option()
+    length: int | None = length_option()
+    max_windows: int | None = max_windows_option()
     batch_size: int = option(1, "windows per forward; quantized values depend on it by float32 rounding (part of a "
                              "quantized cell's identity when not 1)")
     noise: str | None = option(None, "also recompute each quantized spec in this arithmetic and report the KL "
@@ -152,27 +170,43 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
     return cid
 
 
+def prepare_windows(s, source, config):
+    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``,
+    ``trust_remote_code``), the model's tokenizer (``source``, ``config``: :func:`check_model`'s), the window length
+    and the windows: everything the tokenizer alone decides, checked before any weights load."""
+    from outlierscope.data.running_text import load_text
+    from outlierscope.models.checks import load_tokenizer
+
+    text = load_text(s.text)
+    tokenizer = load_tokenizer(source.path, s.trust_remote_code)
+    length = window_length(s, config, tokenizer)
+    return text, tokenizer, length, protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
+
+
+def text_ident(s, lm, text, length: int, windows) -> dict:
+    """What every text cell of a model shares: weights, text, protocol, window length and count, dtype (and the
+    device type off the CPU)."""
+    ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
+             "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
+    if lm.device.split(":")[0] != "cpu":
+        ident["device"] = lm.device.split(":")[0]
+    return ident
+
+
 def _prepare(s: PerplexitySettings, log, device: str):
     """The model, its text and windows, what every cell shares, and the tokenizer's record. Everything but the
     weights is checked first (the specs against the config, the text and its windows with the tokenizer alone)."""
-    from outlierscope.data.running_text import load_text
-    from outlierscope.models.checks import load_tokenizer, tokenizer_record
+    from outlierscope.models.checks import tokenizer_record
     from outlierscope.models.loading import check_model, load_model
     from outlierscope.quant.apply import check_spec
 
     source, config = check_model(s.model, s.trust_remote_code)
     for spec in s.specs():  # the specs fit the model's shape: before it loads
         check_spec(spec, config)
-    text = load_text(s.text)
-    tokenizer = load_tokenizer(source.path, s.trust_remote_code)
-    length = window_length(s, config, tokenizer)
-    windows = protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
+    text, tokenizer, length, windows = prepare_windows(s, source, config)
     lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
     tok = tokenizer_record(source.path, tokenizer)
-    ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
-             "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
-    if lm.device.split(":")[0] != "cpu":
-        ident["device"] = lm.device.split(":")[0]
+    ident = text_ident(s, lm, text, length, windows)
     log(f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
         f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
     return lm, text, windows, length, ident, tok
@@ -182,7 +216,7 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
     return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
 
 
-def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], s: PerplexitySettings):
+def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None):
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: the model in the noise arithmetic) against the same spec in it."""
     from outlierscope.eval.perplexity import score_noise
@@ -191,12 +225,15 @@ def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], s: Perplexit
     cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
     ref_cals = [calibration_for(ref.model, ref.tokenizer, spec) for spec in specs] if ref is not None else None
 
-    def score(idx: list[int], shard: int) -> list[TokenScores]:
+    def group(idx: list[int], shard: int) -> list[TokenScores]:
         chosen, cal = [specs[j] for j in idx], [cals[j] for j in idx]
         if ref is None:
-            return score_windows(lm.model, windows, chosen, s.batch_size, cal, s.attn_block, shards=[shard])
-        return score_noise(lm.model, ref.model, windows, chosen, s.batch_size, cal, [ref_cals[j] for j in idx],
-                           s.attn_block, shards=[shard])
+            return score_windows(lm.model, windows, chosen, batch_size, cal, attn_block, shards=[shard])
+        return score_noise(lm.model, ref.model, windows, chosen, batch_size, cal, [ref_cals[j] for j in idx],
+                           attn_block, shards=[shard])
+
+    def score(idx: list[int], shard: int) -> list[TokenScores]:  # SPECS_PER_PASS at a time: bounded memory
+        return [t for g in range(0, len(idx), SPECS_PER_PASS) for t in group(idx[g:g + SPECS_PER_PASS], shard)]
 
     return score
 
@@ -225,19 +262,38 @@ def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, .
                 f"{time.perf_counter() - started:.0f} s)")
 
 
-def _compute_cells(lm, noise_model, windows, specs, settings, have, cells: Path, shard: Shard, world: World,
-                   s: PerplexitySettings, log) -> None:
-    """The parts of every missing cell (None in ``have``) on this process's virtual shards. ``noise_model``: None
-    for cells against the unquantized model; for noise-floor cells, what loads the model in the noise arithmetic
-    (only when a cell is missing)."""
+@dataclass(frozen=True)
+class CellRun:
+    """How a set of text cells is computed: into ``cells`` with ``batch_size`` and ``attn_block``, ``seed`` for the
+    summaries, this process's ``shard`` and ``world``, ``log`` (rank 0's lines)."""
+
+    cells: Path
+    batch_size: int = 1
+    attn_block: int | None = None
+    seed: int = 0
+    shard: Shard = field(default_factory=Shard)
+    world: World = field(default_factory=World)
+    log: object = print
+
+
+def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
+                kind: str = "") -> list[TokenScores] | None:
+    """Each spec's :class:`TokenScores` on ``windows``: read back when its cell is complete, else computed per
+    virtual shard (this process's, resumable) and assembled by rank 0 once every part is there. Returns the cells on
+    rank 0 when all are complete, else None. ``ref_model``: None for cells against the unquantized model, else what
+    loads the model in another arithmetic (noise-floor cells; called only when a cell is missing)."""
+    have = [_load_cell(c.cells, st) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
-    kind = f"noise-floor ({s.noise}) " if noise_model is not None else ""
-    log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
-    if not todo:
-        return
-    ref = noise_model() if noise_model is not None else None
-    score = _scorer(lm, ref, windows, [specs[i] for i in todo], s)
-    _compute_parts(score, [settings[i] for i in todo], cells, owned_shards(shard, world), log)
+    c.log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
+    with c.world.failing_together():  # then every rank's parts are written
+        if todo:
+            ref = ref_model() if ref_model is not None else None
+            score = _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block)
+            _compute_parts(score, [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
+    if not c.world.is_main:
+        return None
+    have = [h if h is not None else _assemble(c.cells, st, c.seed) for h, st in zip(have, settings)]
+    return None if any(h is None for h in have) else have
 
 
 def _noise_model(s: PerplexitySettings, lm):
@@ -279,19 +335,14 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
         noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]
         noise_settings = [{**settings[i], "noise": s.noise} for i in noisy]
-        have = [_load_cell(cells, st) for st in settings]
-        noise = [_load_cell(cells, st) for st in noise_settings]
         started = time.perf_counter()
-        with world.failing_together():  # then every rank's parts are written
-            _compute_cells(lm, None, windows, specs, settings, have, cells, shard, world, s, say)
-            if noisy:
-                _compute_cells(lm, lambda: _noise_model(s, lm), windows, [specs[i] for i in noisy], noise_settings,
-                               noise, cells, shard, world, s, say)
+        c = CellRun(cells, s.batch_size, s.attn_block, s.seed, shard, world, say)
+        have = token_cells(lm, windows, specs, settings, c)
+        noise = token_cells(lm, windows, [specs[i] for i in noisy], noise_settings, c, lambda: _noise_model(s, lm),
+                            f"noise-floor ({s.noise}) ") if noisy else []
         if not world.is_main:
             return None
-        have = [h if h is not None else _assemble(cells, st, s.seed) for h, st in zip(have, settings)]
-        noise = [h if h is not None else _assemble(cells, st, s.seed) for h, st in zip(noise, noise_settings)]
-        if any(h is None for h in have + noise):
+        if have is None or noise is None:
             say(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
                 "assembles the cells and writes the tables")
             return None

@@ -9,6 +9,12 @@
             a loss bound (a gain of any size passes; a loss of more than ``tolerance`` nats fails)
             (kept layers unquantized, or at ``keep_bits`` bits: a mixed 4/8-bit assignment)
 
+With ``metric`` kld (or ppl) the same steps run on running text instead of items: damage[i] = - the mean KL
+divergence of only[i] to the unquantized model at every scored token (or - ln(PPL(only[i]) / PPL(base))), and the
+greedy's bound is a mean KLD (ln PPL ratio) of at most ``tolerance``; each cell is a perplexity cell
+(:mod:`outlierscope.runs.perplexity`: per-token values, resumable per virtual shard), and the specs of one pass
+share the unquantized trunk and head of every batch.
+
 Each evaluation is a resumable cell of the cache sweep uses (:mod:`outlierscope.runs.cells`: ``cells/<cell id>``,
 reused when its settings match; ``sensitivity.json`` maps each role, ``base``, ``only_3``, ``keep_0_1``, ..., to its
 cell). With
@@ -36,6 +42,7 @@ from outlierscope.analysis.attention_error import (
     measured_spec,
     pool_heads,
 )
+from outlierscope.analysis.harm import RANK_BY, TEXT_METRICS, RankBy, rank_by_of
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
@@ -61,8 +68,12 @@ from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, revised
+from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option, text_option
 from outlierscope.settings import option
+
+ITEM_FIELDS = ("task", "limit", "sample")  # what only the gold_ll metric reads
+TEXT_FIELDS = ("text", "protocol", "length", "max_windows")  # what only the text metrics read
 
 
 @dataclass(frozen=True)
@@ -79,8 +90,16 @@ class SensitivitySettings:
     limit: int | None = option(None, "first N validation items", exclusive="items")
     sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
     seed: int = option(0, "seeds --sample")
-    tolerance: float = option(0.05, "largest loss of the mean gold log-likelihood (nats) the suggested assignment may "
-                              "have (a gain always passes)")
+    metric: str = option("gold_ll", "rank layers and bound the suggestion by gold_ll (the task's items: mean change of "
+                         "the gold choice's log-likelihood), kld (running text: mean KL divergence to the unquantized "
+                         "model at every token) or ppl (running text: ln of the PPL ratio)", choices=tuple(RANK_BY))
+    text: str = text_option()
+    protocol: str = protocol_option()
+    length: int | None = length_option()
+    max_windows: int | None = max_windows_option()
+    tolerance: float = option(0.05, "largest harm the suggested assignment may have, in the metric's unit: nats of mean "
+                              "gold log-likelihood lost (gold_ll), nats of mean KLD (kld), ln PPL ratio (ppl); a gain "
+                              "always passes")
     keep_bits: int = option(16, "bits of the layers the suggestion keeps (16: unquantized; e.g. 8 for a 4/8-bit mix)")
     all_but: bool = option(True, "skip the second pass (every layer quantized but one)")
     attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
@@ -103,21 +122,45 @@ class SensitivitySettings:
         if self.quant is not None:
             self._check_quant()
         spec = self.spec()  # bits, format, granularity (or the attention spec) checked before anything loads
-        if self.attn_error:
+        if self.attn_error and self.metric == "gold_ll":
             measured_spec(spec)
         if spec.bits == 16:
             raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
         self.spec(bits=self.keep_bits)
         if not spec.bits < self.keep_bits:
             raise ParamError("keep_bits", f"above bits={spec.bits} (16 = kept layers unquantized)", self.keep_bits)
+        self._check_metric_fields()
         if not self.tolerance >= 0:
-            raise ParamError("tolerance", ">= 0 (nats of mean gold log-likelihood)", self.tolerance)
+            raise ParamError("tolerance", f">= 0 ({RANK_BY[self.metric].unit})", self.tolerance)
         for n in ("limit", "sample"):
             if getattr(self, n) is not None and getattr(self, n) < 1:
                 raise ParamError(n, ">= 1", getattr(self, n))
         if self.profile_tokens < 1:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
+
+    def _check_metric_fields(self) -> None:
+        """The item settings only with gold_ll, the text settings only with kld / ppl, whose cells keep no layers at
+        other bits."""
+        from outlierscope.eval.windows import PROTOCOLS
+
+        if self.metric not in RANK_BY:
+            raise ParamError("metric", f"one of {', '.join(RANK_BY)}", self.metric)
+        if self.protocol not in PROTOCOLS:
+            raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", self.protocol)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        unused = TEXT_FIELDS if self.metric == "gold_ll" else ITEM_FIELDS
+        for name in unused:
+            if getattr(self, name) != defaults[name]:
+                raise ParamError(name, f"its default {defaults[name]!r} with metric={self.metric!r} (it scores "
+                                 f"{'items of a task' if self.metric == 'gold_ll' else 'running text'})",
+                                 getattr(self, name))
+        if self.metric in TEXT_METRICS and self.keep_bits != UNQUANTIZED_BITS:
+            raise ParamError("keep_bits", f"16 with metric={self.metric!r} (a kept layer at other bits is not built "
+                             "for the text metrics)", self.keep_bits)
+        for name in ("length", "max_windows"):
+            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "length" else 1):
+                raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
 
     def _check_quant(self) -> None:
         """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in
@@ -165,6 +208,19 @@ def change(res: EvalResult, base: EvalResult, metric: str) -> dict:
             "flip_rate": float((res.items[col].to_numpy() != base.items[col].to_numpy()).mean())}
 
 
+TEXT_CHANGE = ("kld_mean", "kld_ci_low", "kld_ci_high", "kld_p99.9", "ln_ppl_ratio", "delta_nll_ci_low",
+               "delta_nll_ci_high", "same_top")
+
+
+def text_change(tokens, seed: int) -> dict:
+    """A text cell's change against the unquantized model: mean KLD (95% interval over windows) and its 99.9%
+    point, ln PPL ratio (= the mean NLL change, with its interval), same top token."""
+    from outlierscope.analysis.kld import summary
+
+    stats = summary(tokens, seed)
+    return {k: stats[k] for k in TEXT_CHANGE}
+
+
 def greedy_keep(order: list[int], layers: list[int], within) -> tuple[list[int], list[dict]]:
     """The fewest of the most harmful layers (``order``, most harmful first) to keep at higher precision such
     that ``within(quantized_layers)`` returns ``(True, record)`` (``layers``: all the candidates, i.e. the
@@ -210,6 +266,26 @@ class _Run:
     cells: dict  # role (base, only_3, keep_0_1, ...) -> cell id, recorded in sensitivity.json
     shard: Shard = field(default_factory=Shard)  # a --shard run computes its share of the per-layer cells
     world: World = field(default_factory=World)  # the processes of torchrun: every cell split over them
+    rank_by: RankBy = RANK_BY["gold_ll"]
+    text: dict | None = None  # the text metrics': windows, the cells' identity, how cells run, the text's record
+    base: EvalResult | None = None  # the unquantized cell (gold_ll; the text cells hold their base per token)
+
+    def changes(self, cells: list[tuple[str, QuantSpec | None, QuantSpec | None]]) -> list[dict] | None:
+        """Each (role, spec, keep)'s change against the unquantized model (:func:`change`, or :func:`text_change` of
+        its text cell; the text cells of one call share each batch's unquantized trunk). None where this process
+        computed only its parts (a partial --shard run)."""
+        if not self.rank_by.on_text:
+            res = [(self.cell(role, spec, keep), role) for role, spec, keep in cells]
+            return [change(r, self.base, self.metric) for r, _ in res] if self.shard.whole else None
+        from outlierscope.runs.perplexity import cell_settings as text_cell_settings
+        from outlierscope.runs.perplexity import token_cells
+
+        specs = [spec or QuantSpec() for _, spec, _ in cells]
+        settings = [text_cell_settings(self.text["ident"], spec, self.s.batch_size) for spec in specs]
+        self.cells.update({role: cell_id(st) for (role, _, _), st in zip(cells, settings)})
+        tokens = token_cells(self.lm, self.text["windows"], specs, settings, self.text["cells"], kind="text ")
+        out = [text_change(t, self.s.seed) for t in tokens] if tokens is not None else None
+        return self.world.broadcast(out)  # every rank takes the same next step (the greedy's bisection)
 
     def cell(self, role: str, spec: QuantSpec | None, keep: QuantSpec | None = None,
              measure: QuantSpec | None = None) -> EvalResult:
@@ -265,26 +341,45 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
     main = world.is_main
     if main:
         check_previous(out, s, force, shard)
+    if RANK_BY[s.metric].on_text and not shard.whole:
+        raise OutlierscopeError(f"shard: whole with metric={s.metric!r} (its text cells split over torchrun's "
+                                "processes, not over --shard runs)")
     with output_dir(out) if main else contextlib.nullcontext(), output_dir(out / "cells") if main else \
             contextlib.nullcontext():
         run = _prepare(s, out / "cells", progress, log, shard, world)
-        base = run.cell("base", None, measure=s.spec() if s.attn_error and _in_attention(s.spec()) else None)
-        table = _per_layer(run, base)
-        kinds = _per_kind(run, base)
+        run.base = _base_cell(run)
+        table = _per_layer(run)
+        kinds = _per_kind(run)
         if not shard.whole:
             return _write_shard(run, out) if main else None
-        table = _with_attention_error(table, base, out if main else None) if "attn_error_table" in base.extra else table
+        if run.base is not None and "attn_error_table" in run.base.extra:
+            table = _with_attention_error(table, run.base, out if main else None)
         table = _with_outlier_ratio(run, table)
-        order = table.sort_values(["only_delta_gold_ll", "layer"])["layer"].tolist()  # most harmful first
-        keep, tries = greedy_keep(order, run.layers, _within(run, base))
+        order = _by_harm(table, run.rank_by, "only_", "layer")["layer"].tolist()  # most harmful first
+        keep, tries = greedy_keep(order, run.layers, _within(run))
         record = _record(run, table, order, keep, tries)
         if kinds is not None:
-            record["kinds"] = kinds.sort_values(["delta_gold_ll", "linear"])["linear"].tolist()  # most harmful first
+            record["kinds"] = _by_harm(kinds, run.rank_by, "", "linear")["linear"].tolist()  # most harmful first
         if main:
             _write(out, record, table, tries, kinds)
     if main:
         _log_summary(run, record)
     return record if main else None
+
+
+def _base_cell(run: _Run) -> EvalResult | None:
+    """The unquantized cell of the gold_ll metric, with each layer's attention error of the spec measured (not
+    applied) when asked; the text metrics have none (each text cell holds the unquantized values per token)."""
+    s = run.s
+    if run.rank_by.on_text:
+        return None
+    return run.cell("base", None, measure=s.spec() if s.attn_error and _in_attention(s.spec()) else None)
+
+
+def _by_harm(table: pd.DataFrame, rank_by: RankBy, prefix: str, key: str) -> pd.DataFrame:
+    """``table`` sorted most harmful first by its ``prefix + rank_by.column`` (ties: by ``key``)."""
+    harm = rank_by.harm(table[prefix + rank_by.column])
+    return table.assign(_harm=harm).sort_values(["_harm", key], ascending=[False, True]).drop(columns="_harm")
 
 
 def _write_shard(run: _Run, out: Path) -> None:
@@ -343,34 +438,69 @@ def check_previous(out: Path, s: SensitivitySettings, force: bool, shard: Shard 
 
 
 def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> _Run:
-    """Load the model and the items; the identity every cell shares."""
+    """Load the model and the items (gold_ll) or the text's windows (kld, ppl; checked before the weights load);
+    the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
     from outlierscope.models.loading import check_model, load_model, preview_config
     from outlierscope.report.tables import headline_metric
 
     if (config := preview_config(s.model)) is not None:  # a GGUF file's metadata: before its conversion
         check_spec(s.spec(), config)
-    check_spec(s.spec(), check_model(s.model, s.trust_remote_code)[1])  # the spec fits the model's shape: before it loads
+    source, config = check_model(s.model, s.trust_remote_code)
+    check_spec(s.spec(), config)  # the spec fits the model's shape: before it loads
+    rank_by = RANK_BY[s.metric]
+    text = _text_windows(s, source, config) if rank_by.on_text else None
     lm = load_model(s.model, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
                     trust_remote_code=s.trust_remote_code)
+    say = log if world.is_main else (lambda *_: None)
+    if text is not None:
+        return _Run(s, lm, [], s.metric, attention_layers(lm.model), {}, cells_dir, progress and world.is_main, say,
+                    {}, shard, world, rank_by, _text_cells(s, lm, text, cells_dir, world, say))
     items = select_items(s.limit, s.sample, s.seed, None, s.task)
     layout = layout_for(s.spec())  # every cell's, the unquantized one's too: sequences as the quantized ones see them
     ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "task": s.task, "items_sha256": items_digest(items),
              "dtype": lm.dtype, "layout": layout}
     return _Run(s, lm, items, headline_metric(task_metrics(s.task)), attention_layers(lm.model), ident, cells_dir,
-                progress and world.is_main, log if world.is_main else (lambda *_: None), {}, shard, world)
+                progress and world.is_main, say, {}, shard, world)
 
 
-def _per_layer(run: _Run, base: EvalResult) -> pd.DataFrame:
-    """Per attention layer: the change with only that layer quantized, and (``all_but``) with all the others."""
-    s, rows = run.s, []
-    whole = run.shard.whole  # a --shard run computes its parts only (no change to compute from them)
+def _text_windows(s: SensitivitySettings, source, config) -> dict:
+    """The text metrics' text, window length and windows (the tokenizer alone decides them)."""
+    from outlierscope.runs.perplexity import prepare_windows
+
+    text, _, length, windows = prepare_windows(s, source, config)
+    return {"text": text, "length": length, "windows": windows}
+
+
+def _text_cells(s: SensitivitySettings, lm, text: dict, cells_dir: Path, world: World, log) -> dict:
+    """What every text cell shares (the perplexity cells' identity) and how they run."""
+    from outlierscope.runs.perplexity import CellRun, text_ident
+
+    windows = text["windows"]
+    log(f"{s.model}: {len(windows)} {s.protocol} windows of {text['length']} tokens, "
+        f"{sum(len(w.targets) for w in windows):,} scored tokens of {text['text'].source}")
+    return {**text, "ident": text_ident(s, lm, text["text"], text["length"], windows),
+            "cells": CellRun(cells_dir, s.batch_size, s.attn_block, s.seed, Shard(), world, log)}
+
+
+def _per_layer(run: _Run) -> pd.DataFrame:
+    """Per attention layer: the change with only that layer quantized, and (``all_but``) with all the others. One
+    call for every cell (in the order only_0, all_but_0, only_1, ...): the text cells share each batch's unquantized
+    trunk."""
+    s = run.s
+    rest = s.all_but and len(run.layers) > 1
+    cells = []
     for i in run.layers:
-        only = run.cell(f"only_{i}", s.spec([i]))
-        row = {"layer": i, **({f"only_{k}": v for k, v in change(only, base, run.metric).items()} if whole else {})}
-        if s.all_but and len(run.layers) > 1:
-            rest = run.cell(f"all_but_{i}", s.spec([j for j in run.layers if j != i]))
-            row.update({f"all_but_{k}": v for k, v in change(rest, base, run.metric).items()} if whole else {})
+        cells.append((f"only_{i}", s.spec([i]), None))
+        if rest:
+            cells.append((f"all_but_{i}", s.spec([j for j in run.layers if j != i]), None))
+    got = run.changes(cells)
+    step, rows = 2 if rest else 1, []
+    for n, i in enumerate(run.layers):
+        row = {"layer": i}
+        if got is not None:
+            row.update({f"only_{k}": v for k, v in got[step * n].items()})
+            row.update({f"all_but_{k}": v for k, v in got[step * n + 1].items()} if rest else {})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -379,7 +509,8 @@ def written_files(s: SensitivitySettings, record: dict) -> list[str]:
     """The files a finished study wrote into its directory, in the order a reader wants them: ``kinds.csv`` only for a
     scheme with linear parts (``record["kinds"]``), ``attn_error.csv`` only where attention was measured."""
     return ["sensitivity.md", "sensitivity.csv", "greedy.csv", *(["kinds.csv"] if "kinds" in record else []),
-            *(["attn_error.csv"] if s.attn_error and _in_attention(s.spec()) else []), "sensitivity.json", "figures/"]
+            *(["attn_error.csv"] if s.attn_error and s.metric == "gold_ll" and _in_attention(s.spec()) else []),
+            "sensitivity.json", "figures/"]
 
 
 def _in_attention(spec) -> bool:
@@ -387,7 +518,7 @@ def _in_attention(spec) -> bool:
     return spec.is_logits_only or spec.has_attention
 
 
-def _per_kind(run: _Run, base: EvalResult) -> pd.DataFrame | None:
+def _per_kind(run: _Run) -> pd.DataFrame | None:
     """Per linear kind (its path in a decoder layer: ``self_attn.q_proj`` ... ``mlp.down_proj``): the change with only
     that kind quantized, in every layer. None unless the spec quantizes linear layers (and ``kinds``)."""
     import dataclasses as dc
@@ -397,11 +528,9 @@ def _per_kind(run: _Run, base: EvalResult) -> pd.DataFrame | None:
     spec = run.s.spec()
     if not run.s.kinds or not spec.has_linear:
         return None
-    rows = []
-    for path in dict.fromkeys(site.path for site in linear_sites(run.lm.model, spec)):
-        res = run.cell(f"kind_{path}", dc.replace(spec, linears=(path,)))
-        rows.append({"linear": path, **(change(res, base, run.metric) if run.shard.whole else {})})
-    return pd.DataFrame(rows)
+    paths = list(dict.fromkeys(site.path for site in linear_sites(run.lm.model, spec)))
+    res = run.changes([(f"kind_{path}", dc.replace(spec, linears=(path,)), None) for path in paths])
+    return pd.DataFrame([{"linear": path, **(res[n] if res else {})} for n, path in enumerate(paths)])
 
 
 def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | None) -> pd.DataFrame:
@@ -440,11 +569,12 @@ def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
     pl = pl[pl["point"].isin([p.removeprefix("layers.*.") for p in points])]
     ratio = (pl["top1"] / pl["median"]).groupby(pl["layer"]).max().rename("outlier_ratio").reset_index()
     table = table.merge(ratio, on="layer")
-    table["rank"] = table["only_delta_gold_ll"].rank(method="first").astype(int)  # 1 = most harmful
+    harm = run.rank_by.harm(table["only_" + run.rank_by.column])
+    table["rank"] = (-harm).rank(method="first").astype(int)  # 1 = most harmful
     return table
 
 
-def _within(run: _Run, base: EvalResult):
+def _within(run: _Run):
     """The greedy's test of an assignment: quantize ``quantized``, keep the rest (unquantized or at keep_bits)."""
     s = run.s
     tag = "keep" if s.keep_bits == UNQUANTIZED_BITS else f"keep{s.keep_bits}"
@@ -453,31 +583,44 @@ def _within(run: _Run, base: EvalResult):
         kept = [i for i in run.layers if i not in quantized]
         role = "all" if not kept else f"{tag}_" + "_".join(map(str, kept))
         keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < UNQUANTIZED_BITS else None
-        res = base if not quantized and keep is None else run.cell(role, s.spec(quantized) if quantized else None, keep)
-        c = change(res, base, run.metric)
-        return c["delta_gold_ll"] >= -s.tolerance, c  # a loss bound: a gain is never a failure
+        if not quantized and keep is None and run.base is not None:
+            c = change(run.base, run.base, run.metric)
+        else:
+            c = run.changes([(role, s.spec(quantized) if quantized else None, keep)])[0]
+        return run.rank_by.within(c, s.tolerance), c  # a harm bound: a gain is never a failure
 
     return within
 
 
 def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], tries: list[dict]) -> dict:
     """sensitivity.json: settings, ranking, the suggestion and its verification, rank correlations, cells."""
-    s = run.s
-    harm = (-table["only_delta_gold_ll"]).rank()
-    return {"settings": asdict(s), "n_items": len(run.items), "metric": run.metric,
-            "n_layers": len(decoder_layers(run.lm.model)), "ranking": order, "keep": keep, "keep_bits": s.keep_bits,
-            "quantized": [i for i in run.layers if i not in keep], "final": next(t for t in tries if t["kept"] == len(keep)),
-            # > 0: layers with larger outliers (or a larger attention KL) are hurt more
-            "spearman_damage_vs_outlier_ratio": float(harm.corr(table["outlier_ratio"].rank())),
-            "outlier_points": list(outlier_points(s.spec(), run.lm.model)),
-            "spearman_damage_vs_kl_mean": float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None,
-            "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
-                    "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's outlier ratio, "
-                    "its largest top-1/median |x| over outlier_points (> 0: layers with larger outliers are hurt more), "
-                    "and with the layer's mean attention KL",
-            "model_source": run.lm.provenance(run.ident["weights_sha256"]),
-            "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
-            "git_commit": git_commit()}
+    s, rb = run.s, run.rank_by
+    harm = rb.harm(table["only_" + rb.column]).rank()
+    ident = run.text["ident"] if run.text is not None else run.ident
+    rec = {"settings": asdict(s), "n_items": len(run.items), "metric": run.metric,
+           "n_layers": len(decoder_layers(run.lm.model)), "ranking": order, "keep": keep, "keep_bits": s.keep_bits,
+           "quantized": [i for i in run.layers if i not in keep], "final": next(t for t in tries if t["kept"] == len(keep)),
+           # > 0: layers with larger outliers (or a larger attention KL) are hurt more
+           "spearman_damage_vs_outlier_ratio": float(harm.corr(table["outlier_ratio"].rank())),
+           "outlier_points": list(outlier_points(s.spec(), run.lm.model)),
+           "spearman_damage_vs_kl_mean": float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None,
+           "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
+                   "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's outlier ratio, "
+                   "its largest top-1/median |x| over outlier_points (> 0: layers with larger outliers are hurt more), "
+                   "and with the layer's mean attention KL",
+           "model_source": run.lm.provenance(ident["weights_sha256"]),
+           "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
+           "git_commit": git_commit()}
+    if rb.on_text:
+        t = run.text
+        rec["note"] = (f"harm = {rb.column} of the cell with only that layer quantized against the unquantized "
+                       f"model on running text ({rb.unit}); rank 1 = most harmful; keep: the layers the greedy keeps "
+                       "unquantized for a harm of at most the tolerance; spearman: rank correlation of the harm with "
+                       "the layer's outlier ratio, its largest top-1/median |x| over outlier_points")
+        rec["rank_by"] = {"metric": rb.name, "column": rb.column, "unit": rb.unit, "text": t["text"].record(),
+                          "protocol": s.protocol, "length": t["length"], "windows": len(t["windows"]),
+                          "scored_tokens": int(sum(len(w.targets) for w in t["windows"]))}
+    return rec
 
 
 def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> None:
@@ -495,10 +638,12 @@ def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kind
 def _log_summary(run: _Run, record: dict) -> None:
     from outlierscope.report.sensitivity import kept_as
 
-    s, final, rho_kl = run.s, record["final"], record["spearman_damage_vs_kl_mean"]
+    s, final, rho_kl, rb = run.s, record["final"], record["spearman_damage_vs_kl_mean"], run.rank_by
     reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
-    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for Δ gold ll "
-            f">= -{s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats); Spearman(damage, outlier ratio) = "
+    bound = (f"{rb.column} <= {s.tolerance} ({reached}: {final[rb.column]:.4g})" if rb.on_text else
+             f"Δ gold ll >= -{s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats)")
+    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for {bound}; "
+            "Spearman(damage, outlier ratio) = "
             f"{record['spearman_damage_vs_outlier_ratio']:+.2f}"
             + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
 
@@ -509,7 +654,8 @@ def _figures(table: pd.DataFrame, out: Path, record: dict) -> None:
     from outlierscope.report.sensitivity import outliers_said, quantized_said
 
     (out / "figures").mkdir(exist_ok=True)
-    what = outliers_said(record)
-    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"]), what), out / "figures", "sensitivity")
-    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"], what), out / "figures",
-                "damage_vs_outliers")
+    what, rb = outliers_said(record), rank_by_of(record["settings"])
+    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"]), what, rb.column, rb.label),
+                out / "figures", "sensitivity")
+    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"], what, rb.harm_sign,
+                                         rb.column, rb.label), out / "figures", "damage_vs_outliers")

@@ -65,15 +65,27 @@ def test_greedy_criterion_is_a_loss_bound(delta, passes):
     alone at +0.055 nats as if it were a loss), a loss passes up to the tolerance."""
     from types import SimpleNamespace
 
-    from outlierscope.runs.sensitivity import _within
+    from outlierscope.analysis.harm import RANK_BY
+    from outlierscope.runs.sensitivity import _within, change
 
     base = _result([-1.0, -2.0])
-    run = SimpleNamespace(s=SimpleNamespace(tolerance=0.05, keep_bits=16), layers=[0, 1], metric="acc_norm",
-                          cell=lambda role, spec, keep: _result([-1.0 + delta, -2.0 + delta]),
-                          spec=None)
+    run = SimpleNamespace(s=SimpleNamespace(tolerance=0.05, keep_bits=16), layers=[0, 1], metric="acc_norm", base=base,
+                          rank_by=RANK_BY["gold_ll"],
+                          changes=lambda cells: [change(_result([-1.0 + delta, -2.0 + delta]), base, "acc_norm")])
     run.s.spec = lambda layers, bits=None: ("spec", tuple(layers))
-    ok, rec = _within(run, base)([0])
+    ok, rec = _within(run)([0])
     assert ok is passes and rec["delta_gold_ll"] == pytest.approx(delta)
+
+
+@pytest.mark.parametrize("metric, value, passes", [("kld", 0.05, True), ("kld", 0.0501, False), ("kld", 0.0, True),
+                                                   ("ppl", -0.3, True), ("ppl", 0.05, True), ("ppl", 0.0501, False)])
+def test_text_metrics_bound_the_harm(metric, value, passes):
+    """kld: a mean KLD of at most the tolerance passes; ppl: an ln PPL ratio of at most it (a gain always passes)."""
+    from outlierscope.analysis.harm import RANK_BY
+
+    rb = RANK_BY[metric]
+    assert rb.within({rb.column: value}, 0.05) is passes
+    assert rb.harm(value) == value  # larger KLD / ratio = more harm
 
 
 def test_greedy_when_no_assignment_is_within():
@@ -433,3 +445,115 @@ def test_a_linear_schemes_outlier_ratio_is_its_linears_inputs(hellaswag_cached, 
     logits = logits[logits.point == "attn.logits"].set_index("layer")
     assert not np.allclose(got.sort_index().to_numpy(), (logits["top1"] / logits["median"]).sort_index().to_numpy())
     assert "top-1/median |input| of its quantized linears" in (tmp_path / "sensitivity.md").read_text()
+
+
+WORDS = [f"Passage {i}: " + " ".join(f"the {w} went to the {w}s" for w in ("cat", "dog", "fox", "owl")[: 1 + i % 4])
+         * (2 + i % 5) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "words.jsonl"
+    path.write_text("".join(json.dumps({"text": p}) + "\n" for p in WORDS))
+    return path
+
+
+def _reference(spec, windows, model) -> tuple[float, float, float]:
+    """Mean KL(base || spec), mean NLL change and same-top share over every scored token, from each window's own
+    full forward (one window alone, unpadded) in float64: KL = sum_v p_b (ln p_b - ln p_q) written out. The base runs
+    through the same attention function quantizing nothing (the model's own eager attention takes its softmax in
+    float32: its NLL differs by up to 2e-6)."""
+    from outlierscope.quant.apply import quantize_model
+
+    kl, dnll, same = [], [], []
+    for w in windows:
+        ids = torch.tensor([w.input_ids])  # (1, T)
+        with torch.no_grad():
+            with quantize_model(model, QuantSpec()):
+                lb = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy()
+            with quantize_model(model, spec):
+                lq = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy()
+        rows = np.arange(w.first, w.first + len(w.targets))
+        pb = np.exp(lb[rows])
+        kl += list((pb * (lb[rows] - lq[rows])).sum(-1))
+        t = np.array(w.targets)
+        dnll += list(lb[rows, t] - lq[rows, t])
+        same += list(lb[rows].argmax(-1) == lq[rows].argmax(-1))
+    return float(np.mean(kl)), float(np.mean(dnll)), float(np.mean(same))
+
+
+@pytest.mark.parametrize("metric", ["kld", "ppl"])
+def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, words, tmp_path):
+    """metric kld / ppl: every layer's change, the ranking, the greedy's verified assignment and its bound equal a
+    float64 recomputation from the model's own full forwards, window by window (batch of 3 in the run); the
+    per-layer cells are perplexity cells; and the markdown says what was ranked."""
+    import matplotlib
+
+    from outlierscope.eval.windows import gptq_windows
+    from outlierscope.models.loading import load_model
+
+    matplotlib.use("Agg")
+    s = SensitivitySettings(model="pair-tiny:transformer", metric=metric, text=str(words), length=48, batch_size=3,
+                            dtype="float64", profile_tokens=256, tolerance=0.02 if metric == "kld" else 0.001,
+                            all_but=metric == "kld")
+    rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
+    lm = load_model("pair-tiny:transformer", dtype="float64")
+    from outlierscope.data.running_text import load_text
+
+    windows = gptq_windows(lm.tokenizer, load_text(str(words)).docs, 48)
+    assert rec["rank_by"]["windows"] == len(windows) >= 7 and rec["rank_by"]["scored_tokens"] == 47 * len(windows)
+    t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
+    ref = {i: _reference(s.spec([i]), windows, lm.model) for i in t.index}
+    for i, (kl, dnll, same) in ref.items():
+        assert t.loc[i, "only_kld_mean"] == pytest.approx(kl, rel=1e-9, abs=1e-11)
+        assert t.loc[i, "only_ln_ppl_ratio"] == pytest.approx(dnll, rel=1e-9, abs=1e-11)
+        assert t.loc[i, "only_same_top"] == pytest.approx(same, abs=1e-12)
+        assert t.loc[i, "only_kld_ci_low"] <= kl <= t.loc[i, "only_kld_ci_high"]
+        if s.all_but:
+            rest = _reference(s.spec([j for j in t.index if j != i]), windows, lm.model)
+            assert t.loc[i, "all_but_kld_mean"] == pytest.approx(rest[0], rel=1e-9, abs=1e-11)
+    key = 0 if metric == "kld" else 1
+    assert rec["ranking"] == sorted(ref, key=lambda i: (-ref[i][key], i))
+    assert len({round(ref[i][key], 12) for i in ref}) == len(ref)  # distinct harms: the ranking is tested
+    final, kept = rec["final"], rec["keep"]
+    quantized = [i for i in t.index if i not in kept]
+    got = _reference(s.spec(quantized), windows, lm.model) if quantized else (0.0, 0.0, 1.0)
+    col = "kld_mean" if metric == "kld" else "ln_ppl_ratio"
+    assert final[col] == pytest.approx(got[key], rel=1e-9, abs=1e-11) and final["within_tolerance"]
+    assert got[key] <= s.tolerance
+    for tr in pd.read_csv(tmp_path / "greedy.csv", keep_default_na=False).to_dict("records"):
+        k = [int(x) for x in str(tr["kept_layers"]).split()]
+        q = [i for i in t.index if i not in k]
+        want = _reference(s.spec(q), windows, lm.model)[key] if q else 0.0
+        assert tr[col] == pytest.approx(want, rel=1e-9, abs=1e-11) and tr["within_tolerance"] == (want <= s.tolerance)
+    assert 0 < len(kept) < len(t), "the tolerance should make the greedy keep some layers but not all"
+    cell = json.loads((tmp_path / "cells" / f"{rec['cells']['only_0']}.json").read_text())
+    assert cell["cell"]["protocol"] == "gptq" and cell["cell"]["quant"] == str(s.spec([0]))
+    md = (tmp_path / "sensitivity.md").read_text()
+    assert f"{len(windows)} gptq windows of 48 tokens" in md and "only: KLD [95% CI]" in md
+    assert rec["rank_by"]["unit"] in md
+    from outlierscope.runs.sensitivity import written_files
+
+    listed = {f.rstrip("/") for f in written_files(s, rec)}
+    assert listed == {p.name for p in tmp_path.iterdir()} - {"cells"}  # no attention error on text
+
+
+@pytest.mark.parametrize("kw, msg", [
+    ({"metric": "kld", "limit": 5}, "limit must be its default None with metric='kld'"),
+    ({"metric": "ppl", "task": "arc_easy"}, "task must be its default 'hellaswag' with metric='ppl'"),
+    ({"metric": "kld", "keep_bits": 8}, "keep_bits must be 16 with metric='kld'"),
+    ({"max_windows": 3}, "max_windows must be its default None with metric='gold_ll'"),
+    ({"metric": "kld", "max_windows": 0}, "max_windows must be >= 1"),
+    ({"metric": "kld", "protocol": "gptqq"}, "protocol"),
+    ({"metric": "mse"}, "metric")])
+def test_text_metric_settings_errors(kw, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        SensitivitySettings(model="pair-tiny:diff", **kw)
+
+
+def test_text_metric_refuses_a_partial_shard(tmp_path):
+    from outlierscope.parallel import Shard
+
+    s = SensitivitySettings(model="pair-tiny:diff", metric="kld")
+    with pytest.raises(OutlierscopeError, match="shard: whole with metric='kld'"):
+        sensitivity(s, tmp_path, shard=Shard(0, 2))
