@@ -309,3 +309,28 @@ def test_a_bad_flag_under_torchrun_is_said_once():
         r = subprocess.run([*launch, "-m", "outlierscope", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
                            timeout=300)
         assert r.returncode != 0 and r.stderr.count(msg) == 1, r.stderr[-3000:]
+
+
+def test_text_metric_sensitivity_on_two_processes_equals_one(tmp_path):
+    """sensitivity --metric kld under torchrun (2 gloo processes: each its virtual shards of every text cell, rank 0
+    assembles, every rank takes the greedy's same next step): the per-layer table, the greedy tries and every text
+    cell's per-token values as one process's, in float64."""
+    import json
+
+    from outlierscope.eval.perplexity import TokenScores
+
+    text = tmp_path / "text.jsonl"
+    text.write_text("".join(json.dumps({"text": f"Passage {i}: " + "the cat saw the dog " * (3 + i % 4)}) + "\n"
+                            for i in range(40)))
+    cmd = ["sensitivity", "--model", "pair-tiny:diff", "--metric", "kld", "--text", str(text), "--length", "32",
+           "--max-windows", "10", "--batch-size", "2", "--dtype", "float64", "--profile-tokens", "256"]
+    for procs in (1, 2):
+        _cli([*cmd, "--out", str(tmp_path / f"p{procs}")], procs=procs)
+    one, two = _csvs(tmp_path / "p1"), _csvs(tmp_path / "p2")
+    assert {"sensitivity.csv", "greedy.csv"} <= set(one) and one == two
+    recs = [json.loads((tmp_path / d / "sensitivity.json").read_text()) for d in ("p1", "p2")]
+    assert recs[0]["cells"] == recs[1]["cells"] and recs[1]["processes"] == 2 and len(recs[0]["cells"]) >= 8
+    for cid in recs[0]["cells"].values():
+        a, b = (TokenScores.load(tmp_path / d / "cells" / f"{cid}.npz") for d in ("p1", "p2"))
+        for k in ("window", "nll", "nll_base", "kld", "same_top", "p_diff"):
+            assert np.array_equal(getattr(a, k), getattr(b, k)), (cid, k)
