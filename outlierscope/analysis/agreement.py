@@ -46,3 +46,29 @@ def rank_agreement(counts: np.ndarray, kld_sums: np.ndarray, gold_delta: np.ndar
     lo, hi = np.nanpercentile(boots, [2.5, 97.5])
     return {"spearman": rho, "ci_low": float(lo), "ci_high": float(hi), "schemes": int(len(kld)),
             "windows": int(len(counts)), "items": int(len(gold_delta)), "kld": kld.tolist(), "gold": gold.tolist()}
+
+
+STABILITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
+
+
+def ranking_stability(counts: np.ndarray, sums: np.ndarray, seed: int = 0, reps: int = 200,
+                      fractions=STABILITY_FRACTIONS) -> list[dict]:
+    """How much text a ranking needs. ``counts`` (W,) tokens per window, ``sums`` (W, C) each candidate's harm (e.g.
+    a layer's KLD) summed over a window's tokens. For each size n = fraction x W (at least 1, each once): ``reps``
+    draws of n windows with replacement (seeded), each candidate's token-weighted mean harm over them, and its
+    Spearman rho with the ranking on all W windows: the median and 5th percentile of rho, and the share of draws
+    whose most harmful candidate is the full text's. Rows in increasing n, with the mean number of tokens drawn."""
+    if sums.ndim != 2 or sums.shape[0] != len(counts) or sums.shape[1] < 2:
+        raise ValueError(f"expected sums (windows, >= 2 candidates) matching {len(counts)} windows, got {sums.shape}")
+    full = sums.sum(0) / counts.sum()  # (C,)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for n in sorted({max(1, round(f * len(counts))) for f in fractions}):
+        idx = rng.integers(0, len(counts), size=(reps, n))  # (R, n)
+        tokens = counts[idx].sum(1)  # (R,)
+        means = sums[idx].sum(1) / tokens[:, None]  # (R, C)
+        rho = _spearman_rows(means, np.broadcast_to(full, means.shape))
+        rows.append({"windows": int(n), "draws": int(reps), "tokens": float(tokens.mean()),
+                     "spearman_median": float(np.nanmedian(rho)), "spearman_p5": float(np.nanpercentile(rho, 5)),
+                     "same_top": float(np.mean(means.argmax(1) == full.argmax()))})
+    return rows

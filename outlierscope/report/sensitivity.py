@@ -124,6 +124,14 @@ def _text_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: 
     for tr in tries:
         lines.append(f"| {tr['kept']} | {tr['kept_layers']} | {_kld(tr, '')} | {tr['ln_ppl_ratio']:+.5f} | "
                      f"{tr['same_top'] * 100:.2f}% | {'yes' if tr['within_tolerance'] else 'no'} |")
+    if t.get("stability"):
+        lines += ["", f"How much text the ranking needs: windows drawn with replacement "
+                  f"({t['stability'][0]['draws']} draws each), Spearman "
+                  f"of the layers' {rb.column} on them with the ranking on all {t['windows']} windows:", "",
+                  "| windows | tokens | median ρ | 5% ρ | same most harmful layer |", "|---|---|---|---|---|"]
+        for r in t["stability"]:
+            lines.append(f"| {r['windows']} | {r['tokens']:,.0f} | {r['spearman_median']:+.3f} | "
+                         f"{r['spearman_p5']:+.3f} | {r['same_top'] * 100:.1f}% |")
     if kinds is not None:
         lines += ["", "Linear kinds, each quantized alone in every layer (most harmful first):", "",
                   "| linear | KLD [95% CI] | ln PPL ratio | same top |", "|---|---|---|---|"]

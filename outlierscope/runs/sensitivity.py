@@ -619,8 +619,23 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
                        "the layer's outlier ratio, its largest top-1/median |x| over outlier_points")
         rec["rank_by"] = {"metric": rb.name, "column": rb.column, "unit": rb.unit, "text": t["text"].record(),
                           "protocol": s.protocol, "length": t["length"], "windows": len(t["windows"]),
-                          "scored_tokens": int(sum(len(w.targets) for w in t["windows"]))}
+                          "scored_tokens": int(sum(len(w.targets) for w in t["windows"])),
+                          "stability": _ranking_stability(run) if run.world.is_main else None}
     return rec
+
+
+def _ranking_stability(run: _Run) -> list[dict]:
+    """How many windows the per-layer ranking needs (:func:`~outlierscope.analysis.agreement.ranking_stability` of
+    the one-layer text cells' per-window harm: KLD sums, or NLL change sums for ppl)."""
+    from outlierscope.analysis.agreement import ranking_stability
+    from outlierscope.analysis.kld import window_blocks
+    from outlierscope.eval.perplexity import TokenScores
+
+    sums = []
+    for i in run.layers:
+        count, d, k = window_blocks(TokenScores.load(run.cells_dir / f"{run.cells[f'only_{i}']}.npz"))
+        sums.append(k if run.rank_by.name == "kld" else d)
+    return ranking_stability(count, np.stack(sums, 1), run.s.seed)  # (windows, layers)
 
 
 def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> None:

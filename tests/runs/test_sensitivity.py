@@ -458,7 +458,7 @@ def words(tmp_path_factory):
     return path
 
 
-def _reference(spec, windows, model) -> tuple[float, float, float]:
+def _reference(spec, windows, model, per_window: bool = False):
     """Mean KL(base || spec), mean NLL change and same-top share over every scored token, from each window's own
     full forward (one window alone, unpadded) in float64: KL = sum_v p_b (ln p_b - ln p_q) written out. The base runs
     through the same attention function quantizing nothing (the model's own eager attention takes its softmax in
@@ -475,11 +475,13 @@ def _reference(spec, windows, model) -> tuple[float, float, float]:
                 lq = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy()
         rows = np.arange(w.first, w.first + len(w.targets))
         pb = np.exp(lb[rows])
-        kl += list((pb * (lb[rows] - lq[rows])).sum(-1))
+        kl.append((pb * (lb[rows] - lq[rows])).sum(-1))
         t = np.array(w.targets)
-        dnll += list(lb[rows, t] - lq[rows, t])
-        same += list(lb[rows].argmax(-1) == lq[rows].argmax(-1))
-    return float(np.mean(kl)), float(np.mean(dnll)), float(np.mean(same))
+        dnll.append(lb[rows, t] - lq[rows, t])
+        same.append(lb[rows].argmax(-1) == lq[rows].argmax(-1))
+    if per_window:  # each window's sums of KLD and of the NLL change
+        return np.array([k.sum() for k in kl]), np.array([d.sum() for d in dnll])
+    return tuple(float(np.mean(np.concatenate(v))) for v in (kl, dnll, same))
 
 
 @pytest.mark.parametrize("metric", ["kld", "ppl"])
@@ -532,6 +534,15 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     md = (tmp_path / "sensitivity.md").read_text()
     assert f"{len(windows)} gptq windows of 48 tokens" in md and "only: KLD [95% CI]" in md
     assert rec["rank_by"]["unit"] in md
+    from outlierscope.analysis.agreement import ranking_stability
+
+    sums = np.stack([_reference(s.spec([i]), windows, lm.model, per_window=True)[key] for i in t.index], 1)
+    want = ranking_stability(np.array([len(w.targets) for w in windows]), sums, s.seed)
+    got = rec["rank_by"]["stability"]
+    assert [r["windows"] for r in got] == [r["windows"] for r in want] and got[-1]["windows"] == len(windows)
+    for g, w in zip(got, want):
+        assert g["same_top"] == w["same_top"] and g["spearman_median"] == pytest.approx(w["spearman_median"], abs=1e-9)
+    assert "How much text the ranking needs" in md
     from outlierscope.runs.sensitivity import written_files
 
     listed = {f.rstrip("/") for f in written_files(s, rec)}
