@@ -171,6 +171,7 @@ def _cmd_merge(a) -> None:
     from pathlib import Path
 
     from outlierscope.report.tables import sweep_table
+    from outlierscope.runs.perplexity import merge_perplexity
     from outlierscope.runs.profile import merge_profile
     from outlierscope.runs.sensitivity import merge_sensitivity
     from outlierscope.runs.sweep import merge_sweep
@@ -180,10 +181,11 @@ def _cmd_merge(a) -> None:
         if not d.is_dir():
             raise OutlierscopeError(f"{d} is not a directory; pass the output directories of the --shard runs")
     has = {kind: any(any(d.glob(f"{kind}.shard-*-of-*.{ext}")) for d in dirs)
-           for kind, ext in (("sweep", "json"), ("profile", "pt"), ("sensitivity", "json"))}
+           for kind, ext in (("sweep", "json"), ("profile", "pt"), ("sensitivity", "json"), ("perplexity", "json"))}
     if not any(has.values()):
         raise OutlierscopeError(f"no shard files in {', '.join(map(str, dirs))}: expected sweep.shard-i-of-N.json, "
-                                "profile.shard-i-of-N.pt or sensitivity.shard-i-of-N.json from runs with --shard i/N")
+                                "profile.shard-i-of-N.pt, sensitivity.shard-i-of-N.json or perplexity.shard-i-of-N.json "
+                                "from runs with --shard i/N")
     out = a.out or str(dirs[0])
     if has["profile"]:
         print(merge_profile(dirs, out).markdown())
@@ -191,6 +193,8 @@ def _cmd_merge(a) -> None:
         print(sweep_table(merge_sweep(dirs, out).table))
     if has["sensitivity"]:
         merge_sensitivity(dirs, out)
+    if has["perplexity"]:
+        merge_perplexity(dirs, out)
     print(f"merged results written to {out}")
 
 

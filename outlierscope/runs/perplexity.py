@@ -343,8 +343,11 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         if not world.is_main:
             return None
         if have is None or noise is None:
+            if not shard.whole:
+                _write_shard(out, s, shard, settings + noise_settings)
             say(f"{shard.tag}: parts written to {cells}; the run that finds every shard's parts there (same --out) "
-                "assembles the cells and writes the tables")
+                "assembles the cells and writes the tables (shards written to other directories: `outlierscope "
+                "merge DIR...` first)")
             return None
         docs = text.docs if s.protocol == "lmeval" else None
         table = _table(specs, settings, have, s.seed, windows, docs,
@@ -362,6 +365,52 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         write_json(out / "perplexity.json", record)
     say(perplexity_markdown(table))
     return table
+
+
+def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[dict]) -> None:
+    """A --shard run's record (``perplexity.shard-i-of-N.json``): its settings and the part files it owns, for
+    :func:`merge_perplexity`."""
+    owned = owned_shards(shard, World())  # every rank's parts of this shard
+    write_json(out / f"perplexity.{shard.tag}.json",
+               {"settings": asdict(s), "shard": [shard.index, shard.count],
+                "parts": sorted(_part(Path("cells"), st, v).as_posix() for st in settings for v in owned),
+                "versions": versions(), "machine": machine(), "git_commit": git_commit()})
+
+
+def merge_perplexity(dirs: list[str | Path], out: str | Path | None = None, log=print) -> Path:
+    """Gather the part files of the ``--shard i/N`` runs of one perplexity run (``perplexity.shard-i-of-N.json`` in
+    ``dirs``) into ``out/cells`` (default: the first directory); the same command without ``--shard`` then assembles
+    the cells and writes the tables, the bytes one process writes. Every record and part is checked before anything
+    is copied; a part already in ``out`` must hold the same bytes."""
+    import shutil
+
+    from outlierscope.io import atomic_path, read_record
+    from outlierscope.parallel import find_shards
+
+    files = find_shards([Path(d) for d in dirs], "perplexity", ".json", "perplexity")
+    recs = [(f.parent, read_record(f, ("settings", "parts"), "perplexity shard record")) for f in files]
+    if any(r["settings"] != recs[0][1]["settings"] for _, r in recs[1:]):
+        raise OutlierscopeError("the shards were run with different settings; merge only the shards of one "
+                                "perplexity run")
+    out = Path(out) if out is not None else Path(dirs[0])
+    todo = []
+    for d, r in recs:
+        for name in r["parts"]:
+            src, dst = d / name, out / name
+            if not src.exists():
+                raise OutlierscopeError(f"{src} is missing (its shard's run did not finish); rerun that shard, then "
+                                        "merge again")
+            if dst.exists() and dst.resolve() != src.resolve() and dst.read_bytes() != src.read_bytes():
+                raise OutlierscopeError(f"{dst} exists with other values than {src}; merge into an empty directory")
+            todo.append((src, dst))
+    with output_dir(out), output_dir(out / "cells"):
+        for src, dst in todo:
+            if not dst.exists():
+                with atomic_path(dst) as tmp:
+                    shutil.copyfile(src, tmp)
+    log(f"merged the parts of {len(recs)} perplexity shards into {out / 'cells'}; now run the same `outlierscope "
+        f"perplexity` command with --out {out} and without --shard (it assembles the cells and writes the tables)")
+    return out
 
 
 def _figures(out: Path, table: pd.DataFrame, kld: dict) -> None:

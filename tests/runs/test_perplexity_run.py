@@ -316,3 +316,35 @@ def test_specs_scored_in_groups_give_the_same_values(tmp_path, text, monkeypatch
         x, y = (TokenScores.load(tmp_path / d / "p" / "cells" / f"{cell}.npz") for d in ("one", "many"))
         for k in ("window", "nll", "nll_base", "kld", "same_top", "p_diff"):
             assert np.array_equal(getattr(x, k), getattr(y, k)), k
+
+
+def test_shards_in_other_directories_merged_give_the_same_bytes(tmp_path, text, capsys):
+    """--shard 0/2 and 1/2 into two directories, `outlierscope merge A B --out C`, then the command without --shard
+    in C: perplexity.csv and every cell byte-identical to a single process's, nothing computed again; a merge into a
+    directory holding a part with other values, or of a shard whose parts are gone, is a one-line error."""
+    assert _run(tmp_path / "one", text) == 0
+    for i in (0, 1):
+        assert _run(tmp_path / f"s{i}", text, "--shard", f"{i}/2") == 0
+        assert (tmp_path / f"s{i}" / "p" / f"perplexity.shard-{i}-of-2.json").exists()
+    merged = tmp_path / "merged"
+    assert main(["merge", str(tmp_path / "s0" / "p"), str(tmp_path / "s1" / "p"), "--out", str(merged)]) == 0
+    capsys.readouterr()
+    assert main(["perplexity", "--model", "pair-tiny:diff", "--text", str(text), "--bits", "16", "4", "--quant",
+                 "kivi-2bit", "--out", str(merged), "--protocol", "gptq", "--length", "64", "--batch-size", "3"]) == 0
+    said = capsys.readouterr().out
+    assert "0 cells done earlier, 3 to compute" in said and "of 16 done" not in said  # all parts there: none scored
+    one = tmp_path / "one" / "p"
+    assert (merged / "perplexity.csv").read_bytes() == (one / "perplexity.csv").read_bytes()
+    for f in (one / "cells").glob("*.npz"):
+        a, b = TokenScores.load(f), TokenScores.load(merged / "cells" / f.name)
+        assert all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("window", "nll", "kld", "same_top"))
+    bad = tmp_path / "bad"
+    part = next((tmp_path / "s0" / "p" / "cells").glob("*.part-*"))
+    (bad / "cells").mkdir(parents=True)
+    (bad / "cells" / part.name).write_bytes(b"other")
+    assert main(["merge", str(tmp_path / "s0" / "p"), str(tmp_path / "s1" / "p"), "--out", str(bad)]) == 2
+    assert "exists with other values" in capsys.readouterr().err
+    assert [p.name for p in (bad / "cells").iterdir()] == [part.name]  # nothing copied
+    part.unlink()
+    assert main(["merge", str(tmp_path / "s0" / "p"), str(tmp_path / "s1" / "p"), "--out", str(tmp_path / "c")]) == 2
+    assert "is missing" in capsys.readouterr().err and not (tmp_path / "c").exists()
