@@ -323,7 +323,7 @@ def test_text_metric_sensitivity_on_two_processes_equals_one(tmp_path):
     text.write_text("".join(json.dumps({"text": f"Passage {i}: " + "the cat saw the dog " * (3 + i % 4)}) + "\n"
                             for i in range(40)))
     cmd = ["sensitivity", "--model", "pair-tiny:diff", "--metric", "kld", "--text", str(text), "--length", "32",
-           "--max-windows", "10", "--batch-size", "2", "--dtype", "float64", "--profile-tokens", "256"]
+           "--max-windows", "10", "--text-batch-size", "2", "--dtype", "float64", "--profile-tokens", "256"]
     for procs in (1, 2):
         _cli([*cmd, "--out", str(tmp_path / f"p{procs}")], procs=procs)
     one, two = _csvs(tmp_path / "p1"), _csvs(tmp_path / "p2")

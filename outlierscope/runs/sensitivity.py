@@ -72,8 +72,8 @@ from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_
 from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option, text_option
 from outlierscope.settings import option
 
-ITEM_FIELDS = ("task", "limit", "sample")  # what only the gold_ll metric reads
-TEXT_FIELDS = ("text", "protocol", "length", "max_windows")  # what only the text metrics read
+ITEM_FIELDS = ("task", "limit", "sample", "batch_size")  # what only the gold_ll metric reads
+TEXT_FIELDS = ("text", "protocol", "length", "max_windows", "text_batch_size")  # what only the text metrics read
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,8 @@ class SensitivitySettings:
     protocol: str = protocol_option()
     length: int | None = length_option()
     max_windows: int | None = max_windows_option()
+    text_batch_size: int = option(1, "windows per forward of the text metrics' cells (a quantized cell's values depend "
+                                  "on it by float32 rounding: part of its identity when not 1)")
     tolerance: float = option(0.05, "largest harm the suggested assignment may have, in the metric's unit: nats of mean "
                               "gold log-likelihood lost (gold_ll), nats of mean KLD (kld), ln PPL ratio (ppl); a gain "
                               "always passes")
@@ -158,7 +160,7 @@ class SensitivitySettings:
         if self.metric in TEXT_METRICS and self.keep_bits != UNQUANTIZED_BITS:
             raise ParamError("keep_bits", f"16 with metric={self.metric!r} (a kept layer at other bits is not built "
                              "for the text metrics)", self.keep_bits)
-        for name in ("length", "max_windows"):
+        for name in ("length", "max_windows", "text_batch_size"):
             if getattr(self, name) is not None and getattr(self, name) < (2 if name == "length" else 1):
                 raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
 
@@ -281,7 +283,7 @@ class _Run:
         from outlierscope.runs.perplexity import token_cells
 
         specs = [spec or QuantSpec() for _, spec, _ in cells]
-        settings = [text_cell_settings(self.text["ident"], spec, self.s.batch_size) for spec in specs]
+        settings = [text_cell_settings(self.text["ident"], spec, self.s.text_batch_size) for spec in specs]
         self.cells.update({role: cell_id(st) for (role, _, _), st in zip(cells, settings)})
         tokens = token_cells(self.lm, self.text["windows"], specs, settings, self.text["cells"], kind="text ")
         out = [text_change(t, self.s.seed) for t in tokens] if tokens is not None else None
@@ -480,7 +482,7 @@ def _text_cells(s: SensitivitySettings, lm, text: dict, cells_dir: Path, world: 
     log(f"{s.model}: {len(windows)} {s.protocol} windows of {text['length']} tokens, "
         f"{sum(len(w.targets) for w in windows):,} scored tokens of {text['text'].source}")
     return {**text, "ident": text_ident(s, lm, text["text"], text["length"], windows),
-            "cells": CellRun(cells_dir, s.batch_size, s.attn_block, s.seed, Shard(), world, log)}
+            "cells": CellRun(cells_dir, s.text_batch_size, s.attn_block, s.seed, Shard(), world, log)}
 
 
 def _per_layer(run: _Run) -> pd.DataFrame:

@@ -495,7 +495,7 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     from outlierscope.models.loading import load_model
 
     matplotlib.use("Agg")
-    s = SensitivitySettings(model="pair-tiny:transformer", metric=metric, text=str(words), length=48, batch_size=3,
+    s = SensitivitySettings(model="pair-tiny:transformer", metric=metric, text=str(words), length=48, text_batch_size=3,
                             dtype="float64", profile_tokens=256, tolerance=0.02 if metric == "kld" else 0.001,
                             all_but=metric == "kld")
     rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)
@@ -554,6 +554,9 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     ({"metric": "ppl", "task": "arc_easy"}, "task must be its default 'hellaswag' with metric='ppl'"),
     ({"metric": "kld", "keep_bits": 8}, "keep_bits must be 16 with metric='kld'"),
     ({"max_windows": 3}, "max_windows must be its default None with metric='gold_ll'"),
+    ({"text_batch_size": 2}, "text_batch_size must be its default 1 with metric='gold_ll'"),
+    ({"metric": "kld", "batch_size": 4}, "batch_size must be its default 32 with metric='kld'"),
+    ({"metric": "kld", "text_batch_size": 0}, "text_batch_size must be >= 1"),
     ({"metric": "kld", "max_windows": 0}, "max_windows must be >= 1"),
     ({"metric": "kld", "protocol": "gptqq"}, "protocol"),
     ({"metric": "mse"}, "metric")])
