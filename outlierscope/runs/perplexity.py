@@ -207,9 +207,14 @@ def _prepare(s: PerplexitySettings, log, device: str):
     lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
     tok = tokenizer_record(source.path, tokenizer)
     ident = text_ident(s, lm, text, length, windows)
-    log(f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
-        f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
+    log(windows_said(s, text, length, windows))
     return lm, text, windows, length, ident, tok
+
+
+def windows_said(s, text, length: int, windows) -> str:
+    """One line: the model, its windows, their length and scored tokens, and the text's source."""
+    return (f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
+            f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
 
 
 def _part(cells: Path, settings: dict, v: int) -> Path:

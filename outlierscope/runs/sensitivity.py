@@ -476,11 +476,10 @@ def _text_windows(s: SensitivitySettings, source, config) -> dict:
 
 def _text_cells(s: SensitivitySettings, lm, text: dict, cells_dir: Path, world: World, log) -> dict:
     """What every text cell shares (the perplexity cells' identity) and how they run."""
-    from outlierscope.runs.perplexity import CellRun, text_ident
+    from outlierscope.runs.perplexity import CellRun, text_ident, windows_said
 
     windows = text["windows"]
-    log(f"{s.model}: {len(windows)} {s.protocol} windows of {text['length']} tokens, "
-        f"{sum(len(w.targets) for w in windows):,} scored tokens of {text['text'].source}")
+    log(windows_said(s, text["text"], text["length"], windows))
     return {**text, "ident": text_ident(s, lm, text["text"], text["length"], windows),
             "cells": CellRun(cells_dir, s.text_batch_size, s.attn_block, s.seed, Shard(), world, log)}
 
