@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
+import threading
 import sys
 import warnings
 
@@ -576,9 +579,28 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _interrupt_after():
+    """Ctrl-C while the parser's imports (torch: seconds) load takes effect when they are done: a KeyboardInterrupt
+    raised inside an import's C code can surface as another error (a RuntimeError from a class's __set_name__) or
+    make CPython end the process by SIGINT after main returned 130."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda *_: pressed.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
+
+
 def _run(argv: list[str] | None) -> int:
     """Parse and run one command; errors of the library become one line and exit status 2."""
-    parser = build_parser()
+    with _interrupt_after():
+        parser = build_parser()
     a = parser.parse_args(argv)
     try:
         a.func(a)

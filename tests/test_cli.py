@@ -229,14 +229,16 @@ def test_the_command_line_module_imports_no_torch():
     assert r.stdout.strip() == "[]", r.stdout + r.stderr
 
 
-def test_ctrl_c_in_the_first_second(tmp_path):
-    """SIGINT 1 s after start (torch still loading, about 2-3 s here): 'interrupted', exit 130, no traceback."""
+@pytest.mark.parametrize("delay", [0.3, 0.6, 1.0])
+def test_ctrl_c_in_the_first_second(tmp_path, delay):
+    """SIGINT while torch still loads (about 2 s here): 'interrupted', exit 130, no traceback. Raised inside an
+    import it once surfaced as a RuntimeError (exit 1) or as death by SIGINT (-2) after main returned 130."""
     import signal
     import time
 
     p = subprocess.Popen([sys.executable, "-m", "outlierscope", "sweep", "--out", str(tmp_path / "o"), "--limit", "1"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(1.0)
+    time.sleep(delay)
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 130 and "Traceback" not in err and "outlierscope: interrupted" in err, (p.returncode, err)

@@ -87,6 +87,8 @@ def test_sensitivity_settings_name_their_recorded_cells(run_dir):
 
     rec = json.loads((run_dir / "sensitivity.json").read_text())
     s = SensitivitySettings(**rec["settings"])
+    if "text" in rec.get("rank_by", {}):  # a text metric's cells are perplexity cells
+        return _check_text_cells(rec, s)
     if (run_dir / "cells").is_dir():  # what every cell shares, as the base cell recorded it
         base = _identity(run_dir, rec["cells"]["base"])
         ident = {k: base[k] for k in ("model", "weights_sha256", "task", "items_sha256", "dtype", "layout")}
@@ -100,6 +102,22 @@ def test_sensitivity_settings_name_their_recorded_cells(run_dir):
         assert cell_id(settings) == cid, f"{role} would be computed again: {settings}"
         if (run_dir / "cells").is_dir():
             assert settings == _identity(run_dir, cid)
+
+
+def _check_text_cells(rec: dict, s) -> None:
+    """A study ranked by KLD or PPL names its perplexity cells by the text its record names (source digest,
+    protocol, window length and count; CPU runs, float32) and each role's spec at the text batch size."""
+    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.runs.perplexity import cell_settings as text_cell_settings
+
+    text = rec["rank_by"]
+    ident = {"model": s.model, "weights_sha256": rec["model_source"]["weights_sha256"],
+             "text_sha256": text["text"]["sha256"], "protocol": text["protocol"], "length": text["length"],
+             "windows": text["windows"], "dtype": "float32"}
+    for role, cid in rec["cells"].items():
+        spec = _study_specs(s, role, rec["n_layers"])[0] or QuantSpec()
+        settings = text_cell_settings(ident, spec, s.text_batch_size)
+        assert cell_id(settings) == cid, f"{role} would be computed again: {settings}"
 
 
 def test_every_committed_kind_is_covered():
