@@ -6,8 +6,8 @@ import argparse
 import contextlib
 import os
 import signal
-import threading
 import sys
+import threading
 import warnings
 
 # nothing heavier at import: main's Ctrl-C handler must be running before torch and transformers load (seconds),
