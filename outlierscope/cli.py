@@ -215,8 +215,10 @@ def _cmd_compare_quant(a) -> None:
     from outlierscope.settings import from_cli
 
     _headless()
-    compare_quant(from_cli(CompareSettings, vars(a)), a.out, force=a.force)
-    print(f"results written to {a.out} (compare.md, compare.csv, compare.json; the sweeps in real/ and emulated/)")
+    s = from_cli(CompareSettings, vars(a))
+    compare_quant(s, a.out, force=a.force)
+    where = "the text cells in cells/, figures/" if s.metric == "text" else "the sweeps in real/ and emulated/"
+    print(f"results written to {a.out} (compare.md, compare.csv, compare.json; {where})")
 
 
 def _cmd_compare_perplexity(a) -> None:

@@ -33,6 +33,17 @@ def option(default, help: str, *, flag: str | None = None, choices=None, metavar
     return dataclasses.field(default=default, metadata={"cli": meta})
 
 
+def check_defaults(settings, names, why: str) -> None:
+    """Each of ``names`` (fields of the frozen ``settings``) at its default, or a ParamError naming the first that is
+    not: ``why`` says what the settings measure instead (a field that would be silently unused)."""
+    from outlierscope.errors import ParamError
+
+    defaults = {f.name: f.default for f in dataclasses.fields(settings)}
+    for name in names:
+        if getattr(settings, name) != defaults[name]:
+            raise ParamError(name, f"its default {defaults[name]!r} {why}", getattr(settings, name))
+
+
 @dataclass(frozen=True)
 class CliOption:
     """How one settings field appears on the command line."""

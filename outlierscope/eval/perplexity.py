@@ -162,18 +162,33 @@ def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> l
     return [b for k, b in enumerate(batches) if owned is None or shard_of(k) in owned]
 
 
-@torch.no_grad()
 def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                 calibrations: Sequence | None = None, ref_calibrations: Sequence | None = None,
                 block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
     """The numerical noise floor of each spec: its :class:`TokenScores` computed by ``model`` against the same spec
     computed by ``ref_model`` (the same weights in other arithmetic, e.g. float64) as the base, so ``kld`` is
-    KL(ref || model) of one scheme under two arithmetics. A spec that quantizes the LM head is refused (its head
-    exists only inside its context)."""
-    for spec in specs:
+    KL(ref || model) of one scheme under two arithmetics (:func:`score_pairs` with each spec on both sides)."""
+    return score_pairs(model, ref_model, windows, specs, specs, batch_size, calibrations, ref_calibrations,
+                       block_rows, shards)
+
+
+@torch.no_grad()
+def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],
+                ref_specs: Sequence[QuantSpec], batch_size: int = 1, calibrations: Sequence | None = None,
+                ref_calibrations: Sequence | None = None, block_rows: int | None = None,
+                shards: Collection[int] | None = None) -> list[TokenScores]:
+    """Two models compared token by token: for each j, ``model`` under ``specs[j]`` against ``ref_model`` under
+    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's). Both models must share
+    the tokenizer the windows were made with. The noise floor (one spec, two arithmetics) and a real quantized
+    checkpoint against its emulation (the checkpoint unquantized as the base) are both such pairs; a reference spec
+    shared by several pairs runs once per batch. A spec that quantizes the LM head is refused (its head exists only
+    inside its context)."""
+    for spec in [*specs, *ref_specs]:
         if quantizes_head(spec):
-            raise OutlierscopeError(f"{spec}: the noise floor of a quantized LM head is not computed; leave lm_head "
+            raise OutlierscopeError(f"{spec}: a quantized LM head is not compared across two models; leave lm_head "
                                     "out of linears:")
+    if len(ref_specs) != len(specs):
+        raise OutlierscopeError(f"{len(specs)} specs and {len(ref_specs)} reference specs; give one of each per pair")
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     ref_calibrations = list(ref_calibrations) if ref_calibrations is not None else [None] * len(specs)
     head, ref_head = lm_head(model, frozen=True), lm_head(ref_model, frozen=True)
@@ -181,9 +196,13 @@ def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
     for batch in _owned_batches(len(windows), batch_size, shards):
         rows = _rows([windows[i] for i in batch])
         window = np.repeat(batch, [len(windows[i].targets) for i in batch])
+        refs = {}  # reference spec text -> its hidden states and targets on this batch
         for j, spec in enumerate(specs):
-            with quantize_model(ref_model, spec, block_rows, ref_calibrations[j]):
-                hr, _, tgt = gathered_hidden(ref_model, rows)
+            key = (str(ref_specs[j]), id(ref_calibrations[j]))
+            if key not in refs:
+                with quantize_model(ref_model, ref_specs[j], block_rows, ref_calibrations[j]):
+                    refs[key] = gathered_hidden(ref_model, rows)
+            hr, _, tgt = refs[key]
             with quantize_model(model, spec, block_rows, calibrations[j]):
                 hq, _, _ = gathered_hidden(model, rows)
             targets = torch.tensor(tgt, device=hr.device)

@@ -13,9 +13,9 @@ from outlierscope.report.plots import PALETTE, _fit
 KLD_FLOOR = 1e-8  # nats: the ECDF's left edge (a token whose distribution did not move sits there)
 
 
-def kld_distribution(kld: dict[str, np.ndarray]) -> plt.Figure:
-    """The empirical distribution of per-token KL divergence to the unquantized model, one line per spec (log x;
-    values below KLD_FLOOR drawn at it): the further right, the more a spec moves the next-token distribution."""
+def kld_distribution(kld: dict[str, np.ndarray], against: str = "the unquantized model") -> plt.Figure:
+    """The empirical distribution of per-token KL divergence to ``against``, one line per spec (log x; values below
+    KLD_FLOOR drawn at it): the further right, the more a spec moves the next-token distribution."""
     specs = {k: v for k, v in kld.items() if len(v) and np.any(v > 0)}
     fig, ax = plt.subplots(figsize=(7.2, 4.4), layout="constrained")
     colors = sns.color_palette(PALETTE, max(len(specs), 3))
@@ -23,7 +23,7 @@ def kld_distribution(kld: dict[str, np.ndarray]) -> plt.Figure:
         v = np.sort(np.maximum(values, KLD_FLOOR))
         ax.plot(v, np.arange(1, len(v) + 1) / len(v), color=color, label=_fit(label, 2.6, 8), lw=1.4)
     ax.set_xscale("log")
-    ax.set_xlabel("KL divergence to the unquantized model at a token (nats)")
+    ax.set_xlabel(f"KL divergence to {against} at a token (nats)")
     ax.set_ylabel("share of scored tokens at or below")
     ax.set_title(_fit("Per-token KL divergence, every scored token", 7.0, 11))
     if specs:
@@ -31,9 +31,9 @@ def kld_distribution(kld: dict[str, np.ndarray]) -> plt.Figure:
     return fig
 
 
-def nll_and_kld(table: pd.DataFrame) -> plt.Figure:
-    """Per spec: the mean NLL change against the unquantized model and the mean KL divergence, each with its 95%
-    interval from resampled windows."""
+def nll_and_kld(table: pd.DataFrame, against: str = "the unquantized model") -> plt.Figure:
+    """Per spec: the mean NLL change against ``against`` and the mean KL divergence, each with its 95% interval from
+    resampled windows."""
     rows = table[table["kld_max"] > 0].reset_index(drop=True)
     fig, axes = plt.subplots(1, 2, figsize=(9.0, 0.45 * max(len(rows), 3) + 1.4), layout="constrained", sharey=True)
     y = np.arange(len(rows))
@@ -49,5 +49,5 @@ def nll_and_kld(table: pd.DataFrame) -> plt.Figure:
         ax.set_xlabel(xlabel)
     axes[0].set_yticks(y, [_fit(lab, 2.4, 8) for lab in rows["label"]], fontsize=8)
     axes[0].invert_yaxis()
-    fig.suptitle(_fit("Against the unquantized model on the same tokens (95% intervals over windows)", 8.6, 11))
+    fig.suptitle(_fit(f"Against {against} on the same tokens (95% intervals over windows)", 8.6, 11))
     return fig

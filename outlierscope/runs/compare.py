@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.paired import mcnemar_exact, mean_change
-from outlierscope.errors import ParamError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
 from outlierscope.models.checks import _read_config_json
@@ -38,8 +38,20 @@ from outlierscope.models.loading import (
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
 from outlierscope.quant.spec import QuantSpec
+from outlierscope.runs.perplexity import (
+    TEXT_FIELDS,
+    check_text_fields,
+    length_option,
+    max_windows_option,
+    protocol_option,
+    text_batch_size_option,
+    text_option,
+)
 from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, check_specs, sweep
-from outlierscope.settings import option
+from outlierscope.settings import check_defaults, option
+
+METRICS = ("items", "text")
+ITEM_FIELDS = ("tasks", "sample", "limit", "batch_size")  # what only metric items reads
 
 
 @dataclass(frozen=True)
@@ -55,6 +67,14 @@ class CompareSettings:
     limit: int | None = option(None, "first N items of each task")
     seed: int = option(0, "seeds --sample and the bootstrap")
     batch_size: int = option(32, "(context, ending) sequences per forward")
+    metric: str = option("items", "items: the tasks' items (accuracy, McNemar, log-likelihood changes); text: running "
+                         "text, every token's whole distribution (KL divergence of each emulation to the checkpoint, "
+                         "of both to the float model; perplexity)", choices=METRICS)
+    text: str = text_option()
+    protocol: str = protocol_option()
+    length: int | None = length_option()
+    max_windows: int | None = max_windows_option()
+    text_batch_size: int = text_batch_size_option()
     dtype: str = dtype_option()
     device: str = device_option()
     device_map: str | None = device_map_option()
@@ -71,6 +91,15 @@ class CompareSettings:
         if dup:
             raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
         self.sweep_settings(self.model, ())  # tasks, items, batch and dtype checked as sweep checks them
+        if self.metric not in METRICS:
+            raise ParamError("metric", f"one of {', '.join(METRICS)}", self.metric)
+        check_text_fields(self)
+        scores = "items of tasks" if self.metric == "items" else "running text"
+        check_defaults(self, TEXT_FIELDS if self.metric == "items" else ITEM_FIELDS,
+                       f"with metric={self.metric!r} (it scores {scores})")
+        if self.metric == "text" and self.device_map is not None:
+            raise ParamError("device_map", "None with metric='text' (both models load on one device; use device)",
+                             self.device_map)
 
     def sweep_settings(self, model: str, quant: tuple[str, ...]) -> SweepSettings:
         return SweepSettings(models=(model,), bits=(16,), quant=quant, tasks=self.tasks, sample=self.sample,
@@ -169,9 +198,10 @@ def check_source(s: CompareSettings, real_meta, float_meta) -> None:
 
 def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, log=print,
                   force: bool = False) -> pd.DataFrame:
-    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` and write the paired comparison. Everything
-    is checked before the first cell: both models, that the float one is the checkpoint's source, each emulation
-    against it, and earlier results in ``out`` (replaced only with ``force``)."""
+    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` (metric text: the text cells into
+    ``out/cells``) and write the paired comparison. Everything is checked before the first cell: both models, that
+    the float one is the checkpoint's source, each emulation against it, and earlier results in ``out`` (replaced
+    only with ``force``)."""
     git_commit()  # the checkout as the run found it (read once per process): before any record is written
     real_source, real_config = check_model(s.real, s.trust_remote_code)
     real_meta = meta_model(real_config, s.trust_remote_code)
@@ -182,6 +212,8 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     check_source(s, real_meta, meta_model(check_model(s.model, s.trust_remote_code)[1], s.trust_remote_code))
     out = Path(out)
     check_models(emu_s)
+    if s.metric == "text":
+        return _compare_text(s, out, specs, qconfig, log, force)
     for sub, settings in (("real", real_s), ("emulated", emu_s)):
         check_previous(out / sub, dataclasses.asdict(settings), force)
     with output_dir(out):
@@ -198,4 +230,43 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))
         write_json(out / "compare.json", record)
+    return table
+
+
+def _check_previous_text(out: Path, s: CompareSettings, force: bool) -> None:
+    """An earlier comparison in ``out`` with other settings is replaced only with ``force`` (its cells are kept: a
+    cell's file name is its identity)."""
+    import json
+
+    prev = out / "compare.json"
+    now = json.loads(json.dumps(dataclasses.asdict(s)))  # as the record holds it (tuples as lists)
+    if prev.exists() and not force and json.loads(prev.read_text()).get("settings") != now:
+        raise OutlierscopeError(f"{out} holds a comparison with other settings; choose another output directory or "
+                                "replace it (force=True, --force)")
+
+
+def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, log,
+                  force: bool) -> pd.DataFrame:
+    """metric text: the text pairs (:func:`~outlierscope.runs.compare_text.compare_on_text`), the table, the
+    figures and the record."""
+    from outlierscope.runs.compare_text import compare_on_text, per_token_kld
+    from outlierscope.runs.perplexity import perplexity_markdown, write_figures
+
+    _check_previous_text(out, s, force)
+    with output_dir(out), output_dir(out / "cells"):
+        log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}; on running text")
+        table, text = compare_on_text(s, out, specs, log)
+        record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
+                  "quantization_config": qconfig, **text, "differences": _differences(specs, qconfig),
+                  "cells": dict(zip(table["label"], table["cell"])),
+                  "versions": versions(), "machine": machine(), "git_commit": git_commit()}
+        write_csv(out / "compare.csv", table)
+        write_figures(out / "figures", table, per_token_kld(out, table), "a (the first of each pair)")
+        md = perplexity_markdown(table, "b against a")
+        write_text(out / "compare.md", f"# Emulated vs real on running text: {s.real} against {s.model}\n\n"
+                   f"{record['scored_tokens']:,} tokens of {s.text} ({s.protocol}); KL(a || b) at every token; "
+                   "PPL is b's.\n\n" + md + "\nHow emulation and real differ by construction:\n\n"
+                   + "".join(f"- {d}\n" for d in record["differences"]))
+        write_json(out / "compare.json", record)
+    log(md)
     return table

@@ -55,6 +55,10 @@ LMEVAL_COLUMNS = ("word_perplexity", "byte_perplexity", "bits_per_byte", "word_p
                   "byte_perplexity_base", "bits_per_byte_base")  # the lmeval protocol's: lm-eval's wikitext metrics
 
 
+TEXT_FIELDS = ("text", "protocol", "length", "max_windows", "text_batch_size")  # the text settings of the commands
+# that score items or text (sensitivity, compare-quant): what only their text metrics read
+
+
 def text_option():
     """The running text (a settings field, shared by every command that scores text)."""
     return option("lambada", "lambada (offline, from `outlierscope data fetch`), a .txt/.jsonl/.parquet file, or a "
@@ -74,6 +78,22 @@ def length_option():
 
 def max_windows_option():
     return option(None, "score only the first N windows (default: all)")
+
+
+def text_batch_size_option():
+    return option(1, "windows per forward of the text cells (a quantized cell's values depend on it by float32 "
+                  "rounding: part of its identity when not 1)")
+
+
+def check_text_fields(s) -> None:
+    """The text settings every text-scoring command shares (``protocol``, ``length``, ``max_windows`` and, where
+    present, ``text_batch_size`` of ``s``), checked before anything loads."""
+    if s.protocol not in PROTOCOLS:
+        raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", s.protocol)
+    for name, low in (("length", 2), ("max_windows", 1), ("text_batch_size", 1)):
+        value = getattr(s, name, None)
+        if value is not None and value < low:
+            raise ParamError(name, f">= {low}", value)
 
 
 @dataclass(frozen=True)
@@ -109,9 +129,7 @@ class PerplexitySettings:
         dup = sorted({t for t in texts if texts.count(t) > 1})
         if dup:
             raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
-        for name in ("length", "max_windows"):
-            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "length" else 1):
-                raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
+        check_text_fields(self)
         if self.batch_size < 1:
             raise ParamError("batch_size", ">= 1", self.batch_size)
         if self.noise is not None and self.noise == self.dtype:
@@ -183,10 +201,10 @@ def prepare_windows(s, source, config):
     return text, tokenizer, length, protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
 
 
-def text_ident(s, lm, text, length: int, windows) -> dict:
-    """What every text cell of a model shares: weights, text, protocol, window length and count, dtype (and the
-    device type off the CPU)."""
-    ident = {"model": s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
+def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> dict:
+    """What every text cell of a model (``model``, default ``s.model``) shares: weights, text, protocol, window
+    length and count, dtype (and the device type off the CPU)."""
+    ident = {"model": model or s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
              "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
     if lm.device.split(":")[0] != "cpu":
         ident["device"] = lm.device.split(":")[0]
@@ -221,21 +239,24 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
     return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
 
 
-def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None):
+def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
+            ref_specs: list[QuantSpec] | None = None):
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
-    against the unquantized model, or (``ref``: the model in the noise arithmetic) against the same spec in it."""
-    from outlierscope.eval.perplexity import score_noise
+    against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
+    under ``ref_specs`` (default: the same spec)."""
+    from outlierscope.eval.perplexity import score_pairs
     from outlierscope.quant.linear import calibration_for
 
+    ref_specs = ref_specs if ref_specs is not None else specs
     cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
-    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec) for spec in specs] if ref is not None else None
+    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec) for spec in ref_specs] if ref is not None else None
 
     def group(idx: list[int], shard: int) -> list[TokenScores]:
         chosen, cal = [specs[j] for j in idx], [cals[j] for j in idx]
         if ref is None:
             return score_windows(lm.model, windows, chosen, batch_size, cal, attn_block, shards=[shard])
-        return score_noise(lm.model, ref.model, windows, chosen, batch_size, cal, [ref_cals[j] for j in idx],
-                           attn_block, shards=[shard])
+        return score_pairs(lm.model, ref.model, windows, chosen, [ref_specs[j] for j in idx], batch_size, cal,
+                           [ref_cals[j] for j in idx], attn_block, shards=[shard])
 
     def score(idx: list[int], shard: int) -> list[TokenScores]:  # SPECS_PER_PASS at a time: bounded memory
         return [t for g in range(0, len(idx), SPECS_PER_PASS) for t in group(idx[g:g + SPECS_PER_PASS], shard)]
@@ -282,18 +303,20 @@ class CellRun:
 
 
 def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
-                kind: str = "") -> list[TokenScores] | None:
+                kind: str = "", ref_specs: list[QuantSpec] | None = None) -> list[TokenScores] | None:
     """Each spec's :class:`TokenScores` on ``windows``: read back when its cell is complete, else computed per
     virtual shard (this process's, resumable) and assembled by rank 0 once every part is there. Returns the cells on
     rank 0 when all are complete, else None. ``ref_model``: None for cells against the unquantized model, else what
-    loads the model in another arithmetic (noise-floor cells; called only when a cell is missing)."""
+    loads the reference model (called only when a cell is missing): the model in another arithmetic (noise-floor
+    cells) or another model (a checkpoint against its emulation), under ``ref_specs`` (default: each spec)."""
     have = [_load_cell(c.cells, st) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
     c.log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
     with c.world.failing_together():  # then every rank's parts are written
         if todo:
             ref = ref_model() if ref_model is not None else None
-            score = _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block)
+            score = _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
+                            [ref_specs[i] for i in todo] if ref_specs is not None else None)
             _compute_parts(score, [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
     if not c.world.is_main:
         return None
@@ -365,7 +388,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
                   "git_commit": git_commit(), "cells": {**dict(zip(table["label"], table["cell"])), **noise_cells}}
         write_csv(out / "perplexity.csv", table)
-        _figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
+        write_figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
         write_json(out / "perplexity.json", record)
     say(perplexity_markdown(table))
@@ -418,7 +441,8 @@ def merge_perplexity(dirs: list[str | Path], out: str | Path | None = None, log=
     return out
 
 
-def _figures(out: Path, table: pd.DataFrame, kld: dict) -> None:
+def write_figures(out: Path, table: pd.DataFrame, kld: dict, against: str = "the unquantized model") -> None:
+    """kld_distribution and nll_and_kld of a table of text cells (``kld``: label -> per-token KLD) into ``out``."""
     import matplotlib
 
     from outlierscope.io import ensure_writable_dir
@@ -427,8 +451,8 @@ def _figures(out: Path, table: pd.DataFrame, kld: dict) -> None:
 
     matplotlib.use("Agg")
     ensure_writable_dir(out)
-    save_figure(kld_distribution(kld), out, "kld_distribution")
-    save_figure(nll_and_kld(table), out, "nll_and_kld")
+    save_figure(kld_distribution(kld, against), out, "kld_distribution")
+    save_figure(nll_and_kld(table, against), out, "nll_and_kld")
 
 
 def _table(specs, settings, have, seed: int, windows, docs, noise: dict | None = None) -> pd.DataFrame:
@@ -451,7 +475,7 @@ def _noise_columns(tokens: TokenScores, seed: int) -> dict:
             "noise_kld_p99.9": stats["kld_p99.9"], "noise_same_top": stats["same_top"]}
 
 
-def perplexity_markdown(table: pd.DataFrame) -> str:
+def perplexity_markdown(table: pd.DataFrame, first: str = "spec") -> str:
     """One row per spec, as llama.cpp's quantization tables are read: PPL and ln PPL ratio with llama.cpp's
     uncertainties, the NLL change and the mean KLD with their 95% intervals over whole windows (llama.cpp's
     per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens as independent: on the
@@ -459,7 +483,7 @@ def perplexity_markdown(table: pd.DataFrame) -> str:
     if table.empty:
         raise OutlierscopeError("no spec was scored")
     noise = "noise_kld_mean" in table.columns
-    head = ("| spec | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD [95% CI] | 99.9% KLD | same top | RMS Δp |"
+    head = (f"| {first} | PPL | ln(PPL/PPL base) | ΔNLL [95% CI] | mean KLD [95% CI] | 99.9% KLD | same top | RMS Δp |"
             + (" noise KLD | noise same top |" if noise else "") + "\n|---|---|---|---|---|---|---|---|"
             + ("---|---|" if noise else "") + "\n")
     lines = [f"| {r['label']} | {r['ppl']:.4f} ± {r['ppl_unc']:.4f} | {r['ln_ppl_ratio']:+.5f} ± "

@@ -69,11 +69,18 @@ from outlierscope.quant.apply import check_spec, quantize_model
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, revised
-from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option, text_option
-from outlierscope.settings import option
+from outlierscope.runs.perplexity import (
+    TEXT_FIELDS,
+    check_text_fields,
+    length_option,
+    max_windows_option,
+    protocol_option,
+    text_batch_size_option,
+    text_option,
+)
+from outlierscope.settings import check_defaults, option
 
 ITEM_FIELDS = ("task", "limit", "sample", "batch_size")  # what only the gold_ll metric reads
-TEXT_FIELDS = ("text", "protocol", "length", "max_windows", "text_batch_size")  # what only the text metrics read
 
 
 @dataclass(frozen=True)
@@ -97,8 +104,7 @@ class SensitivitySettings:
     protocol: str = protocol_option()
     length: int | None = length_option()
     max_windows: int | None = max_windows_option()
-    text_batch_size: int = option(1, "windows per forward of the text metrics' cells (a quantized cell's values depend "
-                                  "on it by float32 rounding: part of its identity when not 1)")
+    text_batch_size: int = text_batch_size_option()
     tolerance: float = option(0.05, "largest harm the suggested assignment may have, in the metric's unit: nats of mean "
                               "gold log-likelihood lost (gold_ll), nats of mean KLD (kld), ln PPL ratio (ppl); a gain "
                               "always passes")
@@ -144,25 +150,15 @@ class SensitivitySettings:
     def _check_metric_fields(self) -> None:
         """The item settings only with gold_ll, the text settings only with kld / ppl, whose cells keep no layers at
         other bits."""
-        from outlierscope.eval.windows import PROTOCOLS
-
         if self.metric not in RANK_BY:
             raise ParamError("metric", f"one of {', '.join(RANK_BY)}", self.metric)
-        if self.protocol not in PROTOCOLS:
-            raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", self.protocol)
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        unused = TEXT_FIELDS if self.metric == "gold_ll" else ITEM_FIELDS
-        for name in unused:
-            if getattr(self, name) != defaults[name]:
-                raise ParamError(name, f"its default {defaults[name]!r} with metric={self.metric!r} (it scores "
-                                 f"{'items of a task' if self.metric == 'gold_ll' else 'running text'})",
-                                 getattr(self, name))
+        check_text_fields(self)
+        scores = "items of a task" if self.metric == "gold_ll" else "running text"
+        check_defaults(self, TEXT_FIELDS if self.metric == "gold_ll" else ITEM_FIELDS,
+                       f"with metric={self.metric!r} (it scores {scores})")
         if self.metric in TEXT_METRICS and self.keep_bits != UNQUANTIZED_BITS:
             raise ParamError("keep_bits", f"16 with metric={self.metric!r} (a kept layer at other bits is not built "
                              "for the text metrics)", self.keep_bits)
-        for name in ("length", "max_windows", "text_batch_size"):
-            if getattr(self, name) is not None and getattr(self, name) < (2 if name == "length" else 1):
-                raise ParamError(name, ">= 2" if name == "length" else ">= 1", getattr(self, name))
 
     def _check_quant(self) -> None:
         """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in

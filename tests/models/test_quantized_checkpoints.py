@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from outlierscope.quant.spec import QuantSpec
+
 ct = pytest.importorskip("compressed_tensors")
 
 
@@ -285,6 +287,86 @@ def test_compare_quant_reads_the_scheme_and_pairs_items(tiny_pair, hs_jsonl, hel
     rec = json.loads((out / "compare.json").read_text())
     assert rec["quantization_config"]["quant_method"] == "compressed-tensors"
     assert rec["specs"] == ["a=fint8/per_token; w=fint8/per_channel", "a=int8/per_token; w=int8/per_channel"]
+
+
+def _kl_rows(p_logits, q_logits, first: int, n: int) -> list[float]:
+    """KL(p || q) at positions first .. first + n - 1 of two (T, V) logit tensors, in float64 from the definition."""
+    import numpy as np
+
+    p, q = torch.softmax(p_logits.double(), -1).numpy(), torch.softmax(q_logits.double(), -1).numpy()
+    return [float(np.sum(p[i] * (np.log(p[i]) - np.log(q[i])))) for i in range(first, first + n)]
+
+
+def test_compare_quant_on_text_is_the_kl_between_the_two_models(tiny_pair, tmp_path, capsys):
+    """compare-quant --metric text on the W8A8 checkpoint over windows of every virtual shard: each pair's per-token
+    KL(a || b) equals KL divergences computed here from each model's own full forward (the checkpoint's, the float
+    model's, the float model under each emulation); the exact emulation moves no token against the checkpoint (KLD 0
+    everywhere), w8a8-restricted does; a second run recomputes nothing."""
+    import numpy as np
+    import pandas as pd
+
+    from outlierscope.cli import main
+    from outlierscope.eval.perplexity import TokenScores
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.apply import quantize_model
+    from outlierscope.runs.compare import CompareSettings
+    from outlierscope.runs.compare_text import text_windows
+
+    ckpt = _w8a8_checkpoint(str(tiny_pair["transformer"]), tmp_path / "w8a8")
+    txt = tmp_path / "t.txt"
+    txt.write_text(" ".join(f"the {w} went to the {w}s and back again" for w in ("cat", "dog", "fox") * 30))
+    argv = ["compare-quant", "--real", str(ckpt), "--model", str(tiny_pair["transformer"]), "--metric", "text",
+            "--text", str(txt), "--length", "24", "--quant", "w8a8-restricted", "--out", str(tmp_path / "cmp")]
+    assert main(argv) == 0
+    t = pd.read_csv(tmp_path / "cmp" / "compare.csv").set_index("label")
+    exact, ours = "a=fint8/per_token; w=fint8/per_channel", "a=int8/per_token; w=int8/per_channel"
+    s = CompareSettings(real=str(ckpt), model=str(tiny_pair["transformer"]), metric="text", text=str(txt), length=24,
+                        quant=("w8a8-restricted",))
+    windows = text_windows(s, log=lambda *a: None)["windows"]
+    assert len(windows) >= 20  # more windows than virtual shards: every shard holds one
+    real, flt = load_model(str(ckpt)), load_model(str(tiny_pair["transformer"]))
+    want = {f"{b} against {a}": [] for b, a in (("real", "float"), (f"emulated: {exact}", "float"),
+                                                (f"emulated: {ours}", "float"), (f"emulated: {exact}", "real"),
+                                                (f"emulated: {ours}", "real"))}
+    for w in windows:
+        ids, n = torch.tensor([w.input_ids]), len(w.targets)
+        logits = {}
+        with torch.no_grad():
+            for name, model, spec in (("float", flt, QuantSpec()), ("real", real, QuantSpec()),
+                                      (f"emulated: {exact}", flt, QuantSpec.parse(exact)),
+                                      (f"emulated: {ours}", flt, QuantSpec.parse(ours))):
+                with quantize_model(model.model, spec):  # the toolkit's attention function, as every cell runs it
+                    logits[name] = model.model(input_ids=ids).logits[0]  # (T, V)
+        for key in want:
+            b, a = key.split(" against ")
+            want[key] += _kl_rows(logits[a], logits[b], w.first, n)
+    for key, values in want.items():
+        got = TokenScores.load(tmp_path / "cmp" / "cells" / f"{t.loc[key, 'cell']}.npz").kld
+        np.testing.assert_allclose(got, values, rtol=1e-4, atol=1e-9, err_msg=key)
+        assert t.loc[key, "kld_mean"] == pytest.approx(np.mean(values), rel=1e-4, abs=1e-12)
+    same = f"emulated: {exact} against real"
+    assert t.loc[same, "kld_max"] == 0 and t.loc[same, "same_top"] == 1
+    assert t.loc[f"emulated: {ours} against real", "kld_mean"] > 1e-6
+    rec = json.loads((tmp_path / "cmp" / "compare.json").read_text())
+    assert rec["windows"] == len(windows) and rec["settings"]["metric"] == "text"
+    assert (tmp_path / "cmp" / "figures" / "kld_distribution.png").exists()
+    capsys.readouterr()
+    assert main(argv) == 0 and "0 to compute" in capsys.readouterr().out
+    assert main([*argv, "--max-windows", "5"]) == 2  # other settings: refused before any work
+    assert "holds a comparison with other settings" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, msg", [(["--metric", "text", "--limit", "5"], "--limit must be its default None"),
+                                        (["--text", "x.txt"], "--text must be its default 'lambada'"),
+                                        (["--metric", "text", "--max-windows", "0"], "--max-windows must be >= 1")])
+def test_compare_quant_metric_settings_are_one_line(flags, msg, tiny_pair, tmp_path, capsys):
+    from outlierscope.cli import main
+
+    out = tmp_path / "cmp"
+    assert main(["compare-quant", "--real", str(tmp_path / "none"), "--model", str(tiny_pair["transformer"]),
+                 *flags, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert msg in err and err.count("\n") == 1 and not out.exists()
 
 
 def _bnb_checkpoint(src: str, out, bits: int):

@@ -24,6 +24,13 @@ def _commands(folder: str, letter: str) -> list[list[str]]:
     return [shlex.split(line.replace(f" {letter} ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
 
 
+def _at_defaults(cls, settings: dict, record: dict) -> dict:
+    """``record`` with each setting added after the run (sensitivity's device_map, compare-quant's metric and text
+    settings) at its default, as resume reads it."""
+    defaults = {f.name: f.default for f in fields(cls)}
+    return {**{k: json.loads(json.dumps(defaults[k])) for k in settings.keys() - record.keys()}, **record}
+
+
 @pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S")])
 def test_readme_commands_give_the_recorded_settings(folder, letter):
     from outlierscope.cli import build_parser
@@ -40,10 +47,7 @@ def test_readme_commands_give_the_recorded_settings(folder, letter):
         a = build_parser().parse_args(argv[1:])
         settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
         record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
-        # a setting added after the run (sensitivity's device_map) counts as recorded at its default, as resume reads it
-        defaults = {f.name: f.default for f in fields(classes[argv[1]])}
-        record = {**{k: defaults[k] for k in settings.keys() - record.keys()}, **record}
-        assert settings == record, a.out
+        assert settings == _at_defaults(classes[argv[1]], settings, record), a.out
         made.add((ROOT / a.out).resolve())
     recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
                 if p.name in ("sweep.json", "sensitivity.json")}
@@ -95,7 +99,8 @@ def test_readme_commands_made_docs_checkpoints():
         a = build_parser().parse_args(argv[1:])
         cls, name = classes[argv[1]]
         record = json.loads((ROOT / a.out / name).read_text())
-        assert json.loads(json.dumps(asdict(from_cli(cls, vars(a))))) == record["settings"], a.out
+        settings = json.loads(json.dumps(asdict(from_cli(cls, vars(a)))))
+        assert settings == _at_defaults(cls, settings, record["settings"]), a.out
         if argv[1] == "profile":
             assert [m["spec"] for m in record["models"].values()] == a.model
         made.add((ROOT / a.out / name).resolve())

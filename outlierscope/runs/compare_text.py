@@ -1,0 +1,111 @@
+"""Emulated vs real on running text: a quantized checkpoint, its float source and each emulation of its scheme
+compared token by token by their whole next-token distributions (``compare-quant --metric text``).
+
+    windows  = the text cut by the float model's tokenizer (the checkpoint's must cut it alike: checked)
+    float    = the float model, unquantized and under each emulation             # perplexity cells: KLD to float
+    real     = the checkpoint's own quantized forward against the float model    # KL(float || real)
+    emulated = each emulation against the checkpoint as the base                # KL(real || emulated): 0 when exact
+    compare.csv / compare.md (one row per pair, b against a: PPL of b, ln PPL ratio, NLL change and mean KLD with
+    95% intervals over windows, 99.9% KLD, same top token, RMS dp), figures/, compare.json
+
+Both models are held in memory at once (the checkpoint decoded to the float dtype): twice one model's weights.
+Every pair is a cell of per-token values saved per virtual shard of the windows (resumable).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+
+from outlierscope.errors import ParamError
+from outlierscope.eval.perplexity import TokenScores
+from outlierscope.quant.spec import QuantSpec
+from outlierscope.runs.cells import cell_id
+
+UNQUANTIZED = QuantSpec()
+
+
+def text_windows(s, log=print) -> dict:
+    """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's tokenizer
+    must give the same windows (else its tokens and the float model's are not the same events)."""
+    from outlierscope.models.checks import tokenizer_record
+    from outlierscope.models.loading import check_model
+    from outlierscope.runs.perplexity import prepare_windows, windows_said
+
+    (fsource, fconfig), (rsource, rconfig) = (check_model(m, s.trust_remote_code) for m in (s.model, s.real))
+    text, tokenizer, length, windows = prepare_windows(s, fsource, fconfig)
+    if prepare_windows(s, rsource, rconfig)[3] != windows:
+        raise ParamError("model", f"a float model whose tokenizer cuts the text as {s.real}'s does", s.model,
+                         "their windows of the text differ")
+    log(windows_said(s, text, length, windows))
+    return {"text": text, "length": length, "windows": windows, "tokenizer": tokenizer_record(fsource.path, tokenizer)}
+
+
+def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict | None) -> dict:
+    """A text cell's identity: a perplexity cell's (``ident``: its model, text and windows; ``spec``), and the model
+    it is compared against when that is not its own unquantized self (``reference``: model, weights, spec), with
+    the batch size of any such pair (the checkpoint's own forward depends on it by float32 rounding)."""
+    from outlierscope.runs.perplexity import cell_settings
+
+    out = cell_settings(ident, spec, batch_size)
+    if reference is not None:
+        out["reference"] = reference
+        if batch_size != 1:
+            out["batch_size"] = batch_size
+    return out
+
+
+def compare_on_text(s, out: Path, specs: list[str], log=print) -> tuple[pd.DataFrame, dict]:
+    """The text pairs of ``s`` (:class:`~outlierscope.runs.compare.CompareSettings` with metric text) into
+    ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it. Returns
+    the table and what the record says of the text and the models."""
+    from outlierscope.models.loading import load_model
+    from outlierscope.parallel import World
+    from outlierscope.runs.perplexity import CellRun, text_ident, token_cells
+
+    t = text_windows(s, log)
+    windows, bs, device = t["windows"], s.text_batch_size, World().device(s.device)
+    flt, real = (load_model(m, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
+                 for m in (s.model, s.real))
+    f_ident = text_ident(s, flt, t["text"], t["length"], windows)
+    r_ident = text_ident(s, real, t["text"], t["length"], windows, model=s.real)
+    emulated = [QuantSpec.parse(q) for q in specs]
+    float_specs = [UNQUANTIZED, *emulated]
+    real_ref = {"model": s.real, "weights_sha256": r_ident["weights_sha256"], "quant": str(UNQUANTIZED)}
+    f_set = [pair_settings(f_ident, sp, bs, None) for sp in float_specs]
+    r_set = [pair_settings(r_ident, UNQUANTIZED, bs, {"model": s.model, "weights_sha256": f_ident["weights_sha256"],
+                                                       "quant": str(UNQUANTIZED)})]
+    e_set = [pair_settings(f_ident, sp, bs, real_ref) for sp in emulated]
+    c = CellRun(out / "cells", bs, None, s.seed, log=log)
+    on_float = token_cells(flt, windows, float_specs, f_set, c, kind="float-model ")
+    (real_vs_float,) = token_cells(real, windows, [UNQUANTIZED], r_set, c, lambda: flt, "checkpoint ", [UNQUANTIZED])
+    emu_vs_real = token_cells(flt, windows, emulated, e_set, c, lambda: real, "emulation ", [UNQUANTIZED] * len(specs))
+    rows = [("float", "real", r_set[0], real_vs_float)]
+    for i, spec in enumerate(emulated):
+        rows += [("float", f"emulated: {spec}", f_set[i + 1], on_float[i + 1]),
+                 ("real", f"emulated: {spec}", e_set[i], emu_vs_real[i])]
+    record = {"text": t["text"].record(), "tokenizer": t["tokenizer"], "length": t["length"],
+              "windows": len(windows), "scored_tokens": int(sum(len(w.targets) for w in windows)),
+              "model_sources": {s.model: flt.provenance(f_ident["weights_sha256"]),
+                                s.real: real.provenance(r_ident["weights_sha256"])}}
+    return _table(rows, s.seed), record
+
+
+def _table(rows: list[tuple[str, str, dict, TokenScores]], seed: int) -> pd.DataFrame:
+    """One row per pair (b against a): the perplexity table's statistics and the cell."""
+    from outlierscope.analysis.kld import summary
+    from outlierscope.runs.perplexity import COLUMNS
+
+    columns = [c for c in COLUMNS if c not in ("label", "quant", "bits", "cell")]
+    out = []
+    for a, b, st, tokens in rows:
+        stats = summary(tokens, seed)
+        out.append({"label": f"{b} against {a}", "a": a, "b": b, **{k: stats[k] for k in columns},
+                    "cell": cell_id(st)})
+    return pd.DataFrame(out)
+
+
+def per_token_kld(out: Path, table: pd.DataFrame) -> dict:
+    """label -> the per-token KL divergence of each row's cell (read back from ``out/cells``), for the figure."""
+    return {r.label: TokenScores.load(out / "cells" / f"{r.cell}.npz").kld for r in table.itertuples()}
