@@ -52,6 +52,14 @@ class TokenScores:
     def __len__(self) -> int:
         return len(self.window)
 
+    def summary(self, seed: int = 0) -> dict:
+        """llama.cpp's statistics of these tokens (PPL, ln PPL ratio, KLD mean and percentiles, same top token, RMS
+        dp, each with its uncertainty) and the NLL change and mean KLD with 95% intervals over whole windows
+        (:func:`outlierscope.analysis.kld.summary`)."""
+        from outlierscope.analysis.kld import summary
+
+        return summary(self, seed)
+
     def save(self, path: str | Path) -> None:
         np.savez_compressed(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
 
