@@ -1,0 +1,136 @@
+"""GPTQ (Frantar et al., 2022, arXiv 2210.17323) as pure tensor operations: a weight's input columns rounded one after
+another, each column's rounding error moved onto the columns not yet rounded through the inverse Hessian of the
+layer's inputs (its upper Cholesky factor), in blocks of columns (the paper's lazy batch updates). The arithmetic of
+GPT-QModel's ``GPTQ.quantize`` and of llm-compressor's ``quantize_weight`` (float32), on a symmetric grid::
+
+    H = 2/n sum x x^T                         # (I, I) over every input row x; n: the sequences (hessian_update)
+    scale per row of the whole weight         # a per-channel grid: from the weight as given
+    dead columns (H_jj = 0): weight 0, H_jj = 1
+    static groups: every group's scale from the weight now (its original column order)
+    act order: columns by decreasing H_jj (argsort, descending)
+    H += damp * mean(diag H) I;  U = chol(chol_inverse(chol(H)))^T        # upper: U^T U = H^-1
+    for each block [i1, i2) of block_size columns:
+        for each column j of the block (W1: the block's working copy):
+            dynamic groups: at a group's first column its scale from W[:, j : j + G]   # W: as the block found it
+            q_j = round-to-grid(W1[:, j]);  e = (W1[:, j] - q_j) / U_jj;  W1[:, j:] -= e U[j, j:]
+        W[:, i2:] -= E U[i1:i2, i2:]          # E: the block's errors, (O, block)
+    columns back to their order; each column's group index (g_idx)
+
+GPT-QModel computes a dynamic group's scale from ``W`` before the block's own updates (a column group that starts
+inside a block sees the earlier blocks' updates only); llm-compressor always uses static scales (its observer runs on
+the weight before GPTQ; with act order its groups are the original columns', GPT-QModel's ``static_groups`` with
+``desc_act``). The grid is ``fint`` (GPTQ's symmetric scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1],
+compressed-tensors' symmetric int) or ``int`` (absmax / (2^(b-1) - 1), our restricted range). A group whose weights are
+all zero stays zero (GPT-QModel: scale 2 / (2^b - 1), every value 0).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.primitives import absmax_scale, fake_quant
+
+GPTQ_GRIDS = ("fint", "int")  # symmetric grids (an asymmetric grid with integer zero points is not built yet)
+
+
+@dataclass(frozen=True)
+class GPTQResult:
+    """``weight`` (O, I) on the grid (dequantized; float32, float64 for a float64 weight), ``scale`` (O, groups) in group order (per-channel: one
+    column), ``g_idx`` (I,) each input column's group, ``perm`` the act-order column order (None without)."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+    g_idx: torch.Tensor
+    perm: torch.Tensor | None
+
+
+def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """GPTQ's running Hessian after one batch ``x`` (B, T, I) of a layer's inputs (B sequences): ``h`` (I, I) float32
+    (None: the first batch) rescaled to the new count and ``2/n x^T x`` added, as GPT-QModel and llm-compressor keep
+    it (their ``add_batch`` / ``accumulate_hessian``, up to float32 rounding). Returns a new tensor and the count."""
+    B, I = x.shape[0], x.shape[-1]
+    h = torch.zeros(I, I, dtype=torch.float32, device=x.device) if h is None else h * (n / (n + B))
+    n += B
+    inp = (2 / n) ** 0.5 * x.reshape(-1, I).t().float()  # (I, B*T)
+    return h + inp.matmul(inp.t()), n
+
+
+def _scale(w: torch.Tensor, bits: int, fmt: str) -> torch.Tensor:
+    """Each row's scale of ``w`` (O, k) on the grid: (O, 1)."""
+    return absmax_scale(w, bits, (1,), fmt=fmt)
+
+
+def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor of (H + damp mean(diag H) I)^-1, as GPT-QModel and llm-compressor compute it (a new
+    tensor; a Hessian that stays singular is an error naming the fix)."""
+    h = h.clone()
+    h.diagonal().add_(damp * torch.mean(h.diagonal()))
+    try:
+        return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    except torch.linalg.LinAlgError:
+        raise OutlierscopeError(f"the Hessian is not positive definite with damp={damp}; raise damp (e.g. 0.1) or "
+                                "calibrate on more tokens") from None
+
+
+def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint", group: int | None = None,
+                  block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+                  static_groups: bool = False) -> GPTQResult:
+    """GPTQ of a weight ``w`` (O, I) with the Hessian ``h`` (I, I) of its inputs (module docstring); ``group``: input
+    columns per scale (None: one scale per output row). Neither input is changed."""
+    if fmt not in GPTQ_GRIDS:
+        raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(GPTQ_GRIDS)}, got {fmt!r}")
+    O, I = w.shape
+    if h.shape != (I, I):
+        raise OutlierscopeError(f"the Hessian must be ({I}, {I}) for a weight of {I} inputs, got {tuple(h.shape)}")
+    if group is not None and I % group:
+        raise OutlierscopeError(f"{I} input columns are not a multiple of the group size {group}")
+    dt = torch.float64 if w.dtype == torch.float64 else torch.float32  # float32 as the references; float64 for tests
+    W, H = w.to(dt).clone(), h.to(dt).clone()
+    row_scale = _scale(W, bits, fmt)  # per-channel: the weight as given (GPT-QModel's first find_params)
+    dead = H.diagonal() == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    G = group or I
+    static = _scale(W.reshape(O, I // G, G).reshape(O * (I // G), G), bits, fmt).reshape(O, I // G) \
+        if group is not None and static_groups else None  # (O, groups): the original columns' groups
+    perm = torch.argsort(H.diagonal(), descending=True) if act_order else None
+    if perm is not None:
+        W, H = W[:, perm], H[perm][:, perm]
+    U = inverse_hessian_factor(H, damp)
+    Q, scales = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
+    g_idx = torch.arange(I, device=w.device) // G  # (I,): in processing order
+    if perm is not None:
+        inv = torch.argsort(perm)
+        Q = Q[:, inv]
+        g_idx = perm[inv] // G if static is not None else g_idx[inv]
+    scale = static if static is not None else row_scale if group is None else torch.cat(scales, 1)
+    return GPTQResult(Q, scale, g_idx, perm)
+
+
+def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int | None, block_size: int,
+             static: torch.Tensor | None, perm: torch.Tensor | None,
+             row_scale: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The column loop (module docstring) on ``W`` (O, I, processing order; updated in place: the caller's copy).
+    Returns the rounded weight and, for dynamic groups, each group's scale (O, 1) in processing order."""
+    O, I = W.shape
+    Q, scales, scale = torch.zeros_like(W), [], row_scale
+    for i1 in range(0, I, block_size):
+        i2 = min(i1 + block_size, I)
+        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(O, i2 - i1, dtype=W.dtype, device=W.device), U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j = i1 + i
+            if group is not None and static is None and j % group == 0:
+                scale = _scale(W[:, j:j + group], bits, fmt)  # W: before this block's own updates (GPT-QModel)
+                scales.append(scale)
+            elif static is not None:
+                scale = static[:, (int(perm[j]) if perm is not None else j) // group, None]  # (O, 1)
+            q = fake_quant(W1[:, i:i + 1], scale, bits, fmt)[:, 0]  # (O,)
+            Q[:, j] = q
+            e = (W1[:, i] - q) / U1[i, i]
+            W1[:, i:] -= e.unsqueeze(1).matmul(U1[i, i:].unsqueeze(0))  # (O, 1) x (1, rest)
+            E1[:, i] = e
+        W[:, i2:] -= E1.matmul(U[i1:i2, i2:])
+    return Q, scales

@@ -1,0 +1,130 @@
+"""GPTQ against a float64 re-implementation written here from the paper's sequential form (Frantar et al. 2022, the
+OBS update of Algorithm 1 without the Cholesky reformulation or lazy blocks): the inverse Hessian is updated after
+each column by removing that column, so the two agree only if the Cholesky factor and the block-wise propagation are
+right. The scale of a dynamic group is taken, as GPT-QModel takes it, from the weights as they were when the block
+holding the group's first column began."""
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.gptq import gptq_quantize, hessian_update
+
+
+def _grid(x: np.ndarray, scale: np.ndarray, bits: int, fmt: str) -> np.ndarray:
+    """Round x (O,) to the symmetric grid with scale (O,): fint onto [-2^(b-1), 2^(b-1) - 1], int onto +-(2^(b-1) - 1)."""
+    lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if fmt == "fint" else (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1)
+    safe = np.where(scale > 0, scale, 1.0)
+    return np.where(scale > 0, np.clip(np.round(x / safe), lo, hi) * safe, x)
+
+
+def _scale(block: np.ndarray, bits: int, fmt: str) -> np.ndarray:
+    qmax = (2**bits - 1) / 2 if fmt == "fint" else 2 ** (bits - 1) - 1
+    return np.abs(block).max(axis=1) / qmax
+
+
+def _reference(w, h, bits, fmt, group, block, damp, act_order, static):
+    """Sequential OBS-form GPTQ in float64 (numpy): returns the rounded weight in the original column order."""
+    W, H = w.astype(np.float64).copy(), h.astype(np.float64).copy()
+    O, I = W.shape
+    row_scale = _scale(W, bits, fmt)
+    dead = np.diag(H) == 0
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    G = group or I
+    static_scales = np.stack([_scale(W[:, g:g + G], bits, fmt) for g in range(0, I, G)], 1) if static and group else None
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(I)
+    W, H = W[:, order], H[np.ix_(order, order)]
+    H = H + damp * np.mean(np.diag(H)) * np.eye(I)
+    Hinv = np.linalg.inv(H)
+    Q = np.zeros_like(W)
+    snapshot = W.copy()
+    scale = row_scale
+    for j in range(I):
+        if j % block == 0:
+            snapshot = W.copy()  # the weights as this block begins
+        if group and static_scales is None and j % group == 0:
+            scale = _scale(snapshot[:, j:j + group], bits, fmt)
+        elif static_scales is not None:
+            scale = static_scales[:, order[j] // group]
+        Q[:, j] = _grid(W[:, j], scale, bits, fmt)
+        err = (W[:, j] - Q[:, j]) / Hinv[j, j]
+        W[:, j + 1:] -= np.outer(err, Hinv[j, j + 1:])
+        Hinv = Hinv - np.outer(Hinv[:, j], Hinv[j, :]) / Hinv[j, j]  # column j removed (OBS)
+    return Q[:, np.argsort(order)]
+
+
+def _layer(O=24, I=96, n=6, T=40, seed=0):
+    """A bf16-valued weight and the Hessian of inputs with a few large channels (as real activations have)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(O, I, generator=g) * 0.05).bfloat16().double()
+    x = torch.randn(n, T, I, generator=g, dtype=torch.float64) * (1 + 9 * (torch.rand(I, generator=g) < 0.1))
+    x[..., 5] = 0  # a dead input column
+    h = 2 / n * x.reshape(-1, I).t() @ x.reshape(-1, I)
+    return w, h
+
+
+@pytest.mark.parametrize("bits, fmt, group, block, act_order, static", [
+    (4, "fint", 16, 32, False, False),   # groups inside blocks: scales from the block's start
+    (4, "fint", 32, 32, True, False),    # act order, dynamic groups in processing order
+    (4, "fint", 16, 32, True, True),     # act order, static groups (llm-compressor's)
+    (3, "int", None, 40, False, False),  # per channel, blocks that do not divide I
+    (8, "fint", 48, 128, True, False),   # one block
+])
+def test_gptq_equals_the_sequential_form_in_float64(bits, fmt, group, block, act_order, static):
+    w, h = _layer()
+    ours = gptq_quantize(w, h, bits, fmt, group, block, damp=0.01, act_order=act_order, static_groups=static)
+    ref = _reference(w.numpy(), h.numpy(), bits, fmt, group, block, 0.01, act_order, static)
+    np.testing.assert_allclose(ours.weight.numpy(), ref, rtol=0, atol=1e-12)
+    assert not torch.equal(ours.weight, _rtn(w, bits, fmt, group))  # GPTQ moved codes away from round-to-nearest
+    assert (ours.weight[:, 5] == 0).all()  # the dead column
+    G = group or w.shape[1]
+    codes = ours.weight / ours.scale.gather(1, ours.g_idx.expand(w.shape[0], -1) if group else
+                                            torch.zeros_like(ours.weight, dtype=torch.long))
+    assert torch.allclose(codes, codes.round(), atol=1e-9)  # each weight an integer times its group's scale
+    assert ours.scale.shape == (w.shape[0], w.shape[1] // G)
+
+
+def _rtn(w, bits, fmt, group):
+    from outlierscope.quant.primitives import quantize_absmax
+
+    G = group or w.shape[1]
+    return quantize_absmax(w.reshape(w.shape[0], -1, G), bits, (-1,), fmt=fmt).reshape(w.shape)
+
+
+def test_gptq_lowers_the_layer_output_error_against_rtn():
+    """The objective GPTQ minimizes, tr((W - Q) H (W - Q)^T), is below round-to-nearest's on the same grid."""
+    g = torch.Generator().manual_seed(1)
+    w = (torch.randn(24, 96, generator=g) * 0.05).bfloat16().double()
+    x = torch.randn(400, 96, generator=g, dtype=torch.float64) @ torch.randn(96, 96, generator=g, dtype=torch.float64)
+    h = 2 * x.T @ x / 400  # correlated input channels, as a layer's are
+    q = gptq_quantize(w, h, 4, "fint", 16).weight
+    err = lambda d: float(torch.trace(d @ h @ d.T))  # noqa: E731
+    assert err(w - q) < 0.8 * err(w - _rtn(w, 4, "fint", 16))
+
+
+def test_hessian_streams_as_the_batches_come():
+    """hessian_update over batches of sequences equals 2/n X^T X over all of them (float64 here, in float32 the
+    references' running rescale)."""
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(b, 7, 12, generator=g, dtype=torch.float64) for b in (3, 1, 4)]
+    h, n = None, 0
+    for x in xs:
+        h, n = hessian_update(h, n, x)
+    X = torch.cat([x.reshape(-1, 12) for x in xs])
+    torch.testing.assert_close(h.double(), 2 / 8 * X.T @ X, rtol=1e-6, atol=1e-6)
+    assert n == 8
+
+
+def test_inputs_unchanged_and_bad_shapes_are_one_line():
+    w, h = _layer()
+    w0, h0 = w.clone(), h.clone()
+    gptq_quantize(w, h, 4, "fint", 16, act_order=True)
+    assert torch.equal(w, w0) and torch.equal(h, h0)
+    with pytest.raises(OutlierscopeError, match="not a multiple of the group size 7"):
+        gptq_quantize(w, h, 4, "fint", 7)
+    with pytest.raises(OutlierscopeError, match="Hessian must be"):
+        gptq_quantize(w, h[:-1, :-1], 4)
+    with pytest.raises(OutlierscopeError, match="not positive definite"):
+        gptq_quantize(w, -h, 4, damp=0.0)
