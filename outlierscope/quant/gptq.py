@@ -51,10 +51,10 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
     """GPTQ's running Hessian after one batch ``x`` (B, T, I) of a layer's inputs (B sequences): ``h`` (I, I) float32
     (None: the first batch) rescaled to the new count and ``2/n x^T x`` added, as GPT-QModel and llm-compressor keep
     it (their ``add_batch`` / ``accumulate_hessian``, up to float32 rounding). Returns a new tensor and the count."""
-    B, I = x.shape[0], x.shape[-1]
-    h = torch.zeros(I, I, dtype=torch.float32, device=x.device) if h is None else h * (n / (n + B))
+    B, n_in = x.shape[0], x.shape[-1]
+    h = torch.zeros(n_in, n_in, dtype=torch.float32, device=x.device) if h is None else h * (n / (n + B))
     n += B
-    inp = (2 / n) ** 0.5 * x.reshape(-1, I).t().float()  # (I, B*T)
+    inp = (2 / n) ** 0.5 * x.reshape(-1, n_in).t().float()  # (I, B*T)
     return h + inp.matmul(inp.t()), n
 
 
@@ -82,26 +82,27 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     columns per scale (None: one scale per output row). Neither input is changed."""
     if fmt not in GPTQ_GRIDS:
         raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(GPTQ_GRIDS)}, got {fmt!r}")
-    O, I = w.shape
-    if h.shape != (I, I):
-        raise OutlierscopeError(f"the Hessian must be ({I}, {I}) for a weight of {I} inputs, got {tuple(h.shape)}")
-    if group is not None and I % group:
-        raise OutlierscopeError(f"{I} input columns are not a multiple of the group size {group}")
+    n_out, n_in = w.shape
+    if h.shape != (n_in, n_in):
+        raise OutlierscopeError(f"the Hessian must be ({n_in}, {n_in}) for a weight of {n_in} inputs, got {tuple(h.shape)}")
+    if group is not None and n_in % group:
+        raise OutlierscopeError(f"{n_in} input columns are not a multiple of the group size {group}")
     dt = torch.float64 if w.dtype == torch.float64 else torch.float32  # float32 as the references; float64 for tests
     W, H = w.to(dt).clone(), h.to(dt).clone()
     row_scale = _scale(W, bits, fmt)  # per-channel: the weight as given (GPT-QModel's first find_params)
     dead = H.diagonal() == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    G = group or I
-    static = _scale(W.reshape(O, I // G, G).reshape(O * (I // G), G), bits, fmt).reshape(O, I // G) \
-        if group is not None and static_groups else None  # (O, groups): the original columns' groups
+    G = group or n_in
+    static = None  # static groups: every group's scale from the original column order, before any update
+    if group is not None and static_groups:
+        static = _scale(W.reshape(n_out * (n_in // G), G), bits, fmt).reshape(n_out, n_in // G)  # (O * I/G, G) -> (O, I/G)
     perm = torch.argsort(H.diagonal(), descending=True) if act_order else None
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_factor(H, damp)
     Q, scales = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
-    g_idx = torch.arange(I, device=w.device) // G  # (I,): in processing order
+    g_idx = torch.arange(n_in, device=w.device) // G  # (I,): in processing order
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
@@ -115,11 +116,11 @@ def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int |
              row_scale: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The column loop (module docstring) on ``W`` (O, I, processing order; updated in place: the caller's copy).
     Returns the rounded weight and, for dynamic groups, each group's scale (O, 1) in processing order."""
-    O, I = W.shape
+    n_out, n_in = W.shape
     Q, scales, scale = torch.zeros_like(W), [], row_scale
-    for i1 in range(0, I, block_size):
-        i2 = min(i1 + block_size, I)
-        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(O, i2 - i1, dtype=W.dtype, device=W.device), U[i1:i2, i1:i2]
+    for i1 in range(0, n_in, block_size):
+        i2 = min(i1 + block_size, n_in)
+        W1, E1, U1 = W[:, i1:i2].clone(), torch.zeros(n_out, i2 - i1, dtype=W.dtype, device=W.device), U[i1:i2, i1:i2]
         for i in range(i2 - i1):
             j = i1 + i
             if group is not None and static is None and j % group == 0:

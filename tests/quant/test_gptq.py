@@ -27,21 +27,21 @@ def _scale(block: np.ndarray, bits: int, fmt: str) -> np.ndarray:
 def _reference(w, h, bits, fmt, group, block, damp, act_order, static):
     """Sequential OBS-form GPTQ in float64 (numpy): returns the rounded weight in the original column order."""
     W, H = w.astype(np.float64).copy(), h.astype(np.float64).copy()
-    O, I = W.shape
+    n_out, n_in = W.shape
     row_scale = _scale(W, bits, fmt)
     dead = np.diag(H) == 0
     H[dead, dead] = 1
     W[:, dead] = 0
-    G = group or I
-    static_scales = np.stack([_scale(W[:, g:g + G], bits, fmt) for g in range(0, I, G)], 1) if static and group else None
-    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(I)
+    G = group or n_in
+    static_scales = np.stack([_scale(W[:, g:g + G], bits, fmt) for g in range(0, n_in, G)], 1) if static and group else None
+    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(n_in)
     W, H = W[:, order], H[np.ix_(order, order)]
-    H = H + damp * np.mean(np.diag(H)) * np.eye(I)
+    H = H + damp * np.mean(np.diag(H)) * np.eye(n_in)
     Hinv = np.linalg.inv(H)
     Q = np.zeros_like(W)
     snapshot = W.copy()
     scale = row_scale
-    for j in range(I):
+    for j in range(n_in):
         if j % block == 0:
             snapshot = W.copy()  # the weights as this block begins
         if group and static_scales is None and j % group == 0:
@@ -55,13 +55,13 @@ def _reference(w, h, bits, fmt, group, block, damp, act_order, static):
     return Q[:, np.argsort(order)]
 
 
-def _layer(O=24, I=96, n=6, T=40, seed=0):
+def _layer(n_out=24, n_in=96, n=6, T=40, seed=0):
     """A bf16-valued weight and the Hessian of inputs with a few large channels (as real activations have)."""
     g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(O, I, generator=g) * 0.05).bfloat16().double()
-    x = torch.randn(n, T, I, generator=g, dtype=torch.float64) * (1 + 9 * (torch.rand(I, generator=g) < 0.1))
+    w = (torch.randn(n_out, n_in, generator=g) * 0.05).bfloat16().double()
+    x = torch.randn(n, T, n_in, generator=g, dtype=torch.float64) * (1 + 9 * (torch.rand(n_in, generator=g) < 0.1))
     x[..., 5] = 0  # a dead input column
-    h = 2 / n * x.reshape(-1, I).t() @ x.reshape(-1, I)
+    h = 2 / n * x.reshape(-1, n_in).t() @ x.reshape(-1, n_in)
     return w, h
 
 
