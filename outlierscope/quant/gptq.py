@@ -7,7 +7,7 @@ GPT-QModel's ``GPTQ.quantize`` and of llm-compressor's ``quantize_weight`` (floa
     scale per row of the whole weight         # a per-channel grid: from the weight as given
     dead columns (H_jj = 0): weight 0, H_jj = 1
     static groups: every group's scale from the weight now (its original column order)
-    act order: columns by decreasing H_jj (argsort, descending)
+    order: columns by decreasing H_jj (act order), or whole groups so (group-aware reordering, GPT-QModel's default)
     H += damp * mean(diag H) I;  U = chol(chol_inverse(chol(H)))^T        # upper: U^T U = H^-1
     for each block [i1, i2) of block_size columns:
         for each column j of the block (W1: the block's working copy):
@@ -75,13 +75,36 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
                                 "calibrate on more tokens") from None
 
 
+def column_order(diag: torch.Tensor, order: str, group: int | None) -> torch.Tensor | None:
+    """The order the columns are quantized in, from the Hessian's diagonal (I,): ``none`` (None: as they are),
+    ``desc`` (GPTQ's act order: decreasing diagonal; argsort, descending) or ``gar`` (GPT-QModel's group-aware
+    reordering, Gafni et al. 2025: the groups whole, by decreasing largest diagonal (a stable sort), each group's
+    columns by decreasing diagonal (a sort, descending); columns after the last whole group stay at the end)."""
+    if order == "none":
+        return None
+    if order == "desc":
+        return torch.argsort(diag, descending=True)
+    n = diag.numel() // group
+    values, local = torch.sort(diag[: n * group].view(n, group), dim=1, descending=True)  # (groups, G)
+    glob = torch.argsort(values[:, 0], descending=True, stable=True)  # (groups,)
+    base = (torch.arange(n, device=diag.device) * group).view(n, 1)  # (groups, 1)
+    perm = (local + base)[glob].reshape(-1)  # (groups * G,)
+    return torch.cat([perm, torch.arange(n * group, diag.numel(), device=diag.device)])
+
+
+ORDERS = ("none", "desc", "gar")
+
+
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint", group: int | None = None,
-                  block_size: int = 128, damp: float = 0.01, act_order: bool = False,
+                  block_size: int = 128, damp: float = 0.01, order: str = "none",
                   static_groups: bool = False) -> GPTQResult:
     """GPTQ of a weight ``w`` (O, I) with the Hessian ``h`` (I, I) of its inputs (module docstring); ``group``: input
-    columns per scale (None: one scale per output row). Neither input is changed."""
+    columns per scale (None: one scale per output row); ``order``: :func:`column_order`'s. Neither input is
+    changed."""
     if fmt not in GPTQ_GRIDS:
         raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(GPTQ_GRIDS)}, got {fmt!r}")
+    if order not in ORDERS or (order == "gar" and group is None):
+        raise OutlierscopeError(f"GPTQ order must be one of {', '.join(ORDERS)} (gar: with groups), got {order!r}")
     n_out, n_in = w.shape
     if h.shape != (n_in, n_in):
         raise OutlierscopeError(f"the Hessian must be ({n_in}, {n_in}) for a weight of {n_in} inputs, got {tuple(h.shape)}")
@@ -97,17 +120,19 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     static = None  # static groups: every group's scale from the original column order, before any update
     if group is not None and static_groups:
         static = _scale(W.reshape(n_out * (n_in // G), G), bits, fmt).reshape(n_out, n_in // G)  # (O * I/G, G) -> (O, I/G)
-    perm = torch.argsort(H.diagonal(), descending=True) if act_order else None
+    perm = column_order(H.diagonal(), order, group)
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_factor(H, damp)
     Q, scales = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
     g_idx = torch.arange(n_in, device=w.device) // G  # (I,): in processing order
+    scale = static if static is not None else row_scale if group is None else torch.cat(scales, 1)  # (O, groups)
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
-        g_idx = perm[inv] // G if static is not None else g_idx[inv]
-    scale = static if static is not None else row_scale if group is None else torch.cat(scales, 1)
+        if order == "gar" and static is None:  # whole groups moved: each keeps its columns, its scale goes back
+            scale = scale[:, torch.argsort(perm[::G] // G)]
+        g_idx = perm[inv] // G if static is not None or order == "gar" else g_idx[inv]
     return GPTQResult(Q, scale, g_idx, perm)
 
 

@@ -24,7 +24,17 @@ def _scale(block: np.ndarray, bits: int, fmt: str) -> np.ndarray:
     return np.abs(block).max(axis=1) / qmax
 
 
-def _reference(w, h, bits, fmt, group, block, damp, act_order, static):
+def _order(diag: np.ndarray, order: str, group: int | None) -> np.ndarray:
+    """Act order: decreasing diagonal; GAR: groups by decreasing largest diagonal, inside each by decreasing diagonal."""
+    if order == "desc":
+        return np.argsort(-diag, kind="stable")
+    if order == "gar":
+        groups = sorted(range(len(diag) // group), key=lambda g: -diag[g * group:(g + 1) * group].max())
+        return np.concatenate([g * group + np.argsort(-diag[g * group:(g + 1) * group], kind="stable") for g in groups])
+    return np.arange(len(diag))
+
+
+def _reference(w, h, bits, fmt, group, block, damp, order_name, static):
     """Sequential OBS-form GPTQ in float64 (numpy): returns the rounded weight in the original column order."""
     W, H = w.astype(np.float64).copy(), h.astype(np.float64).copy()
     n_out, n_in = W.shape
@@ -34,7 +44,7 @@ def _reference(w, h, bits, fmt, group, block, damp, act_order, static):
     W[:, dead] = 0
     G = group or n_in
     static_scales = np.stack([_scale(W[:, g:g + G], bits, fmt) for g in range(0, n_in, G)], 1) if static and group else None
-    order = np.argsort(-np.diag(H), kind="stable") if act_order else np.arange(n_in)
+    order = _order(np.diag(H), order_name, group)
     W, H = W[:, order], H[np.ix_(order, order)]
     H = H + damp * np.mean(np.diag(H)) * np.eye(n_in)
     Hinv = np.linalg.inv(H)
@@ -65,17 +75,18 @@ def _layer(n_out=24, n_in=96, n=6, T=40, seed=0):
     return w, h
 
 
-@pytest.mark.parametrize("bits, fmt, group, block, act_order, static", [
-    (4, "fint", 16, 32, False, False),   # groups inside blocks: scales from the block's start
-    (4, "fint", 32, 32, True, False),    # act order, dynamic groups in processing order
-    (4, "fint", 16, 32, True, True),     # act order, static groups (llm-compressor's)
-    (3, "int", None, 40, False, False),  # per channel, blocks that do not divide I
-    (8, "fint", 48, 128, True, False),   # one block
+@pytest.mark.parametrize("bits, fmt, group, block, order, static", [
+    (4, "fint", 16, 32, "none", False),  # groups inside blocks: scales from the block's start
+    (4, "fint", 32, 32, "desc", False),  # act order, dynamic groups in processing order
+    (4, "fint", 16, 32, "desc", True),   # act order, static groups (llm-compressor's)
+    (3, "fint", 16, 32, "gar", False),   # group-aware reordering (GPT-QModel's default)
+    (3, "int", None, 40, "none", False),  # per channel, blocks that do not divide I
+    (8, "fint", 48, 128, "desc", False),  # one block
 ])
-def test_gptq_equals_the_sequential_form_in_float64(bits, fmt, group, block, act_order, static):
+def test_gptq_equals_the_sequential_form_in_float64(bits, fmt, group, block, order, static):
     w, h = _layer()
-    ours = gptq_quantize(w, h, bits, fmt, group, block, damp=0.01, act_order=act_order, static_groups=static)
-    ref = _reference(w.numpy(), h.numpy(), bits, fmt, group, block, 0.01, act_order, static)
+    ours = gptq_quantize(w, h, bits, fmt, group, block, damp=0.01, order=order, static_groups=static)
+    ref = _reference(w.numpy(), h.numpy(), bits, fmt, group, block, 0.01, order, static)
     np.testing.assert_allclose(ours.weight.numpy(), ref, rtol=0, atol=1e-12)
     assert not torch.equal(ours.weight, _rtn(w, bits, fmt, group))  # GPTQ moved codes away from round-to-nearest
     assert (ours.weight[:, 5] == 0).all()  # the dead column
@@ -120,11 +131,13 @@ def test_hessian_streams_as_the_batches_come():
 def test_inputs_unchanged_and_bad_shapes_are_one_line():
     w, h = _layer()
     w0, h0 = w.clone(), h.clone()
-    gptq_quantize(w, h, 4, "fint", 16, act_order=True)
+    gptq_quantize(w, h, 4, "fint", 16, order="desc")
     assert torch.equal(w, w0) and torch.equal(h, h0)
     with pytest.raises(OutlierscopeError, match="not a multiple of the group size 7"):
         gptq_quantize(w, h, 4, "fint", 7)
     with pytest.raises(OutlierscopeError, match="Hessian must be"):
         gptq_quantize(w, h[:-1, :-1], 4)
+    with pytest.raises(OutlierscopeError, match="gar: with groups"):
+        gptq_quantize(w, h, 4, order="gar")
     with pytest.raises(OutlierscopeError, match="not positive definite"):
         gptq_quantize(w, -h, 4, damp=0.0)
