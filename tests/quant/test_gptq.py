@@ -141,3 +141,37 @@ def test_inputs_unchanged_and_bad_shapes_are_one_line():
         gptq_quantize(w, h, 4, order="gar")
     with pytest.raises(OutlierscopeError, match="not positive definite"):
         gptq_quantize(w, -h, 4, damp=0.0)
+
+
+PACKED = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "packed"
+
+
+@pytest.mark.parametrize("variant, bits, group", [("gptq-w3g32-sym", 3, 32), ("gptq-w8g64-sym", 8, 64)])
+def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group):
+    """GPT-QModel 7.6's own checkpoints (tests/models/packed, made by bench/gptq_fixtures.py: group-aware reordering,
+    damp 0.05, block 128, symmetric, 16 seeded random sequences of 64 tokens; the float16 model loaded in bfloat16 on
+    its CPU): layer 0's q/k/v see the calibration inputs unchanged by any quantization, so their Hessian is computed
+    here from those sequences through the bfloat16 model; every integer code and every float16 scale of the file is
+    ours."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from outlierscope.models.packed import unpack_codes
+
+    model = AutoModelForCausalLM.from_pretrained(PACKED / "float").to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    h, n = None, 0
+    for ids in [torch.randint(1, 6144, (1, 64), generator=g) for _ in range(16)]:
+        with torch.no_grad():
+            h, n = hessian_update(h, n, model.model.layers[0].input_layernorm(model.model.embed_tokens(ids)))
+    ck = safe_open(PACKED / variant / "model.safetensors", "pt")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        pre = f"model.layers.0.self_attn.{name}."
+        codes = unpack_codes(ck.get_tensor(pre + "qweight"), bits, 0).t()  # (out, in), unsigned
+        scales = ck.get_tensor(pre + "scales")  # (groups, out) float16
+        w = getattr(model.model.layers[0].self_attn, name).weight.float()
+        ours = gptq_quantize(w, h, bits, "fint", group, 128, damp=0.05, order="gar")
+        mine = torch.round(ours.weight / ours.scale.gather(1, ours.g_idx.expand(w.shape[0], -1))) + 2 ** (bits - 1)
+        assert torch.equal(mine.to(torch.int32), codes), (name, int((mine != codes).sum()))
+        assert torch.equal(ours.scale.t().half(), scales), name
+        assert torch.equal(ours.g_idx.int(), ck.get_tensor(pre + "g_idx")), name
