@@ -175,3 +175,33 @@ def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group):
         assert torch.equal(mine.to(torch.int32), codes), (name, int((mine != codes).sum()))
         assert torch.equal(ours.scale.t().half(), scales), name
         assert torch.equal(ours.g_idx.int(), ck.get_tensor(pre + "g_idx")), name
+
+
+FIXTURES = __import__("pathlib").Path(__file__).resolve().parent / "fixtures"
+
+
+@pytest.mark.parametrize("order", ["none", "desc"])
+def test_static_groups_equal_llm_compressors_gptq(order):
+    """llm-compressor 0.14's own ``quantize_weight`` (bench/gptq_llmc_reference.py in its venv: static min-max group
+    scales from compressed-tensors, 4-bit symmetric groups of 16, block 32, damp 0.01, without and with
+    actorder="weight"; its Hessian of layer 0's inputs): on the same Hessian and weights, static groups give every
+    weight of q/k/v_proj equal, and the Hessian ours streams from the same sequences equals theirs."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ref = safe_open(FIXTURES / "gptq_llmc.safetensors", "pt")
+    model = AutoModelForCausalLM.from_pretrained(PACKED / "float").to(torch.bfloat16).eval()
+    h = ref.get_tensor("hessian")
+    g = torch.Generator().manual_seed(1)
+    mine, n = None, 0
+    for ids in [torch.randint(1, 6144, (1, 64), generator=g) for _ in range(16)]:
+        with torch.no_grad():
+            mine, n = hessian_update(mine, n, model.model.layers[0].input_layernorm(model.model.embed_tokens(ids)))
+    torch.testing.assert_close(mine, h, rtol=1e-5, atol=1e-6 * float(h.abs().max()))  # float32 sums, another order
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(model.model.layers[0].self_attn, name).weight.float()
+        ours = gptq_quantize(w, h, 4, "fint", 16, 32, damp=0.01, order=order, static_groups=True)
+        tag = f"{name}.{'weight' if order == 'desc' else 'none'}"
+        assert torch.equal(ours.scale, ref.get_tensor(f"{tag}.scale")), name
+        theirs = ref.get_tensor(f"{tag}.weight")
+        assert torch.equal(ours.weight, theirs), (name, int((ours.weight != theirs).sum()))
