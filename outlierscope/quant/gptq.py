@@ -21,19 +21,70 @@ inside a block sees the earlier blocks' updates only); llm-compressor always use
 the weight before GPTQ; with act order its groups are the original columns', GPT-QModel's ``static_groups`` with
 ``desc_act``). The grid is ``fint`` (GPTQ's symmetric scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1],
 compressed-tensors' symmetric int) or ``int`` (absmax / (2^(b-1) - 1), our restricted range). A group whose weights are
-all zero stays zero (GPT-QModel: scale 2 / (2^b - 1), every value 0).
+all zero when its scale is taken gets absmax 1 (GPT-QModel's rule).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.primitives import absmax_scale, fake_quant
+from outlierscope.quant.primitives import absmax_scale, fake_quant, qmax
 
 GPTQ_GRIDS = ("fint", "int")  # symmetric grids (an asymmetric grid with integer zero points is not built yet)
+ORDERS = ("none", "desc", "gar")
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """How GPTQ runs (a spec's ``gptq`` or ``gptq:KEY=VALUE,...``; the defaults are the paper's): ``damp`` (a fraction
+    of the Hessian's mean diagonal added to it), ``order`` (:func:`column_order`), ``block`` (columns per lazy batch),
+    ``static`` (group scales from the weights before any update, as llm-compressor), and the calibration:
+    ``samples`` sequences of ``seqlen`` tokens. GPT-QModel 7.6's defaults: ``damp=0.05,order=gar``; llm-compressor
+    0.14's (actorder static): ``order=desc,static``."""
+
+    damp: float = 0.01
+    order: str = "none"
+    block: int = 128
+    static: bool = False
+    samples: int = 128
+    seqlen: int = 512
+
+    def __post_init__(self):
+        if not 0 <= self.damp < 1:
+            raise OutlierscopeError(f"gptq:damp=X needs 0 <= X < 1 (a fraction of the mean Hessian diagonal), got {self.damp}")
+        if self.order not in ORDERS:
+            raise OutlierscopeError(f"gptq:order= must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        for key in ("block", "samples", "seqlen"):
+            if getattr(self, key) < 1:
+                raise OutlierscopeError(f"gptq:{key}=N needs N >= 1, got {getattr(self, key)}")
+
+    def __str__(self) -> str:
+        """``gptq`` and the settings that differ from the defaults, in field order (the spec's canonical text)."""
+        items = [("static" if f.name == "static" else f"{f.name}={getattr(self, f.name)}")
+                 for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+        return "gptq" + (":" + ",".join(items) if items else "")
+
+    @classmethod
+    def parse(cls, arg: str) -> GPTQConfig:
+        """The text after ``gptq:`` (empty: the defaults); ``+`` separates as ``,`` does."""
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        kw: dict = {}
+        for item in (s.strip() for s in re.split("[,+]", arg) if s.strip()):
+            key, eq, value = item.partition("=")
+            if key not in kinds or (key == "static") == bool(eq):
+                raise OutlierscopeError(f"cannot read gptq:{arg}: expected KEY=VALUE items among damp, order, block, "
+                                        "samples, seqlen and the word static, e.g. gptq:damp=0.05,order=gar")
+            try:
+                kw[key] = True if key == "static" else float(value) if key == "damp" else value if key == "order" \
+                    else int(value)
+            except ValueError:
+                raise OutlierscopeError(f"cannot read gptq:{item}: expected a number") from None
+        return cls(**kw)
 
 
 @dataclass(frozen=True)
@@ -59,8 +110,10 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
 
 
 def _scale(w: torch.Tensor, bits: int, fmt: str) -> torch.Tensor:
-    """Each row's scale of ``w`` (O, k) on the grid: (O, 1)."""
-    return absmax_scale(w, bits, (1,), fmt=fmt)
+    """Each row's scale of ``w`` (O, k) on the grid: (O, 1); a row of zeros takes absmax 1 (GPT-QModel's rule: its
+    later, updated values still land on a grid)."""
+    s = absmax_scale(w, bits, (1,), fmt=fmt)
+    return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, fmt))
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -91,8 +144,6 @@ def column_order(diag: torch.Tensor, order: str, group: int | None) -> torch.Ten
     perm = (local + base)[glob].reshape(-1)  # (groups * G,)
     return torch.cat([perm, torch.arange(n * group, diag.numel(), device=diag.device)])
 
-
-ORDERS = ("none", "desc", "gar")
 
 
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint", group: int | None = None,

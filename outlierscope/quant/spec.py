@@ -57,6 +57,7 @@ import re
 from dataclasses import dataclass, field
 
 from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.quant.gptq import GPTQ_GRIDS, GPTQConfig
 from outlierscope.quant.names import BACKENDS, FORMATS, UNQUANTIZED_BITS
 from outlierscope.quant.parts import (  # noqa: F401 (re-exported: the spec's vocabulary)
     ALL_TARGETS,
@@ -100,8 +101,9 @@ def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
     return TensorQuant("logits", fmt, bits, gran)
 
 
-_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib")
-_TRANSFORMS = ("smooth_k", "smooth_q", "hadamard", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib")
+_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib", "gptq")
+_TRANSFORMS = ("smooth_k", "smooth_q", "hadamard", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib",
+               "gptq")
 
 
 @dataclass(frozen=True, init=False)
@@ -133,6 +135,7 @@ class QuantSpec:
     linears: tuple[str, ...] | None = None
     bnb_outliers: float | None = None
     calib: str | None = None
+    gptq: GPTQConfig | None = None
 
     def __init__(self, parts=(), *, bits: int | None = None, format: str | None = None,
                  granularity: str | None = None, backend: str | None = None, **fields):
@@ -168,6 +171,32 @@ class QuantSpec:
                 raise ParamError("layers", "at least one layer index >= 0 (or None: every layer)", self.layers)
         self._check_linear()
         self._check_bnb()
+        self._check_gptq()
+
+    def _check_gptq(self) -> None:
+        """GPTQ rounds a ``w=`` part on a symmetric integer grid, per channel or in groups, of the decoder layers'
+        linears, alone among the weight transforms (not built with smoothing, rotations or LLM.int8)."""
+        if self.gptq is None:
+            return
+        w = self.part("w")
+        if w is None or w.format not in GPTQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
+            raise OutlierscopeError(f"gptq rounds a w= part of {'/'.join(GPTQ_GRIDS)} bits per_channel or per_group "
+                                    f"(e.g. w=fint4/per_group:128; gptq), got {w or 'no w= part'}")
+        other = [k for k in ("smooth", "rotate", "outliers", "bnb_outliers") if getattr(self, k) is not None]
+        if other:
+            raise OutlierscopeError(f"gptq with {other[0]}: GPTQ on transformed weights is not built; drop one of the "
+                                    "two")
+        a = self.part("a")
+        if a is not None and a.granularity == "static":
+            raise OutlierscopeError("gptq with a=.../static: one calibration text would serve two passes; use a "
+                                    "dynamic activation granularity with gptq")
+        if "lm_head" in (self.linears or ()):
+            raise OutlierscopeError("gptq quantizes the decoder layers' linears, layer after layer; leave lm_head out "
+                                    "of linears:")
+        if self.gptq.order == "gar" and w.granularity != "per_group":
+            raise OutlierscopeError("gptq:order=gar reorders whole groups; give w=.../per_group:G or another order")
+        if (self.calib or "").endswith(".pt"):
+            raise OutlierscopeError(f"calib:{self.calib}: gptq calibrates on text (its Hessians), not on act_scales")
 
     def _check_linear(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
@@ -191,9 +220,9 @@ class QuantSpec:
         if a is not None and a.granularity == "static" and self.rotate is not None:
             raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
                                     "dynamic activation granularity with rotate")
-        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static")
+        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static") or self.gptq is not None
         if self.calib is not None and not needs_calib:
-            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA and a=.../static only; leave it out")
+            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA, a=.../static and gptq only; leave it out")
         if self.calib is not None and (not self.calib.strip() or ";" in self.calib):
             raise OutlierscopeError(f"calib:SOURCE needs hellaswag, a text file or an act_scales.pt, got {self.calib!r}")
 
@@ -305,6 +334,7 @@ class QuantSpec:
         items = [str(p) for p in self.parts]
         items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
         items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
+        items += [str(self.gptq)] if self.gptq is not None else []
         items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "bnb_outliers", "calib")
                   if (v := getattr(self, k)) is not None]
         items += [f"linears:{','.join(self.linears)}"] if self.linears is not None else []
@@ -345,6 +375,8 @@ def _read_item(item: str, text: str, parts: list, kw: dict) -> None:
         raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
     if item == "smooth_k":
         kw["smooth_k"] = True
+    elif item == "gptq":
+        kw["gptq"] = GPTQConfig()
     elif key in _FLAGS and "=" not in key:
         kw[key] = _flag_value(key, arg, text)
     elif "=" not in item and ":" not in item:
@@ -370,6 +402,8 @@ def _flag_value(key: str, arg: str, text: str):
         return tuple(p.strip() for p in re.split("[,+]", arg))  # '+': lm-eval's model_args split at commas
     if key == "calib":
         return arg.strip()
+    if key == "gptq":
+        return GPTQConfig.parse(arg)
     try:
         if key == "layers":
             return tuple(parse_layers(arg.replace("+", ",")))

@@ -1,0 +1,204 @@
+"""GPTQ of a model's linear layers, layer after layer, as GPT-QModel and llm-compressor calibrate (their "true
+sequential" order): each linear's Hessian comes from the inputs it sees when every linear before it, in this layer
+and the layers below, is already quantized.
+
+    seqs    = calibration token ids (N, T)                        # gptq:samples x gptq:seqlen of calib:SOURCE
+    inputs  = layer 0's inputs for every sequence (a pre-hook stops each forward there)
+    for each decoder layer:
+        for each subset of its linears reading one input (q/k/v, o, gate/up, down: found by one forward):
+            H = hessian_update over the subset's inputs, the layer run on every sequence's input
+            each linear of the subset: gptq_quantize(W, H) -> its rounded weight, in place from now on
+        inputs = the (quantized) layer's outputs                  # the next layer's inputs
+    every weight restored; the rounded weights returned (int8 codes, scales, g_idx)
+
+Memory: one layer's inputs for the N sequences and one Hessian (I, I) float32 per linear of a subset. The weights
+are never changed: during the pass a rounded weight is a parametrization removed in ``finally``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.points import decoder_layers
+from outlierscope.quant.gptq import GPTQConfig, gptq_quantize, hessian_update
+from outlierscope.quant.spec import QuantSpec
+
+DEFAULT_CALIB = "lambada-tail"  # LAMBADA's test passages from the last one back (module docstring of data.text)
+
+
+@dataclass(frozen=True)
+class RoundedWeight:
+    """A linear's GPTQ weight: ``codes`` (O, I) int8, ``scale`` (O, groups) float32 (float64 for a float64 model),
+    ``g_idx`` (I,) each column's group; :meth:`weight` is codes x their scale, bit for bit the weight GPTQ produced."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    g_idx: torch.Tensor
+
+    def weight(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        s = self.scale.gather(1, self.g_idx.expand(self.codes.shape[0], -1))  # (O, I)
+        return (self.codes.to(s.dtype) * s).to(device=device, dtype=dtype)
+
+    @classmethod
+    def of(cls, w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> RoundedWeight:
+        """GPTQ of ``w`` (O, I) with the Hessian ``h`` as ``spec`` says (its ``w=`` part and ``gptq`` settings)."""
+        part, cfg = spec.part("w"), spec.gptq
+        bits, fmt = part.grid
+        r = gptq_quantize(w, h, bits, fmt, part.size if part.granularity == "per_group" else None, cfg.block,
+                          cfg.damp, cfg.order, cfg.static)
+        g_idx = r.g_idx if part.granularity == "per_group" else torch.zeros_like(r.g_idx)
+        s = r.scale.gather(1, g_idx.expand(w.shape[0], -1))  # (O, I)
+        return cls(torch.round(r.weight / s).to(torch.int8).cpu(), r.scale.cpu(), g_idx.cpu())
+
+
+class _Fixed(nn.Module):
+    """The parametrization ``W -> a given tensor``: a rounded weight in place while the pass goes on."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.w = w
+
+    def forward(self, _):
+        return self.w
+
+
+class _Stop(Exception):
+    """Raised by the pre-hook that records layer 0's inputs: nothing above it runs."""
+
+
+def calibration_sequences(tokenizer, source: str | None, cfg: GPTQConfig, ctx: int | None) -> torch.Tensor:
+    """``cfg.samples`` sequences of ``cfg.seqlen`` tokens (at most the model's ``ctx``) of ``source`` (default
+    :data:`DEFAULT_CALIB`), packed with EOS between documents: (N, T) int64."""
+    from outlierscope.data.text import pack_sequences, text_documents
+
+    seqlen = min(cfg.seqlen, ctx) if ctx else cfg.seqlen
+    return pack_sequences(tokenizer, text_documents(source or DEFAULT_CALIB), seqlen, cfg.samples * seqlen)
+
+
+def _layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict]]:
+    """Every sequence's (args, kwargs) of decoder layer 0, the forward stopped there."""
+    layer0, got = decoder_layers(model)[0], []
+
+    def pre(mod, args, kwargs):
+        got.append((args, kwargs))
+        raise _Stop
+
+    handle = layer0.register_forward_pre_hook(pre, with_kwargs=True)
+    dev = next(model.parameters()).device
+    try:
+        for row in seqs:
+            try:
+                model(input_ids=row[None].to(dev), attention_mask=torch.ones_like(row[None]).to(dev), use_cache=False)
+            except _Stop:
+                pass
+    finally:
+        handle.remove()
+    return got
+
+
+def _run(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
+    """The layer's hidden-state output for each input."""
+    outs = []
+    for args, kwargs in inputs:
+        out = layer(*args, **kwargs)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return outs
+
+
+def _next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
+    """The next layer's inputs: this layer's outputs in the hidden states' place (positional or ``hidden_states``),
+    the rest (positions, mask) as they were."""
+    out = []
+    for h, (args, kwargs) in zip(_run(layer, inputs), inputs):
+        out.append(((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h}))
+    return out
+
+
+def _subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[list[str]]:
+    """The layer's linears (path -> module) in the order its forward calls them, those reading one input tensor
+    together (q/k/v, gate/up), found by one forward of ``first``."""
+    calls: list[tuple[str, int]] = []
+    seen: list[torch.Tensor] = []  # the inputs, held so that no later tensor takes their memory and identity
+    handles = [m.register_forward_pre_hook(lambda mod, args, p=p: calls.append((p, id(args[0]))) or seen.append(args[0]))
+               for p, m in linears.items()]
+    try:
+        _run(layer, [first])
+    finally:
+        for h in handles:
+            h.remove()
+    out: list[list[str]] = []
+    for i, (p, x) in enumerate(calls):
+        if p in (q for s in out for q in s):
+            continue
+        if i and x == calls[i - 1][1] and out:
+            out[-1].append(p)
+        else:
+            out.append([p])
+    return out
+
+
+@contextlib.contextmanager
+def _hessians(modules: dict[str, nn.Linear]) -> Iterator[dict[str, list]]:
+    """Pre-hooks that stream each module's inputs into its GPTQ Hessian: name -> [H, count]."""
+    acc = {p: [None, 0] for p in modules}
+
+    def hook(p):
+        def pre(mod, args):
+            acc[p][0], acc[p][1] = hessian_update(acc[p][0], acc[p][1], args[0].detach())
+        return pre
+
+    handles = [m.register_forward_pre_hook(hook(p)) for p, m in modules.items()]
+    try:
+        yield acc
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.no_grad()
+def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, progress: bool = True) -> dict[str, RoundedWeight]:
+    """GPTQ of every linear ``spec`` quantizes (:func:`~outlierscope.quant.linear.linear_sites`), calibrated layer
+    after layer on ``seqs`` (N, T) token ids (module docstring). Returns full module name -> :class:`RoundedWeight`;
+    the model is as it was."""
+    from tqdm.auto import tqdm
+
+    from outlierscope.quant.linear import linear_sites
+
+    if spec.gptq is None:
+        raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
+    sites = linear_sites(model, spec)
+    by_layer: dict[int, dict[str, nn.Linear]] = {}
+    names = {}
+    for s in sites:
+        by_layer.setdefault(s.layer, {})[s.path] = s.module
+        names[s.module] = s.name
+    out: dict[str, RoundedWeight] = {}
+    fixed: list[nn.Module] = []
+    try:
+        inputs = _layer_inputs(model, seqs)
+        layers = decoder_layers(model)
+        last = max(by_layer, default=-1)
+        for i in tqdm(range(last + 1), desc="gptq", unit="layer", disable=not progress or None):
+            mine = by_layer.get(i, {})
+            for subset in _subsets(layers[i], mine, inputs[0]) if mine else []:
+                modules = {p: mine[p] for p in subset}
+                with _hessians(modules) as acc:
+                    _run(layers[i], inputs)
+                for p, m in modules.items():
+                    r = RoundedWeight.of(m.weight.detach(), acc[p][0], spec)
+                    out[names[m]] = r
+                    parametrize.register_parametrization(m, "weight", _Fixed(r.weight(m.weight.dtype, m.weight.device)))
+                    fixed.append(m)
+            if i < last:
+                inputs = _next_inputs(layers[i], inputs)
+    finally:
+        for m in fixed:
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+    return out

@@ -1,0 +1,97 @@
+"""GPTQ of a whole model, layer after layer: against a sequential calibration written here (each subset's inputs
+captured by running the whole model with every earlier linear's rounded weight assigned, the Hessian 2/n X^T X and
+the rounding by the float64 OBS form of tests/quant/test_gptq.py), and against GPT-QModel 7.6's own checkpoints."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.quant.gptq_model import gptq_model
+from outlierscope.quant.spec import QuantSpec
+from tests.quant.test_gptq import PACKED, _reference
+
+SUBSETS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+           ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]  # Llama's, in the order its forward reads them
+
+
+def _llama(dtype=torch.float64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=300, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())  # bf16 values, as checkpoints hold them
+    return model.to(dtype)
+
+
+def _sequential_reference(model, seqs, bits, group, order, layers):
+    """The rounded weight of every linear of ``layers`` (name -> float64 array), calibrated in true-sequential order."""
+    model = copy.deepcopy(model)
+    out = {}
+    for i in layers:
+        layer = model.model.layers[i]
+        for subset in SUBSETS:
+            xs = {p: [] for p in subset}
+            mods = {p: layer.get_submodule(p) for p in subset}
+            hooks = [m.register_forward_pre_hook(lambda m, a, p=p: xs[p].append(a[0][0])) for p, m in mods.items()]
+            with torch.no_grad():
+                for row in seqs:
+                    model(input_ids=row[None])
+            for h in hooks:
+                h.remove()
+            for p, m in mods.items():
+                x = torch.cat(xs[p]).numpy()  # (N*T, I)
+                h = 2 / len(seqs) * x.T @ x
+                q = _reference(m.weight.detach().numpy(), h, bits, "fint", group, 128, 0.01, order, False)
+                out[f"model.layers.{i}.{p}"] = q
+            with torch.no_grad():
+                for p, m in mods.items():
+                    m.weight.copy_(torch.from_numpy(out[f"model.layers.{i}.{p}"]))
+    return out
+
+
+@pytest.mark.parametrize("order, layers", [("none", None), ("gar", (1, 2))])
+def test_gptq_model_equals_a_sequential_calibration_in_float64(order, layers):
+    model = _llama()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    seqs = torch.randint(1, 300, (6, 40), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse("w=fint4/per_group:16; gptq" + (f":order={order}" if order != "none" else "")
+                           + (f"; layers:{','.join(map(str, layers))}" if layers else ""))
+    ours = gptq_model(model, seqs, spec, progress=False)
+    ref = _sequential_reference(model, seqs, 4, 16, order, layers or range(3))
+    assert set(ours) == set(ref) and len(ref) == 7 * len(layers or range(3))
+    for name, q in ref.items():
+        np.testing.assert_allclose(ours[name].weight(torch.float64).numpy(), q, rtol=0, atol=1e-12, err_msg=name)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the model as it was
+
+
+def test_whole_model_against_gpt_qmodel():
+    """GPT-QModel 7.6's w3g32 and w8g64 checkpoints of the packed float model (bfloat16 on its CPU, 16 seeded random
+    sequences): layer 0's q/k/v equal code for code; after them GPT-QModel's attention output differs from ours by
+    one bfloat16 ulp in places (its o_proj inputs, captured in its venv, with q/k/v weights equal to ours bit for
+    bit), and that difference propagates: every other code is equal or one step away, at least 90% of a linear's
+    equal (94.7% the fewest here, layer 1's down_proj at 3 bits)."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from outlierscope.models.packed import unpack_codes
+
+    model = AutoModelForCausalLM.from_pretrained(PACKED / "float").to(torch.bfloat16).eval()
+    g = torch.Generator().manual_seed(1)
+    seqs = torch.cat([torch.randint(1, 6144, (1, 64), generator=g) for _ in range(16)])
+    for variant, bits, group in (("gptq-w3g32-sym", 3, 32), ("gptq-w8g64-sym", 8, 64)):
+        ours = gptq_model(model, seqs, QuantSpec.parse(f"w=fint{bits}/per_group:{group}; gptq:damp=0.05,order=gar"),
+                          progress=False)
+        ck = safe_open(PACKED / variant / "model.safetensors", "pt")
+        assert len(ours) == 14
+        for name, r in ours.items():
+            theirs = unpack_codes(ck.get_tensor(name + ".qweight"), bits, 0).t() - 2 ** (bits - 1)  # (out, in)
+            diff = (r.codes.int() - theirs).abs()
+            if ".0.self_attn." in name and not name.endswith("o_proj"):
+                assert not diff.any(), name
+            assert diff.max() <= 1 and (diff == 0).float().mean() >= 0.9, (name, int((diff > 0).sum()))
