@@ -38,7 +38,7 @@ def _sequential_reference(model, seqs, bits, group, order, layers):
         for subset in SUBSETS:
             xs = {p: [] for p in subset}
             mods = {p: layer.get_submodule(p) for p in subset}
-            hooks = [m.register_forward_pre_hook(lambda m, a, p=p: xs[p].append(a[0][0])) for p, m in mods.items()]
+            hooks = [m.register_forward_pre_hook(lambda m, a, got=xs[p]: got.append(a[0][0])) for p, m in mods.items()]
             with torch.no_grad():
                 for row in seqs:
                     model(input_ids=row[None])
