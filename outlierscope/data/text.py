@@ -19,10 +19,18 @@ def hellaswag_documents(path=None) -> Iterator[str]:
         yield doc.query + " " + doc.choices[doc.label]
 
 
+LAMBADA_TAIL = "lambada-tail"  # GPTQ's default calibration text (outlierscope.quant.gptq_model)
+
+
 def text_documents(source: str) -> Iterator[str]:
-    """``hellaswag`` or a path to a .txt / .jsonl(.xz/.gz) file."""
+    """``hellaswag``, ``lambada-tail`` (LAMBADA's test passages from the last one back: text that neither a task nor
+    the perplexity default's first windows read) or a path to a .txt / .jsonl(.xz/.gz) file."""
     if source == "hellaswag":
         return hellaswag_documents()
+    if source == LAMBADA_TAIL:
+        from outlierscope.data.running_text import load_text
+
+        return iter(load_text("lambada").docs[::-1])
     from outlierscope.data.corpus import iter_documents
 
     return iter_documents([source])

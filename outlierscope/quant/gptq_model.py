@@ -25,12 +25,13 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from outlierscope.data.text import LAMBADA_TAIL
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.quant.gptq import GPTQConfig, gptq_quantize, hessian_update
 from outlierscope.quant.spec import QuantSpec
 
-DEFAULT_CALIB = "lambada-tail"  # LAMBADA's test passages from the last one back (module docstring of data.text)
+DEFAULT_CALIB = LAMBADA_TAIL  # LAMBADA's test passages from the last one back (outlierscope.data.text)
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class RoundedWeight:
                           cfg.damp, cfg.order, cfg.static)
         g_idx = r.g_idx if part.granularity == "per_group" else torch.zeros_like(r.g_idx)
         s = r.scale.gather(1, g_idx.expand(w.shape[0], -1))  # (O, I)
-        return cls(torch.round(r.weight / s).to(torch.int8).cpu(), r.scale.cpu(), g_idx.cpu())
+        return cls(torch.round(r.weight / s).to(torch.int8), r.scale, g_idx)  # on the weight's device
 
 
 class _Fixed(nn.Module):

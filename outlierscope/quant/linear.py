@@ -103,11 +103,12 @@ class Calibration:
     act_max: dict[str, torch.Tensor]
     groups: tuple[tuple[str, ...], ...]
     source: str
+    rounded: dict = field(default_factory=dict)  # gptq: linear name -> its RoundedWeight
 
 
 def needs_calibration(spec: QuantSpec) -> bool:
     a = spec.part("a")
-    return spec.smooth is not None or (a is not None and a.granularity == "static")
+    return spec.smooth is not None or (a is not None and a.granularity == "static") or spec.gptq is not None
 
 
 @contextlib.contextmanager
@@ -157,6 +158,8 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     from outlierscope.data.text import pack_sequences, text_documents
 
     sites = linear_sites(model, spec)
+    if spec.gptq is not None:
+        return _gptq_calibration(model, tokenizer, spec)
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):
         return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
@@ -170,6 +173,16 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
         for row in seqs:
             model(input_ids=row[None].to(dev), use_cache=False)
     return Calibration(act_max, input_groups(model, sites), source)
+
+
+def _gptq_calibration(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
+    """GPTQ's rounded weights of every quantized linear, calibrated layer after layer on ``spec.gptq.samples``
+    sequences of ``spec.calib`` (default: LAMBADA's last passages) (:func:`~outlierscope.quant.gptq_model.gptq_model`)."""
+    from outlierscope.quant.gptq_model import DEFAULT_CALIB, calibration_sequences, gptq_model
+
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    seqs = calibration_sequences(tokenizer, spec.calib, spec.gptq, ctx)  # (N, T)
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec))
 
 
 def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
@@ -230,6 +243,18 @@ def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """``x @ rot`` in float32 at least (float64 for float64 ``x``), back in ``x``'s dtype."""
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     return (x.to(work) @ rot.to(x.device, work)).to(x.dtype)
+
+
+class _Rounded(nn.Module):
+    """The parametrization ``W -> GPTQ's rounded weight`` (codes x scales, computed at each access)."""
+
+    def __init__(self, rounded):
+        super().__init__()
+        self.rounded = rounded  # a plain attribute: not in any state_dict
+
+    @torch.no_grad()
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return self.rounded.weight(w.dtype, w.device)
 
 
 class _WeightTransform(nn.Module):
@@ -313,10 +338,14 @@ def _measuring(site: LinearSite, padding: _Padding, error):
     return pre, post
 
 
-def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None) -> None:
+def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: list[LinearSite]) -> None:
     if needs_calibration(spec) and calibration is None:
-        raise OutlierscopeError(f"{spec.label}: smooth and static scales need a calibration; pass "
+        raise OutlierscopeError(f"{spec.label}: smooth, static scales and gptq need a calibration; pass "
                                 "calibration=calibrate(model, tokenizer, spec)")
+    missing = [s.name for s in sites if spec.gptq is not None and s.name not in calibration.rounded]
+    if missing:
+        raise OutlierscopeError(f"{spec.label}: the calibration has no GPTQ weight of {missing[0]}; calibrate with "
+                                "this spec (calibrate(model, tokenizer, spec))")
 
 
 @contextlib.contextmanager
@@ -331,7 +360,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
     if not sites:
         yield sites
         return
-    _check_linear_spec(spec, calibration)
+    _check_linear_spec(spec, calibration, sites)
     scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
     rots: dict[int, torch.Tensor] = {}
     padding, handles, parametrized = _Padding(), [], []
@@ -343,7 +372,10 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
             d = site.module.in_features
             rot = rots.setdefault(d, rotation(d, spec.rotate, torch.float64)) if spec.rotate is not None else None
             s = scales.get(site.name)
-            if spec.part("w") is not None or s is not None or rot is not None:
+            if spec.gptq is not None:
+                parametrize.register_parametrization(site.module, "weight", _Rounded(calibration.rounded[site.name]))
+                parametrized.append(site.module)
+            elif spec.part("w") is not None or s is not None or rot is not None:
                 parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, s, rot))
                 parametrized.append(site.module)
             static = None
@@ -407,6 +439,13 @@ def check_calibration(spec: QuantSpec, model: nn.Module) -> None:
     linear's shape, not all zero for any (every smoothing factor would silently be 1: plain W8A8 under the
     SmoothQuant label)."""
     if not needs_calibration(spec):
+        return
+    if spec.gptq is not None and spec.calib is None:
+        from outlierscope.data.running_text import lambada_path
+
+        if not lambada_path().exists():
+            raise OutlierscopeError("gptq calibrates on LAMBADA's last passages by default, not fetched yet; run "
+                                    "`outlierscope data fetch`, or give calib:FILE")
         return
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):

@@ -95,3 +95,43 @@ def test_whole_model_against_gpt_qmodel():
             if ".0.self_attn." in name and not name.endswith("o_proj"):
                 assert not diff.any(), name
             assert diff.max() <= 1 and (diff == 0).float().mean() >= 0.9, (name, int((diff > 0).sum()))
+
+
+def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, capsys):
+    """calibration_for + quantize_model give the model whose linears hold GPTQ's rounded weights (equal, logit for
+    logit, to the same model with those weights assigned); the perplexity command scores the spec from its text."""
+    import json
+
+    from outlierscope.cli import main
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.apply import quantize_model
+    from outlierscope.quant.gptq_model import calibration_sequences
+    from outlierscope.quant.linear import calibration_for
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))
+    spec = QuantSpec.parse(f"w=fint4/per_group:32; a=int8/per_token; gptq:samples=3,seqlen=48; calib:{text}")
+    lm = load_model("pair-tiny:transformer")
+    cal = calibration_for(lm.model, lm.tokenizer, spec)
+    seqs = calibration_sequences(lm.tokenizer, str(text), spec.gptq, None)
+    assert seqs.shape == (3, 48)
+    rounded = gptq_model(lm.model, seqs, spec, progress=False)
+    assigned = copy.deepcopy(lm.model)
+    with torch.no_grad():
+        for name, r in rounded.items():
+            assigned.get_submodule(name).weight.copy_(r.weight(torch.float32))
+    ids = torch.randint(1, 500, (2, 30), generator=torch.Generator().manual_seed(0))
+    a_only = QuantSpec.parse("a=int8/per_token")
+    with torch.no_grad(), quantize_model(lm.model, spec, calibration=cal):
+        got = lm.model(input_ids=ids).logits
+    with torch.no_grad(), quantize_model(assigned, a_only):
+        want = assigned(input_ids=ids).logits
+    assert torch.equal(got, want)
+    out = tmp_path / "p"
+    assert main(["perplexity", "--model", "pair-tiny:transformer", "--text", str(text), "--length", "32",
+                 "--quant", str(spec), "--out", str(out)]) == 0
+    import pandas as pd
+
+    assert str(spec) in json.loads((out / "perplexity.json").read_text())["cells"]
+    row = pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]
+    assert row["kld_mean"] > 0
