@@ -12,6 +12,7 @@ in one line naming why)::
     ct-mxfp4, ct-mxfp8_e4m3   -> compressed-tensors' MXFP4 / MXFP8 arguments (its own MX scale rounding)
     nvfp4                     -> compressed-tensors' NVFP4 arguments
     smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
+    gptq:static[,order=desc]  -> GPTQModifier(block_size, dampening_frac, actorder None | weight) in its place
     k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
 
 Only the grid that was measured is written: ``intB`` (the restricted grid, absmax / (2^(B-1) - 1)) and ``asymB`` (a
@@ -38,6 +39,7 @@ from outlierscope.hooks.points import decoder_layers
 from outlierscope.quant.spec import TARGETS, QuantSpec, TensorQuant
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
+GPTQ_ACTORDER = {"none": None, "desc": "weight"}  # gptq:order -> GPTQModifier's actorder (with static group scales)
 BLOCK_ARGS = {  # our block formats -> compressed-tensors' arguments (its MXFP4 / MXFP8 / NVFP4 presets)
     "ct-mxfp4": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
     "ct-mxfp8_e4m3": {"num_bits": 8, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
@@ -131,6 +133,10 @@ def check_exportable(spec: QuantSpec) -> None:
     for p in (spec.part("w"), spec.part("a")):
         if p is not None:
             tensor_args(p)
+    if spec.gptq is not None and (not spec.gptq.static or spec.gptq.order not in GPTQ_ACTORDER):
+        raise OutlierscopeError(f"{spec}: llm-compressor's GPTQModifier takes its group scales before any update and "
+                                "orders columns as they are or by decreasing Hessian diagonal; export "
+                                "gptq:static (order=none or order=desc)")
 
 
 def linear_scheme(spec: QuantSpec) -> dict | None:
@@ -158,7 +164,10 @@ def ignore_list(model: nn.Module, quantized: set[str]) -> list[str]:
 def differences(spec: QuantSpec) -> list[str]:
     """How the emulation of ``spec`` and the real scheme built from the export differ."""
     notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
-             "GPTQModifier or AWQModifier in its place would correct the rounding error"]
+             "GPTQModifier or AWQModifier in its place would correct the rounding error"] if spec.gptq is None else [
+        f"weights: GPTQ as llm-compressor's GPTQModifier computes it (static group scales, block {spec.gptq.block}, "
+        f"damping {spec.gptq.damp}), calibrated here on {spec.gptq.samples} x {spec.gptq.seqlen} tokens of "
+        f"{spec.calib or 'lambada-tail'}; oneshot calibrates on the dataset given to it"]
     a = spec.part("a")
     if a is not None and a.granularity == "per_tensor":
         notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "
@@ -207,7 +216,12 @@ def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
         quant["config_groups"] = {"group_0": scheme}
     if kv:
         quant["kv_cache_scheme"] = kv
-    modifiers["QuantizationModifier"] = quant
+    if spec.gptq is not None:  # GPTQModifier in QuantizationModifier's place (gptq:static, checked on export)
+        quant.update(block_size=spec.gptq.block, dampening_frac=spec.gptq.damp,
+                     actorder=GPTQ_ACTORDER[spec.gptq.order])
+        modifiers["GPTQModifier"] = quant
+    else:
+        modifiers["QuantizationModifier"] = quant
     return {"default_stage": {"default_modifiers": modifiers}}
 
 

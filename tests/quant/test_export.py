@@ -156,3 +156,24 @@ def test_differences_name_how_nvfp4_weights_are_decoded(text, said):
     wherever the weights are NVFP4, and only there."""
     notes = qexport.differences(QuantSpec.parse(text))
     assert any(n.startswith("nvfp4 weights:") for n in notes) is said, notes
+
+
+def test_a_gptq_spec_exports_as_llm_compressors_gptq_modifier():
+    """gptq:static (order none / desc) becomes GPTQModifier in QuantizationModifier's place, with llm-compressor
+    0.14's field names (block_size, dampening_frac, actorder None / "weight": checked by constructing GPTQModifier
+    in its venv when this was written); dynamic groups or GAR, which its GPTQ does not compute, are refused."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.quant.export import check_exportable, recipe
+    from outlierscope.quant.spec import QuantSpec
+
+    for text, actorder in (("gptq:static", None), ("gptq:damp=0.05,order=desc,block=64,static", "weight")):
+        spec = QuantSpec.parse(f"w=fint4/per_group:64; {text}")
+        check_exportable(spec)
+        mods = recipe(spec, ["lm_head"])["default_stage"]["default_modifiers"]
+        assert set(mods) == {"GPTQModifier"}
+        g = mods["GPTQModifier"]
+        assert g["actorder"] == actorder and g["block_size"] == spec.gptq.block and g["dampening_frac"] == spec.gptq.damp
+        assert g["config_groups"]["group_0"]["weights"]["group_size"] == 64 and g["ignore"] == ["lm_head"]
+    for text in ("gptq", "gptq:order=gar,static", "gptq:order=desc"):
+        with pytest.raises(OutlierscopeError, match="export gptq:static"):
+            check_exportable(QuantSpec.parse(f"w=fint4/per_group:64; {text}"))
