@@ -46,7 +46,8 @@ from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
-from outlierscope.settings import option
+from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option
+from outlierscope.settings import check_defaults, option
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,13 @@ class SweepSettings:
                               "validation set)")
     text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss (nats/token) per setting")
     text_tokens: int = option(65_536, "tokens of --text to use")
+    kld_text: str | None = option(None, "also score every cell on this running text as `perplexity --text` does "
+                                  "(lambada, a file, a dataset ORG/NAME:CONFIG:SPLIT): mean KL divergence to the "
+                                  "unquantized model, PPL and the NLL change with intervals over windows, per model "
+                                  "in text/ and together in text.csv")
+    kld_protocol: str = protocol_option()
+    kld_length: int | None = length_option()
+    kld_max_windows: int | None = max_windows_option()
     batch_size: int = option(DEFAULT_BATCH, "(context, ending) sequences per forward; quantized scores depend on it by float32 "
                              "rounding (part of a quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
     dtype: str = dtype_option()
@@ -123,9 +131,12 @@ class SweepSettings:
             raise ParamError("text_tokens", ">= 1", self.text_tokens)
         if not self.bits:
             raise ParamError("bits", "at least one bit width", ())
+        self._check_kld()
         for b in self.bits:  # validate every spec up front: nothing runs with a bad one
             self.spec(b)
         object.__setattr__(self, "quant", tuple(self.quant))
+        if self.kld_text is not None:
+            self.kld_settings(self.models[0])  # protocol, length, windows and the specs as perplexity checks them
         parsed = {q: QuantSpec.parse(q) for q in self.quant}
         texts = [str(sp) for sp in parsed.values()]
         own = [q for q, sp in parsed.items() if sp.layers is not None]
@@ -146,6 +157,24 @@ class SweepSettings:
         dup = sorted({t for t in texts if texts.count(t) > 1})
         if dup:
             raise ParamError("quant", "distinct specs", list(self.quant), f"{dup[0]} is given twice")
+
+    def _check_kld(self) -> None:
+        """The text settings only with ``kld_text``, checked as perplexity checks them; one device per model."""
+        if self.kld_text is None:
+            check_defaults(self, ("kld_protocol", "kld_length", "kld_max_windows"), "without kld_text")
+            return
+        if self.device_map is not None:
+            raise ParamError("device_map", "None with kld_text (the text cells run the model on one device)",
+                             self.device_map)
+
+    def kld_settings(self, model: str):
+        """The perplexity run of ``model`` on ``kld_text``: every spec of this sweep (its text), the same placement."""
+        from outlierscope.runs.perplexity import PerplexitySettings
+
+        return PerplexitySettings(model=model, quant=tuple(str(sp) for sp in self.specs() if not sp.is_identity),
+                                  text=self.kld_text, protocol=self.kld_protocol, length=self.kld_length,
+                                  max_windows=self.kld_max_windows, dtype=self.dtype, device=self.device,
+                                  attn_block=self.attn_block, trust_remote_code=self.trust_remote_code)
 
     def spec(self, bits: int) -> QuantSpec:
         return build_spec(bits, self.format, self.granularity, self.layers)
@@ -452,6 +481,9 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
 
     shard, world = shard or Shard(), world or World()
     out = Path(out)
+    if s.kld_text is not None and not shard.whole:
+        raise OutlierscopeError("kld_text with a --shard of a sweep is not built; run the sweep's text cells whole, or "
+                                "`outlierscope perplexity --shard` on each model")
     git_commit()  # the checkout as the run found it (read once per process): before any table is written
     error = None
     if world.is_main:
@@ -481,6 +513,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
                     res, cid = _load_or_run_cell(lm, items[t], spec, s, text_seqs, settings, cells_dir, progress, log,
                                                  shard, world)
                     cells.append((spec_str, t, spec, cid, res))
+        del lm  # the text cells load each model again: one copy at a time
+    extra = {"text_metrics": _text_metrics(s, out, log, world)} if s.kld_text is not None else {}
     if not world.is_main:
         return None
     if not shard.whole:
@@ -491,7 +525,31 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
-    return _tabulate(s, cells, tasks, out, model_sources=sources, processes=world.size)
+    return _tabulate(s, cells, tasks, out, model_sources=sources, processes=world.size, **extra)
+
+
+def _text_dir(model: str) -> str:
+    """A model's directory under ``text/``: its spec with every character but letters, digits, ``-``, ``.`` as ``_``."""
+    import re
+
+    return "text/" + re.sub(r"[^A-Za-z0-9.-]", "_", model)
+
+
+def _text_metrics(s: SweepSettings, out: Path, log, world: World) -> dict:
+    """Each model's perplexity run of every cell on ``kld_text`` (:meth:`SweepSettings.kld_settings`, resumable) in
+    ``out/text/<model>``, and ``text.csv``: their tables with a model column. Returns model -> its directory."""
+    from outlierscope.runs.perplexity import perplexity
+
+    tables, dirs = [], {}
+    for m in s.models:
+        dirs[m] = _text_dir(m)
+        table = perplexity(s.kld_settings(m), out / dirs[m], log=log, world=world)
+        if table is not None:
+            tables.append(table.assign(model=m))
+    if world.is_main:
+        t = pd.concat(tables, ignore_index=True)
+        write_csv(out / "text.csv", t[["model"] + [c for c in t.columns if c != "model"]])
+    return dirs
 
 
 def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:

@@ -154,6 +154,34 @@ def test_text_loss(tiny_pair, hs_jsonl, tmp_path, tiny_corpus):
     assert loss[16] == pytest.approx(ref, rel=1e-5)
 
 
+def test_kld_text_adds_every_cells_text_metrics(tiny_pair, hs_jsonl, tmp_path, tiny_corpus, capsys):
+    """--kld-text: every cell of both models scored on running text as `perplexity` scores it (the same command's
+    per-token cells, each model in text/): text.csv's rows are the two standalone perplexity runs' rows (their own
+    reference tests: tests/eval/test_perplexity.py), with a model column; the item tables are unchanged."""
+    text = str(tiny_corpus / "val.jsonl")
+    models = [str(tiny_pair["transformer"]), str(tiny_pair["diff"])]
+    common = ["--data", str(hs_jsonl), "--limit", "3", "--bits", "16", "4", "--quant", "k=int4/per_token"]
+    argv = ["sweep", *[x for m in models for x in ("--model", m)], *common, "--kld-text", text, "--kld-length", "48",
+            "--kld-max-windows", "5", "--out", str(tmp_path / "s")]
+    assert main(argv) == 0
+    got = pd.read_csv(tmp_path / "s" / "text.csv")
+    assert list(got["model"]) == [m for m in models for _ in range(3)]
+    for m in models:
+        assert main(["perplexity", "--model", m, "--text", text, "--length", "48", "--max-windows", "5",
+                     "--quant", "logits=int4/per_tensor", "--quant", "k=int4/per_token", "--out", str(tmp_path / "p")]) == 0
+        want = pd.read_csv(tmp_path / "p" / "perplexity.csv")
+        mine = got[got.model == m].reset_index(drop=True)
+        for col in ("ppl", "kld_mean", "delta_nll", "same_top"):
+            np.testing.assert_array_equal(mine[col].to_numpy(), want[col].to_numpy(), err_msg=col)
+        (tmp_path / "p" / "perplexity.json").unlink()
+    plain = tmp_path / "plain"
+    assert main(["sweep", *[x for m in models for x in ("--model", m)], *common, "--out", str(plain)]) == 0
+    assert (plain / "sweep.csv").read_bytes() == (tmp_path / "s" / "sweep.csv").read_bytes()
+    capsys.readouterr()
+    assert main(["sweep", "--model", models[0], *common, "--kld-length", "48", "--out", str(tmp_path / "x")]) == 2
+    assert "--kld-length must be its default None without kld_text" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("argv,msg", [
     (["--model", "pair-tny:diff"], "did you mean pair-tiny:diff"),
     (["--bits", "17"], "--bits must be in 2..16"),
