@@ -89,8 +89,9 @@ class GPTQConfig:
 
 @dataclass(frozen=True)
 class GPTQResult:
-    """``weight`` (O, I) on the grid (dequantized; float32, float64 for a float64 weight), ``scale`` (O, groups) in group order (per-channel: one
-    column), ``g_idx`` (I,) each input column's group, ``perm`` the act-order column order (None without)."""
+    """``weight`` (O, I) on the grid (dequantized; float32, float64 for a float64 weight), ``scale`` (O, groups) in
+    group order (per-channel: one column), ``g_idx`` (I,) each input column's group, ``perm`` the processing order
+    of the columns (None: as they are)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -101,11 +102,13 @@ class GPTQResult:
 def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
     """GPTQ's running Hessian after one batch ``x`` (B, T, I) of a layer's inputs (B sequences): ``h`` (I, I) float32
     (None: the first batch) rescaled to the new count and ``2/n x^T x`` added, as GPT-QModel and llm-compressor keep
-    it (their ``add_batch`` / ``accumulate_hessian``, up to float32 rounding). Returns a new tensor and the count."""
+    it (their ``add_batch`` / ``accumulate_hessian``, up to float32 rounding; float64 for float64 inputs). Returns a
+    new tensor and the count."""
     B, n_in = x.shape[0], x.shape[-1]
-    h = torch.zeros(n_in, n_in, dtype=torch.float32, device=x.device) if h is None else h * (n / (n + B))
+    dt = torch.float64 if x.dtype == torch.float64 else torch.float32  # float32 as the references; float64 for tests
+    h = torch.zeros(n_in, n_in, dtype=dt, device=x.device) if h is None else h * (n / (n + B))
     n += B
-    inp = (2 / n) ** 0.5 * x.reshape(-1, n_in).t().float()  # (I, B*T)
+    inp = (2 / n) ** 0.5 * x.reshape(-1, n_in).t().to(dt)  # (I, B*T)
     return h + inp.matmul(inp.t()), n
 
 

@@ -116,15 +116,17 @@ def test_gptq_lowers_the_layer_output_error_against_rtn():
 
 
 def test_hessian_streams_as_the_batches_come():
-    """hessian_update over batches of sequences equals 2/n X^T X over all of them (float64 here, in float32 the
-    references' running rescale)."""
+    """hessian_update over batches of sequences equals 2/n X^T X over all of them (float64 inputs: float64; float32
+    inputs: float32, the references' running rescale)."""
     g = torch.Generator().manual_seed(0)
     xs = [torch.randn(b, 7, 12, generator=g, dtype=torch.float64) for b in (3, 1, 4)]
     h, n = None, 0
     for x in xs:
         h, n = hessian_update(h, n, x)
     X = torch.cat([x.reshape(-1, 12) for x in xs])
-    torch.testing.assert_close(h.double(), 2 / 8 * X.T @ X, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(h, 2 / 8 * X.T @ X, rtol=1e-12, atol=1e-12)
+    h32, _ = hessian_update(None, 0, xs[0].float())
+    assert h32.dtype == torch.float32
     assert n == 8
 
 
