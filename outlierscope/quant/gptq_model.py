@@ -164,17 +164,15 @@ def _hessians(modules: dict[str, nn.Linear]) -> Iterator[dict[str, list]]:
 
 
 @torch.no_grad()
-def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, progress: bool = True) -> dict[str, RoundedWeight]:
-    """GPTQ of every linear ``spec`` quantizes (:func:`~outlierscope.quant.linear.linear_sites`), calibrated layer
+def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list,
+               progress: bool = True) -> dict[str, RoundedWeight]:
+    """GPTQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
     after layer on ``seqs`` (N, T) token ids (module docstring). Returns full module name -> :class:`RoundedWeight`;
     the model is as it was."""
     from tqdm.auto import tqdm
 
-    from outlierscope.quant.linear import linear_sites
-
     if spec.gptq is None:
         raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
-    sites = linear_sites(model, spec)
     by_layer: dict[int, dict[str, nn.Linear]] = {}
     names = {}
     for s in sites:

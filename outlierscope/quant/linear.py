@@ -182,7 +182,7 @@ def _gptq_calibration(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibrati
 
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     seqs = calibration_sequences(tokenizer, spec.calib, spec.gptq, ctx)  # (N, T)
-    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec))
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec, linear_sites(model, spec)))
 
 
 def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:

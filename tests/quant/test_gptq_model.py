@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from outlierscope.quant.gptq_model import gptq_model
+from outlierscope.quant.linear import linear_sites
 from outlierscope.quant.spec import QuantSpec
 from tests.quant.test_gptq import PACKED, _reference
 
@@ -62,7 +63,7 @@ def test_gptq_model_equals_a_sequential_calibration_in_float64(order, layers):
     seqs = torch.randint(1, 300, (6, 40), generator=torch.Generator().manual_seed(3))
     spec = QuantSpec.parse("w=fint4/per_group:16; gptq" + (f":order={order}" if order != "none" else "")
                            + (f"; layers:{','.join(map(str, layers))}" if layers else ""))
-    ours = gptq_model(model, seqs, spec, progress=False)
+    ours = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
     ref = _sequential_reference(model, seqs, 4, 16, order, layers or range(3))
     assert set(ours) == set(ref) and len(ref) == 7 * len(layers or range(3))
     for name, q in ref.items():
@@ -85,8 +86,8 @@ def test_whole_model_against_gpt_qmodel():
     g = torch.Generator().manual_seed(1)
     seqs = torch.cat([torch.randint(1, 6144, (1, 64), generator=g) for _ in range(16)])
     for variant, bits, group in (("gptq-w3g32-sym", 3, 32), ("gptq-w8g64-sym", 8, 64)):
-        ours = gptq_model(model, seqs, QuantSpec.parse(f"w=fint{bits}/per_group:{group}; gptq:damp=0.05,order=gar"),
-                          progress=False)
+        spec = QuantSpec.parse(f"w=fint{bits}/per_group:{group}; gptq:damp=0.05,order=gar")
+        ours = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
         ck = safe_open(PACKED / variant / "model.safetensors", "pt")
         assert len(ours) == 14
         for name, r in ours.items():
@@ -115,7 +116,7 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
     cal = calibration_for(lm.model, lm.tokenizer, spec)
     seqs = calibration_sequences(lm.tokenizer, str(text), spec.gptq, None)
     assert seqs.shape == (3, 48)
-    rounded = gptq_model(lm.model, seqs, spec, progress=False)
+    rounded = gptq_model(lm.model, seqs, spec, linear_sites(lm.model, spec), progress=False)
     assigned = copy.deepcopy(lm.model)
     with torch.no_grad():
         for name, r in rounded.items():
