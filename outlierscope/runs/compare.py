@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.paired import mcnemar_exact, mean_change
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import ParamError
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
 from outlierscope.models.checks import _read_config_json
@@ -38,6 +38,7 @@ from outlierscope.models.loading import (
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
 from outlierscope.quant.spec import QuantSpec
+from outlierscope.runs.cells import refuse_other_settings
 from outlierscope.runs.perplexity import (
     TEXT_FIELDS,
     check_text_fields,
@@ -235,14 +236,12 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
 
 def _check_previous_text(out: Path, s: CompareSettings, force: bool) -> None:
     """An earlier comparison in ``out`` with other settings is replaced only with ``force`` (its cells are kept: a
-    cell's file name is its identity)."""
+    cell's file name is its identity); every setting must be in its record (no defaults: the text comparison is
+    younger than every setting it has)."""
     import json
 
-    prev = out / "compare.json"
-    now = json.loads(json.dumps(dataclasses.asdict(s)))  # as the record holds it (tuples as lists)
-    if prev.exists() and not force and json.loads(prev.read_text()).get("settings") != now:
-        raise OutlierscopeError(f"{out} holds a comparison with other settings; choose another output directory or "
-                                "replace it (force=True, --force)")
+    refuse_other_settings(out / "compare.json", json.loads(json.dumps(dataclasses.asdict(s))), {}, "a comparison",
+                          force)
 
 
 def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, log,

@@ -68,7 +68,7 @@ from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, revised
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, refuse_other_settings, revised
 from outlierscope.runs.perplexity import (
     TEXT_FIELDS,
     check_text_fields,
@@ -421,18 +421,8 @@ def check_previous(out: Path, s: SensitivitySettings, force: bool, shard: Shard 
     import json
 
     prev = out / ("sensitivity.json" if shard is None or shard.whole else f"sensitivity.{shard.tag}.json")
-    if force or not prev.exists():
-        return
-    try:
-        old = json.loads(prev.read_text()).get("settings", {})
-    except (ValueError, UnicodeDecodeError, AttributeError):
-        old = {}
     defaults, now = (json.loads(json.dumps(asdict(x))) for x in (SensitivitySettings(model=s.model), s))
-    diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
-    if diff:
-        raise OutlierscopeError(f"{out} holds a sensitivity run with other settings ({', '.join(diff)} differ); choose "
-                                "another output directory, or pass force=True (--force) to replace its tables (cells "
-                                "with matching settings are reused)")
+    refuse_other_settings(prev, now, defaults, "a sensitivity run", force)
 
 
 def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> _Run:

@@ -45,7 +45,7 @@ from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, W
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
-from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, revised
+from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, refuse_other_settings, revised
 from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option
 from outlierscope.settings import check_defaults, option
 
@@ -350,20 +350,8 @@ def check_previous(out: Path, settings: dict, force: bool, shard: Shard | None =
     """Refuse to replace the sweep.csv (or shard record) of a sweep with other settings unless ``force``. A
     setting that an older sweep.json lacks counts as equal when it has its default value now."""
     prev = out / ("sweep.json" if shard is None or shard.whole else f"sweep.{shard.tag}.json")
-    if force or not prev.exists():
-        return
-    try:
-        old = _current_keys(json.loads(prev.read_text()).get("settings", {}))
-    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
-        old = {}
-    defaults = json.loads(json.dumps(asdict(SweepSettings())))
-    now = json.loads(json.dumps(settings))
-    diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
-    if diff:
-        raise OutlierscopeError(
-            f"{out} holds a sweep with other settings ({', '.join(diff)} differ); choose another output directory, "
-            "or pass force=True (--force) to replace its tables (cells with matching settings are reused)"
-        )
+    refuse_other_settings(prev, json.loads(json.dumps(settings)), json.loads(json.dumps(asdict(SweepSettings()))),
+                          "a sweep", force, _current_keys)
 
 
 def task_record(task: str, items: list) -> dict:
