@@ -159,7 +159,7 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
 
     sites = linear_sites(model, spec)
     if spec.gptq is not None:
-        return _gptq_calibration(model, tokenizer, spec)
+        return _gptq_calibration(model, tokenizer, spec, sites)
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):
         return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
@@ -175,14 +175,14 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     return Calibration(act_max, input_groups(model, sites), source)
 
 
-def _gptq_calibration(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
-    """GPTQ's rounded weights of every quantized linear, calibrated layer after layer on ``spec.gptq.samples``
+def _gptq_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite]) -> Calibration:
+    """GPTQ's rounded weights of the quantized linears ``sites``, calibrated layer after layer on ``spec.gptq.samples``
     sequences of ``spec.calib`` (default: LAMBADA's last passages) (:func:`~outlierscope.quant.gptq_model.gptq_model`)."""
     from outlierscope.quant.gptq_model import DEFAULT_CALIB, calibration_sequences, gptq_model
 
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     seqs = calibration_sequences(tokenizer, spec.calib, spec.gptq, ctx)  # (N, T)
-    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec, linear_sites(model, spec)))
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec, sites))
 
 
 def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:

@@ -210,11 +210,13 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
     if (config := preview_config(s.model)) is not None:  # a GGUF float model: its metadata before its conversion
         check_specs(s.model, emu_s.specs(), config)
-    check_source(s, real_meta, meta_model(check_model(s.model, s.trust_remote_code)[1], s.trust_remote_code))
+    float_checked = check_model(s.model, s.trust_remote_code)
+    check_source(s, real_meta, meta_model(float_checked[1], s.trust_remote_code))
     out = Path(out)
     check_models(emu_s)
     if s.metric == "text":
-        return _compare_text(s, out, specs, qconfig, log, force)
+        checked = {s.real: (real_source, real_config), s.model: float_checked}
+        return _compare_text(s, out, specs, qconfig, checked, log, force)
     for sub, settings in (("real", real_s), ("emulated", emu_s)):
         check_previous(out / sub, dataclasses.asdict(settings), force)
     with output_dir(out):
@@ -244,23 +246,23 @@ def _check_previous_text(out: Path, s: CompareSettings, force: bool) -> None:
                           force)
 
 
-def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, log,
+def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, checked: dict, log,
                   force: bool) -> pd.DataFrame:
     """metric text: the text pairs (:func:`~outlierscope.runs.compare_text.compare_on_text`), the table, the
     figures and the record."""
-    from outlierscope.runs.compare_text import compare_on_text, per_token_kld
+    from outlierscope.runs.compare_text import compare_on_text
     from outlierscope.runs.perplexity import perplexity_markdown, write_figures
 
     _check_previous_text(out, s, force)
     with output_dir(out), output_dir(out / "cells"):
         log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}; on running text")
-        table, text = compare_on_text(s, out, specs, log)
+        table, text, kld = compare_on_text(s, out, specs, checked, log)
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
                   "quantization_config": qconfig, **text, "differences": _differences(specs, qconfig),
                   "cells": dict(zip(table["label"], table["cell"])),
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_csv(out / "compare.csv", table)
-        write_figures(out / "figures", table, per_token_kld(out, table), "a (the first of each pair)")
+        write_figures(out / "figures", table, kld, "a (the first of each pair)")
         md = perplexity_markdown(table, "b against a")
         write_text(out / "compare.md", f"# Emulated vs real on running text: {s.real} against {s.model}\n\n"
                    f"{record['scored_tokens']:,} tokens of {s.text} ({s.protocol}); KL(a || b) at every token; "

@@ -26,14 +26,17 @@ from outlierscope.runs.cells import cell_id
 UNQUANTIZED = QuantSpec()
 
 
-def text_windows(s, log=print) -> dict:
+def text_windows(s, checked: dict | None = None, log=print) -> dict:
     """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's tokenizer
-    must give the same windows (else its tokens and the float model's are not the same events)."""
+    must give the same windows (else its tokens and the float model's are not the same events). ``checked``:
+    model -> its :func:`~outlierscope.models.loading.check_model` result, where the caller has it."""
     from outlierscope.models.checks import tokenizer_record
     from outlierscope.models.loading import check_model
     from outlierscope.runs.perplexity import prepare_windows, windows_said
 
-    (fsource, fconfig), (rsource, rconfig) = (check_model(m, s.trust_remote_code) for m in (s.model, s.real))
+    checked = checked or {}
+    (fsource, fconfig), (rsource, rconfig) = (checked.get(m) or check_model(m, s.trust_remote_code)
+                                              for m in (s.model, s.real))
     text, tokenizer, length, windows = prepare_windows(s, fsource, fconfig)
     if prepare_windows(s, rsource, rconfig)[3] != windows:
         raise ParamError("model", f"a float model whose tokenizer cuts the text as {s.real}'s does", s.model,
@@ -56,15 +59,17 @@ def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict
     return out
 
 
-def compare_on_text(s, out: Path, specs: list[str], log=print) -> tuple[pd.DataFrame, dict]:
+def compare_on_text(s, out: Path, specs: list[str], checked: dict | None = None,
+                    log=print) -> tuple[pd.DataFrame, dict, dict]:
     """The text pairs of ``s`` (:class:`~outlierscope.runs.compare.CompareSettings` with metric text) into
-    ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it. Returns
-    the table and what the record says of the text and the models."""
+    ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it
+    (``checked``: :func:`text_windows`'). Returns the table, what the record says of the text and the models, and
+    each row's per-token KL divergence (label -> values, for the figure)."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World
     from outlierscope.runs.perplexity import CellRun, text_ident, token_cells
 
-    t = text_windows(s, log)
+    t = text_windows(s, checked, log)
     windows, bs, device = t["windows"], s.text_batch_size, World().device(s.device)
     flt, real = (load_model(m, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
                  for m in (s.model, s.real))
@@ -89,7 +94,8 @@ def compare_on_text(s, out: Path, specs: list[str], log=print) -> tuple[pd.DataF
               "windows": len(windows), "scored_tokens": int(sum(len(w.targets) for w in windows)),
               "model_sources": {s.model: flt.provenance(f_ident["weights_sha256"]),
                                 s.real: real.provenance(r_ident["weights_sha256"])}}
-    return _table(rows, s.seed), record
+    table = _table(rows, s.seed)
+    return table, record, dict(zip(table["label"], (tokens.kld for *_, tokens in rows)))
 
 
 def _table(rows: list[tuple[str, str, dict, TokenScores]], seed: int) -> pd.DataFrame:
@@ -105,7 +111,3 @@ def _table(rows: list[tuple[str, str, dict, TokenScores]], seed: int) -> pd.Data
                     "cell": cell_id(st)})
     return pd.DataFrame(out)
 
-
-def per_token_kld(out: Path, table: pd.DataFrame) -> dict:
-    """label -> the per-token KL divergence of each row's cell (read back from ``out/cells``), for the figure."""
-    return {r.label: TokenScores.load(out / "cells" / f"{r.cell}.npz").kld for r in table.itertuples()}
