@@ -135,10 +135,12 @@ def _subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple
         for h in handles:
             h.remove()
     out: list[list[str]] = []
+    placed: set[str] = set()
     for i, (p, x) in enumerate(calls):
-        if p in (q for s in out for q in s):
+        if p in placed:  # a linear called again in the same forward: its first call placed it
             continue
-        if i and x == calls[i - 1][1] and out:
+        placed.add(p)
+        if out and x == calls[i - 1][1]:
             out[-1].append(p)
         else:
             out.append([p])
