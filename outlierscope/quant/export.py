@@ -137,6 +137,10 @@ def check_exportable(spec: QuantSpec) -> None:
         raise OutlierscopeError(f"{spec}: llm-compressor's GPTQModifier takes its group scales before any update and "
                                 "orders columns as they are or by decreasing Hessian diagonal; export "
                                 "gptq:static (order=none or order=desc)")
+    if spec.awq is not None:
+        raise OutlierscopeError(f"{spec}: awq is AutoAWQ's search (ratios i/20, with clipping); llm-compressor's "
+                                "AWQModifier searches other ratios without clipping, so its recipe would not give these "
+                                "weights; export without awq (RTN) or with gptq:static")
 
 
 def linear_scheme(spec: QuantSpec) -> dict | None:

@@ -25,13 +25,21 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from outlierscope.data.text import LAMBADA_TAIL
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.quant.gptq import GPTQConfig, gptq_quantize, hessian_update
+from outlierscope.quant.gptq import gptq_quantize, hessian_update
+from outlierscope.quant.sequential import (
+    DEFAULT_CALIB,
+    Fixed,
+    calibration_sequences,
+    input_subsets,
+    layer_inputs,
+    next_inputs,
+    run_layer,
+)
 from outlierscope.quant.spec import QuantSpec
 
-DEFAULT_CALIB = LAMBADA_TAIL  # LAMBADA's test passages from the last one back (outlierscope.data.text)
+__all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_model"]
 
 
 @dataclass(frozen=True)
@@ -57,94 +65,6 @@ class RoundedWeight:
         g_idx = r.g_idx if part.granularity == "per_group" else torch.zeros_like(r.g_idx)
         s = r.scale.gather(1, g_idx.expand(w.shape[0], -1))  # (O, I)
         return cls(torch.round(r.weight / s).to(torch.int8), r.scale, g_idx)  # on the weight's device
-
-
-class _Fixed(nn.Module):
-    """The parametrization ``W -> a given tensor``: a rounded weight in place while the pass goes on."""
-
-    def __init__(self, w: torch.Tensor):
-        super().__init__()
-        self.w = w
-
-    def forward(self, _):
-        return self.w
-
-
-class _Stop(Exception):
-    """Raised by the pre-hook that records layer 0's inputs: nothing above it runs."""
-
-
-def calibration_sequences(tokenizer, source: str | None, cfg: GPTQConfig, ctx: int | None) -> torch.Tensor:
-    """``cfg.samples`` sequences of ``cfg.seqlen`` tokens (at most the model's ``ctx``) of ``source`` (default
-    :data:`DEFAULT_CALIB`), packed with EOS between documents: (N, T) int64."""
-    from outlierscope.data.text import pack_sequences, text_documents
-
-    seqlen = min(cfg.seqlen, ctx) if ctx else cfg.seqlen
-    return pack_sequences(tokenizer, text_documents(source or DEFAULT_CALIB), seqlen, cfg.samples * seqlen)
-
-
-def _layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict]]:
-    """Every sequence's (args, kwargs) of decoder layer 0, the forward stopped there."""
-    layer0, got = decoder_layers(model)[0], []
-
-    def pre(mod, args, kwargs):
-        got.append((args, kwargs))
-        raise _Stop
-
-    handle = layer0.register_forward_pre_hook(pre, with_kwargs=True)
-    dev = next(model.parameters()).device
-    try:
-        for row in seqs:
-            try:
-                model(input_ids=row[None].to(dev), attention_mask=torch.ones_like(row[None]).to(dev), use_cache=False)
-            except _Stop:
-                pass
-    finally:
-        handle.remove()
-    return got
-
-
-def _run(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
-    """The layer's hidden-state output for each input."""
-    outs = []
-    for args, kwargs in inputs:
-        out = layer(*args, **kwargs)
-        outs.append(out[0] if isinstance(out, tuple) else out)
-    return outs
-
-
-def _next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    """The next layer's inputs: this layer's outputs in the hidden states' place (positional or ``hidden_states``),
-    the rest (positions, mask) as they were."""
-    out = []
-    for h, (args, kwargs) in zip(_run(layer, inputs), inputs):
-        out.append(((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h}))
-    return out
-
-
-def _subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[list[str]]:
-    """The layer's linears (path -> module) in the order its forward calls them, those reading one input tensor
-    together (q/k/v, gate/up), found by one forward of ``first``."""
-    calls: list[tuple[str, int]] = []
-    seen: list[torch.Tensor] = []  # the inputs, held so that no later tensor takes their memory and identity
-    handles = [m.register_forward_pre_hook(lambda mod, args, p=p: calls.append((p, id(args[0]))) or seen.append(args[0]))
-               for p, m in linears.items()]
-    try:
-        _run(layer, [first])
-    finally:
-        for h in handles:
-            h.remove()
-    out: list[list[str]] = []
-    placed: set[str] = set()
-    for i, (p, x) in enumerate(calls):
-        if p in placed:  # a linear called again in the same forward: its first call placed it
-            continue
-        placed.add(p)
-        if out and x == calls[i - 1][1]:
-            out[-1].append(p)
-        else:
-            out.append([p])
-    return out
 
 
 @contextlib.contextmanager
@@ -183,22 +103,22 @@ def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: lis
     out: dict[str, RoundedWeight] = {}
     fixed: list[nn.Module] = []
     try:
-        inputs = _layer_inputs(model, seqs)
+        inputs = layer_inputs(model, seqs)
         layers = decoder_layers(model)
         last = max(by_layer, default=-1)
         for i in tqdm(range(last + 1), desc="gptq", unit="layer", disable=not progress or None):
             mine = by_layer.get(i, {})
-            for subset in _subsets(layers[i], mine, inputs[0]) if mine else []:
+            for subset in input_subsets(layers[i], mine, inputs[0]) if mine else []:
                 modules = {p: mine[p] for p in subset}
                 with _hessians(modules) as acc:
-                    _run(layers[i], inputs)
+                    run_layer(layers[i], inputs)
                 for p, m in modules.items():
                     r = RoundedWeight.of(m.weight.detach(), acc[p][0], spec)
                     out[names[m]] = r
-                    parametrize.register_parametrization(m, "weight", _Fixed(r.weight(m.weight.dtype, m.weight.device)))
+                    parametrize.register_parametrization(m, "weight", Fixed(r.weight(m.weight.dtype, m.weight.device)))
                     fixed.append(m)
             if i < last:
-                inputs = _next_inputs(layers[i], inputs)
+                inputs = next_inputs(layers[i], inputs)
     finally:
         for m in fixed:
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)

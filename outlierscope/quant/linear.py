@@ -103,12 +103,13 @@ class Calibration:
     act_max: dict[str, torch.Tensor]
     groups: tuple[tuple[str, ...], ...]
     source: str
-    rounded: dict = field(default_factory=dict)  # gptq: linear name -> its RoundedWeight
+    rounded: dict = field(default_factory=dict)  # gptq: linear name -> its RoundedWeight; awq: its AWQWeight
 
 
 def needs_calibration(spec: QuantSpec) -> bool:
     a = spec.part("a")
-    return spec.smooth is not None or (a is not None and a.granularity == "static") or spec.gptq is not None
+    return spec.smooth is not None or (a is not None and a.granularity == "static") or spec.gptq is not None \
+        or spec.awq is not None
 
 
 @contextlib.contextmanager
@@ -158,8 +159,8 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     from outlierscope.data.text import pack_sequences, text_documents
 
     sites = linear_sites(model, spec)
-    if spec.gptq is not None:
-        return _gptq_calibration(model, tokenizer, spec, sites)
+    if spec.gptq is not None or spec.awq is not None:
+        return _layerwise_calibration(model, tokenizer, spec, sites)
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):
         return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
@@ -175,14 +176,18 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     return Calibration(act_max, input_groups(model, sites), source)
 
 
-def _gptq_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite]) -> Calibration:
-    """GPTQ's rounded weights of the quantized linears ``sites``, calibrated layer after layer on ``spec.gptq.samples``
-    sequences of ``spec.calib`` (default: LAMBADA's last passages) (:func:`~outlierscope.quant.gptq_model.gptq_model`)."""
-    from outlierscope.quant.gptq_model import DEFAULT_CALIB, calibration_sequences, gptq_model
+def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite]) -> Calibration:
+    """GPTQ's rounded weights or AWQ's scales and clipping bounds of the quantized linears ``sites``, calibrated layer
+    after layer on ``samples`` sequences of ``spec.calib`` (default: LAMBADA's last passages)
+    (:func:`~outlierscope.quant.gptq_model.gptq_model`, :func:`~outlierscope.quant.awq_model.awq_model`)."""
+    from outlierscope.quant.awq_model import awq_model
+    from outlierscope.quant.gptq_model import gptq_model
+    from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences
 
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
-    seqs = calibration_sequences(tokenizer, spec.calib, spec.gptq, ctx)  # (N, T)
-    return Calibration({}, (), spec.calib or DEFAULT_CALIB, gptq_model(model, seqs, spec, sites))
+    cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
+    seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites))
 
 
 def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
@@ -258,14 +263,17 @@ class _Rounded(nn.Module):
 
 
 class _WeightTransform(nn.Module):
-    """The parametrization ``W -> quant_w((W * s) @ H)``: computed from the untouched weight at each access."""
+    """The parametrization ``W -> quant_w((W * s) @ H)`` (AWQ: ``quant_w(clip(W * s))``): computed from the untouched
+    weight at each access."""
 
-    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None):
+    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None, awq=None):
         super().__init__()
-        self.part, self.scale, self.rot = spec.part("w"), scale, rot  # plain attributes: not in any state_dict
+        self.part, self.scale, self.rot, self.awq = spec.part("w"), scale, rot, awq  # not in any state_dict
 
     @torch.no_grad()  # fake quantization has no useful gradient; the weights stay leaves of nothing
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if self.awq is not None:
+            return self.awq.transform(w, self.part)
         if self.scale is not None:
             w = w * self.scale.to(w.device, w.dtype)  # (O, I) * (I,): SmoothQuant's W diag(s)
         if self.rot is not None:
@@ -342,10 +350,11 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
     if needs_calibration(spec) and calibration is None:
         raise OutlierscopeError(f"{spec.label}: smooth, static scales and gptq need a calibration; pass "
                                 "calibration=calibrate(model, tokenizer, spec)")
-    missing = [s.name for s in sites if spec.gptq is not None and s.name not in calibration.rounded]
+    layerwise = spec.gptq is not None or spec.awq is not None
+    missing = [s.name for s in sites if layerwise and s.name not in calibration.rounded]
     if missing:
-        raise OutlierscopeError(f"{spec.label}: the calibration has no GPTQ weight of {missing[0]}; calibrate with "
-                                "this spec (calibrate(model, tokenizer, spec))")
+        raise OutlierscopeError(f"{spec.label}: the calibration has no {'GPTQ' if spec.gptq else 'AWQ'} weight of "
+                                f"{missing[0]}; calibrate with this spec (calibrate(model, tokenizer, spec))")
 
 
 @contextlib.contextmanager
@@ -372,7 +381,12 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
             d = site.module.in_features
             rot = rots.setdefault(d, rotation(d, spec.rotate, torch.float64)) if spec.rotate is not None else None
             s = scales.get(site.name)
-            if spec.gptq is not None:
+            awq = calibration.rounded[site.name] if spec.awq is not None else None
+            if awq is not None:
+                s = awq.scale
+                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, None, None, awq))
+                parametrized.append(site.module)
+            elif spec.gptq is not None:
                 parametrize.register_parametrization(site.module, "weight", _Rounded(calibration.rounded[site.name]))
                 parametrized.append(site.module)
             elif spec.part("w") is not None or s is not None or rot is not None:

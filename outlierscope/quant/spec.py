@@ -43,7 +43,9 @@ quantized linear's input), ``outliers:T`` (LLM.int8's decomposition as the paper
 (bitsandbytes' rule: only the elements with |x| >= T are left out of a token's scale), ``linears:PATTERN[,PATTERN]``
 (module paths inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``), ``calib:SOURCE`` (what ``smooth`` and
 ``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a SmoothQuant ``act_scales.pt``).
-``w=bnb-int8`` / ``w=bnb-nf4``: bitsandbytes' own ``Linear8bitLt`` / ``Linear4bit`` replace every decoder linear
+``gptq[:KEY=VALUE,...]`` rounds the ``w=`` part with GPTQ and ``awq[:KEY=VALUE,...]`` scales and clips it with AWQ,
+both calibrated layer after layer on ``calib:`` text (default: LAMBADA's last passages; :mod:`~outlierscope.quant.gptq`,
+:mod:`~outlierscope.quant.awq`). ``w=bnb-int8`` / ``w=bnb-nf4``: bitsandbytes' own ``Linear8bitLt`` / ``Linear4bit`` replace every decoder linear
 (the ``--weights int8|nf4`` of sweeps); they stand alone among the linear parts and apply to every layer.
 ``layers:`` applies to the attention and the linear parts alike. Lists also take ``+`` for ``,``
 (``q+k=int8/per_token``, ``linears:self_attn.*+mlp.down_proj``, ``layers:0+2``), a form that survives lm-eval's
@@ -57,6 +59,7 @@ import re
 from dataclasses import dataclass, field
 
 from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.quant.awq import AWQ_GRIDS, AWQConfig
 from outlierscope.quant.gptq import GPTQ_GRIDS, GPTQConfig
 from outlierscope.quant.names import BACKENDS, FORMATS, UNQUANTIZED_BITS
 from outlierscope.quant.parts import (  # noqa: F401 (re-exported: the spec's vocabulary)
@@ -101,9 +104,10 @@ def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
     return TensorQuant("logits", fmt, bits, gran)
 
 
-_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib", "gptq")
+_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib", "gptq",
+          "awq")
 _TRANSFORMS = ("smooth_k", "smooth_q", "hadamard", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib",
-               "gptq")
+               "gptq", "awq")
 
 
 @dataclass(frozen=True, init=False)
@@ -136,6 +140,7 @@ class QuantSpec:
     bnb_outliers: float | None = None
     calib: str | None = None
     gptq: GPTQConfig | None = None
+    awq: AWQConfig | None = None
 
     def __init__(self, parts=(), *, bits: int | None = None, format: str | None = None,
                  granularity: str | None = None, backend: str | None = None, **fields):
@@ -172,6 +177,7 @@ class QuantSpec:
         self._check_linear()
         self._check_bnb()
         self._check_gptq()
+        self._check_awq()
 
     def _check_gptq(self) -> None:
         """GPTQ rounds a ``w=`` part on a symmetric integer grid, per channel or in groups, of the decoder layers'
@@ -198,6 +204,29 @@ class QuantSpec:
         if (self.calib or "").endswith(".pt"):
             raise OutlierscopeError(f"calib:{self.calib}: gptq calibrates on text (its Hessians), not on act_scales")
 
+    def _check_awq(self) -> None:
+        """AWQ scales and clips a ``w=`` part on a symmetric integer grid, per channel or in groups, of the decoder
+        layers' linears, alone among the weight transforms."""
+        if self.awq is None:
+            return
+        w = self.part("w")
+        if w is None or w.format not in AWQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
+            raise OutlierscopeError(f"awq scales and clips a w= part of {'/'.join(AWQ_GRIDS)} bits per_channel or "
+                                    f"per_group (e.g. w=int4/per_group:128; awq), got {w or 'no w= part'}")
+        other = [k for k in ("gptq", "smooth", "rotate", "outliers", "bnb_outliers") if getattr(self, k) is not None]
+        if other:
+            raise OutlierscopeError(f"awq with {other[0]}: AWQ with another weight or input transform is not built; "
+                                    "drop one of the two")
+        a = self.part("a")
+        if a is not None and a.granularity == "static":
+            raise OutlierscopeError("awq with a=.../static: one calibration text would serve two passes; use a "
+                                    "dynamic activation granularity with awq")
+        if "lm_head" in (self.linears or ()):
+            raise OutlierscopeError("awq scales the decoder layers' linears, layer after layer; leave lm_head out of "
+                                    "linears:")
+        if (self.calib or "").endswith(".pt"):
+            raise OutlierscopeError(f"calib:{self.calib}: awq calibrates on text (its activations), not on act_scales")
+
     def _check_linear(self) -> None:
         if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
             raise OutlierscopeError(f"smooth:ALPHA needs an alpha in 0..1 (SmoothQuant's migration strength), got {self.smooth}")
@@ -220,9 +249,10 @@ class QuantSpec:
         if a is not None and a.granularity == "static" and self.rotate is not None:
             raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
                                     "dynamic activation granularity with rotate")
-        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static") or self.gptq is not None
+        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static") or self.gptq is not None \
+            or self.awq is not None
         if self.calib is not None and not needs_calib:
-            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA, a=.../static and gptq only; leave it out")
+            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA, a=.../static, gptq and awq only; leave it out")
         if self.calib is not None and (not self.calib.strip() or ";" in self.calib):
             raise OutlierscopeError(f"calib:SOURCE needs hellaswag, a text file or an act_scales.pt, got {self.calib!r}")
 
@@ -334,7 +364,7 @@ class QuantSpec:
         items = [str(p) for p in self.parts]
         items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
         items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
-        items += [str(self.gptq)] if self.gptq is not None else []
+        items += [str(c) for c in (self.gptq, self.awq) if c is not None]
         items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "bnb_outliers", "calib")
                   if (v := getattr(self, k)) is not None]
         items += [f"linears:{','.join(self.linears)}"] if self.linears is not None else []
@@ -375,8 +405,8 @@ def _read_item(item: str, text: str, parts: list, kw: dict) -> None:
         raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
     if item == "smooth_k":
         kw["smooth_k"] = True
-    elif item == "gptq":
-        kw["gptq"] = GPTQConfig()
+    elif item in ("gptq", "awq"):
+        kw[item] = GPTQConfig() if item == "gptq" else AWQConfig()
     elif key in _FLAGS and "=" not in key:
         kw[key] = _flag_value(key, arg, text)
     elif "=" not in item and ":" not in item:
@@ -402,8 +432,8 @@ def _flag_value(key: str, arg: str, text: str):
         return tuple(p.strip() for p in re.split("[,+]", arg))  # '+': lm-eval's model_args split at commas
     if key == "calib":
         return arg.strip()
-    if key == "gptq":
-        return GPTQConfig.parse(arg)
+    if key in ("gptq", "awq"):
+        return GPTQConfig.parse(arg) if key == "gptq" else AWQConfig.parse(arg)
     try:
         if key == "layers":
             return tuple(parse_layers(arg.replace("+", ",")))

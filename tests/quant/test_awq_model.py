@@ -1,0 +1,145 @@
+"""AWQ of a whole model, layer after layer, against AutoAWQ's procedure written here in float64: each layer's inputs
+captured by full forwards of a copy whose earlier layers are already quantized, the scales searched by the loss of the
+judging module (self_attn, o_proj, mlp, down_proj), then folded as AutoAWQ's ``apply_scale`` folds them (into the
+norms, v_proj's and up_proj's rows), the groups clipped (``apply_clip``) and the weights rounded in place. Our
+emulation never folds (the inputs are divided by the scales at run time): the logits of the two models agree."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.awq_model import awq_model
+from outlierscope.quant.linear import Calibration, linear_sites
+from outlierscope.quant.spec import QuantSpec
+from tests.quant.test_awq import _q, _ref_clip
+
+BITS, GROUP, GRID = 4, 16, 20
+
+
+def _llama(kv_heads: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, vocab_size=300, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16())  # bf16 values, as checkpoints hold them
+        for layer in model.model.layers:  # norms that are not all ones, and a few large input channels
+            layer.input_layernorm.weight.copy_((1 + torch.rand(64) * torch.linspace(0, 4, 64)).bfloat16())
+            layer.post_attention_layernorm.weight.copy_((1 + torch.rand(64) * 2).bfloat16())
+    return model.to(torch.float64)
+
+
+def _capture(model, seqs, modules):
+    """Each module's (args, kwargs) for every sequence, by full forwards of ``model``."""
+    got = {k: [] for k in modules}
+    hooks = [m.register_forward_pre_hook(lambda m, a, kw, k=k: got[k].append((a, kw)), with_kwargs=True)
+             for k, m in modules.items()]
+    with torch.no_grad():
+        for row in seqs:
+            model(input_ids=row[None], use_cache=False)  # no cache: the judges run again on these inputs
+    for h in hooks:
+        h.remove()
+    return got
+
+
+def _scale(linears, judge, calls, xs):
+    """AutoAWQ's _search_best_scale in float64 (means summed in float32, as it sums them)."""
+    ws = [m.weight.detach().clone() for m in linears]
+    cat = torch.cat(ws).numpy()
+    a = np.abs(cat).reshape(-1, GROUP)
+    w_mean = (a / (a.max(1, keepdims=True) + 1e-6)).reshape(cat.shape).mean(0)
+    x = torch.cat([v.reshape(-1, v.shape[-1]) for v in xs])
+    x_mean = (x.abs().float().sum(0) / x.shape[0]).double().numpy()
+
+    def run():
+        return torch.cat([(lambda o: o[0] if isinstance(o, tuple) else o)(judge(*a, **kw)) for a, kw in calls])
+
+    with torch.no_grad():
+        want = run()
+        best, best_err = None, np.inf
+        for r in range(GRID):
+            ratio = r / GRID
+            s = np.maximum(x_mean ** ratio / (w_mean ** (1 - ratio) + 1e-4), 1e-4)
+            s = s / np.sqrt(s.max() * s.min())
+            for m, w in zip(linears, ws):
+                m.weight.copy_(torch.from_numpy(_q(w.numpy() * s, BITS, GROUP) / s))
+            err = ((run() - want) ** 2).mean().item()
+            if err < best_err:
+                best, best_err = s, err
+        for m, w in zip(linears, ws):
+            m.weight.copy_(w)
+    return torch.from_numpy(best)
+
+
+def _reference(model, seqs, clip_tokens):
+    """The AutoAWQ-quantized copy of ``model`` (folded scales, clipped, rounded weights)."""
+    model = copy.deepcopy(model)
+    mha = model.config.num_key_value_heads == model.config.num_attention_heads
+    for layer in model.model.layers:
+        at, mlp = layer.self_attn, layer.mlp
+        got = _capture(model, seqs, {"attn": at, "o": at.o_proj, "mlp": mlp, "down": mlp.down_proj})
+        x = {k: [a[0] if a else kw["hidden_states"] for a, kw in v] for k, v in got.items()}
+        s_qkv = _scale([at.q_proj, at.k_proj, at.v_proj], at, got["attn"], x["attn"])
+        s_o = _scale([at.o_proj], at.o_proj, got["o"], x["o"]) if mha else None
+        s_mlp = _scale([mlp.gate_proj, mlp.up_proj], mlp, got["mlp"], x["mlp"])
+        s_down = _scale([mlp.down_proj], mlp.down_proj, got["down"], x["down"])
+        with torch.no_grad():  # apply_scale: 1/s into what comes before, s into the linears' columns
+            layer.input_layernorm.weight.div_(s_qkv)
+            for m in (at.q_proj, at.k_proj, at.v_proj):
+                m.weight.mul_(s_qkv)
+            if s_o is not None:
+                at.v_proj.weight.div_(s_o[:, None])
+                at.o_proj.weight.mul_(s_o)
+            layer.post_attention_layernorm.weight.div_(s_mlp)
+            for m in (mlp.gate_proj, mlp.up_proj):
+                m.weight.mul_(s_mlp)
+            mlp.up_proj.weight.div_(s_down[:, None])
+            mlp.down_proj.weight.mul_(s_down)
+        feats = {"v": (x["attn"], s_qkv), "o": (x["o"], s_o), "gate": (x["mlp"], s_mlp), "up": (x["mlp"], s_mlp),
+                 "down": (x["down"], s_down)}
+        for name, m in (("v", at.v_proj), ("o", at.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj),
+                        ("down", mlp.down_proj)):
+            xs, s = feats[name]
+            xf = torch.cat([v.reshape(-1, v.shape[-1]) for v in xs])
+            xf = xf if s is None else xf / s
+            w = m.weight.detach().numpy()
+            bound = _ref_clip(w, xf.numpy(), BITS, GROUP, GRID, 0.5, clip_tokens)
+            with torch.no_grad():
+                m.weight.copy_(torch.from_numpy(np.clip(w.reshape(w.shape[0], -1, GROUP), -bound[..., None],
+                                                        bound[..., None]).reshape(w.shape)))
+        with torch.no_grad():
+            for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                m.weight.copy_(torch.from_numpy(_q(m.weight.numpy(), BITS, GROUP)))
+    return model
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
+    """Grouped-query attention (o_proj unscaled: v_proj cannot absorb its scale) and multi-head (v_proj -> o_proj
+    scaled): the logits of our emulation equal those of the folded float64 AutoAWQ model (seen failing with every
+    lone linear scaled, with the layer's inputs from the float model, and with q_proj clipped)."""
+    model = _llama(kv_heads)
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse(f"w=int{BITS}/per_group:{GROUP}; awq:clip_tokens=32")
+    ours = awq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+    assert len(ours) == 14 and all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    scaled = {n for n, r in ours.items() if r.scale is not None}
+    assert any(n.endswith("o_proj") for n in scaled) == (kv_heads == 4)
+    assert not any(r.clip is not None for n, r in ours.items() if n.endswith(("q_proj", "k_proj")))
+    ref = _reference(model, seqs, 32)
+    ids = torch.randint(1, 300, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        with quantize_model(model, spec, calibration=Calibration({}, (), "test", ours)):
+            got = model(input_ids=ids).logits
+        plain = model(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-3  # quantization moved the logits (another ratio anywhere: by ~1e-2)
+    # the means are float32 sums (AutoAWQ's), ours per sequence: the scales agree to ~1e-7, the logits to ~1e-7
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
