@@ -454,12 +454,12 @@ def check_calibration(spec: QuantSpec, model: nn.Module) -> None:
     SmoothQuant label)."""
     if not needs_calibration(spec):
         return
-    if spec.gptq is not None and spec.calib is None:
+    if (spec.gptq is not None or spec.awq is not None) and spec.calib is None:
         from outlierscope.data.running_text import lambada_path
 
         if not lambada_path().exists():
-            raise OutlierscopeError("gptq calibrates on LAMBADA's last passages by default, not fetched yet; run "
-                                    "`outlierscope data fetch`, or give calib:FILE")
+            raise OutlierscopeError(f"{'gptq' if spec.gptq else 'awq'} calibrates on LAMBADA's last passages by "
+                                    "default, not fetched yet; run `outlierscope data fetch`, or give calib:FILE")
         return
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):

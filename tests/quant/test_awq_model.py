@@ -143,3 +143,36 @@ def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
     assert (want - plain).abs().max() > 1e-3  # quantization moved the logits (another ratio anywhere: by ~1e-2)
     # the means are float32 sums (AutoAWQ's), ours per sequence: the scales agree to ~1e-7, the logits to ~1e-7
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_an_awq_spec_runs_through_calibration_for_and_the_perplexity_command(tmp_path):
+    """calibration_for reads the spec's calibration text (samples x seqlen) and gives AWQ's scales and bounds, equal to
+    awq_model's on those sequences; the perplexity command scores the spec from its text (a KLD above 0)."""
+    import json
+
+    import pandas as pd
+
+    from outlierscope.cli import main
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.sequential import calibration_sequences
+
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))
+    spec = QuantSpec.parse(f"w=int4/per_group:32; a=int8/per_token; awq:samples=3,seqlen=48; calib:{text}")
+    lm = load_model("pair-tiny:transformer")
+    cal = calibration_for(lm.model, lm.tokenizer, spec)
+    seqs = calibration_sequences(lm.tokenizer, str(text), spec.awq, None)
+    assert seqs.shape == (3, 48)
+    direct = awq_model(lm.model, seqs, spec, linear_sites(lm.model, spec), progress=False)
+    assert set(cal.rounded) == set(direct) and len(direct) > 0
+    for name, r in direct.items():
+        got = cal.rounded[name]
+        assert (r.scale is None) == (got.scale is None) and (r.clip is None) == (got.clip is None), name
+        assert r.scale is None or torch.equal(r.scale, got.scale)
+        assert r.clip is None or torch.equal(r.clip, got.clip)
+    out = tmp_path / "p"
+    assert main(["perplexity", "--model", "pair-tiny:transformer", "--text", str(text), "--length", "32",
+                 "--quant", str(spec), "--out", str(out)]) == 0
+    assert str(spec) in json.loads((out / "perplexity.json").read_text())["cells"]
+    assert pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]["kld_mean"] > 0
