@@ -194,3 +194,22 @@ def test_records_hold_the_load_when_the_bench_began(tmp_path, monkeypatch):
     monkeypatch.setattr(artifact, "RESULTS", tmp_path)
     path = artifact.write("trial", {"seconds": [1.0, 1.0, 1.0]}, {}, start=start)
     assert json.loads(path.read_text())["machine"]["load_average_1m_at_start"] == 1.23
+
+
+def test_weight_grid_finds_q4_1_blocks():
+    """bench/weight_grid.py (the Q4_1 finding of docs/checkpoints): blocks made by GGML's Q4_1 rule by hand (d = (max -
+    min) / 15, q = round((x - min) / d), back as min + q d) are on the grid, float blocks are not."""
+    import torch
+
+    spec = importlib.util.spec_from_file_location("weight_grid", BENCH / "weight_grid.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    b = x.reshape(-1, 32)
+    lo, d = b.amin(1, keepdim=True), (b.amax(1, keepdim=True) - b.amin(1, keepdim=True)) / 15
+    q41 = (lo + torch.round((b - lo) / d) * d).reshape(8, 64)
+    assert mod.on_grid(q41, 32, 1e-3)[0] == 1.0 and mod.on_grid(q41, 32, 1e-3)[1] <= 16
+    assert mod.on_grid(x, 32, 1e-3)[0] == 0.0 and mod.on_grid(x, 32, 1e-3)[1] == 32
+    half = q41.clone()
+    half[:4] = x[:4]
+    assert mod.on_grid(half, 32, 1e-3)[0] == 0.5
