@@ -5,7 +5,8 @@ Runs in GPT-QModel's venv (``make gptq-venv``), imports nothing of outlierscope.
 tests/models/packed (a seeded random Llama, hidden 64, MLP 192; loaded in float64) it
 
 1. records layer 0's MLP input and down_proj's input over 4 seeded random sequences of 32 tokens;
-2. for the symmetric grids (4 bits, groups of 32; 3 bits, groups of 16), calls GPT-QModel's own functions:
+2. for the symmetric grids (4 bits, groups of 32; 3 bits, groups of 16) and the zero-point grid (4 bits, groups of
+   32; AutoAWQ's default), calls GPT-QModel's own functions:
    ``_compute_awq_weight_mean`` and ``AWQProcessor._compute_best_scale`` for gate/up judged by the MLP's output and
    for down_proj judged by its own, with duo scaling and the 20-point grid; ``AWQProcessor._compute_best_clip`` for
    gate/up/down on their inputs;
@@ -32,15 +33,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 FLOAT = Path(__file__).resolve().parents[1] / "tests" / "models" / "packed" / "float"
-GRIDS = ((4, 32), (3, 16))  # (bits, group size), symmetric
+GRIDS = ((4, 32, True), (3, 16, True), (4, 32, False))  # (bits, group size, symmetric); False: AutoAWQ's zero point
 
 
-def processor(bits: int, group: int):
+def processor(bits: int, group: int, sym: bool):
     """An AWQProcessor with only what its scale and clip searches read (its constructor wants a whole run)."""
     from gptqmodel.looper.awq_processor import AWQProcessor
 
     p = object.__new__(AWQProcessor)
-    p.qcfg = SimpleNamespace(bits=bits, group_size=group, sym=True, scale_search_chunked_activations=True)
+    p.qcfg = SimpleNamespace(bits=bits, group_size=group, sym=sym, scale_search_chunked_activations=True)
     p.duo_scaling = True
     p._scale_context = threading.local()
     p._scale_context.prev_scale = None
@@ -74,8 +75,8 @@ def main() -> None:
     x_mlp, x_down = torch.cat(got["mlp"]), torch.cat(got["down"])  # (4, 32, 64), (4, 32, 192)
     out = {"x_mlp": x_mlp.contiguous(), "x_down": x_down.contiguous()}
     with torch.inference_mode():
-        for bits, group in GRIDS:
-            p = processor(bits, group)
+        for bits, group, sym in GRIDS:
+            p, key = processor(bits, group, sym), f"w{bits}g{group}" + ("" if sym else "zp")
             for tag, layers, judge, x in (("mlp", [mlp.gate_proj, mlp.up_proj], mlp, x_mlp),
                                           ("down", [mlp.down_proj], mlp.down_proj, x_down)):
                 w_mean = _compute_awq_weight_mean(layers, group)
@@ -83,11 +84,11 @@ def main() -> None:
                 x_mean = (flat.to(torch.float32).sum(0) / flat.shape[0]).to(x.dtype)  # _search_best_scale's step 2
                 ref = [judge(x)]
                 scales, loss = p._compute_best_scale(x, w_mean, x_mean, judge, layers, ref, {})
-                out[f"w{bits}g{group}.{tag}.scale"] = scales.contiguous()
-                out[f"w{bits}g{group}.{tag}.loss"] = torch.tensor([loss], dtype=torch.float64)
+                out[f"{key}.{tag}.scale"] = scales.contiguous()
+                out[f"{key}.{tag}.loss"] = torch.tensor([loss], dtype=torch.float64)
             for name, x in (("gate_proj", x_mlp), ("up_proj", x_mlp), ("down_proj", x_down)):
                 w = getattr(mlp, name).weight.detach()
-                out[f"w{bits}g{group}.{name}.clip"] = p._compute_best_clip(w, x).reshape(w.shape[0], -1).contiguous()
+                out[f"{key}.{name}.clip"] = p._compute_best_clip(w, x).reshape(w.shape[0], -1).contiguous()
     meta = {"command": " ".join(["bench/awq_gptqmodel_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),
             "settings": json.dumps({"dtype": "float64", "grids": GRIDS, "duo_scaling": True, "n_grid": 20, "sequences": "4 x 32, seed 2"})}

@@ -17,8 +17,9 @@ compute it::
         m = max |W'| of the group * (1 - i / grid);  err = mean over tokens of (x'_g . (Q(clamp(W'_g, -m, m)) - W'_g))^2
     each (row, group) keeps the m of least error (the first of equal ones)                    # search_clip
 
-``Q`` is the spec's ``w=`` part (AutoAWQ's symmetric grid is ``int``: absmax / (2^(b-1) - 1); compressed-tensors'
-is ``fint``). A zero-point (asymmetric) grid, AutoAWQ's default, is not built: say ``w=int4/per_group:128; awq``.
+``Q`` is the spec's ``w=`` part: AutoAWQ's symmetric grid is ``int`` (absmax / (2^(b-1) - 1)), its default zero-point
+grid ``zint`` (min-max with an integer zero point; ``zint`` keeps 0 inside a group's range, AutoAWQ does not: they
+differ on a group whose weights all have one sign), compressed-tensors' symmetric grid ``fint``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 
-AWQ_GRIDS = ("int", "fint")  # symmetric grids; AutoAWQ's zero-point grid is not built
+AWQ_GRIDS = ("int", "fint", "zint")  # zint: AutoAWQ's zero point (but a group of one sign keeps 0 in its range)
 CLIP_EPS_W, SCALE_EPS = 1e-6, 1e-4  # AutoAWQ's: the weight normalisation and the scale floor
 
 

@@ -81,6 +81,8 @@ def tensor_args(p: TensorQuant) -> dict:
                                 "it to an integer, another grid; export a symmetric fint or FP format")
     if p.format == "fint":  # compressed-tensors' symmetric int grid: absmax / ((2^b - 1) / 2) onto [-2^(b-1), 2^(b-1)-1]
         args = {"num_bits": p.bits, "type": "int", "symmetric": True}
+    elif p.format == "zint":  # its asymmetric int: [min(min, 0), max(max, 0)], an integer zero point
+        args = {"num_bits": p.bits, "type": "int", "symmetric": False}
     elif p.format == "e4m3":
         args = {"num_bits": 8, "type": "float", "symmetric": True}
     else:

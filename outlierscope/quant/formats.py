@@ -22,6 +22,8 @@
   clamps it up to E4M3's smallest normal 2^-6 instead, so blocks whose amax is below 2^-6 * 6 * g differ from
   torchao's.
 * ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches.
+* ``zero_point_params(x, bits, dims)`` / ``zero_point_quant(x, scale, zero, bits)``: the integer-zero-point grid of
+  GPTQ and AWQ checkpoints (``zint``: GPT-QModel's ``Quantizer`` with ``sym=False``).
 
 The last dim must be a multiple of the block size (head dims are; pad otherwise). Work happens in float32
 (float64 for float64 input); the result comes back in ``x``'s dtype.
@@ -145,3 +147,24 @@ def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -
     safe = torch.where(ok, scale, torch.ones_like(scale))
     q = torch.round((w - lo) / safe).clamp_(0, levels)
     return torch.where(ok, q * safe + lo, w).to(x.dtype)
+
+
+def zero_point_params(x: torch.Tensor, bits: int, dims) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``zint`` grid over ``dims`` (keepdim), as GPT-QModel's ``Quantizer.find_params`` with ``sym=False`` (and
+    compressed-tensors' asymmetric int): the range ``[min(min x, 0), max(max x, 0)]`` (all zero: ``[-1, 1]``) onto
+    ``0 .. 2^bits - 1``: scale ``(hi - lo) / (2^bits - 1)``, integer zero point ``round(-lo / scale)``; float32 at
+    least (float64 for float64)."""
+    w = _work(x)
+    lo = w.amin(dims, keepdim=True).clamp(max=0)
+    hi = w.amax(dims, keepdim=True).clamp(min=0)
+    both = (lo == 0) & (hi == 0)
+    lo, hi = torch.where(both, -torch.ones_like(lo), lo), torch.where(both, torch.ones_like(hi), hi)
+    scale = (hi - lo) / (2**bits - 1)
+    return scale, torch.round(-lo / scale)
+
+
+def zero_point_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """``scale * (clamp(round(x / scale) + zero, 0, 2^bits - 1) - zero)`` (GPT-QModel's ``quantize``), in ``x``'s
+    dtype; a new tensor."""
+    q = torch.clamp(torch.round(_work(x) / scale) + zero, 0, 2**bits - 1)
+    return (scale * (q - zero)).to(x.dtype)

@@ -20,8 +20,9 @@ GPT-QModel computes a dynamic group's scale from ``W`` before the block's own up
 inside a block sees the earlier blocks' updates only); llm-compressor always uses static scales (its observer runs on
 the weight before GPTQ; with act order its groups are the original columns', GPT-QModel's ``static_groups`` with
 ``desc_act``). The grid is ``fint`` (GPTQ's symmetric scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1],
-compressed-tensors' symmetric int) or ``int`` (absmax / (2^(b-1) - 1), our restricted range). A group whose weights are
-all zero when its scale is taken gets absmax 1 (GPT-QModel's rule).
+compressed-tensors' symmetric int), ``int`` (absmax / (2^(b-1) - 1), our restricted range) or ``zint`` (GPTQ's
+``sym=False``: the range [min(min, 0), max(max, 0)] with an integer zero point). A group whose weights are all zero
+when its scale is taken gets absmax 1 (GPT-QModel's rule; zint: the range [-1, 1]).
 """
 
 from __future__ import annotations
@@ -33,9 +34,10 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.formats import zero_point_params, zero_point_quant
 from outlierscope.quant.primitives import absmax_scale, fake_quant, qmax
 
-GPTQ_GRIDS = ("fint", "int")  # symmetric grids (an asymmetric grid with integer zero points is not built yet)
+GPTQ_GRIDS = ("fint", "int", "zint")  # symmetric grids, and zint: GPTQ's integer zero points (sym=False)
 ORDERS = ("none", "desc", "gar")
 
 
@@ -91,12 +93,13 @@ class GPTQConfig:
 class GPTQResult:
     """``weight`` (O, I) on the grid (dequantized; float32, float64 for a float64 weight), ``scale`` (O, groups) in
     group order (per-channel: one column), ``g_idx`` (I,) each input column's group, ``perm`` the processing order
-    of the columns (None: as they are)."""
+    of the columns (None: as they are), ``zero`` (O, groups) the integer zero points of a zint grid (else None)."""
 
     weight: torch.Tensor
     scale: torch.Tensor
     g_idx: torch.Tensor
     perm: torch.Tensor | None
+    zero: torch.Tensor | None = None
 
 
 def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -112,11 +115,19 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
     return h + inp.matmul(inp.t()), n
 
 
-def _scale(w: torch.Tensor, bits: int, fmt: str) -> torch.Tensor:
-    """Each row's scale of ``w`` (O, k) on the grid: (O, 1); a row of zeros takes absmax 1 (GPT-QModel's rule: its
-    later, updated values still land on a grid)."""
+def _scale(w: torch.Tensor, bits: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each row's (scale, zero point) of ``w`` (O, k) on the grid: (O, 1) each (symmetric grids: zero None); a row of
+    zeros takes absmax 1 (GPT-QModel's rule: its later, updated values still land on a grid)."""
+    if fmt == "zint":
+        return zero_point_params(w, bits, (1,))
     s = absmax_scale(w, bits, (1,), fmt=fmt)
-    return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, fmt))
+    return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, fmt)), None
+
+
+def _round(x: torch.Tensor, params: tuple, bits: int, fmt: str) -> torch.Tensor:
+    """``x`` (O, k) onto the grid of ``params`` (:func:`_scale`'s, broadcastable)."""
+    scale, zero = params
+    return zero_point_quant(x, scale, zero, bits) if fmt == "zint" else fake_quant(x, scale, bits, fmt)
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -171,30 +182,36 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     H[dead, dead] = 1
     W[:, dead] = 0
     G = group or n_in
-    static = None  # static groups: every group's scale from the original column order, before any update
+    static = None  # static groups: every group's (scale, zero) from the original column order, before any update
     if group is not None and static_groups:
-        static = _scale(W.reshape(n_out * (n_in // G), G), bits, fmt).reshape(n_out, n_in // G)  # (O * I/G, G) -> (O, I/G)
+        static = tuple(None if t is None else t.reshape(n_out, n_in // G)  # (O * I/G, 1) -> (O, I/G)
+                       for t in _scale(W.reshape(n_out * (n_in // G), G), bits, fmt))
     perm = column_order(H.diagonal(), order, group)
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_factor(H, damp)
-    Q, scales = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
+    Q, taken = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
     g_idx = torch.arange(n_in, device=w.device) // G  # (I,): in processing order
-    scale = static if static is not None else row_scale if group is None else torch.cat(scales, 1)  # (O, groups)
+    if static is not None:
+        scale, zero = static
+    elif group is None:
+        scale, zero = row_scale
+    else:  # (O, groups) each
+        scale, zero = torch.cat([p[0] for p in taken], 1), (torch.cat([p[1] for p in taken], 1) if fmt == "zint" else None)
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
         if order == "gar" and static is None:  # whole groups moved: each keeps its columns, its scale goes back
-            scale = scale[:, torch.argsort(perm[::G] // G)]
+            back = torch.argsort(perm[::G] // G)
+            scale, zero = scale[:, back], (None if zero is None else zero[:, back])
         g_idx = perm[inv] // G if static is not None or order == "gar" else g_idx[inv]
-    return GPTQResult(Q, scale, g_idx, perm)
+    return GPTQResult(Q, scale, g_idx, perm, zero)
 
 
 def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int | None, block_size: int,
-             static: torch.Tensor | None, perm: torch.Tensor | None,
-             row_scale: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+             static: tuple | None, perm: torch.Tensor | None, row_scale: tuple) -> tuple[torch.Tensor, list[tuple]]:
     """The column loop (module docstring) on ``W`` (O, I, processing order; updated in place: the caller's copy).
-    Returns the rounded weight and, for dynamic groups, each group's scale (O, 1) in processing order."""
+    Returns the rounded weight and, for dynamic groups, each group's (scale, zero) (O, 1) in processing order."""
     n_out, n_in = W.shape
     Q, scales, scale = torch.zeros_like(W), [], row_scale
     for i1 in range(0, n_in, block_size):
@@ -206,8 +223,9 @@ def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int |
                 scale = _scale(W[:, j:j + group], bits, fmt)  # W: before this block's own updates (GPT-QModel)
                 scales.append(scale)
             elif static is not None:
-                scale = static[:, (int(perm[j]) if perm is not None else j) // group, None]  # (O, 1)
-            q = fake_quant(W1[:, i:i + 1], scale, bits, fmt)[:, 0]  # (O,)
+                col = (int(perm[j]) if perm is not None else j) // group
+                scale = tuple(None if t is None else t[:, col, None] for t in static)  # (O, 1) each
+            q = _round(W1[:, i:i + 1], scale, bits, fmt)[:, 0]  # (O,)
             Q[:, j] = q
             e = (W1[:, i] - q) / U1[i, i]
             W1[:, i:] -= e.unsqueeze(1).matmul(U1[i, i:].unsqueeze(0))  # (O, 1) x (1, rest)

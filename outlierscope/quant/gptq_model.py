@@ -44,27 +44,35 @@ __all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_mode
 
 @dataclass(frozen=True)
 class RoundedWeight:
-    """A linear's GPTQ weight: ``codes`` (O, I) int8, ``scale`` (O, groups) float32 (float64 for a float64 model),
-    ``g_idx`` (I,) each column's group; :meth:`weight` is codes x their scale, bit for bit the weight GPTQ produced."""
+    """A linear's GPTQ weight: ``codes`` (O, I) int8 (zint: uint8, 0 .. 2^bits - 1), ``scale`` (O, groups) float32
+    (float64 for a float64 model), ``g_idx`` (I,) each column's group, ``zero`` (O, groups) a zint grid's integer zero
+    points (else None); :meth:`weight` is (codes - zero) x their scale, bit for bit the weight GPTQ produced."""
 
     codes: torch.Tensor
     scale: torch.Tensor
     g_idx: torch.Tensor
+    zero: torch.Tensor | None = None
 
     def weight(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-        s = self.scale.gather(1, self.g_idx.expand(self.codes.shape[0], -1))  # (O, I)
-        return (self.codes.to(s.dtype) * s).to(device=device, dtype=dtype)
+        idx = self.g_idx.expand(self.codes.shape[0], -1)  # (O, I)
+        s = self.scale.gather(1, idx)  # (O, I)
+        q = self.codes.to(s.dtype) - (0 if self.zero is None else self.zero.gather(1, idx))
+        return (s * q if self.zero is not None else q * s).to(device=device, dtype=dtype)
 
     @classmethod
     def of(cls, w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> RoundedWeight:
         """GPTQ of ``w`` (O, I) with the Hessian ``h`` as ``spec`` says (its ``w=`` part and ``gptq`` settings)."""
         part, cfg = spec.part("w"), spec.gptq
-        bits, fmt = part.grid
-        r = gptq_quantize(w, h, bits, fmt, part.size if part.granularity == "per_group" else None, cfg.block,
+        fmt = part.format
+        r = gptq_quantize(w, h, part.bits, fmt, part.size if part.granularity == "per_group" else None, cfg.block,
                           cfg.damp, cfg.order, cfg.static)
         g_idx = r.g_idx if part.granularity == "per_group" else torch.zeros_like(r.g_idx)
-        s = r.scale.gather(1, g_idx.expand(w.shape[0], -1))  # (O, I)
-        return cls(torch.round(r.weight / s).to(torch.int8), r.scale, g_idx)  # on the weight's device
+        idx = g_idx.expand(w.shape[0], -1)  # (O, I)
+        s = r.scale.gather(1, idx)  # (O, I)
+        if r.zero is None:
+            return cls(torch.round(r.weight / s).to(torch.int8), r.scale, g_idx)  # on the weight's device
+        codes = torch.round(r.weight / s) + r.zero.gather(1, idx)  # GPTQ's packed codes: round(W / s + zero)
+        return cls(codes.to(torch.uint8), r.scale, g_idx, r.zero)
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ import math
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.formats import MX_FORMATS
+from outlierscope.quant.formats import MX_FORMATS, zero_point_params, zero_point_quant
 from outlierscope.quant.ops import _asymmetric, block_quant, random_sign_hadamard, sylvester
 from outlierscope.quant.parts import TensorQuant
 from outlierscope.quant.primitives import fake_quant, qmax, quantize_absmax
@@ -36,6 +36,8 @@ def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:
 def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, tq: TensorQuant) -> torch.Tensor:
     if tq.format == "asym":
         return _asymmetric(x, torch.ones_like(x, dtype=torch.bool) if valid is None else valid, dims, tq.bits)
+    if tq.format == "zint":  # a weight grid: no mask
+        return zero_point_quant(x, *zero_point_params(x, tq.bits, dims), tq.bits)
     bits, fmt = tq.grid
     return quantize_absmax(x, bits, dims, valid, fmt)
 

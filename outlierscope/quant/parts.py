@@ -78,7 +78,9 @@ class TensorQuant:
         if self.target not in ALL_TARGETS:
             raise OutlierscopeError(f"quantization target must be one of {', '.join(ALL_TARGETS)} (or kv), "
                                     f"got {self.target!r}")
-        if self.format in ("int", "asym", "fint"):
+        if self.format == "zint" and self.target != "w":
+            raise OutlierscopeError(f"{self.target}: zint (GPTQ's integer zero point) is a weight grid; use it in w=")
+        if self.format in ("int", "asym", "fint", "zint"):
             top = 15 if self.target == "logits" else 8  # the paper's axis runs to 16 (= unquantized)
             if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not 2 <= self.bits <= top:
                 raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..{top}, got {self.bits!r}")
@@ -90,6 +92,7 @@ class TensorQuant:
                 raise OutlierscopeError(f"{self.target}: format {self.format} has no bits setting")
         else:
             raise OutlierscopeError(f"{self.target}: unknown format {self.format!r}; expected int2..int8, asym2..asym8, "
+                                    "zint2..zint8 (w=), "
                                     "fint2..fint8 (a=, w=, q, k, v), "
                                     f"{', '.join(FLOAT_FORMATS + BLOCK_FORMATS + BNB_FORMATS)}")
         self._check_granularity()
@@ -133,7 +136,7 @@ class TensorQuant:
 
     @property
     def nominal_bits(self) -> int:
-        """Bits per element: int/asym/fint their own, FP8, MXINT8 and bitsandbytes int8 8, MXFP6 6, MXFP4, NVFP4, NF4 4."""
+        """Bits per element: int/asym/fint/zint their own, FP8, MXINT8 and bitsandbytes int8 8, MXFP6 6, MXFP4, NVFP4, NF4 4."""
         if self.bits is not None:
             return self.bits
         return {"mxfp6_e3m2": 6, "mxfp6_e2m3": 6, "mxfp4": 4, "ct-mxfp4": 4, "nvfp4": 4, "bnb-nf4": 4}.get(self.format, 8)
@@ -151,7 +154,7 @@ def parse_part(text: str) -> list[TensorQuant]:
     if not m:
         raise OutlierscopeError(f"cannot read {text!r}: expected TARGETS=FORMAT[/GRANULARITY[:N]], e.g. k=int4/per_group:32")
     fmt, bits = m["fmt"], None
-    num = re.fullmatch(r"(int|asym|fint)(\d+)", fmt)
+    num = re.fullmatch(r"(int|asym|fint|zint)(\d+)", fmt)
     if num:
         fmt, bits = num[1], int(num[2])
     targets = [t for name in re.split("[,+]", m["targets"]) for t in (("k", "v") if name == "kv" else (name,))]

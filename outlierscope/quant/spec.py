@@ -35,8 +35,9 @@ Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.lin
 (tokens, in_features)): ``per_token``, ``per_tensor`` (one scale per sequence, dynamic), ``per_group:G``, ``static``
 (one scale per linear from a calibration pass); ``w`` (the weight, (out_features, in_features)): ``per_channel``,
 ``per_group:G``, ``per_tensor``. Formats as above (RTN); MX and NVFP4 blocks run along in_features (NVFP4's
-per-tensor scale: the weight's, and each sequence's for activations). ``fintB``: the full-range symmetric grid of
-compressed-tensors and torchao (absmax / 127.5 onto [-128, 127] at 8 bits, values divided by the scale) where
+per-tensor scale: the weight's, and each sequence's for activations). ``zintB`` (``w=`` only): the integer-zero-point grid of GPTQ
+and AWQ checkpoints (GPT-QModel's ``sym=False``, compressed-tensors' asymmetric int). ``fintB``: the full-range
+symmetric grid of compressed-tensors and torchao (absmax / 127.5 onto [-128, 127] at 8 bits, values divided by the scale) where
 ``intB`` is the restricted one (absmax / 127 onto [-127, 127]: SmoothQuant's, bitsandbytes', vLLM's dynamic
 activation kernel). ``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every
 quantized linear's input), ``outliers:T`` (LLM.int8's decomposition as the paper states it), ``bnb_outliers:T``
@@ -180,7 +181,7 @@ class QuantSpec:
         self._check_awq()
 
     def _check_gptq(self) -> None:
-        """GPTQ rounds a ``w=`` part on a symmetric integer grid, per channel or in groups, of the decoder layers'
+        """GPTQ rounds a ``w=`` part on an integer grid (fint, int, zint), per channel or in groups, of the decoder layers'
         linears, alone among the weight transforms (not built with smoothing, rotations or LLM.int8)."""
         if self.gptq is None:
             return
@@ -205,8 +206,8 @@ class QuantSpec:
             raise OutlierscopeError(f"calib:{self.calib}: gptq calibrates on text (its Hessians), not on act_scales")
 
     def _check_awq(self) -> None:
-        """AWQ scales and clips a ``w=`` part on a symmetric integer grid, per channel or in groups, of the decoder
-        layers' linears, alone among the weight transforms."""
+        """AWQ scales and clips a ``w=`` part on an integer grid (int, fint, zint), per channel or in groups, of the
+        decoder layers' linears, alone among the weight transforms."""
         if self.awq is None:
             return
         w = self.part("w")

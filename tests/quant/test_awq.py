@@ -31,28 +31,29 @@ def _fixture():
     return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
 
 
-@pytest.mark.parametrize("bits, group", [(4, 32), (3, 16)])
-def test_scales_and_clipping_equal_gpt_qmodels(bits, group):
+@pytest.mark.parametrize("bits, group, grid", [(4, 32, "int"), (3, 16, "int"), (4, 32, "zint")])
+def test_scales_and_clipping_equal_gpt_qmodels(bits, group, grid):
     """The same inputs (recorded by the reference script) and weights, in float64 (the script says why): the chosen
     scales equal GPT-QModel's within float32 summation order of the means, every clipping bound is its bound (seen failing with ratios i/(n-1), with the
     weight mean over all rows' global max, and with clipping that keeps the last of equal errors)."""
     ref, meta = _fixture()
     assert json.loads(meta["settings"])["n_grid"] == 20
     mlp = _mlp()
-    spec = QuantSpec.parse(f"w=int{bits}/per_group:{group}; awq")
+    spec = QuantSpec.parse(f"w={grid}{bits}/per_group:{group}; awq")
+    key = f"w{bits}g{group}" + ("zp" if grid == "zint" else "")  # zint: AutoAWQ's zero point (its groups span 0)
     x_mlp, x_down = ref["x_mlp"], ref["x_down"]
     with torch.no_grad():
         for tag, linears, judge, x in (("mlp", [mlp.gate_proj, mlp.up_proj], mlp, x_mlp),
                                        ("down", [mlp.down_proj], mlp.down_proj, x_down)):
             s = _group_scale(linears, [x], judge, [((x,), {})], spec)
-            torch.testing.assert_close(s, ref[f"w{bits}g{group}.{tag}.scale"], rtol=1e-6, atol=0, msg=tag)
+            torch.testing.assert_close(s, ref[f"{key}.{tag}.scale"], rtol=1e-6, atol=0, msg=tag)
         part = spec.part("w")
         for name, x in (("gate_proj", x_mlp), ("up_proj", x_mlp), ("down_proj", x_down)):
             from outlierscope.quant.linear_ops import quantize_weight
 
             w = getattr(mlp, name).weight.detach()
             got = search_clip(w, x, lambda v: quantize_weight(v, part), group)
-            assert torch.equal(got, ref[f"w{bits}g{group}.{name}.clip"]), name
+            assert torch.equal(got, ref[f"{key}.{name}.clip"]), name
 
 
 # --- AutoAWQ in float64, written from its code (awq/quantize/quantizer.py) -------------------------------------------
@@ -170,7 +171,7 @@ def test_awq_config_text_and_errors():
     assert AWQConfig.parse("grid=10+clip=0") == AWQConfig(grid=10, clip=0)
     spec = QuantSpec.parse("w=int4/per_group:32; a=int8/per_token; awq:duo=0")
     assert QuantSpec.parse(str(spec)) == spec and spec.awq == AWQConfig(duo=0)
-    for text, words in (("w=nvfp4; awq", "w= part of int/fint"), ("w=int4/per_group:32; awq; smooth:0.5", "awq with smooth"),
+    for text, words in (("w=nvfp4; awq", "w= part of int/fint/zint"), ("w=int4/per_group:32; awq; smooth:0.5", "awq with smooth"),
                         ("w=int4/per_group:32; awq; gptq", "awq with gptq"), ("w=int4/per_group:32; awq:clip=2", "0 or 1"),
                         ("w=int4/per_group:32; awq:shrink=1", "shrink"), ("w=int4/per_group:32; awq:foo=1", "cannot read"),
                         ("w=int4/per_group:32; awq; linears:lm_head", "lm_head"),

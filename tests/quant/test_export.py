@@ -37,6 +37,8 @@ def test_arguments_worked_by_hand():
     a = QuantSpec.parse("w=fint8/per_tensor; a=fint6/per_group:64").part("a")
     assert qexport.tensor_args(a) == {"num_bits": 6, "type": "int", "symmetric": True, "strategy": "group",
                                       "group_size": 64, "dynamic": True}
+    w = QuantSpec.parse("w=zint4/per_group:128").part("w")  # compressed-tensors' W4A16_ASYM weights
+    assert ctq.QuantizationArgs(**qexport.tensor_args(w)) == ctq.preset_name_to_scheme("W4A16_ASYM", ["Linear"]).weights
     kv = qexport.kv_cache_args(QuantSpec.parse("kv=e4m3/per_head"))
     assert ctq.QuantizationArgs(**kv) == ctq.QuantizationArgs(num_bits=8, type="float", symmetric=True,
                                                               strategy="attn_head", dynamic=False)
@@ -53,6 +55,7 @@ def test_arguments_worked_by_hand():
     ("w=fint8/per_channel; a=int8/per_token", "export a=fint8/per_token$"),
     ("w=fint8/per_channel; kv=int8/per_tensor", "export k=fint8/per_tensor$"),
     ("w=asym4/per_group:32", "zero point is a float"),
+    ("w=fint4/per_group:64; awq", "AWQModifier searches other ratios"),
     # OCP's MX scale is not compressed-tensors' (it rounds a block's max to a power of two first)
     ("mxfp4", "OCP's MX scale.*measure and export w=ct-mxfp4$"),
     ("w=mxfp8_e4m3; a=ct-mxfp8_e4m3", "measure and export w=ct-mxfp8_e4m3$"),

@@ -190,3 +190,49 @@ def test_asym_against_numpy():
         got = asym_quant(torch.from_numpy(x), bits, torch.from_numpy(lo), torch.from_numpy(hi)).numpy()
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
         assert len(np.unique(got[0])) <= 2**bits
+
+
+def _gptqmodel_asym(w: np.ndarray, bits: int, group: int) -> np.ndarray:
+    """GPT-QModel's Quantizer (sym=False) per group, written from its find_params / quantize, in float64."""
+    g = w.reshape(-1, group)
+    lo, hi = np.minimum(g.min(1), 0), np.maximum(g.max(1), 0)
+    both = (lo == 0) & (hi == 0)
+    lo[both], hi[both] = -1, 1
+    scale = ((hi - lo) / (2**bits - 1))[:, None]
+    zero = np.round(-lo[:, None] / scale)
+    q = np.clip(np.round(g / scale) + zero, 0, 2**bits - 1)
+    return (scale * (q - zero)).reshape(w.shape)
+
+
+@pytest.mark.parametrize("bits", [3, 4, 8])
+def test_zint_is_gptqs_zero_point_grid_and_compressed_tensors_asymmetric_int(bits):
+    """w=zintB/per_group:G against GPT-QModel's asymmetric quantizer written in float64 (groups spanning the row, an
+    all-zero group, an all-positive group) and compressed-tensors' own asymmetric int quantization (float32: equal
+    but at exact ties x / s = k + 1/2, which round(x / s + zp) rounds to even after adding an odd zero point and
+    GPT-QModel's round(x / s) + zp before)."""
+    from outlierscope.quant.linear_ops import quantize_weight
+    from outlierscope.quant.parts import parse_part
+
+    g = torch.Generator().manual_seed(bits)
+    w = (torch.randn(24, 128, generator=g) * 0.05).bfloat16().double()
+    w[0, :32] = 0
+    w[1, 32:64] = w[1, 32:64].abs() + 0.01
+    part = parse_part(f"w=zint{bits}/per_group:32")[0]
+    got = quantize_weight(w, part)
+    np.testing.assert_allclose(got.numpy(), _gptqmodel_asym(w.numpy(), bits, 32), rtol=0, atol=1e-15)
+    assert got[1, 32:64].min() > 0 and torch.equal(got[0, :32], torch.zeros(32, dtype=torch.float64))
+
+    ct = pytest.importorskip("compressed_tensors.quantization")
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = ct.QuantizationArgs(num_bits=bits, type="int", symmetric=False, strategy="group", group_size=32)
+    w32 = w[2:].float()  # no all-zero group: compressed-tensors gives it scale eps, GPT-QModel [-1, 1]
+    grouped = w32.reshape(w32.shape[0], -1, 32)  # (O, groups, G)
+    scale, zp = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+    theirs = fake_quantize(w32, scale, zp, args)
+    ours = quantize_weight(w32, part)
+    ratio = grouped / scale[..., None]  # (O, groups, G)
+    tie = ((ratio - ratio.floor()) == 0.5) & (zp[..., None] % 2 == 1)
+    differ = (ours != theirs).reshape(grouped.shape)
+    assert differ.any() and not (differ & ~tie).any()  # ties of bf16-valued weights happen at every width

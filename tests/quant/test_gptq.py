@@ -13,13 +13,23 @@ from outlierscope.quant.gptq import gptq_quantize, hessian_update
 
 
 def _grid(x: np.ndarray, scale: np.ndarray, bits: int, fmt: str) -> np.ndarray:
-    """Round x (O,) to the symmetric grid with scale (O,): fint onto [-2^(b-1), 2^(b-1) - 1], int onto +-(2^(b-1) - 1)."""
+    """Round x (O,) to the symmetric grid with scale (O,): fint onto [-2^(b-1), 2^(b-1) - 1], int onto +-(2^(b-1) - 1);
+    zint: scale (O, 2) holds each row's scale and zero point, x onto s (clip(round(x / s) + z, 0, 2^b - 1) - z)."""
+    if fmt == "zint":
+        s, z = scale[..., 0], scale[..., 1]
+        return s * (np.clip(np.round(x / s) + z, 0, 2**bits - 1) - z)
     lo, hi = (-(2 ** (bits - 1)), 2 ** (bits - 1) - 1) if fmt == "fint" else (-(2 ** (bits - 1) - 1), 2 ** (bits - 1) - 1)
     safe = np.where(scale > 0, scale, 1.0)
     return np.where(scale > 0, np.clip(np.round(x / safe), lo, hi) * safe, x)
 
 
 def _scale(block: np.ndarray, bits: int, fmt: str) -> np.ndarray:
+    if fmt == "zint":  # GPT-QModel's find_params, sym=False: (O, 2) scale and zero point
+        lo, hi = np.minimum(block.min(1), 0), np.maximum(block.max(1), 0)
+        both = (lo == 0) & (hi == 0)
+        lo, hi = np.where(both, -1.0, lo), np.where(both, 1.0, hi)
+        s = (hi - lo) / (2**bits - 1)
+        return np.stack([s, np.round(-lo / s)], -1)
     qmax = (2**bits - 1) / 2 if fmt == "fint" else 2 ** (bits - 1) - 1
     return np.abs(block).max(axis=1) / qmax
 
@@ -82,6 +92,9 @@ def _layer(n_out=24, n_in=96, n=6, T=40, seed=0):
     (3, "fint", 16, 32, "gar", False),   # group-aware reordering (GPT-QModel's default)
     (3, "int", None, 40, "none", False),  # per channel, blocks that do not divide I
     (8, "fint", 48, 128, "desc", False),  # one block
+    (4, "zint", 16, 32, "desc", False),  # integer zero points, act order, dynamic groups
+    (3, "zint", 16, 32, "none", True),   # integer zero points, static groups
+    (4, "zint", None, 40, "none", False),  # integer zero points per channel
 ])
 def test_gptq_equals_the_sequential_form_in_float64(bits, fmt, group, block, order, static):
     w, h = _layer()
@@ -94,14 +107,15 @@ def test_gptq_equals_the_sequential_form_in_float64(bits, fmt, group, block, ord
     codes = ours.weight / ours.scale.gather(1, ours.g_idx.expand(w.shape[0], -1) if group else
                                             torch.zeros_like(ours.weight, dtype=torch.long))
     assert torch.allclose(codes, codes.round(), atol=1e-9)  # each weight an integer times its group's scale
+    assert (ours.zero is not None) == (fmt == "zint")
     assert ours.scale.shape == (w.shape[0], w.shape[1] // G)
 
 
 def _rtn(w, bits, fmt, group):
-    from outlierscope.quant.primitives import quantize_absmax
-
     G = group or w.shape[1]
-    return quantize_absmax(w.reshape(w.shape[0], -1, G), bits, (-1,), fmt=fmt).reshape(w.shape)
+    ws = w.reshape(w.shape[0], -1, G).numpy()  # (O, I/G, G)
+    return torch.from_numpy(np.stack([_grid(ws[:, k], _scale(ws[:, k], bits, fmt)[:, None], bits, fmt)
+                                      for k in range(ws.shape[1])], 1).reshape(w.shape))
 
 
 def test_gptq_lowers_the_layer_output_error_against_rtn():
@@ -148,13 +162,15 @@ def test_inputs_unchanged_and_bad_shapes_are_one_line():
 PACKED = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / "packed"
 
 
-@pytest.mark.parametrize("variant, bits, group", [("gptq-w3g32-sym", 3, 32), ("gptq-w8g64-sym", 8, 64)])
-def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group):
-    """GPT-QModel 7.6's own checkpoints (tests/models/packed, made by bench/gptq_fixtures.py: group-aware reordering,
-    damp 0.05, block 128, symmetric, 16 seeded random sequences of 64 tokens; the float16 model loaded in bfloat16 on
-    its CPU): layer 0's q/k/v see the calibration inputs unchanged by any quantization, so their Hessian is computed
-    here from those sequences through the bfloat16 model; every integer code and every float16 scale of the file is
-    ours."""
+@pytest.mark.parametrize("variant, bits, group, fmt, order", [("gptq-w3g32-sym", 3, 32, "fint", "gar"),
+                                                              ("gptq-w8g64-sym", 8, 64, "fint", "gar"),
+                                                              ("gptq-w4g32-asym-actorder", 4, 32, "zint", "desc")])
+def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group, fmt, order):
+    """GPT-QModel 7.6's own checkpoints (tests/models/packed, made by bench/gptq_fixtures.py: damp 0.05, block 128,
+    group-aware reordering (symmetric) or act order with integer zero points (sym=False, desc_act), 16 seeded random
+    sequences of 64 tokens; the float16 model loaded in bfloat16 on its CPU): layer 0's q/k/v see the calibration
+    inputs unchanged by any quantization, so their Hessian is computed here from those sequences through the
+    bfloat16 model; every integer code, zero point, float16 scale and g_idx of the file is ours."""
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
@@ -172,11 +188,16 @@ def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group):
         codes = unpack_codes(ck.get_tensor(pre + "qweight"), bits, 0).t()  # (out, in), unsigned
         scales = ck.get_tensor(pre + "scales")  # (groups, out) float16
         w = getattr(model.model.layers[0].self_attn, name).weight.float()
-        ours = gptq_quantize(w, h, bits, "fint", group, 128, damp=0.05, order="gar")
-        mine = torch.round(ours.weight / ours.scale.gather(1, ours.g_idx.expand(w.shape[0], -1))) + 2 ** (bits - 1)
+        ours = gptq_quantize(w, h, bits, fmt, group, 128, damp=0.05, order=order)
+        idx = ours.g_idx.expand(w.shape[0], -1)  # (out, in)
+        shift = ours.zero.gather(1, idx) if fmt == "zint" else 2 ** (bits - 1)  # the packed codes are unsigned
+        mine = torch.round(ours.weight / ours.scale.gather(1, idx)) + shift
         assert torch.equal(mine.to(torch.int32), codes), (name, int((mine != codes).sum()))
         assert torch.equal(ours.scale.t().half(), scales), name
         assert torch.equal(ours.g_idx.int(), ck.get_tensor(pre + "g_idx")), name
+        if fmt == "zint":  # checkpoint_format gptq (v1): each field holds zero - 1
+            zeros = (unpack_codes(ck.get_tensor(pre + "qzeros"), bits, 1)[:, : scales.shape[1]] + 1) & (2**bits - 1)
+            assert torch.equal(ours.zero.t().to(torch.int32), zeros), name
 
 
 FIXTURES = __import__("pathlib").Path(__file__).resolve().parent / "fixtures"
