@@ -96,6 +96,41 @@ def _holding(modules: list[nn.Linear]) -> Iterator[list[Fixed]]:
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
 
 
+def _same(a, b) -> bool:
+    """Two call arguments alike (tensors equal, tuples alike item by item, other values equal)."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, tuple | list):
+        return isinstance(b, tuple | list) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b or a == b
+
+
+def batched(calls: list[tuple[tuple, dict]], size: int = 16) -> list[tuple[tuple, dict]]:
+    """The calls of one module merged ``size`` sequences at a time: their hidden states (the first positional argument
+    or ``hidden_states``, (1, T, C) each) stacked into (n, T, C), everything else taken from the first call, when it
+    is alike in every call (the packed calibration sequences share positions and mask); else the calls as they are."""
+    def hidden(call):
+        args, kwargs = call
+        return args[0] if args else kwargs.get("hidden_states")
+
+    def rest(call):
+        args, kwargs = call
+        return (args[1:], {k: v for k, v in kwargs.items() if k != "hidden_states" or args})
+
+    h0 = hidden(calls[0]) if calls else None
+    if h0 is None or h0.dim() != 3 or h0.shape[0] != 1 or any(
+            hidden(c) is None or hidden(c).shape != h0.shape or not _same(rest(c), rest(calls[0])) for c in calls[1:]):
+        return calls
+    out = []
+    for i in range(0, len(calls), size):
+        h = torch.cat([hidden(c) for c in calls[i:i + size]])  # (n, T, C)
+        args, kwargs = calls[0]
+        out.append(((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h}))
+    return out
+
+
 def _outputs(module: nn.Module, calls: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
     outs = []
     for args, kwargs in calls:
@@ -122,6 +157,7 @@ def _group_scale(linears: list[nn.Linear], xs: list[torch.Tensor], judge: nn.Mod
                  calls: list[tuple[tuple, dict]], spec: QuantSpec) -> torch.Tensor:
     """AWQ's scale of one group (module docstring): the grid search with the judging module's mean squared error."""
     part, cfg, dt = spec.part("w"), spec.awq, linears[0].weight.dtype
+    calls = batched(calls)  # the judge runs on 16 sequences at a time
     x_sum = sum(x.reshape(-1, x.shape[-1]).abs().float().sum(0) for x in xs)  # (I,) float32
     x_mean = (x_sum / sum(x.numel() // x.shape[-1] for x in xs)).to(dt)
     w_mean = weight_mean([m.weight.detach() for m in linears], part.size if part.granularity == "per_group" else None)

@@ -176,3 +176,20 @@ def test_an_awq_spec_runs_through_calibration_for_and_the_perplexity_command(tmp
                  "--quant", str(spec), "--out", str(out)]) == 0
     assert str(spec) in json.loads((out / "perplexity.json").read_text())["cells"]
     assert pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]["kld_mean"] > 0
+
+
+def test_judge_calls_merge_into_batches_with_the_same_outputs():
+    """The attention's recorded calls (20 packed sequences: same positions, no mask) merge 16 at a time; its output on
+    the merged calls is the output call by call (float64); calls that differ beyond the hidden states stay apart."""
+    from outlierscope.quant.awq_model import _outputs, batched
+
+    model = _llama(2)
+    at = model.model.layers[0].self_attn
+    seqs = torch.randint(1, 300, (20, 24), generator=torch.Generator().manual_seed(5))
+    calls = _capture(model, seqs, {"attn": at})["attn"]
+    merged = batched(calls, 16)
+    assert [c[1]["hidden_states"].shape[0] for c in merged] == [16, 4]
+    with torch.no_grad():
+        torch.testing.assert_close(torch.cat(_outputs(at, merged)), torch.cat(_outputs(at, calls)), rtol=0, atol=1e-12)
+    other = _capture(model, torch.randint(1, 300, (1, 10), generator=torch.Generator().manual_seed(6)), {"a": at})["a"]
+    assert batched(calls[:2] + other, 16) == calls[:2] + other  # another length: no merge
