@@ -242,6 +242,7 @@ class EvalOptions:
     layout: str | None = None  # "separate" or "shared"; None: layout_for(quant)
     progress: bool = True
     desc: str | None = None  # the progress bar's label (None: the task's name)
+    calibration_dir: str | None = None  # GPTQ/AWQ: each calibrated layer saved there, a rerun continues (None: not kept)
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -320,7 +321,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
                 "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
                 "device": model_device(model), "attn_block": opt.block_rows, "task": task}
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
-    calibration = calibration_for(model, tokenizer, spec)
+    calibration = calibration_for(model, tokenizer, spec, opt.calibration_dir)
     part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task, calibration,
                   linear_error)
     for stats in (attn_error, linear_error):  # each rank measured its virtual shards: rank 0 gets them all

@@ -32,10 +32,9 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.hooks.points import decoder_layers
 from outlierscope.quant.awq import clip_groups, search_clip, search_scale, weight_mean
 from outlierscope.quant.linear_ops import quantize_weight
-from outlierscope.quant.sequential import Fixed, input_subsets, layer_inputs, next_inputs, run_layer
+from outlierscope.quant.sequential import Fixed, input_subsets, layerwise, run_layer
 from outlierscope.quant.spec import QuantSpec
 
 NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")  # AutoAWQ's names of linears it never clips ("due to qk bmm")
@@ -206,38 +205,13 @@ def _layer_awq(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, spec:
     return out
 
 
-@torch.no_grad()
-def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list,
-              progress: bool = True) -> dict[str, AWQWeight]:
+def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
+              checkpoint_dir=None) -> dict[str, AWQWeight]:
     """AWQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
-    after layer on ``seqs`` (N, T) token ids (module docstring). Returns full module name -> :class:`AWQWeight`; the
-    model is as it was."""
-    from tqdm.auto import tqdm
-
+    after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
+    a rerun continues after it). Returns full module name -> :class:`AWQWeight`; the model is as it was."""
     if spec.awq is None:
         raise OutlierscopeError(f"{spec}: no awq in the spec; add awq (e.g. w=int4/per_group:128; awq)")
-    by_layer: dict[int, dict[str, nn.Linear]] = {}
-    names = {}
-    for s in sites:
-        by_layer.setdefault(s.layer, {})[s.path] = s.module
-        names[s.module] = s.name
-    out: dict[str, AWQWeight] = {}
-    fixed: list[nn.Module] = []
     part = spec.part("w")
-    try:
-        inputs = layer_inputs(model, seqs)
-        layers = decoder_layers(model)
-        last = max(by_layer, default=-1)
-        for i in tqdm(range(last + 1), desc="awq", unit="layer", disable=not progress or None):
-            mine = by_layer.get(i, {})
-            for p, r in (_layer_awq(layers[i], mine, inputs, spec) if mine else {}).items():
-                m = mine[p]
-                out[names[m]] = r
-                parametrize.register_parametrization(m, "weight", Fixed(r.weight(m.weight.detach(), part)))
-                fixed.append(m)
-            if i < last:
-                inputs = next_inputs(layers[i], inputs)
-    finally:
-        for m in fixed:
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
-    return out
+    return layerwise(model, seqs, spec, sites, "awq", lambda layer, mine, inputs, fix: _layer_awq(layer, mine, inputs, spec),
+                     lambda r, m: r.weight(m.weight.detach(), part), AWQWeight, progress, checkpoint_dir)

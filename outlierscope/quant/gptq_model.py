@@ -23,20 +23,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.hooks.points import decoder_layers
 from outlierscope.quant.gptq import gptq_quantize, hessian_update
-from outlierscope.quant.sequential import (
-    DEFAULT_CALIB,
-    Fixed,
-    calibration_sequences,
-    input_subsets,
-    layer_inputs,
-    next_inputs,
-    run_layer,
-)
+from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences, input_subsets, layerwise, run_layer
 from outlierscope.quant.spec import QuantSpec
 
 __all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_model"]
@@ -93,41 +83,30 @@ def _hessians(modules: dict[str, nn.Linear]) -> Iterator[dict[str, list]]:
             h.remove()
 
 
-@torch.no_grad()
-def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list,
-               progress: bool = True) -> dict[str, RoundedWeight]:
-    """GPTQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
-    after layer on ``seqs`` (N, T) token ids (module docstring). Returns full module name -> :class:`RoundedWeight`;
-    the model is as it was."""
-    from tqdm.auto import tqdm
+def _gptq_layer(spec: QuantSpec):
+    """One layer's GPTQ (true sequential inside it): per subset of linears reading one input, the Hessians from the
+    layer run on every input with the subsets before it already rounded, then each linear's rounding, fixed."""
 
+    def calibrate(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, fix) -> dict[str, RoundedWeight]:
+        out = {}
+        for subset in input_subsets(layer, mine, inputs[0]):
+            modules = {p: mine[p] for p in subset}
+            with _hessians(modules) as acc:
+                run_layer(layer, inputs)
+            for p, m in modules.items():
+                out[p] = RoundedWeight.of(m.weight.detach(), acc[p][0], spec)
+                fix(m, out[p].weight(m.weight.dtype, m.weight.device))
+        return out
+
+    return calibrate
+
+
+def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
+               checkpoint_dir=None) -> dict[str, RoundedWeight]:
+    """GPTQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
+    after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
+    a rerun continues after it). Returns full module name -> :class:`RoundedWeight`; the model is as it was."""
     if spec.gptq is None:
         raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
-    by_layer: dict[int, dict[str, nn.Linear]] = {}
-    names = {}
-    for s in sites:
-        by_layer.setdefault(s.layer, {})[s.path] = s.module
-        names[s.module] = s.name
-    out: dict[str, RoundedWeight] = {}
-    fixed: list[nn.Module] = []
-    try:
-        inputs = layer_inputs(model, seqs)
-        layers = decoder_layers(model)
-        last = max(by_layer, default=-1)
-        for i in tqdm(range(last + 1), desc="gptq", unit="layer", disable=not progress or None):
-            mine = by_layer.get(i, {})
-            for subset in input_subsets(layers[i], mine, inputs[0]) if mine else []:
-                modules = {p: mine[p] for p in subset}
-                with _hessians(modules) as acc:
-                    run_layer(layers[i], inputs)
-                for p, m in modules.items():
-                    r = RoundedWeight.of(m.weight.detach(), acc[p][0], spec)
-                    out[names[m]] = r
-                    parametrize.register_parametrization(m, "weight", Fixed(r.weight(m.weight.dtype, m.weight.device)))
-                    fixed.append(m)
-            if i < last:
-                inputs = next_inputs(layers[i], inputs)
-    finally:
-        for m in fixed:
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
-    return out
+    return layerwise(model, seqs, spec, sites, "gptq", _gptq_layer(spec),
+                     lambda r, m: r.weight(m.weight.dtype, m.weight.device), RoundedWeight, progress, checkpoint_dir)

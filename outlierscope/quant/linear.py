@@ -151,16 +151,17 @@ def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, 
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
+def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None) -> Calibration:
     """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
     input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
     endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
-    SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward)."""
+    SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward). GPTQ and AWQ
+    calibrate layer after layer (``checkpoint_dir``: each finished layer saved there, a rerun continues after it)."""
     from outlierscope.data.text import pack_sequences, text_documents
 
     sites = linear_sites(model, spec)
     if spec.gptq is not None or spec.awq is not None:
-        return _layerwise_calibration(model, tokenizer, spec, sites)
+        return _layerwise_calibration(model, tokenizer, spec, sites, checkpoint_dir)
     source = spec.calib or "hellaswag"
     if source.endswith(".pt"):
         return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
@@ -176,7 +177,8 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec) -> Calibration:
     return Calibration(act_max, input_groups(model, sites), source)
 
 
-def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite]) -> Calibration:
+def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite],
+                           checkpoint_dir=None) -> Calibration:
     """GPTQ's rounded weights or AWQ's scales and clipping bounds of the quantized linears ``sites``, calibrated layer
     after layer on ``samples`` sequences of ``spec.calib`` (default: LAMBADA's last passages)
     (:func:`~outlierscope.quant.gptq_model.gptq_model`, :func:`~outlierscope.quant.awq_model.awq_model`)."""
@@ -187,10 +189,10 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
     ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
     cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
-    return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites))
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
 
 
-def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
+def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
     """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
     with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
     forward). Every process computes the same (it reads the same text)."""
@@ -198,7 +200,7 @@ def calibration_for(model: nn.Module, tokenizer, spec) -> Calibration | None:
     if not spec.has_linear:
         return None
     linear_sites(model, spec)
-    return calibrate(model, tokenizer, spec) if needs_calibration(spec) else None
+    return calibrate(model, tokenizer, spec, checkpoint_dir) if needs_calibration(spec) else None
 
 
 def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tensor]:

@@ -101,3 +101,88 @@ def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[
         else:
             out.append([p])
     return out
+
+
+def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor, spec, sites: list):
+    """Where a calibration keeps its finished layers: ``directory/KIND-HASH.pt``, the hash of the spec, the model's
+    name and dtype, the linears and the calibration tokens (another model or text: another file)."""
+    import hashlib
+    from pathlib import Path
+
+    h = hashlib.sha256()
+    cfg = getattr(model, "config", None)
+    h.update(f"{kind}|{spec}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
+    h.update("|".join(s.name for s in sites).encode())
+    h.update(seqs.cpu().numpy().tobytes())
+    return Path(directory) / f"{kind}-{h.hexdigest()[:16]}.pt", h.hexdigest()
+
+
+def _load_layers(path, key: str) -> dict:
+    """The finished layers a checkpoint holds (layer -> path -> fields), or none (no file, or another key)."""
+    if path is None or not path.exists():
+        return {}
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - unreadable (another version's file): calibrate again, it is rewritten
+        return {}
+    return state["layers"] if isinstance(state, dict) and state.get("key") == key else {}
+
+
+def _save_layers(path, key: str, layers: dict) -> None:
+    """Every finished layer, written atomically (a file cut by a kill is never read; processes of one run each write
+    their own temporary file, the same content)."""
+    import os
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save({"key": key, "layers": layers}, tmp)
+    os.replace(tmp, path)
+
+
+@torch.no_grad()
+def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str, calibrate_layer, weight_of,
+              result_type, progress: bool = True, checkpoint_dir=None) -> dict:
+    """A layer-by-layer calibration (GPTQ's and AWQ's): layer 0's inputs for every sequence of ``seqs`` (N, T); for each
+    decoder layer holding linears of ``sites``, ``calibrate_layer(layer, linears, inputs, fix)`` -> path -> result
+    (``fix(module, weight)`` holds a weight in place from then on; a result it did not fix is held at
+    ``weight_of(result, module)``); then the next layer's inputs through the quantized layer. With
+    ``checkpoint_dir`` every finished layer is saved (``result_type``'s fields) and a rerun continues after the last
+    one saved. Returns full module name -> result; the model is as it was (every parametrization removed)."""
+    from torch.nn.utils import parametrize
+    from tqdm.auto import tqdm
+
+    by_layer: dict[int, dict[str, nn.Linear]] = {}
+    names = {}
+    for s in sites:
+        by_layer.setdefault(s.layer, {})[s.path] = s.module
+        names[s.module] = s.name
+    path, key = _checkpoint_path(checkpoint_dir, kind, model, seqs, spec, sites) if checkpoint_dir else (None, "")
+    saved = _load_layers(path, key)
+    out, fixed = {}, []
+
+    def fix(m: nn.Module, w: torch.Tensor) -> None:
+        parametrize.register_parametrization(m, "weight", Fixed(w))
+        fixed.append(m)
+
+    try:
+        inputs = layer_inputs(model, seqs)
+        layers = decoder_layers(model)
+        last = max(by_layer, default=-1)
+        for i in tqdm(range(last + 1), desc=kind, unit="layer", disable=not progress or None):
+            mine = by_layer.get(i, {})
+            done = saved.get(i)
+            results = {p: result_type(**f) for p, f in done.items()} if done is not None else \
+                calibrate_layer(layers[i], mine, inputs, fix) if mine else {}
+            for p, r in results.items():
+                out[names[mine[p]]] = r
+                if not parametrize.is_parametrized(mine[p], "weight"):
+                    fix(mine[p], weight_of(r, mine[p]))
+            if path is not None and mine and done is None:
+                saved[i] = {p: dict(vars(r)) for p, r in results.items()}
+                _save_layers(path, key, saved)
+            if i < last:
+                inputs = next_inputs(layers[i], inputs)
+    finally:
+        for m in fixed:
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+    return out

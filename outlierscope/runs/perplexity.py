@@ -240,16 +240,17 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
 
 
 def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
-            ref_specs: list[QuantSpec] | None = None):
+            ref_specs: list[QuantSpec] | None = None, calibration_dir=None):
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
-    under ``ref_specs`` (default: the same spec)."""
+    under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
     from outlierscope.eval.perplexity import score_pairs
     from outlierscope.quant.linear import calibration_for
 
     ref_specs = ref_specs if ref_specs is not None else specs
-    cals = [calibration_for(lm.model, lm.tokenizer, spec) for spec in specs]
-    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec) for spec in ref_specs] if ref is not None else None
+    cals = [calibration_for(lm.model, lm.tokenizer, spec, calibration_dir) for spec in specs]
+    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec, calibration_dir) for spec in ref_specs] \
+        if ref is not None else None
 
     def group(idx: list[int], shard: int) -> list[TokenScores]:
         chosen, cal = [specs[j] for j in idx], [cals[j] for j in idx]
@@ -316,7 +317,8 @@ def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: Ce
         if todo:
             ref = ref_model() if ref_model is not None else None
             score = _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
-                            [ref_specs[i] for i in todo] if ref_specs is not None else None)
+                            [ref_specs[i] for i in todo] if ref_specs is not None else None,
+                            c.cells.parent / "calibration")
             _compute_parts(score, [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
     if not c.world.is_main:
         return None

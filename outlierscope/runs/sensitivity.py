@@ -298,7 +298,8 @@ class _Run:
             with quantize_model(self.lm.model, keep, s.attn_block) if keep else contextlib.nullcontext():
                 res = evaluate(self.lm, quant=spec, items=self.items, batch_size=s.batch_size, progress=self.progress,
                                desc=role, block_rows=s.attn_block, task=s.task, layout=self.ident["layout"],
-                               shard=self.shard, world=self.world, attn_error=stats, attn_error_spec=measure)
+                               shard=self.shard, world=self.world, attn_error=stats, attn_error_spec=measure,
+                               calibration_dir=str(self.cells_dir.parent / "calibration"))
             table = None if not measure else stats.table() if self.shard.whole else stats.shard_table()
             return res, ({"attn_error": table} if measure else None)
 

@@ -273,7 +273,7 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
             if sites else None
         res = evaluate(lm, quant=spec.with_weights(s.weights), items=items, text_seqs=text_seqs,
                        batch_size=s.batch_size, progress=progress, desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
-                       linear_error=lin)
+                       linear_error=lin, calibration_dir=str(cells_dir.parent / "calibration"))
         # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
         whole = shard is None or shard.whole
         side = {name: st.table() if whole else st.shard_table() for name, st in (("attn_error", stats),

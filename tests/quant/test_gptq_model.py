@@ -149,3 +149,30 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
     assert str(spec) in json.loads((out / "perplexity.json").read_text())["cells"]
     row = pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]
     assert row["kld_mean"] > 0
+
+
+def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatch):
+    """With checkpoint_dir each finished layer is saved: a rerun reads them all (no layer calibrated again: GPTQ's
+    rounding broken here would fail otherwise); a checkpoint cut after layer 0 gives layers 1 and 2 as the whole run
+    did (calibrated on the inputs through the saved layer 0); other calibration tokens use another file."""
+    import glob
+
+    from outlierscope.quant import gptq_model as gm
+
+    model = _llama()
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse("w=fint4/per_group:16; gptq")
+    sites = linear_sites(model, spec)
+    whole = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
+    (path,) = glob.glob(str(tmp_path / "gptq-*.pt"))
+    state = torch.load(path, weights_only=True)
+    assert sorted(state["layers"]) == [0, 1, 2]
+    with monkeypatch.context() as m:
+        m.setattr(gm.RoundedWeight, "of", classmethod(lambda *a: (_ for _ in ()).throw(AssertionError("calibrated"))))
+        again = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
+    assert all(torch.equal(again[n].weight(), r.weight()) for n, r in whole.items())
+    torch.save({"key": state["key"], "layers": {0: state["layers"][0]}}, path)
+    resumed = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
+    assert all(torch.equal(resumed[n].weight(), r.weight()) for n, r in whole.items())
+    gptq_model(model, seqs[:2], spec, sites, progress=False, checkpoint_dir=tmp_path)
+    assert len(glob.glob(str(tmp_path / "gptq-*.pt"))) == 2
