@@ -76,6 +76,13 @@ def test_readme_commands_made_docs_checkpoints():
             assert json.loads((ROOT / out).read_text())["command"].split()[1:] == argv[2:], out
             made.add((ROOT / out).resolve())
             continue
+        if argv[0].endswith("python") and argv[1] == "bench/weight_grid.py":  # its record names its argv
+            out = argv[argv.index("--out") + 1]
+            record = json.loads((ROOT / out).read_text())
+            assert record["command"].split()[1:] == [os.path.expanduser(x) for x in argv[2:]], out
+            assert record["tensors"] and set(record["summary"]) >= {"mlp.down_proj", "self_attn.q_proj"}
+            made.add((ROOT / out).resolve())
+            continue
         if argv[0].endswith("python") and argv[1] == "bench/gptq_oneshot.py":  # GPT-QModel's venv
             flags = [x for x in argv[2:] if x in ("--asym", "--desc-act")]
             a = dict(zip(*[iter([x for x in argv[2:] if x not in flags])] * 2))
@@ -106,7 +113,7 @@ def test_readme_commands_made_docs_checkpoints():
         made.add((ROOT / a.out / name).resolve())
     recorded = {p.resolve() for p in (ROOT / "docs" / "checkpoints").rglob("*.json")
                 if p.name in ("export.json", "compare.json", "profile.json", "llmc_oneshot.json", "gptq_oneshot.json")
-                or p.parent.name == "packed_nll"}
+                or p.parent.name == "packed_nll" or p.name.endswith("weight-grid.json")}
     assert recorded and made == recorded
 
 
