@@ -8,7 +8,9 @@ tests/models/packed (a seeded random Llama, hidden 64, MLP 192; loaded in float6
 2. for the symmetric grids (4 bits, groups of 32; 3 bits, groups of 16) and the zero-point grid (4 bits, groups of
    32; AutoAWQ's default), calls GPT-QModel's own functions:
    ``_compute_awq_weight_mean`` and ``AWQProcessor._compute_best_scale`` for gate/up judged by the MLP's output and
-   for down_proj judged by its own, with duo scaling and the 20-point grid; ``AWQProcessor._compute_best_clip`` for
+   for down_proj judged by its own, with duo scaling and the 20-point grid, its previous-subset hint unset (in a whole
+   run GPT-QModel multiplies ``w_mean`` by the mean |W| of the layer's previous subset, a rule of its own that
+   AutoAWQ does not have: our scales are AutoAWQ's); ``AWQProcessor._compute_best_clip`` for
    gate/up/down on their inputs;
 3. writes the inputs, the chosen scales, the losses and the clipping bounds to ``--out`` (safetensors), with the
    versions and this command in its metadata.
