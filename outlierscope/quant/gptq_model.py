@@ -26,7 +26,14 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.gptq import gptq_quantize, hessian_update
-from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences, input_subsets, layerwise, run_layer
+from outlierscope.quant.sequential import (
+    DEFAULT_CALIB,
+    calibration_sequences,
+    input_subsets,
+    layerwise,
+    run_layer,
+    run_until,
+)
 from outlierscope.quant.spec import QuantSpec
 
 __all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_model"]
@@ -83,16 +90,30 @@ def _hessians(modules: dict[str, nn.Linear]) -> Iterator[dict[str, list]]:
             h.remove()
 
 
+def _called_once(layer: nn.Module, mine: dict[str, nn.Linear], first: tuple[tuple, dict]) -> bool:
+    """Whether every linear of ``mine`` runs once per forward of the layer (then a forward may stop after them)."""
+    count: dict[int, int] = {}
+    handles = [m.register_forward_hook(lambda mod, a, o: count.__setitem__(id(mod), count.get(id(mod), 0) + 1))
+               for m in mine.values()]
+    try:
+        run_layer(layer, [first])
+    finally:
+        for h in handles:
+            h.remove()
+    return all(c == 1 for c in count.values())
+
+
 def _gptq_layer(spec: QuantSpec):
     """One layer's GPTQ (true sequential inside it): per subset of linears reading one input, the Hessians from the
     layer run on every input with the subsets before it already rounded, then each linear's rounding, fixed."""
 
     def calibrate(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, fix) -> dict[str, RoundedWeight]:
         out = {}
+        once = _called_once(layer, mine, inputs[0])
         for subset in input_subsets(layer, mine, inputs[0]):
             modules = {p: mine[p] for p in subset}
-            with _hessians(modules) as acc:
-                run_layer(layer, inputs)
+            with _hessians(modules) as acc:  # the forward up to the subset's last linear (all of it: one runs twice)
+                run_until(layer, inputs, list(modules.values())) if once else run_layer(layer, inputs)
             for p, m in modules.items():
                 out[p] = RoundedWeight.of(m.weight.detach(), acc[p][0], spec)
                 fix(m, out[p].weight(m.weight.dtype, m.weight.device))

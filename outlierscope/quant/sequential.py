@@ -69,6 +69,29 @@ def run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.
     return outs
 
 
+def run_until(layer: nn.Module, inputs: list[tuple[tuple, dict]], modules: list[nn.Module]) -> None:
+    """The layer run on each input only as far as every module of ``modules`` has run once (the rest of its forward
+    skipped: what a pass that records those modules' inputs needs)."""
+    seen: set[int] = set()
+
+    def post(mod, args, out):
+        seen.add(id(mod))
+        if len(seen) == len(modules):
+            raise _Stop
+
+    handles = [m.register_forward_hook(post) for m in modules]
+    try:
+        for args, kwargs in inputs:
+            seen.clear()
+            try:
+                layer(*args, **kwargs)
+            except _Stop:
+                pass
+    finally:
+        for h in handles:
+            h.remove()
+
+
 def next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
     """The next layer's inputs: this layer's outputs in the hidden states' place (positional or ``hidden_states``),
     the rest (positions, mask) as they were."""

@@ -176,3 +176,22 @@ def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatc
     assert all(torch.equal(resumed[n].weight(), r.weight()) for n, r in whole.items())
     gptq_model(model, seqs[:2], spec, sites, progress=False, checkpoint_dir=tmp_path)
     assert len(glob.glob(str(tmp_path / "gptq-*.pt"))) == 2
+
+
+def test_the_subsets_forward_stops_after_their_linears_and_gives_the_same_weights(monkeypatch):
+    """GPTQ runs each subset's forward only as far as its last linear: the weights equal those of whole forwards
+    (float64), and the forward of the q/k/v subset never reaches the MLP."""
+    from outlierscope.quant import gptq_model as gm
+    from outlierscope.quant.sequential import run_layer
+
+    model = _llama()
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse("w=fint4/per_group:16; gptq")
+    mlp_calls = []
+    h = model.model.layers[0].mlp.register_forward_pre_hook(lambda *a: mlp_calls.append(1))
+    short = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+    h.remove()
+    assert 0 < len(mlp_calls) < 4 * 5  # subsets gate/up and down reach it; q/k/v and o stop before it
+    monkeypatch.setattr(gm, "run_until", lambda layer, inputs, modules: run_layer(layer, inputs))
+    whole = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+    assert all(torch.equal(short[n].weight(), r.weight()) for n, r in whole.items())
