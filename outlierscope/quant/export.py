@@ -12,7 +12,7 @@ in one line naming why)::
     ct-mxfp4, ct-mxfp8_e4m3   -> compressed-tensors' MXFP4 / MXFP8 arguments (its own MX scale rounding)
     nvfp4                     -> compressed-tensors' NVFP4 arguments
     smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
-    gptq:static[,order=desc]  -> GPTQModifier(block_size, dampening_frac, actorder None | weight) in its place
+    gptq:static,sequential=layer[,order=desc]  -> GPTQModifier(block_size, dampening_frac, actorder None | weight) in its place
     k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
 
 Only the grid that was measured is written: ``intB`` (the restricted grid, absmax / (2^(B-1) - 1)) and ``asymB`` (a
@@ -135,14 +135,16 @@ def check_exportable(spec: QuantSpec) -> None:
     for p in (spec.part("w"), spec.part("a")):
         if p is not None:
             tensor_args(p)
-    if spec.gptq is not None and (not spec.gptq.static or spec.gptq.order not in GPTQ_ACTORDER):
-        raise OutlierscopeError(f"{spec}: llm-compressor's GPTQModifier takes its group scales before any update and "
-                                "orders columns as they are or by decreasing Hessian diagonal; export "
-                                "gptq:static (order=none or order=desc)")
+    if spec.gptq is not None and (not spec.gptq.static or spec.gptq.order not in GPTQ_ACTORDER
+                                  or spec.gptq.sequential != "layer"):
+        raise OutlierscopeError(f"{spec}: llm-compressor's GPTQModifier takes its group scales before any update, "
+                                "orders columns as they are or by decreasing Hessian diagonal and calibrates a "
+                                "layer's linears in one pass; export gptq:static,sequential=layer (order=none or "
+                                "order=desc)")
     if spec.awq is not None:
         raise OutlierscopeError(f"{spec}: awq is AutoAWQ's search (ratios i/20, with clipping); llm-compressor's "
                                 "AWQModifier searches other ratios without clipping, so its recipe would not give these "
-                                "weights; export without awq (RTN) or with gptq:static")
+                                "weights; export without awq (RTN) or with gptq:static,sequential=layer")
 
 
 def linear_scheme(spec: QuantSpec) -> dict | None:
@@ -171,7 +173,8 @@ def differences(spec: QuantSpec) -> list[str]:
     """How the emulation of ``spec`` and the real scheme built from the export differ."""
     notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
              "GPTQModifier or AWQModifier in its place would correct the rounding error"] if spec.gptq is None else [
-        f"weights: GPTQ as llm-compressor's GPTQModifier computes it (static group scales, block {spec.gptq.block}, "
+        f"weights: GPTQ as llm-compressor's GPTQModifier computes it (static group scales, one pass per layer, "
+        f"block {spec.gptq.block}, "
         f"damping {spec.gptq.damp}), calibrated here on {spec.gptq.samples} x {spec.gptq.seqlen} tokens of "
         f"{spec.calib or 'lambada-tail'}; oneshot calibrates on the dataset given to it"]
     a = spec.part("a")
@@ -222,7 +225,7 @@ def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
         quant["config_groups"] = {"group_0": scheme}
     if kv:
         quant["kv_cache_scheme"] = kv
-    if spec.gptq is not None:  # GPTQModifier in QuantizationModifier's place (gptq:static, checked on export)
+    if spec.gptq is not None:  # GPTQModifier in QuantizationModifier's place (gptq:static,sequential=layer, checked on export)
         quant.update(block_size=spec.gptq.block, dampening_frac=spec.gptq.damp,
                      actorder=GPTQ_ACTORDER[spec.gptq.order])
         modifiers["GPTQModifier"] = quant

@@ -39,20 +39,25 @@ from outlierscope.quant.primitives import absmax_scale, fake_quant, qmax
 
 GPTQ_GRIDS = ("fint", "int", "zint")  # symmetric grids, and zint: GPTQ's integer zero points (sym=False)
 ORDERS = ("none", "desc", "gar")
+SEQUENTIAL = ("subset", "layer")  # GPT-QModel's true_sequential; llm-compressor's sequential pipeline
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
     """How GPTQ runs (a spec's ``gptq`` or ``gptq:KEY=VALUE,...``; the defaults are the paper's): ``damp`` (a fraction
     of the Hessian's mean diagonal added to it), ``order`` (:func:`column_order`), ``block`` (columns per lazy batch),
-    ``static`` (group scales from the weights before any update, as llm-compressor), and the calibration:
-    ``samples`` sequences of ``seqlen`` tokens. GPT-QModel 7.6's defaults: ``damp=0.05,order=gar``; llm-compressor
-    0.14's (actorder static): ``order=desc,static``."""
+    ``static`` (group scales from the weights before any update, as llm-compressor), ``sequential`` (within a
+    decoder layer: ``subset``, each group of linears reading one input calibrated on inputs through the layer's
+    already-rounded linears, GPT-QModel's ``true_sequential``; ``layer``, every linear's Hessian from one pass
+    through the layer as it was, llm-compressor's sequential pipeline), and the calibration: ``samples`` sequences
+    of ``seqlen`` tokens. GPT-QModel 7.6's defaults: ``damp=0.05,order=gar``; llm-compressor 0.14's (actorder
+    static): ``order=desc,static,sequential=layer``."""
 
     damp: float = 0.01
     order: str = "none"
     block: int = 128
     static: bool = False
+    sequential: str = "subset"
     samples: int = 128
     seqlen: int = 512
 
@@ -61,6 +66,8 @@ class GPTQConfig:
             raise OutlierscopeError(f"gptq:damp=X needs 0 <= X < 1 (a fraction of the mean Hessian diagonal), got {self.damp}")
         if self.order not in ORDERS:
             raise OutlierscopeError(f"gptq:order= must be one of {', '.join(ORDERS)}, got {self.order!r}")
+        if self.sequential not in SEQUENTIAL:
+            raise OutlierscopeError(f"gptq:sequential= must be one of {', '.join(SEQUENTIAL)}, got {self.sequential!r}")
         for key in ("block", "samples", "seqlen"):
             if getattr(self, key) < 1:
                 raise OutlierscopeError(f"gptq:{key}=N needs N >= 1, got {getattr(self, key)}")
@@ -80,10 +87,10 @@ class GPTQConfig:
             key, eq, value = item.partition("=")
             if key not in kinds or (key == "static") == bool(eq):
                 raise OutlierscopeError(f"cannot read gptq:{arg}: expected KEY=VALUE items among damp, order, block, "
-                                        "samples, seqlen and the word static, e.g. gptq:damp=0.05,order=gar")
+                                        "sequential, samples, seqlen and the word static, e.g. gptq:damp=0.05,order=gar")
             try:
-                kw[key] = True if key == "static" else float(value) if key == "damp" else value if key == "order" \
-                    else int(value)
+                kw[key] = True if key == "static" else float(value) if key == "damp" \
+                    else value if key in ("order", "sequential") else int(value)
             except ValueError:
                 raise OutlierscopeError(f"cannot read gptq:{item}: expected a number") from None
         return cls(**kw)

@@ -5,7 +5,8 @@ and the layers below, is already quantized.
     seqs    = calibration token ids (N, T)                        # gptq:samples x gptq:seqlen of calib:SOURCE
     inputs  = layer 0's inputs for every sequence (a pre-hook stops each forward there)
     for each decoder layer:
-        for each subset of its linears reading one input (q/k/v, o, gate/up, down: found by one forward):
+        for each subset of its linears reading one input (q/k/v, o, gate/up, down: found by one forward;
+                gptq:sequential=layer, llm-compressor's pipeline: all of the layer's linears, one subset):
             H = hessian_update over the subset's inputs, the layer run on every sequence's input
             each linear of the subset: gptq_quantize(W, H) -> its rounded weight, in place from now on
         inputs = the (quantized) layer's outputs                  # the next layer's inputs
@@ -104,13 +105,15 @@ def _called_once(layer: nn.Module, mine: dict[str, nn.Linear], first: tuple[tupl
 
 
 def _gptq_layer(spec: QuantSpec):
-    """One layer's GPTQ (true sequential inside it): per subset of linears reading one input, the Hessians from the
-    layer run on every input with the subsets before it already rounded, then each linear's rounding, fixed."""
+    """One layer's GPTQ: per subset of linears reading one input (``gptq:sequential=subset``, true sequential inside
+    the layer; ``layer``: all the layer's linears as one subset), the Hessians from the layer run on every input with
+    the subsets before it already rounded, then each linear's rounding, fixed."""
 
     def calibrate(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, fix) -> dict[str, RoundedWeight]:
         out = {}
         once = _called_once(layer, mine, inputs[0])
-        for subset in input_subsets(layer, mine, inputs[0]):
+        subsets = input_subsets(layer, mine, inputs[0]) if spec.gptq.sequential == "subset" else [list(mine)]
+        for subset in subsets:
             modules = {p: mine[p] for p in subset}
             with _hessians(modules) as acc:  # the forward up to the subset's last linear (all of it: one runs twice)
                 run_until(layer, inputs, list(modules.values())) if once else run_layer(layer, inputs)

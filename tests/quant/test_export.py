@@ -162,14 +162,16 @@ def test_differences_name_how_nvfp4_weights_are_decoded(text, said):
 
 
 def test_a_gptq_spec_exports_as_llm_compressors_gptq_modifier():
-    """gptq:static (order none / desc) becomes GPTQModifier in QuantizationModifier's place, with llm-compressor
+    """gptq:static,sequential=layer (order none / desc) becomes GPTQModifier in QuantizationModifier's place, with llm-compressor
     0.14's field names (block_size, dampening_frac, actorder None / "weight": checked by constructing GPTQModifier
-    in its venv when this was written); dynamic groups or GAR, which its GPTQ does not compute, are refused."""
+    in its venv when this was written; its whole run's codes are ours, tests/quant/test_gptq_model.py); dynamic
+    groups, GAR or GPT-QModel's order inside a layer, which its GPTQ does not compute, are refused."""
     from outlierscope.errors import OutlierscopeError
     from outlierscope.quant.export import check_exportable, recipe
     from outlierscope.quant.spec import QuantSpec
 
-    for text, actorder in (("gptq:static", None), ("gptq:damp=0.05,order=desc,block=64,static", "weight")):
+    for text, actorder in (("gptq:static,sequential=layer", None),
+                          ("gptq:damp=0.05,order=desc,block=64,static,sequential=layer", "weight")):
         spec = QuantSpec.parse(f"w=fint4/per_group:64; {text}")
         check_exportable(spec)
         mods = recipe(spec, ["lm_head"])["default_stage"]["default_modifiers"]
@@ -177,6 +179,7 @@ def test_a_gptq_spec_exports_as_llm_compressors_gptq_modifier():
         g = mods["GPTQModifier"]
         assert g["actorder"] == actorder and g["block_size"] == spec.gptq.block and g["dampening_frac"] == spec.gptq.damp
         assert g["config_groups"]["group_0"]["weights"]["group_size"] == 64 and g["ignore"] == ["lm_head"]
-    for text in ("gptq", "gptq:order=gar,static", "gptq:order=desc"):
-        with pytest.raises(OutlierscopeError, match="export gptq:static"):
+    for text in ("gptq", "gptq:order=gar,static,sequential=layer", "gptq:order=desc,sequential=layer",
+                 "gptq:static"):
+        with pytest.raises(OutlierscopeError, match="export gptq:static,sequential=layer"):
             check_exportable(QuantSpec.parse(f"w=fint4/per_group:64; {text}"))

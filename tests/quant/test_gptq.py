@@ -228,3 +228,20 @@ def test_static_groups_equal_llm_compressors_gptq(order):
         assert torch.equal(ours.scale, ref.get_tensor(f"{tag}.scale")), name
         theirs = ref.get_tensor(f"{tag}.weight")
         assert torch.equal(ours.weight, theirs), (name, int((ours.weight != theirs).sum()))
+
+
+def test_gptq_settings_read_back_and_bad_ones_are_one_line():
+    """A spec's gptq part: settings other than the defaults in its canonical text, read back to the same settings;
+    a wrong key or value is one line naming what is expected."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.quant.gptq import GPTQConfig
+
+    cfg = GPTQConfig.parse("order=desc,static,sequential=layer,damp=0.05")
+    assert (cfg.order, cfg.static, cfg.sequential, cfg.damp) == ("desc", True, "layer", 0.05)
+    assert str(cfg) == "gptq:damp=0.05,order=desc,static,sequential=layer" and GPTQConfig.parse(str(cfg)[5:]) == cfg
+    assert str(GPTQConfig.parse("")) == "gptq"
+    for bad, msg in (("sequential=block", "sequential= must be one of subset, layer, got 'block'"),
+                     ("order=asc", "order= must be one of none, desc, gar"), ("damp=1.5", "0 <= X < 1"),
+                     ("steps=3", "expected KEY=VALUE items among")):
+        with pytest.raises(OutlierscopeError, match=msg):
+            GPTQConfig.parse(bad)

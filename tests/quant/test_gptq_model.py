@@ -11,7 +11,7 @@ import torch
 from outlierscope.quant.gptq_model import gptq_model
 from outlierscope.quant.linear import linear_sites
 from outlierscope.quant.spec import QuantSpec
-from tests.quant.test_gptq import PACKED, _reference
+from tests.quant.test_gptq import FIXTURES, PACKED, _reference
 
 SUBSETS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
            ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]  # Llama's, in the order its forward reads them
@@ -195,3 +195,32 @@ def test_the_subsets_forward_stops_after_their_linears_and_gives_the_same_weight
     monkeypatch.setattr(gm, "run_until", lambda layer, inputs, modules: run_layer(layer, inputs))
     whole = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
     assert all(torch.equal(short[n].weight(), r.weight()) for n, r in whole.items())
+
+
+@pytest.mark.parametrize("tag, gptq", [("none", "static"), ("static", "order=desc,static")])
+def test_whole_model_equals_llm_compressors_gptq_modifier(tag, gptq):
+    """llm-compressor 0.14's ``oneshot`` with a ``GPTQModifier`` (bench/gptq_llmc_model.py in its venv: the packed
+    float model in float32, 16 seeded sequences of 64 tokens, 4-bit symmetric groups of 32, damp 0.01, without act
+    order and with its default ``actorder="static"``): with ``sequential=layer`` (its pipeline: every linear of a
+    layer calibrated from one pass through the layer as it was) every code, group scale and g_idx of both layers
+    equals ours; GPT-QModel's order inside a layer (``sequential=subset``, the default) gives other codes from the
+    first linear that reads a rounded linear's output (layer 0's o_proj) on."""
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    ck = safe_open(FIXTURES / "gptq_llmc_model.safetensors", "pt")
+    seqs = ck.get_tensor("seqs")
+    model = AutoModelForCausalLM.from_pretrained(PACKED / "float", dtype=torch.float32).eval()
+    for sequential in ("layer", "subset"):
+        spec = QuantSpec.parse(f"w=fint4/per_group:32; gptq:{gptq},sequential={sequential}")
+        ours = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+        assert len(ours) == 14
+        differ = []
+        for name, r in ours.items():
+            assert torch.equal(r.g_idx.int(), ck.get_tensor(f"{tag}.{name}.g_idx")), name
+            same = torch.equal(r.codes, ck.get_tensor(f"{tag}.{name}.codes"))
+            if sequential == "layer":
+                assert same and torch.equal(r.scale, ck.get_tensor(f"{tag}.{name}.scale")), name
+            differ += [] if same else [name]
+        if sequential == "subset":
+            assert "model.layers.0.self_attn.o_proj" in differ and not any(".0.self_attn.q" in n for n in differ)
