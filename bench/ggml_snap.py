@@ -76,7 +76,8 @@ def main() -> None:
     src = resolve_model(a.model).path
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"model": a.model, **snap_dir(src, out, a.type)}
+    record = {"command": " ".join(["bench/ggml_snap.py", *sys.argv[1:]]), "model": a.model, "out": a.out,
+              **snap_dir(src, out, a.type)}
     (out / "ggml_snap.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"{len(record['snapped'])} weights through {a.type} -> {out}")
 
