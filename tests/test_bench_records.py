@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parent.parent / "bench"
+ROOT = BENCH.parent
 
 
 def _tables():
@@ -213,3 +214,34 @@ def test_weight_grid_finds_q4_1_blocks():
     half = q41.clone()
     half[:4] = x[:4]
     assert mod.on_grid(half, 32, 1e-3)[0] == 0.5
+
+
+def test_ggml_snap_is_q4_1_and_reproduces_the_committed_model(tmp_path):
+    """bench/ggml_snap.py (the snapped pair of docs/perplexity/pair-q41): every decoder-layer linear equals GGML's
+    Q4_1 written here from ggml-quants.c's reference (per block of 32: d = (max - min) / 15, q = min(15, trunc((x -
+    min) / d + 0.5)), back as q fp16(d) + fp16(min)), everything else is unchanged, and the files' sha256 equal those
+    the committed record's run read (the same bytes from the same command)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from outlierscope.models.resolve import resolve_spec
+
+    spec = importlib.util.spec_from_file_location("ggml_snap", BENCH / "ggml_snap.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = resolve_spec("pair-tiny:transformer")
+    done = mod.snap_dir(src, tmp_path / "snap", "Q4_1")
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "snap" / "model.safetensors")
+    assert set(before) == set(after) and len(done["snapped"]) == 28
+    for name, w in before.items():
+        if name not in done["snapped"]:
+            assert torch.equal(after[name], w), name
+            continue
+        b = w.reshape(-1, 32)  # (O * I / 32, 32)
+        lo, hi = b.amin(1, keepdim=True), b.amax(1, keepdim=True)
+        d = (hi - lo) / 15
+        q = torch.clamp(torch.trunc((b - lo) * torch.where(d > 0, 1 / d, torch.zeros_like(d)) + 0.5), max=15)
+        ref = q * d.half().float() + lo.half().float()
+        assert torch.equal(after[name], ref.reshape(w.shape)), name
+    record = json.loads((ROOT / "docs" / "perplexity" / "pair-q41" / "transformer" / "perplexity.json").read_text())
+    assert done["sha256"]["model.safetensors"] == record["model_source"]["weights_sha256"]

@@ -119,8 +119,9 @@ def test_readme_commands_made_docs_checkpoints():
 
 def test_readme_commands_made_docs_perplexity():
     """docs/perplexity/: each perplexity line of the README gives its record's settings, each compare-perplexity and
-    rank-agreement line names the directories its record compared; every record under the directory has its line;
-    every committed table re-renders from its csv (the markdown the command wrote)."""
+    rank-agreement line names the directories its record compared; a bench/ggml_snap.py line's record (committed beside
+    the perplexity record of the model it wrote) names the line and the bytes that run read; every record under the
+    directory has its line; every committed table re-renders from its csv (the markdown the command wrote)."""
     import pandas as pd
 
     from outlierscope.cli import build_parser
@@ -128,13 +129,21 @@ def test_readme_commands_made_docs_perplexity():
     from outlierscope.runs.perplexity_compare import agreement_markdown, compare_markdown
     from outlierscope.settings import from_cli
 
-    made = set()
+    made, snaps = set(), {}
     for argv in _commands("perplexity", "Q"):
+        if argv[0].endswith("python"):  # bench/ggml_snap.py: a model the next lines read as --model
+            assert argv[1] == "bench/ggml_snap.py", argv
+            snaps[argv[argv.index("--out") + 1]] = argv[2:]
+            continue
         assert argv[0] == "outlierscope", argv
         a = build_parser().parse_args(argv[1:])
         out = ROOT / a.out
         if argv[1] == "perplexity":
             record = json.loads((out / "perplexity.json").read_text())
+            if a.model in snaps:  # the snapped model's record, committed beside: its command, the bytes the run read
+                snap = json.loads((out / "ggml_snap.json").read_text())
+                assert snap["command"].split()[1:] == snaps.pop(a.model), a.out
+                assert list(snap["sha256"].values()) == [record["model_source"]["weights_sha256"]], a.out
             assert json.loads(json.dumps(asdict(from_cli(PerplexitySettings, vars(a))))) == record["settings"], a.out
             assert perplexity_markdown(pd.read_csv(out / "perplexity.csv")) == (out / "perplexity.md").read_text()
             made.add((out / "perplexity.json").resolve())
@@ -155,4 +164,4 @@ def test_readme_commands_made_docs_perplexity():
             made.add((out / "rank_agreement.json").resolve())
     recorded = {p.resolve() for p in (ROOT / "docs" / "perplexity").rglob("*.json")
                 if p.name in ("perplexity.json", "compare.json", "rank_agreement.json")}
-    assert recorded and made == recorded
+    assert recorded and made == recorded and not snaps
