@@ -192,6 +192,35 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
     return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
 
 
+def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
+    """What a spec's calibration reads, for a run's record (None: it reads nothing): the source as given (or its
+    default), the sha256 of its bytes (a file; ``lambada-tail``: LAMBADA's documents, the digest of the text record)
+    and, for GPTQ and AWQ, the sequences packed from it (no seed: the documents in order): samples, seqlen, tokens
+    and the sha256 of the token ids, which name the calibration exactly whatever the file."""
+    import hashlib
+
+    from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences
+
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear or not needs_calibration(spec):
+        return None
+    layerwise = spec.gptq is not None or spec.awq is not None
+    source = spec.calib or (DEFAULT_CALIB if layerwise else "hellaswag")
+    rec: dict = {"source": source}
+    if source == DEFAULT_CALIB:
+        from outlierscope.data.running_text import load_text
+
+        rec["sha256"] = load_text("lambada").sha256
+    elif Path(source).is_file():
+        rec["sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+    if layerwise:
+        cfg = spec.gptq if spec.gptq is not None else spec.awq
+        seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
+        rec.update(samples=int(seqs.shape[0]), seqlen=int(seqs.shape[1]), tokens=int(seqs.numel()),
+                   tokens_sha256=hashlib.sha256(seqs.cpu().numpy().tobytes()).hexdigest())
+    return rec
+
+
 def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
     """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
     with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any

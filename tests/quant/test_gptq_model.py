@@ -113,7 +113,8 @@ def test_whole_model_against_gpt_qmodel():
 
 def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, capsys):
     """calibration_for + quantize_model give the model whose linears hold GPTQ's rounded weights (equal, logit for
-    logit, to the same model with those weights assigned); the perplexity command scores the spec from its text."""
+    logit, to the same model with those weights assigned); the perplexity command scores the spec from its text and
+    records the calibration's text and tokens."""
     import json
 
     from outlierscope.cli import main
@@ -146,7 +147,13 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
                  "--quant", str(spec), "--out", str(out)]) == 0
     import pandas as pd
 
-    assert str(spec) in json.loads((out / "perplexity.json").read_text())["cells"]
+    record = json.loads((out / "perplexity.json").read_text())
+    assert str(spec) in record["cells"]
+    import hashlib
+
+    calib = record["calibration"][str(spec)]  # the text's bytes and the very token ids GPTQ read
+    assert calib["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest() and calib["tokens"] == 3 * 48
+    assert calib["tokens_sha256"] == hashlib.sha256(seqs.numpy().tobytes()).hexdigest()
     row = pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]
     assert row["kld_mean"] > 0
 

@@ -585,3 +585,29 @@ def test_the_lm_head_only_when_named():
     with pytest.raises(OutlierscopeError, match="linears:lm_head reads the scored positions"):
         with quantize_model(model, "a=int8/per_tensor; linears:lm_head"):
             pass
+
+
+def test_calibration_record_names_the_text_and_the_tokens_the_calibration_read(tmp_path):
+    """A GPTQ spec's record: the calibration file's sha256 (hashlib on its bytes, here), samples x seqlen tokens, and
+    the sha256 of exactly the token ids its calibration fed the model (seen by a hook on the embedding during a real
+    calibration); a spec that calibrates nothing has no record."""
+    import hashlib
+
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.linear import calibration_for, calibration_record
+
+    text = tmp_path / "calib.txt"
+    text.write_text("\n\n".join(f"Paragraph {i} of a calibration text about rivers and hills." * 3 for i in range(40)))
+    lm = load_model("pair-tiny:transformer")
+    spec = QuantSpec.parse(f"w=fint4/per_group:64; gptq:samples=3,seqlen=32; calib:{text}")
+    rec = calibration_record(spec, lm.tokenizer, lm.model.config.max_position_embeddings)
+    assert rec["source"] == str(text) and rec["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest()
+    assert (rec["samples"], rec["seqlen"], rec["tokens"]) == (3, 32, 96)
+    fed = []
+    h = lm.model.model.embed_tokens.register_forward_hook(lambda m, a, o: fed.append(a[0].clone()))
+    try:
+        calibration_for(lm.model, lm.tokenizer, spec)
+    finally:
+        h.remove()
+    assert hashlib.sha256(torch.cat(fed).numpy().tobytes()).hexdigest() == rec["tokens_sha256"]
+    assert calibration_record(QuantSpec.parse("w=fint4/per_group:64"), lm.tokenizer) is None
