@@ -221,6 +221,13 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
     return rec
 
 
+def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
+    """:func:`calibration_record` of each spec that calibrates (label -> record), for a run's record."""
+    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    recs = {QuantSpec.of(spec).label: calibration_record(spec, tokenizer, ctx) for spec in specs}
+    return {k: v for k, v in recs.items() if v is not None}
+
+
 def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
     """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
     with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any

@@ -38,6 +38,7 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
+from outlierscope.quant.linear import calibration_records
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import cell_id, revised
 from outlierscope.settings import option
@@ -389,22 +390,13 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
                   "model_source": lm.provenance(ident["weights_sha256"]), "processes": world.size,
                   "seconds": round(time.perf_counter() - started, 1), "versions": versions(), "machine": machine(),
                   "git_commit": git_commit(), "cells": {**dict(zip(table["label"], table["cell"])), **noise_cells},
-                  "calibration": _calibrations(specs, lm)}
+                  "calibration": calibration_records(specs, lm.model, lm.tokenizer)}
         write_csv(out / "perplexity.csv", table)
         write_figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
         write_json(out / "perplexity.json", record)
     say(perplexity_markdown(table))
     return table
-
-
-def _calibrations(specs: list[QuantSpec], lm) -> dict:
-    """Each calibrated spec's :func:`~outlierscope.quant.linear.calibration_record` (label -> record)."""
-    from outlierscope.quant.linear import calibration_record
-
-    ctx = getattr(lm.model.config, "max_position_embeddings", None)
-    recs = {spec.label: calibration_record(spec, lm.tokenizer, ctx) for spec in specs}
-    return {k: v for k, v in recs.items() if v is not None}
 
 
 def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[dict]) -> None:

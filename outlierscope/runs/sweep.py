@@ -41,6 +41,7 @@ from outlierscope.models.loading import (
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_layers, check_spec
+from outlierscope.quant.linear import calibration_records
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
 from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
 from outlierscope.report.load import SWEEP_COLUMNS
@@ -483,7 +484,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     check_models(s)
     items = s.task_items()
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
-    cells, sources = [], {}
+    cells, sources, calibs = [], {}, {}
     log = log if world.is_main else (lambda *a, **k: None)
     with output_dir(out) if world.is_main else contextlib.nullcontext(out), \
             output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
@@ -492,6 +493,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
                             trust_remote_code=s.trust_remote_code)
             wsha = lm.weights_sha256()
             sources[spec_str] = lm.provenance(wsha)  # as given, resolved commit / GGUF details, weights digest
+            if cal := calibration_records(s.specs(), lm.model, lm.tokenizer):  # each calibrated spec's text, tokens
+                calibs[spec_str] = cal
             text_seqs = None
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
@@ -503,13 +506,14 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
                     cells.append((spec_str, t, spec, cid, res))
         del lm  # the text cells load each model again: one copy at a time
     extra = {"text_metrics": _text_metrics(s, out, log, world)} if s.kld_text is not None else {}
+    extra |= {"calibration": calibs} if calibs else {}
     if not world.is_main:
         return None
     if not shard.whole:
         write_json(out / f"sweep.{shard.tag}.json", {
             "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size, "tasks": tasks,
             "cells": [_cell_entry(cid, m, t, spec) for m, t, spec, cid, _ in cells],
-            "model_sources": sources,
+            "model_sources": sources, **({"calibration": calibs} if calibs else {}),
             "versions": versions(), "machine": machine(), "git_commit": git_commit()})
         log(f"shard {shard.index}/{shard.count} written to {out}; combine all {shard.count} with `outlierscope merge`")
         return None
@@ -560,8 +564,8 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
         cells.append((c["model"], c.get("task", s.tasks[0]), s.spec_of(c), c["cell"], res))
     out = Path(out)
     with output_dir(out):
-        return _tabulate(s, cells, tasks, out, **{k: rec[k] for k in ("model_sources", "processes", "merged_shards")
-                                                   if k in rec})
+        return _tabulate(s, cells, tasks, out, **{k: rec[k] for k in ("model_sources", "processes", "merged_shards",
+                                                                      "calibration") if k in rec})
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
@@ -587,4 +591,6 @@ def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print
             res.save_cell(cells_dir, c["cell"], res.extra["cell"], tables)
             cells.append((c["model"], c["task"], s.spec_of(c), c["cell"], res))
     log(f"merged {n} shards of {len(cells)} cells into {out}")
-    return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n)
+    calib = {"calibration": first["calibration"]} if "calibration" in first else {}
+    return _tabulate(s, cells, first["tasks"], out, model_sources=first.get("model_sources", {}), merged_shards=n,
+                     **calib)

@@ -154,6 +154,10 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
     calib = record["calibration"][str(spec)]  # the text's bytes and the very token ids GPTQ read
     assert calib["sha256"] == hashlib.sha256(text.read_bytes()).hexdigest() and calib["tokens"] == 3 * 48
     assert calib["tokens_sha256"] == hashlib.sha256(seqs.numpy().tobytes()).hexdigest()
+    assert main(["sweep", "--model", "pair-tiny:transformer", "--bits", "16", "--quant", str(spec), "--limit", "2",
+                 "--out", str(tmp_path / "s")]) == 0
+    assert json.loads((tmp_path / "s" / "sweep.json").read_text())["calibration"] == {
+        "pair-tiny:transformer": {str(spec): calib}}
     row = pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]
     assert row["kld_mean"] > 0
 
