@@ -30,10 +30,11 @@ from outlierscope.quant.gptq import gptq_quantize, hessian_update
 from outlierscope.quant.sequential import (
     DEFAULT_CALIB,
     calibration_sequences,
-    input_subsets,
     layerwise,
+    linear_calls,
     run_layer,
     run_until,
+    subsets_of,
 )
 from outlierscope.quant.spec import QuantSpec
 
@@ -91,19 +92,6 @@ def _hessians(modules: dict[str, nn.Linear]) -> Iterator[dict[str, list]]:
             h.remove()
 
 
-def _called_once(layer: nn.Module, mine: dict[str, nn.Linear], first: tuple[tuple, dict]) -> bool:
-    """Whether every linear of ``mine`` runs once per forward of the layer (then a forward may stop after them)."""
-    count: dict[int, int] = {}
-    handles = [m.register_forward_hook(lambda mod, a, o: count.__setitem__(id(mod), count.get(id(mod), 0) + 1))
-               for m in mine.values()]
-    try:
-        run_layer(layer, [first])
-    finally:
-        for h in handles:
-            h.remove()
-    return all(c == 1 for c in count.values())
-
-
 def _gptq_layer(spec: QuantSpec):
     """One layer's GPTQ: per subset of linears reading one input (``gptq:sequential=subset``, true sequential inside
     the layer; ``layer``: all the layer's linears as one subset), the Hessians from the layer run on every input with
@@ -111,8 +99,9 @@ def _gptq_layer(spec: QuantSpec):
 
     def calibrate(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, fix) -> dict[str, RoundedWeight]:
         out = {}
-        once = _called_once(layer, mine, inputs[0])
-        subsets = input_subsets(layer, mine, inputs[0]) if spec.gptq.sequential == "subset" else [list(mine)]
+        calls = linear_calls(layer, mine, inputs[0])
+        once = len(calls) == len({p for p, _ in calls})  # then each subset's forward may stop after its linears
+        subsets = subsets_of(calls) if spec.gptq.sequential == "subset" else [list(mine)]
         for subset in subsets:
             modules = {p: mine[p] for p in subset}
             with _hessians(modules) as acc:  # the forward up to the subset's last linear (all of it: one runs twice)

@@ -101,9 +101,9 @@ def next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tupl
     return out
 
 
-def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[list[str]]:
-    """The layer's linears (path -> module) in the order its forward calls them, those reading one input tensor
-    together (q/k/v, gate/up), found by one forward of ``first``."""
+def linear_calls(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[tuple[str, int]]:
+    """The calls of the layer's linears (path -> module) in the order one forward of ``first`` makes them: (path, the
+    identity of the input tensor it read), a linear called twice listed twice."""
     calls: list[tuple[str, int]] = []
     seen: list[torch.Tensor] = []  # the inputs, held so that no later tensor takes their memory and identity
     handles = [m.register_forward_pre_hook(lambda mod, args, p=p: calls.append((p, id(args[0]))) or seen.append(args[0]))
@@ -113,6 +113,12 @@ def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[
     finally:
         for h in handles:
             h.remove()
+    return calls
+
+
+def subsets_of(calls: list[tuple[str, int]]) -> list[list[str]]:
+    """:func:`linear_calls`' linears in call order, those reading one input tensor together (q/k/v, gate/up); a linear
+    called again is placed by its first call."""
     out: list[list[str]] = []
     placed: set[str] = set()
     for i, (p, x) in enumerate(calls):
@@ -124,6 +130,12 @@ def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[
         else:
             out.append([p])
     return out
+
+
+def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[list[str]]:
+    """The layer's linears (path -> module) in the order its forward calls them, those reading one input tensor
+    together (q/k/v, gate/up), found by one forward of ``first``."""
+    return subsets_of(linear_calls(layer, linears, first))
 
 
 def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor, spec, sites: list):
