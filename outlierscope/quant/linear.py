@@ -199,6 +199,7 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
     and the sha256 of the token ids, which name the calibration exactly whatever the file."""
     import hashlib
 
+    from outlierscope.io import sha256_file
     from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences
 
     spec = QuantSpec.of(spec)
@@ -212,7 +213,7 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
 
         rec["sha256"] = load_text("lambada").sha256
     elif Path(source).is_file():
-        rec["sha256"] = hashlib.sha256(Path(source).read_bytes()).hexdigest()
+        rec["sha256"] = sha256_file(source)
     if layerwise:
         cfg = spec.gptq if spec.gptq is not None else spec.awq
         seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
