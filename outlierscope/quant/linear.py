@@ -150,6 +150,11 @@ def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, 
     return tuple(tuple(g) for g in by_input.values())
 
 
+def _max_positions(model: nn.Module) -> int | None:
+    """The model's longest sequence (its config's ``max_position_embeddings``), or None when it does not say."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None) -> Calibration:
     """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
@@ -167,7 +172,7 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None)
         return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
     if source != "hellaswag" and not Path(source).is_file():
         raise OutlierscopeError(f"calib:{source}: no such file; give hellaswag, a .txt/.jsonl file or an act_scales.pt")
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None) or CALIB_SEQ_LEN
+    ctx = _max_positions(model) or CALIB_SEQ_LEN
     seqs = pack_sequences(tokenizer, text_documents(source), min(CALIB_SEQ_LEN, ctx), CALIB_TOKENS)  # (N, T)
     act_max: dict = {}
     dev = next(model.parameters()).device
@@ -186,7 +191,7 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
     from outlierscope.quant.gptq_model import gptq_model
     from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences
 
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    ctx = _max_positions(model)
     cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
     return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
@@ -224,7 +229,7 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
 
 def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
     """:func:`calibration_record` of each spec that calibrates (label -> record), for a run's record."""
-    ctx = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    ctx = _max_positions(model)
     recs = {QuantSpec.of(spec).label: calibration_record(spec, tokenizer, ctx) for spec in specs}
     return {k: v for k, v in recs.items() if v is not None}
 
