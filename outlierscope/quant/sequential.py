@@ -139,14 +139,17 @@ def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[
 
 
 def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor, spec, sites: list):
-    """Where a calibration keeps its finished layers: ``directory/KIND-HASH.pt``, the hash of the spec, the model's
-    name and dtype, the linears and the calibration tokens (another model or text: another file)."""
+    """Where a calibration keeps its finished layers: ``directory/KIND-HASH.pt``, the hash of what the calibration
+    reads: the spec's ``w=`` part and its gptq / awq settings (not its ``a=`` or attention parts: the pass runs the
+    float model, so W4A8 with GPTQ reuses W4A16's layers), the model's name and dtype, the linears (``layers:`` and
+    ``linears:`` choose them) and the calibration tokens (another model or text: another file)."""
     import hashlib
     from pathlib import Path
 
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
-    h.update(f"{kind}|{spec}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
+    reads = f"{spec.part('w')}|{spec.gptq}|{spec.awq}"
+    h.update(f"{kind}|{reads}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
     h.update("|".join(s.name for s in sites).encode())
     h.update(seqs.cpu().numpy().tobytes())
     return Path(directory) / f"{kind}-{h.hexdigest()[:16]}.pt", h.hexdigest()

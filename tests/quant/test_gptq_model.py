@@ -185,8 +185,16 @@ def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatc
     torch.save({"key": state["key"], "layers": {0: state["layers"][0]}}, path)
     resumed = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
     assert all(torch.equal(resumed[n].weight(), r.weight()) for n, r in whole.items())
+    with_a = QuantSpec.parse("w=fint4/per_group:16; a=int8/per_token; k=int4/per_token; gptq")
+    with monkeypatch.context() as m:  # the pass runs the float model: an a= or attention part reads the same layers
+        m.setattr(gm.RoundedWeight, "of", classmethod(lambda *a: (_ for _ in ()).throw(AssertionError("calibrated"))))
+        gptq_model(model, seqs, with_a, linear_sites(model, with_a), progress=False, checkpoint_dir=tmp_path)
     gptq_model(model, seqs[:2], spec, sites, progress=False, checkpoint_dir=tmp_path)
-    assert len(glob.glob(str(tmp_path / "gptq-*.pt"))) == 2
+    gptq_model(model, seqs, QuantSpec.parse("w=fint4/per_group:16; gptq:damp=0.1"), sites, progress=False,
+               checkpoint_dir=tmp_path)
+    gptq_model(model, seqs, QuantSpec.parse("w=fint3/per_group:16; gptq"), sites, progress=False,
+               checkpoint_dir=tmp_path)
+    assert len(glob.glob(str(tmp_path / "gptq-*.pt"))) == 4  # other tokens, damping or grid: other files
 
 
 def test_the_subsets_forward_stops_after_their_linears_and_gives_the_same_weights(monkeypatch):
