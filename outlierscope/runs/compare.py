@@ -229,6 +229,7 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
                   "quantization_config": qconfig, "model_sources": {**real_run.record["model_sources"],
                                                                     **emu_run.record["model_sources"]},
                   "differences": _differences(specs, qconfig),
+                  **({"calibration": cal} if (cal := emu_run.record.get("calibration", {}).get(s.model)) else {}),
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))

@@ -20,6 +20,7 @@ import pandas as pd
 
 from outlierscope.errors import ParamError
 from outlierscope.eval.perplexity import TokenScores
+from outlierscope.quant.linear import calibration_records
 from outlierscope.quant.spec import QuantSpec
 from outlierscope.runs.cells import cell_id
 
@@ -94,6 +95,8 @@ def compare_on_text(s, out: Path, specs: list[str], checked: dict | None = None,
               "windows": len(windows), "scored_tokens": int(sum(len(w.targets) for w in windows)),
               "model_sources": {s.model: flt.provenance(f_ident["weights_sha256"]),
                                 s.real: real.provenance(r_ident["weights_sha256"])}}
+    if cal := calibration_records(emulated, flt.model, flt.tokenizer):  # GPTQ/AWQ/SmoothQuant: the text, the tokens
+        record["calibration"] = cal
     table = _table(rows, s.seed)
     return table, record, dict(zip(table["label"], (tokens.kld for *_, tokens in rows)))
 

@@ -66,6 +66,7 @@ from outlierscope.models.loading import (
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
+from outlierscope.quant.linear import calibration_records
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, refuse_other_settings, revised
@@ -599,6 +600,8 @@ def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], t
            "model_source": run.lm.provenance(ident["weights_sha256"]),
            "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
            "git_commit": git_commit()}
+    if cal := calibration_records([s.spec()], run.lm.model, run.lm.tokenizer):  # GPTQ/AWQ/SmoothQuant: text, tokens
+        rec["calibration"] = cal
     if rb.on_text:
         t = run.text
         rec["note"] = (f"harm = {rb.column} of the cell with only that layer quantized against the unquantized "

@@ -251,6 +251,33 @@ def test_compare_quant_on_gptq_shows_its_error_correction(hellaswag_cached, tmp_
     assert change["rtn"][0] < 0.25 * change["gptq"][0] and change["rtn"][1] < 0.25 * change["gptq"][1], change
 
 
+def test_compare_quant_records_what_a_calibrated_emulation_read(hellaswag_cached, tmp_path):
+    """An emulation that calibrates (GPTQ on a given text) is recorded in compare.json with the text's sha256 and the
+    very token ids it read, on items and on running text."""
+    import hashlib
+
+    from outlierscope.cli import main
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.sequential import calibration_sequences
+    from outlierscope.quant.spec import QuantSpec
+
+    float_dir = _checkpoint("float", tmp_path)
+    real = _rtn_gptq_checkpoint(float_dir, tmp_path / "rtn", bits=8, group=64)
+    text = tmp_path / "calib.txt"
+    text.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))
+    spec = QuantSpec.parse(f"w=fint8/per_group:64; gptq:samples=2,seqlen=32; calib:{text}")
+    seqs = calibration_sequences(load_model(str(float_dir)).tokenizer, str(text), spec.gptq, None)  # (2, 32)
+    want = {str(spec): {"source": str(text), "sha256": hashlib.sha256(text.read_bytes()).hexdigest(),
+                        "samples": 2, "seqlen": 32, "tokens": 64,
+                        "tokens_sha256": hashlib.sha256(seqs.numpy().tobytes()).hexdigest()}}
+    for metric in ("items", "text"):
+        out = tmp_path / f"cmp-{metric}"
+        on = ["--limit", "4"] if metric == "items" else ["--text", str(text), "--length", "32", "--max-windows", "2"]
+        assert main(["compare-quant", "--real", str(real), "--model", str(float_dir), "--quant", str(spec),
+                     "--metric", metric, *on, "--out", str(out)]) == 0
+        assert json.loads((out / "compare.json").read_text())["calibration"] == want, metric
+
+
 def _rewrite(d: Path, drop: str | None = None, reshape: str | None = None) -> None:
     """The checkpoint's tensors saved again without ``drop`` / with ``reshape`` cut to its first half of rows."""
     from safetensors.torch import load_file, save_file

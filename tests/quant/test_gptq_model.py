@@ -160,6 +160,9 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
         "pair-tiny:transformer": {str(spec): calib}}
     row = pd.read_csv(out / "perplexity.csv").set_index("quant").loc[str(spec)]
     assert row["kld_mean"] > 0
+    assert main(["sensitivity", "--model", "pair-tiny:transformer", "--quant", str(spec), "--limit", "2",
+                 "--no-all-but", "--no-kinds", "--no-attn-error", "--out", str(tmp_path / "sens")]) == 0
+    assert json.loads((tmp_path / "sens" / "sensitivity.json").read_text())["calibration"] == {str(spec): calib}
 
 
 def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatch):
