@@ -206,12 +206,13 @@ def _layer_awq(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, spec:
 
 
 def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
-              checkpoint_dir=None) -> dict[str, AWQWeight]:
+              checkpoint_dir=None, alone: bool = False) -> dict[str, AWQWeight]:
     """AWQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
     after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it). Returns full module name -> :class:`AWQWeight`; the model is as it was."""
+    a rerun continues after it; ``alone``: each layer as if it alone were quantized, :func:`layerwise`). Returns full
+    module name -> :class:`AWQWeight`; the model is as it was."""
     if spec.awq is None:
         raise OutlierscopeError(f"{spec}: no awq in the spec; add awq (e.g. w=int4/per_group:128; awq)")
     part = spec.part("w")
     return layerwise(model, seqs, spec, sites, "awq", lambda layer, mine, inputs, fix: _layer_awq(layer, mine, inputs, spec),
-                     lambda r, m: r.weight(m.weight.detach(), part), AWQWeight, progress, checkpoint_dir)
+                     lambda r, m: r.weight(m.weight.detach(), part), AWQWeight, progress, checkpoint_dir, alone)

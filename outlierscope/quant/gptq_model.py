@@ -115,11 +115,12 @@ def _gptq_layer(spec: QuantSpec):
 
 
 def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
-               checkpoint_dir=None) -> dict[str, RoundedWeight]:
+               checkpoint_dir=None, alone: bool = False) -> dict[str, RoundedWeight]:
     """GPTQ of the linears ``sites`` (:func:`~outlierscope.quant.linear.linear_sites` of ``spec``), calibrated layer
     after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it). Returns full module name -> :class:`RoundedWeight`; the model is as it was."""
+    a rerun continues after it; ``alone``: each layer as if it alone were quantized, :func:`layerwise`). Returns full
+    module name -> :class:`RoundedWeight`; the model is as it was."""
     if spec.gptq is None:
         raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
     return layerwise(model, seqs, spec, sites, "gptq", _gptq_layer(spec),
-                     lambda r, m: r.weight(m.weight.dtype, m.weight.device), RoundedWeight, progress, checkpoint_dir)
+                     lambda r, m: r.weight(m.weight.dtype, m.weight.device), RoundedWeight, progress, checkpoint_dir, alone)

@@ -29,6 +29,7 @@ Llama mappings. :func:`calibrate` runs the calibration pass (or reads ``act_scal
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import fnmatch
 from collections.abc import Iterator
@@ -195,6 +196,25 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
     cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
     return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
+
+
+def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint_dir, progress: bool = True) -> None:
+    """For a study that quantizes one layer at a time (``sensitivity``'s ``only_i`` cells): the GPTQ / AWQ calibration
+    of ``spec`` restricted to each layer of ``layers`` (``layers:i``), all in one pass (each layer on the outputs of
+    the float layers below it, as ``layers:i`` alone calibrates it), saved in ``checkpoint_dir`` where
+    :func:`calibrate` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
+    without GPTQ or AWQ."""
+    from outlierscope.quant.awq_model import awq_model
+    from outlierscope.quant.gptq_model import gptq_model
+    from outlierscope.quant.sequential import calibration_sequences
+
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear or (spec.gptq is None and spec.awq is None):
+        return
+    cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
+    sites = [s for s in linear_sites(model, dataclasses.replace(spec, layers=None)) if s.layer in set(layers)]
+    seqs = calibration_sequences(tokenizer, spec.calib, cfg, _max_positions(model))  # (N, T)
+    run(model, seqs, spec, sites, progress=progress, checkpoint_dir=checkpoint_dir, alone=True)
 
 
 def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:

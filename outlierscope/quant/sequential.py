@@ -179,13 +179,18 @@ def _save_layers(path, key: str, layers: dict) -> None:
 
 @torch.no_grad()
 def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str, calibrate_layer, weight_of,
-              result_type, progress: bool = True, checkpoint_dir=None) -> dict:
+              result_type, progress: bool = True, checkpoint_dir=None, alone: bool = False) -> dict:
     """A layer-by-layer calibration (GPTQ's and AWQ's): layer 0's inputs for every sequence of ``seqs`` (N, T); for each
     decoder layer holding linears of ``sites``, ``calibrate_layer(layer, linears, inputs, fix)`` -> path -> result
     (``fix(module, weight)`` holds a weight in place from then on; a result it did not fix is held at
     ``weight_of(result, module)``); then the next layer's inputs through the quantized layer. With
     ``checkpoint_dir`` every finished layer is saved (``result_type``'s fields) and a rerun continues after the last
-    one saved. Returns full module name -> result; the model is as it was (every parametrization removed)."""
+    one saved (no forward at all when every layer is). Returns full module name -> result; the model is as it was
+    (every parametrization removed).
+
+    ``alone``: each layer as if it alone were quantized (what ``layers:i`` calibrates: its inputs through the float
+    layers below it), all in one pass: the next layer's inputs through the float layer, each layer saved where the
+    calibration of ``layers:i`` finds it. A study of one layer at a time then costs L layer passes, not L^2 / 2."""
     from torch.nn.utils import parametrize
     from tqdm.auto import tqdm
 
@@ -194,33 +199,53 @@ def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str
     for s in sites:
         by_layer.setdefault(s.layer, {})[s.path] = s.module
         names[s.module] = s.name
-    path, key = _checkpoint_path(checkpoint_dir, kind, model, seqs, spec, sites) if checkpoint_dir else (None, "")
-    saved = _load_layers(path, key)
-    out, fixed = {}, []
+    stores, saved = _saved_layers(checkpoint_dir, kind, model, seqs, spec, sites, sorted(by_layer), alone)
+    out = {names[by_layer[i][p]]: result_type(**f) for i, got in saved.items() for p, f in got.items()}
+    todo = [i for i in by_layer if i not in saved]  # no forward at all when every layer is saved
+    fixed: list[nn.Module] = []
 
     def fix(m: nn.Module, w: torch.Tensor) -> None:
         parametrize.register_parametrization(m, "weight", Fixed(w))
         fixed.append(m)
 
+    def unfix() -> None:
+        while fixed:
+            parametrize.remove_parametrizations(fixed.pop(), "weight", leave_parametrized=False)
+
     try:
-        inputs = layer_inputs(model, seqs)
-        layers = decoder_layers(model)
-        last = max(by_layer, default=-1)
-        for i in tqdm(range(last + 1), desc=kind, unit="layer", disable=not progress or None):
+        inputs = layer_inputs(model, seqs) if todo else []
+        layers, last = decoder_layers(model), max(todo, default=-1)
+        for i in tqdm(range(last + 1), desc=kind, unit="layer", disable=not progress or not todo or None):
             mine = by_layer.get(i, {})
-            done = saved.get(i)
-            results = {p: result_type(**f) for p, f in done.items()} if done is not None else \
-                calibrate_layer(layers[i], mine, inputs, fix) if mine else {}
+            results = calibrate_layer(layers[i], mine, inputs, fix) if i in todo else \
+                {p: out[names[m]] for p, m in mine.items()}
             for p, r in results.items():
                 out[names[mine[p]]] = r
                 if not parametrize.is_parametrized(mine[p], "weight"):
                     fix(mine[p], weight_of(r, mine[p]))
-            if path is not None and mine and done is None:
+            if i in todo and stores[i][0] is not None:
                 saved[i] = {p: dict(vars(r)) for p, r in results.items()}
-                _save_layers(path, key, saved)
+                _save_layers(*stores[i], saved if not alone else {i: saved[i]})
+            if alone:
+                unfix()  # the next layer's inputs through the float layer
             if i < last:
                 inputs = next_inputs(layers[i], inputs)
     finally:
-        for m in fixed:
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+        unfix()
     return out
+
+
+def _saved_layers(directory, kind: str, model: nn.Module, seqs: torch.Tensor, spec, sites: list, layers: list[int],
+                  alone: bool) -> tuple[dict, dict]:
+    """Where each of ``layers`` is saved (layer -> (path, key); one checkpoint for the run, or with ``alone`` one per
+    layer, that of ``layers:i``) and the layers found there (layer -> path -> fields)."""
+    if directory is None:
+        return {i: (None, "") for i in layers}, {}
+    if not alone:
+        whole = _checkpoint_path(directory, kind, model, seqs, spec, sites)
+        got = _load_layers(*whole)
+        return {i: whole for i in layers}, {i: got[i] for i in layers if i in got}
+    stores = {i: _checkpoint_path(directory, kind, model, seqs, spec, [s for s in sites if s.layer == i])
+              for i in layers}
+    found = {i: _load_layers(*stores[i]).get(i) for i in layers}
+    return stores, {i: got for i, got in found.items() if got is not None}

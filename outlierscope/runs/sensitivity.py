@@ -66,7 +66,7 @@ from outlierscope.models.loading import (
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
-from outlierscope.quant.linear import calibration_records
+from outlierscope.quant.linear import calibrate_layers_alone, calibration_records
 from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
 from outlierscope.quant.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, refuse_other_settings, revised
@@ -348,6 +348,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
             contextlib.nullcontext():
         run = _prepare(s, out / "cells", progress, log, shard, world)
         run.base = _base_cell(run)
+        _calibrate_alone(run)
         table = _per_layer(run)
         kinds = _per_kind(run)
         if not shard.whole:
@@ -470,6 +471,14 @@ def _text_cells(s: SensitivitySettings, lm, text: dict, cells_dir: Path, world: 
     log(windows_said(s, text["text"], text["length"], windows))
     return {**text, "ident": text_ident(s, lm, text["text"], text["length"], windows),
             "cells": CellRun(cells_dir, s.text_batch_size, s.attn_block, s.seed, Shard(), world, log)}
+
+
+def _calibrate_alone(run: _Run) -> None:
+    """GPTQ / AWQ: every ``only_i`` cell's calibration (layer i on the float layers' outputs) in one pass before the
+    cells, which then find theirs saved: L layer passes instead of L^2 / 2 (the ``all_but_i`` cells and the kinds
+    each calibrate every layer: a pass each)."""
+    calibrate_layers_alone(run.lm.model, run.lm.tokenizer, run.s.spec(), run.layers,
+                           run.cells_dir.parent / "calibration", progress=run.progress)
 
 
 def _per_layer(run: _Run) -> pd.DataFrame:

@@ -145,6 +145,27 @@ def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
 
+def test_each_layer_alone_in_one_pass_equals_the_layers_own_calibration():
+    """alone=True (sensitivity's only_i cells): each layer's AWQ from one pass equals that of ``layers:i`` (which
+    calibrates layer i on the float layers below it; the AutoAWQ comparison above is of the same pass)."""
+    model = _llama(2)
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse(f"w=int{BITS}/per_group:{GROUP}; awq:clip_tokens=32")
+    alone = awq_model(model, seqs, spec, linear_sites(model, spec), progress=False, alone=True)
+    whole = awq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+    assert any(not torch.equal(alone[n].weight(model.get_submodule(n).weight, spec.part("w")),
+                               whole[n].weight(model.get_submodule(n).weight, spec.part("w"))) for n in whole
+               if ".layers.0." not in n)  # the float layers' outputs are not the rounded layers'
+    assert len(alone) == 14  # two layers
+    for i in range(2):
+        one = QuantSpec.parse(f"w=int{BITS}/per_group:{GROUP}; awq:clip_tokens=32; layers:{i}")
+        own = awq_model(model, seqs, one, linear_sites(model, one), progress=False)
+        assert len(own) == 7
+        for n, r in own.items():
+            w = model.get_submodule(n).weight
+            assert torch.equal(alone[n].weight(w, spec.part("w")), r.weight(w, spec.part("w"))), n
+
+
 def test_an_awq_spec_runs_through_calibration_for_and_the_perplexity_command(tmp_path):
     """calibration_for reads the spec's calibration text (samples x seqlen) and gives AWQ's scales and bounds, equal to
     awq_model's on those sequences; the perplexity command scores the spec from its text (a KLD above 0)."""

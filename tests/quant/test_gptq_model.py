@@ -71,6 +71,32 @@ def test_gptq_model_equals_a_sequential_calibration_in_float64(order, layers):
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # the model as it was
 
 
+def test_each_layer_alone_in_one_pass_equals_its_own_calibration(tmp_path, monkeypatch):
+    """alone=True (sensitivity's only_i cells): each layer calibrated on the float layers' outputs, in one pass, equals
+    the float64 sequential calibration of that layer alone written here; each layer is saved where the calibration of
+    ``layers:i`` finds it, which then runs no forward and rounds nothing (seen failing with the next inputs taken
+    through the rounded layer)."""
+    from outlierscope.quant import gptq_model as gm
+    from outlierscope.quant import sequential
+
+    model = _llama()
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse("w=fint4/per_group:16; gptq")
+    got = gptq_model(model, seqs, spec, linear_sites(model, spec), progress=False, checkpoint_dir=tmp_path, alone=True)
+    assert len(got) == 21
+    for i in range(3):
+        for name, q in _sequential_reference(model, seqs, 4, 16, "none", [i]).items():
+            np.testing.assert_allclose(got[name].weight(torch.float64).numpy(), q, rtol=0, atol=1e-12, err_msg=name)
+    with monkeypatch.context() as m:
+        m.setattr(gm.RoundedWeight, "of", classmethod(lambda *a: (_ for _ in ()).throw(AssertionError("calibrated"))))
+        m.setattr(sequential, "layer_inputs", lambda *a: (_ for _ in ()).throw(AssertionError("a forward")))
+        for i in range(3):
+            one = QuantSpec.parse(f"w=fint4/per_group:16; gptq; layers:{i}")
+            again = gptq_model(model, seqs, one, linear_sites(model, one), progress=False, checkpoint_dir=tmp_path)
+            assert set(again) == {n for n in got if f".{i}." in n}
+            assert all(torch.equal(again[n].weight(), got[n].weight()) for n in again)
+
+
 def test_whole_model_against_gpt_qmodel():
     """GPT-QModel 7.6's w3g32 and w8g64 checkpoints of the packed float model (bfloat16 on its CPU, 16 seeded random
     sequences): layer 0's q/k/v equal code for code; after them GPT-QModel's attention output differs from ours by
