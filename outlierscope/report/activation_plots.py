@@ -108,6 +108,8 @@ def _interval_figure(panels: list[tuple[str, pd.DataFrame, str]], value: str, co
         _interval_bars(ax, rows, value, colors, scale)
         ax.set_xlabel(xlabel)
         ax.set_title(task_label(task), fontsize=10)
+    handles, labels = axes[0][0].get_legend_handles_labels()  # one legend, under the panels: never over a bar
+    fig.legend(handles, labels, loc="outside lower center", ncol=len(labels), frameon=False, fontsize=8)
     fig.suptitle(title, fontsize=11)
     return fig
 
@@ -125,7 +127,6 @@ def _interval_bars(ax, rows: pd.DataFrame, value: str, colors: dict, scale: floa
     ax.axvline(0, color="0.3", lw=1)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(frameon=False, fontsize=8)
 
 
 def gold_ll_changes(gold: pd.DataFrame) -> plt.Figure | None:
