@@ -31,7 +31,7 @@ def _at_defaults(cls, settings: dict, record: dict) -> dict:
     return {**{k: json.loads(json.dumps(defaults[k])) for k in settings.keys() - record.keys()}, **record}
 
 
-@pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S")])
+@pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S"), ("weights", "W")])
 def test_readme_commands_give_the_recorded_settings(folder, letter):
     from outlierscope.cli import build_parser
     from outlierscope.runs.sensitivity import SensitivitySettings
