@@ -276,7 +276,8 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
             ax.set_xlabel("bits of the attention logits")
             ax.set_ylabel(label)
             ax.grid(alpha=0.3)
-            ax.legend(frameon=False, fontsize=8)
+            if ax.lines:  # a sweep of --quant cells alone has no quantized logits to draw here
+                ax.legend(frameon=False, fontsize=8)
             if len(tasks) > 1:
                 ax.set_title(task_label(task), fontsize=10)
             if m != "lm_loss" and (d["value"] > 0).any():  # log scale needs something positive to show
