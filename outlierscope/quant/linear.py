@@ -188,14 +188,20 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
     """GPTQ's rounded weights or AWQ's scales and clipping bounds of the quantized linears ``sites``, calibrated layer
     after layer on ``samples`` sequences of ``spec.calib`` (default: LAMBADA's last passages)
     (:func:`~outlierscope.quant.gptq_model.gptq_model`, :func:`~outlierscope.quant.awq_model.awq_model`)."""
-    from outlierscope.quant.awq_model import awq_model
-    from outlierscope.quant.gptq_model import gptq_model
     from outlierscope.quant.sequential import DEFAULT_CALIB, calibration_sequences
 
     ctx = _max_positions(model)
-    cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
+    cfg, run = _layerwise_method(spec)
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
     return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
+
+
+def _layerwise_method(spec: QuantSpec):
+    """(settings, the pass) of a spec's layer-by-layer calibration: GPTQ's or AWQ's."""
+    from outlierscope.quant.awq_model import awq_model
+    from outlierscope.quant.gptq_model import gptq_model
+
+    return (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
 
 
 def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint_dir, progress: bool = True) -> None:
@@ -204,14 +210,12 @@ def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint
     the float layers below it, as ``layers:i`` alone calibrates it), saved in ``checkpoint_dir`` where
     :func:`calibrate` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
     without GPTQ or AWQ."""
-    from outlierscope.quant.awq_model import awq_model
-    from outlierscope.quant.gptq_model import gptq_model
     from outlierscope.quant.sequential import calibration_sequences
 
     spec = QuantSpec.of(spec)
     if not spec.has_linear or (spec.gptq is None and spec.awq is None):
         return
-    cfg, run = (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
+    cfg, run = _layerwise_method(spec)
     sites = [s for s in linear_sites(model, dataclasses.replace(spec, layers=None)) if s.layer in set(layers)]
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, _max_positions(model))  # (N, T)
     run(model, seqs, spec, sites, progress=progress, checkpoint_dir=checkpoint_dir, alone=True)
