@@ -308,7 +308,7 @@ def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention 
     for ax in (a, b):
         ax.grid(axis="y", alpha=0.3)
         ax.set_xticks(table["layer"].tolist()[::-(-len(table) // 16)])  # at most 16 labels
-    fig.suptitle(f"Per-layer sensitivity to {quantized}", fontsize=11)
+    fig.suptitle(_fit(f"Per-layer sensitivity to {quantized}", 10, 11), fontsize=11)  # a long spec: more lines
     return fig
 
 
