@@ -5,6 +5,8 @@ reference, blocked against unblocked, reducers fed CUDA tensors, the bitsandbyte
 model split by a device map between cuda:0 and the CPU.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -29,22 +31,41 @@ def _batch(device):
     return ids.to(device), mask.to(device)
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])
+def _logits(model, ids, mask, impl, ours=False):
+    model.set_attn_implementation(impl)
+    with torch.no_grad(), (attention_stages(model, lambda c, x: x) if ours else contextlib.nullcontext()):
+        out = model(input_ids=ids, attention_mask=mask).logits.float()
+    model.set_attn_implementation("eager")
+    return out
+
+
 @pytest.mark.parametrize("arch", ["llama", "diffllama", "mistral"])
-def test_our_attention_equals_sdpa_and_eager(arch, dtype, tol):
-    model = make(arch).to("cuda", dtype)
+def test_our_attention_equals_sdpa_and_eager(arch):
+    """float32 on the GPU: ours equals HF's eager and sdpa attention to float32 rounding."""
+    model = make(arch).to("cuda")
     ids, mask = _batch("cuda")
     real = mask.bool()
-    with torch.no_grad():
-        eager = model(input_ids=ids, attention_mask=mask).logits
-        with attention_stages(model, lambda c, x: x):
-            ours = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation("sdpa")
-        sdpa = model(input_ids=ids, attention_mask=mask).logits
-        model.set_attn_implementation("eager")
-    scale = eager[real].float().abs().max()
-    assert (ours[real].float() - eager[real].float()).abs().max() <= tol * scale
-    assert (ours[real].float() - sdpa[real].float()).abs().max() <= tol * scale
+    eager, sdpa, ours = (_logits(model, ids, mask, impl, o)[real] for impl, o in
+                         [("eager", False), ("sdpa", False), ("eager", True)])
+    scale = eager.abs().max()
+    assert (ours - eager).abs().max() <= 1e-4 * scale
+    assert (ours - sdpa).abs().max() <= 1e-4 * scale
+
+
+@pytest.mark.parametrize("arch", ["llama", "diffllama", "mistral"])
+def test_our_attention_in_bf16_is_as_close_to_float32_as_hf(arch):
+    """bf16 on the GPU: ours is no further from the float32 logits than HF's own bf16 eager and sdpa are.
+
+    Not a fixed tolerance: DiffLlama's difference of two softmaxes cancels, so HF's own bf16 eager and sdpa are
+    15-21% of the largest logit away from float32 on this random model (seen on the CPU too), llama's ~1%.
+    """
+    ids, mask = _batch("cuda")
+    real = mask.bool()
+    ref = _logits(make(arch).to("cuda"), ids, mask, "eager")[real]
+    model = make(arch).to("cuda", torch.bfloat16)
+    err = {name: (_logits(model, ids, mask, impl, o)[real] - ref).abs().max().item()
+           for name, impl, o in [("eager", "eager", False), ("sdpa", "sdpa", False), ("ours", "eager", True)]}
+    assert err["ours"] <= 1.5 * max(err["eager"], err["sdpa"]), err
 
 
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_row"])
