@@ -32,6 +32,29 @@ def _lmeval_rows(choices: str) -> list:
     ]
 
 
+def _attention_memory_rows() -> list:
+    """bench/attention_memory.py's rows, on the CPU and on a GPU (the same modes, shapes and goals)."""
+    return [
+        (f"{label}: {what}", tuple(f"{shape}_{m}_{unit}" for m in modes), fmt)
+        for shape, label in (("smollm2-135m", "SmolLM2-135M shape"), ("llama3-8b-2l", "Llama-3-8B layers"))
+        for what, modes, unit, fmt in (
+            ("attention modules' peak MB: eager / ours one block / ours blocks of 128 rows",
+             ("eager", "ours_unblocked", "ours_blocked"), "attention_mb", "{} / {} / {}"),
+            ("whole forward's peak MB: eager / ours one block / ours blocks",
+             ("eager", "ours_unblocked", "ours_blocked"), "peak_mb", "{} / {} / {}"),
+            ("forward s: eager / ours one block / ours blocks", ("eager", "ours_unblocked", "ours_blocked"), "s",
+             "{} / {} / {}"),
+            ("8-bit per_tensor, attention peak MB: one block / blocks (two passes)",
+             ("quant8_unblocked", "quant8_blocked"), "attention_mb", "{} / {}"),
+            ("8-bit per_tensor, forward s: one block / blocks", ("quant8_unblocked", "quant8_blocked"), "s", "{} / {}"),
+            ("attention memory down, unquantized / 8-bit (goal >= 8x)", ("ours", "quant8"), "memory_ratio",
+             "**{}x** / **{}x**"),
+            ("time blocks / one block, unquantized / 8-bit (goal <= 1.15x)", ("ours", "quant8"), "time_ratio",
+             "**{}x** / **{}x**"),
+        )
+    ]
+
+
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
 TABLES = {
     "profile": ("profile", [
@@ -92,25 +115,8 @@ TABLES = {
         ("FLOP-bound ratio: lm-eval's matmul FLOPs / ours for these items", "flop_ratio", "{}x"),
         ("measured speed-up / FLOP-bound ratio", "speedup_over_flop_ratio", "{}"),
     ]),
-    "attention_memory": ("attention_memory", [
-        (f"{label}: {what}", tuple(f"{shape}_{m}_{unit}" for m in modes), fmt)
-        for shape, label in (("smollm2-135m", "SmolLM2-135M shape"), ("llama3-8b-2l", "Llama-3-8B layers"))
-        for what, modes, unit, fmt in (
-            ("attention modules' peak MB: eager / ours one block / ours blocks of 128 rows",
-             ("eager", "ours_unblocked", "ours_blocked"), "attention_mb", "{} / {} / {}"),
-            ("whole forward's peak MB: eager / ours one block / ours blocks",
-             ("eager", "ours_unblocked", "ours_blocked"), "peak_mb", "{} / {} / {}"),
-            ("forward s: eager / ours one block / ours blocks", ("eager", "ours_unblocked", "ours_blocked"), "s",
-             "{} / {} / {}"),
-            ("8-bit per_tensor, attention peak MB: one block / blocks (two passes)",
-             ("quant8_unblocked", "quant8_blocked"), "attention_mb", "{} / {}"),
-            ("8-bit per_tensor, forward s: one block / blocks", ("quant8_unblocked", "quant8_blocked"), "s", "{} / {}"),
-            ("attention memory down, unquantized / 8-bit (goal >= 8x)", ("ours", "quant8"), "memory_ratio",
-             "**{}x** / **{}x**"),
-            ("time blocks / one block, unquantized / 8-bit (goal <= 1.15x)", ("ours", "quant8"), "time_ratio",
-             "**{}x** / **{}x**"),
-        )
-    ]),
+    "attention_memory": ("attention_memory", _attention_memory_rows()),
+    "attention_memory_cuda": ("attention_memory_cuda", _attention_memory_rows()),
     "tasks_vs_lmeval": ("tasks_vs_lmeval", [
         (f"{t}: rows with identical requests and gold", f"{t}_identical_rows", "{}")
         for t in ("arc_easy", "arc_challenge", "boolq", "openbookqa", "piqa", "winogrande", "sciq", "copa", "social_iqa")

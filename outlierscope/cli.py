@@ -569,7 +569,8 @@ def main(argv: list[str] | None = None) -> int:
     # quiet tokenizers and one-line warnings for the command line only: importing the library changes neither.
     # The Hub's settings (HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN, HF_HOME) are the user's: nothing is forced.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    warnings.formatwarning = lambda message, *args, **kwargs: f"outlierscope: warning: {message}\n"
+    warnings.formatwarning = lambda message, *args, **kwargs: \
+        f"outlierscope: warning: {str(message).removeprefix('outlierscope: ')}\n"  # the library's own prefix once
     try:
         return _run(argv)
     except KeyboardInterrupt:  # also while the parser's imports (torch, transformers) load

@@ -39,6 +39,18 @@ def test_unknown_model_is_one_line(capsys):
     assert rc == 2 and err.count("\n") == 1 and "did you mean pair-tiny:diff" in err
 
 
+def test_library_warning_prints_its_prefix_once(monkeypatch, capsys):
+    """The library's warnings start with "outlierscope: "; the command line's one-line format adds "warning:" once
+    (seen doubled on an H200: "outlierscope: warning: outlierscope: statistics run uncompiled")."""
+    import warnings
+
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main's format undone after the test
+    assert main(["info"]) == 0
+    line = warnings.formatwarning("outlierscope: statistics run uncompiled (X)", RuntimeWarning, "f.py", 1)
+    assert line == "outlierscope: warning: statistics run uncompiled (X)\n"
+    assert warnings.formatwarning("prompt of 9 tokens", UserWarning, "f.py", 1) == "outlierscope: warning: prompt of 9 tokens\n"
+
+
 def test_import_changes_no_environment_or_logging():
     """Importing the package and its layers sets no environment variable and no logging level."""
     import subprocess

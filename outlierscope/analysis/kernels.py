@@ -71,7 +71,9 @@ def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:
     float32(a), int32, exact (integer work only: the float's bits select a cell, one comparison inside it)."""
     bits = a.float().view(torch.int32)
     cell = table[bits >> s]  # (below << (s + 1)) | the edge's low bits
-    return (cell >> (s + 1)) + ((bits & ((1 << s) - 1)) >= (cell & ((1 << (s + 1)) - 1))).int()
+    # 2 ** s, not 1 << s: compiled with dynamic shapes, s is symbolic, and torch 2.11's shape arithmetic cannot
+    # evaluate a shift of a symbolic int (seen on an H200: the statistics fell back to eager)
+    return (cell >> (s + 1)) + ((bits & (2**s - 1)) >= (cell & (2 ** (s + 1) - 1))).int()
 
 
 def power_sums(xs: torch.Tensor, dim: int) -> torch.Tensor:
