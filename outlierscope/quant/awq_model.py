@@ -178,31 +178,41 @@ def _group_scale(linears: list[nn.Linear], xs: list[torch.Tensor], judge: nn.Mod
 
 
 def _layer_awq(layer: nn.Module, mine: dict[str, nn.Linear], inputs: list, spec: QuantSpec) -> dict[str, AWQWeight]:
-    """AWQ of one layer's linears ``mine`` (path -> module) on its ``inputs`` (module docstring)."""
-    groups = input_subsets(layer, mine, inputs[0])
+    """AWQ of one layer's linears ``mine`` (path -> module) on its ``inputs`` (module docstring). The groups are the
+    layer's, whichever of their linears are quantized: a group partly in ``mine`` (``linears:q_proj``) gets its scale
+    searched on the whole group's input and judge with only its quantized linears rounded (the others take ``s`` in
+    float, exactly); a lone linear is scaled when its producer could absorb ``s``, quantized or not."""
+    every = {p: m for p, m in layer.named_modules() if isinstance(m, nn.Linear)}
+    groups = input_subsets(layer, every, inputs[0])
+    producers = {g[0]: groups[k - 1][-1] if k else None for k, g in enumerate(groups)}
+    groups = [g for g in groups if any(q in mine for q in g)]
     judges = {tuple(g): _parent(layer, g) for g in groups}
-    watched = {g[0]: mine[g[0]] for g in groups} | {f"judge:{p}": m for p, m in judges.values()}
+    watched = {g[0]: every[g[0]] for g in groups} | {f"judge:{p}": m for p, m in judges.values()}
     with _recording(watched) as got:
         run_layer(layer, inputs)
-    part, cfg, out = spec.part("w"), spec.awq, {}
-    for k, g in enumerate(groups):
+    cfg, out = spec.awq, {}
+    for g in groups:
         xs = [args[0] for args, _ in got[g[0]]]  # (1, T, I) per sequence
-        producer = groups[k - 1][-1] if k else None
-        scaled = len(g) > 1 or (producer is not None and mine[producer].out_features == mine[g[0]].in_features)
+        producer = producers[g[0]]
+        scaled = len(g) > 1 or (producer is not None and every[producer].out_features == every[g[0]].in_features)
         p, judge = judges[tuple(g)]
-        s = _group_scale([mine[q] for q in g], xs, judge, got[f"judge:{p}"], spec) if scaled else None
+        sel = [q for q in g if q in mine]
+        s = _group_scale([mine[q] for q in sel], xs, judge, got[f"judge:{p}"], spec) if scaled else None
         x = torch.cat([x.reshape(-1, x.shape[-1]) for x in xs])  # (N T, I)
         x = x if s is None else x / s.view(1, -1)
-        for q in g:
-            w = mine[q].weight.detach()
-            w = w if s is None else w * s.view(1, -1)
-            clip = None
-            if cfg.clip and not any(t in q for t in NO_CLIP):
-                clip = search_clip(w, x, lambda v: quantize_weight(v, part),
-                                   part.size if part.granularity == "per_group" else None,
-                                   cfg.grid, cfg.shrink, cfg.clip_tokens)
-            out[q] = AWQWeight(s, clip)
+        for q in sel:
+            out[q] = AWQWeight(s, _clip(q, mine[q].weight.detach(), s, x, spec) if cfg.clip else None)
     return out
+
+
+def _clip(path: str, w: torch.Tensor, s: torch.Tensor | None, x: torch.Tensor, spec: QuantSpec) -> torch.Tensor | None:
+    """A linear's clipping bound: search_clip on W s and the scaled input ``x`` (None for q/k: AutoAWQ skips them)."""
+    if any(t in path for t in NO_CLIP):
+        return None
+    part, cfg = spec.part("w"), spec.awq
+    w = w if s is None else w * s.view(1, -1)
+    return search_clip(w, x, lambda v: quantize_weight(v, part), part.size if part.granularity == "per_group" else None,
+                       cfg.grid, cfg.shrink, cfg.clip_tokens)
 
 
 def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,

@@ -149,10 +149,22 @@ def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor,
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
     reads = f"{spec.part('w')}|{spec.gptq}|{spec.awq}"
+    if kind == "awq" and _partial_layers(model, sites):  # AWQ of a part of a layer's groups: their scales since #49
+        reads += "|awq-partial-groups"
     h.update(f"{kind}|{reads}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
     h.update("|".join(s.name for s in sites).encode())
     h.update(seqs.cpu().numpy().tobytes())
     return Path(directory) / f"{kind}-{h.hexdigest()[:16]}.pt", h.hexdigest()
+
+
+def _partial_layers(model: nn.Module, sites: list) -> bool:
+    """Whether ``sites`` quantize some but not all linears of a decoder layer (the LM head aside)."""
+    layers = decoder_layers(model)
+    chosen: dict[int, set] = {}
+    for s in sites:
+        if s.layer < len(layers):
+            chosen.setdefault(s.layer, set()).add(s.path)
+    return any(sum(isinstance(m, nn.Linear) for m in layers[i].modules()) != len(paths) for i, paths in chosen.items())
 
 
 def _load_layers(path, key: str) -> dict:

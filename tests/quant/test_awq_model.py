@@ -49,7 +49,8 @@ def _capture(model, seqs, modules):
 
 
 def _scale(linears, judge, calls, xs):
-    """AutoAWQ's _search_best_scale in float64 (means summed in float32, as it sums them)."""
+    """AutoAWQ's _search_best_scale in float64 (means summed in float32, as it sums them), of the group's quantized
+    ``linears`` (the others of the group keep their float weights: ``s`` folds into them exactly)."""
     ws = [m.weight.detach().clone() for m in linears]
     cat = torch.cat(ws).numpy()
     a = np.abs(cat).reshape(-1, GROUP)
@@ -77,18 +78,30 @@ def _scale(linears, judge, calls, xs):
     return torch.from_numpy(best)
 
 
-def _reference(model, seqs, clip_tokens):
-    """The AutoAWQ-quantized copy of ``model`` (folded scales, clipped, rounded weights)."""
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _reference(model, seqs, clip_tokens, chosen=ALL):
+    """The AutoAWQ-quantized copy of ``model`` (folded scales, clipped, rounded weights); only the linears ``chosen``
+    quantized (a group's scale searched with those of it rounded, and none where none of it is chosen)."""
     model = copy.deepcopy(model)
     mha = model.config.num_key_value_heads == model.config.num_attention_heads
+    ones = torch.ones(model.config.hidden_size, dtype=torch.float64)
+    one_i = torch.ones(model.config.intermediate_size, dtype=torch.float64)
+
+    def scale(group, judge, calls, xs, fallback):
+        mine = [m for n, m in group if n in chosen]
+        return _scale(mine, judge, calls, xs) if mine else fallback
+
     for layer in model.model.layers:
         at, mlp = layer.self_attn, layer.mlp
         got = _capture(model, seqs, {"attn": at, "o": at.o_proj, "mlp": mlp, "down": mlp.down_proj})
         x = {k: [a[0] if a else kw["hidden_states"] for a, kw in v] for k, v in got.items()}
-        s_qkv = _scale([at.q_proj, at.k_proj, at.v_proj], at, got["attn"], x["attn"])
-        s_o = _scale([at.o_proj], at.o_proj, got["o"], x["o"]) if mha else None
-        s_mlp = _scale([mlp.gate_proj, mlp.up_proj], mlp, got["mlp"], x["mlp"])
-        s_down = _scale([mlp.down_proj], mlp.down_proj, got["down"], x["down"])
+        s_qkv = scale([("q_proj", at.q_proj), ("k_proj", at.k_proj), ("v_proj", at.v_proj)], at, got["attn"],
+                      x["attn"], ones)
+        s_o = scale([("o_proj", at.o_proj)], at.o_proj, got["o"], x["o"], None) if mha else None
+        s_mlp = scale([("gate_proj", mlp.gate_proj), ("up_proj", mlp.up_proj)], mlp, got["mlp"], x["mlp"], ones)
+        s_down = scale([("down_proj", mlp.down_proj)], mlp.down_proj, got["down"], x["down"], one_i)
         with torch.no_grad():  # apply_scale: 1/s into what comes before, s into the linears' columns
             layer.input_layernorm.weight.div_(s_qkv)
             for m in (at.q_proj, at.k_proj, at.v_proj):
@@ -105,6 +118,8 @@ def _reference(model, seqs, clip_tokens):
                  "down": (x["down"], s_down)}
         for name, m in (("v", at.v_proj), ("o", at.o_proj), ("gate", mlp.gate_proj), ("up", mlp.up_proj),
                         ("down", mlp.down_proj)):
+            if f"{name}_proj" not in chosen:
+                continue
             xs, s = feats[name]
             xf = torch.cat([v.reshape(-1, v.shape[-1]) for v in xs])
             xf = xf if s is None else xf / s
@@ -114,7 +129,8 @@ def _reference(model, seqs, clip_tokens):
                 m.weight.copy_(torch.from_numpy(np.clip(w.reshape(w.shape[0], -1, GROUP), -bound[..., None],
                                                         bound[..., None]).reshape(w.shape)))
         with torch.no_grad():
-            for m in (at.q_proj, at.k_proj, at.v_proj, at.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            for n in chosen:
+                m = getattr(at if n in ALL[:4] else mlp, n)
                 m.weight.copy_(torch.from_numpy(_q(m.weight.numpy(), BITS, GROUP)))
     return model
 
@@ -143,6 +159,43 @@ def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
     assert (want - plain).abs().max() > 1e-3  # quantization moved the logits (another ratio anywhere: by ~1e-2)
     # the means are float32 sums (AutoAWQ's), ours per sequence: the scales agree to ~1e-7, the logits to ~1e-7
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("chosen", [("q_proj",), ("down_proj",), ("k_proj", "up_proj")])
+def test_part_of_a_group_gets_the_groups_scale_as_autoawq_would_fold_it(chosen):
+    """``linears:`` choosing part of a group (q_proj of q/k/v, up_proj of gate/up) or a lone linear whose producer is
+    not quantized (down_proj): the scale searched on the whole group's input and judge with the chosen linears
+    rounded, folded as AutoAWQ folds it (into the norm or the producer's rows: exact for the float linears); the
+    logits equal the folded float64 reference (seen failing with the group cut to its chosen linears: no scale for a
+    lone down_proj, q_proj judged alone)."""
+    model = _llama(4)
+    seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse(f"w=int{BITS}/per_group:{GROUP}; awq:clip_tokens=32; linears:" + "+".join(
+        f"*.{n}" for n in chosen))
+    ours = awq_model(model, seqs, spec, linear_sites(model, spec), progress=False)
+    assert sorted(n.rsplit(".", 1)[1] for n in ours) == sorted(chosen * 2)
+    assert all(r.scale is not None for r in ours.values())
+    ref = _reference(model, seqs, 32, chosen)
+    ids = torch.randint(1, 300, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        with quantize_model(model, spec, calibration=Calibration({}, (), "test", ours)):
+            got = model(input_ids=ids).logits
+        plain = model(input_ids=ids).logits
+    assert (want - plain).abs().max() > 1e-4
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_part_of_a_layers_linears_is_saved_under_its_own_key():
+    """Calibrations saved before partial groups were scaled (clipping only) are not read for ``linears:`` subsets;
+    whole layers (all linears, or ``layers:``) keep their files."""
+    from outlierscope.quant.sequential import _partial_layers
+
+    model = _llama(4)
+    for text, partial in [("", False), ("; layers:1", False), ("; linears:*.q_proj", True),
+                          ("; linears:self_attn.*", True), ("; linears:*_proj", False)]:
+        spec = QuantSpec.parse(f"w=int4/per_group:16; awq{text}")
+        assert _partial_layers(model, linear_sites(model, spec)) is partial, text
 
 
 def test_each_layer_alone_in_one_pass_equals_the_layers_own_calibration():
