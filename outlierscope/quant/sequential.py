@@ -6,6 +6,8 @@ rounded weight held in place by a parametrization while the pass goes on.
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 
@@ -224,6 +226,7 @@ def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str
         while fixed:
             parametrize.remove_parametrizations(fixed.pop(), "weight", leave_parametrized=False)
 
+    started = time.perf_counter()
     try:
         inputs = layer_inputs(model, seqs) if todo else []
         layers, last = decoder_layers(model), max(todo, default=-1)
@@ -242,9 +245,19 @@ def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str
                 unfix()  # the next layer's inputs through the float layer
             if i < last:
                 inputs = next_inputs(layers[i], inputs)
+            if progress and i in todo:
+                _said(kind, i, last, started)
     finally:
         unfix()
     return out
+
+
+def _said(kind: str, i: int, last: int, started: float) -> None:
+    """Without a terminal (a log file, where the bar is off), one line per calibrated layer on stderr."""
+    import sys
+
+    if not sys.stderr.isatty():
+        print(f"{kind}: layer {i} of {last} calibrated ({time.perf_counter() - started:.0f} s)", file=sys.stderr)
 
 
 def _saved_layers(directory, kind: str, model: nn.Module, seqs: torch.Tensor, spec, sites: list, layers: list[int],

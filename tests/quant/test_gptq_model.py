@@ -97,6 +97,19 @@ def test_each_layer_alone_in_one_pass_equals_its_own_calibration(tmp_path, monke
             assert all(torch.equal(again[n].weight(), got[n].weight()) for n in again)
 
 
+def test_a_log_file_gets_a_line_per_calibrated_layer(tmp_path, capsys):
+    """Without a terminal (stderr captured: a log file) the bar is off, and each calibrated layer says so in one line;
+    layers taken from the checkpoint say nothing (seen silent for 10 minutes in a background sensitivity run)."""
+    model = _llama(torch.float32)
+    seqs = torch.randint(1, 300, (2, 16), generator=torch.Generator().manual_seed(3))
+    spec = QuantSpec.parse("w=fint4/per_group:16; gptq; layers:0+2")
+    gptq_model(model, seqs, spec, linear_sites(model, spec), checkpoint_dir=tmp_path)
+    lines = capsys.readouterr().err.splitlines()
+    assert [ln.split(" (")[0] for ln in lines] == ["gptq: layer 0 of 2 calibrated", "gptq: layer 2 of 2 calibrated"]
+    gptq_model(model, seqs, spec, linear_sites(model, spec), checkpoint_dir=tmp_path)
+    assert capsys.readouterr().err == ""
+
+
 def test_whole_model_against_gpt_qmodel():
     """GPT-QModel 7.6's w3g32 and w8g64 checkpoints of the packed float model (bfloat16 on its CPU, 16 seeded random
     sequences): layer 0's q/k/v equal code for code; after them GPT-QModel's attention output differs from ours by
