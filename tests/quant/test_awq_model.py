@@ -135,6 +135,17 @@ def _reference(model, seqs, clip_tokens, chosen=ALL):
     return model
 
 
+def _logits(ref, model, spec, ours):
+    """Logits of seeded sequences: the reference model's, ``model``'s under ``spec`` with our AWQ ``ours``, and
+    ``model``'s unquantized."""
+    ids = torch.randint(1, 300, (2, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ref(input_ids=ids).logits
+        with quantize_model(model, spec, calibration=Calibration({}, (), "test", ours)):
+            got = model(input_ids=ids).logits
+        return want, got, model(input_ids=ids).logits
+
+
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
     """Grouped-query attention (o_proj unscaled: v_proj cannot absorb its scale) and multi-head (v_proj -> o_proj
@@ -150,12 +161,7 @@ def test_awq_model_equals_autoawq_folded_in_float64(kv_heads):
     assert any(n.endswith("o_proj") for n in scaled) == (kv_heads == 4)
     assert not any(r.clip is not None for n, r in ours.items() if n.endswith(("q_proj", "k_proj")))
     ref = _reference(model, seqs, 32)
-    ids = torch.randint(1, 300, (2, 20), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = ref(input_ids=ids).logits
-        with quantize_model(model, spec, calibration=Calibration({}, (), "test", ours)):
-            got = model(input_ids=ids).logits
-        plain = model(input_ids=ids).logits
+    want, got, plain = _logits(ref, model, spec, ours)
     assert (want - plain).abs().max() > 1e-3  # quantization moved the logits (another ratio anywhere: by ~1e-2)
     # the means are float32 sums (AutoAWQ's), ours per sequence: the scales agree to ~1e-7, the logits to ~1e-7
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
@@ -176,12 +182,7 @@ def test_part_of_a_group_gets_the_groups_scale_as_autoawq_would_fold_it(chosen):
     assert sorted(n.rsplit(".", 1)[1] for n in ours) == sorted(chosen * 2)
     assert all(r.scale is not None for r in ours.values())
     ref = _reference(model, seqs, 32, chosen)
-    ids = torch.randint(1, 300, (2, 20), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = ref(input_ids=ids).logits
-        with quantize_model(model, spec, calibration=Calibration({}, (), "test", ours)):
-            got = model(input_ids=ids).logits
-        plain = model(input_ids=ids).logits
+    want, got, plain = _logits(ref, model, spec, ours)
     assert (want - plain).abs().max() > 1e-4
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
 
