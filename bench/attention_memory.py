@@ -184,12 +184,12 @@ def main() -> int:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes, no record (for the tests)")
     p.add_argument("--child", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.dry_run:  # in the children too: they build the model
+        SHAPES.update({k: {**v, "num_hidden_layers": 1} for k, v in SHAPES.items()})
+        a.tokens, a.rows, a.reps, a.shapes = 512, 64, 1, ["smollm2-135m"]
     if a.child:
         print(json.dumps(measure(*a.child, a.device, a.tokens, a.rows, a.reps)))
         return 0
-    if a.dry_run:
-        SHAPES.update({k: {**v, "num_hidden_layers": 1} for k, v in SHAPES.items()})
-        a.tokens, a.rows, a.reps, a.shapes = 512, 64, 1, ["smollm2-135m"]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": os.pathsep.join(
         [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])}
     raw = {"device": a.device, "tokens": a.tokens, "rows": a.rows, "reps": a.reps, "runs": {}}
@@ -197,7 +197,7 @@ def main() -> int:
     for shape in a.shapes:
         for mode in MODES:
             cmd = [sys.executable, os.path.abspath(__file__), "--child", shape, mode, "--device", a.device,
-                   "--tokens", str(a.tokens), "--rows", str(a.rows), "--reps", str(a.reps)]
+                   "--tokens", str(a.tokens), "--rows", str(a.rows), "--reps", str(a.reps), *(["--dry-run"] * a.dry_run)]
             r = subprocess.run(cmd, capture_output=True, text=True, env=env)
             if r.returncode:
                 sys.exit(f"{shape} {mode} failed:\n{r.stderr[-3000:]}")

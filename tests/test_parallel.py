@@ -24,13 +24,26 @@ SENS = ["sensitivity", "--model", "pair-tiny:diff", "--limit", "6", "--batch-siz
 PROFILE = ["profile", "--model", "pair-tiny:diff", "--tokens", "20000", "--batch-size", "4"]
 
 
-def _cli(args, procs: int = 1):
+def _launch(args, procs: int = 1) -> list[str]:
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={procs}"] if procs > 1 \
         else [sys.executable]
-    r = subprocess.run([*launch, "-m", "outlierscope", *args], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                       timeout=600)
+    return [*launch, "-m", "outlierscope", *args]
+
+
+def _cli(args, procs: int = 1):
+    r = subprocess.run(_launch(args, procs), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
+
+
+def _together(*runs):
+    """Independent one-process runs side by side (one thread each, one per core): the fixture's wall time, not its
+    arithmetic, which does not depend on what else runs."""
+    procs = [subprocess.Popen(_launch(args), cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for args in runs]
+    for args, p in zip(runs, procs):
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, f"{args}: {err[-3000:]}"
 
 
 def _csvs(d: Path) -> dict[str, bytes]:
@@ -40,26 +53,30 @@ def _csvs(d: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, hellaswag_cached):
     root = tmp_path_factory.mktemp("parallel")
-    for cmd in (SWEEP, PROFILE):
-        kind = cmd[0]
-        _cli([*cmd, "--out", str(root / f"{kind}-1")])
-        _cli([*cmd, "--out", str(root / f"{kind}-2")], procs=2)
-        for i in range(2):
-            _cli([*cmd, "--out", str(root / f"{kind}-shards"), "--shard", f"{i}/2"])
-        _cli(["merge", str(root / f"{kind}-shards")])
-    # shards written apart and merged into a third directory; and torchrun (2 processes) inside each --shard
+    out = {k: str(root / k) for k in ("sweep-1", "sweep-2", "sweep-shards", "sweep-apart-0", "sweep-apart-1",
+                                      "sweep-apart", "sweep-torchrun-shards", "profile-1", "profile-2",
+                                      "profile-shards", "sens-1", "sens-2", "sens-3", "sens-shards")}
+    # one process; shards into one directory and merged; shards written apart and merged into a third directory
+    _together([*SWEEP, "--out", out["sweep-1"]], [*PROFILE, "--out", out["profile-1"]])
     for i in range(2):
-        _cli([*SWEEP, "--out", str(root / f"sweep-apart-{i}"), "--shard", f"{i}/2"])
-        _cli([*SWEEP, "--out", str(root / "sweep-torchrun-shards"), "--shard", f"{i}/2"], procs=2)
-    _cli(["merge", str(root / "sweep-apart-0"), str(root / "sweep-apart-1"), "--out", str(root / "sweep-apart")])
-    _cli(["merge", str(root / "sweep-torchrun-shards")])
-    # sensitivity: 1, 2 and 3 processes; 2 shards, merged, then the greedy in one process
-    for procs in (1, 2, 3):
-        _cli([*SENS, "--out", str(root / f"sens-{procs}")], procs=procs)
+        _together([*SWEEP, "--out", out["sweep-shards"], "--shard", f"{i}/2"],
+                  [*SWEEP, "--out", out[f"sweep-apart-{i}"], "--shard", f"{i}/2"])
+    _together(*([*PROFILE, "--out", out["profile-shards"], "--shard", f"{i}/2"] for i in range(2)))
+    _together(["merge", out["sweep-shards"]], ["merge", out["profile-shards"]])
+    _together(["merge", out["sweep-apart-0"], out["sweep-apart-1"], "--out", out["sweep-apart"]],
+              [*SENS, "--out", out["sens-1"]])
+    # torchrun: 2 processes, and 2 processes inside each --shard
+    _cli([*SWEEP, "--out", out["sweep-2"]], procs=2)
+    _cli([*PROFILE, "--out", out["profile-2"]], procs=2)
     for i in range(2):
-        _cli([*SENS, "--out", str(root / "sens-shards"), "--shard", f"{i}/2"])
-    _cli(["merge", str(root / "sens-shards")])
-    _cli([*SENS, "--out", str(root / "sens-shards")])
+        _cli([*SWEEP, "--out", out["sweep-torchrun-shards"], "--shard", f"{i}/2"], procs=2)
+    _cli(["merge", out["sweep-torchrun-shards"]])
+    # sensitivity: 2 and 3 processes; 2 shards, merged, then the greedy in one process
+    for procs in (2, 3):
+        _cli([*SENS, "--out", out[f"sens-{procs}"]], procs=procs)
+    _together(*([*SENS, "--out", out["sens-shards"], "--shard", f"{i}/2"] for i in range(2)))
+    _cli(["merge", out["sens-shards"]])
+    _cli([*SENS, "--out", out["sens-shards"]])
     return root
 
 

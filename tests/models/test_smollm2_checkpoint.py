@@ -1,6 +1,7 @@
 """On SmolLM2-135M (issue #40): a compressed-tensors W8A8 checkpoint (int8 per-channel RTN weights, dynamic int8
 per-token activations, the LM head ignored) made here with compressed-tensors' own API from the fetched weights,
-against our emulation of its scheme on the same float weights: 200 seeded HellaSwag items.
+against our emulation of its scheme on the same float weights: 32 seeded HellaSwag items (four batches; equality
+is exact, so more items add time, not proof).
 
 The reference is the checkpoint as compressed-tensors runs it (its own quantized forward); the emulation is ours.
 ``make test`` fetches the model first (``outlierscope models fetch smollm2-135m``); run alone without it, the test
@@ -31,13 +32,13 @@ def test_smollm2_w8a8_checkpoint_scores_as_the_emulation(hellaswag_cached, tmp_p
     real = load_model(str(path), device="cpu")
     spec = spec_from_config(real.quantization_config(), meta_model(real.model.config))
     assert str(spec) == "a=fint8/per_token; w=fint8/per_channel"
-    got = evaluate(real, sample=200, seed=0, batch_size=8, progress=False)
+    got = evaluate(real, sample=32, seed=0, batch_size=8, progress=False)
     del real
     plain = load_model("smollm2-135m", device="cpu")
     with quantize_model(plain.model, spec):
-        want = evaluate(plain, sample=200, seed=0, batch_size=8, progress=False)
+        want = evaluate(plain, sample=32, seed=0, batch_size=8, progress=False)
     cols = got.score_columns
-    assert len(got.items) == 200 and list(got.items["index"]) == list(want.items["index"])
+    assert len(got.items) == 32 and list(got.items["index"]) == list(want.items["index"])
     np.testing.assert_array_equal(got.items[cols].to_numpy(), want.items[cols].to_numpy())
     for p in ("pred", "pred_norm"):
         assert (got.items[p].to_numpy() == want.items[p].to_numpy()).all()

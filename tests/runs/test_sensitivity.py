@@ -458,21 +458,27 @@ def words(tmp_path_factory):
     return path
 
 
-def _reference(spec, windows, model, per_window: bool = False):
-    """Mean KL(base || spec), mean NLL change and same-top share over every scored token, from each window's own
-    full forward (one window alone, unpadded) in float64: KL = sum_v p_b (ln p_b - ln p_q) written out. The base runs
-    through the same attention function quantizing nothing (the model's own eager attention takes its softmax in
-    float32: its NLL differs by up to 2e-6)."""
+def _log_probs(spec, windows, model, memo: dict) -> list[np.ndarray]:
+    """Each window's float64 log-probabilities from its own full forward (one window alone, unpadded) under
+    ``spec``, kept in ``memo`` by the spec's text (the base and repeated specs are computed once per test)."""
     from outlierscope.quant.apply import quantize_model
 
+    if str(spec) not in memo:
+        out = []
+        for w in windows:
+            ids = torch.tensor([w.input_ids])  # (1, T)
+            with torch.no_grad(), quantize_model(model, spec):
+                out.append(torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy())  # (T, V)
+        memo[str(spec)] = out
+    return memo[str(spec)]
+
+
+def _reference(spec, windows, model, memo: dict, per_window: bool = False):
+    """Mean KL(base || spec), mean NLL change and same-top share over every scored token, in float64: KL = sum_v
+    p_b (ln p_b - ln p_q) written out. The base runs through the same attention function quantizing nothing (the
+    model's own eager attention takes its softmax in float32: its NLL differs by up to 2e-6)."""
     kl, dnll, same = [], [], []
-    for w in windows:
-        ids = torch.tensor([w.input_ids])  # (1, T)
-        with torch.no_grad():
-            with quantize_model(model, QuantSpec()):
-                lb = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy()
-            with quantize_model(model, spec):
-                lq = torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy()
+    for w, lb, lq in zip(windows, _log_probs(QuantSpec(), windows, model, memo), _log_probs(spec, windows, model, memo)):
         rows = np.arange(w.first, w.first + len(w.targets))
         pb = np.exp(lb[rows])
         kl.append((pb * (lb[rows] - lq[rows])).sum(-1))
@@ -503,30 +509,31 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     from outlierscope.data.running_text import load_text
 
     windows = gptq_windows(lm.tokenizer, load_text(str(words)).docs, 48)
+    memo = {}
     assert rec["rank_by"]["windows"] == len(windows) >= 7 and rec["rank_by"]["scored_tokens"] == 47 * len(windows)
     t = pd.read_csv(tmp_path / "sensitivity.csv").set_index("layer")
-    ref = {i: _reference(s.spec([i]), windows, lm.model) for i in t.index}
+    ref = {i: _reference(s.spec([i]), windows, lm.model, memo) for i in t.index}
     for i, (kl, dnll, same) in ref.items():
         assert t.loc[i, "only_kld_mean"] == pytest.approx(kl, rel=1e-9, abs=1e-11)
         assert t.loc[i, "only_ln_ppl_ratio"] == pytest.approx(dnll, rel=1e-9, abs=1e-11)
         assert t.loc[i, "only_same_top"] == pytest.approx(same, abs=1e-12)
         assert t.loc[i, "only_kld_ci_low"] <= kl <= t.loc[i, "only_kld_ci_high"]
         if s.all_but:
-            rest = _reference(s.spec([j for j in t.index if j != i]), windows, lm.model)
+            rest = _reference(s.spec([j for j in t.index if j != i]), windows, lm.model, memo)
             assert t.loc[i, "all_but_kld_mean"] == pytest.approx(rest[0], rel=1e-9, abs=1e-11)
     key = 0 if metric == "kld" else 1
     assert rec["ranking"] == sorted(ref, key=lambda i: (-ref[i][key], i))
     assert len({round(ref[i][key], 12) for i in ref}) == len(ref)  # distinct harms: the ranking is tested
     final, kept = rec["final"], rec["keep"]
     quantized = [i for i in t.index if i not in kept]
-    got = _reference(s.spec(quantized), windows, lm.model) if quantized else (0.0, 0.0, 1.0)
+    got = _reference(s.spec(quantized), windows, lm.model, memo) if quantized else (0.0, 0.0, 1.0)
     col = "kld_mean" if metric == "kld" else "ln_ppl_ratio"
     assert final[col] == pytest.approx(got[key], rel=1e-9, abs=1e-11) and final["within_tolerance"]
     assert got[key] <= s.tolerance
     for tr in pd.read_csv(tmp_path / "greedy.csv", keep_default_na=False).to_dict("records"):
         k = [int(x) for x in str(tr["kept_layers"]).split()]
         q = [i for i in t.index if i not in k]
-        want = _reference(s.spec(q), windows, lm.model)[key] if q else 0.0
+        want = _reference(s.spec(q), windows, lm.model, memo)[key] if q else 0.0
         assert tr[col] == pytest.approx(want, rel=1e-9, abs=1e-11) and tr["within_tolerance"] == (want <= s.tolerance)
     assert 0 < len(kept) < len(t), "the tolerance should make the greedy keep some layers but not all"
     cell = json.loads((tmp_path / "cells" / f"{rec['cells']['only_0']}.json").read_text())
@@ -536,7 +543,7 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     assert rec["rank_by"]["unit"] in md
     from outlierscope.analysis.agreement import ranking_stability
 
-    sums = np.stack([_reference(s.spec([i]), windows, lm.model, per_window=True)[key] for i in t.index], 1)
+    sums = np.stack([_reference(s.spec([i]), windows, lm.model, memo, per_window=True)[key] for i in t.index], 1)
     want = ranking_stability(np.array([len(w.targets) for w in windows]), sums, s.seed)
     got = rec["rank_by"]["stability"]
     assert [r["windows"] for r in got] == [r["windows"] for r in want] and got[-1]["windows"] == len(windows)
