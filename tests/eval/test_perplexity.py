@@ -131,6 +131,28 @@ def test_kld_of_planted_distributions():
     assert not bool(v["same_top"][0]) and math.isclose(float(v["p_diff"][0]), 0.25 - 0.5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_same_top_is_the_first_largest_float64_log_probability_with_ties(dtype):
+    """The top token read from the narrow logits is the first largest float64 log-probability's (numpy's argmax,
+    which takes the first maximum), on bfloat16-valued logits full of ties, and rows whose top is tied on purpose."""
+    g = torch.Generator().manual_seed(0)
+    lq = (torch.randn(300, 512, generator=g) * 2).to(dtype)  # (n, V)
+    lb = (torch.randn(300, 512, generator=g) * 2).to(dtype)
+    for r in range(0, 300, 7):  # planted ties at the quantized top: the later index must lose to the base's top
+        i, j = sorted(torch.randperm(512, generator=g)[:2].tolist())
+        lq[r, j] = lq[r, i] = lq[r].max() + 1
+        lb[r, i] = lb[r].max() + 1
+    v = token_values(lq, lb, torch.zeros(300, dtype=torch.long))
+
+    def top(x):
+        x = x.double().numpy()
+        m = x.max(-1, keepdims=True)
+        return np.argmax(x - m - np.log(np.exp(x - m).sum(-1, keepdims=True)), -1)
+
+    want = top(lq) == top(lb)
+    assert np.array_equal(v["same_top"].numpy(), want) and want[::7].all() and not want.all()
+
+
 def _naive(model, windows, spec):
     """Per-token values from the model's own full forward (its logits), unquantized and quantized, in float64."""
     from outlierscope.quant.apply import quantize_model
