@@ -188,42 +188,75 @@ def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
                        block_rows, shards)
 
 
+@dataclass(frozen=True, eq=False)
+class Side:
+    """One forward of a pair of :func:`score_sides`: ``model`` (a key of its models) under ``spec``, with the
+    spec's ``calibration`` (:func:`~outlierscope.quant.linear.calibration_for`'s, or None)."""
+
+    model: str
+    spec: QuantSpec
+    calibration: object = None
+
+    @property
+    def key(self) -> tuple:
+        """Sides with equal keys are one forward."""
+        return self.model, str(self.spec), id(self.calibration)
+
+
 @torch.no_grad()
+def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[Side, Side]], batch_size: int = 1,
+                block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
+    """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base (``kld``
+    = KL(base || other), ``nll_base`` the base's). ``models``: key -> model; they must share the tokenizer the
+    windows were made with. Each distinct side runs once per batch however many pairs hold it (a checkpoint against
+    the float model and against n emulations on it: n + 2 forwards), and a base's log-probabilities are computed
+    once per block of positions for every pair that shares it. A spec that quantizes the LM head is refused (its
+    head exists only inside its context)."""
+    sides: dict[tuple, Side] = {}  # key -> side, in order of first use
+    for pair in pairs:
+        for side in pair:
+            if quantizes_head(side.spec):
+                raise OutlierscopeError(f"{side.spec}: a quantized LM head is not compared across two models; leave "
+                                        "lm_head out of linears:")
+            sides.setdefault(side.key, side)
+    heads = {k: lm_head(m, frozen=True) for k, m in models.items()}
+    by_base: dict[tuple, list[int]] = {}
+    for j, (base, _) in enumerate(pairs):
+        by_base.setdefault(base.key, []).append(j)
+    out: list[list[dict]] = [[] for _ in pairs]
+    for batch in _owned_batches(len(windows), batch_size, shards):
+        rows = _rows([windows[i] for i in batch])
+        window = np.repeat(batch, [len(windows[i].targets) for i in batch])
+        hidden = {}  # side key -> its hidden states at the scored positions (N, D) on this batch
+        for key, side in sides.items():
+            with quantize_model(models[side.model], side.spec, block_rows, side.calibration):
+                hidden[key], _, tgt = gathered_hidden(models[side.model], rows)
+        for key, js in by_base.items():
+            hb = hidden[key]
+            others = [pairs[j][1] for j in js]
+            values = _compare([heads[o.model] for o in others], [hidden[o.key].to(hb.device) for o in others],
+                              heads[sides[key].model], hb, torch.tensor(tgt, device=hb.device))
+            for j, v in zip(js, values):
+                out[j].append({"window": window, **v})
+    return [_scores(parts) for parts in out]
+
+
 def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],
                 ref_specs: Sequence[QuantSpec], batch_size: int = 1, calibrations: Sequence | None = None,
                 ref_calibrations: Sequence | None = None, block_rows: int | None = None,
                 shards: Collection[int] | None = None) -> list[TokenScores]:
     """Two models compared token by token: for each j, ``model`` under ``specs[j]`` against ``ref_model`` under
-    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's). Both models must share
-    the tokenizer the windows were made with. The noise floor (one spec, two arithmetics) and a real quantized
-    checkpoint against its emulation (the checkpoint unquantized as the base) are both such pairs; a reference spec
-    shared by several pairs runs once per batch. A spec that quantizes the LM head is refused (its head exists only
-    inside its context)."""
-    for spec in [*specs, *ref_specs]:
-        if quantizes_head(spec):
-            raise OutlierscopeError(f"{spec}: a quantized LM head is not compared across two models; leave lm_head "
-                                    "out of linears:")
+    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's): :func:`score_sides`
+    with two models. The noise floor (one spec, two arithmetics) and a real quantized checkpoint against its
+    emulation (the checkpoint unquantized as the base) are both such pairs; a reference spec shared by several pairs
+    runs once per batch."""
     if len(ref_specs) != len(specs):
         raise OutlierscopeError(f"{len(specs)} specs and {len(ref_specs)} reference specs; give one of each per pair")
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     ref_calibrations = list(ref_calibrations) if ref_calibrations is not None else [None] * len(specs)
-    head, ref_head = lm_head(model, frozen=True), lm_head(ref_model, frozen=True)
-    out: list[list[dict]] = [[] for _ in specs]
-    for batch in _owned_batches(len(windows), batch_size, shards):
-        rows = _rows([windows[i] for i in batch])
-        window = np.repeat(batch, [len(windows[i].targets) for i in batch])
-        refs = {}  # reference spec text -> its hidden states and targets on this batch
-        for j, spec in enumerate(specs):
-            key = (str(ref_specs[j]), id(ref_calibrations[j]))
-            if key not in refs:
-                with quantize_model(ref_model, ref_specs[j], block_rows, ref_calibrations[j]):
-                    refs[key] = gathered_hidden(ref_model, rows)
-            hr, _, tgt = refs[key]
-            with quantize_model(model, spec, block_rows, calibrations[j]):
-                hq, _, _ = gathered_hidden(model, rows)
-            targets = torch.tensor(tgt, device=hr.device)
-            out[j].append({"window": window, **_compare([head], [hq.to(hr.device)], ref_head, hr, targets)[0]})
-    return [_scores(parts) for parts in out]
+    pairs = [(Side("ref", r, rc), Side("model", q, qc))
+             for q, r, qc, rc in zip(specs, ref_specs, calibrations, ref_calibrations)]
+    return score_sides({"model": model, "ref": ref_model}, windows, pairs, batch_size, block_rows, shards)
 
 
 def _scores(parts: list[dict]) -> TokenScores:

@@ -2,9 +2,11 @@
 compared token by token by their whole next-token distributions (``compare-quant --metric text``).
 
     windows  = the text cut by the float model's tokenizer (the checkpoint's must cut it alike: checked)
-    float    = the float model, unquantized and under each emulation             # perplexity cells: KLD to float
-    real     = the checkpoint's own quantized forward against the float model    # KL(float || real)
-    emulated = each emulation against the checkpoint as the base                # KL(real || emulated): 0 when exact
+    forwards = per batch, once each: the float model, the checkpoint's own quantized forward, the float model
+               under each emulation (n + 2 forwards for n emulations)
+    pairs    = float vs real                     # KL(float || real)
+               float vs each emulation           # perplexity cells: KLD to float
+               real vs each emulation            # KL(real || emulated): 0 when exact
     compare.csv / compare.md (one row per pair, b against a: PPL of b, ln PPL ratio, NLL change and mean KLD with
     95% intervals over windows, 99.9% KLD, same top token, RMS dp), figures/, compare.json
 
@@ -68,7 +70,7 @@ def compare_on_text(s, out: Path, specs: list[str], checked: dict | None = None,
     each row's per-token KL divergence (label -> values, for the figure)."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World
-    from outlierscope.runs.perplexity import CellRun, text_ident, token_cells
+    from outlierscope.runs.perplexity import CellRun, pair_cells, text_ident
 
     t = text_windows(s, checked, log)
     windows, bs, device = t["windows"], s.text_batch_size, World().device(s.device)
@@ -77,20 +79,17 @@ def compare_on_text(s, out: Path, specs: list[str], checked: dict | None = None,
     f_ident = text_ident(s, flt, t["text"], t["length"], windows)
     r_ident = text_ident(s, real, t["text"], t["length"], windows, model=s.real)
     emulated = [QuantSpec.parse(q) for q in specs]
-    float_specs = [UNQUANTIZED, *emulated]
     real_ref = {"model": s.real, "weights_sha256": r_ident["weights_sha256"], "quant": str(UNQUANTIZED)}
-    f_set = [pair_settings(f_ident, sp, bs, None) for sp in float_specs]
-    r_set = [pair_settings(r_ident, UNQUANTIZED, bs, {"model": s.model, "weights_sha256": f_ident["weights_sha256"],
-                                                       "quant": str(UNQUANTIZED)})]
-    e_set = [pair_settings(f_ident, sp, bs, real_ref) for sp in emulated]
+    float_ref = {"model": s.model, "weights_sha256": f_ident["weights_sha256"], "quant": str(UNQUANTIZED)}
+    flt_, real_ = ("float", UNQUANTIZED), ("real", UNQUANTIZED)  # (model key, spec): one side of a pair
+    rows = [("float", "real", flt_, real_, pair_settings(r_ident, UNQUANTIZED, bs, float_ref))]
+    for sp in emulated:  # compare-quant's order; each distinct forward still runs once per batch
+        rows += [("float", f"emulated: {sp}", flt_, ("float", sp), pair_settings(f_ident, sp, bs, None)),
+                 ("real", f"emulated: {sp}", real_, ("float", sp), pair_settings(f_ident, sp, bs, real_ref))]
     c = CellRun(out / "cells", bs, None, s.seed, log=log)
-    on_float = token_cells(flt, windows, float_specs, f_set, c, kind="float-model ")
-    (real_vs_float,) = token_cells(real, windows, [UNQUANTIZED], r_set, c, lambda: flt, "checkpoint ", [UNQUANTIZED])
-    emu_vs_real = token_cells(flt, windows, emulated, e_set, c, lambda: real, "emulation ", [UNQUANTIZED] * len(specs))
-    rows = [("float", "real", r_set[0], real_vs_float)]
-    for i, spec in enumerate(emulated):
-        rows += [("float", f"emulated: {spec}", f_set[i + 1], on_float[i + 1]),
-                 ("real", f"emulated: {spec}", e_set[i], emu_vs_real[i])]
+    tokens = pair_cells({"float": flt, "real": real}, windows, [(a, b) for _, _, a, b, _ in rows],
+                        [st for *_, st in rows], c, kind="text-pair ")
+    rows = [(a, b, st, tk) for (a, b, _, _, st), tk in zip(rows, tokens)]
     record = {"text": t["text"].record(), "tokenizer": t["tokenizer"], "length": t["length"],
               "windows": len(windows), "scored_tokens": int(sum(len(w.targets) for w in windows)),
               "model_sources": {s.model: flt.provenance(f_ident["weights_sha256"]),

@@ -245,22 +245,53 @@ def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: 
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
     under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
-    from outlierscope.eval.perplexity import score_pairs
     from outlierscope.quant.linear import calibration_for
 
-    ref_specs = ref_specs if ref_specs is not None else specs
+    if ref is not None:
+        ref_specs = ref_specs if ref_specs is not None else specs
+        return _pair_scorer({"model": lm, "ref": ref}, windows,
+                            [(("ref", r), ("model", q)) for q, r in zip(specs, ref_specs)], batch_size, attn_block,
+                            calibration_dir)
     cals = [calibration_for(lm.model, lm.tokenizer, spec, calibration_dir) for spec in specs]
-    ref_cals = [calibration_for(ref.model, ref.tokenizer, spec, calibration_dir) for spec in ref_specs] \
-        if ref is not None else None
 
     def group(idx: list[int], shard: int) -> list[TokenScores]:
-        chosen, cal = [specs[j] for j in idx], [cals[j] for j in idx]
-        if ref is None:
-            return score_windows(lm.model, windows, chosen, batch_size, cal, attn_block, shards=[shard])
-        return score_pairs(lm.model, ref.model, windows, chosen, [ref_specs[j] for j in idx], batch_size, cal,
-                           [ref_cals[j] for j in idx], attn_block, shards=[shard])
+        return score_windows(lm.model, windows, [specs[j] for j in idx], batch_size, [cals[j] for j in idx],
+                             attn_block, shards=[shard])
 
-    def score(idx: list[int], shard: int) -> list[TokenScores]:  # SPECS_PER_PASS at a time: bounded memory
+    return _in_passes(group)
+
+
+def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
+                 batch_size: int, attn_block: int | None, calibration_dir=None):
+    """``score(indices, shard)``: the :class:`TokenScores` of ``pairs[indices]`` (each ``((model key, spec) of the
+    base, (model key, spec) of the other)``, ``models``: key -> loaded model) on one virtual shard's windows, each
+    distinct forward once per batch (:func:`~outlierscope.eval.perplexity.score_sides`)."""
+    from outlierscope.eval.perplexity import Side, score_sides
+    from outlierscope.quant.linear import calibration_for
+
+    cals: dict[tuple[str, str], object] = {}  # (model key, spec text) -> its calibration, computed once
+
+    def side(key: str, spec: QuantSpec) -> Side:
+        if (key, str(spec)) not in cals:
+            lm = models[key]
+            cals[key, str(spec)] = calibration_for(lm.model, lm.tokenizer, spec, calibration_dir)
+        return Side(key, spec, cals[key, str(spec)])
+
+    others = [side(*b) for _, b in pairs]  # calibrated first, as before there were pairs of sides
+    sides = [(side(*a), o) for (a, _), o in zip(pairs, others)]
+    trunks = {k: lm.model for k, lm in models.items()}
+
+    def group(idx: list[int], shard: int) -> list[TokenScores]:
+        return score_sides(trunks, windows, [sides[j] for j in idx], batch_size, attn_block, shards=[shard])
+
+    return _in_passes(group)
+
+
+def _in_passes(group):
+    """``score(indices, shard)`` from ``group``, SPECS_PER_PASS indices at a time: each holds one batch's hidden
+    states until the head (bounded memory)."""
+
+    def score(idx: list[int], shard: int) -> list[TokenScores]:
         return [t for g in range(0, len(idx), SPECS_PER_PASS) for t in group(idx[g:g + SPECS_PER_PASS], shard)]
 
     return score
@@ -306,21 +337,41 @@ class CellRun:
 
 def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
                 kind: str = "", ref_specs: list[QuantSpec] | None = None) -> list[TokenScores] | None:
-    """Each spec's :class:`TokenScores` on ``windows``: read back when its cell is complete, else computed per
-    virtual shard (this process's, resumable) and assembled by rank 0 once every part is there. Returns the cells on
-    rank 0 when all are complete, else None. ``ref_model``: None for cells against the unquantized model, else what
-    loads the reference model (called only when a cell is missing): the model in another arithmetic (noise-floor
-    cells) or another model (a checkpoint against its emulation), under ``ref_specs`` (default: each spec)."""
+    """Each spec's :class:`TokenScores` on ``windows`` (:func:`cells_of`). ``ref_model``: None for cells against
+    the unquantized model, else what loads the reference model (called only when a cell is missing): the model in
+    another arithmetic (noise-floor cells) or another model, under ``ref_specs`` (default: each spec)."""
+
+    def scorer(todo: list[int]):
+        ref = ref_model() if ref_model is not None else None
+        return _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
+                       [ref_specs[i] for i in todo] if ref_specs is not None else None, c.cells.parent / "calibration")
+
+    return cells_of(settings, c, scorer, kind)
+
+
+def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
+               settings: list[dict], c: CellRun, kind: str = "") -> list[TokenScores] | None:
+    """Each pair's :class:`TokenScores` on ``windows`` (:func:`cells_of`): ``((model key, spec) of the base,
+    (model key, spec) of the other)``, ``models``: key -> loaded model; every distinct forward of the missing
+    cells runs once per batch."""
+
+    def scorer(todo: list[int]):
+        return _pair_scorer(models, windows, [pairs[i] for i in todo], c.batch_size, c.attn_block,
+                            c.cells.parent / "calibration")
+
+    return cells_of(settings, c, scorer, kind)
+
+
+def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[TokenScores] | None:
+    """The cells ``settings``: read back when complete, else computed per virtual shard (this process's,
+    resumable) by ``scorer(missing indices)``'s ``score`` and assembled by rank 0 once every part is there.
+    Returns the cells on rank 0 when all are complete, else None."""
     have = [_load_cell(c.cells, st) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
-    c.log(f"{len(specs) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
+    c.log(f"{len(settings) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
     with c.world.failing_together():  # then every rank's parts are written
         if todo:
-            ref = ref_model() if ref_model is not None else None
-            score = _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
-                            [ref_specs[i] for i in todo] if ref_specs is not None else None,
-                            c.cells.parent / "calibration")
-            _compute_parts(score, [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
+            _compute_parts(scorer(todo), [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
     if not c.world.is_main:
         return None
     have = [h if h is not None else _assemble(c.cells, st, c.seed) for h, st in zip(have, settings)]

@@ -227,6 +227,51 @@ def test_noise_floor_is_the_kld_between_two_arithmetics_of_one_spec(pair, spec):
         score_noise(model32, model64, windows, [QuantSpec.parse("w=fint8/per_channel; a=fint8/per_token; linears:*,lm_head")])
 
 
+def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
+    """score_sides with a checkpoint's three kinds of pairs (float vs real, float vs emulation, real vs emulation) on
+    two float64 models: each pair's KL(a || b), NLLs and top tokens equal those computed here from the models' own
+    full forwards, window by window; per batch the float model runs twice (unquantized, emulated) and the "real"
+    one once, counted by hooks (removed after)."""
+    import copy
+
+    from outlierscope.eval.perplexity import Side, score_sides
+
+    flt, tok = pair
+    real = copy.deepcopy(flt)
+    with torch.no_grad():
+        for p in real.parameters():  # another model of the same shape and tokenizer
+            p.mul_(1 + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    windows = lmeval_windows(tok, DOCS, 48)[:7]
+    emu = QuantSpec.parse("w8a8")
+    kinds = {"f": ("float", "none"), "r": ("real", "none"), "e": ("float", "w8a8")}
+    pairs = [tuple(Side(m, QuantSpec.parse(q)) for m, q in (kinds[a], kinds[b])) for a, b in ("fr", "fe", "re")]
+    # a new object every time: equal sides are found by their key
+    calls = {"float": 0, "real": 0}
+    handles = [m.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+               for k, m in (("float", flt.model), ("real", real.model))]
+    try:
+        got = score_sides({"float": flt, "real": real}, windows, pairs, batch_size=3)
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == {"float": 2 * 3, "real": 3}  # 3 batches
+    logits = [{"f": _logits(flt, QuantSpec(), ids), "r": _logits(real, QuantSpec(), ids), "e": _logits(flt, emu, ids)}
+              for ids in (torch.tensor([w.input_ids]) for w in windows)]
+    for tokens, (a, b) in zip(got, (("f", "r"), ("f", "e"), ("r", "e"))):
+        kld, nll, nll_a, same = [], [], [], []
+        for w, lg in zip(windows, logits):
+            rows, t = slice(w.first, w.first + len(w.targets)), np.array(w.targets)
+            la, lb = (torch.log_softmax(lg[x][rows], -1).numpy() for x in (a, b))
+            kld += list((np.exp(la) * (la - lb)).sum(-1))
+            nll += list(-lb[np.arange(len(t)), t])
+            nll_a += list(-la[np.arange(len(t)), t])
+            same += list(la.argmax(-1) == lb.argmax(-1))
+        np.testing.assert_allclose(tokens.kld, kld, rtol=1e-9, atol=1e-13)
+        np.testing.assert_allclose(tokens.nll, nll, rtol=1e-12)
+        np.testing.assert_allclose(tokens.nll_base, nll_a, rtol=1e-12)
+        assert list(tokens.same_top) == same and tokens.kld.min() > 0
+
+
 def test_batch_size_padding_and_shards_change_nothing_in_float64(pair):
     """Windows of different lengths alone (batch 1) and right-padded together (batch 5): the same values in
     float64; the virtual shards' parts concatenated: the whole, exactly."""
