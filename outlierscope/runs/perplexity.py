@@ -284,15 +284,16 @@ def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[st
     def group(idx: list[int], shard: int) -> list[TokenScores]:
         return score_sides(trunks, windows, [sides[j] for j in idx], batch_size, attn_block, shards=[shard])
 
-    return _in_passes(group)
+    return _in_passes(group, sides=2)
 
 
-def _in_passes(group):
-    """``score(indices, shard)`` from ``group``, SPECS_PER_PASS indices at a time: each holds one batch's hidden
-    states until the head (bounded memory)."""
+def _in_passes(group, sides: int = 1):
+    """``score(indices, shard)`` from ``group``, SPECS_PER_PASS forwards' worth of indices at a time (each index
+    holds up to ``sides`` batches of hidden states until the head: bounded memory)."""
 
     def score(idx: list[int], shard: int) -> list[TokenScores]:
-        return [t for g in range(0, len(idx), SPECS_PER_PASS) for t in group(idx[g:g + SPECS_PER_PASS], shard)]
+        n = max(1, SPECS_PER_PASS // sides)
+        return [t for g in range(0, len(idx), n) for t in group(idx[g:g + n], shard)]
 
     return score
 

@@ -298,21 +298,26 @@ def _assert_tokenizer_record(tok: dict) -> None:
 
 
 def test_specs_scored_in_groups_give_the_same_values(tmp_path, text, monkeypatch):
-    """SPECS_PER_PASS bounds how many specs hold a batch's hidden states at once: one spec per pass (the unquantized
-    trunk run again for each) gives every cell's per-token values exactly as all specs in one pass."""
+    """SPECS_PER_PASS bounds how many specs hold a batch's hidden states at once: one spec (or noise pair) per pass
+    (the unquantized trunk run again for each) gives every cell's per-token values exactly as all in one pass."""
+    import outlierscope.eval.perplexity as E
     import outlierscope.runs.perplexity as P
 
-    assert _run(tmp_path / "one", text) == 0
+    assert _run(tmp_path / "one", text, "--noise", "float64") == 0
     monkeypatch.setattr(P, "SPECS_PER_PASS", 1)
-    calls = []
-    real = P.score_windows
+    calls, pairs = [], []
+    real, real_pairs = P.score_windows, E.score_sides
     monkeypatch.setattr(P, "score_windows", lambda model, w, specs, *a, **k: calls.append(len(specs)) or
                         real(model, w, specs, *a, **k))
-    assert _run(tmp_path / "many", text) == 0
-    assert calls and set(calls) == {1}
+    monkeypatch.setattr(E, "score_sides", lambda models, w, p, *a, **k: pairs.append(len(p)) or
+                        real_pairs(models, w, p, *a, **k))
+    assert _run(tmp_path / "many", text, "--noise", "float64") == 0
+    assert calls and set(calls) == {1} and pairs and set(pairs) == {1}
     a, b = (pd.read_csv(tmp_path / d / "p" / "perplexity.csv") for d in ("one", "many"))
     pd.testing.assert_frame_equal(a, b)
-    for cell in a["cell"]:
+    cells = json.loads((tmp_path / "one" / "p" / "perplexity.json").read_text())["cells"].values()
+    assert len(cells) > len(a)  # the noise-floor cells too
+    for cell in cells:
         x, y = (TokenScores.load(tmp_path / d / "p" / "cells" / f"{cell}.npz") for d in ("one", "many"))
         for k in ("window", "nll", "nll_base", "kld", "same_top", "p_diff"):
             assert np.array_equal(getattr(x, k), getattr(y, k)), k
