@@ -56,6 +56,19 @@ def _attention_memory_rows() -> list:
 
 
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
+def _perplexity_cost_rows() -> list:
+    """bench/perplexity_cost.py's rows, for the pair and for SmolLM2."""
+    return [
+        ("model, windows x tokens scored", ("model", "windows", "tokens"), "{}, {} windows, {} tokens"),
+        *((f"k = {k} schemes: s per repetition, plain NLL / KLD run", (f"k{k}_plain_s", f"k{k}_kld_s"), "{} / {}")
+          for k in (1, 4, 8)),
+        ("KLD run / plain NLL at k = 1 / 4 / 8 (goal <= 1.15x at k = 8)", ("k1_ratio", "k4_ratio", "k8_ratio"),
+         "{}x / {}x / **{}x**"),
+        ("peak RSS MB of a KLD run: the model's vocabulary / 262,144", ("peak_rss_mb", "peak_rss_262k_vocab_mb"),
+         "{} / {}"),
+    ]
+
+
 TABLES = {
     "profile": ("profile", [
         (f"{label} (pair Diff / SmolLM2-135M)", tuple(f"{m}_{key}" for m in ("pair", "smollm2")), fmt)
@@ -136,15 +149,8 @@ TABLES = {
                                      "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn")),
         ("slowest recipe vs the logits cell (goal <= 1.5x)", "max_ratio", "**{}x**"),
     ]),
-    "perplexity_cost": ("perplexity_cost", [
-        ("model, windows x tokens scored", ("model", "windows", "tokens"), "{}, {} windows, {} tokens"),
-        *((f"k = {k} schemes: s per repetition, plain NLL / KLD run", (f"k{k}_plain_s", f"k{k}_kld_s"), "{} / {}")
-          for k in (1, 4, 8)),
-        ("KLD run / plain NLL at k = 1 / 4 / 8 (goal <= 1.15x at k = 8)", ("k1_ratio", "k4_ratio", "k8_ratio"),
-         "{}x / {}x / **{}x**"),
-        ("peak RSS MB of a KLD run: the model's vocabulary / 262,144", ("peak_rss_mb", "peak_rss_262k_vocab_mb"),
-         "{} / {}"),
-    ]),
+    "perplexity_cost": ("perplexity_cost", _perplexity_cost_rows()),
+    "perplexity_cost_smollm2": ("perplexity_cost_smollm2-135m", _perplexity_cost_rows()),
     "gptq_cost": ("gptq_cost", [
         ("calibration (text, sequences x tokens), grid", ("calibration/text", "calibration/sequences",
                                                           "calibration/tokens_each", "calibration/bits",
