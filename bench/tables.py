@@ -57,7 +57,7 @@ def _attention_memory_rows() -> list:
 
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
 def _perplexity_cost_rows() -> list:
-    """bench/perplexity_cost.py's rows, for the pair and for SmolLM2."""
+    """bench/perplexity_cost.py's rows (the same for a record of another model: perplexity_cost_MODEL)."""
     return [
         ("model, windows x tokens scored", ("model", "windows", "tokens"), "{}, {} windows, {} tokens"),
         *((f"k = {k} schemes: s per repetition, plain NLL / KLD run", (f"k{k}_plain_s", f"k{k}_kld_s"), "{} / {}")
@@ -150,7 +150,6 @@ TABLES = {
         ("slowest recipe vs the logits cell (goal <= 1.5x)", "max_ratio", "**{}x**"),
     ]),
     "perplexity_cost": ("perplexity_cost", _perplexity_cost_rows()),
-    "perplexity_cost_smollm2": ("perplexity_cost_smollm2-135m", _perplexity_cost_rows()),
     "gptq_cost": ("gptq_cost", [
         ("calibration (text, sequences x tokens), grid", ("calibration/text", "calibration/sequences",
                                                           "calibration/tokens_each", "calibration/bits",
