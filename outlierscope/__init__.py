@@ -67,6 +67,8 @@ _EXPORTS = {
     "protocol_windows": "outlierscope.eval.windows",
     "score_windows": "outlierscope.eval.perplexity",
     "score_pairs": "outlierscope.eval.perplexity",
+    "score_sides": "outlierscope.eval.perplexity",
+    "Side": "outlierscope.eval.perplexity",
     "TokenScores": "outlierscope.eval.perplexity",
     "load_run": "outlierscope.report.load",
     "RunResults": "outlierscope.report.load",
