@@ -150,6 +150,7 @@ TABLES = {
         ("slowest recipe vs the logits cell (goal <= 1.5x)", "max_ratio", "**{}x**"),
     ]),
     "perplexity_cost": ("perplexity_cost", _perplexity_cost_rows()),
+    "perplexity_cost_smollm2": ("perplexity_cost_smollm2-135m", _perplexity_cost_rows()),
     "gptq_cost": ("gptq_cost", [
         ("calibration (text, sequences x tokens), grid", ("calibration/text", "calibration/sequences",
                                                           "calibration/tokens_each", "calibration/bits",
