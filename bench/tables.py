@@ -55,7 +55,6 @@ def _attention_memory_rows() -> list:
     ]
 
 
-# table name -> (record file stem, [(row label, key in the record's "derived", format)])
 def _perplexity_cost_rows() -> list:
     """bench/perplexity_cost.py's rows (the same for a record of another model: perplexity_cost_MODEL)."""
     return [
@@ -69,6 +68,7 @@ def _perplexity_cost_rows() -> list:
     ]
 
 
+# table name -> (record file stem, [(row label, key in the record's "derived", format)])
 TABLES = {
     "profile": ("profile", [
         (f"{label} (pair Diff / SmolLM2-135M)", tuple(f"{m}_{key}" for m in ("pair", "smollm2")), fmt)

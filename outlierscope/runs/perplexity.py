@@ -277,7 +277,7 @@ def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[st
             cals[key, str(spec)] = calibration_for(lm.model, lm.tokenizer, spec, calibration_dir)
         return Side(key, spec, cals[key, str(spec)])
 
-    others = [side(*b) for _, b in pairs]  # calibrated first, as before there were pairs of sides
+    others = [side(*b) for _, b in pairs]  # the compared sides calibrated before the bases: the order they always had
     sides = [(side(*a), o) for (a, _), o in zip(pairs, others)]
     trunks = {k: lm.model for k, lm in models.items()}
 
