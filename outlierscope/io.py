@@ -155,7 +155,10 @@ def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: s
 @contextlib.contextmanager
 def output_dir(path: str | os.PathLike) -> Iterator[Path]:
     """A writable output directory for the block; if the block fails, every directory made during it that is
-    still empty is removed again (a failed run leaves no empty ``--out`` or ``cells/`` behind)."""
+    still empty is removed again (a failed run leaves no empty ``--out`` or ``cells/`` behind). The checkout's
+    commit is read on entry, before the block writes: a record written inside it does not count the block's own
+    earlier files (an output directory in docs/) as changes."""
+    git_commit()
     path = Path(path)
     before = {path, *path.parents} if path.exists() else set(path.parents)
     before = {p for p in before if p.exists()}

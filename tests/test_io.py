@@ -27,3 +27,26 @@ def test_the_commit_is_the_checkout_as_the_run_found_it(monkeypatch):
         assert io.git_commit() == "abc123+changes"  # a new process would see the changed tree
     finally:
         io.git_commit.cache_clear()
+
+
+def test_an_output_directory_reads_the_commit_before_its_block_writes(tmp_path, monkeypatch):
+    """A record written inside ``output_dir`` after the block's first files (rank-agreement's csv, then its json) has
+    the commit as the block found the checkout, not '+changes' for the files the block itself wrote there."""
+    from outlierscope import io
+
+    status = []
+
+    def fake_run(argv, **kw):
+        if argv[1] == "rev-parse":
+            return SimpleNamespace(returncode=0, stdout="abc123\n")
+        status.append(len(list(tmp_path.rglob("*.csv"))))  # what the checkout holds when git looks
+        return SimpleNamespace(returncode=0, stdout=" M out/a.csv\n" if status[-1] else "")
+
+    io.git_commit.cache_clear()
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    try:
+        with io.output_dir(tmp_path / "out") as out:
+            (out / "a.csv").write_text("x\n")
+            assert io.git_commit() == "abc123" and status == [0]
+    finally:
+        io.git_commit.cache_clear()

@@ -42,6 +42,14 @@ def _run(path: Path) -> tuple[dict, pd.DataFrame]:
     return json.loads(rec_path.read_text()), pd.read_csv(csv)
 
 
+def _cell(run: Path, cell: str) -> TokenScores:
+    path = run / "cells" / f"{cell}.npz"
+    if not path.exists():
+        raise OutlierscopeError(f"{path} is missing: the per-token cells of a perplexity run are not committed with "
+                                f"its tables; run its `outlierscope perplexity` command again into {run} (it resumes)")
+    return TokenScores.load(path)
+
+
 def check_pairable(rec_a: dict, rec_b: dict, a: Path, b: Path) -> None:
     """One line naming the first setting in which the two runs' windows can differ."""
     pairs = [("text sha256", rec_a["text"]["sha256"], rec_b["text"]["sha256"]),
@@ -60,8 +68,7 @@ def _rows(a: Path, b: Path, table_a: pd.DataFrame, table_b: pd.DataFrame, seed: 
         raise OutlierscopeError(f"{a} and {b} share no quantized spec; run the same --bits/--quant on both")
     for quant in common:
         ra, rb = (t[t["quant"] == quant].iloc[0] for t in (table_a, table_b))
-        tokens_a = TokenScores.load(a / "cells" / f"{ra['cell']}.npz")
-        tokens_b = TokenScores.load(b / "cells" / f"{rb['cell']}.npz")
+        tokens_a, tokens_b = _cell(a, ra["cell"]), _cell(b, rb["cell"])
         try:
             stats = paired_runs(tokens_a, tokens_b, seed)
         except ValueError as e:
@@ -149,7 +156,7 @@ def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: st
     if len(rows) < 3:
         raise OutlierscopeError(f"{perplexity_dir} and {sweep_dir} share {len(rows)} quantized spec(s) of {model}; "
                                 "a ranking needs 3 or more")
-    blocks = [window_blocks(TokenScores.load(perplexity_dir / "cells" / f"{r['cell']}.npz")) for r in rows]
+    blocks = [window_blocks(_cell(perplexity_dir, r["cell"])) for r in rows]
     counts = blocks[0][0]
     stats = rank_agreement(counts, np.stack([b[2] for b in blocks], 1), np.stack([gold[r["quant"]] for r in rows], 1),
                            seed)

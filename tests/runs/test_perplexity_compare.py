@@ -125,3 +125,10 @@ def test_rank_agreement_of_a_perplexity_run_and_a_sweep(tmp_path, hellaswag_cach
     kld = [TokenScores.load(ppl / "cells" / f"{table.loc[q, 'cell']}.npz").kld.mean() for q in quants]
     assert math.isclose(got["spearman"], spearmanr(kld, -np.array(gold)).statistic, abs_tol=1e-12)
     assert got["schemes"] == 4 and got["items"] == 24 and got["task"] == "hellaswag"
+    import shutil
+
+    shutil.rmtree(ppl / "cells")  # as in docs/: the tables committed, the per-token cells not
+    assert main(["rank-agreement", str(ppl), str(sweep), "--out", str(tmp_path / "r2")]) == 2
+    err = capsys.readouterr().err
+    assert "is missing: the per-token cells" in err and "outlierscope perplexity" in err and err.count("\n") == 1
+    assert not (tmp_path / "r2").exists()
