@@ -131,43 +131,19 @@ def quantizes_head(spec: QuantSpec) -> bool:
     return HEAD in (spec.linears or ())
 
 
-@torch.no_grad()
 def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                   calibrations: Sequence | None = None, block_rows: int | None = None,
                   shards: Collection[int] | None = None, progress=None) -> list[TokenScores]:
     """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
-    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs). The unquantized model runs once
-    per batch, through the same attention function as the quantized ones (so a spec that quantizes nothing has KL
-    divergence 0 exactly, and is not run again), and its log-probabilities are computed once per block of positions
-    for every spec whose LM head is not quantized; ``calibrations``: each spec's
-    :func:`~outlierscope.quant.linear.calibration_for`."""
+    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): :func:`score_sides` with every
+    spec against the unquantized model. The unquantized model runs once per batch, through the same attention
+    function as the quantized ones (so a spec that quantizes nothing has KL divergence 0 exactly, and is not run
+    again), and its log-probabilities are computed once per block of positions for every spec whose LM head is not
+    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
-    head_b = lm_head(model, frozen=True)  # the unquantized head, also inside a spec's context
-    out: list[list[dict]] = [[] for _ in specs]
-    for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
-        rows = _rows([windows[i] for i in batch])
-        with quantize_model(model, QuantSpec(), block_rows):
-            hb, _, tgt = gathered_hidden(model, rows)
-        targets = torch.tensor(tgt, device=hb.device)
-        window = np.repeat(batch, [len(windows[i].targets) for i in batch])
-        values, shared = [None] * len(specs), {}  # shared: spec index -> hidden states under the unquantized head
-        for j, (spec, cal) in enumerate(zip(specs, calibrations)):
-            if spec.is_identity and cal is None:
-                shared[j] = hb
-                continue
-            with quantize_model(model, spec, block_rows, cal):
-                hq, _, _ = gathered_hidden(model, rows)
-                if quantizes_head(spec):  # its head exists inside its context only
-                    values[j] = _compare([lm_head(model)], [hq], head_b, hb, targets)[0]
-                else:
-                    shared[j] = hq
-        for j, v in zip(shared, _compare([head_b] * len(shared), list(shared.values()), head_b, hb, targets)):
-            values[j] = v
-        for j, v in enumerate(values):
-            out[j].append({"window": window, **v})
-        if progress is not None:
-            progress(done + 1)
-    return [_scores(parts) for parts in out]
+    base = Side("model", QuantSpec())
+    pairs = [(base, Side("model", spec, cal)) for spec, cal in zip(specs, calibrations)]
+    return score_sides({"model": model}, windows, pairs, batch_size, block_rows, shards, progress)
 
 
 def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> list[list[int]]:
@@ -200,45 +176,78 @@ class Side:
     @property
     def key(self) -> tuple:
         """Sides with equal keys are one forward."""
-        return self.model, str(self.spec), id(self.calibration)
+        return self.model, "none" if self.spec.is_identity else str(self.spec), id(self.calibration)
 
 
 @torch.no_grad()
 def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[Side, Side]], batch_size: int = 1,
-                block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
+                block_rows: int | None = None, shards: Collection[int] | None = None,
+                progress=None) -> list[TokenScores]:
     """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base (``kld``
     = KL(base || other), ``nll_base`` the base's). ``models``: key -> model; they must share the tokenizer the
     windows were made with. Each distinct side runs once per batch however many pairs hold it (a checkpoint against
     the float model and against n emulations on it: n + 2 forwards), and a base's log-probabilities are computed
-    once per block of positions for every pair that shares it. A spec that quantizes the LM head is refused (its
-    head exists only inside its context)."""
-    sides: dict[tuple, Side] = {}  # key -> side, in order of first use
-    for pair in pairs:
-        for side in pair:
-            if quantizes_head(side.spec):
-                raise OutlierscopeError(f"{side.spec}: a quantized LM head is not compared across two models; leave "
-                                        "lm_head out of linears:")
-            sides.setdefault(side.key, side)
-    heads = {k: lm_head(m, frozen=True) for k, m in models.items()}
-    by_base: dict[tuple, list[int]] = {}
-    for j, (base, _) in enumerate(pairs):
-        by_base.setdefault(base.key, []).append(j)
+    once per block of positions for every pair that shares it. An ``other`` that quantizes the LM head is scored
+    inside its own context (its head exists only there); a base that does is refused. ``progress(k)`` after the
+    k-th batch."""
+    sides = _sides(pairs)
+    heads = {k: lm_head(m, frozen=True) for k, m in models.items()}  # unquantized, also inside a spec's context
+    by_base: dict[tuple, list[int]] = {}  # base key -> the pairs whose other shares the unquantized head
+    for j, (base, other) in enumerate(pairs):
+        if not quantizes_head(other.spec):
+            by_base.setdefault(base.key, []).append(j)
     out: list[list[dict]] = [[] for _ in pairs]
-    for batch in _owned_batches(len(windows), batch_size, shards):
+    for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
         window = np.repeat(batch, [len(windows[i].targets) for i in batch])
-        hidden = {}  # side key -> its hidden states at the scored positions (N, D) on this batch
-        for key, side in sides.items():
-            with quantize_model(models[side.model], side.spec, block_rows, side.calibration):
-                hidden[key], _, tgt = gathered_hidden(models[side.model], rows)
+        hidden, targets = _trunks(models, sides, rows, block_rows)
         for key, js in by_base.items():
             hb = hidden[key]
             others = [pairs[j][1] for j in js]
             values = _compare([heads[o.model] for o in others], [hidden[o.key].to(hb.device) for o in others],
-                              heads[sides[key].model], hb, torch.tensor(tgt, device=hb.device))
+                              heads[sides[key].model], hb, targets.to(hb.device))
             for j, v in zip(js, values):
                 out[j].append({"window": window, **v})
+        for j, (base, other) in enumerate(pairs):
+            if quantizes_head(other.spec):
+                out[j].append({"window": window, **_head_quantized(models, heads, base, other, hidden, rows,
+                                                                   targets, block_rows)})
+        if progress is not None:
+            progress(done + 1)
     return [_scores(parts) for parts in out]
+
+
+def _sides(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, Side]:
+    """The distinct sides of ``pairs`` (key -> side, in order of first use) whose trunks every batch runs: all but
+    the others that quantize the LM head. A base that quantizes it is refused."""
+    sides: dict[tuple, Side] = {}
+    for base, other in pairs:
+        if quantizes_head(base.spec):
+            raise OutlierscopeError(f"{base.spec}: a spec that quantizes the LM head cannot be the base of a "
+                                    "comparison (its head exists only inside its context); leave lm_head out of "
+                                    "linears: there")
+        sides.setdefault(base.key, base)
+        if not quantizes_head(other.spec):
+            sides.setdefault(other.key, other)
+    return sides
+
+
+def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None):
+    """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,)."""
+    hidden = {}
+    for key, side in sides.items():
+        with quantize_model(models[side.model], side.spec, block_rows, side.calibration):
+            hidden[key], _, tgt = gathered_hidden(models[side.model], rows)
+    return hidden, torch.tensor(tgt)
+
+
+def _head_quantized(models: dict, heads: dict, base: Side, other: Side, hidden: dict, rows: list[dict],
+                    targets: torch.Tensor, block_rows: int | None) -> dict[str, np.ndarray]:
+    """``other`` (a spec that quantizes the LM head) against ``base``'s hidden states, inside its context."""
+    model, hb = models[other.model], hidden[base.key]
+    with quantize_model(model, other.spec, block_rows, other.calibration):
+        hq, _, _ = gathered_hidden(model, rows)
+        return _compare([lm_head(model)], [hq.to(hb.device)], heads[base.model], hb, targets.to(hb.device))[0]
 
 
 def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],

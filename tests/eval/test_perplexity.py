@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from outlierscope.analysis import kld as K
+from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.perplexity import TokenScores, score_noise, score_windows, token_values
 from outlierscope.eval.windows import gptq_windows, llamacpp_windows, lmeval_windows
 from outlierscope.quant.spec import QuantSpec
@@ -228,10 +229,11 @@ def test_noise_floor_is_the_kld_between_two_arithmetics_of_one_spec(pair, spec):
 
 
 def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
-    """score_sides with a checkpoint's three kinds of pairs (float vs real, float vs emulation, real vs emulation) on
-    two float64 models: each pair's KL(a || b), NLLs and top tokens equal those computed here from the models' own
-    full forwards, window by window; per batch the float model runs twice (unquantized, emulated) and the "real"
-    one once, counted by hooks (removed after)."""
+    """score_sides with a checkpoint's three kinds of pairs (float vs real, float vs emulation, real vs emulation),
+    and an emulation that quantizes the LM head too against the real model, on two float64 models: each pair's
+    KL(a || b), NLLs and top tokens equal those computed here from the models' own full forwards, window by window;
+    per batch the float model runs three times (unquantized, emulated, emulated with its head) and the "real" one
+    once, counted by hooks (removed after). A base that quantizes the LM head is refused."""
     import copy
 
     from outlierscope.eval.perplexity import Side, score_sides
@@ -243,8 +245,10 @@ def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
             p.mul_(1 + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
     windows = lmeval_windows(tok, DOCS, 48)[:7]
     emu = QuantSpec.parse("w8a8")
-    kinds = {"f": ("float", "none"), "r": ("real", "none"), "e": ("float", "w8a8")}
-    pairs = [tuple(Side(m, QuantSpec.parse(q)) for m, q in (kinds[a], kinds[b])) for a, b in ("fr", "fe", "re")]
+    head = QuantSpec.parse("w8a8; linears:*,lm_head")
+    kinds = {"f": ("float", "none"), "r": ("real", "none"), "e": ("float", "w8a8"), "h": ("float", str(head))}
+    order = (("f", "r"), ("f", "e"), ("r", "e"), ("r", "h"))
+    pairs = [tuple(Side(m, QuantSpec.parse(q)) for m, q in (kinds[a], kinds[b])) for a, b in order]
     # a new object every time: equal sides are found by their key
     calls = {"float": 0, "real": 0}
     handles = [m.register_forward_pre_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
@@ -254,10 +258,11 @@ def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
     finally:
         for h in handles:
             h.remove()
-    assert calls == {"float": 2 * 3, "real": 3}  # 3 batches
-    logits = [{"f": _logits(flt, QuantSpec(), ids), "r": _logits(real, QuantSpec(), ids), "e": _logits(flt, emu, ids)}
-              for ids in (torch.tensor([w.input_ids]) for w in windows)]
-    for tokens, (a, b) in zip(got, (("f", "r"), ("f", "e"), ("r", "e"))):
+    assert calls == {"float": 3 * 3, "real": 3}  # 3 batches
+    logits = [{"f": _logits(flt, QuantSpec(), ids), "r": _logits(real, QuantSpec(), ids), "e": _logits(flt, emu, ids),
+               "h": _logits(flt, head, ids)} for ids in (torch.tensor([w.input_ids]) for w in windows)]
+    assert not torch.equal(logits[0]["h"], logits[0]["e"])  # the head's quantization is seen
+    for tokens, (a, b) in zip(got, order):
         kld, nll, nll_a, same = [], [], [], []
         for w, lg in zip(windows, logits):
             rows, t = slice(w.first, w.first + len(w.targets)), np.array(w.targets)
@@ -270,6 +275,8 @@ def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
         np.testing.assert_allclose(tokens.nll, nll, rtol=1e-12)
         np.testing.assert_allclose(tokens.nll_base, nll_a, rtol=1e-12)
         assert list(tokens.same_top) == same and tokens.kld.min() > 0
+    with pytest.raises(OutlierscopeError, match="cannot be the base"):
+        score_sides({"float": flt}, windows, [(Side("float", head), Side("float", QuantSpec()))])
 
 
 def test_batch_size_padding_and_shards_change_nothing_in_float64(pair):
