@@ -208,10 +208,10 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
                               heads[sides[key].model], hb, targets.to(hb.device))
             for j, v in zip(js, values):
                 out[j].append({"window": window, **v})
-        for j, (base, other) in enumerate(pairs):
-            if quantizes_head(other.spec):
-                out[j].append({"window": window, **_head_quantized(models, heads, base, other, hidden, rows,
-                                                                   targets, block_rows)})
+        for js in _head_quantized_others(pairs).values():
+            for j, v in zip(js, _head_quantized(models, heads, [pairs[j] for j in js], hidden, rows, targets,
+                                                block_rows)):
+                out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
     return [_scores(parts) for parts in out]
@@ -241,13 +241,26 @@ def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows
     return hidden, torch.tensor(tgt)
 
 
-def _head_quantized(models: dict, heads: dict, base: Side, other: Side, hidden: dict, rows: list[dict],
-                    targets: torch.Tensor, block_rows: int | None) -> dict[str, np.ndarray]:
-    """``other`` (a spec that quantizes the LM head) against ``base``'s hidden states, inside its context."""
-    model, hb = models[other.model], hidden[base.key]
+def _head_quantized_others(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, list[int]]:
+    """The pairs whose other side quantizes the LM head, by that side's key (one forward per batch each)."""
+    out: dict[tuple, list[int]] = {}
+    for j, (_, other) in enumerate(pairs):
+        if quantizes_head(other.spec):
+            out.setdefault(other.key, []).append(j)
+    return out
+
+
+def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
+                    targets: torch.Tensor, block_rows: int | None) -> list[dict[str, np.ndarray]]:
+    """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
+    forward once, inside its context (its head exists only there)."""
+    other = pairs[0][1]
+    model = models[other.model]
     with quantize_model(model, other.spec, block_rows, other.calibration):
         hq, _, _ = gathered_hidden(model, rows)
-        return _compare([lm_head(model)], [hq.to(hb.device)], heads[base.model], hb, targets.to(hb.device))[0]
+        head = lm_head(model)
+        return [_compare([head], [hq.to(hidden[b.key].device)], heads[b.model], hidden[b.key],
+                         targets.to(hidden[b.key].device))[0] for b, _ in pairs]
 
 
 def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],

@@ -230,7 +230,7 @@ def test_noise_floor_is_the_kld_between_two_arithmetics_of_one_spec(pair, spec):
 
 def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
     """score_sides with a checkpoint's three kinds of pairs (float vs real, float vs emulation, real vs emulation),
-    and an emulation that quantizes the LM head too against the real model, on two float64 models: each pair's
+    and an emulation that quantizes the LM head too against the real and the float model, on two float64 models: each pair's
     KL(a || b), NLLs and top tokens equal those computed here from the models' own full forwards, window by window;
     per batch the float model runs three times (unquantized, emulated, emulated with its head) and the "real" one
     once, counted by hooks (removed after). A base that quantizes the LM head is refused."""
@@ -247,7 +247,7 @@ def test_pairs_of_sides_run_each_forward_once_and_equal_full_forwards(pair):
     emu = QuantSpec.parse("w8a8")
     head = QuantSpec.parse("w8a8; linears:*,lm_head")
     kinds = {"f": ("float", "none"), "r": ("real", "none"), "e": ("float", "w8a8"), "h": ("float", str(head))}
-    order = (("f", "r"), ("f", "e"), ("r", "e"), ("r", "h"))
+    order = (("f", "r"), ("f", "e"), ("r", "e"), ("r", "h"), ("f", "h"))
     pairs = [tuple(Side(m, QuantSpec.parse(q)) for m, q in (kinds[a], kinds[b])) for a, b in order]
     # a new object every time: equal sides are found by their key
     calls = {"float": 0, "real": 0}
