@@ -196,6 +196,7 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     for j, (base, other) in enumerate(pairs):
         if not quantizes_head(other.spec):
             by_base.setdefault(base.key, []).append(j)
+    by_head = _head_quantized_others(pairs)  # other key -> the pairs whose other quantizes the LM head
     out: list[list[dict]] = [[] for _ in pairs]
     for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
@@ -208,7 +209,7 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
                               heads[sides[key].model], hb, targets.to(hb.device))
             for j, v in zip(js, values):
                 out[j].append({"window": window, **v})
-        for js in _head_quantized_others(pairs).values():
+        for js in by_head.values():
             for j, v in zip(js, _head_quantized(models, heads, [pairs[j] for j in js], hidden, rows, targets,
                                                 block_rows)):
                 out[j].append({"window": window, **v})
