@@ -40,7 +40,7 @@ def plain_nll(model, windows, specs) -> float:
     """Each spec's mean NLL over the windows from its own trunk and head alone (the cost a KLD cell is held to)."""
     import torch
 
-    from outlierscope.eval.perplexity import _rows
+    from outlierscope.eval.perplexity import F64_ROWS, _rows
     from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
     from outlierscope.quant.apply import quantize_model
 
@@ -52,8 +52,10 @@ def plain_nll(model, windows, specs) -> float:
                     h, _, tgt = gathered_hidden(model, _rows([w]))
                     head, t = lm_head(model), torch.tensor(tgt)
                     for s in range(0, len(t), HEAD_ROWS):
-                        lq = torch.log_softmax(head(h[s:s + HEAD_ROWS]).double(), dim=-1)  # (n, V)
-                        total -= float(lq.gather(1, t[s:s + HEAD_ROWS, None]).sum())
+                        logits = head(h[s:s + HEAD_ROWS])  # (n, V), float64 in blocks of F64_ROWS as score_windows
+                        for r in range(s, min(s + HEAD_ROWS, len(t)), F64_ROWS):
+                            lq = torch.log_softmax(logits[r - s:r - s + F64_ROWS].double(), dim=-1)  # (m, V)
+                            total -= float(lq.gather(1, t[r:r + F64_ROWS, None]).sum())
     return total
 
 

@@ -13,9 +13,11 @@ in float64 from the model's logits. llama-perplexity stores the base's log-proba
 the vocabulary entries below e^-16 of the base; here nothing is left out. Cost: per batch the unquantized trunk
 once, each spec's trunk once, the base's head and log-softmax once per block of positions shared by every spec.
 Memory: one batch's hidden states at the scored positions of the base and of each spec (tokens x hidden size each)
-and, per block of HEAD_ROWS positions, the base's log-probabilities and probabilities and one spec's
-log-probabilities in float64 (3 x 256 x 262k x 8 bytes = 1.5 GiB for a 262k vocabulary, about 2 GiB with one
-temporary; bench/perplexity_cost.py measures the peak); per token only the five values are kept.
+and, per block of HEAD_ROWS positions, the float32 logits of the base and of one spec and the base's float64
+log-probabilities and probabilities (2 x 256 x 262k x 8 bytes = 1 GiB for a 262k vocabulary); a spec's float64
+log-probabilities and their difference to the base's are made F64_ROWS rows at a time (2 x 32 x 262k x 8 bytes =
+128 MiB), which also keeps them in cache; bench/perplexity_cost.py measures the peak. Per token only the five
+values are kept.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 FLOATS = ("nll", "nll_base", "kld", "p_diff")
+F64_ROWS = 32  # rows per float64 block of a spec's values: its (F64_ROWS, V) temporaries stay small and in cache
 
 
 @dataclass
@@ -91,16 +94,26 @@ def _top(logits: torch.Tensor) -> torch.Tensor:
 def _base(logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
     top token and the targets' NLL (computed once per block, shared by every spec)."""
-    lb = torch.log_softmax(logits_b.double(), dim=-1)  # (n, V)
+    lb = torch.empty(logits_b.shape, dtype=torch.float64)  # (n, V)
+    for r in range(0, len(lb), F64_ROWS):
+        lb[r:r + F64_ROWS] = torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1)  # (m, V)
     return {"lb": lb, "pb": lb.exp(), "top": _top(logits_b), "nll": -lb.gather(1, targets[:, None])[:, 0]}
 
 
 def _values(logits_q: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The per-token values of the quantized model's logits (n, V) against :func:`_base`'s."""
-    lq = torch.log_softmax(logits_q.double(), dim=-1)  # (n, V)
+    """The per-token values of the quantized model's logits (n, V) against :func:`_base`'s, in blocks of F64_ROWS
+    rows (each row's values do not depend on the block; the float64 temporaries stay small)."""
+    parts = [_values_block(logits_q[r:r + F64_ROWS], {k: v[r:r + F64_ROWS] for k, v in base.items()},
+                           targets[r:r + F64_ROWS]) for r in range(0, max(len(targets), 1), F64_ROWS)]
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def _values_block(logits_q: torch.Tensor, base: dict[str, torch.Tensor],
+                  targets: torch.Tensor) -> dict[str, torch.Tensor]:
+    lq = torch.log_softmax(logits_q.double(), dim=-1)  # (m, V)
     nll, nll_base = -lq.gather(1, targets[:, None])[:, 0], base["nll"]
     diff = base["lb"] - lq
-    kld = diff.mul_(base["pb"]).sum(-1)  # sum_v p_b (ln p_b - ln p_q), in place: one (n, V) buffer, not two
+    kld = diff.mul_(base["pb"]).sum(-1)  # sum_v p_b (ln p_b - ln p_q), in place: one (m, V) buffer, not two
     return {"nll": nll, "nll_base": nll_base, "kld": kld, "same_top": _top(logits_q) == base["top"],
             "p_diff": torch.exp(-nll) - torch.exp(-nll_base)}
 

@@ -296,6 +296,22 @@ def test_batch_size_padding_and_shards_change_nothing_in_float64(pair):
     assert sum(1 for p in parts if len(p)) > 1
 
 
+@pytest.mark.parametrize("rows", [1, 7, 1000])
+def test_float64_blocks_change_no_value(pair, monkeypatch, rows):
+    """The float64 values are made F64_ROWS rows at a time: one row, 7 (blocks that end inside a head block) and more
+    than a head block give every value bit for bit as the default."""
+    import outlierscope.eval.perplexity as perplexity
+
+    model, tok = pair
+    windows = lmeval_windows(tok, DOCS, 48)[:6]
+    specs = [QuantSpec.parse("w8a8"), QuantSpec(bits=4)]
+    default = score_windows(model, windows, specs, batch_size=3)
+    monkeypatch.setattr(perplexity, "F64_ROWS", rows)
+    for want, got in zip(default, score_windows(model, windows, specs, batch_size=3)):
+        for k in ("window", "same_top", "nll", "nll_base", "kld", "p_diff"):
+            assert np.array_equal(getattr(got, k), getattr(want, k)), k
+
+
 def test_base_is_shared_by_every_spec(pair):
     """Two specs scored together: each equals the spec scored alone (the unquantized pass is shared, not mixed)."""
     model, tok = pair
