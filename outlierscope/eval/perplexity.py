@@ -94,7 +94,7 @@ def _top(logits: torch.Tensor) -> torch.Tensor:
 def _base(logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
     top token and the targets' NLL (computed once per block, shared by every spec)."""
-    lb = torch.empty(logits_b.shape, dtype=torch.float64)  # (n, V)
+    lb = torch.empty(logits_b.shape, dtype=torch.float64, device=logits_b.device)  # (n, V)
     for r in range(0, len(lb), F64_ROWS):
         lb[r:r + F64_ROWS] = torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1)  # (m, V)
     return {"lb": lb, "pb": lb.exp(), "top": _top(logits_b), "nll": -lb.gather(1, targets[:, None])[:, 0]}

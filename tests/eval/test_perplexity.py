@@ -401,3 +401,13 @@ def test_lmeval_protocol_equals_lm_eval_itself(pair):
     assert math.isclose(got["word_perplexity"], weighted_perplexity(words), rel_tol=1e-6)
     assert math.isclose(got["byte_perplexity"], weighted_perplexity(nbytes), rel_tol=1e-6)
     assert math.isclose(got["bits_per_byte"], bits_per_byte(nbytes), rel_tol=1e-6)
+
+
+def test_base_stays_on_the_logits_device():
+    """The base's float64 buffer is made where the logits are (a GPU run's would otherwise be on the CPU, and every
+    spec's values would fail to mix with it): checked on the meta device, which runs no arithmetic."""
+    from outlierscope.eval.perplexity import _base
+
+    logits = torch.empty(40, 11, device="meta")
+    base = _base(logits, torch.zeros(40, dtype=torch.long, device="meta"))
+    assert {k: v.device.type for k, v in base.items()} == dict.fromkeys(base, "meta")
