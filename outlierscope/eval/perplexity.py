@@ -205,11 +205,7 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     k-th batch."""
     sides = _sides(pairs)
     heads = {k: lm_head(m, frozen=True) for k, m in models.items()}  # unquantized, also inside a spec's context
-    by_base: dict[tuple, list[int]] = {}  # base key -> the pairs whose other shares the unquantized head
-    for j, (base, other) in enumerate(pairs):
-        if not quantizes_head(other.spec):
-            by_base.setdefault(base.key, []).append(j)
-    by_head = _head_quantized_others(pairs)  # other key -> the pairs whose other quantizes the LM head
+    by_base, by_head = _group_pairs(pairs)
     out: list[list[dict]] = [[] for _ in pairs]
     for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
@@ -255,13 +251,17 @@ def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows
     return hidden, torch.tensor(tgt)
 
 
-def _head_quantized_others(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, list[int]]:
-    """The pairs whose other side quantizes the LM head, by that side's key (one forward per batch each)."""
-    out: dict[tuple, list[int]] = {}
-    for j, (_, other) in enumerate(pairs):
+def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:
+    """The pairs' indices grouped once: by base key those whose other shares the unquantized head (compared in one
+    block per base), and by other key those whose other quantizes the LM head (one forward per batch each)."""
+    by_base: dict[tuple, list[int]] = {}
+    by_head: dict[tuple, list[int]] = {}
+    for j, (base, other) in enumerate(pairs):
         if quantizes_head(other.spec):
-            out.setdefault(other.key, []).append(j)
-    return out
+            by_head.setdefault(other.key, []).append(j)
+        else:
+            by_base.setdefault(base.key, []).append(j)
+    return by_base, by_head
 
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
