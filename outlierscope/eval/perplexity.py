@@ -14,10 +14,10 @@ the vocabulary entries below e^-16 of the base; here nothing is left out. Cost: 
 once, each spec's trunk once, the base's head and log-softmax once per block of positions shared by every spec.
 Memory: one batch's hidden states at the scored positions of the base and of each spec (tokens x hidden size each)
 and, per block of HEAD_ROWS positions, the float32 logits of the base and of one spec and the base's float64
-log-probabilities and probabilities (2 x 256 x 262k x 8 bytes = 1 GiB for a 262k vocabulary); a spec's float64
-log-probabilities and their difference to the base's are made F64_ROWS rows at a time (2 x 32 x 262k x 8 bytes =
-128 MiB), which also keeps them in cache; bench/perplexity_cost.py measures the peak. Per token only the five
-values are kept.
+log-probabilities and probabilities (2 x 256 x 262k x 8 bytes = 1 GiB for a 262k vocabulary; one buffer made
+once per run and reused, not two fresh allocations page-faulted per block); a spec's float64 log-probabilities and
+their difference to the base's are made F64_ROWS rows at a time (2 x 32 x 262k x 8 bytes = 128 MiB), which also
+keeps them in cache; bench/perplexity_cost.py measures the peak. Per token only the five values are kept.
 """
 
 from __future__ import annotations
@@ -91,13 +91,21 @@ def _top(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _base(logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def _base(logits_b: torch.Tensor, targets: torch.Tensor,
+          workspace: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
-    top token and the targets' NLL (computed once per block, shared by every spec)."""
-    lb = torch.empty(logits_b.shape, dtype=torch.float64, device=logits_b.device)  # (n, V)
-    for r in range(0, len(lb), F64_ROWS):
-        lb[r:r + F64_ROWS] = torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1)  # (m, V)
-    return {"lb": lb, "pb": lb.exp(), "top": _top(logits_b), "nll": -lb.gather(1, targets[:, None])[:, 0]}
+    top token and the targets' NLL (computed once per block, shared by every spec). Both float64 arrays are made
+    F64_ROWS rows at a time (the probabilities from the block of log-probabilities still in cache) into
+    ``workspace`` (2, >= n, V) float64 when given: a caller that scores block after block reuses it instead of
+    touching two fresh (n, V) allocations per block (for a large vocabulary each one page-faulted anew)."""
+    n, v = logits_b.shape
+    if workspace is None:
+        workspace = torch.empty((2, n, v), dtype=torch.float64, device=logits_b.device)
+    lb, pb = workspace[0, :n], workspace[1, :n]  # (n, V) each
+    for r in range(0, n, F64_ROWS):
+        torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1, out=lb[r:r + F64_ROWS])  # (m, V)
+        torch.exp(lb[r:r + F64_ROWS], out=pb[r:r + F64_ROWS])
+    return {"lb": lb, "pb": pb, "top": _top(logits_b), "nll": -lb.gather(1, targets[:, None])[:, 0]}
 
 
 def _values(logits_q: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -123,15 +131,27 @@ def _rows(windows: Sequence[Window]) -> list[dict]:
              "gathers": [(list(range(w.first, w.first + len(w.targets))), list(w.targets))]} for w in windows]
 
 
-def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Tensor,
-             targets: torch.Tensor) -> list[dict[str, np.ndarray]]:
+def _workspace(cache: dict, logits: torch.Tensor) -> torch.Tensor:
+    """The base's float64 arrays, (2, HEAD_ROWS, V) on the logits' device: made once per vocabulary and device and
+    held in ``cache`` (a run's), then reused by every block of every batch."""
+    key = (logits.shape[-1], logits.device)
+    if key not in cache:
+        cache[key] = logits.new_empty((2, HEAD_ROWS, logits.shape[-1]), dtype=torch.float64)
+    return cache[key]
+
+
+def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Tensor, targets: torch.Tensor,
+             workspaces: dict | None = None) -> list[dict[str, np.ndarray]]:
     """Per-token values of several quantized models' hidden states ``hqs`` (each (N, D), with its head) against the
     unquantized ``hb`` (N, D): in blocks of HEAD_ROWS rows, the base's log-probabilities computed once per block and
-    shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time)."""
+    shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time, in
+    :func:`_workspace` from ``workspaces``: a run's, kept from batch to batch)."""
     parts: list[list[dict]] = [[] for _ in hqs]
+    workspaces = {} if workspaces is None else workspaces
     for s in range(0, len(targets), HEAD_ROWS):
         t = targets[s:s + HEAD_ROWS]
-        base = _base(head_b(hb[s:s + HEAD_ROWS]), t)  # (n, V) and per token
+        logits_b = head_b(hb[s:s + HEAD_ROWS])  # (n, V)
+        base = _base(logits_b, t, _workspace(workspaces, logits_b))  # (n, V) and per token
         for j, (head, hq) in enumerate(zip(heads, hqs)):
             parts[j].append(_values(head(hq[s:s + HEAD_ROWS]), base, t))  # logits (n, V)
     return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
@@ -206,6 +226,7 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     sides = _sides(pairs)
     heads = {k: lm_head(m, frozen=True) for k, m in models.items()}  # unquantized, also inside a spec's context
     by_base, by_head = _group_pairs(pairs)
+    workspaces: dict = {}  # the base's float64 arrays, reused by every batch (_workspace)
     out: list[list[dict]] = [[] for _ in pairs]
     for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
@@ -215,12 +236,12 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
             hb = hidden[key]
             others = [pairs[j][1] for j in js]
             values = _compare([heads[o.model] for o in others], [hidden[o.key].to(hb.device) for o in others],
-                              heads[sides[key].model], hb, targets.to(hb.device))
+                              heads[sides[key].model], hb, targets.to(hb.device), workspaces)
             for j, v in zip(js, values):
                 out[j].append({"window": window, **v})
         for js in by_head.values():
             for j, v in zip(js, _head_quantized(models, heads, [pairs[j] for j in js], hidden, rows, targets,
-                                                block_rows)):
+                                                block_rows, workspaces)):
                 out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
@@ -265,7 +286,8 @@ def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[i
 
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
-                    targets: torch.Tensor, block_rows: int | None) -> list[dict[str, np.ndarray]]:
+                    targets: torch.Tensor, block_rows: int | None,
+                    workspaces: dict | None = None) -> list[dict[str, np.ndarray]]:
     """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
     forward once, inside its context (its head exists only there)."""
     other = pairs[0][1]
@@ -274,7 +296,7 @@ def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]
         hq, _, _ = gathered_hidden(model, rows)
         head = lm_head(model)
         return [_compare([head], [hq.to(hidden[b.key].device)], heads[b.model], hidden[b.key],
-                         targets.to(hidden[b.key].device))[0] for b, _ in pairs]
+                         targets.to(hidden[b.key].device), workspaces)[0] for b, _ in pairs]
 
 
 def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],
