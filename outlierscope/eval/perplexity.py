@@ -91,16 +91,17 @@ def _top(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _base(logits_b: torch.Tensor, targets: torch.Tensor,
-          workspace: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None = None) -> dict[str, torch.Tensor]:
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
     top token and the targets' NLL (computed once per block, shared by every spec). Both float64 arrays are made
-    F64_ROWS rows at a time (the probabilities from the block of log-probabilities still in cache) into
-    ``workspace`` (2, >= n, V) float64 when given: a caller that scores block after block reuses it instead of
-    touching two fresh (n, V) allocations per block (for a large vocabulary each one page-faulted anew)."""
+    F64_ROWS rows at a time (the probabilities from the block of log-probabilities still in cache), into
+    :func:`_workspace` of ``workspaces`` when given: a caller that scores block after block reuses one buffer
+    instead of two fresh (n, V) allocations per block (for a large vocabulary each one page-faulted anew)."""
     n, v = logits_b.shape
-    if workspace is None:
+    if workspaces is None:
         workspace = torch.empty((2, n, v), dtype=torch.float64, device=logits_b.device)
+    else:
+        workspace = _workspace(workspaces, logits_b)
     lb, pb = workspace[0, :n], workspace[1, :n]  # (n, V) each
     for r in range(0, n, F64_ROWS):
         torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1, out=lb[r:r + F64_ROWS])  # (m, V)
@@ -150,8 +151,7 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
     workspaces = {} if workspaces is None else workspaces
     for s in range(0, len(targets), HEAD_ROWS):
         t = targets[s:s + HEAD_ROWS]
-        logits_b = head_b(hb[s:s + HEAD_ROWS])  # (n, V)
-        base = _base(logits_b, t, _workspace(workspaces, logits_b))  # (n, V) and per token
+        base = _base(head_b(hb[s:s + HEAD_ROWS]), t, workspaces)  # (n, V) and per token; its logits freed here
         for j, (head, hq) in enumerate(zip(heads, hqs)):
             parts[j].append(_values(head(hq[s:s + HEAD_ROWS]), base, t))  # logits (n, V)
     return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
