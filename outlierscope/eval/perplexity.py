@@ -133,11 +133,13 @@ def _rows(windows: Sequence[Window]) -> list[dict]:
 
 
 def _workspace(cache: dict, logits: torch.Tensor) -> torch.Tensor:
-    """The base's float64 arrays, (2, HEAD_ROWS, V) on the logits' device: made once per vocabulary and device and
-    held in ``cache`` (a run's), then reused by every block of every batch."""
-    key = (logits.shape[-1], logits.device)
-    if key not in cache:
-        cache[key] = logits.new_empty((2, HEAD_ROWS, logits.shape[-1]), dtype=torch.float64)
+    """The base's float64 arrays, (2, max(HEAD_ROWS, n), V) for logits (n, V), on their device: made once per
+    vocabulary and device (again only for more rows) and held in ``cache`` (a run's), then reused by every block of
+    every batch."""
+    n, v = logits.shape
+    key = (v, logits.device)
+    if key not in cache or cache[key].shape[1] < n:
+        cache[key] = logits.new_empty((2, max(HEAD_ROWS, n), v), dtype=torch.float64)
     return cache[key]
 
 

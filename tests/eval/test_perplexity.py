@@ -411,3 +411,26 @@ def test_base_stays_on_the_logits_device():
     logits = torch.empty(40, 11, device="meta")
     base = _base(logits, torch.zeros(40, dtype=torch.long, device="meta"))
     assert {k: v.device.type for k, v in base.items()} == dict.fromkeys(base, "meta")
+
+
+def test_base_workspace_reused_across_blocks_of_any_size():
+    """A run's workspace, reused block after block (a full block, a short one, then one longer than HEAD_ROWS that
+    makes it grow, then a short one again over stale rows): each block's log-probabilities, probabilities, NLL and
+    top token equal a float64 computation from the definitions, and the bytes of a fresh computation."""
+    from outlierscope.eval.perplexity import _base
+    from outlierscope.eval.scorer import HEAD_ROWS
+
+    g = torch.Generator().manual_seed(3)
+    workspaces: dict = {}
+    for n in (HEAD_ROWS, 37, HEAD_ROWS + 45, 5):
+        logits = (torch.randn(n, 77, generator=g) * 4).to(torch.bfloat16).float()  # ties among bf16 values
+        targets = torch.randint(0, 77, (n,), generator=g)
+        got, fresh = _base(logits, targets, workspaces), _base(logits, targets)
+        x = logits.double()
+        lb = x - (x - x.max(-1, keepdim=True).values).exp().sum(-1, keepdim=True).log() - x.max(-1, keepdim=True).values
+        torch.testing.assert_close(got["lb"], lb, rtol=0, atol=1e-12)
+        torch.testing.assert_close(got["pb"], lb.exp(), rtol=1e-12, atol=0)
+        assert torch.equal(got["nll"], -got["lb"][torch.arange(n), targets])
+        assert got["top"].tolist() == [row.index(max(row)) for row in logits.tolist()]  # the first largest
+        assert all(torch.equal(got[k], fresh[k]) for k in fresh)
+    assert len(workspaces) == 1
