@@ -144,13 +144,12 @@ def _workspace(cache: dict, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Tensor, targets: torch.Tensor,
-             workspaces: dict | None = None) -> list[dict[str, np.ndarray]]:
+             workspaces: dict) -> list[dict[str, np.ndarray]]:
     """Per-token values of several quantized models' hidden states ``hqs`` (each (N, D), with its head) against the
     unquantized ``hb`` (N, D): in blocks of HEAD_ROWS rows, the base's log-probabilities computed once per block and
     shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time, in
     :func:`_workspace` from ``workspaces``: a run's, kept from batch to batch)."""
     parts: list[list[dict]] = [[] for _ in hqs]
-    workspaces = {} if workspaces is None else workspaces
     for s in range(0, len(targets), HEAD_ROWS):
         t = targets[s:s + HEAD_ROWS]
         base = _base(head_b(hb[s:s + HEAD_ROWS]), t, workspaces)  # (n, V) and per token; its logits freed here
@@ -288,8 +287,7 @@ def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[i
 
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
-                    targets: torch.Tensor, block_rows: int | None,
-                    workspaces: dict | None = None) -> list[dict[str, np.ndarray]]:
+                    targets: torch.Tensor, block_rows: int | None, workspaces: dict) -> list[dict[str, np.ndarray]]:
     """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
     forward once, inside its context (its head exists only there)."""
     other = pairs[0][1]
