@@ -30,6 +30,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.requests import build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import write_csv, write_json
+from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
 from outlierscope.quant.apply import check_spec, quantize_model
@@ -113,7 +114,9 @@ def lm_loss(model, seqs, batch_size: int) -> float:
     with torch.no_grad():
         for i in range(0, len(seqs), batch_size):
             x = seqs[i : i + batch_size].to(model_device(model))  # (B, T)
-            logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()  # (B, T-1, V)
+            with float64_model(model):
+                logits = model(input_ids=x, use_cache=False).logits[:, :-1]  # (B, T-1, V)
+            logits = logits.float()
             total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),  # (B*(T-1), V)
                                                        x[:, 1:].reshape(-1), reduction="sum").item()  # (B*(T-1),)
             n += x[:, 1:].numel()

@@ -33,6 +33,7 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.requests import Request
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.points import trunk
+from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import model_device
 from outlierscope.parallel import shard_of
 
@@ -88,7 +89,8 @@ def gathered_hidden(model, rows: list[dict]) -> tuple[torch.Tensor, list[tuple[i
         else:
             mask[b, :n] = 1
     dev = model_device(model)
-    out = trunk(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
+    with float64_model(model):
+        out = trunk(model)(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), use_cache=False)
     hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]  # (B, L, D)
     b_idx, p_idx, tgt, owner = [], [], [], []
     for b, r in enumerate(rows):

@@ -235,10 +235,12 @@ def _token_valid(mask: torch.Tensor | None, B: int, T: int, S: int, device) -> t
 
 
 def diff_lambda(module: nn.Module) -> torch.Tensor:
-    """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does."""
+    """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does (its float32 sums are
+    float64 for a float64 model, as :mod:`~outlierscope.models.float64` makes the forward's)."""
     dtype = module.lambda_q1.dtype
-    l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=torch.float32)).to(dtype)
-    l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=torch.float32)).to(dtype)
+    acc = torch.promote_types(dtype, torch.float32)
+    l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=acc)).to(dtype)
+    l2 = torch.exp(torch.sum(module.lambda_q2 * module.lambda_k2, dim=-1, dtype=acc)).to(dtype)
     return l1 - l2 + module.lambda_init
 
 

@@ -29,6 +29,7 @@ from outlierscope.hooks.points import (
     point_name,
     resolve_points,
 )
+from outlierscope.models.float64 import float64_model
 
 
 @dataclass
@@ -212,7 +213,8 @@ def capture(model: nn.Module, points: Sequence[str] | str | None = None, reducer
         for mod, side, p in _module_targets(model, resolved):
             register = mod.register_forward_pre_hook if side == "input" else mod.register_forward_hook
             handles.append(register(em.hook(p, side), with_kwargs=True))
-        with attention_stages(model, stage, block_rows=block_rows) if wants_logits or taps else contextlib.nullcontext():
+        with attention_stages(model, stage, block_rows=block_rows) if wants_logits or taps else contextlib.nullcontext(), \
+                float64_model(model):  # a float64 model's forwards inside are float64 in every operation
             yield cap
     finally:
         for h in handles:

@@ -32,6 +32,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import check_placement, num_layers
 from outlierscope.quant.apply import check_layers, check_spec, quantize_model
 from outlierscope.quant.linear import calibration_for
@@ -182,7 +183,7 @@ class OutlierscopeLM(HFLM):
 
     def _model_call(self, inps: torch.Tensor, attn_mask: torch.Tensor | None = None,
                     labels: torch.Tensor | None = None) -> torch.Tensor:
-        with self._attention():
+        with self._attention(), float64_model(self.model):
             if self._inputs is None or attn_mask is not None or labels is not None:
                 return super()._model_call(inps, attn_mask, labels)
             mask = self._padding_mask(inps)
@@ -191,5 +192,5 @@ class OutlierscopeLM(HFLM):
                 return self.model(input_ids=inps, attention_mask=mask).logits  # (B, T, V)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        with self._attention():
+        with self._attention(), float64_model(self.model):
             return super()._model_generate(context, max_length, stop, **generation_kwargs)

@@ -37,6 +37,7 @@ from outlierscope.models.checks import (  # noqa: F401 (re-exported: callers imp
     preview_config,
 )
 from outlierscope.models.compressed import decompress_now
+from outlierscope.models.float64 import build_options, float64_build, float64_model
 from outlierscope.models.packed import (
     PACKED_SUFFIXES,
     decode_into,
@@ -206,11 +207,12 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
         except Exception as e:  # tokenizers raise many types; all mean the same to the user
             raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or tokenizer files in the directory") from None
         try:
-            model, info = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-                output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code, **placement,
-                **float_config,
-            )
+            with float64_build(dtype):  # float64: buffers made at construction are float64 values too
+                model, info = AutoModelForCausalLM.from_pretrained(
+                    path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
+                    output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code,
+                    **placement, **float_config, **build_options(dtype),
+                )
         except Exception as e:
             raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
     decoded = None
@@ -273,7 +275,7 @@ def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature
         ids = ids[:, -room:]  # (1, room)
         prompt = lm.tokenizer.decode(ids[0], skip_special_tokens=True)
     kw = dict(do_sample=True, temperature=temperature, top_k=top_k) if temperature > 0 else dict(do_sample=False)
-    with torch.no_grad():
+    with torch.no_grad(), float64_model(lm.model):
         out = lm.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                 pad_token_id=lm.tokenizer.eos_token_id, **kw)
     return prompt + lm.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)

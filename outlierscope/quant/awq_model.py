@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.models.float64 import float64_model
 from outlierscope.quant.awq import clip_groups, search_clip, search_scale, weight_mean
 from outlierscope.quant.linear_ops import quantize_weight
 from outlierscope.quant.sequential import Fixed, input_subsets, layerwise, run_layer
@@ -133,7 +134,8 @@ def batched(calls: list[tuple[tuple, dict]], size: int = 16) -> list[tuple[tuple
 def _outputs(module: nn.Module, calls: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
     outs = []
     for args, kwargs in calls:
-        out = module(*args, **kwargs)
+        with float64_model(module):
+            out = module(*args, **kwargs)
         outs.append(out[0] if isinstance(out, tuple) else out)
     return outs
 

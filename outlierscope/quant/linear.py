@@ -42,6 +42,7 @@ from torch.nn.utils import parametrize
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers, trunk
+from outlierscope.models.float64 import float64_model
 from outlierscope.quant.linear_ops import outlier_columns, quantize_activation, quantize_weight, rotation, smooth_scales
 from outlierscope.quant.spec import QuantSpec
 
@@ -143,7 +144,7 @@ def _recording(sites: list[LinearSite], act_max: dict | None, seen: dict | None)
 def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, ...], ...]:
     """The groups of ``sites`` that read the same input tensor (q/k/v, gate/up), found by one forward of two tokens."""
     seen: dict = {}
-    with _recording(sites, None, seen):
+    with _recording(sites, None, seen), float64_model(model):
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
     by_input: dict = {}
     for s in sites:
@@ -177,7 +178,7 @@ def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None)
     seqs = pack_sequences(tokenizer, text_documents(source), min(CALIB_SEQ_LEN, ctx), CALIB_TOKENS)  # (N, T)
     act_max: dict = {}
     dev = next(model.parameters()).device
-    with _recording(sites, act_max, None):
+    with _recording(sites, act_max, None), float64_model(model):
         for row in seqs:
             model(input_ids=row[None].to(dev), use_cache=False)
     return Calibration(act_max, input_groups(model, sites), source)

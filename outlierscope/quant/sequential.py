@@ -13,6 +13,7 @@ from torch import nn
 
 from outlierscope.data.text import LAMBADA_TAIL
 from outlierscope.hooks.points import decoder_layers
+from outlierscope.models.float64 import float64_model
 
 DEFAULT_CALIB = LAMBADA_TAIL  # LAMBADA's test passages from the last one back (outlierscope.data.text)
 
@@ -54,7 +55,8 @@ def layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict
     try:
         for row in seqs:
             try:
-                model(input_ids=row[None].to(dev), attention_mask=torch.ones_like(row[None]).to(dev), use_cache=False)
+                with float64_model(model):
+                    model(input_ids=row[None].to(dev), attention_mask=torch.ones_like(row[None]).to(dev), use_cache=False)
             except _Stop:
                 pass
     finally:
@@ -66,7 +68,8 @@ def run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.
     """The layer's hidden-state output for each input."""
     outs = []
     for args, kwargs in inputs:
-        out = layer(*args, **kwargs)
+        with float64_model(layer):
+            out = layer(*args, **kwargs)
         outs.append(out[0] if isinstance(out, tuple) else out)
     return outs
 
@@ -86,7 +89,8 @@ def run_until(layer: nn.Module, inputs: list[tuple[tuple, dict]], modules: list[
         for args, kwargs in inputs:
             seen.clear()
             try:
-                layer(*args, **kwargs)
+                with float64_model(layer):
+                    layer(*args, **kwargs)
             except _Stop:
                 pass
     finally:

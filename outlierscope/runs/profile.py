@@ -38,6 +38,7 @@ from outlierscope.io import (
     write_json,
     write_text,
 )
+from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import (
     LoadedModel,
     attn_block_option,
@@ -313,7 +314,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
         # quantized outside the capture: the capture observes what the quantized model computes
         with world.failing_together(), _quantized(module, tokenizer, settings.quant, settings.attn_block), \
                 capture(module, list(settings.points), reducers=[stats], block_rows=settings.attn_block,
-                        preset=settings.preset) as cap:
+                        preset=settings.preset) as cap, float64_model(module):
             for i in starts:
                 stats.set_shard(shard_of(i // settings.batch_size))
                 cap.sequences = i  # the global number of the batch's first sequence (top-k locations)

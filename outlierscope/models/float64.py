@@ -1,0 +1,97 @@
+"""A float64 model computed in float64 in every operation of its own code.
+
+transformers' modeling code upcasts to float32 wherever a bf16/fp16 model needs it, whatever the model's dtype:
+``LlamaRMSNorm`` and its kin cast the hidden states ``.to(torch.float32)``, ``LlamaRotaryEmbedding`` builds its
+inverse frequencies with ``torch.arange(..., dtype=torch.float)`` and its angles with ``position_ids.float()``, MoE
+routers take ``softmax(..., dtype=torch.float)``, DiffLlama's lambda a ``sum(..., dtype=torch.float32)``. In a float64
+model those casts round the values to float32 and back (about 3e-5 nats per token on SmolLM2).
+
+:class:`Float64Mode` is a ``TorchFunctionMode`` that widens each such request made by the model's code::
+
+    t.float()                 -> t.double()
+    t.to(torch.float32)       -> t.to(torch.float64)       (also .to(device, dtype), .to(dtype=...), .type(...))
+    f(..., dtype=float32)     -> f(..., dtype=float64)     (arange, zeros, softmax, sum, ...)
+
+"The model's code" is the first caller outside torch: a module of ``transformers`` (its remote-code modules
+``transformers_modules.*`` included). Calls from outlierscope's own code are left alone: a quantizer whose format
+states float32 arithmetic (NVFP4's scales) keeps it, and every widening is exact (float32 values, and integers below
+2^53, are float64 values). Nothing else changes: no forward is replaced, no hook is registered.
+
+:func:`float64_model` enters the mode for a float64 model (a no-op context for any other dtype): every forward that
+outlierscope makes runs inside it. ``load_model(..., dtype="float64")`` builds the model inside it, so that buffers
+made at construction (rotary inverse frequencies, GPT-J's sinusoids, Phi3's scaling factors) are float64 values.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_TO = {torch.Tensor.to, torch.Tensor.type}
+_FLOAT = torch.Tensor.float
+
+
+def _model_code(depth: int = 2) -> bool:
+    """Whether the first caller outside torch (``depth`` frames up, past this mode) is transformers' code."""
+    frame = sys._getframe(depth)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not (name == "torch" or name.startswith("torch.")):
+            return name.startswith("transformers")
+        frame = frame.f_back
+    return False
+
+
+def _widen_args(func, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with every float32 dtype asked for made float64 (positional only for ``Tensor.to/type``)."""
+    if kwargs.get("dtype") is torch.float32:
+        kwargs = {**kwargs, "dtype": torch.float64}
+    if func in _TO and any(a is torch.float32 for a in args[1:]):
+        args = tuple(torch.float64 if (i > 0 and a is torch.float32) else a for i, a in enumerate(args))
+    return args, kwargs
+
+
+class Float64Mode(TorchFunctionMode):
+    """Widen the float32 casts and ``dtype=torch.float32`` arguments of transformers' code to float64 (module doc)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _FLOAT:
+            if _model_code():
+                func, kwargs = torch.Tensor.to, {**kwargs, "dtype": torch.float64}
+        elif (kwargs.get("dtype") is torch.float32 or (func in _TO and any(a is torch.float32 for a in args[1:]))) and _model_code():
+            args, kwargs = _widen_args(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def is_float64(model) -> bool:
+    """Whether ``model``'s floating parameters are float64."""
+    p = next((p for p in model.parameters() if p.is_floating_point()), None)
+    return p is not None and p.dtype == torch.float64
+
+
+@contextlib.contextmanager
+def float64_model(model) -> Iterator[None]:
+    """Inside: a float64 ``model``'s forwards are float64 in every operation of its own code (:class:`Float64Mode`);
+    any other model's forwards are unchanged (nothing is entered)."""
+    if model is None or not is_float64(model):
+        yield
+        return
+    with Float64Mode():
+        yield
+
+
+def build_options(dtype: str) -> dict:
+    """``from_pretrained``/``from_config`` options a model of ``dtype`` needs: float64 MoE experts run transformers'
+    eager loop (its default ``grouped_mm`` has no float64 kernel)."""
+    return {"experts_implementation": "eager"} if dtype == "float64" else {}
+
+
+def float64_build(dtype: str):
+    """The context a model of ``dtype`` is built in: :class:`Float64Mode` for ``float64`` (its construction-time
+    buffers become float64 values), else nothing."""
+    return Float64Mode() if dtype == "float64" else contextlib.nullcontext()
