@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.config_fields import check_field_types, check_repeat
 
 AWQ_GRIDS = ("int", "fint", "zint")  # zint: AutoAWQ's zero point (but a group of one sign keeps 0 in its range)
 CLIP_EPS_W, SCALE_EPS = 1e-6, 1e-4  # AutoAWQ's: the weight normalisation and the scale floor
@@ -53,6 +54,7 @@ class AWQConfig:
     seqlen: int = 512
 
     def __post_init__(self):
+        check_field_types(self, "awq")
         for key in ("grid", "clip_tokens", "samples", "seqlen"):
             if getattr(self, key) < 1:
                 raise OutlierscopeError(f"awq:{key}=N needs N >= 1, got {getattr(self, key)}")
@@ -79,6 +81,7 @@ class AWQConfig:
             if key not in kinds or not eq:
                 raise OutlierscopeError(f"cannot read awq:{arg}: expected KEY=VALUE items among "
                                         f"{', '.join(sorted(kinds))}, e.g. awq:grid=20,clip=0")
+            check_repeat("awq", arg, key, kw)
             try:
                 kw[key] = float(value) if key == "shrink" else int(value)
             except ValueError:
@@ -88,8 +91,10 @@ class AWQConfig:
 
 def weight_mean(weights: list[torch.Tensor], group: int | None) -> torch.Tensor:
     """AWQ's per-input-channel weight magnitude of linears reading one input: each weight (O_k, I) normalised by its
-    quantization groups' max |W| (+1e-6), averaged over all their rows, in float32 (I,)."""
-    w = torch.cat([x.float() for x in weights])  # (sum O_k, I)
+    quantization groups' max |W| (+1e-6), averaged over all their rows (I,), in the weights' dtype, float32 at least
+    (AutoAWQ: the weights' dtype; a float64 model's statistic is float64)."""
+    dt = torch.promote_types(weights[0].dtype, torch.float32)
+    w = torch.cat([x.to(dt) for x in weights])  # (sum O_k, I)
     rows, n_in = w.shape
     g = group or n_in
     a = w.abs().reshape(rows, n_in // g, g)  # (O, I/G, G)

@@ -159,7 +159,8 @@ def _group_scale(linears: list[nn.Linear], xs: list[torch.Tensor], judge: nn.Mod
     """AWQ's scale of one group (module docstring): the grid search with the judging module's mean squared error."""
     part, cfg, dt = spec.part("w"), spec.awq, linears[0].weight.dtype
     calls = batched(calls)  # the judge runs on 16 sequences at a time
-    x_sum = sum(x.reshape(-1, x.shape[-1]).abs().float().sum(0) for x in xs)  # (I,) float32
+    acc = torch.promote_types(dt, torch.float32)  # AutoAWQ's float32 sums; float64 in a float64 model
+    x_sum = sum(x.reshape(-1, x.shape[-1]).abs().to(acc).sum(0) for x in xs)  # (I,)
     x_mean = (x_sum / sum(x.numel() // x.shape[-1] for x in xs)).to(dt)
     w_mean = weight_mean([m.weight.detach() for m in linears], part.size if part.granularity == "per_group" else None)
     ref = _outputs(judge, calls)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.config_fields import check_field_types, check_repeat
 from outlierscope.quant.formats import zero_point_params, zero_point_quant
 from outlierscope.quant.primitives import absmax_scale, fake_quant, qmax
 
@@ -62,8 +63,9 @@ class GPTQConfig:
     seqlen: int = 512
 
     def __post_init__(self):
-        if not 0 <= self.damp < 1:
-            raise OutlierscopeError(f"gptq:damp=X needs 0 <= X < 1 (a fraction of the mean Hessian diagonal), got {self.damp}")
+        check_field_types(self, "gptq")
+        if not 0 < self.damp < 1:  # GPT-QModel's range too: 0 leaves a singular Hessian singular
+            raise OutlierscopeError(f"gptq:damp=X needs 0 < X < 1 (a fraction of the mean Hessian diagonal), got {self.damp}")
         if self.order not in ORDERS:
             raise OutlierscopeError(f"gptq:order= must be one of {', '.join(ORDERS)}, got {self.order!r}")
         if self.sequential not in SEQUENTIAL:
@@ -88,6 +90,7 @@ class GPTQConfig:
             if key not in kinds or (key == "static") == bool(eq):
                 raise OutlierscopeError(f"cannot read gptq:{arg}: expected KEY=VALUE items among damp, order, block, "
                                         "sequential, samples, seqlen and the word static, e.g. gptq:damp=0.05,order=gar")
+            check_repeat("gptq", arg, key, kw)
             try:
                 kw[key] = True if key == "static" else float(value) if key == "damp" \
                     else value if key in ("order", "sequential") else int(value)
@@ -141,7 +144,7 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
     """The upper Cholesky factor of (H + damp mean(diag H) I)^-1, as GPT-QModel and llm-compressor compute it (a new
     tensor; a Hessian that stays singular is an error naming the fix)."""
     h = h.clone()
-    h.diagonal().add_(damp * torch.mean(h.diagonal()))
+    h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # the mean of a contiguous copy: GPT-QModel's summation order
     try:
         return torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
     except torch.linalg.LinAlgError:

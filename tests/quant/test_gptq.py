@@ -241,7 +241,8 @@ def test_gptq_settings_read_back_and_bad_ones_are_one_line():
     assert str(cfg) == "gptq:damp=0.05,order=desc,static,sequential=layer" and GPTQConfig.parse(str(cfg)[5:]) == cfg
     assert str(GPTQConfig.parse("")) == "gptq"
     for bad, msg in (("sequential=block", "sequential= must be one of subset, layer, got 'block'"),
-                     ("order=asc", "order= must be one of none, desc, gar"), ("damp=1.5", "0 <= X < 1"),
+                     ("order=asc", "order= must be one of none, desc, gar"), ("damp=1.5", "0 < X < 1"), ("damp=0", "0 < X < 1"), ("order=desc,order=none", "sets order twice"),
+                         ("block=1.5", "expected a number"),
                      ("steps=3", "expected KEY=VALUE items among")):
         with pytest.raises(OutlierscopeError, match=msg):
             GPTQConfig.parse(bad)
