@@ -76,7 +76,7 @@ _EXPORTS = {
 _MODULES = {"plots": "outlierscope.report.plots", "activation_plots": "outlierscope.report.activation_plots"}  # public name -> module exported as a whole
 # the names before one spec type (#47): resolved for one release, warning, never cached or listed in __all__
 _DEPRECATED = {"AttnQuant": "outlierscope.quant.recipe", "quantize_attention": "outlierscope.quant.apply",
-               "quantize_weights": "outlierscope.quant.bnb"}
+               "quantize_weights": "outlierscope.quant.bnb", "as_attn_quant": "outlierscope.quant.apply"}
 __all__ = sorted(_EXPORTS.keys() | _MODULES.keys())
 
 
@@ -86,7 +86,9 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in _DEPRECATED:
-        return getattr(importlib.import_module(_DEPRECATED[name]), name)
+        from outlierscope.quant.recipe import deprecated_name
+
+        return deprecated_name(importlib.import_module(_DEPRECATED[name]), name)
     module = _EXPORTS.get(name)
     if module is None:
         import difflib

@@ -25,6 +25,15 @@ class ParamError(OutlierscopeError, ValueError):
         return self.render(names.get(self.param, self.param))
 
 
+SEED_LIMIT = 2**32  # numpy's seeds: 0 <= seed < 2**32
+
+
+def check_seed(seed, name: str = "seed") -> None:
+    """A seed numpy and torch both take: an int in [0, 2**32); else a :class:`ParamError` naming ``name``."""
+    if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
+        raise ParamError(name, f"an integer from 0 to {SEED_LIMIT - 1}", seed)
+
+
 def lookup(registry: dict, name: str, what: str):
     """``registry[name]``, or a one-line error listing the names, with "did you mean" for near misses."""
     if name in registry:

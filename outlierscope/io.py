@@ -121,6 +121,9 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
     path = Path(path)
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        where = "the directory does not exist" if not path.parent.exists() else "no such file"
+        raise OutlierscopeError(f"{path}: {where}; expected the {what} of a finished run (check the path)") from None
     except OSError as e:
         raise OutlierscopeError(f"{path} cannot be read ({e.strerror}); check its permissions") from None
     except (ValueError, UnicodeDecodeError) as e:

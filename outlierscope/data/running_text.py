@@ -71,12 +71,16 @@ def _lambada_docs() -> list[str]:
 
 def _file_docs(path: Path) -> list[str]:
     name = path.name.lower()
+    if not path.is_file():
+        raise OutlierscopeError(f"text {path}: a directory, not a file; give a .txt, .jsonl(.xz/.gz) or .parquet file")
     if name.endswith(".txt"):
-        return [path.read_text(encoding="utf-8")]
+        try:
+            return [path.read_text(encoding="utf-8")]
+        except UnicodeDecodeError as e:
+            raise OutlierscopeError(f"text {path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as "
+                                    "UTF-8") from None
     if name.endswith(".parquet"):
-        import pandas as pd
-
-        frame = pd.read_parquet(path)
+        frame = _read_parquet(path)
         if "text" not in frame.columns:
             raise OutlierscopeError(f"{path}: no 'text' column (columns: {', '.join(map(str, frame.columns))})")
         return [str(t) for t in frame["text"]]
@@ -86,6 +90,16 @@ def _file_docs(path: Path) -> list[str]:
         return list(iter_documents([str(path)]))
     raise OutlierscopeError(f"{path}: expected a .txt, .jsonl(.xz/.gz) or .parquet file, a dataset NAME:CONFIG:SPLIT "
                             f"or {DEFAULT_TEXT!r}")
+
+
+def _read_parquet(path: Path):
+    import pandas as pd
+
+    try:
+        return pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for a damaged or foreign file; all mean the same here
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise OutlierscopeError(f"text {path} cannot be read as parquet ({first}); give an intact .parquet file") from None
 
 
 DATASET_EXAMPLE = "Salesforce/wikitext:wikitext-2-raw-v1:test"

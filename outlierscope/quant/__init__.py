@@ -15,6 +15,10 @@ def __getattr__(name: str):
     module = _EXPORTS.get(name) or _DEPRECATED.get(name)
     if module is None:
         raise AttributeError(f"module 'outlierscope.quant' has no attribute {name!r}")
+    if name in _DEPRECATED:
+        from outlierscope.quant.recipe import deprecated_name
+
+        return deprecated_name(importlib.import_module(f"outlierscope.quant.{module}"), name)
     return getattr(importlib.import_module(f"outlierscope.quant.{module}"), name)
 
 

@@ -27,8 +27,12 @@ SIZED = {"per_block": True, "per_group": True, "per_channel": False}  # granular
 KERNEL_FORMAT = "attn"  # a sweep row's format for every spec beyond the paper's logits (its text: the granularity)
 
 
+MAX_LAYERS = 1 << 16  # no index reaches it (the deepest models have a few hundred layers): ranges stay small in memory
+
+
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    """``"0-3"``, ``"0,2,5"`` or ``"0-1,4"`` -> sorted layer indices; None/"all" -> every layer."""
+    """``"0-3"``, ``"0,2,5"`` or ``"0-1,4"`` -> sorted layer indices; None/"all" -> every layer. Indices are below
+    :data:`MAX_LAYERS` (checked before a range is built); the model's own count is checked where it is known."""
     if text is None or text == "all":
         return None
     out: set[int] = set()
@@ -38,15 +42,19 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
                 a, b = (int(x) for x in part.split("-"))
                 if b < a:
                     raise ValueError(f"layers must be ranges from low to high like 1-3, got {part!r} in {text!r}")
+                if b >= MAX_LAYERS:
+                    raise ValueError(f"layer indices must be below {MAX_LAYERS} (a model's layers), got {b} in {text!r}")
                 out.update(range(a, b + 1))
             else:
                 out.add(int(part))
     except ValueError as e:
-        if "low to high" in str(e):
+        if "low to high" in str(e) or "must be below" in str(e):
             raise
         raise ValueError(f"layers must look like 0-3 or 0,2,5, got {text!r}") from None
     if any(i < 0 for i in out):
         raise ValueError(f"layer indices must be >= 0, got {text!r}")
+    if any(i >= MAX_LAYERS for i in out):
+        raise ValueError(f"layer indices must be below {MAX_LAYERS} (a model's layers), got {text!r}")
     return tuple(sorted(out))
 
 

@@ -56,6 +56,7 @@ both calibrated layer after layer on ``calib:`` text (default: LAMBADA's last pa
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 
@@ -158,7 +159,40 @@ class QuantSpec:
         object.__setattr__(self, "parts", tuple(parts) + ((logits,) if logits else ()))
         self._check()
 
+    def _check_types(self) -> None:
+        """Each field holds what the spec's text can say (so ``parse(str(spec)) == spec``): a ParamError naming the
+        field otherwise (``rotate=1.5``, ``smooth=True``, ``layers=(0.5,)``, ``calib=' x '``)."""
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+        checks = {"smooth_k": (lambda v: isinstance(v, bool), "True or False"),
+                  **{k: (is_int, "an integer or None") for k in ("smooth_q", "hadamard", "rotate")},
+                  **{k: (is_num, "a finite number or None") for k in ("smooth", "outliers", "bnb_outliers")},
+                  "layers": (lambda v: isinstance(v, (tuple, list)) and all(is_int(i) for i in v),
+                             "a tuple of integer layer indices or None"),
+                  "linears": (lambda v: isinstance(v, (tuple, list)) and all(isinstance(i, str) and i.strip() == i
+                                                                            and i and ";" not in i for i in v),
+                              "a tuple of linear name patterns or None"),
+                  "calib": (lambda v: isinstance(v, str) and v and v.strip() == v and ";" not in v,
+                            "a calibration source without surrounding spaces or ';' (hellaswag, a file) or None"),
+                  "gptq": (lambda v: isinstance(v, GPTQConfig), "a GPTQConfig or None"),
+                  "awq": (lambda v: isinstance(v, AWQConfig), "an AWQConfig or None")}
+        for key, (ok, expected) in checks.items():
+            value = getattr(self, key)
+            if value is not None and not ok(value):
+                raise ParamError(key, expected, value)
+        bad = [p for p in self.parts if not isinstance(p, TensorQuant)]
+        if bad:
+            raise ParamError("parts", "TensorQuant parts (parse_part('k=int4/per_token'))", bad[0])
+        for key in ("layers", "linears"):
+            if getattr(self, key) is not None:
+                object.__setattr__(self, key, tuple(getattr(self, key)))
+
     def _check(self) -> None:
+        self._check_types()
         parts = sorted(self.parts, key=lambda p: ALL_TARGETS.index(p.target))
         seen = [p.target for p in parts]
         dup = sorted({t for t in seen if seen.count(t) > 1})

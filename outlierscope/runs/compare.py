@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.paired import mcnemar_exact, mean_change
-from outlierscope.errors import ParamError
+from outlierscope.errors import ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
 from outlierscope.models.checks import _read_config_json
@@ -82,6 +82,7 @@ class CompareSettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_seed(self.seed)
         for name in ("real", "model"):
             if not getattr(self, name):
                 raise ParamError(name, "a model spec (directory, Hub id, preset role or fetched model)", getattr(self, name))

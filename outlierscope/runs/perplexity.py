@@ -26,7 +26,7 @@ from pathlib import Path
 import pandas as pd
 
 from outlierscope.analysis.kld import summary
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.eval.perplexity import TokenScores, document_metrics, quantizes_head, score_windows
 from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
@@ -122,6 +122,7 @@ class PerplexitySettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_seed(self.seed)
         object.__setattr__(self, "bits", tuple(self.bits))
         object.__setattr__(self, "quant", tuple(self.quant))
         for b in self.bits:

@@ -24,7 +24,7 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.kld import paired_runs
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, check_seed
 from outlierscope.eval.perplexity import TokenScores
 from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
 
@@ -51,7 +51,12 @@ def _cell(run: Path, cell: str) -> TokenScores:
 
 
 def check_pairable(rec_a: dict, rec_b: dict, a: Path, b: Path) -> None:
-    """One line naming the first setting in which the two runs' windows can differ."""
+    """One line naming the first setting in which the two runs' windows can differ: the text, the protocol, the
+    tokenizer (its files' digest, where both records hold one), the window length and counts."""
+    tok_a, tok_b = ((r.get("tokenizer") or {}).get("files_sha256") for r in (rec_a, rec_b))
+    if tok_a and tok_b and tok_a != tok_b:
+        raise OutlierscopeError(f"{a} and {b} ran models with different tokenizers (files sha256 {tok_a[:12]} vs "
+                                f"{tok_b[:12]}): their windows hold other tokens; pair runs of models of one tokenizer")
     pairs = [("text sha256", rec_a["text"]["sha256"], rec_b["text"]["sha256"]),
              ("protocol", rec_a["settings"]["protocol"], rec_b["settings"]["protocol"])]
     pairs += [(k, rec_a[k], rec_b[k]) for k in SAME]
@@ -87,6 +92,7 @@ def _moved_less(stats: dict) -> str:
 
 def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int = 0) -> pd.DataFrame:
     """Compare the perplexity runs in ``a`` and ``b`` (module docstring) into ``out``; returns the table."""
+    check_seed(seed)
     a, b, out = Path(a), Path(b), Path(out)
     (rec_a, table_a), (rec_b, table_b) = _run(a), _run(b)
     check_pairable(rec_a, rec_b, a, b)
@@ -148,6 +154,7 @@ def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: st
     from outlierscope.analysis.agreement import rank_agreement
     from outlierscope.analysis.kld import window_blocks
 
+    check_seed(seed)
     perplexity_dir, sweep_dir, out = Path(perplexity_dir), Path(sweep_dir), Path(out)
     rec, table = _run(perplexity_dir)
     model = rec["settings"]["model"]

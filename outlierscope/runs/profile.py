@@ -22,7 +22,7 @@ import torch
 
 from outlierscope.analysis.outliers import KIND_LABEL, MASSIVE_ABS, MASSIVE_REL, OutlierStats
 from outlierscope.data.text import delimiter_ids, pack_sequences, shuffled, text_documents
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.hooks.attention import diff_lambda
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, PRESETS, decoder_layers, resolve_points
@@ -86,6 +86,7 @@ class ProfileSettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_seed(self.seed)
         # not given: the default two, or none besides a preset's (given, even as the default two: added to it)
         object.__setattr__(self, "points", default_points(self.preset) if self.points is None else tuple(self.points))
         for name in ("tokens", "batch_size"):

@@ -43,7 +43,7 @@ from outlierscope.analysis.attention_error import (
     pool_heads,
 )
 from outlierscope.analysis.harm import RANK_BY, TEXT_METRICS, RankBy, rank_by_of
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import (
@@ -125,6 +125,7 @@ class SensitivitySettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_seed(self.seed)
         from outlierscope.data.tasks import check_task
 
         check_task(self.task)

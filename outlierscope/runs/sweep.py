@@ -24,7 +24,7 @@ import pandas as pd
 from outlierscope.analysis.attention_error import AttentionErrorStats, measured_spec
 from outlierscope.analysis.paired import BOOTSTRAP_REPS, mean_change
 from outlierscope.data.tasks import chance_percent, task_label, task_metrics
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json
 from outlierscope.models.loading import (
@@ -98,6 +98,7 @@ class SweepSettings:
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
+        check_seed(self.seed)
         from outlierscope.data.tasks import expand_tasks
 
         object.__setattr__(self, "models", tuple(self.models))
@@ -164,6 +165,10 @@ class SweepSettings:
         if self.kld_text is None:
             check_defaults(self, ("kld_protocol", "kld_length", "kld_max_windows"), "without kld_text")
             return
+        for name, low in (("kld_length", 2), ("kld_max_windows", 1)):  # named as this command's settings
+            value = getattr(self, name)
+            if value is not None and value < low:
+                raise ParamError(name, f">= {low}", value)
         if self.device_map is not None:
             raise ParamError("device_map", "None with kld_text (the text cells run the model on one device)",
                              self.device_map)
@@ -473,6 +478,8 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     if s.kld_text is not None and not shard.whole:
         raise OutlierscopeError("kld_text with a --shard of a sweep is not built; run the sweep's text cells whole, or "
                                 "`outlierscope perplexity --shard` on each model")
+    if s.kld_text is not None:
+        _check_text_cells(s)
     git_commit()  # the checkout as the run found it (read once per process): before any table is written
     error = None
     if world.is_main:
@@ -525,6 +532,17 @@ def _text_dir(model: str) -> str:
     import re
 
     return "text/" + re.sub(r"[^A-Za-z0-9.-]", "_", model)
+
+
+def _check_text_cells(s: SweepSettings) -> None:
+    """Before any item cell: the text of ``kld_text`` read and cut into windows with each model's tokenizer (an
+    unreadable file or a text too short for one window is an error now, not after every item cell ran)."""
+    from outlierscope.models.checks import check_model
+    from outlierscope.runs.perplexity import prepare_windows
+
+    for m in s.models:
+        source, config = check_model(m, s.trust_remote_code)
+        prepare_windows(s.kld_settings(m), source, config)
 
 
 def _text_metrics(s: SweepSettings, out: Path, log, world: World) -> dict:

@@ -1,0 +1,143 @@
+"""The inputs a third review found breaking (issue #63): each is a one-line error naming the flag or file, a
+non-zero exit, before any work; the values a spec's constructor accepts are the ones its text can say."""
+
+import math
+import warnings
+
+import pytest
+
+from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError, ParamError
+
+
+@pytest.fixture()
+def bad_texts(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, says", [("latin1.txt", "is not UTF-8 text"), ("dir.txt", "a directory, not a file"),
+                                        ("broken.parquet", "cannot be read as parquet")])
+def test_unreadable_running_text_is_one_line(bad_texts, name, says):
+    from outlierscope.data.running_text import load_text
+
+    with pytest.raises(OutlierscopeError, match=says) as e:
+        load_text(str(bad_texts / name))
+    assert "\n" not in str(e.value) and name in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "broken.parquet"])
+def test_perplexity_with_an_unreadable_text_exits_before_loading(bad_texts, name, capsys, tmp_path):
+    rc = main(["perplexity", "--model", "pair-tiny:diff", "--text", str(bad_texts / name), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and name in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_sweep_kld_text_is_read_before_any_item_cell(bad_texts, capsys, tmp_path):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--model", "pair-tiny:diff", "--bits", "16", "8", "--limit", "4", "--kld-text",
+               str(bad_texts / "latin1.txt"), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "latin1.txt" in err and "not UTF-8" in err
+    assert not list(out.rglob("*.npz")) and not list(out.rglob("*.json"))
+
+
+def test_kld_length_zero_names_its_flag(capsys, tmp_path):
+    rc = main(["sweep", "--model", "pair-tiny:diff", "--kld-text", "lambada", "--kld-length", "0", "--out",
+               str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--kld-length must be >= 2" in err
+
+
+def test_huge_layer_ranges_fail_at_once():
+    from outlierscope.quant.parts import MAX_LAYERS, parse_layers
+    from outlierscope.quant.spec import QuantSpec
+
+    with pytest.raises(ValueError, match="below 65536"):
+        parse_layers("0-3000000000")
+    with pytest.raises(OutlierscopeError):
+        QuantSpec.parse("w8a8; layers:0-3000000000")
+    assert parse_layers(f"0-{MAX_LAYERS - 1}")[-1] == MAX_LAYERS - 1
+
+
+@pytest.mark.parametrize("text, says", [("gptq:order=desc,order=none", "sets order twice"),
+                                        ("awq:grid=10,grid=20", "sets grid twice"),
+                                        ("gptq:damp=0", "0 < X < 1")])
+def test_weight_algorithm_settings_given_twice_or_zero_damping(text, says):
+    from outlierscope.quant.spec import QuantSpec
+
+    with pytest.raises(OutlierscopeError, match=says):
+        QuantSpec.parse(f"w=int4/per_group:64; {text}")
+
+
+@pytest.mark.parametrize("argv", [
+    ["perplexity", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["sweep", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["sensitivity", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["profile", "--model", "pair-tiny:diff", "--seed", str(2**32)],
+])
+def test_a_negative_or_huge_seed_is_refused_first(argv, capsys, tmp_path):
+    rc = main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--seed must be an integer from 0 to 4294967295" in err and not (tmp_path / "o").exists()
+
+
+def test_rank_agreement_on_a_missing_directory_says_so(tmp_path, capsys):
+    from outlierscope.io import read_record
+
+    with pytest.raises(OutlierscopeError, match="the directory does not exist") as e:
+        read_record(tmp_path / "nowhere" / "sweep.json", what="sweep record")
+    assert "permission" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, field", [(dict(rotate=1.5), "rotate"), (dict(smooth=True), "smooth"),
+                                       (dict(layers=(0.5,)), "layers"), (dict(calib=" x "), "calib"),
+                                       (dict(hadamard=True), "hadamard"), (dict(outliers=math.nan), "outliers"),
+                                       (dict(linears=("o_proj ",)), "linears")])
+def test_the_constructor_refuses_what_the_text_cannot_say(kw, field):
+    from outlierscope.quant.spec import QuantSpec
+
+    with pytest.raises(ParamError) as e:
+        QuantSpec(**kw)
+    assert e.value.param == field
+
+
+def test_weight_algorithm_configs_check_their_types():
+    from outlierscope.quant.awq import AWQConfig
+    from outlierscope.quant.gptq import GPTQConfig
+
+    for cfg, kw in ((GPTQConfig, dict(block=1.5)), (GPTQConfig, dict(static=1)), (GPTQConfig, dict(order=3)),
+                    (AWQConfig, dict(shrink=True)), (AWQConfig, dict(grid=2.0))):
+        with pytest.raises(OutlierscopeError, match="needs"):
+            cfg(**kw)
+
+
+@pytest.mark.parametrize("text", ["w8a8; smooth:0.5; layers:0-3", "k=int4/per_token; rotate:7",
+                                  "w=int4/per_group:64; gptq:damp=0.05,order=desc,static; calib:hellaswag",
+                                  "w=int4/per_group:64; awq:grid=10,shrink=0.25", "kivi-2bit", "w4a8"])
+def test_every_built_spec_reads_back_as_itself(text):
+    from outlierscope.quant.spec import QuantSpec
+
+    spec = QuantSpec.parse(text)
+    again = QuantSpec(spec.parts, **{k: getattr(spec, k) for k in ("smooth_k", "smooth_q", "hadamard", "layers",
+                                                                    "smooth", "rotate", "outliers", "linears",
+                                                                    "bnb_outliers", "calib", "gptq", "awq")})
+    assert again == spec and QuantSpec.parse(str(again)) == spec
+
+
+def test_deprecated_names_warn_at_the_users_line():
+    import outlierscope
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outlierscope.AttnQuant  # noqa: B018 - the access is the test
+        line = test_deprecated_names_warn_at_the_users_line.__code__.co_firstlineno + 5
+    assert [w.filename for w in caught] == [__file__] and caught[0].lineno == line
+    assert issubclass(caught[0].category, DeprecationWarning)
+    from outlierscope import as_attn_quant  # still resolves, and warns when called
+
+    with pytest.warns(DeprecationWarning, match="as_attn_quant is deprecated"):
+        as_attn_quant("w8a8")
