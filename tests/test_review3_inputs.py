@@ -141,3 +141,49 @@ def test_deprecated_names_warn_at_the_users_line():
 
     with pytest.warns(DeprecationWarning, match="as_attn_quant is deprecated"):
         as_attn_quant("w8a8")
+
+
+def test_compare_perplexity_refuses_runs_of_different_tokenizers(tmp_path):
+    from outlierscope.runs.perplexity_compare import check_pairable
+
+    def rec(tok):
+        return {"text": {"sha256": "t"}, "settings": {"protocol": "gptq"}, "length": 512, "windows": 4,
+                "scored_tokens": 2044, "tokenizer": {"files_sha256": tok}}
+
+    check_pairable(rec("a" * 64), rec("a" * 64), tmp_path / "a", tmp_path / "b")
+    with pytest.raises(OutlierscopeError, match="different tokenizers"):
+        check_pairable(rec("a" * 64), rec("b" * 64), tmp_path / "a", tmp_path / "b")
+
+
+def test_gptq_damping_averages_a_contiguous_copy_of_the_diagonal():
+    """GPT-QModel (and IST-DASLab's GPTQ, llm-compressor) damp with ``damp * torch.mean(torch.diag(H))``: the mean of
+    a contiguous copy. On this Hessian (SmolLM2's hidden size) a strided mean differs in its last bit."""
+    import torch
+
+    from outlierscope.quant.gptq import inverse_hessian_factor
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 576, generator=g) * torch.rand(576, generator=g) * 10
+    h = x.T @ x  # (576, 576)
+    assert torch.mean(h.diagonal()) != torch.mean(torch.diag(h))  # the case exists
+    ref = h.clone()  # GPT-QModel 7.6's lines, written out
+    diag = torch.arange(576)
+    ref[diag, diag] += 0.01 * torch.mean(torch.diag(ref))
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(ref)), upper=True)
+    assert torch.equal(inverse_hessian_factor(h, 0.01), ref)
+
+
+def test_awq_weight_statistic_is_float64_in_a_float64_model():
+    """AutoAWQ takes the statistic in the weights' dtype: float64 weights give float64 values equal to a float64
+    computation written here (float32 rounding was 1e-7 off, enough to flip a tie on a full-range grid)."""
+    import torch
+
+    from outlierscope.quant.awq import weight_mean
+
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(48, 64, generator=g, dtype=torch.float64), torch.randn(16, 64, generator=g, dtype=torch.float64)]
+    got = weight_mean(ws, 16)
+    w = torch.cat(ws).abs().reshape(64, 4, 16)  # (O, I/G, G)
+    want = (w / (w.amax(-1, keepdim=True) + 1e-6)).reshape(64, 64).mean(0)  # (I,)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
