@@ -48,6 +48,104 @@ def write_json(path: str | os.PathLike, obj) -> None:
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
+SEAL = "record_sha256"  # the key of a record's digest of its own content (the last key of a sealed record)
+FRAME = b"outlierscope-sha256 "  # a checked binary file: this, 64 hex digits of the payload's sha256, a newline
+
+
+class Damaged(OutlierscopeError):
+    """A file outlierscope wrote that no longer holds what it wrote (truncated, emptied, bit-flipped, swapped for
+    another file): a cache or cell is computed again, a run's own input is an error naming the file."""
+
+
+def json_sha256(obj) -> str:
+    """sha256 of ``obj``'s canonical JSON (sorted keys, no spaces; what a JSON file reads back as)."""
+    blob = json.dumps(json.loads(json.dumps(obj, default=str)), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def sealed(obj: dict) -> dict:
+    """``obj`` with :data:`SEAL` (its content's digest) appended."""
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    return {**body, SEAL: json_sha256(body)}
+
+
+def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
+    """``obj`` (a record read from ``path``) without its seal, after checking the seal against its content; a record
+    without one is :class:`Damaged` when ``required`` (else it is returned as read: written before seals)."""
+    if not isinstance(obj, dict) or SEAL not in obj:
+        if required:
+            raise Damaged(f"{path}: no {SEAL}: written by an older outlierscope or not by outlierscope")
+        return obj
+    body = {k: v for k, v in obj.items() if k != SEAL}
+    if json_sha256(body) != obj[SEAL]:
+        raise Damaged(f"{path}: its content does not match its {SEAL} (the file was changed after it was written)")
+    return body
+
+
+def write_record(path: str | os.PathLike, obj: dict) -> None:
+    """Write a record (a JSON object outlierscope reads back) sealed with its digest (:func:`check_seal`)."""
+    write_json(path, sealed(obj))
+
+
+def file_digests(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, str]:
+    """name -> sha256 of each file ``directory/name``: what a record lists of the files it vouches for."""
+    return {n: sha256_file(Path(directory) / n) for n in names}
+
+
+def check_files(directory: str | os.PathLike, digests: dict[str, str]) -> None:
+    """Each file of ``digests`` (name -> sha256) present in ``directory`` with that digest; else :class:`Damaged`
+    naming the first that is not."""
+    for name, want in digests.items():
+        path = Path(directory) / name
+        if not path.is_file():
+            raise Damaged(f"{path}: missing")
+        if sha256_file(path) != want:
+            raise Damaged(f"{path}: its content does not match the digest its record holds (changed, cut or swapped)")
+
+
+def write_checked(path: str | os.PathLike, payload: bytes) -> None:
+    """Write ``payload`` atomically behind a header holding its sha256 (:func:`read_checked` reads it back)."""
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(FRAME + hashlib.sha256(payload).hexdigest().encode() + b"\n")
+            f.write(payload)
+
+
+def read_checked(path: str | os.PathLike) -> bytes:
+    """The payload of a file written by :func:`write_checked`, its digest checked; :class:`Damaged` otherwise."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise Damaged(f"{path}: cannot be read ({e.strerror or e})") from None
+    head, _, payload = data.partition(b"\n")
+    if not head.startswith(FRAME) or len(head) != len(FRAME) + 64:
+        raise Damaged(f"{path}: no digest header: written by an older outlierscope, or not by outlierscope")
+    if hashlib.sha256(payload).hexdigest().encode() != head[len(FRAME):]:
+        raise Damaged(f"{path}: its content does not match its digest (cut or changed after it was written)")
+    return payload
+
+
+def save_torch_checked(path: str | os.PathLike, obj) -> None:
+    """``torch.save(obj)`` into a checked file (:func:`write_checked`)."""
+    import io as _io
+
+    import torch
+
+    buf = _io.BytesIO()
+    torch.save(obj, buf)
+    write_checked(path, buf.getvalue())
+
+
+def load_torch_checked(path: str | os.PathLike, weights_only: bool = True):
+    """What :func:`save_torch_checked` saved, its digest checked (:class:`Damaged` otherwise)."""
+    import io as _io
+
+    import torch
+
+    return torch.load(_io.BytesIO(read_checked(path)), map_location="cpu", weights_only=weights_only)
+
+
 def write_csv(path: str | os.PathLike, df) -> None:
     """Write a pandas DataFrame as CSV atomically."""
     with atomic_path(path) as tmp:
@@ -116,8 +214,10 @@ def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
                                 "save the file as UTF-8") from None
 
 
-def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "run record") -> dict:
-    """A JSON object written by outlierscope, with ``keys``; a damaged or foreign file is a one-line error."""
+def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "run record",
+                sealed_only: bool = False) -> dict:
+    """A JSON object written by outlierscope, with ``keys``, its seal checked (:func:`write_record`; a record written
+    before seals is read as it is unless ``sealed_only``); a damaged or foreign file is a one-line error."""
     path = Path(path)
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
@@ -129,6 +229,10 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
     except (ValueError, UnicodeDecodeError) as e:
         raise OutlierscopeError(f"{path} is not a readable {what} ({str(e).splitlines()[0][:80]}); the file is damaged: "
                                 "run the command that wrote it again") from None
+    try:
+        obj = check_seal(obj, path, required=sealed_only)
+    except Damaged as e:
+        raise Damaged(f"{e}; the {what} is damaged: run the command that wrote it again") from None
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
     if missing:
         raise OutlierscopeError(f"{path} is not a {what}: it lacks {', '.join(missing)}; run the command that wrote it "
@@ -137,18 +241,15 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
 
 
 def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "shard file") -> dict:
-    """A dict saved by outlierscope with ``torch.save`` (our own files: not for untrusted input), with ``keys``;
-    a truncated or foreign file is a one-line error."""
-    import torch
-
+    """A dict saved by outlierscope with :func:`save_torch_checked` (our own files: not for untrusted input), with
+    ``keys``; a truncated, changed or foreign file is a one-line error."""
     path = Path(path)
     try:
-        obj = torch.load(path, weights_only=False, map_location="cpu")
-    except OSError as e:
-        raise OutlierscopeError(f"{path} cannot be read ({e.strerror or e}); check its permissions") from None
-    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... for a damaged file
-        raise OutlierscopeError(f"{path} is not a readable {what} ({type(e).__name__}: {str(e).splitlines()[0][:80] if str(e) else ''}); "
-                                "it is damaged or truncated: run that shard again") from None
+        obj = load_torch_checked(path, weights_only=False)
+    except Damaged as e:
+        raise Damaged(f"{e}; not a readable {what}: run that shard again") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a payload it cannot unpickle
+        raise OutlierscopeError(f"{path} is not a readable {what} ({type(e).__name__}); run that shard again") from None
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
     if missing:
         raise OutlierscopeError(f"{path} is not a {what}: it lacks {', '.join(missing)}; run that shard again")

@@ -29,7 +29,7 @@ from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.requests import build_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import LAYOUTS, score_requests
-from outlierscope.io import write_csv, write_json
+from outlierscope.io import Damaged, check_files, check_seal, file_digests, write_csv, write_record
 from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
@@ -172,28 +172,31 @@ class EvalResult:
     def record(self) -> dict:
         return {"settings": self.settings, "metrics": self.metrics, "seconds": self.seconds, **self.extra}
 
-    def save(self, out: str | Path, name: str = "eval") -> Path:
-        """Write ``{name}.csv`` (per item) and then ``{name}.json`` (settings, metrics), each atomically."""
+    def save(self, out: str | Path, name: str = "eval", vouch: tuple[str, ...] = ()) -> Path:
+        """Write ``{name}.csv`` (per item) and then ``{name}.json`` (settings, metrics, the sha256 of the csv and of the
+        files ``vouch`` names in ``out``, sealed: :func:`~outlierscope.io.write_record`), each atomically."""
         out = Path(out)
         write_csv(out / f"{name}.csv", self.items)
-        write_json(out / f"{name}.json", self.record())  # last: marks the result complete
+        files = file_digests(out, (f"{name}.csv", *vouch))
+        write_record(out / f"{name}.json", {**self.record(), "files": files})  # last: marks the result complete
         return out
 
     def save_cell(self, out: str | Path, name: str, settings: dict, tables: dict | None = None) -> None:
         """Save as a run's cell: ``settings`` (its identity) in the record, each side table as
-        ``{name}.{key}.csv`` before the cell's json (which marks it complete), and the tables in
-        ``extra["{key}_table"]`` (as :meth:`load_cell` returns them)."""
+        ``{name}.{key}.csv`` before the cell's json (which marks it complete and holds every file's digest), and the
+        tables in ``extra["{key}_table"]`` (as :meth:`load_cell` returns them)."""
         self.extra["cell"] = settings
         for key, df in (tables or {}).items():
             write_csv(Path(out) / f"{name}.{key}.csv", df)
-        self.save(out, name)
+        self.save(out, name, tuple(f"{name}.{key}.csv" for key in tables or {}))
         for key, df in (tables or {}).items():
             self.extra[f"{key}_table"] = df
 
     @classmethod
     def load_cell(cls, out: str | Path, name: str, settings: dict, tables: tuple[str, ...] = ()) -> EvalResult | None:
         """A complete cell saved by :meth:`save_cell` with exactly these ``settings`` and side ``tables`` (read into
-        ``extra["{key}_table"]``); None otherwise (the caller computes it)."""
+        ``extra["{key}_table"]``); None otherwise (the caller computes it). A cell whose files do not match their
+        digests is :class:`~outlierscope.io.Damaged`."""
         res = cls.load(out, name)
         if res is None or res.extra.get("cell") != settings:
             return None
@@ -206,21 +209,30 @@ class EvalResult:
 
     @classmethod
     def load(cls, out: str | Path, name: str = "eval") -> EvalResult | None:
-        """Read back a result written by :meth:`save`; None when it is absent or incomplete."""
+        """Read back a result written by :meth:`save`: None when it is absent (no json: never finished);
+        :class:`~outlierscope.io.Damaged` when its record's seal or a file's digest does not match (a record written
+        before digests, without ``record_sha256``, is checked by its structure only: columns and item count)."""
         out = Path(out)
         meta_path, items_path = out / f"{name}.json", out / f"{name}.csv"
-        if not (meta_path.exists() and items_path.exists()):
+        if not meta_path.exists():
             return None
         try:
-            meta = json.loads(meta_path.read_text())
+            meta = check_seal(json.loads(meta_path.read_text()), meta_path, required=False)
+        except (ValueError, UnicodeDecodeError):
+            raise Damaged(f"{meta_path}: not readable JSON (cut or changed)") from None
+        if not isinstance(meta, dict):
+            raise Damaged(f"{meta_path}: expected a JSON object, got {type(meta).__name__}")
+        if not items_path.exists():
+            raise Damaged(f"{items_path}: missing (its record {meta_path.name} is there)")
+        check_files(out, meta.pop("files", {}))
+        try:
             items = pd.read_csv(items_path, float_precision="round_trip")  # exact: merged shards equal one process
         except (ValueError, UnicodeDecodeError, pd.errors.ParserError):
-            return None  # damaged: the caller recomputes it
-        if list(items.columns) != item_columns(sum(c.startswith("score") for c in items.columns)):
-            return None
-        n = meta.get("settings", {}).get("n_items") if isinstance(meta, dict) else None
-        if n is not None and len(items) != n:  # a truncated or cut file: incomplete
-            return None
+            raise Damaged(f"{items_path}: not a readable table (cut or changed)") from None
+        n = meta.get("settings", {}).get("n_items")
+        if list(items.columns) != item_columns(sum(c.startswith("score") for c in items.columns)) or \
+                n is not None and len(items) != n:  # a truncated or cut file written before digests
+            raise Damaged(f"{items_path}: not the table its record describes (cut or changed)")
         extra = {k: v for k, v in meta.items() if k not in ("settings", "metrics", "seconds")}
         return cls(items, meta.get("metrics", {}), meta.get("settings", {}), meta.get("seconds", 0.0), extra)
 

@@ -67,9 +67,24 @@ class TokenScores:
         np.savez_compressed(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
 
     @classmethod
-    def load(cls, path: str | Path) -> TokenScores:
+    def load(cls, path) -> TokenScores:
+        """What :meth:`save` wrote to ``path`` (a file name or a binary file)."""
         with np.load(path) as z:
             return cls(**{k: z[k] for k in ("window", "same_top", *FLOATS)})
+
+    def to_bytes(self) -> bytes:
+        """The bytes :meth:`save` writes."""
+        import io
+
+        buf = io.BytesIO()
+        self.save(buf)
+        return buf.getvalue()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> TokenScores:
+        import io
+
+        return cls.load(io.BytesIO(data))
 
     @classmethod
     def concat(cls, parts: Sequence[TokenScores]) -> TokenScores:

@@ -174,25 +174,30 @@ def _partial_layers(model: nn.Module, sites: list) -> bool:
 
 
 def _load_layers(path, key: str) -> dict:
-    """The finished layers a checkpoint holds (layer -> path -> fields), or none (no file, or another key)."""
+    """The finished layers a checkpoint holds (layer -> path -> fields), or none (no file, or another key); a file
+    whose content does not match its digest (cut, changed, or written before digests) is calibrated again with one
+    warning saying so."""
+    import warnings
+
+    from outlierscope.io import Damaged, load_torch_checked
+
     if path is None or not path.exists():
         return {}
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001 - unreadable (another version's file): calibrate again, it is rewritten
+        state = load_torch_checked(path, weights_only=True)
+    except (Damaged, Exception) as e:  # noqa: BLE001 - torch.load raises many types for a foreign payload
+        why = str(e) if isinstance(e, Damaged) else f"{path}: not readable ({type(e).__name__})"
+        warnings.warn(f"{why}; calibrating those layers again (the file is rewritten)", stacklevel=2)
         return {}
     return state["layers"] if isinstance(state, dict) and state.get("key") == key else {}
 
 
 def _save_layers(path, key: str, layers: dict) -> None:
-    """Every finished layer, written atomically (a file cut by a kill is never read; processes of one run each write
-    their own temporary file, the same content)."""
-    import os
+    """Every finished layer, written atomically behind its digest (a file cut by a kill is never read; processes of
+    one run each write their own temporary file, the same content)."""
+    from outlierscope.io import save_torch_checked
 
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save({"key": key, "layers": layers}, tmp)
-    os.replace(tmp, path)
+    save_torch_checked(path, {"key": key, "layers": layers})
 
 
 @torch.no_grad()

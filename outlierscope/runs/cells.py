@@ -16,6 +16,7 @@ import pandas as pd
 from outlierscope.analysis.attention_error import AttentionErrorStats
 from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.evaluate import EvalResult
+from outlierscope.io import Damaged
 from outlierscope.parallel import Shard, World
 
 DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch size is another cell (float32 rounding)
@@ -65,7 +66,7 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
     shard, world = shard or Shard(), world or World()
     cid = cell_id(settings)
     name = cid if shard.whole else f"{cid}.{shard.tag}"
-    res = EvalResult.load_cell(cells_dir, name, settings, tables) if world.is_main else None
+    res = _readable_cell(cells_dir, name, settings, tables, desc, log) if world.is_main else None
     if world.broadcast(res is not None):
         log(f"{desc}: done earlier, skipped ({name})")
         return res, cid
@@ -74,6 +75,16 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
         res.save_cell(cells_dir, name, settings, side)
         log(f"{desc}: {len(res.items)} items in {res.seconds:.0f} s ({name})")
     return res, cid
+
+
+def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str, ...], desc: str, log):
+    """The complete cell ``name`` with ``settings``, or None: absent, other settings, or damaged (one line says so;
+    the caller computes it again and its files are replaced)."""
+    try:
+        return EvalResult.load_cell(cells_dir, name, settings, tables)
+    except Damaged as e:
+        log(f"{desc}: cell {name} is damaged ({e}); computing it again")
+        return None
 
 
 def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dict]:
@@ -85,7 +96,11 @@ def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dic
     n, parts, sides, seen = len(dirs), [], {"attn_error": [], "linear_error": []}, set()
     for i, d in enumerate(dirs):
         name = f"{cell}.shard-{i}-of-{n}"
-        res = EvalResult.load(d / "cells", name)
+        try:
+            res = EvalResult.load(d / "cells", name)
+        except Damaged as e:
+            raise OutlierscopeError(f"part {i}/{n} of cell {cell}: {e}; rerun that shard (it resumes), then merge "
+                                    "again") from None
         found = {key: d / "cells" / f"{name}.{key}.csv" for key in sides}
         found = {key: f for key, f in found.items() if f.exists()}
         if res is None or res_measured(res) and not found or i and set(found) != seen:

@@ -24,7 +24,7 @@ import pandas as pd
 from outlierscope.analysis.paired import mcnemar_exact, mean_change
 from outlierscope.errors import ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult
-from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json, write_text
+from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record, write_text
 from outlierscope.models.checks import _read_config_json
 from outlierscope.models.loading import (
     check_model,
@@ -234,7 +234,7 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))
-        write_json(out / "compare.json", record)
+        write_record(out / "compare.json", record)
     return table
 
 
@@ -270,6 +270,6 @@ def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict
                    f"{record['scored_tokens']:,} tokens of {s.text} ({s.protocol}); KL(a || b) at every token; "
                    "PPL is b's.\n\n" + md + "\nHow emulation and real differ by construction:\n\n"
                    + "".join(f"- {d}\n" for d in record["differences"]))
-        write_json(out / "compare.json", record)
+        write_record(out / "compare.json", record)
     log(md)
     return table

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.io import git_commit, output_dir, read_record, versions, write_json, write_text
+from outlierscope.io import git_commit, output_dir, read_record, versions, write_record, write_text
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
 from outlierscope.quant import export as qexport
 from outlierscope.quant.linear import check_linear_shapes, linear_sites
@@ -163,7 +163,7 @@ def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -
         write_text(d / "recipe.yaml", f"# outlierscope export of {choice.spec} for {choice.model}\n"
                    + yaml.safe_dump(recipe, sort_keys=False))
         write_text(d / "quantization_config.json", json.dumps(qconfig, indent=2) + "\n")
-        write_json(d / "export.json", record)
+        write_record(d / "export.json", record)
     log(f"{choice.spec} on {choice.model}: {len(ignore)} ignore entries"
         + (f" (kept layers {', '.join(map(str, choice.keep))})" if choice.keep else ""))
     return Path(out)

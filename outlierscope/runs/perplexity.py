@@ -29,7 +29,7 @@ from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.eval.perplexity import TokenScores, document_metrics, quantizes_head, score_windows
 from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import Damaged, git_commit, machine, output_dir, versions, write_csv, write_record, write_text
 from outlierscope.models.loading import (
     attn_block_option,
     check_placement,
@@ -168,26 +168,68 @@ def cell_settings(ident: dict, spec: QuantSpec, batch_size: int) -> dict:
     return out
 
 
-def _load_cell(cells: Path, settings: dict) -> TokenScores | None:
-    cid = cell_id(settings)
+def read_cell(cells: Path, cid: str, settings: dict | None = None) -> TokenScores:
+    """The cell ``cid`` in ``cells``: its record's seal, its settings (``settings`` where given, else those its name
+    is the digest of) and its values' digest checked; :class:`~outlierscope.io.Damaged` otherwise."""
+    from outlierscope.io import check_files, check_seal
+
     meta = cells / f"{cid}.json"
-    if not meta.exists():
-        return None
-    if json.loads(meta.read_text()).get("cell") != json.loads(json.dumps(settings)):
-        return None
+    try:
+        rec = check_seal(json.loads(meta.read_text()), meta)
+    except FileNotFoundError:
+        raise Damaged(f"{meta}: missing") from None
+    except (ValueError, UnicodeDecodeError):
+        raise Damaged(f"{meta}: not readable JSON (cut or changed)") from None
+    cell = rec.get("cell")
+    if not isinstance(cell, dict) or cell_id(cell) != cid or settings is not None and cell != settings:
+        raise Damaged(f"{meta}: holds the record of another cell (swapped or renamed)")
+    check_files(cells, rec.get("files") or {f"{cid}.npz": ""})
     return TokenScores.load(cells / f"{cid}.npz")
 
 
+def _load_cell(cells: Path, settings: dict, log=print) -> TokenScores | None:
+    """The complete cell of ``settings``, or None: absent, or damaged (one line says so; it is computed again)."""
+    cid = cell_id(settings)
+    if not (cells / f"{cid}.json").exists():
+        return None
+    try:
+        return read_cell(cells, cid, json.loads(json.dumps(settings)))
+    except Damaged as e:
+        log(f"cell {cid} is damaged ({e}); computing it again")
+        return None
+
+
 def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) -> str:
-    """The per-token values, then the settings and summary (written last: they mark the cell complete)."""
-    from outlierscope.io import atomic_path
+    """The per-token values, then the settings, summary and the values' digest (written last, sealed: they mark the
+    cell complete)."""
+    from outlierscope.io import atomic_path, file_digests
 
     cid = cell_id(settings)
     with atomic_path(cells / f"{cid}.npz") as tmp:
         with open(tmp, "wb") as f:
             tokens.save(f)
-    write_json(cells / f"{cid}.json", {"cell": settings, "summary": stats})
+    write_record(cells / f"{cid}.json", {"cell": settings, "summary": stats, "files": file_digests(cells, [f"{cid}.npz"])})
     return cid
+
+
+def _read_part(path: Path) -> TokenScores:
+    """One virtual shard's part of a cell, its digest checked (:class:`~outlierscope.io.Damaged` otherwise)."""
+    from outlierscope.io import read_checked
+
+    return TokenScores.from_bytes(read_checked(path))
+
+
+def _part_done(path: Path, log) -> bool:
+    """Whether the part ``path`` is there and intact; a damaged one is removed with one line (it is computed again)."""
+    if not path.exists():
+        return False
+    try:
+        _read_part(path)
+        return True
+    except Damaged as e:
+        log(f"{e}; computing that part again")
+        path.unlink()
+        return False
 
 
 def prepare_windows(s, source, config):
@@ -307,17 +349,15 @@ def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, .
 
     from tqdm.auto import tqdm
 
-    from outlierscope.io import atomic_path
+    from outlierscope.io import write_checked
 
     started = time.perf_counter()
     for n, v in enumerate(tqdm(owned, desc=f"{len(settings)} cells", unit="shard", disable=None)):
-        missing = [j for j, st in enumerate(settings) if not _part(cells, st, v).exists()]
+        missing = [j for j, st in enumerate(settings) if not _part_done(_part(cells, st, v), log)]
         if not missing:
             continue
         for j, tokens in zip(missing, score(missing, v)):
-            with atomic_path(_part(cells, settings[j], v)) as tmp:
-                with open(tmp, "wb") as f:
-                    tokens.save(f)
+            write_checked(_part(cells, settings[j], v), tokens.to_bytes())  # its digest checked when read
         if not sys.stderr.isatty():
             log(f"shard {v:02d} of {VIRTUAL_SHARDS} done ({n + 1} of {len(owned)} this run, "
                 f"{time.perf_counter() - started:.0f} s)")
@@ -368,7 +408,7 @@ def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[T
     """The cells ``settings``: read back when complete, else computed per virtual shard (this process's,
     resumable) by ``scorer(missing indices)``'s ``score`` and assembled by rank 0 once every part is there.
     Returns the cells on rank 0 when all are complete, else None."""
-    have = [_load_cell(c.cells, st) for st in settings]
+    have = [_load_cell(c.cells, st, c.log) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
     c.log(f"{len(settings) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
     with c.world.failing_together():  # then every rank's parts are written
@@ -392,7 +432,14 @@ def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
     paths = [_part(cells, settings, v) for v in range(VIRTUAL_SHARDS)]
     if not all(p.exists() for p in paths):
         return None
-    tokens = TokenScores.concat([TokenScores.load(p) for p in paths])
+    parts = []
+    for p in paths:
+        try:
+            parts.append(_read_part(p))
+        except Damaged as e:  # another process's part (this one's were checked before it scored)
+            p.unlink()
+            raise OutlierscopeError(f"{e}; removed: run again (it resumes and computes that part again)") from None
+    tokens = TokenScores.concat(parts)
     _save_cell(cells, settings, tokens, summary(tokens, seed))
     for p in paths:
         p.unlink()
@@ -447,7 +494,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         write_csv(out / "perplexity.csv", table)
         write_figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
-        write_json(out / "perplexity.json", record)
+        write_record(out / "perplexity.json", record)
     say(perplexity_markdown(table))
     return table
 
@@ -456,7 +503,7 @@ def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[
     """A --shard run's record (``perplexity.shard-i-of-N.json``): its settings and the part files it owns, for
     :func:`merge_perplexity`."""
     owned = owned_shards(shard, World())  # every rank's parts of this shard
-    write_json(out / f"perplexity.{shard.tag}.json",
+    write_record(out / f"perplexity.{shard.tag}.json",
                {"settings": asdict(s), "shard": [shard.index, shard.count],
                 "parts": sorted(_part(Path("cells"), st, v).as_posix() for st in settings for v in owned),
                 "versions": versions(), "machine": machine(), "git_commit": git_commit()})
@@ -485,6 +532,10 @@ def merge_perplexity(dirs: list[str | Path], out: str | Path | None = None, log=
             if not src.exists():
                 raise OutlierscopeError(f"{src} is missing (its shard's run did not finish); rerun that shard, then "
                                         "merge again")
+            try:
+                _read_part(src)
+            except Damaged as e:
+                raise OutlierscopeError(f"{e}; rerun that shard (delete the file first), then merge again") from None
             if dst.exists() and dst.resolve() != src.resolve() and dst.read_bytes() != src.read_bytes():
                 raise OutlierscopeError(f"{dst} exists with other values than {src}; merge into an empty directory")
             todo.append((src, dst))

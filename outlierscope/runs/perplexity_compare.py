@@ -16,7 +16,6 @@ which model is better; windows hold the same tokens only when both models share 
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import pandas as pd
 from outlierscope.analysis.kld import paired_runs
 from outlierscope.errors import OutlierscopeError, check_seed
 from outlierscope.eval.perplexity import TokenScores
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_json, write_text
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_record, write_text
 
 SAME = ("length", "windows", "scored_tokens")  # record fields both runs must share (and the text's digest, protocol)
 COLUMNS = ("label", "quant", "windows", "tokens", "delta_nll_a", "delta_nll_b", "delta_nll_diff",
@@ -39,7 +38,9 @@ def _run(path: Path) -> tuple[dict, pd.DataFrame]:
     if not rec_path.exists() or not csv.exists():
         raise OutlierscopeError(f"{path}: no perplexity.json / perplexity.csv; expected an `outlierscope perplexity` "
                                 "output directory whose run finished")
-    return json.loads(rec_path.read_text()), pd.read_csv(csv)
+    from outlierscope.io import read_record
+
+    return read_record(rec_path, ("settings",), "perplexity record"), pd.read_csv(csv)
 
 
 def _cell(run: Path, cell: str) -> TokenScores:
@@ -47,7 +48,9 @@ def _cell(run: Path, cell: str) -> TokenScores:
     if not path.exists():
         raise OutlierscopeError(f"{path} is missing: the per-token cells of a perplexity run are not committed with "
                                 f"its tables; run its `outlierscope perplexity` command again into {run} (it resumes)")
-    return TokenScores.load(path)
+    from outlierscope.runs.perplexity import read_cell
+
+    return read_cell(run / "cells", cell)
 
 
 def check_pairable(rec_a: dict, rec_b: dict, a: Path, b: Path) -> None:
@@ -101,7 +104,7 @@ def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int 
     with output_dir(out):
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", compare_markdown(table, *names))
-        write_json(out / "compare.json", {"a": {"dir": str(a), **rec_a}, "b": {"dir": str(b), **rec_b}, "seed": seed,
+        write_record(out / "compare.json", {"a": {"dir": str(a), **rec_a}, "b": {"dir": str(b), **rec_b}, "seed": seed,
                                           "versions": versions(), "machine": machine(), "git_commit": git_commit()})
     return table
 
@@ -175,7 +178,7 @@ def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: st
     with output_dir(out):
         write_csv(out / "rank_agreement.csv", frame[list(AGREEMENT_COLUMNS)])
         write_text(out / "rank_agreement.md", agreement_markdown(frame, summary, model, task))
-        write_json(out / "rank_agreement.json", {"model": model, "task": task, **summary, "seed": seed,
+        write_record(out / "rank_agreement.json", {"model": model, "task": task, **summary, "seed": seed,
                                                  "perplexity": str(perplexity_dir), "sweep": str(sweep_dir),
                                                  "versions": versions(), "machine": machine(),
                                                  "git_commit": git_commit()})

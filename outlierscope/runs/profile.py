@@ -27,15 +27,15 @@ from outlierscope.hooks.attention import diff_lambda
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, PRESETS, decoder_layers, resolve_points
 from outlierscope.io import (
-    atomic_path,
     git_commit,
     machine,
     output_dir,
     peak_rss_mb,
     read_torch_record,
+    save_torch_checked,
     versions,
     write_csv,
-    write_json,
+    write_record,
     write_text,
 )
 from outlierscope.models.float64 import float64_model
@@ -214,9 +214,8 @@ class ProfileResult:
         """A partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: the statistics, facts and settings."""
         facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
         path = Path(out) / f"profile.{shard.tag}.pt"
-        with atomic_path(path) as tmp:
-            torch.save({"stats": self.stats, "facts": facts, "settings": asdict(self.settings),
-                        "shard": [shard.index, shard.count]}, tmp)
+        save_torch_checked(path, {"stats": self.stats, "facts": facts, "settings": asdict(self.settings),
+                                  "shard": [shard.index, shard.count]})  # digest checked when merged
         return path
 
     def act_scales(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -247,7 +246,7 @@ class ProfileResult:
                         "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
                         "activation_types": KIND_LABEL,
                         "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}
-                write_json(stage / "profile.json", meta)
+                write_record(stage / "profile.json", meta)
                 for f in sorted(stage.iterdir(), key=lambda p: p.name == "profile.json"):
                     f.replace(out / f.name)
             finally:

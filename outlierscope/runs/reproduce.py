@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import git_commit, machine, versions, write_json
+from outlierscope.io import git_commit, machine, versions, write_record
 from outlierscope.models.loading import (
     attn_block_option,
     device_map_option,
@@ -89,7 +89,7 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     t3 = time.time()
     timings = {"profile_s": round(t1 - t0, 1), "sweep_s": round(t2 - t1, 1), "report_s": round(t3 - t2, 1),
                "total_s": round(t3 - t0, 1)}
-    write_json(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "machine": machine(),
+    write_record(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "machine": machine(),
                                         "versions": versions(), "git_commit": git_commit()})
     log(f"timings: profile {timings['profile_s']:.0f} s, sweep {timings['sweep_s']:.0f} s, report "
         f"{timings['report_s']:.0f} s, total {timings['total_s'] / 60:.1f} min (recorded in reproduce.json)")

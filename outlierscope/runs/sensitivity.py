@@ -53,7 +53,7 @@ from outlierscope.io import (
     read_record,
     versions,
     write_csv,
-    write_json,
+    write_record,
     write_text,
 )
 from outlierscope.models.loading import (
@@ -389,7 +389,7 @@ def _write_shard(run: _Run, out: Path) -> None:
     rec = {"settings": asdict(run.s), "shard": [run.shard.index, run.shard.count], "cells": run.cells,
            "n_layers": len(decoder_layers(run.lm.model)), "versions": versions(), "machine": machine(),
            "git_commit": git_commit()}
-    write_json(out / f"sensitivity.{run.shard.tag}.json", rec)
+    write_record(out / f"sensitivity.{run.shard.tag}.json", rec)
     run.log(f"shard {run.shard.index}/{run.shard.count}: its parts of {len(run.cells)} cells in {out / 'cells'}; "
             f"when every shard is done: `outlierscope merge DIR...`, then the same sensitivity command without "
             "--shard (it reads the merged cells and runs the greedy's tries)")
@@ -630,11 +630,11 @@ def _ranking_stability(run: _Run) -> list[dict]:
     the one-layer text cells' per-window harm: KLD sums, or NLL change sums for ppl)."""
     from outlierscope.analysis.agreement import ranking_stability
     from outlierscope.analysis.kld import window_blocks
-    from outlierscope.eval.perplexity import TokenScores
+    from outlierscope.runs.perplexity import read_cell
 
     sums = []
     for i in run.layers:
-        count, d, k = window_blocks(TokenScores.load(run.cells_dir / f"{run.cells[f'only_{i}']}.npz"))
+        count, d, k = window_blocks(read_cell(run.cells_dir, run.cells[f"only_{i}"]))
         sums.append(k if run.rank_by.name == "kld" else d)
     return ranking_stability(count, np.stack(sums, 1), run.s.seed)  # (windows, layers)
 
@@ -646,7 +646,7 @@ def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kind
     if kinds is not None:
         write_csv(out / "kinds.csv", kinds)
     write_csv(out / "greedy.csv", pd.DataFrame(tries))
-    write_json(out / "sensitivity.json", record)
+    write_record(out / "sensitivity.json", record)
     write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries, kinds))
     _figures(table, out, record)
 

@@ -26,7 +26,7 @@ from outlierscope.analysis.paired import BOOTSTRAP_REPS, mean_change
 from outlierscope.data.tasks import chance_percent, task_label, task_metrics
 from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, select_items, subset_items
-from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_json
+from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record
 from outlierscope.models.loading import (
     attn_block_option,
     check_model,
@@ -348,7 +348,7 @@ class SweepResult:
 
     def save(self, out: str | Path) -> Path:
         write_csv(Path(out) / "sweep.csv", self.table)
-        write_json(Path(out) / "sweep.json", self.record)
+        write_record(Path(out) / "sweep.json", self.record)
         return Path(out)
 
 
@@ -517,7 +517,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     if not world.is_main:
         return None
     if not shard.whole:
-        write_json(out / f"sweep.{shard.tag}.json", {
+        write_record(out / f"sweep.{shard.tag}.json", {
             "settings": asdict(s), "shard": [shard.index, shard.count], "processes": world.size, "tasks": tasks,
             "cells": [_cell_entry(cid, m, t, spec) for m, t, spec, cid, _ in cells],
             "model_sources": sources, **({"calibration": calibs} if calibs else {}),

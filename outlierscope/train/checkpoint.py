@@ -4,10 +4,18 @@ each role exported as a Hugging Face directory with its model card. Every write 
 from __future__ import annotations
 
 import csv
-import json
 from pathlib import Path
 
-from outlierscope.io import atomic_dir, atomic_path, write_text
+from outlierscope.io import (
+    Damaged,
+    atomic_dir,
+    atomic_path,
+    check_files,
+    file_digests,
+    read_record,
+    write_record,
+    write_text,
+)
 from outlierscope.train.card import model_card
 from outlierscope.train.tokenizer import load_tokenizer
 
@@ -35,7 +43,8 @@ def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, w
             },
             tmp / f"{role}.pt",
         )
-    (tmp / "meta.json").write_text(json.dumps({"step": step, "wall_s": wall, "fed": fed}))
+    files = file_digests(tmp, [f"{role}.pt" for role in models])
+    write_record(tmp / "meta.json", {"step": step, "wall_s": wall, "fed": fed, "files": files})
 
 
 def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> tuple[int, float, dict]:
@@ -48,7 +57,11 @@ def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> 
         state = out / "state.old"  # a crash during the swap: the previous checkpoint is complete
     if not (state / "meta.json").exists():
         return 0, 0.0, fed
-    meta = json.loads((state / "meta.json").read_text())
+    meta = read_record(state / "meta.json", ("step", "wall_s"), "training checkpoint", sealed_only=True)
+    try:
+        check_files(state, meta.get("files", {}))
+    except Damaged as e:
+        raise Damaged(f"{e}: the checkpoint is damaged; start the run again without --resume") from None
     for role in models:
         ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
         models[role].load_state_dict(ck["model"])

@@ -17,7 +17,6 @@ of packed sequences), and the state directory is swapped in atomically.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import platform
 import shutil
@@ -30,7 +29,7 @@ import numpy as np
 
 from outlierscope.data.corpus import check_corpus, iter_documents
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.io import output_dir, versions, write_json
+from outlierscope.io import output_dir, read_record, versions, write_record
 from outlierscope.models.presets import ROLES, PairConfig
 from outlierscope.train.checkpoint import export_role, load_state, read_log, save_state, write_log
 from outlierscope.train.data import PackedData, tokenize_to_file
@@ -178,7 +177,7 @@ def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
         "prepare_seconds": round(time.time() - t0, 1),
         "versions": versions(),
     }
-    write_json(out / "run.json", run)
+    write_record(out / "run.json", run)
     return run
 
 
@@ -192,7 +191,7 @@ def _open_run(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
                 for child in out.iterdir():  # nothing half-written: --out is empty again (or gone, if it was new)
                     shutil.rmtree(child) if child.is_dir() else child.unlink()
                 raise
-    run = json.loads((out / "run.json").read_text())
+    run = read_record(out / "run.json", ("preset", "args"), "training run record", sealed_only=True)
     if run["preset"] != cfg.to_dict() or run["args"]["tokens"] != args.tokens or run["args"]["seed"] != args.seed:
         raise OutlierscopeError(
             f"--resume: {out} was started with another preset, --tokens or --seed; resume with the same settings"

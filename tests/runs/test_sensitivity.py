@@ -461,13 +461,14 @@ def words(tmp_path_factory):
 def _log_probs(spec, windows, model, memo: dict) -> list[np.ndarray]:
     """Each window's float64 log-probabilities from its own full forward (one window alone, unpadded) under
     ``spec``, kept in ``memo`` by the spec's text (the base and repeated specs are computed once per test)."""
+    from outlierscope.models.float64 import float64_model
     from outlierscope.quant.apply import quantize_model
 
     if str(spec) not in memo:
         out = []
         for w in windows:
             ids = torch.tensor([w.input_ids])  # (1, T)
-            with torch.no_grad(), quantize_model(model, spec):
+            with torch.no_grad(), quantize_model(model, spec), float64_model(model):  # float64 in every operation
                 out.append(torch.log_softmax(model(input_ids=ids).logits[0].double(), -1).numpy())  # (T, V)
         memo[str(spec)] = out
     return memo[str(spec)]
