@@ -12,7 +12,7 @@ import warnings
 
 # nothing heavier at import: main's Ctrl-C handler must be running before torch and transformers load (seconds),
 # or an early Ctrl-C is a traceback
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, Refused
 
 
 def _cmd_info(a) -> None:
@@ -166,7 +166,7 @@ def _cmd_perplexity(a) -> None:
     from outlierscope.settings import from_cli
 
     shard, world = _parallel(a)
-    if perplexity(from_cli(PerplexitySettings, vars(a)), a.out, shard=shard, world=world) is not None:
+    if perplexity(from_cli(PerplexitySettings, vars(a)), a.out, shard=shard, world=world, force=a.force) is not None:
         print(f"results written to {a.out} (perplexity.csv, perplexity.md, perplexity.json, figures/, cells/)")
 
 
@@ -473,6 +473,8 @@ def _add_run_commands(sub) -> None:
                                           "per quantization spec (llama.cpp's statistics)")
     _add_settings(s, PerplexitySettings)
     s.add_argument("--out", required=True, help="output directory (resumes: cells, and parts of cells per shard)")
+    s.add_argument("--force", action="store_true", help="replace the tables of a perplexity run with other settings "
+                                                        "in --out (cells with matching settings are reused)")
     s.add_argument("--shard", metavar="I/N", help="compute share I of N (0-based) into --out's cells/ (one directory "
                    "for all shares); the run that finds every share's parts there writes the tables")
     s.set_defaults(func=_cmd_perplexity)
@@ -550,7 +552,7 @@ def _add_generate_command(sub) -> None:
 # command-line flags that are no settings field: the model list of profile, where results go, --force, --shard
 CLI_ONLY = {"profile": {"--model", "--out", "--shard"}, "sweep": {"--out", "--force", "--shard"},
             "sensitivity": {"--out", "--force", "--shard"}, "reproduce": set(), "export": {"--out", "--force"},
-            "compare-quant": {"--out", "--force"}, "perplexity": {"--out", "--shard"}}
+            "compare-quant": {"--out", "--force"}, "perplexity": {"--out", "--force", "--shard"}}
 
 
 def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, str]:
@@ -607,7 +609,7 @@ def _run(argv: list[str] | None) -> int:
     a = parser.parse_args(argv)
     try:
         a.func(a)
-    except ParamError as e:
+    except (ParamError, Refused) as e:
         _error(str(e.renamed(_flags(parser, a.command))))
         return 2
     except OutlierscopeError as e:

@@ -25,6 +25,18 @@ class ParamError(OutlierscopeError, ValueError):
         return self.render(names.get(self.param, self.param))
 
 
+class Refused(OutlierscopeError):
+    """A refusal that passing one Python parameter overrides: ``template``'s ``{fix}`` reads ``param=True`` from the
+    library and the flag (``--force``) from the CLI (:meth:`renamed`)."""
+
+    def __init__(self, template: str, param: str = "force"):
+        self.template, self.param = template, param
+        super().__init__(template.replace("{fix}", f"pass {param}=True"))
+
+    def renamed(self, names: dict[str, str]) -> str:
+        return self.template.replace("{fix}", f"pass {names.get(self.param, self.param)}")
+
+
 SEED_LIMIT = 2**32  # numpy's seeds: 0 <= seed < 2**32
 
 

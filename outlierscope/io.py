@@ -280,6 +280,43 @@ def output_dir(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+@contextlib.contextmanager
+def run_lock(out: str | os.PathLike, tag: str = "whole", what: str = "run") -> Iterator[None]:
+    """Hold ``out/.outlierscope-TAG.lock`` (an exclusive ``flock``, released when the block ends or the process dies;
+    the file is removed on release) for the block: a second run of the same ``tag`` (the whole run, or one
+    ``--shard``) into ``out`` while the first holds it is a one-line error at once, before it writes anything."""
+    import fcntl
+
+    path = Path(out) / f".outlierscope-{tag}.lock"
+    while True:
+        f = open(path, "a+")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            pid = f.read().strip() or "?"
+            f.close()
+            raise OutlierscopeError(f"{out}: another {what} into this directory is running (pid {pid}); wait for it to "
+                                    "finish (a rerun then resumes from its cells), or choose another output directory"
+                                    ) from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(f.fileno()).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        f.close()  # the file was removed by a run that just finished: lock the one there now
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(str(os.getpid()))
+        f.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still held: a run that opened it before waits for none
+        f.close()
+
+
 def ensure_writable_dir(path: str | os.PathLike) -> Path:
     """Create ``path`` if needed and check that files can be written in it."""
     path = Path(path)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 
 from outlierscope.analysis.attention_error import AttentionErrorStats
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, Refused
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import Damaged
 from outlierscope.parallel import Shard, World
@@ -35,9 +35,8 @@ def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, forc
         old = {}
     diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
     if diff:
-        raise OutlierscopeError(f"{prev.parent} holds {what} with other settings ({', '.join(diff)} differ); choose "
-                                "another output directory, or pass force=True (--force) to replace its tables (cells "
-                                "with matching settings are reused)")
+        raise Refused(f"{prev.parent} holds {what} with other settings ({', '.join(diff)} differ); choose another "
+                      "output directory, or {fix} to replace its tables (cells with matching settings are reused)")
 
 
 def cell_id(settings: dict) -> str:

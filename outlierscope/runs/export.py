@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from outlierscope.errors import OutlierscopeError, ParamError
+from outlierscope.errors import OutlierscopeError, ParamError, Refused
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.io import git_commit, output_dir, read_record, versions, write_record, write_text
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
@@ -141,8 +141,8 @@ def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -
     if prev.exists() and not force:
         old = read_record(prev, ("settings",))["settings"]
         if old != json.loads(json.dumps(dataclasses.asdict(s))):
-            raise OutlierscopeError(f"{out} holds an export with other settings ({old.get('quant') or old.get('run')}); "
-                                    "choose another output directory, or pass force=True (--force) to replace it")
+            raise Refused(f"{out} holds an export with other settings ({old.get('quant') or old.get('run')}); choose "
+                          "another output directory, or {fix} to replace it")
     choice = choose(s)
     qexport.check_exportable(choice.spec)
     if choice.spec.has_attention and (choice.keep or choice.spec.layers is not None):

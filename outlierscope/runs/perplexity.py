@@ -40,7 +40,7 @@ from outlierscope.models.loading import (
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.linear import calibration_records
 from outlierscope.quant.spec import QuantSpec, build_spec
-from outlierscope.runs.cells import cell_id, revised
+from outlierscope.runs.cells import cell_id, refuse_other_settings, revised
 from outlierscope.settings import option
 
 DEFAULT_LENGTH = {"gptq": 2048, "llamacpp": 512}  # lmeval: the model's max length, as lm-eval
@@ -447,7 +447,7 @@ def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
 
 
 def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None,
-               world: World | None = None) -> pd.DataFrame | None:
+               world: World | None = None, force: bool = False) -> pd.DataFrame | None:
     """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
     (kld_distribution, nll_and_kld) and ``perplexity.json`` (settings, the text's record, the windows, the model's
     source, versions, machine, commit). Returns the table.
@@ -456,11 +456,21 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     at the shard it was in. With ``shard`` (``--shard i/N``) only that share's parts are computed; the run that finds
     every part in ``out`` (the last shard to finish, or any later run) assembles the cells and writes the tables;
     until then None is returned. Under torchrun (``world=World.from_env()``) every rank computes its virtual shards
-    on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks)."""
+    on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks).
+
+    An ``out`` holding a run (or this shard's record) with other settings is refused unless ``force``; a second run
+    of the same shard into ``out`` while one is running is refused at once (:func:`~outlierscope.io.run_lock`)."""
+    import contextlib
+
+    from outlierscope.io import run_lock
+
     out, shard, world = Path(out), shard or Shard(), world or World()
     say = log if world.is_main else (lambda *a, **k: None)
-    with output_dir(out), output_dir(out / "cells") as cells:
+    with output_dir(out), output_dir(out / "cells") as cells, contextlib.ExitStack() as held:
         with world.failing_together():
+            if world.is_main:
+                check_previous(out, s, force, shard)
+                held.enter_context(run_lock(out, "whole" if shard.whole else shard.tag, "perplexity run"))
             lm, text, windows, length, ident, tok = _prepare(s, say, world.device(s.device))
         specs = s.specs()
         settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
@@ -497,6 +507,16 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         write_record(out / "perplexity.json", record)
     say(perplexity_markdown(table))
     return table
+
+
+def check_previous(out: Path, s: PerplexitySettings, force: bool, shard: Shard) -> None:
+    """Refuse to replace the tables (or this shard's record) of a perplexity run with other settings in ``out``
+    unless ``force`` (cells with matching settings are reused either way); a setting an older record lacks counts
+    as its default."""
+    prev = out / ("perplexity.json" if shard.whole else f"perplexity.{shard.tag}.json")
+    now = json.loads(json.dumps(asdict(s)))
+    defaults = json.loads(json.dumps(asdict(PerplexitySettings(model=s.model))))
+    refuse_other_settings(prev, now, defaults, "a perplexity run", force)
 
 
 def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[dict]) -> None:

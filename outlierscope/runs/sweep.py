@@ -553,7 +553,7 @@ def _text_metrics(s: SweepSettings, out: Path, log, world: World) -> dict:
     tables, dirs = [], {}
     for m in s.models:
         dirs[m] = _text_dir(m)
-        table = perplexity(s.kld_settings(m), out / dirs[m], log=log, world=world)
+        table = perplexity(s.kld_settings(m), out / dirs[m], log=log, world=world, force=True)  # the sweep's: checked
         if table is not None:
             tables.append(table.assign(model=m))
     if world.is_main:

@@ -80,10 +80,40 @@ def test_run_resume_table_and_record(tmp_path, text, capsys):
     assert base["kld_max"] == 0 and base["same_top"] == 1 and base["ln_ppl_ratio"] == 0
     assert (table.iloc[1:]["kld_mean"] > 0).all() and (table["ppl_base"] == base["ppl"]).all()
     capsys.readouterr()
-    assert _run(tmp_path, text, "--quant", "sage1") == 0  # resumed: only the new spec computed
+    assert _run(tmp_path, text, "--quant", "sage1") == 2  # other settings: refused before any work, tables kept
+    err = capsys.readouterr().err
+    assert "holds a perplexity run with other settings (quant differ)" in err and "pass --force" in err
+    assert "force=True" not in err and len(err.strip().splitlines()) == 1
+    assert pd.read_csv(out / "perplexity.csv").equals(table)
+    assert _run(tmp_path, text, "--quant", "sage1", "--force") == 0  # resumed: only the new spec computed
     assert "3 cells done earlier, 1 to compute" in capsys.readouterr().out
     again = pd.read_csv(out / "perplexity.csv")
     pd.testing.assert_frame_equal(again.iloc[:3], table)
+
+
+def test_a_second_run_into_a_running_out_is_refused_at_once(tmp_path, text, capsys):
+    """While a run holds --out (its lock taken by another process), the same command there is a one-line error before
+    any work, naming the running process, and writes nothing; once that process ends, the command runs."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "p"
+    out.mkdir()
+    code = ("import sys, time; from outlierscope.io import run_lock\n"
+            f"with run_lock({str(out)!r}, 'whole', 'perplexity run'):\n"
+            "    print('held', flush=True); sys.stdin.readline()")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert _run(tmp_path, text) == 2
+        err = capsys.readouterr().err
+        assert f"another perplexity run into this directory is running (pid {holder.pid})" in err
+        assert sorted(p.name for p in out.iterdir()) == [".outlierscope-whole.lock"]
+        assert _run(tmp_path, text, "--shard", "0/2") == 0  # another shard's lock: not held
+    finally:
+        holder.communicate("\n", timeout=60)
+    assert not (out / ".outlierscope-whole.lock").exists()
+    assert _run(tmp_path, text) == 0 and (out / "perplexity.csv").exists()
 
 
 def test_noise_floor_cells_beside_each_quantized_spec(tmp_path, text, capsys):
