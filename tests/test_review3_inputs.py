@@ -187,3 +187,31 @@ def test_awq_weight_statistic_is_float64_in_a_float64_model():
     want = (w / (w.amax(-1, keepdim=True) + 1e-6)).reshape(64, 64).mean(0)  # (I,)
     assert got.dtype == torch.float64
     torch.testing.assert_close(got, want, rtol=1e-15, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_calibration_text_too_short_or_fewer_samples_names_the_file(tmp_path, kind):
+    """A calibration text shorter than one sequence is a one-line error naming calib:FILE and the seqlen setting; one
+    that gives fewer sequences than samples is calibrated on those, with a warning saying how many."""
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.sequential import calibration_sequences
+    from outlierscope.quant.spec import QuantSpec
+
+    lm = load_model("pair-tiny:transformer")
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat")
+    spec = QuantSpec.parse(f"w=int4/per_group:32; {kind}:samples=4,seqlen=48; calib:{short}")
+    cfg = getattr(spec, kind)
+    with pytest.raises(OutlierscopeError) as e:
+        calibration_sequences(lm.tokenizer, str(short), cfg, None)
+    msg = str(e.value)
+    assert f"calib:{short}: too short" in msg and f"{kind}:seqlen=48" in msg and "\n" not in msg
+    some = tmp_path / "some.txt"
+    some.write_text(" ".join(["the cat sat on the mat"] * 30))  # about 180 tokens: 3 sequences of 48, not 4
+    n = len(lm.tokenizer(some.read_text(), add_special_tokens=False)["input_ids"]) + 1  # + EOS after the document
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        seqs = calibration_sequences(lm.tokenizer, str(some), cfg, None)
+    assert len(seqs) == n // 48 < 4
+    (w,) = [w for w in seen if "fewer than" in str(w.message)]
+    assert f"calib:{some} gives {n // 48} sequences of 48 tokens, fewer than {kind}:samples=4" in str(w.message)

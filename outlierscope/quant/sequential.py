@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from outlierscope.data.text import LAMBADA_TAIL
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.models.float64 import float64_model
 
@@ -35,11 +36,24 @@ class _Stop(Exception):
 
 def calibration_sequences(tokenizer, source: str | None, cfg, ctx: int | None) -> torch.Tensor:
     """``cfg.samples`` sequences of ``cfg.seqlen`` tokens (at most the model's ``ctx``) of ``source`` (default
-    :data:`DEFAULT_CALIB`), packed with EOS between documents: (N, T) int64."""
+    :data:`DEFAULT_CALIB`), packed with EOS between documents: (N, T) int64. A text too short for one sequence is an
+    error naming it; one that gives fewer than ``cfg.samples`` sequences a warning (the calibration reads those)."""
+    import warnings
+
     from outlierscope.data.text import pack_sequences, text_documents
 
+    kind = type(cfg).__name__.removesuffix("Config").lower()  # gptq / awq: the spec's part naming these settings
     seqlen = min(cfg.seqlen, ctx) if ctx else cfg.seqlen
-    return pack_sequences(tokenizer, text_documents(source or DEFAULT_CALIB), seqlen, cfg.samples * seqlen)
+    where = f"calib:{source}" if source else f"the default calibration text ({DEFAULT_CALIB})"
+    try:
+        seqs = pack_sequences(tokenizer, text_documents(source or DEFAULT_CALIB), seqlen, cfg.samples * seqlen)
+    except ParamError:
+        raise OutlierscopeError(f"{where}: too short: fewer tokens than one sequence of {kind}:seqlen={seqlen}; give a "
+                                f"longer text or a smaller {kind}:seqlen") from None
+    if len(seqs) < cfg.samples:
+        warnings.warn(f"{where} gives {len(seqs)} sequences of {seqlen} tokens, fewer than {kind}:samples="
+                      f"{cfg.samples}: calibrating on {len(seqs)} (give a longer text for {cfg.samples})", stacklevel=2)
+    return seqs
 
 
 def layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict]]:
