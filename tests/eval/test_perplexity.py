@@ -407,6 +407,46 @@ def test_lmeval_protocol_equals_lm_eval_itself(pair):
     assert math.isclose(got["bits_per_byte"], bits_per_byte(nbytes), rel_tol=1e-6)
 
 
+@pytest.mark.skipif(not __import__("outlierscope.models.fetch", fromlist=["is_fetched"]).is_fetched("smollm2-135m"),
+                    reason="SmolLM2-135M is not fetched (make test fetches it)")
+def test_lmeval_protocol_on_a_realistic_document_differs_by_lm_evals_float32_log_softmax():
+    """SmolLM2 (float32, bfloat16-valued weights) on one 1,800-token LAMBADA document in two rolling windows of 1,024:
+    lm-eval 0.4.13's ``loglikelihood_rolling`` is, bit for bit, a float32 log-softmax of the model's own logits summed
+    in float32 per window (written out here); ours is the float64 log-softmax of the same logits (written out here,
+    to 1e-12), which lm-eval's float32 arithmetic overstates: the README's "the more exact one"."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from outlierscope.data.running_text import load_text
+    from outlierscope.eval.perplexity import document_loglikelihoods
+    from outlierscope.models.loading import load_model
+
+    lm = load_model("smollm2-135m")
+    doc = ""
+    for d in load_text("lambada").docs:
+        doc += d + "\n\n"
+        if len(lm.tokenizer(doc)["input_ids"]) > 1800:
+            break
+    hflm = HFLM(pretrained=lm.model, tokenizer=lm.tokenizer, backend="causal", max_length=1024, batch_size=1)
+    (theirs,) = hflm.loglikelihood_rolling([Instance("loglikelihood_rolling", {"page": doc}, (doc,), 0)],
+                                           disable_tqdm=True)
+    windows = lmeval_windows(lm.tokenizer, [doc], 1024)
+    assert len(windows) == 2
+    (ours,) = score_windows(lm.model, windows, [QuantSpec()], batch_size=1)
+    (mine,) = document_loglikelihoods(ours, windows, 1)
+    f32, f64 = 0.0, 0.0
+    for w in windows:
+        with torch.no_grad():
+            logits = lm.model(input_ids=torch.tensor([w.input_ids])).logits[0]  # (T, V) float32
+        rows, t = torch.arange(w.first, w.first + len(w.targets)), torch.tensor(w.targets)
+        f32 += float(torch.log_softmax(logits, -1)[rows, t].sum())  # lm-eval: float32 values, a float32 sum
+        f64 += torch.log_softmax(logits.double(), -1)[rows, t].sum().item()
+    assert theirs == f32  # lm-eval's number is exactly its float32 arithmetic
+    assert mine == pytest.approx(f64, rel=1e-12, abs=0)
+    n = len(ours)
+    assert 0 < (theirs - mine) / n < 5e-5  # float32's log-softmax overstates each token's log-likelihood
+
+
 def test_base_stays_on_the_logits_device():
     """The base's float64 buffer is made where the logits are (a GPU run's would otherwise be on the CPU, and every
     spec's values would fail to mix with it): checked on the meta device, which runs no arithmetic."""
