@@ -215,6 +215,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
             back = torch.argsort(perm[::G] // G)
             scale, zero = scale[:, back], (None if zero is None else zero[:, back])
         g_idx = perm[inv] // G if static is not None or order == "gar" else g_idx[inv]
+    Q.add_(0.0)  # a weight rounded to code 0 is +0.0 as GPT-QModel's scale * (q - zero) makes it (round() gave -0.0)
     return GPTQResult(Q, scale, g_idx, perm, zero)
 
 

@@ -218,13 +218,15 @@ def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatc
     sites = linear_sites(model, spec)
     whole = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
     (path,) = glob.glob(str(tmp_path / "gptq-*.pt"))
-    state = torch.load(path, weights_only=True)
+    from outlierscope.io import load_torch_checked, save_torch_checked
+
+    state = load_torch_checked(path)
     assert sorted(state["layers"]) == [0, 1, 2]
     with monkeypatch.context() as m:
         m.setattr(gm.RoundedWeight, "of", classmethod(lambda *a: (_ for _ in ()).throw(AssertionError("calibrated"))))
         again = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
     assert all(torch.equal(again[n].weight(), r.weight()) for n, r in whole.items())
-    torch.save({"key": state["key"], "layers": {0: state["layers"][0]}}, path)
+    save_torch_checked(path, {"key": state["key"], "layers": {0: state["layers"][0]}})
     resumed = gptq_model(model, seqs, spec, sites, progress=False, checkpoint_dir=tmp_path)
     assert all(torch.equal(resumed[n].weight(), r.weight()) for n, r in whole.items())
     with_a = QuantSpec.parse("w=fint4/per_group:16; a=int8/per_token; k=int4/per_token; gptq")
