@@ -341,6 +341,24 @@ def _is_first_rank() -> bool:
 def _error(message: str) -> None:
     if _is_first_rank():
         print(f"outlierscope: error: {message}", file=sys.stderr)
+    _tell_torchrun(f"outlierscope: error: {message}")
+
+
+def _tell_torchrun(line: str) -> None:
+    """Under torchrun, the error's line in the error file its launcher reads (``TORCHELASTIC_ERROR_FILE``), so that its
+    failure report names the error instead of a link to its docs (the launcher's own traceback is torchrun's)."""
+    import json
+    import os
+    import time
+
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+        try:
+            with open(path, "w") as f:
+                json.dump(data, f)
+        except OSError:
+            pass  # the report then links to torchrun's docs, as before
 
 
 class _Parser(argparse.ArgumentParser):

@@ -215,3 +215,18 @@ def test_calibration_text_too_short_or_fewer_samples_names_the_file(tmp_path, ki
     assert len(seqs) == n // 48 < 4
     (w,) = [w for w in seen if "fewer than" in str(w.message)]
     assert f"calib:{some} gives {n // 48} sequences of 48 tokens, fewer than {kind}:samples=4" in str(w.message)
+
+
+def test_under_torchrun_the_error_line_is_what_its_failure_report_shows(tmp_path, monkeypatch, capsys):
+    """torchrun's launcher reads each failed worker's TORCHELASTIC_ERROR_FILE: read back by torch's own ProcessFailure,
+    the root cause is outlierscope's one line (before: "To enable traceback see: ..." after the line)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    err = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    assert main(["sweep", "--model", "pair-tiny:diff", "--bits", "1", "--out", str(tmp_path / "o")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("outlierscope: error: ") and "--bits" in line
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(err))
+    report = ChildFailedError("outlierscope", {0: failure}).format_msg()  # what torchrun prints
+    assert f"traceback : {line}\n" in report and "To enable traceback" not in report
