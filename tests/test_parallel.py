@@ -162,7 +162,8 @@ def test_merge_damaged_profile_shard_is_one_line(runs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(d)], cwd=ROOT, env=ENV, capture_output=True,
                        text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
-    assert "profile.shard-1-of-2.pt is not a readable profile shard file" in r.stderr
+    assert "profile.shard-1-of-2.pt: its content does not match its digest" in r.stderr  # checked before unpickling
+    assert "run that shard again" in r.stderr
     assert not (d / "table5.csv").exists()
 
 
@@ -183,7 +184,8 @@ def test_merge_truncated_sweep_shard_cell_writes_nothing(runs, tmp_path):
     r = subprocess.run([sys.executable, "-m", "outlierscope", "merge", str(d)], cwd=ROOT, env=ENV, capture_output=True,
                        text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr[-2000:]
-    assert "part 1/2 of cell" in r.stderr and "missing or incomplete; rerun that shard" in r.stderr
+    assert "part 1/2 of cell" in r.stderr and "does not match the digest its record holds" in r.stderr
+    assert second.name in r.stderr and "rerun that shard" in r.stderr
     assert not [f for f in (d / "cells").iterdir() if ".shard-" not in f.name] and not (d / "sweep.csv").exists()
 
 

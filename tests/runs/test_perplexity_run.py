@@ -122,7 +122,7 @@ def test_noise_floor_cells_beside_each_quantized_spec(tmp_path, text, capsys):
     assert _run(tmp_path, text) == 0
     plain = pd.read_csv(tmp_path / "p" / "perplexity.csv")
     capsys.readouterr()
-    assert _run(tmp_path, text, "--noise", "float64") == 0
+    assert _run(tmp_path, text, "--noise", "float64", "--force") == 0  # another setting: replaces the tables
     assert "0 noise-floor (float64) cells done earlier, 2 to compute" in capsys.readouterr().out
     out = tmp_path / "p"
     table = pd.read_csv(out / "perplexity.csv")
