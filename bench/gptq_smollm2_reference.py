@@ -7,13 +7,14 @@ Runs in GPT-QModel's venv (``make gptq-venv``), imports nothing of outlierscope.
    weights bfloat16 values) with transformers, and runs the calibration token ids ``--ids`` (a torch (N, T) int64
    file: outlierscope's own GPTQ calibration, 128 sequences of 512 tokens of LAMBADA's last passages, written by the
    command below) through it, keeping the input of q/k/v_proj (``input_layernorm``'s output) of each layer of
-   ``--layers``;
-2. rounds q/k/v_proj's weights to bfloat16 values (a bfloat16 checkpoint's; the GGUF-dequantized weights of the
+   ``--layers``, and of layer 0 also o_proj's and gate/up_proj's (``GROUPS``; down_proj's 1536 x 1536 Hessian would
+   make the fixture 9 MB larger);
+2. rounds those linears' weights to bfloat16 values (a bfloat16 checkpoint's; the GGUF-dequantized weights of the
    fetched model are not) after the inputs are recorded, and for each setting of ``SETTINGS`` and each of them builds GPT-QModel's ``GPTQ`` task on the linear
    (``quantizer.configure(perchannel=True)``, as its GPTQProcessor does), feeds it every sequence's input with
    ``add_batch`` (GPT-QModel's own Hessian accumulation) and runs its ``quantize(blocksize=128)``;
-3. writes to ``--out`` (safetensors) each layer's Hessian as GPT-QModel finalized it (identical for q, k, v and
-   every setting: checked), and in the metadata the sha256 of each result's quantized weight Q (float32, (out, in)),
+3. writes to ``--out`` (safetensors) each input's Hessian as GPT-QModel finalized it (identical for the linears
+   reading it and every setting: checked), and in the metadata the sha256 of each result's quantized weight Q (float32, (out, in)),
    scales, zero points and g_idx, with the settings, versions and this command. Digests, not tensors: the
    fixture stays small (the Hessians are what the test cannot recompute bit for bit on another processor).
 
@@ -47,20 +48,32 @@ SETTINGS = {
     "w3g64-sym-gar": dict(bits=3, group_size=64, sym=True, act_group_aware=True),
     "w3g64-zp-desc": dict(bits=3, group_size=64, sym=False, desc_act=True, act_group_aware=False),
 }
-LINEARS = ("q_proj", "k_proj", "v_proj")
+GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+          "mlp": ("mlp.gate_proj", "mlp.up_proj")}  # linears reading one input; down_proj's 1536^2 Hessian left out
+MLP_LAYERS = (0,)  # layers whose o_proj and gate/up are in the fixture too (each Hessian 1.3 MB)
 
 
 def sha(t) -> str:
     return hashlib.sha256(t.detach().contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
-def layer_inputs(model, ids, layers: list[int]) -> dict[int, list]:
-    """Each sequence's q/k/v input (input_layernorm's output, (1, T, D)) of each layer of ``layers``."""
+def layer_inputs(model, ids, layers: list[int]) -> dict[tuple[int, str], list]:
+    """Each sequence's input (1, T, D) of each linear group of each layer of ``layers``: (layer, "qkv") the
+    input_layernorm's output, and for the layers of ``MLP_LAYERS`` also (layer, "o") o_proj's input and (layer, "mlp")
+    the post_attention_layernorm's output."""
     import torch
 
-    got = {i: [] for i in layers}
-    hooks = [model.model.layers[i].input_layernorm.register_forward_hook(
-        lambda m, a, out, i=i: got[i].append(out.detach().clone())) for i in layers]
+    got: dict[tuple[int, str], list] = {}
+    hooks = []
+    for i in layers:
+        block = model.model.layers[i]
+        hooks.append(block.input_layernorm.register_forward_hook(
+            lambda m, a, out, i=i: got.setdefault((i, "qkv"), []).append(out.detach().clone())))
+        if i in MLP_LAYERS:
+            hooks.append(block.self_attn.o_proj.register_forward_pre_hook(
+                lambda m, a, i=i: got.setdefault((i, "o"), []).append(a[0].detach().clone())))
+            hooks.append(block.post_attention_layernorm.register_forward_hook(
+                lambda m, a, out, i=i: got.setdefault((i, "mlp"), []).append(out.detach().clone())))
     try:
         with torch.no_grad():
             for row in ids:
@@ -105,16 +118,16 @@ def main() -> None:
     ids = torch.load(a.ids)
     inputs = layer_inputs(model, ids, a.layers)
     tensors, digests = {}, {}
-    for i in a.layers:
-        attn = model.model.layers[i].self_attn
+    for (i, group), xs in inputs.items():
+        block = model.model.layers[i]
         for key, args in SETTINGS.items():
-            for name in LINEARS:
-                h, q, scale, zero, g_idx = run_gptq(getattr(attn, name), inputs[i], args)
-                if f"layer{i}.hessian" not in tensors:
-                    tensors[f"layer{i}.hessian"] = h.contiguous()
-                assert torch.equal(tensors[f"layer{i}.hessian"], h), (i, key, name)  # one Hessian per layer
-                digests[f"layer{i}.{name}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
-                                                     "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
+            for name in GROUPS[group]:
+                h, q, scale, zero, g_idx = run_gptq(block.get_submodule(name), xs, args)
+                tag = f"layer{i}.{group}.hessian"
+                tensors.setdefault(tag, h.contiguous())
+                assert torch.equal(tensors[tag], h), (i, key, name)  # one Hessian per input
+                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
+                                                                    "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
                 print(f"layer {i} {name} {key}: done", flush=True)
     meta = {"command": " ".join(["bench/gptq_smollm2_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),

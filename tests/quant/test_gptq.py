@@ -262,11 +262,12 @@ SMOLLM2_SETTINGS = {  # the fixture's QuantizeConfig settings -> (bits, grid, or
 @pytest.mark.parametrize("layer", [0, 15])
 def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
     """GPT-QModel 7.6's own GPTQ (bench/gptq_smollm2_reference.py in its venv: its GPTQ task, add_batch and quantize,
-    damp 0.01, block 128) on SmolLM2-135M's real q/k/v_proj of layers 0 and 15 (their weights rounded to bfloat16 values), with the
-    Hessian it accumulated from outlierscope's 128 x 512 calibration tokens: for 8 settings (symmetric with and
-    without group-aware reordering, zero point, act order, static groups, act order with static groups, 3 bits
-    with GAR, 3 bits zero point with act order) every quantized weight, scale, zero point and g_idx is bit for bit
-    GPT-QModel's (sha256 of the bytes). A damping mean over a strided view of the diagonal failed 1 in 4 of these."""
+    damp 0.01, block 128) on SmolLM2-135M's real linears (their weights rounded to bfloat16 values): q/k/v_proj of
+    layers 0 and 15, and o_proj and gate/up_proj of layer 0, with the Hessians it accumulated from outlierscope's
+    128 x 512 calibration tokens: for 8 settings (symmetric with and without group-aware reordering, zero point,
+    act order, static groups, act order with static groups, 3 bits with GAR, 3 bits zero point with act order)
+    every quantized weight, scale, zero point and g_idx is bit for bit GPT-QModel's (sha256 of the bytes). A damping
+    mean over a strided view of the diagonal (the code before) fails in both layers (39 and 24 differing fields)."""
     import hashlib
     import json
 
@@ -279,16 +280,23 @@ def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
 
     ref = safe_open(SMOLLM2_FIXTURE, "pt")
     digests = json.loads(ref.metadata()["digests"])
-    h = ref.get_tensor(f"layer{layer}.hessian")
-    attn = load_model("smollm2-135m").model.model.layers[layer].self_attn
-    wrong = []
-    for key, (bits, fmt, order, static) in SMOLLM2_SETTINGS.items():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            w = getattr(attn, name).weight.detach().to(torch.bfloat16).float()  # a bfloat16 checkpoint's values
-            ours = gptq_quantize(w, h, bits, fmt, 64, 128, damp=0.01, order=order, static_groups=static)
-            want = digests[f"layer{layer}.{name}.{key}"]
-            got = {"weight": sha(ours.weight), "scale": sha(ours.scale.float()), "g_idx": sha(ours.g_idx.int())}
-            if fmt == "zint":
-                got["zero"] = sha(ours.zero.float())
-            wrong += [f"{name} {key} {k}" for k, v in got.items() if v != want[k]]
+    block = load_model("smollm2-135m").model.model.layers[layer]
+    groups = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+              "mlp": ("mlp.gate_proj", "mlp.up_proj")}
+    wrong, checked = [], 0
+    for group, names in groups.items():
+        if f"layer{layer}.{group}.hessian" not in ref.keys():
+            continue
+        h = ref.get_tensor(f"layer{layer}.{group}.hessian")
+        for key, (bits, fmt, order, static) in SMOLLM2_SETTINGS.items():
+            for name in names:
+                w = block.get_submodule(name).weight.detach().to(torch.bfloat16).float()  # a bfloat16 checkpoint's
+                ours = gptq_quantize(w, h, bits, fmt, 64, 128, damp=0.01, order=order, static_groups=static)
+                want = digests[f"layer{layer}.{name.split('.')[-1]}.{key}"]
+                got = {"weight": sha(ours.weight), "scale": sha(ours.scale.float()), "g_idx": sha(ours.g_idx.int())}
+                if fmt == "zint":
+                    got["zero"] = sha(ours.zero.float())
+                wrong += [f"{name} {key} {k}" for k, v in got.items() if v != want[k]]
+                checked += 1
+    assert checked == (6 if layer == 0 else 3) * len(SMOLLM2_SETTINGS)
     assert not wrong, (len(wrong), wrong)
