@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
 from outlierscope.eval.windows import Window
 from outlierscope.parallel import shard_of
@@ -37,6 +37,7 @@ from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.spec import QuantSpec
 
 FLOATS = ("nll", "nll_base", "kld", "p_diff")
+LOGPROBS = ("float64", "lmeval")  # how a token's NLL is taken from its logits (:func:`_nll`)
 F64_ROWS = 32  # rows per float64 block of a spec's values: its (F64_ROWS, V) temporaries stay small and in cache
 
 
@@ -94,9 +95,22 @@ class TokenScores:
         return cls(**{k: v[order] for k, v in whole.items()})
 
 
-def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor,
+                 logprobs: str = "float64") -> dict[str, torch.Tensor]:
     """The per-token values (module docstring) of logits (n, V) of the quantized and the unquantized model."""
-    return _values(logits_q, _base(logits_b, targets), targets)
+    return _values(logits_q, _base(logits_b, targets, logprobs=logprobs), targets, logprobs)
+
+
+def _nll(logits: torch.Tensor, targets: torch.Tensor, lp: torch.Tensor, logprobs: str) -> torch.Tensor:
+    """Each row's NLL of its target (n,) float64: from ``lp``, the float64 log-probabilities of ``logits`` (n, V), or
+    with ``logprobs="lmeval"`` as lm-eval 0.4.13 takes it from a float32 model: a float32 log-softmax (which
+    overstates a token's log-likelihood by a few 1e-6 nats), its value held exactly in float64."""
+    if logprobs == "float64":
+        return -lp.gather(1, targets[:, None])[:, 0]
+    if logits.dtype != torch.float32:
+        raise OutlierscopeError(f"logprobs='lmeval' is lm-eval's arithmetic of a float32 model; the logits are "
+                                f"{str(logits.dtype).removeprefix('torch.')}: load the model in float32")
+    return -torch.log_softmax(logits, dim=-1).gather(1, targets[:, None])[:, 0].double()
 
 
 def _top(logits: torch.Tensor) -> torch.Tensor:
@@ -106,7 +120,8 @@ def _top(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(dim=-1).indices
 
 
-def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None = None) -> dict[str, torch.Tensor]:
+def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None = None,
+          logprobs: str = "float64") -> dict[str, torch.Tensor]:
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
     top token and the targets' NLL (computed once per block, shared by every spec). Both float64 arrays are made
     F64_ROWS rows at a time (the probabilities from the block of log-probabilities still in cache), into
@@ -121,21 +136,22 @@ def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None
     for r in range(0, n, F64_ROWS):
         torch.log_softmax(logits_b[r:r + F64_ROWS].double(), dim=-1, out=lb[r:r + F64_ROWS])  # (m, V)
         torch.exp(lb[r:r + F64_ROWS], out=pb[r:r + F64_ROWS])
-    return {"lb": lb, "pb": pb, "top": _top(logits_b), "nll": -lb.gather(1, targets[:, None])[:, 0]}
+    return {"lb": lb, "pb": pb, "top": _top(logits_b), "nll": _nll(logits_b, targets, lb, logprobs)}
 
 
-def _values(logits_q: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor) -> dict[str, torch.Tensor]:
+def _values(logits_q: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor,
+            logprobs: str = "float64") -> dict[str, torch.Tensor]:
     """The per-token values of the quantized model's logits (n, V) against :func:`_base`'s, in blocks of F64_ROWS
     rows (each row's values do not depend on the block; the float64 temporaries stay small)."""
     parts = [_values_block(logits_q[r:r + F64_ROWS], {k: v[r:r + F64_ROWS] for k, v in base.items()},
-                           targets[r:r + F64_ROWS]) for r in range(0, max(len(targets), 1), F64_ROWS)]
+                           targets[r:r + F64_ROWS], logprobs) for r in range(0, max(len(targets), 1), F64_ROWS)]
     return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _values_block(logits_q: torch.Tensor, base: dict[str, torch.Tensor],
-                  targets: torch.Tensor) -> dict[str, torch.Tensor]:
+                  targets: torch.Tensor, logprobs: str = "float64") -> dict[str, torch.Tensor]:
     lq = torch.log_softmax(logits_q.double(), dim=-1)  # (m, V)
-    nll, nll_base = -lq.gather(1, targets[:, None])[:, 0], base["nll"]
+    nll, nll_base = _nll(logits_q, targets, lq, logprobs), base["nll"]
     diff = base["lb"] - lq
     kld = diff.mul_(base["pb"]).sum(-1)  # sum_v p_b (ln p_b - ln p_q), in place: one (m, V) buffer, not two
     return {"nll": nll, "nll_base": nll_base, "kld": kld, "same_top": _top(logits_q) == base["top"],
@@ -159,7 +175,7 @@ def _workspace(cache: dict, logits: torch.Tensor) -> torch.Tensor:
 
 
 def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Tensor, targets: torch.Tensor,
-             workspaces: dict) -> list[dict[str, np.ndarray]]:
+             workspaces: dict, logprobs: str = "float64") -> list[dict[str, np.ndarray]]:
     """Per-token values of several quantized models' hidden states ``hqs`` (each (N, D), with its head) against the
     unquantized ``hb`` (N, D): in blocks of HEAD_ROWS rows, the base's log-probabilities computed once per block and
     shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time, in
@@ -167,9 +183,9 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
     parts: list[list[dict]] = [[] for _ in hqs]
     for s in range(0, len(targets), HEAD_ROWS):
         t = targets[s:s + HEAD_ROWS]
-        base = _base(head_b(hb[s:s + HEAD_ROWS]), t, workspaces)  # (n, V) and per token; its logits freed here
+        base = _base(head_b(hb[s:s + HEAD_ROWS]), t, workspaces, logprobs)  # (n, V) and per token; logits freed
         for j, (head, hq) in enumerate(zip(heads, hqs)):
-            parts[j].append(_values(head(hq[s:s + HEAD_ROWS]), base, t))  # logits (n, V)
+            parts[j].append(_values(head(hq[s:s + HEAD_ROWS]), base, t, logprobs))  # logits (n, V)
     return [{k: torch.cat([p[k] for p in ps]).cpu().numpy() for k in ps[0]} for ps in parts]
 
 
@@ -182,7 +198,7 @@ def quantizes_head(spec: QuantSpec) -> bool:
 
 def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                   calibrations: Sequence | None = None, block_rows: int | None = None,
-                  shards: Collection[int] | None = None, progress=None) -> list[TokenScores]:
+                  shards: Collection[int] | None = None, progress=None, logprobs: str = "float64") -> list[TokenScores]:
     """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
     windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): :func:`score_sides` with every
     spec against the unquantized model. The unquantized model runs once per batch, through the same attention
@@ -192,7 +208,7 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     base = Side("model", QuantSpec())
     pairs = [(base, Side("model", spec, cal)) for spec, cal in zip(specs, calibrations)]
-    return score_sides({"model": model}, windows, pairs, batch_size, block_rows, shards, progress)
+    return score_sides({"model": model}, windows, pairs, batch_size, block_rows, shards, progress, logprobs)
 
 
 def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> list[list[int]]:
@@ -231,14 +247,17 @@ class Side:
 @torch.no_grad()
 def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[Side, Side]], batch_size: int = 1,
                 block_rows: int | None = None, shards: Collection[int] | None = None,
-                progress=None) -> list[TokenScores]:
+                progress=None, logprobs: str = "float64") -> list[TokenScores]:
     """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base (``kld``
     = KL(base || other), ``nll_base`` the base's). ``models``: key -> model; they must share the tokenizer the
     windows were made with. Each distinct side runs once per batch however many pairs hold it (a checkpoint against
     the float model and against n emulations on it: n + 2 forwards), and a base's log-probabilities are computed
     once per block of positions for every pair that shares it. An ``other`` that quantizes the LM head is scored
     inside its own context (its head exists only there); a base that does is refused. ``progress(k)`` after the
-    k-th batch."""
+    k-th batch. ``logprobs``: how each NLL is taken from the logits (:data:`LOGPROBS`, :func:`_nll`; the KLD and
+    the rest in float64 either way)."""
+    if logprobs not in LOGPROBS:
+        raise ParamError("logprobs", f"one of {', '.join(LOGPROBS)}", logprobs)
     sides = _sides(pairs)
     heads = {k: lm_head(m, frozen=True) for k, m in models.items()}  # unquantized, also inside a spec's context
     by_base, by_head = _group_pairs(pairs)
@@ -252,12 +271,12 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
             hb = hidden[key]
             others = [pairs[j][1] for j in js]
             values = _compare([heads[o.model] for o in others], [hidden[o.key].to(hb.device) for o in others],
-                              heads[sides[key].model], hb, targets.to(hb.device), workspaces)
+                              heads[sides[key].model], hb, targets.to(hb.device), workspaces, logprobs)
             for j, v in zip(js, values):
                 out[j].append({"window": window, **v})
         for js in by_head.values():
             for j, v in zip(js, _head_quantized(models, heads, [pairs[j] for j in js], hidden, rows, targets,
-                                                block_rows, workspaces)):
+                                                block_rows, workspaces, logprobs)):
                 out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
@@ -302,7 +321,8 @@ def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[i
 
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
-                    targets: torch.Tensor, block_rows: int | None, workspaces: dict) -> list[dict[str, np.ndarray]]:
+                    targets: torch.Tensor, block_rows: int | None, workspaces: dict,
+                    logprobs: str = "float64") -> list[dict[str, np.ndarray]]:
     """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
     forward once, inside its context (its head exists only there)."""
     other = pairs[0][1]
@@ -311,7 +331,7 @@ def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]
         hq, _, _ = gathered_hidden(model, rows)
         head = lm_head(model)
         return [_compare([head], [hq.to(hidden[b.key].device)], heads[b.model], hidden[b.key],
-                         targets.to(hidden[b.key].device), workspaces)[0] for b, _ in pairs]
+                         targets.to(hidden[b.key].device), workspaces, logprobs)[0] for b, _ in pairs]
 
 
 def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec],
@@ -339,30 +359,45 @@ def _scores(parts: list[dict]) -> TokenScores:
     return TokenScores(**{k: np.concatenate([p[k] for p in parts]) for k in parts[0]})
 
 
-def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Sequence[str]) -> dict:
+def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Sequence[str],
+                     logprobs: str = "float64") -> dict:
     """lm-evaluation-harness 0.4.13's metrics of a ``loglikelihood_rolling`` task (its wikitext) from the per-token
-    values of lmeval windows: per document the log-likelihood (minus the sum of its tokens' NLL; 0 for an empty one),
+    values of lmeval windows: per document the log-likelihood (:func:`document_loglikelihoods`; 0 for an empty one),
     its words (``len(re.split(r"\\s+", doc))``) and UTF-8 bytes; word_perplexity = exp(-sum ll / sum words),
     byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte = -sum ll / sum bytes / ln 2. Of the quantized model
     and (``*_base``) of the unquantized one."""
     import math
     import re
 
-    doc_of = _token_documents(tokens, windows)
     words = sum(len(re.split(r"\s+", d)) for d in docs)
     n_bytes = sum(len(d.encode("utf-8")) for d in docs)
     out = {}
     for suffix, nll in (("", tokens.nll), ("_base", tokens.nll_base)):
-        ll = -float(np.bincount(doc_of, weights=nll, minlength=len(docs)).sum())
+        ll = float(_document_sums(nll, tokens, windows, len(docs), logprobs).sum())
         out.update({f"word_perplexity{suffix}": math.exp(-ll / words),
                     f"byte_perplexity{suffix}": math.exp(-ll / n_bytes),
                     f"bits_per_byte{suffix}": -ll / n_bytes / math.log(2)})
     return out
 
 
-def document_loglikelihoods(tokens: TokenScores, windows: Sequence[Window], n_docs: int) -> np.ndarray:
-    """Each document's log-likelihood under the quantized model (lm-eval's loglikelihood_rolling result)."""
-    return -np.bincount(_token_documents(tokens, windows), weights=tokens.nll, minlength=n_docs)
+def document_loglikelihoods(tokens: TokenScores, windows: Sequence[Window], n_docs: int,
+                            logprobs: str = "float64") -> np.ndarray:
+    """Each document's log-likelihood under the quantized model (lm-eval's loglikelihood_rolling result): the sum of
+    its tokens' log-likelihoods, in float64; with ``logprobs="lmeval"`` as lm-eval adds them: each window's in
+    float32 (a torch sum of its tokens in order), the windows' in Python floats."""
+    return _document_sums(tokens.nll, tokens, windows, n_docs, logprobs)
+
+
+def _document_sums(nll: np.ndarray, tokens: TokenScores, windows: Sequence[Window], n_docs: int,
+                   logprobs: str) -> np.ndarray:
+    doc_of = _token_documents(tokens, windows)
+    if logprobs == "float64":
+        return -np.bincount(doc_of, weights=nll, minlength=n_docs)
+    out = [0.0] * n_docs
+    for w in np.unique(tokens.window):  # window order; each window's tokens in order (TokenScores keeps them so)
+        at = tokens.window == w
+        out[int(doc_of[at][0])] += float(torch.from_numpy(-nll[at]).float().sum())
+    return np.array(out)
 
 
 def _token_documents(tokens: TokenScores, windows: Sequence[Window]) -> np.ndarray:

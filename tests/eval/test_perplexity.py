@@ -413,7 +413,8 @@ def test_lmeval_protocol_on_a_realistic_document_differs_by_lm_evals_float32_log
     """SmolLM2 (float32, bfloat16-valued weights) on one 1,800-token LAMBADA document in two rolling windows of 1,024:
     lm-eval 0.4.13's ``loglikelihood_rolling`` is, bit for bit, a float32 log-softmax of the model's own logits summed
     in float32 per window (written out here); ours is the float64 log-softmax of the same logits (written out here,
-    to 1e-12), which lm-eval's float32 arithmetic overstates: the README's "the more exact one"."""
+    to 1e-12), which lm-eval's float32 arithmetic overstates: the README's "the more exact one". With
+    ``logprobs="lmeval"`` ours is lm-eval's number to the last digit."""
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
@@ -445,6 +446,9 @@ def test_lmeval_protocol_on_a_realistic_document_differs_by_lm_evals_float32_log
     assert mine == pytest.approx(f64, rel=1e-12, abs=0)
     n = len(ours)
     assert 0 < (theirs - mine) / n < 5e-5  # float32's log-softmax overstates each token's log-likelihood
+    (as_lmeval,) = score_windows(lm.model, windows, [QuantSpec()], batch_size=1, logprobs="lmeval")
+    assert document_loglikelihoods(as_lmeval, windows, 1, logprobs="lmeval")[0] == theirs  # lm-eval's digits
+    assert np.array_equal(as_lmeval.kld, ours.kld)  # only the NLL is taken otherwise
 
 
 def test_base_stays_on_the_logits_device():
