@@ -27,7 +27,7 @@ import pandas as pd
 
 from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError, ParamError, check_seed
-from outlierscope.eval.perplexity import TokenScores, document_metrics, quantizes_head, score_windows
+from outlierscope.eval.perplexity import LOGPROBS, TokenScores, document_metrics, quantizes_head, score_windows
 from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
 from outlierscope.io import Damaged, git_commit, machine, output_dir, versions, write_csv, write_record, write_text
 from outlierscope.models.loading import (
@@ -115,6 +115,9 @@ class PerplexitySettings:
                                "divergence between the two runs: the noise floor under which a spec's KLD to the "
                                "unquantized model is rounding, not quantization (a second copy of the model)",
                                choices=NOISE)
+    logprobs: str = option("float64", "how each token's NLL is taken from its logits: float64 (exact) or lmeval "
+                           "(lm-eval 0.4.13's float32 log-softmax and per-window float32 sums: its digits, for "
+                           "dtype float32; the KLD stays float64)", choices=LOGPROBS)
     seed: int = option(0, "seeds the bootstrap over windows")
     dtype: str = dtype_option()
     device: str = device_option()
@@ -134,6 +137,9 @@ class PerplexitySettings:
         check_text_fields(self)
         if self.batch_size < 1:
             raise ParamError("batch_size", ">= 1", self.batch_size)
+        if self.logprobs == "lmeval" and (self.dtype != "float32" or self.noise is not None):
+            raise ParamError("logprobs", "float64 unless dtype=float32 and no noise (lm-eval's arithmetic is that of "
+                             "a float32 model)", self.logprobs)
         if self.noise is not None and self.noise == self.dtype:
             raise ParamError("noise", f"an arithmetic other than dtype={self.dtype}", self.noise)
         if self.noise is not None and any(quantizes_head(sp) for sp in self.specs()):
@@ -160,9 +166,12 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
     return top if s.protocol == "lmeval" else min(DEFAULT_LENGTH[s.protocol], top)
 
 
-def cell_settings(ident: dict, spec: QuantSpec, batch_size: int) -> dict:
-    """A perplexity cell's identity: what every cell of the run shares (``ident``) and the spec's text."""
+def cell_settings(ident: dict, spec: QuantSpec, batch_size: int, logprobs: str = "float64") -> dict:
+    """A perplexity cell's identity: what every cell of the run shares (``ident``), the spec's text and (when not
+    float64) how its NLL is taken."""
     out = {**ident, "bits": spec.bits, "quant": str(spec), **revised(spec)}
+    if logprobs != "float64":
+        out["logprobs"] = logprobs
     if not spec.is_identity and batch_size != 1:
         out["batch_size"] = batch_size
     return out
@@ -284,7 +293,7 @@ def _part(cells: Path, settings: dict, v: int) -> Path:
 
 
 def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
-            ref_specs: list[QuantSpec] | None = None, calibration_dir=None):
+            ref_specs: list[QuantSpec] | None = None, calibration_dir=None, logprobs: str = "float64"):
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
     under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
@@ -294,18 +303,18 @@ def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: 
         ref_specs = ref_specs if ref_specs is not None else specs
         return _pair_scorer({"model": lm, "ref": ref}, windows,
                             [(("ref", r), ("model", q)) for q, r in zip(specs, ref_specs)], batch_size, attn_block,
-                            calibration_dir)
+                            calibration_dir, logprobs)
     cals = [calibration_for(lm.model, lm.tokenizer, spec, calibration_dir) for spec in specs]
 
     def group(idx: list[int], shard: int) -> list[TokenScores]:
         return score_windows(lm.model, windows, [specs[j] for j in idx], batch_size, [cals[j] for j in idx],
-                             attn_block, shards=[shard])
+                             attn_block, shards=[shard], logprobs=logprobs)
 
     return _in_passes(group)
 
 
 def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
-                 batch_size: int, attn_block: int | None, calibration_dir=None):
+                 batch_size: int, attn_block: int | None, calibration_dir=None, logprobs: str = "float64"):
     """``score(indices, shard)``: the :class:`TokenScores` of ``pairs[indices]`` (each ``((model key, spec) of the
     base, (model key, spec) of the other)``, ``models``: key -> loaded model) on one virtual shard's windows, each
     distinct forward once per batch (:func:`~outlierscope.eval.perplexity.score_sides`)."""
@@ -325,7 +334,8 @@ def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[st
     trunks = {k: lm.model for k, lm in models.items()}
 
     def group(idx: list[int], shard: int) -> list[TokenScores]:
-        return score_sides(trunks, windows, [sides[j] for j in idx], batch_size, attn_block, shards=[shard])
+        return score_sides(trunks, windows, [sides[j] for j in idx], batch_size, attn_block, shards=[shard],
+                           logprobs=logprobs)
 
     return _in_passes(group, sides=2)
 
@@ -375,6 +385,7 @@ class CellRun:
     shard: Shard = field(default_factory=Shard)
     world: World = field(default_factory=World)
     log: object = print
+    logprobs: str = "float64"  # how each NLL is taken (:data:`~outlierscope.eval.perplexity.LOGPROBS`)
 
 
 def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
@@ -386,7 +397,8 @@ def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: Ce
     def scorer(todo: list[int]):
         ref = ref_model() if ref_model is not None else None
         return _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
-                       [ref_specs[i] for i in todo] if ref_specs is not None else None, c.cells.parent / "calibration")
+                       [ref_specs[i] for i in todo] if ref_specs is not None else None, c.cells.parent / "calibration",
+                       c.logprobs)
 
     return cells_of(settings, c, scorer, kind)
 
@@ -399,7 +411,7 @@ def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], t
 
     def scorer(todo: list[int]):
         return _pair_scorer(models, windows, [pairs[i] for i in todo], c.batch_size, c.attn_block,
-                            c.cells.parent / "calibration")
+                            c.cells.parent / "calibration", c.logprobs)
 
     return cells_of(settings, c, scorer, kind)
 
@@ -473,11 +485,11 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
                 held.enter_context(run_lock(out, "whole" if shard.whole else shard.tag, "perplexity run"))
             lm, text, windows, length, ident, tok = _prepare(s, say, world.device(s.device))
         specs = s.specs()
-        settings = [cell_settings(ident, spec, s.batch_size) for spec in specs]
+        settings = [cell_settings(ident, spec, s.batch_size, s.logprobs) for spec in specs]
         noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]
         noise_settings = [{**settings[i], "noise": s.noise} for i in noisy]
         started = time.perf_counter()
-        c = CellRun(cells, s.batch_size, s.attn_block, s.seed, shard, world, say)
+        c = CellRun(cells, s.batch_size, s.attn_block, s.seed, shard, world, say, s.logprobs)
         have = token_cells(lm, windows, specs, settings, c)
         noise = token_cells(lm, windows, [specs[i] for i in noisy], noise_settings, c, lambda: _noise_model(s, lm),
                             f"noise-floor ({s.noise}) ") if noisy else []
@@ -491,7 +503,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
                 "merge DIR...` first)")
             return None
         docs = text.docs if s.protocol == "lmeval" else None
-        table = _table(specs, settings, have, s.seed, windows, docs,
+        table = _table(specs, settings, have, s.seed, windows, docs, s.logprobs,
                        dict(zip(noisy, zip(noise_settings, noise))) if s.noise is not None else None)
         noise_cells = {f"{specs[i].label} (noise {s.noise})": cell_id(st) for i, st in zip(noisy, noise_settings)}
         record = {"settings": asdict(s), "text": text.record(), "tokenizer": tok, "length": length,
@@ -583,12 +595,13 @@ def write_figures(out: Path, table: pd.DataFrame, kld: dict, against: str = "the
     save_figure(nll_and_kld(table, against), out, "nll_and_kld")
 
 
-def _table(specs, settings, have, seed: int, windows, docs, noise: dict | None = None) -> pd.DataFrame:
+def _table(specs, settings, have, seed: int, windows, docs, logprobs: str = "float64",
+           noise: dict | None = None) -> pd.DataFrame:
     """One row per spec: its statistics, with ``docs`` (lmeval) lm-eval's document metrics, and with ``noise`` (spec
     index -> (settings, TokenScores) of its noise-floor cell) the KLD between the two arithmetics."""
     rows = []
     for i, (spec, st, tokens) in enumerate(zip(specs, settings, have)):
-        extra = document_metrics(tokens, windows, docs) if docs is not None else {}
+        extra = document_metrics(tokens, windows, docs, logprobs) if docs is not None else {}
         if noise is not None:
             extra.update(_noise_columns(noise[i][1], seed) if i in noise else {})
         rows.append({"label": spec.label, "quant": str(spec), "bits": spec.bits, **summary(tokens, seed), **extra,

@@ -220,6 +220,42 @@ def test_lmeval_protocol_adds_lm_evals_document_metrics(tmp_path, text):
     assert table.iloc[0]["word_perplexity"] == table.iloc[0]["word_perplexity_base"]
 
 
+def test_logprobs_lmeval_is_its_own_cell_with_lm_evals_sums(tmp_path, text, capsys):
+    """--logprobs lmeval (dtype float32): cells of their own (their identity says so), NLLs from a float32
+    log-softmax (within float32 rounding of the float64 run's, not equal), documents summed per window in float32
+    (lm-eval's aggregation of them gives the table's metrics); with another dtype or --noise: one line, exit 2."""
+    from lm_eval.api.metrics import weighted_perplexity
+    from lm_eval.api.task import ConfigurableTask
+
+    from outlierscope.eval.perplexity import document_loglikelihoods
+    from outlierscope.eval.windows import lmeval_windows
+    from outlierscope.models.loading import load_model
+
+    flags = {"--protocol": "lmeval", "--length": "48", "--dtype": "float32"}
+    assert _run(tmp_path / "a", text, **flags) == 0
+    assert _run(tmp_path / "b", text, "--logprobs", "lmeval", **flags) == 0
+    exact, lmeval = (pd.read_csv(tmp_path / d / "p" / "perplexity.csv") for d in ("a", "b"))
+    assert not set(exact["cell"]) & set(lmeval["cell"])
+    windows = lmeval_windows(load_model("pair-tiny:diff").tokenizer, PASSAGES, 48)
+    for row, other in zip(lmeval.to_dict("records"), exact.to_dict("records")):
+        cells = tmp_path / "b" / "p" / "cells"
+        assert json.loads((cells / f"{row['cell']}.json").read_text())["cell"]["logprobs"] == "lmeval"
+        tokens = TokenScores.load(cells / f"{row['cell']}.npz")
+        ll = document_loglikelihoods(tokens, windows, len(PASSAGES), logprobs="lmeval")
+        words = [(x, ConfigurableTask.count_words(d)) for x, d in zip(ll, PASSAGES)]
+        assert math.isclose(row["word_perplexity"], weighted_perplexity(words), rel_tol=1e-13)  # a sum's order
+        assert abs(row["word_perplexity"] / other["word_perplexity"] - 1) > 1e-9
+        assert math.isclose(row["word_perplexity"], other["word_perplexity"], rel_tol=1e-5)
+        assert np.array_equal(tokens.nll, tokens.nll.astype(np.float32))  # float32 values
+    capsys.readouterr()
+    for extra in (["--dtype", "float64"], ["--noise", "float64"]):
+        given = {**flags, "--dtype": extra[1]} if extra[0] == "--dtype" else flags
+        rc = _run(tmp_path / "c", text, "--logprobs", "lmeval", *([] if extra[0] == "--dtype" else extra), **given)
+        err = capsys.readouterr().err
+        assert rc == 2 and "--logprobs must be float64 unless dtype=float32 and no noise" in err
+    assert not (tmp_path / "c").exists()
+
+
 def test_figures_have_every_quantized_spec(tmp_path, text):
     """figures/: the KLD distribution with one line per quantized spec (not the unquantized model, whose KLD is 0),
     and the interval panels with one row each, no text cut off."""
