@@ -8,9 +8,11 @@ What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant'
     cols = outlier_columns(x', 6.0)        # LLM.int8: kept in full precision, left out of every scale
     y = quant_a(x', cols) @ quant_w(W')^T + b
 
-The weights are never changed: ``W'`` is computed from the untouched parameter at each forward of that linear (a
-``torch.nn.utils.parametrize`` parametrization), so at most one linear's quantized copy exists at a time and leaving
-the context restores the model exactly (the parametrization is removed, the original ``Parameter`` put back).
+The weights are never changed: ``W'`` is computed from the untouched parameter (a ``torch.nn.utils.parametrize``
+parametrization) when the context is entered and held while it lasts (``hold_weights``; memory: one more
+copy of the quantized linears' weights; ``hold_weights=False``: computed at each forward, at most one linear's copy at
+a time); leaving the context restores the model exactly (the parametrization is removed, the original ``Parameter``
+put back).
 Activations go through a forward pre-hook. Per-sequence statistics (``a=.../per_tensor``, NVFP4's activation scale,
 the outlier columns) read the padding of the forward's 2-D ``attention_mask`` (a trunk pre-hook): padding never enters
 them. Token-local parts (``per_token``, ``per_group``, ``static``, MX) need no mask.
@@ -319,28 +321,51 @@ def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return (x.to(work) @ rot.to(x.device, work)).to(x.dtype)
 
 
-class _Rounded(nn.Module):
-    """The parametrization ``W -> GPTQ's rounded weight`` (codes x scales, computed at each access)."""
+class _Once(nn.Module):
+    """A parametrization computed once from the untouched weight and held (``cache``) while the weight is the same:
+    the same tensor object, storage, dtype, device and in-place version (``Tensor._version``). A weight changed in any
+    of these ways (``model.double()``, ``.to(device)``, an in-place update) is quantized again. ``cache=False``:
+    computed at every access (no held copy). :meth:`compute` is the transform."""
 
-    def __init__(self, rounded):
+    def __init__(self, cache: bool = True):
         super().__init__()
-        self.rounded = rounded  # a plain attribute: not in any state_dict
+        self.cache = cache
+        self._held: tuple | None = None  # (key, the transformed weight): a plain attribute, in no state_dict
 
-    @torch.no_grad()
-    def forward(self, w: torch.Tensor) -> torch.Tensor:
-        return self.rounded.weight(w.dtype, w.device)
-
-
-class _WeightTransform(nn.Module):
-    """The parametrization ``W -> quant_w((W * s) @ H)`` (AWQ: ``quant_w(clip(W * s))``): computed from the untouched
-    weight at each access."""
-
-    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None, awq=None):
-        super().__init__()
-        self.part, self.scale, self.rot, self.awq = spec.part("w"), scale, rot, awq  # not in any state_dict
+    def compute(self, w: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
 
     @torch.no_grad()  # fake quantization has no useful gradient; the weights stay leaves of nothing
     def forward(self, w: torch.Tensor) -> torch.Tensor:
+        if not self.cache:
+            return self.compute(w)
+        key = (id(w), w.data_ptr(), w._version, w.dtype, w.device)
+        if self._held is None or self._held[0] != key:
+            self._held = None  # the old copy's memory is free before the new one is made
+            self._held = (key, self.compute(w))
+        return self._held[1]
+
+
+class _Rounded(_Once):
+    """The parametrization ``W -> GPTQ's rounded weight`` (codes x scales)."""
+
+    def __init__(self, rounded, cache: bool = True):
+        super().__init__(cache)
+        self.rounded = rounded  # a plain attribute: not in any state_dict
+
+    def compute(self, w: torch.Tensor) -> torch.Tensor:
+        return self.rounded.weight(w.dtype, w.device)
+
+
+class _WeightTransform(_Once):
+    """The parametrization ``W -> quant_w((W * s) @ H)`` (AWQ: ``quant_w(clip(W * s))``), from the untouched weight."""
+
+    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None, awq=None,
+                 cache: bool = True):
+        super().__init__(cache)
+        self.part, self.scale, self.rot, self.awq = spec.part("w"), scale, rot, awq  # not in any state_dict
+
+    def compute(self, w: torch.Tensor) -> torch.Tensor:
         if self.awq is not None:
             return self.awq.transform(w, self.part)
         if self.scale is not None:
@@ -428,7 +453,7 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
 
 @contextlib.contextmanager
 def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
-                     error=None) -> Iterator[list[LinearSite]]:
+                     error=None, hold_weights: bool = True) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
     :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
@@ -453,13 +478,16 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
             awq = calibration.rounded[site.name] if spec.awq is not None else None
             if awq is not None:
                 s = awq.scale
-                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, None, None, awq))
+                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, None, None, awq,
+                                                                                                 hold_weights))
                 parametrized.append(site.module)
             elif spec.gptq is not None:
-                parametrize.register_parametrization(site.module, "weight", _Rounded(calibration.rounded[site.name]))
+                parametrize.register_parametrization(site.module, "weight", _Rounded(calibration.rounded[site.name],
+                                                                                         hold_weights))
                 parametrized.append(site.module)
             elif spec.part("w") is not None or s is not None or rot is not None:
-                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, s, rot))
+                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, s, rot,
+                                                                                                 cache=hold_weights))
                 parametrized.append(site.module)
             static = None
             if a is not None and a.granularity == "static":

@@ -611,3 +611,66 @@ def test_calibration_record_names_the_text_and_the_tokens_the_calibration_read(t
         h.remove()
     assert hashlib.sha256(torch.cat(fed).numpy().tobytes()).hexdigest() == rec["tokens_sha256"]
     assert calibration_record(QuantSpec.parse("w=fint4/per_group:64"), lm.tokenizer) is None
+
+
+def _bf16_float32_model():
+    """``_model`` in float32 with bf16-valued weights (real checkpoints: ties hide in random float32 values)."""
+    model = _model().float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+@pytest.mark.parametrize("name", ["w4a4-rotated", "nvfp4", "w8a8-sq", "w=int4/per_group:64", "mxfp4"])
+def test_weights_are_quantized_once_per_context_and_equal_every_forward(name, tmp_path, monkeypatch):
+    """A held weight: quantized at its linear's first forward only, and every forward's bytes equal those of the path
+    that quantizes again at each forward (float32, bf16-valued weights, the same batch)."""
+    from outlierscope.quant import linear as L
+
+    model = _bf16_float32_model()
+    spec, calib = QuantSpec.parse(name), None
+    if spec.smooth is not None:
+        _act_scales(model, tmp_path / "act_scales.pt")
+        spec = QuantSpec.parse(f"{name}; calib:{tmp_path / 'act_scales.pt'}")
+        calib = calibrate(model, None, spec)
+    calls = []
+    compute = L._WeightTransform.compute
+    monkeypatch.setattr(L._WeightTransform, "compute", lambda self, w: calls.append(id(self)) or compute(self, w))
+    ids, mask = _batch()
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    with torch.no_grad():
+        outs = {}
+        for hold in (False, True):
+            calls.clear()
+            with quantize_model(model, spec, calibration=calib, hold_weights=hold) as s:
+                outs[hold] = [model(**kw).logits for _ in range(3)]
+                sites = linear_sites(model, s)
+            assert len(calls) == len(sites) * (1 if hold else 4), hold  # once per linear, or at entry (torch checks
+            # the parametrization once) and every forward
+    assert len(sites) == 14
+    for a, b in zip(outs[False], outs[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_a_held_weight_is_quantized_again_when_the_weight_changes():
+    """An in-place change or a new dtype of the original weight inside the context: quantized again, as a fresh
+    context would (the reference: a new context on the changed model)."""
+    model = _bf16_float32_model()
+    ids = torch.randint(1, 101, (2, 20), generator=torch.Generator().manual_seed(3))
+    q = model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        with quantize_model(model, "w=int4/per_group:64"):
+            before = model(input_ids=ids).logits
+            q.parametrizations.weight.original.mul_(0.5)
+            changed = model(input_ids=ids).logits
+            model.double()
+            wider = model(input_ids=ids).logits
+        with quantize_model(model, "w=int4/per_group:64"):
+            fresh64 = model(input_ids=ids).logits
+        model.float()
+        with quantize_model(model, "w=int4/per_group:64"):
+            fresh = model(input_ids=ids).logits
+    assert not torch.equal(before, changed)
+    assert torch.equal(changed, fresh)
+    assert wider.dtype == torch.float64 and torch.equal(wider, fresh64)

@@ -1,0 +1,229 @@
+"""What every spec costs against the unquantized sdpa cell of the same model on the same tokens, in one run (#64).
+
+Per model, the cells timed (seconds; model load, calibration and start-up excluded):
+
+  text       each spec's NLL cell on running text: the first ``--windows`` perplexity windows (LAMBADA, gptq protocol,
+             ``--length`` tokens) in batches of ``--batch``, every spec the same tokens in the same batches: the
+             spec's context entered once, then per batch the trunk, the LM head and the targets' NLL (float64
+             log-softmax, as ``score_windows``); the base is the model as loaded (transformers' sdpa attention).
+  hellaswag  each spec's HellaSwag cell on the first ``--items`` validation items (lm-eval's requests,
+             ``score_requests``, batches of 32 sequences) in the layout its arithmetic allows: ``shared`` (a context
+             once, its four endings beside it) for token-local specs, ``separate`` (each context with each ending)
+             for the others; the base is the sdpa model in the shared layout, so a separate spec's ratio holds the
+             layout factor too, and the record states it (``layout``) with the base's own separate cell
+             (``unquantized sdpa, separate``) to divide it out.
+  kld        ``score_windows`` of one spec (w8a8) on the text: its NLL, the base's and the KLD per token, against the
+             w8a8 text cell (goal <= 1.1x).
+  profile    tokens/s of ``profile_model`` (Table 5's points, its defaults) on the text's windows against the sdpa
+             forward's (goal >= 0.9x).
+
+Every cell runs once as a warm-up, then ``--reps`` repetitions, all cells of a repetition in turn (interleaved, so a
+change of the machine's load reaches all alike); the ratio is the median over the base's median. Goals (ratios to the
+sdpa cell): linear schemes and attention recipes that quantize q/k/v/probs <= 1.3x; the paper's per-tensor logits
+<= 1.6x. For each cell over its goal, a profile of one text cell: torch.profiler's top self-CPU entries.
+Also ``16-bit, our attention``: the identity spec through outlierscope's attention function (what every cell with an
+attention part, and today every quantized cell, runs instead of sdpa).
+Writes bench/results/cost_MODEL.json (see bench/artifact.py).
+Usage: python bench/cost.py [--model smollm2-135m] [--reps 3] [--windows 4] [--length 512] [--batch 4] [--items 50]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+
+from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+
+LOGITS = ("logits-int8", "logits-int6", "logits-int4")
+RECIPES = ("sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard", "kivi-2bit", "kivi-4bit", "mxfp4-attn",
+           "mxfp8-attn", "nvfp4-attn")
+LINEAR = ("w8a8", "w8a8-restricted", "w8a8-sq", "w4a16", "w4a8", "w4a4", "w4a4-rotated", "fp8-dynamic", "mxfp4",
+          "ct-mxfp4", "nvfp4", "llm-int8", "llm-int8-paper", "w=int4/per_group:64")
+CALIBRATED = ("w=fint4/per_group:64; gptq:samples=16,seqlen=256", "w=fint4/per_group:64; awq:samples=16,seqlen=256")
+BASE, OURS = "unquantized sdpa", "16-bit, our attention"
+GOALS = {**{s: 1.6 for s in LOGITS}, **{s: 1.3 for s in (*RECIPES, *LINEAR, *CALIBRATED)}}
+PAIR_LINEAR = {"w4a16": "w=fint4/per_group:64", "w4a8": "w=fint4/per_group:64; a=fint8/per_token"}  # (pair: 64 | d)
+
+
+def _args():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--length", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--items", type=int, default=50)
+    ap.add_argument("--only", nargs="*", help="these specs only (a trial)")
+    return ap.parse_args()
+
+
+def _specs(a, lm) -> dict:
+    """name -> (QuantSpec or None: the sdpa model, calibration or None); calibration runs here, before any timing."""
+    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.spec import QuantSpec
+
+    names = [*LOGITS, *RECIPES, *LINEAR, *CALIBRATED]
+    if a.only:
+        names = [n for n in names if n in a.only]
+    out = {BASE: (None, None), OURS: (QuantSpec.parse("none"), None)}
+    for name in names:
+        spec = QuantSpec.parse(PAIR_LINEAR.get(name, name) if a.model.startswith("pair") else name)
+        t0 = time.perf_counter()
+        out[name] = (spec, calibration_for(lm.model, lm.tokenizer, spec))
+        if time.perf_counter() - t0 > 1:
+            print(f"calibrated {name} in {time.perf_counter() - t0:.0f} s", flush=True)
+    return out
+
+
+def _context(lm, spec, calib):
+    from outlierscope.quant.apply import quantize_model
+
+    return contextlib.nullcontext() if spec is None else quantize_model(lm.model, spec, calibration=calib)
+
+
+def text_cell(lm, batches, spec, calib) -> float:
+    """One spec's NLL cell on the batches (rows of perplexity windows); returns the summed NLL (a check)."""
+    import torch
+
+    from outlierscope.eval.perplexity import F64_ROWS
+    from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
+
+    total = 0.0
+    with torch.no_grad(), _context(lm, spec, calib):
+        head = lm_head(lm.model)
+        for rows in batches:
+            h, _, tgt = gathered_hidden(lm.model, rows)
+            t = torch.tensor(tgt)
+            for s in range(0, len(t), HEAD_ROWS):
+                logits = head(h[s:s + HEAD_ROWS])  # (n, V)
+                for r in range(0, len(logits), F64_ROWS):
+                    lq = torch.log_softmax(logits[r:r + F64_ROWS].double(), dim=-1)  # (m, V)
+                    total -= float(lq.gather(1, t[s + r:s + r + F64_ROWS, None]).sum())
+    return total
+
+
+def hellaswag_cell(lm, requests, spec, calib, layout: str) -> None:
+    from outlierscope.eval.scorer import score_requests
+
+    with _context(lm, spec, calib):
+        score_requests(lm.model, requests, layout, 32)
+
+
+def kld_cell(lm, windows, batch: int, spec, calib) -> None:
+    from outlierscope.eval.perplexity import score_windows
+
+    score_windows(lm.model, windows, [spec], batch_size=batch, calibrations=[calib])
+
+
+def profile_cell(lm, seqs, batch: int) -> None:
+    """``profile_model`` with its defaults (Table 5's points) on as many tokens, in sequences of the same length and
+    batches of the same size as :func:`forward_cell`'s."""
+    from outlierscope.runs.profile import ProfileSettings, profile_model
+
+    profile_model(lm, settings=ProfileSettings(tokens=int(seqs.numel()), seq_len=seqs.shape[1], batch_size=batch),
+                  progress=False)
+
+
+def forward_cell(lm, seqs, batch: int) -> None:
+    """The sdpa model's plain forward of ``seqs`` (N, T) in batches of ``batch``."""
+    import torch
+
+    with torch.no_grad():
+        for i in range(0, len(seqs), batch):
+            lm.model(input_ids=seqs[i:i + batch], use_cache=False)
+
+
+def _cells(a, lm, specs) -> dict:
+    """name -> a function that runs one timed cell."""
+    from outlierscope.data.hellaswag import load_hellaswag
+    from outlierscope.data.running_text import load_text
+    from outlierscope.eval.evaluate import layout_for
+    from outlierscope.eval.perplexity import _rows
+    from outlierscope.eval.requests import build_requests, lmeval_max_length
+    from outlierscope.eval.windows import protocol_windows
+
+    windows = protocol_windows("gptq", lm.tokenizer, load_text().docs[: 40 * a.windows], a.length)[: a.windows]
+    batches = [_rows(windows[i:i + a.batch]) for i in range(0, len(windows), a.batch)]
+    requests = build_requests(load_hellaswag()[: a.items], lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer))
+    cells = {}
+    for name, (spec, calib) in specs.items():
+        layout = "shared" if spec is None else layout_for(spec)
+        cells[f"text {name}"] = lambda s=spec, c=calib: text_cell(lm, batches, s, c)
+        cells[f"hellaswag {name}"] = lambda s=spec, c=calib, lay=layout: hellaswag_cell(lm, requests, s, c, lay)
+    cells[f"hellaswag {BASE}, separate"] = lambda: hellaswag_cell(lm, requests, None, None, "separate")
+    if "w8a8" in specs:
+        cells["kld w8a8"] = lambda: kld_cell(lm, windows, a.batch, *specs["w8a8"])
+    import torch
+
+    seqs = torch.stack([torch.as_tensor(w.input_ids) for w in windows])  # (N, T)
+    cells["forward sdpa"] = lambda: forward_cell(lm, seqs, a.batch)
+    cells["profile"] = lambda: profile_cell(lm, seqs, a.batch)
+    return cells
+
+
+def time_cells(cells: dict, reps: int) -> dict[str, list[float]]:
+    for fn in cells.values():  # warm-up
+        fn()
+    raw = {name: [] for name in cells}
+    for rep in range(reps):
+        for name, fn in cells.items():
+            t0 = time.perf_counter()
+            fn()
+            raw[name].append(round(time.perf_counter() - t0, 3))
+            print(f"rep {rep} {name}: {raw[name][-1]:.2f} s", flush=True)
+    return raw
+
+
+def _top_entries(lm, batches_fn, rows: int = 8) -> list[str]:
+    from torch.profiler import profile
+
+    with profile() as p:
+        batches_fn()
+    table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+    return table.splitlines()
+
+
+def derive(raw: dict, specs: dict) -> dict:
+    med = {k: median(v) for k, v in raw.items()}
+    out = {"median_s": {k: round(v, 3) for k, v in med.items()}, "ratio": {}, "goal": {}, "over_goal": []}
+    for kind in ("text", "hellaswag"):
+        base = med[f"{kind} {BASE}"]
+        for name in specs:
+            r = round(med[f"{kind} {name}"] / base, 3)
+            out["ratio"][f"{kind} {name}"] = r
+            if name in GOALS:
+                out["goal"][f"{kind} {name}"] = GOALS[name]
+                if r > GOALS[name]:
+                    out["over_goal"].append(f"{kind} {name}")
+    if "kld w8a8" in med:
+        out["kld_vs_nll_cell"] = round(med["kld w8a8"] / med["text w8a8"], 3)
+    out["profile_vs_sdpa_forward"] = round(med["forward sdpa"] / med["profile"], 3)  # tokens/s ratio, as many tokens
+    out["hellaswag_layout_factor"] = round(med[f"hellaswag {BASE}, separate"] / med[f"hellaswag {BASE}"], 3)
+    return out
+
+
+def main() -> None:
+    start = begin()
+    a = _args()
+    from outlierscope.eval.evaluate import layout_for
+    from outlierscope.io import peak_rss_mb
+    from outlierscope.models.loading import load_model
+
+    lm = load_model(a.model)
+    specs = _specs(a, lm)
+    cells = _cells(a, lm, specs)
+    raw = time_cells(cells, a.reps)
+    derived = derive(raw, specs)
+    derived["layout"] = {n: ("shared" if s is None else layout_for(s)) for n, (s, _) in specs.items()}
+    derived["profiles_over_goal"] = {k: _top_entries(lm, cells[k]) for k in derived["over_goal"] if k.startswith("text")}
+    derived["peak_rss_mb"] = round(peak_rss_mb())
+    write(f"cost_{a.model.replace(':', '-')}", {"model": a.model, "windows": a.windows, "length": a.length,
+                                                 "batch": a.batch, "items": a.items, "seconds": raw}, derived,
+          start=start, notes="seconds per cell, calibration and model load excluded; median of the repetitions; "
+          "ratio = cell / the same kind's unquantized sdpa cell; profile_vs_sdpa_forward: tokens/s of the profile "
+          "over the sdpa forward's (as many tokens, the same shapes); peak RSS of the process (VmHWM)")
+
+
+if __name__ == "__main__":
+    main()
