@@ -34,10 +34,12 @@ from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
 from outlierscope.eval.windows import Window
 from outlierscope.parallel import shard_of
 from outlierscope.quant.apply import quantize_model
+from outlierscope.quant.linear import HeldWeights
 from outlierscope.quant.spec import QuantSpec
 
 FLOATS = ("nll", "nll_base", "kld", "p_diff")
 LOGPROBS = ("float64", "lmeval")  # how a token's NLL is taken from its logits (:func:`_nll`)
+HOLD_BYTES = 4 * 2**30  # quantized weights a run keeps from batch to batch (all sides together); beyond: per batch
 F64_ROWS = 32  # rows per float64 block of a spec's values: its (F64_ROWS, V) temporaries stay small and in cache
 
 
@@ -198,17 +200,19 @@ def quantizes_head(spec: QuantSpec) -> bool:
 
 def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                   calibrations: Sequence | None = None, block_rows: int | None = None,
-                  shards: Collection[int] | None = None, progress=None, logprobs: str = "float64") -> list[TokenScores]:
+                  shards: Collection[int] | None = None, progress=None, logprobs: str = "float64",
+                  hold_bytes: int = HOLD_BYTES) -> list[TokenScores]:
     """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
     windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): :func:`score_sides` with every
     spec against the unquantized model. The unquantized model runs once per batch, through the same attention
     function as the quantized ones (so a spec that quantizes nothing has KL divergence 0 exactly, and is not run
     again), and its log-probabilities are computed once per block of positions for every spec whose LM head is not
-    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`."""
+    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`; ``hold_bytes``:
+    :func:`score_sides`'."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     base = Side("model", QuantSpec())
     pairs = [(base, Side("model", spec, cal)) for spec, cal in zip(specs, calibrations)]
-    return score_sides({"model": model}, windows, pairs, batch_size, block_rows, shards, progress, logprobs)
+    return score_sides({"model": model}, windows, pairs, batch_size, block_rows, shards, progress, logprobs, hold_bytes)
 
 
 def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> list[list[int]]:
@@ -247,7 +251,7 @@ class Side:
 @torch.no_grad()
 def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[Side, Side]], batch_size: int = 1,
                 block_rows: int | None = None, shards: Collection[int] | None = None,
-                progress=None, logprobs: str = "float64") -> list[TokenScores]:
+                progress=None, logprobs: str = "float64", hold_bytes: int = HOLD_BYTES) -> list[TokenScores]:
     """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base (``kld``
     = KL(base || other), ``nll_base`` the base's). ``models``: key -> model; they must share the tokenizer the
     windows were made with. Each distinct side runs once per batch however many pairs hold it (a checkpoint against
@@ -255,18 +259,21 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     once per block of positions for every pair that shares it. An ``other`` that quantizes the LM head is scored
     inside its own context (its head exists only there); a base that does is refused. ``progress(k)`` after the
     k-th batch. ``logprobs``: how each NLL is taken from the logits (:data:`LOGPROBS`, :func:`_nll`; the KLD and
-    the rest in float64 either way)."""
+    the rest in float64 either way). ``hold_bytes``: the sides' quantized weights are kept from batch to batch, in
+    order of first use, while their bytes together stay within it (memory: up to that much besides the model; the
+    rest is quantized again at each batch); the same values either way."""
     if logprobs not in LOGPROBS:
         raise ParamError("logprobs", f"one of {', '.join(LOGPROBS)}", logprobs)
     sides = _sides(pairs)
     heads = {k: lm_head(m, frozen=True) for k, m in models.items()}  # unquantized, also inside a spec's context
     by_base, by_head = _group_pairs(pairs)
     workspaces: dict = {}  # the base's float64 arrays, reused by every batch (_workspace)
+    held = HeldWeights(hold_bytes)  # the sides' quantized weights, from batch to batch while they fit
     out: list[list[dict]] = [[] for _ in pairs]
     for done, batch in enumerate(_owned_batches(len(windows), batch_size, shards)):
         rows = _rows([windows[i] for i in batch])
         window = np.repeat(batch, [len(windows[i].targets) for i in batch])
-        hidden, targets = _trunks(models, sides, rows, block_rows)
+        hidden, targets = _trunks(models, sides, rows, block_rows, held)
         for key, js in by_base.items():
             hb = hidden[key]
             others = [pairs[j][1] for j in js]
@@ -276,7 +283,7 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
                 out[j].append({"window": window, **v})
         for js in by_head.values():
             for j, v in zip(js, _head_quantized(models, heads, [pairs[j] for j in js], hidden, rows, targets,
-                                                block_rows, workspaces, logprobs)):
+                                                block_rows, workspaces, logprobs, held)):
                 out[j].append({"window": window, **v})
         if progress is not None:
             progress(done + 1)
@@ -298,11 +305,14 @@ def _sides(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, Side]:
     return sides
 
 
-def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None):
-    """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,)."""
+def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None,
+            held: HeldWeights | None = None):
+    """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,).
+    ``held``: the run's quantized weights, kept from batch to batch (:class:`HeldWeights`)."""
     hidden = {}
     for key, side in sides.items():
-        with quantize_model(models[side.model], side.spec, block_rows, side.calibration):
+        with quantize_model(models[side.model], side.spec, block_rows, side.calibration,
+                            held=None if held is None else (held, key)):
             hidden[key], _, tgt = gathered_hidden(models[side.model], rows)
     return hidden, torch.tensor(tgt)
 
@@ -322,12 +332,12 @@ def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[i
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
                     targets: torch.Tensor, block_rows: int | None, workspaces: dict,
-                    logprobs: str = "float64") -> list[dict[str, np.ndarray]]:
+                    logprobs: str = "float64", held: HeldWeights | None = None) -> list[dict[str, np.ndarray]]:
     """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
     forward once, inside its context (its head exists only there)."""
     other = pairs[0][1]
     model = models[other.model]
-    with quantize_model(model, other.spec, block_rows, other.calibration):
+    with quantize_model(model, other.spec, block_rows, other.calibration, held=None if held is None else (held, other.key)):
         hq, _, _ = gathered_hidden(model, rows)
         head = lm_head(model)
         return [_compare([head], [hq.to(hidden[b.key].device)], heads[b.model], hidden[b.key],

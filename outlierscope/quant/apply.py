@@ -116,7 +116,7 @@ def as_attn_quant(spec: QuantSpec | str) -> QuantSpec:
 @contextlib.contextmanager
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
-                   hold_weights: bool = True) -> Iterator[QuantSpec]:
+                   hold_weights: bool = True, held: tuple | None = None) -> Iterator[QuantSpec]:
     """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name) says:
     attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
     smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
@@ -126,7 +126,9 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
     linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
     context is entered, and the result held until the context ends (memory: one more copy of those weights in the model's dtype;
     the originals are untouched); False quantizes it again at every forward and holds at most one linear's copy at a
-    time. The same values either way.
+    time. The same values either way. ``held``: (a :class:`~outlierscope.quant.linear.HeldWeights`, a key naming
+    ``spec`` with ``calibration``): the quantized weights kept beyond the context, within the holder's budget, for
+    the next context of the same key (a perplexity run's next batch).
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
     [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages and hooks run in the order the
@@ -139,7 +141,7 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
     spec = QuantSpec.of(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
     # 16 bits too goes through the same attention function (nothing quantized), for identical arithmetic
-    with bnb_weights(model, spec.weights_mode), quantize_linears(model, spec, calibration, linear_error, hold_weights), \
+    with bnb_weights(model, spec.weights_mode), quantize_linears(model, spec, calibration, linear_error, hold_weights, held), \
             attention_stages(model, attention_stage(spec), block_rows=block_rows):
         yield spec
 

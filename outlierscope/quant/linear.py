@@ -321,11 +321,38 @@ def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return (x.to(work) @ rot.to(x.device, work)).to(x.dtype)
 
 
+class HeldWeights:
+    """Quantized weights held across :func:`quantize_linears` contexts (a perplexity run enters a spec's context once
+    per batch): per (owner, linear name) the original weight's key and the quantized copy, while the bytes held stay
+    within ``budget`` bytes; a weight beyond it is quantized at each context entry as without a holder. ``owner``
+    names one spec with its calibration (the caller's key); the original weight's identity, storage, dtype and device
+    guard the rest. Not its in-place version (torch bumps it at each registration of a parametrization): the model's
+    weights must not be changed in place while a holder is used (a perplexity run never does)."""
+
+    def __init__(self, budget: int):
+        self.budget, self.used = budget, 0
+        self._held: dict = {}
+
+    def get(self, key: tuple, wkey: tuple) -> torch.Tensor | None:
+        held = self._held.get(key)
+        return held[1] if held is not None and held[0] == wkey else None
+
+    def offer(self, key: tuple, wkey: tuple, w: torch.Tensor) -> None:
+        old = self._held.pop(key, None)
+        self.used -= 0 if old is None else old[1].nbytes
+        if self.used + w.nbytes <= self.budget:
+            self._held[key] = (wkey, w)
+            self.used += w.nbytes
+
+
 class _Once(nn.Module):
     """A parametrization computed once from the untouched weight and held (``cache``) while the weight is the same:
     the same tensor object, storage, dtype, device and in-place version (``Tensor._version``). A weight changed in any
     of these ways (``model.double()``, ``.to(device)``, an in-place update) is quantized again. ``cache=False``:
     computed at every access (no held copy). :meth:`compute` is the transform."""
+
+    holder: tuple | None = None  # (HeldWeights, its key for this weight): set before registration; kept beyond the
+    # context too
 
     def __init__(self, cache: bool = True):
         super().__init__()
@@ -342,7 +369,11 @@ class _Once(nn.Module):
         key = (id(w), w.data_ptr(), w._version, w.dtype, w.device)
         if self._held is None or self._held[0] != key:
             self._held = None  # the old copy's memory is free before the new one is made
-            self._held = (key, self.compute(w))
+            across = key[:2] + key[3:]  # torch bumps the version at each registration: not part of the holder's key
+            got = self.holder[0].get(self.holder[1], across) if self.holder is not None else None
+            self._held = (key, got if got is not None else self.compute(w))
+            if self.holder is not None and got is None:
+                self.holder[0].offer(self.holder[1], across, self._held[1])
         return self._held[1]
 
 
@@ -440,6 +471,19 @@ def _measuring(site: LinearSite, padding: _Padding, error):
     return pre, post
 
 
+def _weight_parametrization(site: LinearSite, spec: QuantSpec, calibration: Calibration | None,
+                            scale: torch.Tensor | None, rot: torch.Tensor | None, hold: bool) -> _Once | None:
+    """What replaces a site's weight: AWQ's transform, GPTQ's rounded weight, or ``quant_w((W * s) @ H)``; None when
+    the weight stays as it is."""
+    if spec.awq is not None:
+        return _WeightTransform(spec, None, None, calibration.rounded[site.name], hold)
+    if spec.gptq is not None:
+        return _Rounded(calibration.rounded[site.name], hold)
+    if spec.part("w") is not None or scale is not None or rot is not None:
+        return _WeightTransform(spec, scale, rot, cache=hold)
+    return None
+
+
 def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: list[LinearSite]) -> None:
     if needs_calibration(spec) and calibration is None:
         raise OutlierscopeError(f"{spec.label}: smooth, static scales and gptq need a calibration; pass "
@@ -453,12 +497,14 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
 
 @contextlib.contextmanager
 def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
-                     error=None, hold_weights: bool = True) -> Iterator[list[LinearSite]]:
+                     error=None, hold_weights: bool = True, held: tuple | None = None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
     :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
-    receives each quantized linear's relative output error. Yields the quantized sites. Every hook and
-    parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
+    receives each quantized linear's relative output error. ``hold_weights``: each weight quantized once, when the
+    context is entered (else at every forward); ``held``: (a :class:`HeldWeights`, a key naming this spec and its
+    calibration) to keep them beyond the context, for the next context of the same key. Yields the quantized sites.
+    Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
     sites = linear_sites(model, spec) if spec.has_linear else []
     if not sites:
         yield sites
@@ -475,19 +521,12 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
             d = site.module.in_features
             rot = rots.setdefault(d, rotation(d, spec.rotate, torch.float64)) if spec.rotate is not None else None
             s = scales.get(site.name)
-            awq = calibration.rounded[site.name] if spec.awq is not None else None
-            if awq is not None:
-                s = awq.scale
-                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, None, None, awq,
-                                                                                                 hold_weights))
-                parametrized.append(site.module)
-            elif spec.gptq is not None:
-                parametrize.register_parametrization(site.module, "weight", _Rounded(calibration.rounded[site.name],
-                                                                                         hold_weights))
-                parametrized.append(site.module)
-            elif spec.part("w") is not None or s is not None or rot is not None:
-                parametrize.register_parametrization(site.module, "weight", _WeightTransform(spec, s, rot,
-                                                                                                 cache=hold_weights))
+            if spec.awq is not None:
+                s = calibration.rounded[site.name].scale
+            param = _weight_parametrization(site, spec, calibration, s, rot, hold_weights)
+            if param is not None:
+                param.holder = None if held is None else (held[0], (held[1], site.name))
+                parametrize.register_parametrization(site.module, "weight", param)
                 parametrized.append(site.module)
             static = None
             if a is not None and a.granularity == "static":

@@ -482,3 +482,32 @@ def test_base_workspace_reused_across_blocks_of_any_size():
         assert got["top"].tolist() == [row.index(max(row)) for row in logits.tolist()]  # the first largest
         assert all(torch.equal(got[k], fresh[k]) for k in fresh)
     assert len(workspaces) == 1
+
+
+@pytest.mark.parametrize("budget", ["all", "one spec", 0])
+def test_weights_held_from_batch_to_batch_change_no_value(pair, monkeypatch, budget):
+    """A run keeps its specs' quantized weights from batch to batch within ``hold_bytes`` (first come, first held):
+    every value bit for bit as quantizing them again at each batch (float32, bf16-valued weights), each held weight
+    quantized once per run."""
+    from outlierscope.quant import linear as L
+    from outlierscope.quant.linear import linear_sites
+
+    model, tok = pair
+    model32 = type(model)(model.config).float().eval()
+    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    windows = gptq_windows(tok, DOCS, 32)[:6]
+    specs = [QuantSpec.parse("w8a8"), QuantSpec.parse("w=nvfp4; a=nvfp4")]
+    n = len(linear_sites(model32, specs[0]))
+    per_spec = sum(s.module.weight.numel() * 4 for s in linear_sites(model32, specs[0]))
+    calls = []
+    compute = L._WeightTransform.compute
+    monkeypatch.setattr(L._WeightTransform, "compute", lambda self, w: calls.append(1) or compute(self, w))
+    fresh = score_windows(model32, windows, specs, batch_size=2, hold_bytes=0)
+    assert len(calls) == 2 * n * 3  # 3 batches, each linear of each spec quantized at each
+    calls.clear()
+    hold = {"all": 10 * per_spec, "one spec": per_spec, 0: 0}[budget]
+    got = score_windows(model32, windows, specs, batch_size=2, hold_bytes=hold)
+    assert len(calls) == {"all": 2 * n, "one spec": n + n * 3, 0: 2 * n * 3}[budget]
+    for want, have in zip(fresh, got, strict=True):
+        for k in ("window", "same_top", "nll", "nll_base", "kld", "p_diff"):
+            assert np.array_equal(getattr(have, k), getattr(want, k)), k
