@@ -73,10 +73,24 @@ def _work(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
+_TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
 def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` rounded to the nearest ``fmt`` value (ties to even), saturating at +-max_normal; returns a new tensor."""
+    """``x`` rounded to the nearest ``fmt`` value (ties to even), saturating at +-max_normal; returns a new tensor.
+
+    The same values three ways, the cheapest that applies: FP8 of float32 input by torch's cast after clamping to
+    +-max_normal (round to nearest even; float64 input would round twice, through float32); E2M1 with its three
+    spacings picked by comparison (0.5 below 2, 1 below 4, 2 above: saturation clamps the rest); else the spacing
+    ``2^(max(floor(log2 |x|), emin) - mbits)`` from ``frexp``."""
     f = MINIFLOATS[fmt]
     w = _work(x)
+    if fmt in _TORCH_FP8 and w.dtype == torch.float32:
+        return w.clamp(-f.max_normal, f.max_normal).to(_TORCH_FP8[fmt]).to(torch.float32).to(x.dtype)
+    if fmt == "e2m1":
+        a = w.abs()
+        quantum = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(w.dtype)  # the spacing of a's binade
+        return torch.round(a / quantum).mul_(quantum).clamp_max_(f.max_normal).copysign_(w).to(x.dtype)
     a = w.abs()
     _, exp = torch.frexp(a)  # a = m 2^exp with m in [0.5, 1): the binade's exponent is exp - 1
     e = (exp - 1).clamp_min(f.emin).to(w.dtype)  # below the normal range: the subnormal spacing

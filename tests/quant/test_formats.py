@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from outlierscope.quant.formats import asym_quant, mx_quant, nvfp4_quant, round_minifloat
+from outlierscope.quant.formats import MINIFLOATS, asym_quant, mx_quant, nvfp4_quant, round_minifloat
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
@@ -236,3 +236,52 @@ def test_zint_is_gptqs_zero_point_grid_and_compressed_tensors_asymmetric_int(bit
     tie = ((ratio - ratio.floor()) == 0.5) & (zp[..., None] % 2 == 1)
     differ = (ours != theirs).reshape(grouped.shape)
     assert differ.any() and not (differ & ~tie).any()  # ties of bf16-valued weights happen at every width
+
+
+def _grid_rounding(x: np.ndarray, fmt: str) -> np.ndarray:
+    """Round to nearest, ties to even, saturating, written from the format's definition in float64: every
+    non-negative value of the format listed (subnormals, then each binade), the nearest taken; on a tie the one of
+    even index (consecutive values alternate the mantissa's last bit, from 0 at zero)."""
+    f = MINIFLOATS[fmt]
+    emin, m = f.emin, f.mbits
+    vals = [k * 2.0 ** (emin - m) for k in range(2**m)]  # zero and the subnormals
+    e = emin
+    while True:
+        binade = [(1 + k / 2**m) * 2.0**e for k in range(2**m)]
+        vals += [v for v in binade if v <= f.max_normal]
+        if binade[-1] >= f.max_normal:
+            break
+        e += 1
+    grid = np.array(vals)
+    a = np.minimum(np.abs(x), f.max_normal)
+    hi = np.clip(np.searchsorted(grid, a, side="left"), 1, len(grid) - 1)
+    lo = hi - 1
+    dl, dh = a - grid[lo], grid[hi] - a
+    idx = np.where(dl < dh, lo, np.where(dh < dl, hi, np.where(lo % 2 == 0, lo, hi)))
+    out = np.copysign(grid[idx], x)
+    return np.where(np.isnan(x), np.nan, out)
+
+
+@pytest.mark.parametrize("fmt", list(MINIFLOATS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_minifloat_rounding_equals_the_grid_definition(fmt, dtype):
+    """Every path of ``round_minifloat`` (torch's FP8 cast, E2M1's comparisons, frexp's spacing) against the grid
+    written out: random bit patterns over the whole float32 range, every grid value, every midpoint (ties) and the
+    float32 values next to each, zeros, infinities, NaN."""
+    g = torch.Generator().manual_seed(11)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    f = MINIFLOATS[fmt]
+    values = torch.tensor(sorted(set(_grid_rounding(np.linspace(0, f.max_normal * 1.2, 50_000), fmt))))
+    mids = (values[1:] + values[:-1]) / 2
+    near = torch.cat([values, mids, values * 1.5, torch.tensor([f.max_normal * 2, 1e-30])]).float()
+    near = torch.cat([near, torch.nextafter(near, torch.full_like(near, np.inf)),
+                      torch.nextafter(near, torch.zeros_like(near))])
+    x = torch.cat([x, near, -near, torch.tensor([0.0, -0.0, np.inf, -np.inf, np.nan])]).to(dtype)
+    got = round_minifloat(x, fmt)
+    want = torch.from_numpy(_grid_rounding(x.double().numpy(), fmt)).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    ok = ~want.isnan()
+    assert torch.equal(got[ok], want[ok]), (x[ok][got[ok] != want[ok]][:5], got[ok][got[ok] != want[ok]][:5])
+    assert torch.equal(torch.signbit(got[ok]), torch.signbit(want[ok]))  # -0.0 where the input was negative
