@@ -424,32 +424,69 @@ class _Padding:
         return m[:, -x.shape[1]:].to(x.device)  # (B, T)
 
 
+class _LastInput:
+    """The last input a quantized linear's pre-hook transformed, and the result: the linears that read one tensor
+    (q/k/v, gate/up) with the same factors, rotation and static scale get the same bytes, computed once. Holds the
+    input itself (its identity is part of the key while it lives) and one result."""
+
+    def __init__(self):
+        self.key: tuple | None = None
+        self.value: torch.Tensor | None = None
+        self.input: torch.Tensor | None = None
+
+    def get(self, x: torch.Tensor, how: tuple) -> torch.Tensor | None:
+        key = (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype, how)
+        return self.value if self.input is x and self.key == key else None
+
+    def put(self, x: torch.Tensor, how: tuple, y: torch.Tensor) -> None:
+        self.input, self.value = x, y
+        self.key = (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype, how)
+
+    def clear(self) -> None:
+        self.key = self.value = self.input = None
+
+
 def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
-                static_amax: torch.Tensor | None):
+                static_amax: torch.Tensor | None, last: _LastInput | None = None):
     """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
-    part with LLM.int8's outlier columns kept (see the module docstring)."""
+    part with LLM.int8's outlier columns kept (see the module docstring). ``last``: shared by the sites of one
+    context: an input another site just transformed the same way is taken from it."""
     part = spec.part("a")
     local = token_local(spec)  # a token's quantized input depends on that token alone: padding needs no mask
+    how = (id(scale), id(rot), None if static_amax is None else float(static_amax), id(padding))
 
     def pre(mod, args, kwargs):
         x = args[0] if args else kwargs["input"]
-        y = x
-        if scale is not None:
-            y = y / scale.to(y.device, y.dtype)  # (..., I)
-        if rot is not None:
-            y = _rotated(y, rot)  # (..., I) @ (I, I)
-        if part is not None:
-            x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
-            valid = None if local else padding.valid_for(x3)
-            cols = skip = None
-            if spec.outlier_threshold is not None:
-                cols = outlier_columns(x3, valid, spec.outlier_threshold)  # (B, 1, I)
-                if spec.bnb_outliers is not None:  # bitsandbytes: only the outlier elements leave the row scales
-                    skip = x3.abs() >= spec.bnb_outliers  # (B, T, I)
-            y = quantize_activation(x3, valid, part, cols, static_amax, skip).reshape(y.shape)
+        y = last.get(x, how) if last is not None else None
+        if y is not None:
+            return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
+        y = _transform_input(x, spec, part, padding, local, scale, rot, static_amax)
+        if last is not None:
+            last.put(x, how, y)
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
 
     return pre
+
+
+def _transform_input(x: torch.Tensor, spec: QuantSpec, part, padding: _Padding, local: bool,
+                     scale: torch.Tensor | None, rot: torch.Tensor | None, static_amax: torch.Tensor | None):
+    """One linear's input divided by ``scale``, rotated, quantized per ``part`` (the ``a=`` part) with LLM.int8's
+    outlier columns kept."""
+    y = x
+    if scale is not None:
+        y = y / scale.to(y.device, y.dtype)  # (..., I)
+    if rot is not None:
+        y = _rotated(y, rot)  # (..., I) @ (I, I)
+    if part is not None:
+        x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
+        valid = None if local else padding.valid_for(x3)
+        cols = skip = None
+        if spec.outlier_threshold is not None:
+            cols = outlier_columns(x3, valid, spec.outlier_threshold)  # (B, 1, I)
+            if spec.bnb_outliers is not None:  # bitsandbytes: only the outlier elements leave the row scales
+                skip = x3.abs() >= spec.bnb_outliers  # (B, T, I)
+        y = quantize_activation(x3, valid, part, cols, static_amax, skip).reshape(y.shape)
+    return y
 
 
 def _measuring(site: LinearSite, padding: _Padding, error):
@@ -514,6 +551,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
     rots: dict[int, torch.Tensor] = {}
     padding, handles, parametrized = _Padding(), [], []
     no_mask = _Padding()  # the LM head's input: gathered positions, all real
+    last = _LastInput()  # q/k/v's and gate/up's shared input, transformed once
     a = spec.part("a")
     try:
         handles.append(trunk(model).register_forward_pre_hook(padding.pre_forward, with_kwargs=True))
@@ -533,7 +571,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
                 act = calibration.act_max[site.name]
                 static = (act / s if s is not None else act).amax()
             mask = no_mask if site.is_head else padding
-            handles.append(site.module.register_forward_pre_hook(_input_hook(spec, mask, s, rot, static),
+            handles.append(site.module.register_forward_pre_hook(_input_hook(spec, mask, s, rot, static, last),
                                                                  with_kwargs=True))
             if error is not None:
                 pre, post = _measuring(site, mask, error)
@@ -541,6 +579,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
                 handles.append(site.module.register_forward_hook(post, with_kwargs=True))
         yield sites
     finally:
+        last.clear()
         for h in handles:
             h.remove()
         for m in parametrized:

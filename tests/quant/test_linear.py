@@ -674,3 +674,33 @@ def test_a_held_weight_is_quantized_again_when_the_weight_changes():
     assert not torch.equal(before, changed)
     assert torch.equal(changed, fresh)
     assert wider.dtype == torch.float64 and torch.equal(wider, fresh64)
+
+
+@pytest.mark.parametrize("name", ["w4a4-rotated", "nvfp4", "w8a8-sq", "llm-int8", "fp8-dynamic"])
+def test_an_input_read_by_several_linears_is_quantized_once(name, tmp_path, monkeypatch):
+    """q/k/v and gate/up read one tensor: its smoothing, rotation and quantization run once per forward (4 inputs a
+    layer, not 7) and every byte equals the path that transforms it for each linear (float32, bf16-valued weights,
+    padding on both sides)."""
+    from outlierscope.quant import linear as L
+
+    model = _bf16_float32_model()
+    spec, calib = QuantSpec.parse(name), None
+    if spec.smooth is not None:
+        _act_scales(model, tmp_path / "act_scales.pt")
+        spec = QuantSpec.parse(f"{name}; calib:{tmp_path / 'act_scales.pt'}")
+        calib = calibrate(model, None, spec)
+    calls = []
+    transform = L._transform_input
+    monkeypatch.setattr(L, "_transform_input", lambda *a: calls.append(1) or transform(*a))
+    ids, mask = _batch()
+    kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
+    outs = {}
+    with torch.no_grad():
+        for shared in (True, False):
+            if not shared:
+                monkeypatch.setattr(L._LastInput, "get", lambda self, x, how: None)
+            calls.clear()
+            with quantize_model(model, spec, calibration=calib):
+                outs[shared] = model(**kw).logits
+            assert len(calls) == (4 if shared else 7) * 2, shared  # 2 layers
+    assert torch.equal(outs[True], outs[False])
