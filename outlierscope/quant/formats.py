@@ -81,7 +81,7 @@ def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
     The same values three ways, the cheapest that applies: FP8 of float32 input by torch's cast after clamping to
     +-max_normal (round to nearest even; float64 input would round twice, through float32); E2M1 with its three
-    spacings picked by comparison (0.5 below 2, 1 below 4, 2 above: saturation clamps the rest); else the spacing
+    spacings from two comparisons (0.5 below 2, 1 below 4, 2 above: saturation clamps the rest); else the spacing
     ``2^(max(floor(log2 |x|), emin) - mbits)`` from ``frexp``."""
     f = MINIFLOATS[fmt]
     w = _work(x)
@@ -89,7 +89,7 @@ def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return w.clamp(-f.max_normal, f.max_normal).to(_TORCH_FP8[fmt]).to(torch.float32).to(x.dtype)
     if fmt == "e2m1":
         a = w.abs()
-        quantum = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(w.dtype)  # the spacing of a's binade
+        quantum = (a >= 2).to(w.dtype).add_((a >= 4).to(w.dtype), alpha=2).add_(1).mul_(0.5)  # 0.5, 1 or 2: a's binade
         return torch.round(a / quantum).mul_(quantum).clamp_max_(f.max_normal).copysign_(w).to(x.dtype)
     a = w.abs()
     _, exp = torch.frexp(a)  # a = m 2^exp with m in [0.5, 1): the binade's exponent is exp - 1
@@ -121,7 +121,9 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
         q = torch.round(v * 64).clamp_(-127, 127) / 64
     else:
         q = round_minifloat(v, elem)
-    out = torch.where(amax > 0, q * scale, w)  # an all-zero block stays zero
+    nonzero = amax > 0
+    # an all-zero block stays zero (its scale is 2^-127-ish, not 0: kept as it was); none such: nothing to mask
+    out = q.mul_(scale) if bool(nonzero.all()) else torch.where(nonzero, q * scale, w)
     return out.reshape(x.shape).to(x.dtype)
 
 
@@ -147,6 +149,8 @@ def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
     gs, s = nvfp4_scales(x, tensor_amax)
     eff = s / gs  # (..., n, 1)
     ok = eff > 0
+    if bool(ok.all()):  # the common case: no block scale rounded to zero, nothing to mask
+        return round_minifloat(w / eff, "e2m1").mul_(eff).reshape(x.shape).to(x.dtype)
     q = round_minifloat(w / torch.where(ok, eff, torch.ones_like(eff)), "e2m1")
     return torch.where(ok, q * eff, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)
 
