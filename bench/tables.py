@@ -91,7 +91,7 @@ def _cost_rows(names: tuple[str, ...]) -> list:
 
 COST_SPECS = ("logits-int8", "logits-int6", "logits-int4", "sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard",
               "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn", "w8a8", "w8a8-restricted", "w8a8-sq",
-              "w4a16", "w4a8", "w4a4", "w4a4-rotated", "fp8-dynamic", "mxfp4", "ct-mxfp4", "nvfp4", "llm-int8",
+              "w=fint4/per_group:64", "w=fint4/per_group:64; a=fint8/per_token", "w4a4", "w4a4-rotated", "fp8-dynamic", "mxfp4", "ct-mxfp4", "nvfp4", "llm-int8",
               "llm-int8-paper", "w=int4/per_group:64", "w=fint4/per_group:64; gptq:samples=16,seqlen=256",
               "w=fint4/per_group:64; awq:samples=8,seqlen=128,grid=4")
 
