@@ -71,6 +71,30 @@ def _perplexity_cost_rows(marginal: bool = True) -> list:
     ]
 
 
+def _cost_rows(names: tuple[str, ...]) -> list:
+    """bench/cost.py's rows: per spec its text and HellaSwag cells against the unquantized sdpa cell, its layout."""
+    return [
+        ("model; text: windows x tokens, batch; HellaSwag items", ("model", "windows", "length", "batch", "items"),
+         "{}; {} x {} tokens, batches of {}; {} items"),
+        ("16-bit through our attention function: text / HellaSwag", ("ratio/text 16-bit, our attention",
+                                                                      "ratio/hellaswag 16-bit, our attention"),
+         "{}x / {}x"),
+        ("HellaSwag layout factor: the sdpa cell separate / shared", "hellaswag_layout_factor", "{}x"),
+        *((f"`{n}`: text / HellaSwag (layout), goal", (f"ratio/text {n}", f"ratio/hellaswag {n}", f"layout/{n}",
+                                                       f"goal/text {n}"), "{}x / {}x ({}), <= {}x") for n in names),
+        ("a KLD cell (w8a8) / its plain NLL cell (goal <= 1.1x)", "kld_vs_nll_cell", "**{}x**"),
+        ("profile (Table 5's points) tokens/s / the sdpa forward's (goal >= 0.9x)", "profile_vs_sdpa_forward",
+         "**{}x**"),
+        ("peak RSS of the bench process, MB", "peak_rss_mb", "{:,}"),
+    ]
+
+
+COST_SPECS = ("logits-int8", "logits-int6", "logits-int4", "sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard",
+              "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn", "w8a8", "w8a8-restricted", "w8a8-sq",
+              "w=fint4/per_group:64", "w=fint4/per_group:64; a=fint8/per_token", "w4a4", "w4a4-rotated", "fp8-dynamic", "mxfp4", "ct-mxfp4", "nvfp4", "llm-int8",
+              "llm-int8-paper", "w=int4/per_group:64", "w=fint4/per_group:64; gptq:samples=16,seqlen=256",
+              "w=fint4/per_group:64; awq:samples=8,seqlen=128,grid=4")
+
 # table name -> (record file stem, [(row label, key in the record's "derived", format)])
 TABLES = {
     "profile": ("profile", [
@@ -167,6 +191,8 @@ TABLES = {
         ("peak RSS, MB: ours (whole bench process) / GPT-QModel (each run)", ("ours_peak_rss_mb", "theirs_peak_rss_mb"),
          "{} / {}"),
     ]),
+    "cost_smollm2": ("cost_smollm2-135m", _cost_rows(COST_SPECS)),
+    "cost_pair": ("cost_pair-tiny-diff", _cost_rows(COST_SPECS)),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
@@ -198,10 +224,19 @@ def render(name: str) -> str:
 
 
 def _get(d: dict, key: str):
-    """``d[key]``, or a nested value by its path ``outer/inner`` (a record's per-setting dictionaries)."""
-    for part in key.split("/"):
-        d = d[part]
-    return d
+    """``d[key]``, or a nested value by its path ``outer/inner`` (a record's per-setting dictionaries; an inner key
+    may hold ``/`` itself: a spec's text)."""
+    if key in d:
+        return d[key]
+    parts = key.split("/")
+    for i in range(1, len(parts)):
+        outer = "/".join(parts[:i])
+        if isinstance(d.get(outer), dict):
+            try:
+                return _get(d[outer], "/".join(parts[i:]))
+            except KeyError:
+                continue
+    raise KeyError(key)
 
 
 PIPE = re.compile(r"(?<!\\)\|")

@@ -245,3 +245,19 @@ def test_ggml_snap_is_q4_1_and_reproduces_the_committed_model(tmp_path):
         assert torch.equal(after[name], ref.reshape(w.shape)), name
     record = json.loads((ROOT / "docs" / "perplexity" / "pair-q41" / "transformer" / "perplexity.json").read_text())
     assert done["sha256"]["model.safetensors"] == record["model_source"]["weights_sha256"]
+
+
+@pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("cost_")])
+def test_cost_record_recomputed(stem):
+    """bench/cost.py: every ratio from the raw repetitions, the goals it missed, the KLD, profile and layout ratios."""
+    r = _rec(stem)
+    sec, d = r["raw"]["seconds"], r["derived"]
+    med = {k: _median(v) for k, v in sec.items()}
+    for key, ratio in d["ratio"].items():
+        kind = key.split(" ", 1)[0]
+        assert abs(ratio - med[key] / med[f"{kind} unquantized sdpa"]) <= 0.0006, key
+    assert sorted(d["over_goal"]) == sorted(k for k, g in d["goal"].items() if d["ratio"][k] > g)
+    assert abs(d["kld_vs_nll_cell"] - med["kld w8a8"] / med["text w8a8"]) <= 0.0006
+    assert abs(d["profile_vs_sdpa_forward"] - med["forward sdpa"] / med["profile"]) <= 0.0006
+    assert abs(d["hellaswag_layout_factor"] - med["hellaswag unquantized sdpa, separate"]
+               / med["hellaswag unquantized sdpa"]) <= 0.0006

@@ -22,6 +22,7 @@ keeps them in cache; bench/perplexity_cost.py measures the peak. Per token only 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ import torch
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
 from outlierscope.eval.windows import Window
+from outlierscope.hooks.prefix import recording_outputs, replaying
 from outlierscope.parallel import shard_of
 from outlierscope.quant.apply import quantize_model
 from outlierscope.quant.linear import HeldWeights
@@ -261,7 +263,10 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     k-th batch. ``logprobs``: how each NLL is taken from the logits (:data:`LOGPROBS`, :func:`_nll`; the KLD and
     the rest in float64 either way). ``hold_bytes``: the sides' quantized weights are kept from batch to batch, in
     order of first use, while their bytes together stay within it (memory: up to that much besides the model; the
-    rest is quantized again at each batch); the same values either way."""
+    rest is quantized again at each batch); the same values either way. A side that quantizes only layers >= s
+    (``layers:``; sensitivity's one-layer cells) starts from the unquantized side's output of layer s - 1 in the
+    same batch (:func:`prefix_start`, :mod:`outlierscope.hooks.prefix`): the same bytes, the layers below not run
+    again; memory: one (B, T, D) tensor per distinct start, for the batch."""
     if logprobs not in LOGPROBS:
         raise ParamError("logprobs", f"one of {', '.join(LOGPROBS)}", logprobs)
     sides = _sides(pairs)
@@ -308,13 +313,36 @@ def _sides(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, Side]:
 def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None,
             held: HeldWeights | None = None):
     """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,).
-    ``held``: the run's quantized weights, kept from batch to batch (:class:`HeldWeights`)."""
+    ``held``: the run's quantized weights, kept from batch to batch (:class:`HeldWeights`). A side that quantizes
+    only layers >= s of a model whose unquantized side runs too starts from that side's output of layer s - 1
+    (:mod:`outlierscope.hooks.prefix`): the same bytes, layers below s not run again."""
     hidden = {}
-    for key, side in sides.items():
-        with quantize_model(models[side.model], side.spec, block_rows, side.calibration,
-                            held=None if held is None else (held, key)):
-            hidden[key], _, tgt = gathered_hidden(models[side.model], rows)
+    starts = {key: prefix_start(side.spec) for key, side in sides.items()}
+    plain = {side.model: key for key, side in sides.items() if side.spec.is_identity and side.calibration is None}
+    needed = {m: {starts[k] - 1 for k, s in sides.items() if s.model == m and k != plain[m] and starts[k] > 0}
+              for m in plain}
+    order = [*plain.values(), *(k for k in sides if k not in plain.values())]  # each model's plain side first
+    recorded: dict = {}
+    for key in order:
+        side = sides[key]
+        model = models[side.model]
+        start = starts[key] if side.model in plain and key != plain[side.model] else 0
+        with quantize_model(model, side.spec, block_rows, side.calibration,
+                            held=None if held is None else (held, key)), \
+                recording_outputs(model, needed[side.model]) if key == plain.get(side.model) else \
+                contextlib.nullcontext({}) as outs, \
+                replaying(model, start, recorded.get((side.model, start - 1))):
+            hidden[key], _, tgt = gathered_hidden(model, rows)
+        recorded.update({(side.model, j): out for j, out in outs.items()})
     return hidden, torch.tensor(tgt)
+
+
+def prefix_start(spec: QuantSpec) -> int:
+    """The first decoder layer ``spec`` changes: ``min(spec.layers)``, or 0 where it changes any other (no
+    ``layers``; bitsandbytes weights, which every layer takes; the LM head)."""
+    if spec.layers is None or spec.weights_mode != "none" or quantizes_head(spec):
+        return 0
+    return min(spec.layers)
 
 
 def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[int]], dict[tuple, list[int]]]:

@@ -511,3 +511,36 @@ def test_weights_held_from_batch_to_batch_change_no_value(pair, monkeypatch, bud
     for want, have in zip(fresh, got, strict=True):
         for k in ("window", "same_top", "nll", "nll_base", "kld", "p_diff"):
             assert np.array_equal(getattr(have, k), getattr(want, k)), k
+
+
+def test_cells_of_upper_layers_start_from_the_unquantized_prefix(pair, monkeypatch):
+    """Specs that quantize only layers >= s start from the unquantized forward's output of layer s - 1 (layers below
+    not run again): every value bit for bit as the whole forward (float32, bf16-valued weights, padded batches), and
+    the layers run counted."""
+    import outlierscope.eval.perplexity as perplexity
+    from outlierscope.hooks.points import decoder_layers
+
+    model, tok = pair
+    model32 = type(model)(model.config).float().eval()
+    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    windows = gptq_windows(tok, DOCS, 32)[:5]
+    specs = [QuantSpec.parse(t) for t in ("w8a8; layers:1-3", "logits=int4/per_tensor; layers:2", "kivi-2bit; layers:3",
+                                          "w8a8", "w=nvfp4; a=nvfp4; layers:0")]
+    runs = []
+    handles = [b.register_forward_pre_hook(lambda m, a, k=None: runs.append(1)) for b in decoder_layers(model32)]
+    try:
+        fast = score_windows(model32, windows, specs, batch_size=2)
+        n_fast = len(runs)
+        runs.clear()
+        monkeypatch.setattr(perplexity, "prefix_start", lambda spec: 0)
+        whole = score_windows(model32, windows, specs, batch_size=2)
+    finally:
+        for h in handles:
+            h.remove()
+    batches = 3
+    assert len(runs) == batches * 4 * (1 + len(specs))  # every side runs every layer
+    assert n_fast == batches * (4 + 3 + 2 + 1 + 4 + 4)  # base, then from layer 1, 2, 3, 0, 0
+    for want, got in zip(whole, fast, strict=True):
+        for k in ("window", "same_top", "nll", "nll_base", "kld", "p_diff"):
+            assert np.array_equal(getattr(got, k), getattr(want, k)), k
+    assert all(type(b).__name__ != "_Replay" for b in decoder_layers(model32))  # the layers are back
