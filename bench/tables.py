@@ -193,6 +193,15 @@ TABLES = {
     ]),
     "cost_smollm2": ("cost_smollm2-135m", _cost_rows(COST_SPECS)),
     "cost_pair": ("cost_pair-tiny-diff", _cost_rows(COST_SPECS)),
+    "prefix_cost": ("prefix_cost_smollm2-135m", [
+        ("model, layers; windows x tokens; spec of each one-layer cell", ("model", "layers", "windows", "length", "spec"),
+         "{}, {} layers; {} x {} tokens; `{}; layers:i`"),
+        ("decoder-layer forwards of one pass: reused / whole", ("layers_run/reused", "layers_run/whole"), "{} / {}"),
+        ("s per pass (median): reused / whole", ("median_s/reused", "median_s/whole"), "{} / {}"),
+        ("reused / whole (goal <= 0.6x)", "ratio_reused_vs_whole", "**{}x**"),
+        ("every per-token value the same bytes; control (whole twice)", ("same_bytes", "control_same_bytes"),
+         "{}; {}"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),

@@ -261,3 +261,12 @@ def test_cost_record_recomputed(stem):
     assert abs(d["profile_vs_sdpa_forward"] - med["forward sdpa"] / med["profile"]) <= 0.0006
     assert abs(d["hellaswag_layout_factor"] - med["hellaswag unquantized sdpa, separate"]
                / med["hellaswag unquantized sdpa"]) <= 0.0006
+
+
+@pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("prefix_cost_")])
+def test_prefix_cost_record_recomputed(stem):
+    r = _rec(stem)
+    sec, d = r["raw"]["seconds"], r["derived"]
+    assert abs(d["ratio_reused_vs_whole"] - _median(sec["reused"]) / _median(sec["whole"])) <= 0.0006
+    n = r["raw"]["layers"]
+    assert d["layers_run"] == {"reused": n + n * (n + 1) // 2, "whole": n * (n + 1)}  # base + layers i..n-1 per cell
