@@ -1,6 +1,6 @@
 """The tables of bench/README.md, generated from the records in bench/results (never typed by hand).
 
-    python bench/tables.py            # rewrite the tables in bench/README.md between their markers
+    python bench/tables.py            # rewrite the tables in bench/README.md (and README.md's) between their markers
     python bench/tables.py --check    # exit 1 if the README differs from what the records say (run by the tests)
 
 A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a key of TABLES.
@@ -15,6 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
+ROOT_README = HERE.parent / "README.md"  # its cost table too
 RESULTS = HERE / "results"
 
 
@@ -215,7 +216,28 @@ def load(stem: str) -> dict:
     return json.loads((RESULTS / f"{stem}.json").read_text())
 
 
+def render_cost_columns(stem: str) -> str:
+    """The project README's compact table of a bench/cost.py record: one row per spec, text and HellaSwag ratios to
+    the unquantized sdpa cell with the layout, and the record line."""
+    rec = load(stem)
+    d = rec["derived"]
+    lines = ["| spec | running text | HellaSwag (layout) |", "|---|---|---|"]
+    for name in ("16-bit, our attention", *COST_SPECS):
+        lines.append(f"| `{name}` | {d['ratio'][f'text {name}']}x | {d['ratio'][f'hellaswag {name}']}x "
+                     f"({d['layout'][name]}) |")
+    lines += ["", f"Ratios to the unquantized sdpa cell (HellaSwag's own separate layout: "
+                  f"{d['hellaswag_layout_factor']}x); record `bench/results/{stem}.json` (commit "
+                  f"`{rec['git']['commit'][:10]}`{' + changes' if rec['git']['dirty'] else ''}, {rec['machine']['cpu']}, "
+                  f"{rec['machine']['cores']} cores, medians of {min(len(v) for v in rec['raw']['seconds'].values())})."]
+    return "\n".join(lines)
+
+
+COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the project README
+
+
 def render(name: str) -> str:
+    if name in COLUMNS:
+        return render_cost_columns(COLUMNS[name])
     stem, rows = TABLES[name]
     rec = load(stem)
     d = {**rec["raw"], **rec["derived"]}
@@ -257,14 +279,15 @@ def rewrite(text: str) -> str:
 
 
 def main() -> int:
-    text = README.read_text()
-    new = rewrite(text)
-    if "--check" in sys.argv:
-        if new != text:
-            print("bench/README.md differs from the records in bench/results: run `python bench/tables.py`")
-            return 1
-        return 0
-    README.write_text(new)
+    for path in (README, ROOT_README):
+        text = path.read_text()
+        new = rewrite(text)
+        if "--check" in sys.argv:
+            if new != text:
+                print(f"{path.name} differs from the records in bench/results: run `python bench/tables.py`")
+                return 1
+            continue
+        path.write_text(new)
     return 0
 
 

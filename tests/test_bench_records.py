@@ -270,3 +270,10 @@ def test_prefix_cost_record_recomputed(stem):
     assert abs(d["ratio_reused_vs_whole"] - _median(sec["reused"]) / _median(sec["whole"])) <= 0.0006
     n = r["raw"]["layers"]
     assert d["layers_run"] == {"reused": n + n * (n + 1) // 2, "whole": n * (n + 1)}  # base + layers i..n-1 per cell
+
+
+def test_project_readme_cost_table_equals_the_record():
+    tables = _tables()
+    text = (ROOT / "README.md").read_text()
+    assert set(re.findall(r"<!-- bench:(\w+) -->", text)) == set(tables.COLUMNS)
+    assert tables.rewrite(text) == text, "README.md's cost table differs from bench/results: run `python bench/tables.py`"
