@@ -116,7 +116,7 @@ def as_attn_quant(spec: QuantSpec | str) -> QuantSpec:
 @contextlib.contextmanager
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
-                   hold_weights: bool = True, held: tuple | None = None) -> Iterator[QuantSpec]:
+                   hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[QuantSpec]:
     """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name) says:
     attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
     smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
@@ -126,7 +126,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
     linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
     context is entered, and the result held until the context ends (memory: one more copy of those weights in the model's dtype;
     the originals are untouched); False quantizes it again at every forward and holds at most one linear's copy at a
-    time. The same values either way. ``held``: (a :class:`~outlierscope.quant.linear.HeldWeights`, a key naming
+    time; None (the default): held on the CPU, and on a GPU where the copies take at most half its free memory
+    (:func:`~outlierscope.quant.linear.holds_fit`). The same values either way. ``held``: (a :class:`~outlierscope.quant.linear.HeldWeights`, a key naming
     ``spec`` with ``calibration``): the quantized weights kept beyond the context, within the holder's budget, for
     the next context of the same key (a perplexity run's next batch).
 

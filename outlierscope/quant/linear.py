@@ -11,7 +11,7 @@ What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant'
 The weights are never changed: ``W'`` is computed from the untouched parameter (a ``torch.nn.utils.parametrize``
 parametrization) when the context is entered and held while it lasts (``hold_weights``; memory: one more
 copy of the quantized linears' weights; ``hold_weights=False``: computed at each forward, at most one linear's copy at
-a time); leaving the context restores the model exactly (the parametrization is removed, the original ``Parameter``
+a time; the default, None, holds them on the CPU and on a GPU where they take at most half its free memory); leaving the context restores the model exactly (the parametrization is removed, the original ``Parameter``
 put back).
 Activations go through a forward pre-hook. Per-sequence statistics (``a=.../per_tensor``, NVFP4's activation scale,
 the outlier columns) read the padding of the forward's 2-D ``attention_mask`` (a trunk pre-hook): padding never enters
@@ -508,6 +508,22 @@ def _measuring(site: LinearSite, padding: _Padding, error):
     return pre, post
 
 
+HOLD_FRACTION = 0.5  # hold_weights=None: held where the copies take at most this share of a GPU's free memory
+
+
+def holds_fit(sites: list[LinearSite], free=None) -> bool:
+    """``hold_weights=None``'s choice: whether a held copy of each quantized linear's weight fits. On the CPU: yes;
+    on a CUDA device: when the quantized linears' weights on it take at most ``HOLD_FRACTION`` of its free memory
+    (``free(device)``: bytes; default ``torch.cuda.mem_get_info``); elsewhere (offloaded ``meta`` weights, other
+    accelerators): no, quantized at every forward."""
+    need: dict = {}
+    for s in sites:
+        w = s.module.weight
+        need[w.device] = need.get(w.device, 0) + w.numel() * w.element_size()
+    free = free or (lambda d: torch.cuda.mem_get_info(d)[0])
+    return all(d.type == "cpu" or d.type == "cuda" and n <= HOLD_FRACTION * free(d) for d, n in need.items())
+
+
 def _weight_parametrization(site: LinearSite, spec: QuantSpec, calibration: Calibration | None,
                             scale: torch.Tensor | None, rot: torch.Tensor | None, hold: bool) -> _Once | None:
     """What replaces a site's weight: AWQ's transform, GPTQ's rounded weight, or ``quant_w((W * s) @ H)``; None when
@@ -534,12 +550,12 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
 
 @contextlib.contextmanager
 def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
-                     error=None, hold_weights: bool = True, held: tuple | None = None) -> Iterator[list[LinearSite]]:
+                     error=None, hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
     :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
     receives each quantized linear's relative output error. ``hold_weights``: each weight quantized once, when the
-    context is entered (else at every forward); ``held``: (a :class:`HeldWeights`, a key naming this spec and its
+    context is entered (False: at every forward; None: where the copies fit, :func:`holds_fit`); ``held``: (a :class:`HeldWeights`, a key naming this spec and its
     calibration) to keep them beyond the context, for the next context of the same key. Yields the quantized sites.
     Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
     sites = linear_sites(model, spec) if spec.has_linear else []
@@ -547,6 +563,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
         yield sites
         return
     _check_linear_spec(spec, calibration, sites)
+    hold_weights = holds_fit(sites) if hold_weights is None else hold_weights
     scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
     rots: dict[int, torch.Tensor] = {}
     padding, handles, parametrized = _Padding(), [], []

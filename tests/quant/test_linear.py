@@ -704,3 +704,28 @@ def test_an_input_read_by_several_linears_is_quantized_once(name, tmp_path, monk
                 outs[shared] = model(**kw).logits
             assert len(calls) == (4 if shared else 7) * 2, shared  # 2 layers
     assert torch.equal(outs[True], outs[False])
+
+
+def test_held_weights_by_default_only_where_they_fit():
+    """``hold_weights=None``: held on the CPU; on a GPU only when the quantized linears' bytes on it are at most half
+    its free memory (a fake free-memory function, weights on the meta device as stand-ins of other devices); offloaded
+    or unknown devices: not held. The default path on the CPU holds (quantized once)."""
+    from outlierscope.quant.linear import holds_fit
+
+    model = _bf16_float32_model()
+    sites = linear_sites(model, QuantSpec.parse("w8a8"))
+    need = sum(s.module.weight.numel() * 4 for s in sites)
+    assert holds_fit(sites, free=lambda d: 0)  # CPU: always
+    with torch.device("meta"):
+        meta = _model().float()
+    msites = linear_sites(meta, QuantSpec.parse("w8a8"))
+    assert not holds_fit(msites, free=lambda d: 10**15)  # meta (offloaded): never
+
+    class _Cuda:  # a device of type cuda with the CPU weights' sizes
+        type = "cuda"
+
+    fake = [type("S", (), {"module": type("M", (), {"weight": type("W", (), {
+        "device": _Cuda, "numel": s.module.weight.numel, "element_size": s.module.weight.element_size})})})
+        for s in sites]
+    assert holds_fit(fake, free=lambda d: 2 * need)
+    assert not holds_fit(fake, free=lambda d: 2 * need - 1)
