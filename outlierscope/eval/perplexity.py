@@ -310,8 +310,7 @@ def _sides(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, Side]:
     return sides
 
 
-def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None,
-            held: HeldWeights | None = None):
+def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None, held: HeldWeights):
     """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,).
     ``held``: the run's quantized weights, kept from batch to batch (:class:`HeldWeights`). A side that quantizes
     only layers >= s of a model whose unquantized side runs too starts from that side's output of layer s - 1
@@ -319,16 +318,14 @@ def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows
     hidden = {}
     starts = {key: prefix_start(side.spec) for key, side in sides.items()}
     plain = {side.model: key for key, side in sides.items() if side.spec.is_identity and side.calibration is None}
-    needed = {m: {starts[k] - 1 for k, s in sides.items() if s.model == m and k != plain[m] and starts[k] > 0}
-              for m in plain}
+    needed = {m: {starts[k] - 1 for k, s in sides.items() if s.model == m and starts[k] > 0} for m in plain}
     order = [*plain.values(), *(k for k in sides if k not in plain.values())]  # each model's plain side first
     recorded: dict = {}
     for key in order:
         side = sides[key]
         model = models[side.model]
-        start = starts[key] if side.model in plain and key != plain[side.model] else 0
-        with quantize_model(model, side.spec, block_rows, side.calibration,
-                            held=None if held is None else (held, key)), \
+        start = starts[key] if side.model in plain else 0  # the plain side's own start is 0
+        with quantize_model(model, side.spec, block_rows, side.calibration, held=(held, key)), \
                 recording_outputs(model, needed[side.model]) if key == plain.get(side.model) else \
                 contextlib.nullcontext({}) as outs, \
                 replaying(model, start, recorded.get((side.model, start - 1))):
@@ -360,12 +357,12 @@ def _group_pairs(pairs: Sequence[tuple[Side, Side]]) -> tuple[dict[tuple, list[i
 
 def _head_quantized(models: dict, heads: dict, pairs: Sequence[tuple[Side, Side]], hidden: dict, rows: list[dict],
                     targets: torch.Tensor, block_rows: int | None, workspaces: dict,
-                    logprobs: str = "float64", held: HeldWeights | None = None) -> list[dict[str, np.ndarray]]:
+                    logprobs: str, held: HeldWeights) -> list[dict[str, np.ndarray]]:
     """The pairs of one other side that quantizes the LM head, each against its base's hidden states: the side's
     forward once, inside its context (its head exists only there)."""
     other = pairs[0][1]
     model = models[other.model]
-    with quantize_model(model, other.spec, block_rows, other.calibration, held=None if held is None else (held, other.key)):
+    with quantize_model(model, other.spec, block_rows, other.calibration, held=(held, other.key)):
         hq, _, _ = gathered_hidden(model, rows)
         head = lm_head(model)
         return [_compare([head], [hq.to(hidden[b.key].device)], heads[b.model], hidden[b.key],

@@ -9,8 +9,9 @@ the unquantized forward of the same batch left after layer s - 1.
 Layers below ``s`` compute in the quantized forward exactly what they computed in the unquantized one (the same
 weights, the same attention function, nothing of ``spec`` applies to them), so the result is the same bytes as the
 whole forward. A recorded output changed in place since (its version counter moved: a later layer wrote into its
-input) is not replayed: that forward runs whole. While replaying, decoder layers ``0 .. s - 1`` of the model's ``ModuleList`` are :class:`_Replay`
-modules that return the recorded output (whatever they are given); the originals are put back in ``finally``.
+input) is not replayed: that forward runs whole. While replaying, decoder layers ``0 .. s - 1`` of the model's
+``ModuleList`` are :class:`_Replay` modules that return the recorded output (whatever they are given); the originals
+are put back in ``finally``.
 Memory: one recorded output (B, T, D) per distinct start, for one batch.
 """
 
@@ -69,12 +70,12 @@ def replaying(model: nn.Module, start: int, recorded: tuple | None) -> Iterator[
     """While inside, decoder layers ``0 .. start - 1`` are not run: each returns layer ``start - 1``'s output of
     the same batch (``recorded``: :func:`recording_outputs`' entry). Yields whether it replays: not for ``start`` 0,
     no record, or a record changed in place since."""
-    blocks = decoder_layers(model)
-    if not 0 <= start < len(blocks):
-        raise ValueError(f"start must be in 0..{len(blocks) - 1}, got {start}")
     if start == 0 or recorded is None or _version(recorded[0]) != recorded[1]:
         yield False
         return
+    blocks = decoder_layers(model)  # found only when it replays: a forward that does not pays no search
+    if not 0 < start < len(blocks):
+        raise ValueError(f"start must be in 0..{len(blocks) - 1}, got {start}")
     originals = [blocks[j] for j in range(start)]
     try:
         for j in range(start):

@@ -124,12 +124,13 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
     :func:`~outlierscope.quant.linear.calibrate`'s, for a spec with ``smooth`` or static activation scales.
     ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
     linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
-    context is entered, and the result held until the context ends (memory: one more copy of those weights in the model's dtype;
-    the originals are untouched); False quantizes it again at every forward and holds at most one linear's copy at a
-    time; None (the default): held on the CPU, and on a GPU where the copies take at most half its free memory
-    (:func:`~outlierscope.quant.linear.holds_fit`). The same values either way. ``held``: (a :class:`~outlierscope.quant.linear.HeldWeights`, a key naming
-    ``spec`` with ``calibration``): the quantized weights kept beyond the context, within the holder's budget, for
-    the next context of the same key (a perplexity run's next batch).
+    context is entered, and the result held until the context ends (memory: one more copy of those weights in the
+    model's dtype; the originals are untouched); False quantizes it again at every forward and holds at most one
+    linear's copy at a time; None (the default): held on the CPU, and on a GPU where the copies take at most half its
+    free memory (:func:`~outlierscope.quant.linear.holds_fit`). The same values either way. ``held``: (a
+    :class:`~outlierscope.quant.linear.HeldWeights`, a key naming ``spec`` with ``calibration``): the quantized
+    weights kept beyond the context, within the holder's budget, for the next context of the same key (a perplexity
+    run's next batch).
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
     [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages and hooks run in the order the
@@ -142,7 +143,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
     spec = QuantSpec.of(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
     # 16 bits too goes through the same attention function (nothing quantized), for identical arithmetic
-    with bnb_weights(model, spec.weights_mode), quantize_linears(model, spec, calibration, linear_error, hold_weights, held), \
+    with bnb_weights(model, spec.weights_mode), \
+            quantize_linears(model, spec, calibration, linear_error, hold_weights, held), \
             attention_stages(model, attention_stage(spec), block_rows=block_rows):
         yield spec
 

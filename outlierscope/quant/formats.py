@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from outlierscope.quant.primitives import FP8_FORMATS
+
 
 @dataclass(frozen=True)
 class Minifloat:
@@ -73,9 +75,6 @@ def _work(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
 
 
-_TORCH_FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-
-
 def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
     """``x`` rounded to the nearest ``fmt`` value (ties to even), saturating at +-max_normal; returns a new tensor.
 
@@ -85,8 +84,8 @@ def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
     ``2^(max(floor(log2 |x|), emin) - mbits)`` from ``frexp``."""
     f = MINIFLOATS[fmt]
     w = _work(x)
-    if fmt in _TORCH_FP8 and w.dtype == torch.float32:
-        return w.clamp(-f.max_normal, f.max_normal).to(_TORCH_FP8[fmt]).to(torch.float32).to(x.dtype)
+    if fmt in FP8_FORMATS and w.dtype == torch.float32:
+        return w.clamp(-f.max_normal, f.max_normal).to(FP8_FORMATS[fmt]).to(torch.float32).to(x.dtype)
     if fmt == "e2m1":
         a = w.abs()
         quantum = (a >= 2).to(w.dtype).add_((a >= 4).to(w.dtype), alpha=2).add_(1).mul_(0.5)  # 0.5, 1 or 2: a's binade

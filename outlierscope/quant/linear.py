@@ -434,20 +434,22 @@ class _LastInput:
         self.value: torch.Tensor | None = None
         self.input: torch.Tensor | None = None
 
+    @staticmethod
+    def _key(x: torch.Tensor, how: tuple) -> tuple:
+        return id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype, how
+
     def get(self, x: torch.Tensor, how: tuple) -> torch.Tensor | None:
-        key = (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype, how)
-        return self.value if self.input is x and self.key == key else None
+        return self.value if self.input is x and self.key == self._key(x, how) else None
 
     def put(self, x: torch.Tensor, how: tuple, y: torch.Tensor) -> None:
-        self.input, self.value = x, y
-        self.key = (id(x), x.data_ptr(), x._version, tuple(x.shape), x.dtype, how)
+        self.input, self.value, self.key = x, y, self._key(x, how)
 
     def clear(self) -> None:
         self.key = self.value = self.input = None
 
 
 def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
-                static_amax: torch.Tensor | None, last: _LastInput | None = None):
+                static_amax: torch.Tensor | None, last: _LastInput):
     """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
     part with LLM.int8's outlier columns kept (see the module docstring). ``last``: shared by the sites of one
     context: an input another site just transformed the same way is taken from it."""
@@ -457,11 +459,9 @@ def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, 
 
     def pre(mod, args, kwargs):
         x = args[0] if args else kwargs["input"]
-        y = last.get(x, how) if last is not None else None
-        if y is not None:
-            return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
-        y = _transform_input(x, spec, part, padding, local, scale, rot, static_amax)
-        if last is not None:
+        y = last.get(x, how)
+        if y is None:
+            y = _transform_input(x, spec, part, padding, local, scale, rot, static_amax)
             last.put(x, how, y)
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
 
@@ -550,13 +550,15 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
 
 @contextlib.contextmanager
 def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
-                     error=None, hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[list[LinearSite]]:
+                     error=None, hold_weights: bool | None = None,
+                     held: tuple | None = None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
     ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
     :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
     receives each quantized linear's relative output error. ``hold_weights``: each weight quantized once, when the
-    context is entered (False: at every forward; None: where the copies fit, :func:`holds_fit`); ``held``: (a :class:`HeldWeights`, a key naming this spec and its
-    calibration) to keep them beyond the context, for the next context of the same key. Yields the quantized sites.
+    context is entered (False: at every forward; None: where the copies fit, :func:`holds_fit`); ``held``: (a
+    :class:`HeldWeights`, a key naming this spec and its calibration) to keep them beyond the context, for the next
+    context of the same key. Yields the quantized sites.
     Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
     sites = linear_sites(model, spec) if spec.has_linear else []
     if not sites:
