@@ -185,11 +185,11 @@ def time_cells(cells: dict, reps: int) -> dict[str, list[float]]:
     return raw
 
 
-def _top_entries(lm, batches_fn, rows: int = 8) -> list[str]:
+def _top_entries(cell, rows: int = 8) -> list[str]:
     from torch.profiler import profile
 
     with profile() as p:
-        batches_fn()
+        cell()
     table = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
     return table.splitlines()
 
@@ -227,7 +227,7 @@ def main() -> None:
     raw = time_cells(cells, a.reps)
     derived = derive(raw, specs)
     derived["layout"] = {n: ("shared" if s is None else layout_for(s)) for n, (s, _) in specs.items()}
-    derived["profiles_over_goal"] = {k: _top_entries(lm, cells[k]) for k in derived["over_goal"] if k.startswith("text")}
+    derived["profiles_over_goal"] = {k: _top_entries(cells[k]) for k in derived["over_goal"] if k.startswith("text")}
     derived["peak_rss_mb"] = round(peak_rss_mb())
     write(f"cost_{a.model.replace(':', '-')}", {"model": a.model, "windows": a.windows, "length": a.length,
                                                  "batch": a.batch, "items": a.items, "seconds": raw}, derived,

@@ -43,8 +43,7 @@ def main() -> None:
     specs = [QuantSpec.parse(f"{a.spec}; layers:{i}") for i in range(n_layers)]
     reuse = perplexity.prefix_start
     runs: list = []
-    for b in decoder_layers(lm.model):
-        b.register_forward_pre_hook(lambda m, args: runs.append(1))
+    handles = [b.register_forward_pre_hook(lambda m, args: runs.append(1)) for b in decoder_layers(lm.model)]
 
     def cell(prefix: bool):
         perplexity.prefix_start = reuse if prefix else (lambda spec: 0)
@@ -71,6 +70,8 @@ def main() -> None:
             cell(prefix)
             raw[name].append(round(time.perf_counter() - t0, 2))
             print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
+    for h in handles:
+        h.remove()
     derived = {"median_s": {k: median(v) for k, v in raw.items()},
                "ratio_reused_vs_whole": round(median(raw["reused"]) / median(raw["whole"]), 3), "goal_ratio": 0.6,
                "layers_run": layers_run, "same_bytes": same("reused", "whole"),

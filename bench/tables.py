@@ -72,17 +72,25 @@ def _perplexity_cost_rows(marginal: bool = True) -> list:
     ]
 
 
-def _cost_rows(names: tuple[str, ...]) -> list:
+BASE, OURS = "unquantized sdpa", "16-bit, our attention"  # bench/cost.py's base cell and its own-attention cell
+
+
+def _cost_specs(rec: dict) -> list[str]:
+    """The specs of a bench/cost.py record, in the record's order (its layout map: the base, ours, then each spec)."""
+    return [n for n in rec["derived"]["layout"] if n not in (BASE, OURS)]
+
+
+def _cost_rows(rec: dict) -> list:
     """bench/cost.py's rows: per spec its text and HellaSwag cells against the unquantized sdpa cell, its layout."""
     return [
         ("model; text: windows x tokens, batch; HellaSwag items", ("model", "windows", "length", "batch", "items"),
          "{}; {} x {} tokens, batches of {}; {} items"),
-        ("16-bit through our attention function: text / HellaSwag", ("ratio/text 16-bit, our attention",
-                                                                      "ratio/hellaswag 16-bit, our attention"),
+        ("16-bit through our attention function: text / HellaSwag", (f"ratio/text {OURS}", f"ratio/hellaswag {OURS}"),
          "{}x / {}x"),
         ("HellaSwag layout factor: the sdpa cell separate / shared", "hellaswag_layout_factor", "{}x"),
         *((f"`{n}`: text / HellaSwag (layout), goal", (f"ratio/text {n}", f"ratio/hellaswag {n}", f"layout/{n}",
-                                                       f"goal/text {n}"), "{}x / {}x ({}), <= {}x") for n in names),
+                                                       f"goal/text {n}"), "{}x / {}x ({}), <= {}x")
+          for n in _cost_specs(rec)),
         ("a KLD cell (w8a8) / its plain NLL cell (goal <= 1.1x)", "kld_vs_nll_cell", "**{}x**"),
         ("profile (Table 5's points) tokens/s / the sdpa forward's (goal >= 0.9x)", "profile_vs_sdpa_forward",
          "**{}x**"),
@@ -90,13 +98,8 @@ def _cost_rows(names: tuple[str, ...]) -> list:
     ]
 
 
-COST_SPECS = ("logits-int8", "logits-int6", "logits-int4", "sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard",
-              "kivi-2bit", "kivi-4bit", "mxfp4-attn", "mxfp8-attn", "nvfp4-attn", "w8a8", "w8a8-restricted", "w8a8-sq",
-              "w=fint4/per_group:64", "w=fint4/per_group:64; a=fint8/per_token", "w4a4", "w4a4-rotated", "fp8-dynamic", "mxfp4", "ct-mxfp4", "nvfp4", "llm-int8",
-              "llm-int8-paper", "w=int4/per_group:64", "w=fint4/per_group:64; gptq:samples=16,seqlen=256",
-              "w=fint4/per_group:64; awq:samples=8,seqlen=128,grid=4")
-
-# table name -> (record file stem, [(row label, key in the record's "derived", format)])
+# table name -> (record file stem, [(row label, key in the record's "derived", format)], or a function of the record
+# that gives them)
 TABLES = {
     "profile": ("profile", [
         (f"{label} (pair Diff / SmolLM2-135M)", tuple(f"{m}_{key}" for m in ("pair", "smollm2")), fmt)
@@ -192,8 +195,8 @@ TABLES = {
         ("peak RSS, MB: ours (whole bench process) / GPT-QModel (each run)", ("ours_peak_rss_mb", "theirs_peak_rss_mb"),
          "{} / {}"),
     ]),
-    "cost_smollm2": ("cost_smollm2-135m", _cost_rows(COST_SPECS)),
-    "cost_pair": ("cost_pair-tiny-diff", _cost_rows(COST_SPECS)),
+    "cost_smollm2": ("cost_smollm2-135m", _cost_rows),  # rows from the record's own specs
+    "cost_pair": ("cost_pair-tiny-diff", _cost_rows),
     "prefix_cost": ("prefix_cost_smollm2-135m", [
         ("model, layers; windows x tokens; spec of each one-layer cell", ("model", "layers", "windows", "length", "spec"),
          "{}, {} layers; {} x {} tokens; `{}; layers:i`"),
@@ -222,7 +225,7 @@ def render_cost_columns(stem: str) -> str:
     rec = load(stem)
     d = rec["derived"]
     lines = ["| spec | running text | HellaSwag (layout) |", "|---|---|---|"]
-    for name in ("16-bit, our attention", *COST_SPECS):
+    for name in (OURS, *_cost_specs(rec)):
         lines.append(f"| `{name}` | {d['ratio'][f'text {name}']}x | {d['ratio'][f'hellaswag {name}']}x "
                      f"({d['layout'][name]}) |")
     lines += ["", f"Ratios to the unquantized sdpa cell (HellaSwag's own separate layout: "
@@ -240,6 +243,7 @@ def render(name: str) -> str:
         return render_cost_columns(COLUMNS[name])
     stem, rows = TABLES[name]
     rec = load(stem)
+    rows = rows(rec) if callable(rows) else rows
     d = {**rec["raw"], **rec["derived"]}
     lines = ["| measure | value |", "|---|---|"]
     for label, key, fmt in rows:

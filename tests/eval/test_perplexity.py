@@ -484,6 +484,14 @@ def test_base_workspace_reused_across_blocks_of_any_size():
     assert len(workspaces) == 1
 
 
+def _float32(pair):
+    """The pair's bf16-valued model as a float32 copy (where ties of float32 arithmetic show), with its tokenizer."""
+    model, tok = pair
+    model32 = type(model)(model.config).float().eval()
+    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    return model32, tok
+
+
 @pytest.mark.parametrize("budget", ["all", "one spec", 0])
 def test_weights_held_from_batch_to_batch_change_no_value(pair, monkeypatch, budget):
     """A run keeps its specs' quantized weights from batch to batch within ``hold_bytes`` (first come, first held):
@@ -492,9 +500,7 @@ def test_weights_held_from_batch_to_batch_change_no_value(pair, monkeypatch, bud
     from outlierscope.quant import linear as L
     from outlierscope.quant.linear import linear_sites
 
-    model, tok = pair
-    model32 = type(model)(model.config).float().eval()
-    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    model32, tok = _float32(pair)
     windows = gptq_windows(tok, DOCS, 32)[:6]
     specs = [QuantSpec.parse("w8a8"), QuantSpec.parse("w=nvfp4; a=nvfp4")]
     n = len(linear_sites(model32, specs[0]))
@@ -520,9 +526,7 @@ def test_cells_of_upper_layers_start_from_the_unquantized_prefix(pair, monkeypat
     import outlierscope.eval.perplexity as perplexity
     from outlierscope.hooks.points import decoder_layers
 
-    model, tok = pair
-    model32 = type(model)(model.config).float().eval()
-    model32.load_state_dict({k: v.float() for k, v in model.state_dict().items()})
+    model32, tok = _float32(pair)
     windows = gptq_windows(tok, DOCS, 32)[:5]
     specs = [QuantSpec.parse(t) for t in ("w8a8; layers:1-3", "logits=int4/per_tensor; layers:2", "kivi-2bit; layers:3",
                                           "w8a8", "w=nvfp4; a=nvfp4; layers:0")]

@@ -622,18 +622,25 @@ def _bf16_float32_model():
     return model
 
 
-@pytest.mark.parametrize("name", ["w4a4-rotated", "nvfp4", "w8a8-sq", "w=int4/per_group:64", "mxfp4"])
-def test_weights_are_quantized_once_per_context_and_equal_every_forward(name, tmp_path, monkeypatch):
-    """A held weight: quantized at its linear's first forward only, and every forward's bytes equal those of the path
-    that quantizes again at each forward (float32, bf16-valued weights, the same batch)."""
-    from outlierscope.quant import linear as L
-
+def _calibrated_case(name: str, tmp_path):
+    """(model, spec, calibration) of a scheme on :func:`_bf16_float32_model`: a smoothing spec calibrated on an
+    act_scales.pt made here."""
     model = _bf16_float32_model()
     spec, calib = QuantSpec.parse(name), None
     if spec.smooth is not None:
         _act_scales(model, tmp_path / "act_scales.pt")
         spec = QuantSpec.parse(f"{name}; calib:{tmp_path / 'act_scales.pt'}")
         calib = calibrate(model, None, spec)
+    return model, spec, calib
+
+
+@pytest.mark.parametrize("name", ["w4a4-rotated", "nvfp4", "w8a8-sq", "w=int4/per_group:64", "mxfp4"])
+def test_weights_are_quantized_once_per_context_and_equal_every_forward(name, tmp_path, monkeypatch):
+    """A held weight: quantized once, when the context is entered, and every forward's bytes equal those of the path
+    that quantizes again at each forward (float32, bf16-valued weights, the same batch)."""
+    from outlierscope.quant import linear as L
+
+    model, spec, calib = _calibrated_case(name, tmp_path)
     calls = []
     compute = L._WeightTransform.compute
     monkeypatch.setattr(L._WeightTransform, "compute", lambda self, w: calls.append(id(self)) or compute(self, w))
@@ -683,12 +690,7 @@ def test_an_input_read_by_several_linears_is_quantized_once(name, tmp_path, monk
     padding on both sides)."""
     from outlierscope.quant import linear as L
 
-    model = _bf16_float32_model()
-    spec, calib = QuantSpec.parse(name), None
-    if spec.smooth is not None:
-        _act_scales(model, tmp_path / "act_scales.pt")
-        spec = QuantSpec.parse(f"{name}; calib:{tmp_path / 'act_scales.pt'}")
-        calib = calibrate(model, None, spec)
+    model, spec, calib = _calibrated_case(name, tmp_path)
     calls = []
     transform = L._transform_input
     monkeypatch.setattr(L, "_transform_input", lambda *a: calls.append(1) or transform(*a))
