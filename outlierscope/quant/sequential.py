@@ -171,6 +171,8 @@ def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor,
     reads = f"{spec.part('w')}|{spec.gptq}|{spec.awq}"
     if kind == "awq" and _partial_layers(model, sites):  # AWQ of a part of a layer's groups: their scales since #49
         reads += "|awq-partial-groups"
+    if kind == "gptq":  # the damping's mean over a contiguous copy of the diagonal since #63
+        reads += "|contiguous-damping-mean"
     h.update(f"{kind}|{reads}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
     h.update("|".join(s.name for s in sites).encode())
     h.update(seqs.cpu().numpy().tobytes())

@@ -17,8 +17,22 @@ SWEEPS = sorted(p.parent for p in DOCS.rglob("sweep.json") if (p.parent / "cells
 STUDIES = sorted(p.parent for p in DOCS.rglob("sensitivity.json") if "cells" in json.loads(p.read_text()))
 
 
+# records whose GPTQ cells predate the damping fix (#63: the mean over a contiguous copy of the Hessian's diagonal):
+# those cells would be computed again (their identity lacks the revision), every other cell resumes; a record leaves
+# this list when it is rerun (the test fails while a listed record is already fresh)
+STALE_GPTQ = {"weights/pair/arc_easy", "weights/pair/hellaswag", "weights/smollm2-135m/arc_easy",
+              "weights/smollm2-135m/hellaswag", "weights/pair/sensitivity-diff-gptq",
+              "weights/pair/sensitivity-transformer-gptq", "weights/smollm2-135m/sensitivity-gptq"}
+
+
 def _id(p):
     return str(p.relative_to(DOCS))
+
+
+def _stale(run_dir: Path, settings: dict) -> bool:
+    """Whether ``settings`` name a GPTQ cell of a listed stale record: then the recorded cell must be the one these
+    settings name without the GPTQ revision (the old arithmetic; checked by the caller), and it is not read back."""
+    return _id(run_dir) in STALE_GPTQ and settings.get("gptq") == "contiguous-damping-mean"
 
 
 def _identity(run_dir: Path, cell: str) -> dict:
@@ -37,18 +51,24 @@ def test_sweep_settings_name_their_recorded_cells(run_dir):
     for c in rec["cells"]:
         per_model.setdefault(c["model"], _identity(run_dir, c["cell"]))
     tasks = rec.get("tasks") or {s.tasks[0]: {"items_sha256": rec["items_sha256"]}}
-    found = set()
+    found, stale = set(), set()
     for model in s.models:
         shared = per_model[model]
         for task in s.tasks:
             for spec in s.specs():
                 settings = cell_settings(model, shared["weights_sha256"], spec, s, tasks[task]["items_sha256"],
                                          shared["dtype"], shared.get("device", "cpu"), task)
+                if _stale(run_dir, settings):
+                    old = {k: v for k, v in settings.items() if k != "gptq"}
+                    assert old == _identity(run_dir, cell_id(old)), f"{_id(run_dir)}: no recorded cell for {old}"
+                    stale.add(cell_id(old))
+                    continue
                 cid = cell_id(settings)
                 assert cid in recorded, f"{spec} ({model}, {task}) would be computed again: {settings}"
                 assert settings == _identity(run_dir, cid)
                 found.add(cid)
-    assert found == recorded
+    assert found | stale == recorded
+    assert bool(stale) == (_id(run_dir) in STALE_GPTQ), "a listed stale record was rerun: drop it from STALE_GPTQ"
 
 
 def _weights_sha(model: str) -> str:
@@ -97,11 +117,16 @@ def test_sensitivity_settings_name_their_recorded_cells(run_dir):
         weights = rec.get("model_source", {}).get("weights_sha256") or _weights_sha(s.model)
         ident = {"model": s.model, "weights_sha256": weights, "task": s.task,
                  "items_sha256": items_digest(items), "dtype": "float32", "layout": layout_for(s.spec())}
+    stale = set()
     for role, cid in rec["cells"].items():
         settings = cell_settings(ident, *_study_specs(s, role, rec["n_layers"]), s.batch_size)
+        if _stale(run_dir, settings):
+            stale.add(role)
+            settings = {k: v for k, v in settings.items() if k != "gptq"}
         assert cell_id(settings) == cid, f"{role} would be computed again: {settings}"
         if (run_dir / "cells").is_dir():
             assert settings == _identity(run_dir, cid)
+    assert bool(stale) == (_id(run_dir) in STALE_GPTQ), "a listed stale record was rerun: drop it from STALE_GPTQ"
 
 
 def _check_text_cells(rec: dict, s) -> None:
