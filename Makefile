@@ -9,7 +9,7 @@ REPRODUCE_ARGS ?=
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
-.PHONY: install data reproduce test lint bench notebooks lmeval-venv lmeval-compare llmc-venv gptq-venv clean
+.PHONY: install data reproduce test lint docs bench notebooks lmeval-venv lmeval-compare llmc-venv gptq-venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,13 @@ reproduce: install data
 lint: install
 	$(BIN)/ruff check .
 
+# the documentation site (mkdocs.yml: guide, results, API reference from the docstrings) into build/site, offline;
+# --strict: a broken link, a missing page or include, an unrenderable docstring is an error
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # the real model too: tests/models/test_smollm2_checkpoint.py compares a W8A8 checkpoint of it with the emulation
-test: install data lint
+test: install data lint docs
 	$(BIN)/outlierscope models fetch $(REAL_MODEL)
 	$(BIN)/python -m pytest -q
 

@@ -1,6 +1,6 @@
 """The tables of bench/README.md, generated from the records in bench/results (never typed by hand).
 
-    python bench/tables.py            # rewrite the tables in bench/README.md (and README.md's) between their markers
+    python bench/tables.py            # rewrite the tables in bench/README.md (and docs/guide/cost.md's) between their markers
     python bench/tables.py --check    # exit 1 if the README differs from what the records say (run by the tests)
 
 A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a key of TABLES.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
-ROOT_README = HERE.parent / "README.md"  # its cost table too
+COST_PAGE = HERE.parent / "docs" / "guide" / "cost.md"  # the guide's compact cost table
 RESULTS = HERE / "results"
 
 
@@ -220,7 +220,7 @@ def load(stem: str) -> dict:
 
 
 def render_cost_columns(stem: str) -> str:
-    """The project README's compact table of a bench/cost.py record: one row per spec, text and HellaSwag ratios to
+    """The guide's compact table (docs/guide/cost.md) of a bench/cost.py record: one row per spec, text and HellaSwag ratios to
     the unquantized sdpa cell with the layout, and the record line."""
     rec = load(stem)
     d = rec["derived"]
@@ -235,7 +235,7 @@ def render_cost_columns(stem: str) -> str:
     return "\n".join(lines)
 
 
-COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the project README
+COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the guide's cost page
 
 
 def render(name: str) -> str:
@@ -283,7 +283,7 @@ def rewrite(text: str) -> str:
 
 
 def main() -> int:
-    for path in (README, ROOT_README):
+    for path in (README, COST_PAGE):
         text = path.read_text()
         new = rewrite(text)
         if "--check" in sys.argv:

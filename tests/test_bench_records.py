@@ -272,8 +272,8 @@ def test_prefix_cost_record_recomputed(stem):
     assert d["layers_run"] == {"reused": n + n * (n + 1) // 2, "whole": n * (n + 1)}  # base + layers i..n-1 per cell
 
 
-def test_project_readme_cost_table_equals_the_record():
+def test_guide_cost_table_equals_the_record():
     tables = _tables()
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "guide" / "cost.md").read_text()
     assert set(re.findall(r"<!-- bench:(\w+) -->", text)) == set(tables.COLUMNS)
-    assert tables.rewrite(text) == text, "README.md's cost table differs from bench/results: run `python bench/tables.py`"
+    assert tables.rewrite(text) == text, "docs/guide/cost.md's cost table differs from bench/results: run `python bench/tables.py`"

@@ -77,6 +77,9 @@ PRESETS = {p.name: p for p in (
 
 
 POINT_PRESETS = PRESETS  # the name exported by the package
+"""Named sets of points by name (``table5``: the paper's attention logits and hidden states; ``kv``, ``sinks``,
+``smoothquant``: ``outlierscope profile --preset NAME``), each a :class:`PointPreset` of point patterns such as
+``layers.*.attn.k``."""
 
 
 @dataclass(frozen=True)

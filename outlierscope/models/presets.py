@@ -17,6 +17,8 @@ from outlierscope.errors import ParamError
 
 ROLES = ("transformer", "diff")
 DEFAULT_PAIR = ("pair-tiny:transformer", "pair-tiny:diff")  # the bundled matched pair: default of sweep and reproduce
+"""The bundled matched pair (a Transformer and a Diff Transformer trained alike by this project): the models a
+sweep or reproduce run takes when none is named."""
 
 
 @dataclass(frozen=True)

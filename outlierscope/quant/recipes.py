@@ -101,4 +101,7 @@ RECIPES = {r.name: r for r in (
            "the outlier columns are chosen per sequence, so a sequence's result does not depend on the batch; "
            "not bitsandbytes' rule (llm-int8: its row scales still see an outlier column's other elements)"),
 )}
+"""Named recipes by name: low-bit attention as kernels do it (SageAttention, FA3 FP8, KIVI, MX, NVFP4) and linear
+schemes as servers quantize them (W8A8, SmoothQuant, W4A8, W4A4 rotated, FP8, MXFP4, NVFP4, LLM.int8); each a
+:class:`Recipe` with its spec text and the source it follows. ``QuantSpec.parse(name)`` builds its spec."""
 

@@ -57,6 +57,10 @@ ITEM_FIELDS = ("tasks", "sample", "limit", "batch_size")  # what only metric ite
 
 @dataclass(frozen=True)
 class CompareSettings:
+    """Settings of ``outlierscope compare-quant``: a quantized checkpoint against the emulation of its scheme on the
+    float model it came from, per item or per token. Each field is a CLI flag of the same name (its help is the
+    field's ``option`` text) and is written to the comparison's record."""
+
     real: str = option(None, "the quantized checkpoint (directory, Hub id)", metavar="SPEC")
     model: str = option(None, "the float model it was made from", metavar="SPEC")
     quant: tuple[str, ...] = option((), "also compare these emulations (a compressed-tensors, GPTQ or AWQ checkpoint's own "

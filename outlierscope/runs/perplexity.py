@@ -99,6 +99,10 @@ def check_text_fields(s) -> None:
 
 @dataclass(frozen=True)
 class PerplexitySettings:
+    """Settings of a perplexity / KL-divergence run (``outlierscope perplexity``): one model, its specs and the
+    unquantized reference scored on the same windows of running text. Each field is a CLI flag of the same name (its
+    help is the field's ``option`` text) and is written to the run's record."""
+
     model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched "
                         "model", metavar="SPEC")
     bits: tuple[int, ...] = option((16,), "the paper's logits (int, per_tensor) at these bit widths; 16: the "

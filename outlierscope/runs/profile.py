@@ -59,6 +59,10 @@ from outlierscope.settings import option
 
 @dataclass(frozen=True)
 class ProfileSettings:
+    """Settings of a profile (``outlierscope profile``): what is streamed through which points of which models. Each
+    field is a CLI flag of the same name (its help is the field's ``option`` text) and is written to the run's
+    record."""
+
     tokens: int = option(400_000, "tokens to stream per model (the paper: 400000)")
     text: str = option("hellaswag", "hellaswag (validation contexts + gold endings) or a .txt/.jsonl(.xz) file")
     seq_len: int | None = option(None, "tokens per packed sequence (default: min(model context, 256))")

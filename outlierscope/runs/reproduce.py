@@ -23,6 +23,9 @@ from outlierscope.settings import option
 
 @dataclass(frozen=True)
 class ReproduceSettings:
+    """Settings of ``outlierscope reproduce``: Table 5 and Figure 8 in one run (profile, sweep, plot, report). Each
+    field is a CLI flag of the same name (its help is the field's ``option`` text)."""
+
     out: str = option("runs/reproduce", "output directory (completed sweep cells are reused)")
     tokens: int = option(400_000, "profiling tokens per model")
     limit: int | None = option(None, "first N items of each task (default: all)", exclusive="items")

@@ -86,6 +86,10 @@ ITEM_FIELDS = ("task", "limit", "sample", "batch_size")  # what only the gold_ll
 
 @dataclass(frozen=True)
 class SensitivitySettings:
+    """Settings of a per-layer sensitivity study (``outlierscope sensitivity``): one model, one spec quantized layer
+    by layer, ranked by a metric, with a greedy mixed-precision suggestion. Each field is a CLI flag of the same name
+    (its help is the field's ``option`` text) and is written to the study's record."""
+
     model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model", metavar="SPEC")
     bits: int = option(4, "bit width of the quantized layers")
     format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)

@@ -53,6 +53,10 @@ from outlierscope.settings import check_defaults, option
 
 @dataclass(frozen=True)
 class SweepSettings:
+    """Settings of a sweep (``outlierscope sweep``): models x quantization specs x tasks, each pair a resumable cell.
+    Each field is a CLI flag of the same name (its help is the field's ``option`` text); the record holds them all
+    and a rerun into the same ``out`` resumes only with the same settings (``force`` to change them)."""
+
     models: tuple[str, ...] = option(DEFAULT_PAIR, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model; repeat",
                                      flag="--model", repeat=True, metavar="SPEC")
     bits: tuple[int, ...] = option((16, 8, 6, 4), "bit widths; 16 = unquantized")

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    after = text.split("In Python, per-token values of any loaded model", 1)[1]
+    from tests.manual import manual
+
+    after = manual().split("In Python, per-token values of any loaded model", 1)[1]
     return re.search(r"```python\n(.*?)```", after, re.S).group(1)
 
 

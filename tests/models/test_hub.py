@@ -228,13 +228,13 @@ def test_lmeval_adapter_takes_a_hub_id(hub, dirs):
 
 
 def _readme_commands():
-    """The command lines of README's "Your model" block: (env, argv)."""
+    """The command lines of the guide's "Your model" block: (env, argv)."""
     import re
     import shlex
-    from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = text.split("## Your model", 1)[1].split("```", 2)[1]
+    from tests.manual import manual
+
+    block = manual().split("# Your model: Hub ids", 1)[1].split("```", 2)[1]
     out = []
     for line in block.strip().splitlines():
         words = shlex.split(line.split("#", 1)[0])

@@ -200,8 +200,9 @@ def test_no_module_dispatches_between_spec_types():
 
 def _readme_one_liners() -> list[str]:
     """The spec one-liners under the README's "One spec type" (each line of its python block that builds a spec)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    block = readme.split("**One spec type.**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    from tests.manual import manual
+
+    block = manual().split("**One spec type.**", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     return [line.split("#")[0].strip() for line in block.splitlines() if line.startswith("QuantSpec")]
 
 

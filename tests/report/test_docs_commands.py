@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 def _commands(folder: str, letter: str) -> list[list[str]]:
     """The README's command block for docs/``folder``/ as argument lists, with its ``letter`` (``Q``: the recipes,
     ``S``: the linear schemes; defined in the text above the block) expanded."""
-    text = (ROOT / "README.md").read_text()
-    after = text.split(f"The committed results under `docs/{folder}/` were made by these commands", 1)[1]
+    from tests.manual import manual
+
+    after = manual().split(f"The committed results under `docs/{folder}/` were made by these commands", 1)[1]
     q = re.search(rf"\(`{letter}` = `(.*?)`;", after, re.S).group(1).replace("\n", " ")
     block = after.split("```")[1]
     return [shlex.split(line.replace(f" {letter} ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]

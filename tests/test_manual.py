@@ -1,0 +1,106 @@
+"""The manual: a README of at most ~200 lines whose tables are the committed records' rows and whose links resolve,
+and a documentation site whose API reference renders every public name from its docstring."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+API = ROOT / "docs" / "api"
+
+
+def test_readme_is_short():
+    assert len(README.read_text().splitlines()) <= 200
+
+
+def test_readme_table_rows_are_their_records_rows():
+    """Each table under a ``<!-- rows from: PATH -->`` comment is rows of that committed file, verbatim; every table
+    of the README is under one (no number typed by hand)."""
+    source, tables = None, 0
+    for line in README.read_text().splitlines():
+        if m := re.match(r"<!-- rows from: (\S+) -->", line):
+            source, tables = (ROOT / m.group(1)).read_text(), tables + 1
+        elif line.startswith("|"):
+            assert source is not None, f"a README table row with no record named above it: {line}"
+            assert line in source.splitlines(), f"not a row of its record: {line}"
+        elif line.strip() and not line.startswith("<!--"):
+            source = None
+    assert tables >= 3
+
+
+def test_readme_links_resolve_and_reach_every_guide_page():
+    text = README.read_text()
+    links = [t.split("#")[0] for t in re.findall(r"\]\(([^)]+)\)", text) if not t.startswith("http")]
+    missing = [t for t in links if not (ROOT / t).exists()]
+    assert not missing
+    pages = {f"docs/guide/{p.name}" for p in (ROOT / "docs" / "guide").glob("*.md") if p.name != "index.md"}
+    assert pages <= set(links), f"guide pages the README does not link: {sorted(pages - set(links))}"
+
+
+def _api_targets() -> list[str]:
+    return re.findall(r"^::: ([\w.]+)", "\n".join(p.read_text() for p in sorted(API.glob("*.md"))), re.M)
+
+
+def test_every_public_name_has_an_api_page():
+    """``outlierscope.__all__`` is what the API reference renders: each name once, by the module that defines it."""
+    import outlierscope
+
+    targets = _api_targets()
+    assert len(targets) == len(set(targets))
+    assert {t.rsplit(".", 1)[1] for t in targets} == set(outlierscope.__all__)
+    for t in targets:
+        module, name = t.rsplit(".", 1)
+        if name in outlierscope._MODULES:
+            assert outlierscope._MODULES[name] == t
+        else:
+            assert outlierscope._EXPORTS[name] == module, t
+
+
+def test_every_public_name_has_a_docstring():
+    """What mkdocstrings renders: griffe's view of each target (a module-level constant's docstring is the string
+    after it)."""
+    griffe = pytest.importorskip("griffe")
+    pkg = griffe.load("outlierscope", search_paths=[str(ROOT)])
+    empty = [t for t in _api_targets() if not (d := pkg[t.removeprefix("outlierscope.")].docstring) or not d.value.strip()]
+    assert not empty, f"public names without a docstring: {empty}"
+
+
+def _tour_and_openings() -> list[str]:
+    """The README's tour lines and each guide page's opening command (the first code block after its question)."""
+    lines = README.read_text().split("## A short tour", 1)[1].split("```")[1].strip().splitlines()
+    for page in sorted((ROOT / "docs" / "guide").glob("*.md")):
+        text = page.read_text()
+        if "**The question:**" in text:
+            after = text.split("**The question:**", 1)[1]
+            head = after.split("\n## ", 1)[0]
+            if "```" in head:
+                block = head.split("```")[1].split("\n", 1)  # (language tag or "", the lines)
+                lines += block[1].replace("\\\n", " ").strip().splitlines()  # continued lines joined
+    return lines
+
+
+def test_tour_and_opening_commands_parse():
+    """Each of them names a verb and flags the CLI takes (parsed by its own parser; placeholders in capitals)."""
+    import shlex
+
+    from outlierscope.cli import build_parser
+
+    lines = _tour_and_openings()
+    assert len(lines) >= 25
+    for line in lines:
+        argv = [w for w in shlex.split(line.split("  #", 1)[0]) if not re.match(r"^[A-Z_]+=", w)]  # env set aside
+        if argv[0].endswith("python") and argv[1] == "-m":  # a module of ours run as a program (the lm-eval CLI)
+            import importlib.util
+
+            assert importlib.util.find_spec(argv[2]) is not None, line
+            continue
+        if argv[0].endswith("python"):
+            assert (ROOT / argv[1]).exists(), line
+            continue
+        assert argv[0].endswith("outlierscope"), line
+        try:
+            build_parser().parse_args(argv[1:])
+        except SystemExit:
+            pytest.fail(f"the CLI refuses: {line}")
