@@ -68,7 +68,7 @@ lmeval-compare: install data lmeval-venv
 	$(BIN)/python bench/eval_vs_lmeval.py --model $(LMEVAL_MODEL) $(LMEVAL_ARGS)
 
 # llm-compressor 0.14.0.1 in a venv of its own (it pins compressed-tensors 0.19.0 and transformers <= 5.17), for
-# bench/llmc_oneshot.py: a compressed-tensors checkpoint from an `outlierscope export` (docs/checkpoints)
+# references/llmc_oneshot.py: a compressed-tensors checkpoint from an `outlierscope export` (docs/checkpoints)
 .venv-llmc/.installed:
 	$(PYTHON) -m venv .venv-llmc
 	.venv-llmc/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
@@ -77,8 +77,8 @@ lmeval-compare: install data lmeval-venv
 
 llmc-venv: .venv-llmc/.installed
 
-# GPT-QModel 7.6.0 + optimum in a venv of their own (gptqmodel 7.7 wants torch >= 2.14), for bench/gptq_fixtures.py
-# (the GPTQ/AWQ checkpoints under tests/models/packed) and bench/gptq_oneshot.py (docs/checkpoints' GPTQ model)
+# GPT-QModel 7.6.0 + optimum in a venv of their own (gptqmodel 7.7 wants torch >= 2.14), for references/gptq_fixtures.py
+# (the GPTQ/AWQ checkpoints under tests/models/packed) and references/gptq_oneshot.py (docs/checkpoints' GPTQ model)
 .venv-gptq/.installed:
 	$(PYTHON) -m venv .venv-gptq
 	.venv-gptq/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"

@@ -1,6 +1,6 @@
 """What GPTQ of a whole model costs in outlierscope against GPT-QModel 7.6 on the same machine (issue #49's goal:
 within 2x), on the same calibration rows (``--calib-seqs`` x ``--calib-len`` tokens packed from ``--calib-text`` by
-bench/textpack.py, as bench/gptq_oneshot.py gives GPT-QModel), 4 bits, groups of 64, damp 0.05, no act order, the
+references/textpack.py, as references/gptq_oneshot.py gives GPT-QModel), 4 bits, groups of 64, damp 0.05, no act order, the
 model in ``--dtype`` on both sides (default bfloat16: what GPT-QModel's loader picks on a CPU by itself, "Auto dtype
 (CPU + Torch Fused)"; its layer forwards then run in bfloat16, its Hessians and updates in float32, as ours) and
 ``--threads`` torch threads on both sides (default: all cores).
@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from textpack import packed_ids  # bench/textpack.py (this folder is on sys.path when run as a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "references"))  # textpack, shared with GPT-QModel's venv
+from textpack import packed_ids  # noqa: E402 - references/textpack.py
 
 BITS, GROUP, DAMP = 4, 64, 0.05
 GPTQ_PYTHON = Path(__file__).resolve().parent.parent / ".venv-gptq" / "bin" / "python"

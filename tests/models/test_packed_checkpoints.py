@@ -1,6 +1,6 @@
 """GPTQ and AWQ checkpoints without GPT-QModel's kernels (outlierscope.models.packed), issue #40.
 
-The references come from outside the decoder: checkpoints GPT-QModel made itself on a CPU (bench/gptq_fixtures.py,
+The references come from outside the decoder: checkpoints GPT-QModel made itself on a CPU (references/gptq_fixtures.py,
 run in its own venv; committed under tests/models/packed/ with GPT-QModel's own dequantized weights and the last
 hidden state transformers computes with GPT-QModel's kernels), and the bit layouts packed here bit by bit in
 Python integers from the formats' description."""

@@ -1,5 +1,5 @@
 """AWQ's searches (outlierscope.quant.awq, the group search of awq_model) against GPT-QModel 7.6's own functions
-(AutoAWQ's arithmetic; bench/awq_gptqmodel_reference.py, its fixture committed) and against AutoAWQ's algorithm
+(AutoAWQ's arithmetic; references/awq_gptqmodel_reference.py, its fixture committed) and against AutoAWQ's algorithm
 written here in float64 numpy (loops over ratios, rows and groups; the MLP's forward by hand)."""
 
 import json

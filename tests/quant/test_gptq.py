@@ -166,7 +166,7 @@ PACKED = __import__("pathlib").Path(__file__).resolve().parents[1] / "models" / 
                                                               ("gptq-w8g64-sym", 8, 64, "fint", "gar"),
                                                               ("gptq-w4g32-asym-actorder", 4, 32, "zint", "desc")])
 def test_first_layer_codes_and_scales_are_gpt_qmodels(variant, bits, group, fmt, order):
-    """GPT-QModel 7.6's own checkpoints (tests/models/packed, made by bench/gptq_fixtures.py: damp 0.05, block 128,
+    """GPT-QModel 7.6's own checkpoints (tests/models/packed, made by references/gptq_fixtures.py: damp 0.05, block 128,
     group-aware reordering (symmetric) or act order with integer zero points (sym=False, desc_act), 16 seeded random
     sequences of 64 tokens; the float16 model loaded in bfloat16 on its CPU): layer 0's q/k/v see the calibration
     inputs unchanged by any quantization, so their Hessian is computed here from those sequences through the
@@ -205,7 +205,7 @@ FIXTURES = __import__("pathlib").Path(__file__).resolve().parent / "fixtures"
 
 @pytest.mark.parametrize("order", ["none", "desc"])
 def test_static_groups_equal_llm_compressors_gptq(order):
-    """llm-compressor 0.14's own ``quantize_weight`` (bench/gptq_llmc_reference.py in its venv: static min-max group
+    """llm-compressor 0.14's own ``quantize_weight`` (references/gptq_llmc_reference.py in its venv: static min-max group
     scales from compressed-tensors, 4-bit symmetric groups of 16, block 32, damp 0.01, without and with
     actorder="weight"; its Hessian of layer 0's inputs): on the same Hessian and weights, static groups give every
     weight of q/k/v_proj equal, and the Hessian ours streams from the same sequences equals theirs."""
@@ -261,7 +261,7 @@ SMOLLM2_SETTINGS = {  # the fixture's QuantizeConfig settings -> (bits, grid, or
                     reason="SmolLM2-135M is not fetched (make test fetches it)")
 @pytest.mark.parametrize("layer", [0, 15])
 def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
-    """GPT-QModel 7.6's own GPTQ (bench/gptq_smollm2_reference.py in its venv: its GPTQ task, add_batch and quantize,
+    """GPT-QModel 7.6's own GPTQ (references/gptq_smollm2_reference.py in its venv: its GPTQ task, add_batch and quantize,
     damp 0.01, block 128) on SmolLM2-135M's real linears (their weights rounded to bfloat16 values): q/k/v_proj of
     layers 0 and 15, and o_proj and gate/up_proj of layer 0, with the Hessians it accumulated from outlierscope's
     128 x 512 calibration tokens: for 8 settings (symmetric with and without group-aware reordering, zero point,

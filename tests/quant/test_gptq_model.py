@@ -262,7 +262,7 @@ def test_the_subsets_forward_stops_after_their_linears_and_gives_the_same_weight
 
 @pytest.mark.parametrize("tag, gptq", [("none", "static"), ("static", "order=desc,static")])
 def test_whole_model_equals_llm_compressors_gptq_modifier(tag, gptq):
-    """llm-compressor 0.14's ``oneshot`` with a ``GPTQModifier`` (bench/gptq_llmc_model.py in its venv: the packed
+    """llm-compressor 0.14's ``oneshot`` with a ``GPTQModifier`` (references/gptq_llmc_model.py in its venv: the packed
     float model in float32, 16 seeded sequences of 64 tokens, 4-bit symmetric groups of 32, damp 0.01, without act
     order and with its default ``actorder="static"``): with ``sequential=layer`` (its pipeline: every linear of a
     layer calibrated from one pass through the layer as it was) every code, group scale and g_idx of both layers

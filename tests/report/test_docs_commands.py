@@ -72,19 +72,19 @@ def test_readme_commands_made_docs_checkpoints():
     for argv in _commands("checkpoints", "W"):
         if argv[0] == "rm":  # the profile's bulky per-channel and per-position tables (tens of MB)
             continue
-        if argv[0].endswith("python") and argv[1] == "bench/packed_nll.py":  # either venv: its record names its argv
+        if argv[0].endswith("python") and argv[1] == "references/packed_nll.py":  # either venv: its record names its argv
             out = argv[argv.index("--out") + 1]
             assert json.loads((ROOT / out).read_text())["command"].split()[1:] == argv[2:], out
             made.add((ROOT / out).resolve())
             continue
-        if argv[0].endswith("python") and argv[1] == "bench/weight_grid.py":  # its record names its argv
+        if argv[0].endswith("python") and argv[1] == "references/weight_grid.py":  # its record names its argv
             out = argv[argv.index("--out") + 1]
             record = json.loads((ROOT / out).read_text())
             assert record["command"].split()[1:] == [os.path.expanduser(x) for x in argv[2:]], out
             assert record["tensors"] and set(record["summary"]) >= {"mlp.down_proj", "self_attn.q_proj"}
             made.add((ROOT / out).resolve())
             continue
-        if argv[0].endswith("python") and argv[1] == "bench/gptq_oneshot.py":  # GPT-QModel's venv
+        if argv[0].endswith("python") and argv[1] == "references/gptq_oneshot.py":  # GPT-QModel's venv
             flags = [x for x in argv[2:] if x in ("--asym", "--desc-act")]
             a = dict(zip(*[iter([x for x in argv[2:] if x not in flags])] * 2))
             record = json.loads((ROOT / a["--record"]).read_text())
@@ -120,7 +120,7 @@ def test_readme_commands_made_docs_checkpoints():
 
 def test_readme_commands_made_docs_perplexity():
     """docs/perplexity/: each perplexity line of the README gives its record's settings, each compare-perplexity and
-    rank-agreement line names the directories its record compared; a bench/ggml_snap.py line's record (committed beside
+    rank-agreement line names the directories its record compared; a references/ggml_snap.py line's record (committed beside
     the perplexity record of the model it wrote) names the line and the bytes that run read; every record under the
     directory has its line; every committed table re-renders from its csv (the markdown the command wrote)."""
     import pandas as pd
@@ -132,8 +132,8 @@ def test_readme_commands_made_docs_perplexity():
 
     made, snaps = set(), {}
     for argv in _commands("perplexity", "Q"):
-        if argv[0].endswith("python"):  # bench/ggml_snap.py: a model the next lines read as --model
-            assert argv[1] == "bench/ggml_snap.py", argv
+        if argv[0].endswith("python"):  # references/ggml_snap.py: a model the next lines read as --model
+            assert argv[1] == "references/ggml_snap.py", argv
             snaps[argv[argv.index("--out") + 1]] = argv[2:]
             continue
         assert argv[0] == "outlierscope", argv

@@ -4,11 +4,11 @@ per-sequence negative log-likelihood of held-out text, and the float model's and
 Two runs of this one script write one JSON each, then a third compares them:
 
     # GPT-QModel's venv (make gptq-venv): transformers loads the checkpoint with GPT-QModel's CPU kernels
-    .venv-gptq/bin/python bench/packed_nll.py --model CKPT --loader transformers --text T --out A.json
+    .venv-gptq/bin/python references/packed_nll.py --model CKPT --loader transformers --text T --out A.json
     # the project's venv: outlierscope decodes the packed weights (models.packed); --quant: also the float model
     # under that emulation, --float: also the float model itself
-    .venv/bin/python bench/packed_nll.py --model CKPT --loader outlierscope --float FLOAT --quant SPEC --text T --out B.json
-    .venv/bin/python bench/packed_nll.py --compare A.json B.json --out C.json
+    .venv/bin/python references/packed_nll.py --model CKPT --loader outlierscope --float FLOAT --quant SPEC --text T --out B.json
+    .venv/bin/python references/packed_nll.py --compare A.json B.json --out C.json
 
 Sequences: the first ``--seqs`` runs of ``--len`` tokens packed from the documents of ``--text`` (.jsonl[.xz] of
 {"text": ...}; EOS between documents), the same ids in both runs (the checkpoint's tokenizer).
@@ -23,7 +23,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from textpack import packed_ids  # bench/textpack.py (this folder is on sys.path when run as a script)
+from textpack import packed_ids  # references/textpack.py (this folder is on sys.path when run as a script)
 
 
 def nll(model, ids) -> list[float]:
@@ -66,7 +66,7 @@ def measure(a) -> dict:
     return {"model": a.model, "text": a.text, "seqs": a.seqs, "len": a.len, "ids_sum": int(ids.sum()), "runs": res,
             "versions": {p: version(p) for p in ("torch", "transformers")},
             "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-            "command": " ".join(["bench/packed_nll.py", *sys.argv[1:]])}
+            "command": " ".join(["references/packed_nll.py", *sys.argv[1:]])}
 
 
 def compare(paths: list[str]) -> dict:
@@ -83,7 +83,7 @@ def compare(paths: list[str]) -> dict:
             x = np.array(run["nll"])
             rows.append({"file": p, "run": name, "loader": run["loader"], "mean_nll": float(x.mean()),
                          "vs_first_real_mean": float((x - ref).mean()), "vs_first_real_max_abs": float(np.abs(x - ref).max())})
-    return {"files": paths, "rows": rows, "command": " ".join(["bench/packed_nll.py", *sys.argv[1:]])}
+    return {"files": paths, "rows": rows, "command": " ".join(["references/packed_nll.py", *sys.argv[1:]])}
 
 
 def main() -> None:

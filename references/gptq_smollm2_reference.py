@@ -23,7 +23,7 @@ Usage:
 from outlierscope.quant.gptq import GPTQConfig; from outlierscope.quant.sequential import calibration_sequences; \
 lm = load_model('smollm2-135m'); torch.save(calibration_sequences(lm.tokenizer, None, GPTQConfig(), None), \
 '/tmp/smollm2_calib_ids.pt')"
-    GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python bench/gptq_smollm2_reference.py \
+    GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/gptq_smollm2_reference.py \
         --model ~/.cache/outlierscope/models/smollm2-135m --ids /tmp/smollm2_calib_ids.pt \
         --out tests/quant/fixtures/gptq_gptqmodel_smollm2.safetensors
 """
@@ -129,7 +129,7 @@ def main() -> None:
                 digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
                                                                     "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
                 print(f"layer {i} {name} {key}: done", flush=True)
-    meta = {"command": " ".join(["bench/gptq_smollm2_reference.py", *sys.argv[1:]]),
+    meta = {"command": " ".join(["references/gptq_smollm2_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),
             "settings": json.dumps({"damp": 0.01, "block": 128, "quantize_config": SETTINGS}),
             "calibration": json.dumps({"shape": list(ids.shape), "ids_sha256": sha(ids)}),

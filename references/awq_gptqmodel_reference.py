@@ -20,7 +20,7 @@ for float32 weights on a CPU is the weight itself (no copy): each ratio then sca
 before left rounded, and the search ends with them rounded. In float64 that copy is real (float16 values: exact in
 float32), and the search runs as on a GPU, in float64 arithmetic that outlierscope's float64 path repeats.
 
-Usage: GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python bench/awq_gptqmodel_reference.py \
+Usage: GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/awq_gptqmodel_reference.py \
            --out tests/quant/fixtures/awq_gptqmodel.safetensors
 """
 
@@ -91,7 +91,7 @@ def main() -> None:
             for name, x in (("gate_proj", x_mlp), ("up_proj", x_mlp), ("down_proj", x_down)):
                 w = getattr(mlp, name).weight.detach()
                 out[f"{key}.{name}.clip"] = p._compute_best_clip(w, x).reshape(w.shape[0], -1).contiguous()
-    meta = {"command": " ".join(["bench/awq_gptqmodel_reference.py", *sys.argv[1:]]),
+    meta = {"command": " ".join(["references/awq_gptqmodel_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),
             "settings": json.dumps({"dtype": "float64", "grids": GRIDS, "duo_scaling": True, "n_grid": 20, "sequences": "4 x 32, seed 2"})}
     save_file(out, args.out, metadata=meta)

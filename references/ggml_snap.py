@@ -7,7 +7,7 @@ directory that every outlierscope command takes as ``--model DIR``, so a weight 
 model with and without weights that already lie on a 4-bit grid (#49: is that why GPTQ loses to round-to-nearest
 on SmolLM2?).
 
-Usage: .venv/bin/python bench/ggml_snap.py --model pair-tiny:transformer --type Q4_1 --out runs/pair-q41/transformer
+Usage: .venv/bin/python references/ggml_snap.py --model pair-tiny:transformer --type Q4_1 --out runs/pair-q41/transformer
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def main() -> None:
     src = resolve_model(a.model).path
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {"command": " ".join(["bench/ggml_snap.py", *sys.argv[1:]]), "model": a.model, "out": a.out,
+    record = {"command": " ".join(["references/ggml_snap.py", *sys.argv[1:]]), "model": a.model, "out": a.out,
               **snap_dir(src, out, a.type)}
     (out / "ggml_snap.json").write_text(json.dumps(record, indent=1) + "\n")
     print(f"{len(record['snapped'])} weights through {a.type} -> {out}")

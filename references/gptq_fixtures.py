@@ -18,7 +18,7 @@ Runs in GPT-QModel's own venv (``make gptq-venv``: gptqmodel 7.6.0 + optimum 2.3
 5. keeps the float model they were all made from (float16 weights) as ``float/`` (no tokenizer): compare-quant's
    emulation runs on it.
 
-Usage: .venv-gptq/bin/python bench/gptq_fixtures.py --out tests/models/packed
+Usage: .venv-gptq/bin/python references/gptq_fixtures.py --out tests/models/packed
 """
 
 from __future__ import annotations
@@ -140,7 +140,7 @@ def main() -> None:
                       "versions": {"gptqmodel": gptqmodel.__version__, "optimum": version("optimum"),
                                    "transformers": transformers.__version__, "torch": torch.__version__},
                       "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version()},
-                      "command": f"bench/gptq_fixtures.py --out {a.out} --only {name}"}
+                      "command": f"references/gptq_fixtures.py --out {a.out} --only {name}"}
             (dest / "fixture.json").write_text(json.dumps(record, indent=2) + "\n")
             print(json.dumps(record))
 

@@ -4,7 +4,7 @@ block (GGML's Q4_1: ``d = (max - min) / 15``, every value ``min + q d`` with int
 step), and the mean count of distinct values per block. A weight dequantized from Q4_1 has every block on its grid;
 a weight trained in float (or dequantized from 8 bits) has almost none.
 
-Usage: .venv/bin/python bench/weight_grid.py --model ~/.cache/outlierscope/models/smollm2-135m \
+Usage: .venv/bin/python references/weight_grid.py --model ~/.cache/outlierscope/models/smollm2-135m \
            --out docs/checkpoints/smollm2-135m-weight-grid.json
 """
 
@@ -59,7 +59,7 @@ def main() -> None:
         kinds.setdefault(kind, []).append(r["on_grid"])
     summary = {k: {"tensors": len(v), "min_on_grid": min(v), "mean_on_grid": sum(v) / len(v)} for k, v in kinds.items()}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {"command": " ".join(["bench/weight_grid.py", *sys.argv[1:]]), "commit": commit,
+    record = {"command": " ".join(["references/weight_grid.py", *sys.argv[1:]]), "commit": commit,
               "machine": {"cpu": platform.machine(), "python": platform.python_version(), "torch": torch.__version__},
               "block": a.block, "tol": a.tol, "summary": summary, "tensors": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

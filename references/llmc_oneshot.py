@@ -10,7 +10,7 @@ transformers <= 5.17, not ours), imports nothing of outlierscope. Steps:
 3. the model saved compressed into ``--out``; the ``quantization_config`` llm-compressor wrote must again match the
    export's. What it found goes to llmc_oneshot.json in ``--out`` and in the export's directory (and stdout).
 
-Usage: .venv-llmc/bin/python bench/llmc_oneshot.py --model DIR --export EXPORT_DIR --out CKPT_DIR [--calib-text F]
+Usage: .venv-llmc/bin/python references/llmc_oneshot.py --model DIR --export EXPORT_DIR --out CKPT_DIR [--calib-text F]
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ default). Written to ``--out`` (safetensors): every linear's integer codes (``ro
 weight llm-compressor left in place is ``codes x scale``, checked here), its group scales and g_idx (act order), the
 calibration tokens, and the versions and this command in the metadata.
 
-Usage: .venv-llmc/bin/python bench/gptq_llmc_model.py --out tests/quant/fixtures/gptq_llmc_model.safetensors
+Usage: .venv-llmc/bin/python references/gptq_llmc_model.py --out tests/quant/fixtures/gptq_llmc_model.safetensors
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def main() -> None:
             out[f"{tag}.{name}.codes"] = codes.to(torch.int8).contiguous()
             out[f"{tag}.{name}.scale"] = scale.contiguous()
             out[f"{tag}.{name}.g_idx"] = g_idx.to(torch.int32).contiguous()
-    meta = {"command": " ".join(["bench/gptq_llmc_model.py", *sys.argv[1:]]),
+    meta = {"command": " ".join(["references/gptq_llmc_model.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("llmcompressor", "compressed-tensors", "torch",
                                                              "transformers")}),
             "settings": json.dumps({"bits": BITS, "group": GROUP, "block": BLOCK, "damp": DAMP, "samples": N,

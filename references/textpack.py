@@ -1,5 +1,5 @@
-"""Token ids packed from a text file's documents: shared by the bench scripts that run in other venvs
-(gptq_oneshot.py, packed_nll.py; this folder is on sys.path when they run as scripts). Imports nothing of
+"""Token ids packed from a text file's documents: shared by the scripts that run in other venvs
+(gptq_oneshot.py, packed_nll.py; this folder is on sys.path when they run as scripts) and bench/gptq_cost.py. Imports nothing of
 outlierscope."""
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ desc_act as given (the classic algorithm); AWQ: gemm layout, packed by GPT-QMode
 default needs CUDA). Writes the checkpoint (with the float model's tokenizer) into ``--out`` and what was done to
 ``gptq_oneshot.json`` there and, with ``--record``, a copy of that record (the checkpoint itself is not committed).
 
-Usage: .venv-gptq/bin/python bench/gptq_oneshot.py --model DIR --method gptq --bits 4
+Usage: .venv-gptq/bin/python references/gptq_oneshot.py --model DIR --method gptq --bits 4
        --group 64 --calib-text ../shared/corpus/wiki-train-00.jsonl.xz --out runs/checkpoints/NAME --record FILE
 """
 
@@ -23,7 +23,7 @@ import time
 from importlib.metadata import version
 from pathlib import Path
 
-from textpack import packed_ids  # bench/textpack.py (this folder is on sys.path when run as a script)
+from textpack import packed_ids  # references/textpack.py (this folder is on sys.path when run as a script)
 
 
 def calibration(tok, path: str, seqs: int, length: int) -> list[dict]:
@@ -78,7 +78,7 @@ def main() -> None:
               "versions": {p: version(p) for p in ("gptqmodel", "optimum", "transformers", "torch")},
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                           "threads": torch.get_num_threads()},
-              "command": " ".join(["bench/gptq_oneshot.py", *map(shlex.quote, sys.argv[1:])])}
+              "command": " ".join(["references/gptq_oneshot.py", *map(shlex.quote, sys.argv[1:])])}
     text = json.dumps(record, indent=2) + "\n"
     (Path(a.out) / "gptq_oneshot.json").write_text(text)
     if a.record:

@@ -13,7 +13,7 @@ GPT-QModel loads it on a CPU) it
 4. writes the Hessian, the scales and the quantized weights (float32) to ``--out`` (a safetensors file), with the
    versions and this command in its metadata.
 
-Usage: .venv-llmc/bin/python bench/gptq_llmc_reference.py --out tests/quant/fixtures/gptq_llmc.safetensors
+Usage: .venv-llmc/bin/python references/gptq_llmc_reference.py --out tests/quant/fixtures/gptq_llmc.safetensors
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def main() -> None:
             tag = f"{name}.{actorder or 'none'}"
             out[f"{tag}.weight"] = q[0].float().contiguous()
             out[f"{tag}.scale"] = scale.float().contiguous()
-    meta = {"command": " ".join(["bench/gptq_llmc_reference.py", *sys.argv[1:]]),
+    meta = {"command": " ".join(["references/gptq_llmc_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("llmcompressor", "compressed-tensors", "torch",
                                                              "transformers")}),
             "settings": json.dumps({"bits": BITS, "group": GROUP, "block": BLOCK, "damp": DAMP})}
