@@ -60,7 +60,7 @@ def _mode_context(model, mode: str, rows: int, tokens: int):
     """A factory of the context one forward in ``mode`` runs under (unblocked: one block of all rows)."""
     from outlierscope.hooks.attention import attention_stages
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     block = rows if mode.endswith("_blocked") else tokens
     if mode == "eager":

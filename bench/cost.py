@@ -68,8 +68,8 @@ def _specs(a, lm) -> dict:
     from artifact import ROOT
 
     from outlierscope.quant.apply import check_spec
-    from outlierscope.quant.linear import calibration_for
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.calibration import calibration_for
 
     names = [*LOGITS, *RECIPES, *LINEAR, *CALIBRATED]
     if a.only:

@@ -59,9 +59,9 @@ def theirs(model_dir: str, text: str, seqs: int, length: int, dtype: str, thread
 
 
 def ours(lm, rows) -> float:
-    from outlierscope.quant.gptq_model import gptq_model
-    from outlierscope.quant.linear import linear_sites
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.linears.sites import linear_sites
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.gptq_model import gptq_model
 
     spec = QuantSpec.parse(f"w=fint{BITS}/per_group:{GROUP}; gptq:damp={DAMP}")
     t0 = time.perf_counter()

@@ -22,7 +22,7 @@ def strided_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def rounded(lm, spec, seqs, sites) -> dict[str, torch.Tensor]:
-    from outlierscope.quant.gptq_model import gptq_model
+    from outlierscope.quant.weights.gptq_model import gptq_model
 
     return {n: r.weight(torch.float32) for n, r in gptq_model(lm.model, seqs, spec, sites, progress=False).items()}
 
@@ -37,9 +37,9 @@ def main() -> None:
     from outlierscope.io import git_commit, machine
     from outlierscope.models.loading import load_model
     from outlierscope.quant import gptq as G
-    from outlierscope.quant.linear import linear_sites
-    from outlierscope.quant.sequential import calibration_sequences
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.linears.sites import linear_sites
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.sequential import calibration_sequences
 
     model, specs = sys.argv[1], sys.argv[2:]
     lm = load_model(model)

@@ -39,7 +39,7 @@ def main() -> None:
     from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model(a.model)
     items = load_hellaswag()[: a.items]

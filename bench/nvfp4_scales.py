@@ -25,8 +25,8 @@ class BlockCounter:
 
     def add(self, target: str, x, valid) -> None:
         """``x`` (B, ..., n) with the blocks along its last dim, ``valid`` broadcastable to it; per-sequence amax."""
-        from outlierscope.quant.formats import NVFP4_BLOCK, nvfp4_scales
-        from outlierscope.quant.ops import _pad_to
+        from outlierscope.quant.attention.ops import _pad_to
+        from outlierscope.quant.numerics.formats import NVFP4_BLOCK, nvfp4_scales
 
         w = _pad_to(x.float().masked_fill(~valid, 0), -1, NVFP4_BLOCK)  # whole blocks
         amax = w.abs().amax(tuple(range(1, w.dim())))  # (B,): NVFP4's per-tensor scale, per sequence
@@ -65,7 +65,7 @@ def main() -> None:
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.hooks.attention import attention_stages
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model(a.model)
     items = select_items(sample=500, seed=0)[: a.items]  # the first of docs/recipes' 500 seeded items

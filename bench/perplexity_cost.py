@@ -69,7 +69,7 @@ def _time(fn) -> float:
 def timings(a) -> dict:
     from outlierscope.eval.perplexity import score_windows
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model(a.model)
     windows = _windows(lm, a.windows, a.length)
@@ -95,7 +95,7 @@ def rss_child(a) -> None:
     from outlierscope.eval.perplexity import score_windows
     from outlierscope.eval.windows import Window
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model(a.model)
     model = lm.model

@@ -35,7 +35,7 @@ def main() -> None:
     from outlierscope.eval.windows import protocol_windows
     from outlierscope.hooks.points import decoder_layers
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model(a.model)
     n_layers = len(decoder_layers(lm.model))

@@ -22,8 +22,8 @@ def main() -> None:
     start = begin()
     from outlierscope.models.loading import load_model
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.logits import logits_quant
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.attention.logits import logits_quant
+    from outlierscope.quant.specs.spec import QuantSpec
 
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="pair-tiny:diff")

@@ -29,7 +29,7 @@ def main() -> None:
 
     from outlierscope.data.hellaswag import load_hellaswag
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec, build_spec
+    from outlierscope.quant.specs.spec import QuantSpec, build_spec
 
     lm = load_model(a.model)
     items = load_hellaswag()[: a.items]

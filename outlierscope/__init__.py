@@ -35,14 +35,14 @@ _EXPORTS = {
     "Observation": "outlierscope.hooks.capture",
     "POINT_PRESETS": "outlierscope.hooks.points",
     "OutlierStats": "outlierscope.analysis.outliers",
-    "QuantSpec": "outlierscope.quant.spec",
-    "TensorQuant": "outlierscope.quant.parts",
-    "RECIPES": "outlierscope.quant.recipes",
+    "QuantSpec": "outlierscope.quant.specs.spec",
+    "TensorQuant": "outlierscope.quant.specs.parts",
+    "RECIPES": "outlierscope.quant.specs.recipes",
     "quantize_model": "outlierscope.quant.apply",
-    "calibration_for": "outlierscope.quant.linear",
+    "calibration_for": "outlierscope.quant.weights.calibration",
     "LinearErrorStats": "outlierscope.analysis.linear_error",
-    "absmax_scale": "outlierscope.quant.primitives",
-    "fake_quant": "outlierscope.quant.primitives",
+    "absmax_scale": "outlierscope.quant.numerics.primitives",
+    "fake_quant": "outlierscope.quant.numerics.primitives",
     "evaluate": "outlierscope.eval.evaluate",
     "EvalResult": "outlierscope.eval.evaluate",
     "EvalOptions": "outlierscope.eval.evaluate",
@@ -75,7 +75,7 @@ _EXPORTS = {
 }
 _MODULES = {"plots": "outlierscope.report.plots", "activation_plots": "outlierscope.report.activation_plots"}  # public name -> module exported as a whole
 # the names before one spec type (#47): resolved for one release, warning, never cached or listed in __all__
-_DEPRECATED = {"AttnQuant": "outlierscope.quant.recipe", "quantize_attention": "outlierscope.quant.apply",
+_DEPRECATED = {"AttnQuant": "outlierscope.quant.specs.recipe", "quantize_attention": "outlierscope.quant.apply",
                "quantize_weights": "outlierscope.quant.bnb", "as_attn_quant": "outlierscope.quant.apply"}
 __all__ = sorted(_EXPORTS.keys() | _MODULES.keys())
 
@@ -86,7 +86,7 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     if name in _DEPRECATED:
-        from outlierscope.quant.recipe import deprecated_name
+        from outlierscope.quant.specs.recipe import deprecated_name
 
         return deprecated_name(importlib.import_module(_DEPRECATED[name]), name)
     module = _EXPORTS.get(name)

@@ -61,8 +61,8 @@ def _cmd_tasks(a) -> None:
 
 
 def _cmd_recipes(a) -> None:
-    from outlierscope.quant.recipes import RECIPES
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.recipes import RECIPES
+    from outlierscope.quant.specs.spec import QuantSpec
 
     if a.spec is not None:  # check a spec or recipe and print its canonical text (an empty one is an error)
         spec = QuantSpec.parse(a.spec)
@@ -104,10 +104,11 @@ def _cmd_train(a) -> None:
 
 
 def _cmd_generate(a) -> None:
-    from outlierscope.models.loading import check_generation, check_model, generate, load_model
+    from outlierscope.models.loading import check_generation, generate, inspect_model, load_model
 
-    check_generation(a.prompt, a.max_new_tokens, a.temperature, a.top_k, check_model(a.model, a.trust_remote_code)[1])
-    lm = load_model(a.model, **_placement(a))
+    record = inspect_model(a.model, a.trust_remote_code)
+    check_generation(a.prompt, a.max_new_tokens, a.temperature, a.top_k, record.config)
+    lm = load_model(a.model, **_placement(a), record=record)
     warn = lambda msg: print(f"outlierscope: warning: {msg}", file=sys.stderr)  # noqa: E731
     print(generate(lm, a.prompt, max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_k=a.top_k, seed=a.seed,
                    warn=warn))

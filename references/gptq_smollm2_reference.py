@@ -20,7 +20,7 @@ Runs in GPT-QModel's venv (``make gptq-venv``), imports nothing of outlierscope.
 
 Usage:
     .venv/bin/python -c "import torch; from outlierscope.models.loading import load_model; \
-from outlierscope.quant.gptq import GPTQConfig; from outlierscope.quant.sequential import calibration_sequences; \
+from outlierscope.quant.weights.gptq import GPTQConfig; from outlierscope.quant.weights.sequential import calibration_sequences; \
 lm = load_model('smollm2-135m'); torch.save(calibration_sequences(lm.tokenizer, None, GPTQConfig(), None), \
 '/tmp/smollm2_calib_ids.pt')"
     GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/gptq_smollm2_reference.py \

@@ -14,8 +14,8 @@ from outlierscope.analysis.outliers import OutlierStats
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.capture import capture
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.logits import logits_quant
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.attention.logits import logits_quant
+from outlierscope.quant.specs.spec import QuantSpec
 from tests.hooks.test_capture import make
 
 pytestmark = [pytest.mark.cuda,

@@ -157,9 +157,9 @@ def test_a_damaged_gptq_cache_is_calibrated_again(tmp_path):
     import torch
 
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.gptq_model import calibration_sequences, gptq_model
-    from outlierscope.quant.linear import linear_sites
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.linears.sites import linear_sites
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.gptq_model import calibration_sequences, gptq_model
 
     calib = tmp_path / "calib.txt"
     calib.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))

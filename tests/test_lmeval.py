@@ -61,7 +61,7 @@ def test_quantized_equals_our_scorer(task_dir, granularity):
     the batch's shape and the processor's kernels (a last-bit difference can cross a rounding boundary)."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     n = 12
     tasks = write_task_yamls(task_dir, ["hellaswag"])
@@ -86,7 +86,7 @@ def test_recipe_equals_our_scorer(task_dir, recipe):
     and the processor's kernels (an AMD EPYC moved one choice by 0.014 nats in float32)."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     tasks = write_task_yamls(task_dir, ["hellaswag"])
     res = evaluate(load_model(PAIR_DIFF, device="cpu", dtype="float64"), quant=QuantSpec.parse(recipe), limit=8,
@@ -310,7 +310,7 @@ def test_loglikelihood_rolling_equals_a_naive_forward(bits):
     from lm_eval.api.instance import Instance
 
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     text = "The history of the river is long, and the city grew along its banks over many centuries."
     lm = OutlierscopeLM(PAIR_DIFF, bits=bits, device="cpu", batch_size=1)

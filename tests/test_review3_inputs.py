@@ -53,8 +53,8 @@ def test_kld_length_zero_names_its_flag(capsys, tmp_path):
 
 
 def test_huge_layer_ranges_fail_at_once():
-    from outlierscope.quant.parts import MAX_LAYERS, parse_layers
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.parts import MAX_LAYERS, parse_layers
+    from outlierscope.quant.specs.spec import QuantSpec
 
     with pytest.raises(ValueError, match="below 65536"):
         parse_layers("0-3000000000")
@@ -67,7 +67,7 @@ def test_huge_layer_ranges_fail_at_once():
                                         ("awq:grid=10,grid=20", "sets grid twice"),
                                         ("gptq:damp=0", "0 < X < 1")])
 def test_weight_algorithm_settings_given_twice_or_zero_damping(text, says):
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     with pytest.raises(OutlierscopeError, match=says):
         QuantSpec.parse(f"w=int4/per_group:64; {text}")
@@ -98,7 +98,7 @@ def test_rank_agreement_on_a_missing_directory_says_so(tmp_path, capsys):
                                        (dict(hadamard=True), "hadamard"), (dict(outliers=math.nan), "outliers"),
                                        (dict(linears=("o_proj ",)), "linears")])
 def test_the_constructor_refuses_what_the_text_cannot_say(kw, field):
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     with pytest.raises(ParamError) as e:
         QuantSpec(**kw)
@@ -106,8 +106,7 @@ def test_the_constructor_refuses_what_the_text_cannot_say(kw, field):
 
 
 def test_weight_algorithm_configs_check_their_types():
-    from outlierscope.quant.awq import AWQConfig
-    from outlierscope.quant.gptq import GPTQConfig
+    from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
 
     for cfg, kw in ((GPTQConfig, dict(block=1.5)), (GPTQConfig, dict(static=1)), (GPTQConfig, dict(order=3)),
                     (AWQConfig, dict(shrink=True)), (AWQConfig, dict(grid=2.0))):
@@ -119,7 +118,7 @@ def test_weight_algorithm_configs_check_their_types():
                                   "w=int4/per_group:64; gptq:damp=0.05,order=desc,static; calib:hellaswag",
                                   "w=int4/per_group:64; awq:grid=10,shrink=0.25", "kivi-2bit", "w4a8"])
 def test_every_built_spec_reads_back_as_itself(text):
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     spec = QuantSpec.parse(text)
     again = QuantSpec(spec.parts, **{k: getattr(spec, k) for k in ("smooth_k", "smooth_q", "hadamard", "layers",
@@ -160,7 +159,7 @@ def test_gptq_damping_averages_a_contiguous_copy_of_the_diagonal():
     a contiguous copy. On this Hessian (SmolLM2's hidden size) a strided mean differs in its last bit."""
     import torch
 
-    from outlierscope.quant.gptq import inverse_hessian_factor
+    from outlierscope.quant.weights.gptq import inverse_hessian_factor
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 576, generator=g) * torch.rand(576, generator=g) * 10
@@ -178,7 +177,7 @@ def test_awq_weight_statistic_is_float64_in_a_float64_model():
     computation written here (float32 rounding was 1e-7 off, enough to flip a tie on a full-range grid)."""
     import torch
 
-    from outlierscope.quant.awq import weight_mean
+    from outlierscope.quant.weights.awq import weight_mean
 
     g = torch.Generator().manual_seed(1)
     ws = [torch.randn(48, 64, generator=g, dtype=torch.float64), torch.randn(16, 64, generator=g, dtype=torch.float64)]
@@ -194,8 +193,8 @@ def test_calibration_text_too_short_or_fewer_samples_names_the_file(tmp_path, ki
     """A calibration text shorter than one sequence is a one-line error naming calib:FILE and the seqlen setting; one
     that gives fewer sequences than samples is calibrated on those, with a warning saying how many."""
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.sequential import calibration_sequences
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.sequential import calibration_sequences
 
     lm = load_model("pair-tiny:transformer")
     short = tmp_path / "short.txt"

@@ -37,8 +37,8 @@ from outlierscope.hooks.attention import (
 )
 from outlierscope.parallel import VIRTUAL_SHARDS
 from outlierscope.quant.apply import absmax_reduction, attention_stage
-from outlierscope.quant.logits import LogitsQuant, logits_quant
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.attention.logits import LogitsQuant, logits_quant
+from outlierscope.quant.specs.spec import QuantSpec
 
 
 def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
@@ -238,7 +238,7 @@ def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
         with measure_attention_error(model, spec, stats), quantize_model(model, spec):
             model(input_ids=ids, attention_mask=mask)
 
-    ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name): the paper's logits part
+    ``spec`` (a :class:`~outlierscope.quant.specs.spec.QuantSpec`, its text or a recipe name): the paper's logits part
     alone (the logits before the soft cap, quantized and compared: :func:`_logit_stage`), or q, k, v and P with their
     transforms (:func:`_kernel_stage`); one that quantizes the logits and q/k/v/P together is refused (measure the
     two parts separately). Linear parts and bitsandbytes weights are not measured here (they act outside attention).

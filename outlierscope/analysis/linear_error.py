@@ -5,7 +5,7 @@ inside the layer: ``self_attn.q_proj`` ... ``mlp.down_proj``), over the real tok
 
 :class:`LinearErrorStats` keeps the sums per virtual shard (:mod:`outlierscope.parallel`), as
 :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` does, so 1 process, N processes and N ``--shard``
-runs give the same bytes. :func:`~outlierscope.quant.linear.quantize_linears` (``error=stats``) feeds it.
+runs give the same bytes. :func:`~outlierscope.quant.linears.schemes.quantize_linears` (``error=stats``) feeds it.
 """
 
 from __future__ import annotations

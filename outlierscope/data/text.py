@@ -19,7 +19,7 @@ def hellaswag_documents(path=None) -> Iterator[str]:
         yield doc.query + " " + doc.choices[doc.label]
 
 
-LAMBADA_TAIL = "lambada-tail"  # GPTQ's default calibration text (outlierscope.quant.gptq_model)
+LAMBADA_TAIL = "lambada-tail"  # GPTQ's default calibration text (outlierscope.quant.weights.gptq_model)
 
 
 def text_documents(source: str) -> Iterator[str]:

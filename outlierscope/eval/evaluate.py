@@ -34,8 +34,8 @@ from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import LoadedModel, check_causal, model_device, model_dtype
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards, shard_of
 from outlierscope.quant.apply import check_spec, quantize_model
-from outlierscope.quant.linear import calibration_for
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.calibration import calibration_for
 
 METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction column
 
@@ -55,7 +55,7 @@ def layout_for(spec: QuantSpec) -> str:
         return "shared"
     if core.is_logits_only:
         return "shared" if core.granularity == "per_row" else "separate"
-    from outlierscope.quant.linear import token_local
+    from outlierscope.quant.linears.sites import token_local
 
     return "shared" if not core.has_attention and token_local(core) else "separate"
 

@@ -36,8 +36,8 @@ from outlierscope.eval.windows import Window
 from outlierscope.hooks.prefix import recording_outputs, replaying
 from outlierscope.parallel import shard_of
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.linear import HeldWeights
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.linears.schemes import HeldWeights
+from outlierscope.quant.specs.spec import QuantSpec
 
 FLOATS = ("nll", "nll_base", "kld", "p_diff")
 LOGPROBS = ("float64", "lmeval")  # how a token's NLL is taken from its logits (:func:`_nll`)
@@ -195,7 +195,7 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
 
 def quantizes_head(spec: QuantSpec) -> bool:
     """Whether ``spec`` quantizes the LM head (``linears:lm_head``)."""
-    from outlierscope.quant.linear import HEAD
+    from outlierscope.quant.linears.sites import HEAD
 
     return HEAD in (spec.linears or ())
 
@@ -209,7 +209,7 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
     spec against the unquantized model. The unquantized model runs once per batch, through the same attention
     function as the quantized ones (so a spec that quantizes nothing has KL divergence 0 exactly, and is not run
     again), and its log-probabilities are computed once per block of positions for every spec whose LM head is not
-    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.linear.calibration_for`; ``hold_bytes``:
+    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.weights.calibration.calibration_for`; ``hold_bytes``:
     :func:`score_sides`'."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     base = Side("model", QuantSpec())
@@ -238,7 +238,7 @@ def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
 @dataclass(frozen=True, eq=False)
 class Side:
     """One forward of a pair of :func:`score_sides`: ``model`` (a key of its models) under ``spec``, with the
-    spec's ``calibration`` (:func:`~outlierscope.quant.linear.calibration_for`'s, or None)."""
+    spec's ``calibration`` (:func:`~outlierscope.quant.weights.calibration.calibration_for`'s, or None)."""
 
     model: str
     spec: QuantSpec

@@ -35,8 +35,8 @@ from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import check_placement, num_layers
 from outlierscope.quant.apply import check_layers, check_spec, quantize_model
-from outlierscope.quant.linear import calibration_for
-from outlierscope.quant.spec import QuantSpec, build_spec, parse_layers
+from outlierscope.quant.specs.spec import QuantSpec, build_spec, parse_layers
+from outlierscope.quant.weights.calibration import calibration_for
 
 
 def make_spec(bits, format: str | None = None, granularity: str | None = None, layers=None) -> QuantSpec:
@@ -116,7 +116,7 @@ class OutlierscopeLM(HFLM):
     ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
     file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
     :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    :class:`~outlierscope.quant.spec.QuantSpec` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
+    :class:`~outlierscope.quant.specs.spec.QuantSpec` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
     ``outlierscope recipes``; a spec text from Python: attention and linear parts), with ``layers`` if given (a spec
     with SmoothQuant or static scales runs its calibration pass once, when the model loads); ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream

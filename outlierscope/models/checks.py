@@ -1,6 +1,7 @@
 """What can be checked of a model without reading its weights, before any expensive step: config.json, a causal LM
 architecture, custom code trusted or not, weight files and their safetensors headers against the config, a
-checkpoint's quantization_config and the packages it needs, GPTQ/AWQ packed tensors, the tokenizer's size."""
+checkpoint's quantization_config and the packages it needs, GPTQ/AWQ packed tensors, the tokenizer's size. The checks
+are run, in order and on what is read once, by :func:`outlierscope.models.record.inspect_model`."""
 
 from __future__ import annotations
 
@@ -10,12 +11,10 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.models.packed import (
-    check_packed,
     packed_names,
     packed_scheme,
 )
 from outlierscope.models.quiet import quiet_transformers
-from outlierscope.models.resolve import resolve_model
 
 NOT_CAUSAL = {"bert", "roberta", "t5", "mt5", "bart", "mbart", "distilbert", "electra", "deberta", "deberta-v2",
               "xlm-roberta", "albert", "encoder-decoder", "pegasus", "marian", "longt5", "umt5", "mpnet"}
@@ -73,48 +72,6 @@ def preview_config(spec: str):
     from outlierscope.models.fetch import gguf_config
 
     return gguf_config(path)
-
-
-def check_model(spec: str, trust_remote_code: bool = False):
-    """Everything about ``spec`` that can be checked without reading its weights: the directory (or preset, fetched
-    model, Hub snapshot, converted GGUF), config.json, a causal LM architecture transformers knows (or custom code
-    the user trusts), weight files present. Returns ``(source, config)``; runs call it for every model before
-    their first expensive step (for a Hub id this is the download)."""
-    import transformers
-    from transformers import AutoConfig
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-    source = resolve_model(spec, trust_remote_code)
-    path = source.path
-    cfg_json = _read_config_json(path)
-    quant = _quantization_config(path, cfg_json)
-    mt = cfg_json.get("model_type", "missing")
-    if mt in NOT_CAUSAL or cfg_json.get("is_encoder_decoder"):
-        raise OutlierscopeError(f"{path}: model_type {mt!r} is not a causal language model (encoder or encoder-decoder); "
-                                "outlierscope needs a decoder-only LM such as llama, qwen2, gpt2")
-    _check_auto_map(spec, path, cfg_json, mt in CONFIG_MAPPING, trust_remote_code)
-    with quiet_transformers():
-        try:
-            config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        except (ValueError, KeyError, OSError) as e:
-            raise OutlierscopeError(f"{path}: unsupported architecture (model_type {mt!r}) for transformers "
-                                    f"{transformers.__version__}: {str(e).splitlines()[0]}") from None
-    if type(config) not in transformers.models.auto.modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise OutlierscopeError(f"{path}: model_type {config.model_type!r} is not a causal LM supported by transformers; "
-                                "expected e.g. llama, diffllama, qwen2, mistral")
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise OutlierscopeError(f"{path} has no weights (*.safetensors or *.bin); expected a saved Hugging Face model")
-    if source.kind != "hub" and not any(path.glob("*.safetensors")):  # a Hub download already warned
-        warnings.warn(f"{path} has only *.bin weights: pickle files, which run code when loaded; prefer safetensors",
-                      stacklevel=2)
-    shapes = header_shapes(path)  # every safetensors header read once for the checks below
-    _check_quantization_packages(path, quant, shapes)
-    meta = meta_model(config, trust_remote_code) if shapes else None
-    if _decodes_packed(quant):
-        check_packed(path, quant, shapes, _linear_shapes(meta))
-    _check_weight_headers(path, config, shapes, meta)
-    _check_tokenizer_size(path, config, trust_remote_code)
-    return source, config
 
 
 QUANT_PACKAGES = {  # a checkpoint's quant_method -> the modules transformers needs to load it (its own import checks)
@@ -229,14 +186,6 @@ def _check_weight_headers(path: Path, config, shapes: dict, meta) -> None:
     _check_loading_info(path, {"missing_keys": missing, "mismatched_keys": mismatched})
 
 
-def _check_tokenizer_size(path: Path, config, trust_remote_code: bool) -> None:
-    """:func:`_check_vocab` before the weights load: the tokenizer's ids against the config's vocab_size."""
-    rows = getattr(config.get_text_config(), "vocab_size", None)
-    if not isinstance(rows, int):
-        return
-    _check_vocab(path, rows, load_tokenizer(path, trust_remote_code))
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "vocab.txt", "added_tokens.json")
 
@@ -254,13 +203,15 @@ def tokenizer_record(path: Path, tokenizer) -> dict:
             "files_sha256": digest.hexdigest()}
 
 
-def load_tokenizer(path: Path, trust_remote_code: bool = False):
-    """The tokenizer of the model directory ``path`` (local files only), or a one-line error."""
+def load_tokenizer(path: Path, trust_remote_code: bool = False, config=None):
+    """The tokenizer of the model directory ``path`` (local files only), or a one-line error. ``config``: the model's
+    config where the caller read it (transformers then does not read it again to choose the tokenizer's class)."""
     from transformers import AutoTokenizer
 
     with quiet_transformers():
         try:
-            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
+            return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code,
+                                                 **({"config": config} if config is not None else {}))
         except Exception as e:  # tokenizers raise many types; all mean the same to the user
             raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or "
                                     "tokenizer files in the directory") from None

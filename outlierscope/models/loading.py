@@ -13,6 +13,7 @@ The steps live in their own modules: :mod:`~outlierscope.models.resolve` (spec -
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import warnings
@@ -30,7 +31,6 @@ from outlierscope.models.checks import (  # noqa: F401 (re-exported: callers imp
     _first_line,
     _read_config_json,
     check_causal,
-    check_model,
     header_shapes,
     meta_model,
     num_layers,
@@ -64,6 +64,7 @@ from outlierscope.models.placement import (  # noqa: F401 (re-exported)
     trust_remote_code_option,
 )
 from outlierscope.models.quiet import quiet_transformers
+from outlierscope.models.record import ModelRecord, check_model, inspect_model  # noqa: F401 (re-exported)
 from outlierscope.models.resolve import (  # noqa: F401 (re-exported)
     PRETRAINED_DIR,
     ModelSource,
@@ -96,6 +97,7 @@ class LoadedModel:
     tokenizer: object
     source: ModelSource | None = None  # where the spec led (None: built in Python, not loaded by spec)
     decoded: dict | None = None  # a GPTQ/AWQ checkpoint whose packed weights outlierscope decoded (models.packed)
+    record: ModelRecord | None = None  # what inspect_model read of it (config, tokenizer, digests): read once
 
     @property
     def name(self) -> str:
@@ -140,7 +142,10 @@ class LoadedModel:
         return model_device(self.model)
 
     def weights_sha256(self) -> str:
-        """sha256 over the model's safetensors/bin files (sorted by name): identifies the exact weights."""
+        """sha256 over the model's safetensors/bin files (sorted by name): identifies the exact weights (read once
+        per :class:`ModelRecord`)."""
+        if self.record is not None:
+            return self.record.weights_sha256
         return sha256_files(sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin")))
 
 
@@ -174,7 +179,8 @@ def _embedding_rows(model) -> int | None:
 
 
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
-               device_map: str | dict | None = None, trust_remote_code: bool = False) -> LoadedModel:
+               device_map: str | dict | None = None, trust_remote_code: bool = False,
+               record: ModelRecord | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer from a spec (:func:`resolve_model`: a directory, a ``.gguf`` file, a preset
     role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``), in eval mode. Only a Hub id reaches the network
     (``huggingface_hub``, with the user's endpoint, cache, token and ``HF_HUB_OFFLINE``); the files are then
@@ -183,58 +189,51 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` (the
     checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16`` or ``float16``.
     ``device_map``: accelerate's placement (``"auto"`` spreads a model too large for one GPU over the
-    GPUs, then the CPU); it replaces ``device``."""
+    GPUs, then the CPU); it replaces ``device``. ``record``: the spec's :func:`inspect_model` (made here when not
+    given); its config and tokenizer are used as read, and only the weights are read now."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_dtype(dtype)
-    source, _ = check_model(spec, trust_remote_code)  # a wrong path is named before a wrong device
-    path = source.path
+    if record is None:
+        record = inspect_model(spec, trust_remote_code)  # a wrong path is named before a wrong device
+    record.check_for(spec, trust_remote_code)
     dev = resolve_device(device) if device_map is None else ("cuda" if torch.cuda.is_available() else "cpu")
-    cfg_json = _read_config_json(path)
-    stored = cfg_json.get("dtype") or cfg_json.get("torch_dtype")
-    dtype = resolve_dtype(dtype, dev, stored if isinstance(stored, str) else None)
+    dtype = resolve_dtype(dtype, dev, record.stored_dtype)
     placement = {"device_map": device_map} if device_map is not None else {}
-    quant = cfg_json.get("quantization_config") or None
-    bnb = (quant or {}).get("quant_method") == "bitsandbytes"
-    if bnb and device_map is None:  # bitsandbytes quantizes (or reads its int8/4-bit state) only when placed at load
-        placement = {"device_map": {"": dev}}
-    packed = _decodes_packed(quant)  # then built as a float model, its packed linears decoded after loading
-    float_config = {"config": _config_without_quantization(path, trust_remote_code)} if packed else {}
-    with quiet_transformers():
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-        except Exception as e:  # tokenizers raise many types; all mean the same to the user
-            raise OutlierscopeError(f"{path}: tokenizer cannot be loaded ({_first_line(e)}); expected tokenizer.json or tokenizer files in the directory") from None
-        try:
-            with float64_build(dtype):  # float64: buffers made at construction are float64 values too
-                model, info = AutoModelForCausalLM.from_pretrained(
-                    path, local_files_only=True, dtype=getattr(torch, dtype), attn_implementation=attn_implementation,
-                    output_loading_info=True, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code,
-                    **placement, **float_config, **build_options(dtype),
-                )
-        except Exception as e:
-            raise OutlierscopeError(f"{path}: weights cannot be loaded ({_first_line(e)})") from None
+    if (record.quantization or {}).get("quant_method") == "bitsandbytes" and device_map is None:
+        placement = {"device_map": {"": dev}}  # bitsandbytes quantizes (or reads its int8/4-bit state) only when placed
+    model, info = _from_pretrained(record, dtype, attn_implementation, placement)
     decoded = None
-    if packed:
-        decoded = _load_packed(path, quant, model, info)
+    if record.packed:  # built as a float model, its packed linears decoded now
+        decoded = _load_packed(record.path, record.quantization, model, info)
     else:
-        _check_loading_info(path, info)
-    _check_vocab(path, _embedding_rows(model), tokenizer)
-    decompress_now(model, path)
+        _check_loading_info(record.path, info)
+    _check_vocab(record.path, _embedding_rows(model), record.tokenizer)
+    decompress_now(model, record.path)
     if not placement and dev != "cpu":
         model.to(dev)
     model.eval()
-    return LoadedModel(spec=spec, path=path, model=model, tokenizer=tokenizer, source=source, decoded=decoded)
+    return LoadedModel(spec=spec, path=record.path, model=model, tokenizer=record.tokenizer, source=record.source,
+                       decoded=decoded, record=record)
 
 
-def _config_without_quantization(path: Path, trust_remote_code: bool):
-    """The checkpoint's config without its quantization_config: transformers builds plain linears from it."""
-    from transformers import AutoConfig
+def _from_pretrained(record: ModelRecord, dtype: str, attn_implementation: str, placement: dict):
+    """transformers' model of ``record`` in ``dtype`` (its config as inspected; a packed checkpoint's without its
+    quantization_config) and the loading info, or one line naming the directory."""
+    import torch
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=trust_remote_code)
-    del config.quantization_config
-    return config
+    config = record.float_config() if record.packed else copy.deepcopy(record.config)  # the record's stays as read
+    with quiet_transformers():
+        try:
+            with float64_build(dtype):  # float64: buffers made at construction are float64 values too
+                return AutoModelForCausalLM.from_pretrained(
+                    record.path, config=config, local_files_only=True, dtype=getattr(torch, dtype),
+                    attn_implementation=attn_implementation, output_loading_info=True, ignore_mismatched_sizes=True,
+                    trust_remote_code=record.trust_remote_code, **placement, **build_options(dtype),
+                )
+        except Exception as e:
+            raise OutlierscopeError(f"{record.path}: weights cannot be loaded ({_first_line(e)})") from None
 
 
 def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k: int, config=None) -> None:

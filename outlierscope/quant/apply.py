@@ -14,11 +14,13 @@ from torch import nn
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
+from outlierscope.quant.attention.logits import LogitsQuant, logits_quant
+from outlierscope.quant.attention.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
 from outlierscope.quant.bnb import bnb_weights, quantize_weights  # noqa: F401 (quantize_weights: deprecated alias)
-from outlierscope.quant.linear import Calibration, check_linear_shapes, quantize_linears
-from outlierscope.quant.logits import LogitsQuant, logits_quant
-from outlierscope.quant.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
-from outlierscope.quant.spec import TARGETS, QuantSpec
+from outlierscope.quant.linears.schemes import quantize_linears
+from outlierscope.quant.linears.sites import Calibration
+from outlierscope.quant.specs.spec import TARGETS, QuantSpec
+from outlierscope.quant.weights.calibration import check_linear_shapes
 
 
 def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = None) -> None:
@@ -117,18 +119,18 @@ def as_attn_quant(spec: QuantSpec | str) -> QuantSpec:
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
                    hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[QuantSpec]:
-    """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.spec.QuantSpec`, its text or a recipe name) says:
+    """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.specs.spec.QuantSpec`, its text or a recipe name) says:
     attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
     smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
-    :mod:`outlierscope.quant.linear`) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
-    :func:`~outlierscope.quant.linear.calibrate`'s, for a spec with ``smooth`` or static activation scales.
+    :mod:`outlierscope.quant.linears.schemes`) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
+    :func:`~outlierscope.quant.weights.calibration.calibrate`'s, for a spec with ``smooth`` or static activation scales.
     ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
     linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
     context is entered, and the result held until the context ends (memory: one more copy of those weights in the
     model's dtype; the originals are untouched); False quantizes it again at every forward and holds at most one
     linear's copy at a time; None (the default): held on the CPU, and on a GPU where the copies take at most half its
-    free memory (:func:`~outlierscope.quant.linear.holds_fit`). The same values either way. ``held``: (a
-    :class:`~outlierscope.quant.linear.HeldWeights`, a key naming ``spec`` with ``calibration``): the quantized
+    free memory (:func:`~outlierscope.quant.linears.schemes.holds_fit`). The same values either way. ``held``: (a
+    :class:`~outlierscope.quant.linears.schemes.HeldWeights`, a key naming ``spec`` with ``calibration``): the quantized
     weights kept beyond the context, within the holder's budget, for the next context of the same key (a perplexity
     run's next batch).
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.quant.names import WEIGHT_MODES
+from outlierscope.quant.numerics.names import WEIGHT_MODES
 
 
 def _bnb_linear(lin: nn.Linear, mode: str, dtype: torch.dtype) -> nn.Module:

@@ -21,7 +21,7 @@ OCP's ``mxfp4`` / ``mxfp8_e4m3`` likewise name ``ct-mxfp4`` / ``ct-mxfp8_e4m3`` 
 max to a power of two before its exponent, another scale for a block whose max has mantissa >= 1.75).
 
 Which modules: ``targets: [Linear]`` and an ``ignore`` list of every ``nn.Linear`` the spec leaves alone, read from
-the model's module tree exactly as :func:`~outlierscope.quant.linear.linear_sites` selects (``linears:``, ``layers:``,
+the model's module tree exactly as :func:`~outlierscope.quant.linears.sites.linear_sites` selects (``linears:``, ``layers:``,
 the layers a sensitivity study keeps, the LM head unless named). A decoder layer left whole is one ``re:`` pattern.
 
 The emulation and the real scheme are not bit-identical; :func:`differences` lists how, per export.
@@ -36,7 +36,7 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.quant.spec import TARGETS, QuantSpec, TensorQuant
+from outlierscope.quant.specs.spec import TARGETS, QuantSpec, TensorQuant
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
 GPTQ_ACTORDER = {"none": None, "desc": "weight"}  # gptq:order -> GPTQModifier's actorder (with static group scales)
@@ -270,7 +270,7 @@ def part_text(target: str, args: dict) -> str:
 
 def _scope(model: nn.Module, quantized: set[str]) -> str:
     """``layers:``/``linears:`` items that select exactly ``quantized`` (the decoder layers' linear names)."""
-    from outlierscope.quant.linear import HEAD, layer_linears
+    from outlierscope.quant.linears.sites import HEAD, layer_linears
 
     names = {id(m): n for n, m in model.named_modules()}
     per_layer = [{p: names[id(m)] for p, m in layer} for layer in layer_linears(model)]

@@ -1,7 +1,5 @@
-"""The names of the quantization choices, without importing torch (the CLI builds its choices from them)."""
+"""Deprecated path (see :mod:`outlierscope.quant._moved`): :mod:`outlierscope.quant.numerics.names`."""
 
-UNQUANTIZED_BITS = 16  # the paper's axis: 16 bits means unquantized
-FORMATS = ("int", "e4m3", "e5m2")  # integer absmax, or an FP8 format
-GRANULARITIES = ("per_tensor", "per_head", "per_row")
-BACKENDS = ("torch", "bitsandbytes")
-WEIGHT_MODES = ("none", "int8", "nf4")  # linear weights through bitsandbytes
+from outlierscope.quant._moved import moved
+
+moved(__name__, "outlierscope.quant.numerics.names")

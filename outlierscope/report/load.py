@@ -125,7 +125,7 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
 def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
     """Every cell of a sweep table has all its rows (its task's metrics; a quantized cell also its flip rates and
     mean |score change|) and every (task, model) its 16-bit reference: a table cut at a line end is refused."""
-    from outlierscope.quant.names import UNQUANTIZED_BITS
+    from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
     from outlierscope.report.tables import FLIP_METRIC
 
     for task, t in sweep.groupby("task", sort=False):

@@ -134,7 +134,7 @@ def quantized_heading(sweep) -> str:
 def _kind_said(texts) -> str:
     """What a sweep's ``--quant`` rows are (their labels: recipe names or spec texts): attention recipes, linear-layer
     schemes, or both."""
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     specs = [QuantSpec.parse(t) for t in texts]
     if not any(s.has_linear for s in specs):

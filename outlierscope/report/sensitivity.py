@@ -9,7 +9,7 @@ import pandas as pd
 
 from outlierscope.analysis.harm import rank_by_of
 from outlierscope.io import read_record
-from outlierscope.quant.names import UNQUANTIZED_BITS
+from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 
 
 def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict]]:
@@ -37,7 +37,7 @@ def _quant_said(settings: dict, quote: str = "`") -> str:
     q = settings.get("quant")
     if not q:
         return f"{settings['bits']}-bit {settings['format']} {settings['granularity']}"
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     text = str(QuantSpec.parse(q))
     return q if text == q else f"{q} ({quote}{text}{quote})"

@@ -13,7 +13,7 @@ from outlierscope.analysis.outliers import TABLE5_RANKS
 def recipe_rows(sweep: pd.DataFrame) -> pd.Series:
     """True for a sweep table's recipe rows (``sweep --quant``: format ``attn``, a spec beyond the paper's logits);
     the logits' rows and tables from before recipes: False."""
-    from outlierscope.quant.parts import KERNEL_FORMAT
+    from outlierscope.quant.specs.parts import KERNEL_FORMAT
 
     return sweep["format"].eq(KERNEL_FORMAT) if "format" in sweep else pd.Series(False, index=sweep.index)
 

@@ -25,19 +25,18 @@ from outlierscope.analysis.paired import mcnemar_exact, mean_change
 from outlierscope.errors import ParamError, check_seed
 from outlierscope.eval.evaluate import EvalResult
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record, write_text
-from outlierscope.models.checks import _read_config_json
 from outlierscope.models.loading import (
-    check_model,
     device_map_option,
     device_option,
     dtype_option,
+    inspect_model,
     meta_model,
     preview_config,
     trust_remote_code_option,
 )
 from outlierscope.models.packed import packed_modules, packed_scheme
 from outlierscope.quant import export as qexport
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.runs.cells import refuse_other_settings
 from outlierscope.runs.perplexity import (
     TEXT_FIELDS,
@@ -113,10 +112,10 @@ class CompareSettings:
                              device=self.device, device_map=self.device_map, trust_remote_code=self.trust_remote_code)
 
 
-def emulations(s: CompareSettings, path: Path, meta) -> tuple[list[str], dict | None]:
+def emulations(s: CompareSettings, record, meta) -> tuple[list[str], dict | None]:
     """The specs to emulate (a compressed-tensors / GPTQ / AWQ checkpoint's own, read from its quantization_config, then
     ``quant``) and that config. ``path``: the checkpoint's directory; ``meta``: it on the meta device."""
-    qconfig = _read_config_json(path).get("quantization_config")
+    path, qconfig = record.path, record.quantization
     own, method = [], (qconfig or {}).get("quant_method")
     if method == "compressed-tensors":
         own = [str(qexport.spec_from_config(qconfig, meta))]
@@ -209,25 +208,24 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
     the float one is the checkpoint's source, each emulation against it, and earlier results in ``out`` (replaced
     only with ``force``)."""
     git_commit()  # the checkout as the run found it (read once per process): before any record is written
-    real_source, real_config = check_model(s.real, s.trust_remote_code)
-    real_meta = meta_model(real_config, s.trust_remote_code)
-    specs, qconfig = emulations(s, real_source.path, real_meta)
+    real = inspect_model(s.real, s.trust_remote_code)  # each model read once; its record is handed on
+    real_meta = meta_model(real.config, s.trust_remote_code)
+    specs, qconfig = emulations(s, real, real_meta)
     real_s, emu_s = s.sweep_settings(s.real, ()), s.sweep_settings(s.model, tuple(specs))
     if (config := preview_config(s.model)) is not None:  # a GGUF float model: its metadata before its conversion
         check_specs(s.model, emu_s.specs(), config)
-    float_checked = check_model(s.model, s.trust_remote_code)
-    check_source(s, real_meta, meta_model(float_checked[1], s.trust_remote_code))
+    records = {s.real: real, s.model: inspect_model(s.model, s.trust_remote_code)}
+    check_source(s, real_meta, meta_model(records[s.model].config, s.trust_remote_code))
     out = Path(out)
-    check_models(emu_s)
+    check_models(emu_s, records)
     if s.metric == "text":
-        checked = {s.real: (real_source, real_config), s.model: float_checked}
-        return _compare_text(s, out, specs, qconfig, checked, log, force)
+        return _compare_text(s, out, specs, qconfig, records, log, force)
     for sub, settings in (("real", real_s), ("emulated", emu_s)):
         check_previous(out / sub, dataclasses.asdict(settings), force)
     with output_dir(out):
         log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}")
-        real_run = sweep(real_s, out / "real", progress=progress, log=log, force=force)
-        emu_run = sweep(emu_s, out / "emulated", progress=progress, log=log, force=force)
+        real_run = sweep(real_s, out / "real", progress=progress, log=log, force=force, records=records)
+        emu_run = sweep(emu_s, out / "emulated", progress=progress, log=log, force=force, records=records)
         tasks = real_run.record["settings"]["tasks"]
         table = compare_table(_cells(out / "real"), _cells(out / "emulated"), specs, tasks, s.seed)
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
@@ -252,7 +250,7 @@ def _check_previous_text(out: Path, s: CompareSettings, force: bool) -> None:
                           force)
 
 
-def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, checked: dict, log,
+def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, records: dict, log,
                   force: bool) -> pd.DataFrame:
     """metric text: the text pairs (:func:`~outlierscope.runs.compare_text.compare_on_text`), the table, the
     figures and the record."""
@@ -262,7 +260,7 @@ def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict
     _check_previous_text(out, s, force)
     with output_dir(out), output_dir(out / "cells"):
         log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}; on running text")
-        table, text, kld = compare_on_text(s, out, specs, checked, log)
+        table, text, kld = compare_on_text(s, out, specs, records, log)
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
                   "quantization_config": qconfig, **text, "differences": _differences(specs, qconfig),
                   "cells": dict(zip(table["label"], table["cell"])),

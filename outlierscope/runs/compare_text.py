@@ -22,30 +22,28 @@ import pandas as pd
 
 from outlierscope.errors import ParamError
 from outlierscope.eval.perplexity import TokenScores
-from outlierscope.quant.linear import calibration_records
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.calibration import calibration_records
 from outlierscope.runs.cells import cell_id
 
 UNQUANTIZED = QuantSpec()
 
 
-def text_windows(s, checked: dict | None = None, log=print) -> dict:
+def text_windows(s, records: dict | None = None, log=print) -> dict:
     """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's tokenizer
-    must give the same windows (else its tokens and the float model's are not the same events). ``checked``:
-    model -> its :func:`~outlierscope.models.loading.check_model` result, where the caller has it."""
-    from outlierscope.models.checks import tokenizer_record
-    from outlierscope.models.loading import check_model
+    must give the same windows (else its tokens and the float model's are not the same events). ``records``:
+    model -> its :func:`~outlierscope.models.record.inspect_model`, where the caller has it (made here otherwise)."""
+    from outlierscope.models.loading import inspect_model
     from outlierscope.runs.perplexity import prepare_windows, windows_said
 
-    checked = checked or {}
-    (fsource, fconfig), (rsource, rconfig) = (checked.get(m) or check_model(m, s.trust_remote_code)
-                                              for m in (s.model, s.real))
-    text, tokenizer, length, windows = prepare_windows(s, fsource, fconfig)
-    if prepare_windows(s, rsource, rconfig)[3] != windows:
+    records = {m: (records or {}).get(m) or inspect_model(m, s.trust_remote_code) for m in (s.model, s.real)}
+    text, _, length, windows = prepare_windows(s, records[s.model])
+    if prepare_windows(s, records[s.real])[3] != windows:
         raise ParamError("model", f"a float model whose tokenizer cuts the text as {s.real}'s does", s.model,
                          "their windows of the text differ")
     log(windows_said(s, text, length, windows))
-    return {"text": text, "length": length, "windows": windows, "tokenizer": tokenizer_record(fsource.path, tokenizer)}
+    return {"text": text, "length": length, "windows": windows, "tokenizer": records[s.model].tokenizer_files,
+            "records": records}
 
 
 def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict | None) -> dict:
@@ -62,20 +60,20 @@ def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict
     return out
 
 
-def compare_on_text(s, out: Path, specs: list[str], checked: dict | None = None,
+def compare_on_text(s, out: Path, specs: list[str], records: dict | None = None,
                     log=print) -> tuple[pd.DataFrame, dict, dict]:
     """The text pairs of ``s`` (:class:`~outlierscope.runs.compare.CompareSettings` with metric text) into
     ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it
-    (``checked``: :func:`text_windows`'). Returns the table, what the record says of the text and the models, and
+    (``records``: :func:`text_windows`'). Returns the table, what the record says of the text and the models, and
     each row's per-token KL divergence (label -> values, for the figure)."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World
     from outlierscope.runs.perplexity import CellRun, pair_cells, text_ident
 
-    t = text_windows(s, checked, log)
+    t = text_windows(s, records, log)
     windows, bs, device = t["windows"], s.text_batch_size, World().device(s.device)
-    flt, real = (load_model(m, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
-                 for m in (s.model, s.real))
+    flt, real = (load_model(m, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code,
+                            record=t["records"][m]) for m in (s.model, s.real))
     f_ident = text_ident(s, flt, t["text"], t["length"], windows)
     r_ident = text_ident(s, real, t["text"], t["length"], windows, model=s.real)
     emulated = [QuantSpec.parse(q) for q in specs]

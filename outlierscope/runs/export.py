@@ -23,8 +23,9 @@ from outlierscope.hooks.points import decoder_layers
 from outlierscope.io import git_commit, output_dir, read_record, versions, write_record, write_text
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
 from outlierscope.quant import export as qexport
-from outlierscope.quant.linear import check_linear_shapes, linear_sites
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.linears.sites import linear_sites
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.calibration import check_linear_shapes
 from outlierscope.settings import option
 
 

@@ -38,8 +38,8 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
-from outlierscope.quant.linear import calibration_records
-from outlierscope.quant.spec import QuantSpec, build_spec
+from outlierscope.quant.specs.spec import QuantSpec, build_spec
+from outlierscope.quant.weights.calibration import calibration_records
 from outlierscope.runs.cells import cell_id, refuse_other_settings, revised
 from outlierscope.settings import option
 
@@ -245,17 +245,15 @@ def _part_done(path: Path, log) -> bool:
         return False
 
 
-def prepare_windows(s, source, config):
-    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``,
-    ``trust_remote_code``), the model's tokenizer (``source``, ``config``: :func:`check_model`'s), the window length
-    and the windows: everything the tokenizer alone decides, checked before any weights load."""
+def prepare_windows(s, record):
+    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the model's
+    tokenizer (``record``: its :func:`~outlierscope.models.record.inspect_model`), the window length and the
+    windows: everything the tokenizer alone decides, checked before any weights load."""
     from outlierscope.data.running_text import load_text
-    from outlierscope.models.checks import load_tokenizer
 
     text = load_text(s.text)
-    tokenizer = load_tokenizer(source.path, s.trust_remote_code)
-    length = window_length(s, config, tokenizer)
-    return text, tokenizer, length, protocol_windows(s.protocol, tokenizer, text.docs, length)[: s.max_windows]
+    length = window_length(s, record.config, record.tokenizer)
+    return text, record.tokenizer, length, protocol_windows(s.protocol, record.tokenizer, text.docs, length)[: s.max_windows]
 
 
 def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> dict:
@@ -268,19 +266,19 @@ def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> d
     return ident
 
 
-def _prepare(s: PerplexitySettings, log, device: str):
+def _prepare(s: PerplexitySettings, log, device: str, record=None):
     """The model, its text and windows, what every cell shares, and the tokenizer's record. Everything but the
-    weights is checked first (the specs against the config, the text and its windows with the tokenizer alone)."""
-    from outlierscope.models.checks import tokenizer_record
-    from outlierscope.models.loading import check_model, load_model
+    weights is checked first (the specs against the config, the text and its windows with the tokenizer alone), on
+    the model inspected once (``record``: the caller's :func:`~outlierscope.models.record.inspect_model`, if any)."""
+    from outlierscope.models.loading import inspect_model, load_model
     from outlierscope.quant.apply import check_spec
 
-    source, config = check_model(s.model, s.trust_remote_code)
+    record = record or inspect_model(s.model, s.trust_remote_code)
     for spec in s.specs():  # the specs fit the model's shape: before it loads
-        check_spec(spec, config)
-    text, tokenizer, length, windows = prepare_windows(s, source, config)
-    lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code)
-    tok = tokenizer_record(source.path, tokenizer)
+        check_spec(spec, record.config)
+    text, _, length, windows = prepare_windows(s, record)
+    lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code, record=record)
+    tok = record.tokenizer_files
     ident = text_ident(s, lm, text, length, windows)
     log(windows_said(s, text, length, windows))
     return lm, text, windows, length, ident, tok
@@ -301,7 +299,7 @@ def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: 
     """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
     under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
-    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.weights.calibration import calibration_for
 
     if ref is not None:
         ref_specs = ref_specs if ref_specs is not None else specs
@@ -323,7 +321,7 @@ def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[st
     base, (model key, spec) of the other)``, ``models``: key -> loaded model) on one virtual shard's windows, each
     distinct forward once per batch (:func:`~outlierscope.eval.perplexity.score_sides`)."""
     from outlierscope.eval.perplexity import Side, score_sides
-    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.weights.calibration import calibration_for
 
     cals: dict[tuple[str, str], object] = {}  # (model key, spec text) -> its calibration, computed once
 
@@ -440,7 +438,7 @@ def _noise_model(s: PerplexitySettings, lm):
     """The model again in the noise arithmetic (``s.noise``), on the same device."""
     from outlierscope.models.loading import load_model
 
-    return load_model(s.model, dtype=s.noise, device=lm.device, trust_remote_code=s.trust_remote_code)
+    return load_model(s.model, dtype=s.noise, device=lm.device, trust_remote_code=s.trust_remote_code, record=lm.record)
 
 
 def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
@@ -463,7 +461,7 @@ def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
 
 
 def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None,
-               world: World | None = None, force: bool = False) -> pd.DataFrame | None:
+               world: World | None = None, force: bool = False, record=None) -> pd.DataFrame | None:
     """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
     (kld_distribution, nll_and_kld) and ``perplexity.json`` (settings, the text's record, the windows, the model's
     source, versions, machine, commit). Returns the table.
@@ -475,7 +473,8 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks).
 
     An ``out`` holding a run (or this shard's record) with other settings is refused unless ``force``; a second run
-    of the same shard into ``out`` while one is running is refused at once (:func:`~outlierscope.io.run_lock`)."""
+    of the same shard into ``out`` while one is running is refused at once (:func:`~outlierscope.io.run_lock`).
+    ``record``: the model's :func:`~outlierscope.models.record.inspect_model` where the caller made it already."""
     import contextlib
 
     from outlierscope.io import run_lock
@@ -487,7 +486,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
             if world.is_main:
                 check_previous(out, s, force, shard)
                 held.enter_context(run_lock(out, "whole" if shard.whole else shard.tag, "perplexity run"))
-            lm, text, windows, length, ident, tok = _prepare(s, say, world.device(s.device))
+            lm, text, windows, length, ident, tok = _prepare(s, say, world.device(s.device), record)
         specs = s.specs()
         settings = [cell_settings(ident, spec, s.batch_size, s.logprobs) for spec in specs]
         noisy = [i for i, spec in enumerate(specs) if s.noise is not None and not spec.is_identity]

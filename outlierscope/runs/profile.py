@@ -108,7 +108,7 @@ class ProfileSettings:
         if not self.points and self.preset is None:
             raise ParamError("points", "at least one point or pattern (or a preset)", self.points)
         if self.quant is not None:
-            from outlierscope.quant.spec import QuantSpec
+            from outlierscope.quant.specs.spec import QuantSpec
 
             QuantSpec.parse(self.quant)  # a bad spec: before anything loads
         check_placement(self.device, self.dtype, self.device_map, self.attn_block)
@@ -137,8 +137,8 @@ def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
     if quant is None:
         return contextlib.nullcontext()
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.linear import calibration_for
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.calibration import calibration_for
 
     spec = QuantSpec.parse(quant)
     return quantize_model(module, spec, attn_block, calibration_for(module, tokenizer, spec))
@@ -348,12 +348,14 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
             progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
     """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
     ``shard`` writes ``profile.shard-i-of-N.pt`` for :func:`merge_profile`)."""
-    from outlierscope.models.loading import check_model, load_model, meta_model
+    from outlierscope.models.loading import inspect_model, load_model, meta_model
 
     if not specs:
         raise ParamError("specs", "at least one model spec (e.g. pair-tiny:diff or a model directory)", specs)
+    records = {}
     for spec in specs:  # every model found (a Hub id: downloaded) and its points resolved before the first one runs
-        _, config = check_model(spec, settings.trust_remote_code)
+        records[spec] = inspect_model(spec, settings.trust_remote_code)
+        config = records[spec].config
         resolve_points(meta_model(config, settings.trust_remote_code), settings.points, settings.preset)
         seq_len = resolve_seq_len(config, settings.seq_len)
         if settings.sink_k >= seq_len:  # every key would be a sink: each share 1.0
@@ -364,7 +366,7 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
         result = None
         for spec in specs:
             lm = load_model(spec, dtype=settings.dtype, device=world.device(settings.device), device_map=settings.device_map,
-                            trust_remote_code=settings.trust_remote_code)
+                            trust_remote_code=settings.trust_remote_code, record=records[spec])
             name = lm.name if result is None or lm.name not in result.stats else spec
             r = profile_model(lm, settings=settings, name=name, progress=progress, shard=shard, world=world)
             if r is not None:

@@ -17,7 +17,7 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
-from outlierscope.quant.names import GRANULARITIES
+from outlierscope.quant.numerics.names import GRANULARITIES
 from outlierscope.settings import option
 
 

@@ -66,9 +66,9 @@ from outlierscope.models.loading import (
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
-from outlierscope.quant.linear import calibrate_layers_alone, calibration_records
-from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
-from outlierscope.quant.spec import QuantSpec, build_spec
+from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
+from outlierscope.quant.specs.spec import QuantSpec, build_spec
+from outlierscope.quant.weights.calibration import calibrate_layers_alone, calibration_records
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, refuse_other_settings, revised
 from outlierscope.runs.perplexity import (
     TEXT_FIELDS,
@@ -437,17 +437,17 @@ def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard
     """Load the model and the items (gold_ll) or the text's windows (kld, ppl; checked before the weights load);
     the identity every cell shares."""
     from outlierscope.data.tasks import task_metrics
-    from outlierscope.models.loading import check_model, load_model, preview_config
+    from outlierscope.models.loading import inspect_model, load_model, preview_config
     from outlierscope.report.tables import headline_metric
 
     if (config := preview_config(s.model)) is not None:  # a GGUF file's metadata: before its conversion
         check_spec(s.spec(), config)
-    source, config = check_model(s.model, s.trust_remote_code)
-    check_spec(s.spec(), config)  # the spec fits the model's shape: before it loads
+    record = inspect_model(s.model, s.trust_remote_code)  # config and tokenizer: read once, handed on
+    check_spec(s.spec(), record.config)  # the spec fits the model's shape: before it loads
     rank_by = RANK_BY[s.metric]
-    text = _text_windows(s, source, config) if rank_by.on_text else None
+    text = _text_windows(s, record) if rank_by.on_text else None
     lm = load_model(s.model, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
-                    trust_remote_code=s.trust_remote_code)
+                    trust_remote_code=s.trust_remote_code, record=record)
     say = log if world.is_main else (lambda *_: None)
     if text is not None:
         return _Run(s, lm, [], s.metric, attention_layers(lm.model), {}, cells_dir, progress and world.is_main, say,
@@ -460,11 +460,11 @@ def _prepare(s: SensitivitySettings, cells_dir: Path, progress: bool, log, shard
                 progress and world.is_main, say, {}, shard, world)
 
 
-def _text_windows(s: SensitivitySettings, source, config) -> dict:
+def _text_windows(s: SensitivitySettings, record) -> dict:
     """The text metrics' text, window length and windows (the tokenizer alone decides them)."""
     from outlierscope.runs.perplexity import prepare_windows
 
-    text, _, length, windows = prepare_windows(s, source, config)
+    text, _, length, windows = prepare_windows(s, record)
     return {"text": text, "length": length, "windows": windows}
 
 
@@ -526,7 +526,7 @@ def _per_kind(run: _Run) -> pd.DataFrame | None:
     that kind quantized, in every layer. None unless the spec quantizes linear layers (and ``kinds``)."""
     import dataclasses as dc
 
-    from outlierscope.quant.linear import linear_sites
+    from outlierscope.quant.linears.sites import linear_sites
 
     spec = run.s.spec()
     if not run.s.kinds or not spec.has_linear:
@@ -549,7 +549,7 @@ def outlier_points(spec, model) -> tuple[str, ...]:
     """The points whose top-1 / median |x| is a layer's outlier ratio: the attention logits when the spec quantizes
     attention (or is the logits' bit width), the inputs of the decoder linears it quantizes when it has linear
     parts (both for a mixed spec)."""
-    from outlierscope.quant.linear import linear_sites
+    from outlierscope.quant.linears.sites import linear_sites
 
     linear = getattr(spec, "has_linear", False)
     points = ["layers.*.attn.logits"] if not linear or spec.has_attention else []

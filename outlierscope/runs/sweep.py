@@ -29,11 +29,11 @@ from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, selec
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record
 from outlierscope.models.loading import (
     attn_block_option,
-    check_model,
     check_placement,
     device_map_option,
     device_option,
     dtype_option,
+    inspect_model,
     num_layers,
     preview_config,
     trust_remote_code_option,
@@ -41,9 +41,9 @@ from outlierscope.models.loading import (
 from outlierscope.models.presets import DEFAULT_PAIR
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_layers, check_spec
-from outlierscope.quant.linear import calibration_records
-from outlierscope.quant.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
-from outlierscope.quant.spec import QuantSpec, build_spec, layers_option
+from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
+from outlierscope.quant.specs.spec import QuantSpec, build_spec, layers_option
+from outlierscope.quant.weights.calibration import calibration_records
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, refuse_other_settings, revised
@@ -274,7 +274,7 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
 
     def compute():
         from outlierscope.analysis.linear_error import LinearErrorStats
-        from outlierscope.quant.linear import linear_sites
+        from outlierscope.quant.linears.sites import linear_sites
 
         n_layers = lm.model.config.num_hidden_layers
         stats = AttentionErrorStats(n_layers) if in_attention else None
@@ -434,14 +434,17 @@ def gold_ll_table(cells: list[tuple[str, str, QuantSpec, str, EvalResult]], seed
     return pd.DataFrame(rows, columns=GOLD_COLUMNS)
 
 
-def check_models(s: SweepSettings) -> None:
+def check_models(s: SweepSettings, records: dict | None = None) -> dict:
     """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs. GGUF
-    files' specs are checked against their metadata first, before any conversion (minutes each)."""
+    files' specs are checked against their metadata first, before any conversion (minutes each). Returns each
+    model's :class:`~outlierscope.models.record.ModelRecord` (``records``: those the caller made already)."""
     for m in s.models:  # every GGUF file first: a conversion takes minutes
         if (config := preview_config(m)) is not None:
             check_specs(m, s.specs(), config)
-    for m in s.models:
-        check_specs(m, s.specs(), check_model(m, s.trust_remote_code)[1])
+    records = {m: (records or {}).get(m) or inspect_model(m, s.trust_remote_code) for m in s.models}
+    for m, record in records.items():
+        check_specs(m, s.specs(), record.config)
+    return records
 
 
 def check_specs(model: str, specs, config) -> None:
@@ -466,8 +469,9 @@ def _bits_order(s: SweepSettings) -> list[int]:
 
 
 def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
-          shard: Shard | None = None, world: World | None = None) -> SweepResult | None:
-    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv).
+          shard: Shard | None = None, world: World | None = None, records: dict | None = None) -> SweepResult | None:
+    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv). ``records``:
+    model -> its :func:`~outlierscope.models.record.inspect_model`, where the caller made it already.
 
     Data parallel (:mod:`outlierscope.parallel`): under ``torchrun`` pass ``world=World.from_env()``: every rank
     scores its share of each cell, rank 0 writes the cells and tables and gets the result (the others None).
@@ -482,8 +486,6 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     if s.kld_text is not None and not shard.whole:
         raise OutlierscopeError("kld_text with a --shard of a sweep is not built; run the sweep's text cells whole, or "
                                 "`outlierscope perplexity --shard` on each model")
-    if s.kld_text is not None:
-        _check_text_cells(s)
     git_commit()  # the checkout as the run found it (read once per process): before any table is written
     error = None
     if world.is_main:
@@ -492,7 +494,9 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         except OutlierscopeError as e:
             error = str(e)
     world.agree(error)
-    check_models(s)
+    records = check_models(s, records)
+    if s.kld_text is not None:
+        _check_text_cells(s, records)
     items = s.task_items()
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
     cells, sources, calibs = [], {}, {}
@@ -501,7 +505,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
         for spec_str in s.models:
             lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
-                            trust_remote_code=s.trust_remote_code)
+                            trust_remote_code=s.trust_remote_code, record=records[spec_str])
             wsha = lm.weights_sha256()
             sources[spec_str] = lm.provenance(wsha)  # as given, resolved commit / GGUF details, weights digest
             if cal := calibration_records(s.specs(), lm.model, lm.tokenizer):  # each calibrated spec's text, tokens
@@ -516,7 +520,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
                                                  shard, world)
                     cells.append((spec_str, t, spec, cid, res))
         del lm  # the text cells load each model again: one copy at a time
-    extra = {"text_metrics": _text_metrics(s, out, log, world)} if s.kld_text is not None else {}
+    extra = {"text_metrics": _text_metrics(s, out, log, world, records)} if s.kld_text is not None else {}
     extra |= {"calibration": calibs} if calibs else {}
     if not world.is_main:
         return None
@@ -538,18 +542,16 @@ def _text_dir(model: str) -> str:
     return "text/" + re.sub(r"[^A-Za-z0-9.-]", "_", model)
 
 
-def _check_text_cells(s: SweepSettings) -> None:
+def _check_text_cells(s: SweepSettings, records: dict) -> None:
     """Before any item cell: the text of ``kld_text`` read and cut into windows with each model's tokenizer (an
     unreadable file or a text too short for one window is an error now, not after every item cell ran)."""
-    from outlierscope.models.checks import check_model
     from outlierscope.runs.perplexity import prepare_windows
 
     for m in s.models:
-        source, config = check_model(m, s.trust_remote_code)
-        prepare_windows(s.kld_settings(m), source, config)
+        prepare_windows(s.kld_settings(m), records[m])
 
 
-def _text_metrics(s: SweepSettings, out: Path, log, world: World) -> dict:
+def _text_metrics(s: SweepSettings, out: Path, log, world: World, records: dict) -> dict:
     """Each model's perplexity run of every cell on ``kld_text`` (:meth:`SweepSettings.kld_settings`, resumable) in
     ``out/text/<model>``, and ``text.csv``: their tables with a model column. Returns model -> its directory."""
     from outlierscope.runs.perplexity import perplexity
@@ -557,7 +559,8 @@ def _text_metrics(s: SweepSettings, out: Path, log, world: World) -> dict:
     tables, dirs = [], {}
     for m in s.models:
         dirs[m] = _text_dir(m)
-        table = perplexity(s.kld_settings(m), out / dirs[m], log=log, world=world, force=True)  # the sweep's: checked
+        table = perplexity(s.kld_settings(m), out / dirs[m], log=log, world=world, force=True,  # the sweep's: checked
+                           record=records[m])
         if table is not None:
             tables.append(table.assign(model=m))
     if world.is_main:

@@ -12,8 +12,8 @@ import torch
 from outlierscope.analysis.attention_error import AttentionErrorStats, attention_row_errors, measure_attention_error
 from outlierscope.models.loading import load_model
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.logits import logits_quant
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.attention.logits import logits_quant
+from outlierscope.quant.specs.spec import QuantSpec
 
 
 def _softmax(xs):

@@ -13,7 +13,7 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.perplexity import TokenScores, score_noise, score_windows, token_values
 from outlierscope.eval.windows import gptq_windows, llamacpp_windows, lmeval_windows
 from outlierscope.models.float64 import float64_model
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 
 DOCS = [" ".join(f"w{(i * 7 + j * 3) % 50}" for j in range(n)) for i, n in enumerate([3, 40, 0, 120, 17, 260, 9, 75])]
 
@@ -497,8 +497,8 @@ def test_weights_held_from_batch_to_batch_change_no_value(pair, monkeypatch, bud
     """A run keeps its specs' quantized weights from batch to batch within ``hold_bytes`` (first come, first held):
     every value bit for bit as quantizing them again at each batch (float32, bf16-valued weights), each held weight
     quantized once per run."""
-    from outlierscope.quant import linear as L
-    from outlierscope.quant.linear import linear_sites
+    from outlierscope.quant.linears import schemes as L
+    from outlierscope.quant.linears.sites import linear_sites
 
     model32, tok = _float32(pair)
     windows = gptq_windows(tok, DOCS, 32)[:6]

@@ -21,7 +21,7 @@ def _readme_block() -> str:
 def test_the_readme_per_token_example():
     from outlierscope.data.running_text import lambada_path
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     if not lambada_path().exists():
         pytest.skip("outlierscope data fetch has not run")

@@ -7,7 +7,7 @@ from outlierscope.eval.requests import build_requests, lmeval_max_length
 from outlierscope.eval.scorer import score_requests
 from outlierscope.models.loading import load_model
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 
 
 @pytest.fixture(scope="module", params=["transformer", "diff"])
@@ -261,7 +261,7 @@ def test_evaluate_takes_a_spec_as_text(setup, hs_jsonl):
     fails with did-you-mean before any forward."""
     from outlierscope.errors import OutlierscopeError
     from outlierscope.eval.evaluate import evaluate
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm, _ = setup
     kw = dict(data=hs_jsonl, limit=4, batch_size=4, progress=False)

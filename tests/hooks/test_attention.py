@@ -10,7 +10,7 @@ from outlierscope.errors import ParamError
 from outlierscope.hooks.attention import BLOCK_BYTES, attention_stages, block_rows
 from outlierscope.hooks.capture import capture
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 from tests.hooks.test_capture import make
 
 ARCHS = ["llama", "diffllama", "mistral", "gemma2", "gpt2"]

@@ -334,7 +334,7 @@ def test_hybrid_models(arch):
 
     from outlierscope.hooks.points import attention_layers
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     make_cfg, kinds = HYBRID[arch]
     torch.manual_seed(0)

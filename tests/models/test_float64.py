@@ -140,7 +140,7 @@ def test_smollm2_float64_nll_equals_a_forward_from_scratch():
     from outlierscope.eval.perplexity import score_windows
     from outlierscope.eval.windows import Window
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     lm = load_model("smollm2-135m", dtype="float64", device="cpu")
     text = ("The river that runs through the old city was once the border between two kingdoms, and the bridges "

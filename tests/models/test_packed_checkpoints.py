@@ -258,8 +258,8 @@ def test_compare_quant_records_what_a_calibrated_emulation_read(hellaswag_cached
 
     from outlierscope.cli import main
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.sequential import calibration_sequences
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.sequential import calibration_sequences
 
     float_dir = _checkpoint("float", tmp_path)
     real = _rtn_gptq_checkpoint(float_dir, tmp_path / "rtn", bits=8, group=64)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 
 ct = pytest.importorskip("compressed_tensors")
 
@@ -82,7 +82,7 @@ def test_checkpoints_of_both_models_equal_their_own_forward_and_the_emulation(ro
     from outlierscope.models.loading import load_model, meta_model
     from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.export import spec_from_config
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     src = role if role.startswith("pair-tiny:") else str(tiny_pair[role])  # the bundled pair, or the random test pair
     path = _checkpoint(src, tmp_path / "ckpt", preset, group)

@@ -5,7 +5,7 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.capture import capture
 from outlierscope.models.presets import PairConfig
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 
 
 @pytest.fixture(scope="module", params=["transformer", "diff"])

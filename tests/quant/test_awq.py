@@ -1,4 +1,4 @@
-"""AWQ's searches (outlierscope.quant.awq, the group search of awq_model) against GPT-QModel 7.6's own functions
+"""AWQ's searches (outlierscope.quant.weights.awq, the group search of awq_model) against GPT-QModel 7.6's own functions
 (AutoAWQ's arithmetic; references/awq_gptqmodel_reference.py, its fixture committed) and against AutoAWQ's algorithm
 written here in float64 numpy (loops over ratios, rows and groups; the MLP's forward by hand)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.awq import AWQConfig, clip_groups, search_clip, weight_mean
-from outlierscope.quant.awq_model import _group_scale
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.awq import AWQConfig, clip_groups, search_clip, weight_mean
+from outlierscope.quant.weights.awq_model import _group_scale
 
 FIXTURE = Path(__file__).parent / "fixtures" / "awq_gptqmodel.safetensors"
 PACKED = Path(__file__).resolve().parents[1] / "models" / "packed"
@@ -49,7 +49,7 @@ def test_scales_and_clipping_equal_gpt_qmodels(bits, group, grid):
             torch.testing.assert_close(s, ref[f"{key}.{tag}.scale"], rtol=1e-6, atol=0, msg=tag)
         part = spec.part("w")
         for name, x in (("gate_proj", x_mlp), ("up_proj", x_mlp), ("down_proj", x_down)):
-            from outlierscope.quant.linear_ops import quantize_weight
+            from outlierscope.quant.linears.ops import quantize_weight
 
             w = getattr(mlp, name).weight.detach()
             got = search_clip(w, x, lambda v: quantize_weight(v, part), group)
@@ -144,7 +144,7 @@ def test_group_scale_and_clip_equal_autoawq_in_float64():
     np.testing.assert_allclose(got, want, rtol=1e-6)  # the means are float32 sums, as AutoAWQ and GPT-QModel keep them
     assert got.std() > 0.01  # a scale that is not all ones: the search chose a ratio > 0
 
-    from outlierscope.quant.linear_ops import quantize_weight
+    from outlierscope.quant.linears.ops import quantize_weight
 
     h = torch.nn.functional.silu(lin[0](x)) * lin[1](x)  # down's input
     with torch.no_grad():

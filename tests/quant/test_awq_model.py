@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.awq_model import awq_model
-from outlierscope.quant.linear import Calibration, linear_sites
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.linears.sites import Calibration, linear_sites
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.awq_model import awq_model
 from tests.quant.test_awq import _q, _ref_clip
 
 BITS, GROUP, GRID = 4, 16, 20
@@ -190,7 +190,7 @@ def test_part_of_a_group_gets_the_groups_scale_as_autoawq_would_fold_it(chosen):
 def test_a_part_of_a_layers_linears_is_saved_under_its_own_key():
     """Calibrations saved before partial groups were scaled (clipping only) are not read for ``linears:`` subsets;
     whole layers (all linears, or ``layers:``) keep their files."""
-    from outlierscope.quant.sequential import _partial_layers
+    from outlierscope.quant.weights.sequential import _partial_layers
 
     model = _llama(4)
     for text, partial in [("", False), ("; layers:1", False), ("; linears:*.q_proj", True),
@@ -229,8 +229,8 @@ def test_an_awq_spec_runs_through_calibration_for_and_the_perplexity_command(tmp
 
     from outlierscope.cli import main
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.linear import calibration_for
-    from outlierscope.quant.sequential import calibration_sequences
+    from outlierscope.quant.weights.calibration import calibration_for
+    from outlierscope.quant.weights.sequential import calibration_sequences
 
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))
@@ -256,7 +256,7 @@ def test_an_awq_spec_runs_through_calibration_for_and_the_perplexity_command(tmp
 def test_judge_calls_merge_into_batches_with_the_same_outputs():
     """The attention's recorded calls (20 packed sequences: same positions, no mask) merge 16 at a time; its output on
     the merged calls is the output call by call (float64); calls that differ beyond the hidden states stay apart."""
-    from outlierscope.quant.awq_model import _outputs, batched
+    from outlierscope.quant.weights.awq_model import _outputs, batched
 
     model = _llama(2)
     at = model.model.layers[0].self_attn

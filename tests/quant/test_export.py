@@ -11,7 +11,7 @@ ctq = pytest.importorskip("compressed_tensors.quantization")
 
 from outlierscope.errors import OutlierscopeError  # noqa: E402
 from outlierscope.quant import export as qexport  # noqa: E402
-from outlierscope.quant.spec import QuantSpec  # noqa: E402
+from outlierscope.quant.specs.spec import QuantSpec  # noqa: E402
 
 
 @pytest.mark.parametrize("ours, preset", [
@@ -88,7 +88,7 @@ def test_ignore_list_selects_exactly_the_quantized_linears(text, layers, expecte
     """compressed-tensors' own matcher, given targets [Linear] and our ignore list, picks the linears named here."""
     from compressed_tensors.utils.match import match_named_modules
 
-    from outlierscope.quant.linear import linear_sites
+    from outlierscope.quant.linears.sites import linear_sites
 
     model = _meta_llama()
     spec = dataclasses.replace(QuantSpec.parse(text), layers=layers)
@@ -135,7 +135,7 @@ def test_a_checkpoints_config_reads_back_as_the_spec(text):
 
 
 def _sites(model, spec):
-    from outlierscope.quant.linear import linear_sites
+    from outlierscope.quant.linears.sites import linear_sites
 
     return linear_sites(model, spec)
 
@@ -168,7 +168,7 @@ def test_a_gptq_spec_exports_as_llm_compressors_gptq_modifier():
     groups, GAR or GPT-QModel's order inside a layer, which its GPTQ does not compute, are refused."""
     from outlierscope.errors import OutlierscopeError
     from outlierscope.quant.export import check_exportable, recipe
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     for text, actorder in (("gptq:static,sequential=layer", None),
                           ("gptq:damp=0.05,order=desc,block=64,static,sequential=layer", "weight")):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from outlierscope.quant.formats import MINIFLOATS, asym_quant, mx_quant, nvfp4_quant, round_minifloat
+from outlierscope.quant.numerics.formats import MINIFLOATS, asym_quant, mx_quant, nvfp4_quant, round_minifloat
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
 nv = pytest.importorskip("torchao.prototype.mx_formats.nvfp4_tensor")
@@ -210,8 +210,8 @@ def test_zint_is_gptqs_zero_point_grid_and_compressed_tensors_asymmetric_int(bit
     all-zero group, an all-positive group) and compressed-tensors' own asymmetric int quantization (float32: equal
     but at exact ties x / s = k + 1/2, which round(x / s + zp) rounds to even after adding an odd zero point and
     GPT-QModel's round(x / s) + zp before)."""
-    from outlierscope.quant.linear_ops import quantize_weight
-    from outlierscope.quant.parts import parse_part
+    from outlierscope.quant.linears.ops import quantize_weight
+    from outlierscope.quant.specs.parts import parse_part
 
     g = torch.Generator().manual_seed(bits)
     w = (torch.randn(24, 128, generator=g) * 0.05).bfloat16().double()

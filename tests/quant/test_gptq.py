@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.gptq import gptq_quantize, hessian_update
+from outlierscope.quant.weights.gptq import gptq_quantize, hessian_update
 
 
 def _grid(x: np.ndarray, scale: np.ndarray, bits: int, fmt: str) -> np.ndarray:
@@ -234,7 +234,7 @@ def test_gptq_settings_read_back_and_bad_ones_are_one_line():
     """A spec's gptq part: settings other than the defaults in its canonical text, read back to the same settings;
     a wrong key or value is one line naming what is expected."""
     from outlierscope.errors import OutlierscopeError
-    from outlierscope.quant.gptq import GPTQConfig
+    from outlierscope.quant.specs.calibrated import GPTQConfig
 
     cfg = GPTQConfig.parse("order=desc,static,sequential=layer,damp=0.05")
     assert (cfg.order, cfg.static, cfg.sequential, cfg.damp) == ("desc", True, "layer", 0.05)

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from outlierscope.quant.gptq_model import gptq_model
-from outlierscope.quant.linear import linear_sites
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.linears.sites import linear_sites
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.gptq_model import gptq_model
 from tests.quant.test_gptq import FIXTURES, PACKED, _reference
 
 SUBSETS = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
@@ -76,8 +76,8 @@ def test_each_layer_alone_in_one_pass_equals_its_own_calibration(tmp_path, monke
     the float64 sequential calibration of that layer alone written here; each layer is saved where the calibration of
     ``layers:i`` finds it, which then runs no forward and rounds nothing (seen failing with the next inputs taken
     through the rounded layer)."""
-    from outlierscope.quant import gptq_model as gm
     from outlierscope.quant import sequential
+    from outlierscope.quant.weights import gptq_model as gm
 
     model = _llama()
     seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
@@ -159,8 +159,8 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
     from outlierscope.cli import main
     from outlierscope.models.loading import load_model
     from outlierscope.quant.apply import quantize_model
-    from outlierscope.quant.gptq_model import calibration_sequences
-    from outlierscope.quant.linear import calibration_for
+    from outlierscope.quant.weights.calibration import calibration_for
+    from outlierscope.quant.weights.gptq_model import calibration_sequences
 
     text = tmp_path / "calib.txt"
     text.write_text(" ".join(f"the {w} sat on the mat and looked at the {w}" for w in ("cat", "dog", "owl") * 40))
@@ -210,7 +210,7 @@ def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatc
     did (calibrated on the inputs through the saved layer 0); other calibration tokens use another file."""
     import glob
 
-    from outlierscope.quant import gptq_model as gm
+    from outlierscope.quant.weights import gptq_model as gm
 
     model = _llama()
     seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))
@@ -244,8 +244,8 @@ def test_a_calibration_continues_after_its_last_saved_layer(tmp_path, monkeypatc
 def test_the_subsets_forward_stops_after_their_linears_and_gives_the_same_weights(monkeypatch):
     """GPTQ runs each subset's forward only as far as its last linear: the weights equal those of whole forwards
     (float64), and the forward of the q/k/v subset never reaches the MLP."""
-    from outlierscope.quant import gptq_model as gm
-    from outlierscope.quant.sequential import run_layer
+    from outlierscope.quant.weights import gptq_model as gm
+    from outlierscope.quant.weights.sequential import run_layer
 
     model = _llama()
     seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))

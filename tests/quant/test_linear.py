@@ -13,10 +13,12 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.linear import calibrate, linear_sites, quantize_linears
-from outlierscope.quant.linear_ops import rotation
-from outlierscope.quant.recipes import RECIPES
-from outlierscope.quant.spec import LINEAR_RECIPES, QuantSpec
+from outlierscope.quant.linears.ops import rotation
+from outlierscope.quant.linears.schemes import quantize_linears
+from outlierscope.quant.linears.sites import linear_sites
+from outlierscope.quant.specs.recipes import RECIPES
+from outlierscope.quant.specs.spec import LINEAR_RECIPES, QuantSpec
+from outlierscope.quant.weights.calibration import calibrate
 from tests.quant.test_recipes import _mx_rows
 
 # the schemes as their sources describe them: w: (format, bits, granule, size), a: the same, plus transforms
@@ -379,7 +381,7 @@ class _Holder(nn.Module):
 def _linears_of(seq: nn.Sequential, spec):
     from unittest import mock
 
-    from outlierscope.quant import linear as L
+    from outlierscope.quant.linears import schemes as L
 
     sites = [L.LinearSite(0, "0", "0", seq[0])]
     return _patched(mock, L, seq, spec, sites)
@@ -594,7 +596,7 @@ def test_calibration_record_names_the_text_and_the_tokens_the_calibration_read(t
     import hashlib
 
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.linear import calibration_for, calibration_record
+    from outlierscope.quant.weights.calibration import calibration_for, calibration_record
 
     text = tmp_path / "calib.txt"
     text.write_text("\n\n".join(f"Paragraph {i} of a calibration text about rivers and hills." * 3 for i in range(40)))
@@ -638,7 +640,7 @@ def _calibrated_case(name: str, tmp_path):
 def test_weights_are_quantized_once_per_context_and_equal_every_forward(name, tmp_path, monkeypatch):
     """A held weight: quantized once, when the context is entered, and every forward's bytes equal those of the path
     that quantizes again at each forward (float32, bf16-valued weights, the same batch)."""
-    from outlierscope.quant import linear as L
+    from outlierscope.quant.linears import schemes as L
 
     model, spec, calib = _calibrated_case(name, tmp_path)
     calls = []
@@ -688,7 +690,7 @@ def test_an_input_read_by_several_linears_is_quantized_once(name, tmp_path, monk
     """q/k/v and gate/up read one tensor: its smoothing, rotation and quantization run once per forward (4 inputs a
     layer, not 7) and every byte equals the path that transforms it for each linear (float32, bf16-valued weights,
     padding on both sides)."""
-    from outlierscope.quant import linear as L
+    from outlierscope.quant.linears import schemes as L
 
     model, spec, calib = _calibrated_case(name, tmp_path)
     calls = []
@@ -712,7 +714,7 @@ def test_held_weights_by_default_only_where_they_fit():
     """``hold_weights=None``: held on the CPU; on a GPU only when the quantized linears' bytes on it are at most half
     its free memory (a fake free-memory function, weights on the meta device as stand-ins of other devices); offloaded
     or unknown devices: not held. The default path on the CPU holds (quantized once)."""
-    from outlierscope.quant.linear import holds_fit
+    from outlierscope.quant.linears.schemes import holds_fit
 
     model = _bf16_float32_model()
     sites = linear_sites(model, QuantSpec.parse("w8a8"))

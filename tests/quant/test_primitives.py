@@ -7,9 +7,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from outlierscope.quant.logits import logits_quant
-from outlierscope.quant.primitives import absmax_scale, fake_quant, qmax, quantize_absmax
-from outlierscope.quant.spec import QuantSpec, parse_layers
+from outlierscope.quant.attention.logits import logits_quant
+from outlierscope.quant.numerics.primitives import absmax_scale, fake_quant, qmax, quantize_absmax
+from outlierscope.quant.specs.spec import QuantSpec, parse_layers
 
 floats = st.floats(-1e4, 1e4, allow_nan=False, width=32)
 tensors = arrays(np.float32, st.tuples(st.integers(1, 4), st.integers(1, 9)), elements=floats)
@@ -174,7 +174,7 @@ def test_full_range_grid_against_numpy(bits):
     loses half a step to the clamp, -absmax reaches the extra negative level."""
     import numpy as np
 
-    from outlierscope.quant.primitives import quantize_absmax
+    from outlierscope.quant.numerics.primitives import quantize_absmax
 
     x = np.random.default_rng(bits).normal(size=(6, 40))
     x[0, 3], x[1, 5] = 9.0, -9.0  # the row's absmax on each side

@@ -10,8 +10,8 @@ import torch
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.recipes import RECIPES
-from outlierscope.quant.spec import LINEAR_RECIPES, QuantSpec
+from outlierscope.quant.specs.recipes import RECIPES
+from outlierscope.quant.specs.spec import LINEAR_RECIPES, QuantSpec
 from tests.quant.test_formats import compressed_tensors_mx, compressed_tensors_nvfp4
 
 mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
@@ -420,8 +420,8 @@ def test_blocked_attention_gives_the_same_result():
                                        ("per_token", None), ("per_head", None)])
 def test_granularities_against_naive(gran, size, fmt, bits):
     """quantize_tokens granule by granule against the loops above, with padding tokens in the middle of groups."""
-    from outlierscope.quant.ops import quantize_tokens
-    from outlierscope.quant.parts import TensorQuant
+    from outlierscope.quant.attention.ops import quantize_tokens
+    from outlierscope.quant.specs.parts import TensorQuant
 
     if fmt == "asym" and gran == "per_head":
         pytest.skip("same code path as per_token")

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.recipes import RECIPES
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.recipes import RECIPES
+from outlierscope.quant.specs.spec import QuantSpec
 
 SIZE = st.integers(1, 256)
 INT = st.sampled_from(["int", "asym", "fint"]).flatmap(lambda f: st.integers(2, 8).map(lambda b: f"{f}{b}"))
@@ -159,7 +159,7 @@ def test_unknown_keyword_is_a_type_error():
 
 
 @pytest.mark.parametrize("module,name", [("outlierscope", "AttnQuant"), ("outlierscope.quant", "AttnQuant"),
-                                         ("outlierscope.quant.recipe", "AttnQuant")])
+                                         ("outlierscope.quant.specs.recipe", "AttnQuant")])
 def test_the_old_type_name_warns_and_is_the_one_type(module, name):
     import importlib
 
@@ -174,7 +174,7 @@ def test_the_old_function_names_warn_and_do_the_same():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        import outlierscope.quant.recipe  # noqa: F401 (importing the old module does not warn; its old names do)
+        import outlierscope.quant.specs.recipe  # noqa: F401 (importing the old module does not warn; its old names do)
     with pytest.warns(DeprecationWarning, match="as_attn_quant is deprecated"):
         assert apply.as_attn_quant("sage1") == QuantSpec.parse("sage1")
     with pytest.warns(DeprecationWarning, match="quantize_attention is deprecated"):
@@ -189,7 +189,7 @@ def test_the_old_function_names_warn_and_do_the_same():
 def test_no_module_dispatches_between_spec_types():
     """One type: no isinstance between spec classes, and the old name only in its deprecation shims."""
     pkg = Path(__file__).resolve().parents[2] / "outlierscope"
-    shims = {"quant/recipe.py", "quant/__init__.py", "__init__.py"}
+    shims = {"quant/specs/recipe.py", "quant/__init__.py", "__init__.py"}
     for path in pkg.rglob("*.py"):
         rel = str(path.relative_to(pkg))
         text = path.read_text()

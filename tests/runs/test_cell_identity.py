@@ -1,5 +1,5 @@
 """Every committed run under docs/ resumes with zero cells recomputed: its settings, read back through today's spec
-type (:class:`~outlierscope.quant.spec.QuantSpec`), name exactly the cells it recorded.
+type (:class:`~outlierscope.quant.specs.spec.QuantSpec`), name exactly the cells it recorded.
 
 The expected identities are outside the code under test: each cell's own ``<cell>.json`` holds the settings it was
 computed with (written when it ran, by the code of that day), and its file name is their digest."""
@@ -130,7 +130,7 @@ def test_sensitivity_settings_name_their_recorded_cells(run_dir):
 def _check_text_cells(rec: dict, s) -> None:
     """A study ranked by KLD or PPL names its perplexity cells by the text its record names (source digest,
     protocol, window length and count; CPU runs, float32) and each role's spec at the text batch size."""
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
     from outlierscope.runs.perplexity import cell_settings as text_cell_settings
 
     text = rec["rank_by"]

@@ -3,7 +3,7 @@ cells computed before are recomputed rather than read back as today's."""
 
 import pytest
 
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.runs.cells import revised
 
 
@@ -24,8 +24,8 @@ def test_gptq_calibration_cache_is_keyed_by_the_damping_revision(tmp_path):
     import torch
 
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.linear import linear_sites
-    from outlierscope.quant.sequential import _checkpoint_path
+    from outlierscope.quant.linears.sites import linear_sites
+    from outlierscope.quant.weights.sequential import _checkpoint_path
 
     model = load_model("pair-tiny:transformer").model
     spec = QuantSpec.parse("w=fint4/per_group:64; gptq")

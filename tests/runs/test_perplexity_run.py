@@ -185,7 +185,7 @@ def test_windows_are_scored_once_per_batch_of_every_spec(tmp_path, text):
     from outlierscope.eval.perplexity import score_windows
     from outlierscope.eval.windows import protocol_windows
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     assert _run(tmp_path, text) == 0
     table = pd.read_csv(tmp_path / "p" / "perplexity.csv")

@@ -11,7 +11,7 @@ import torch
 
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.spec import QuantSpec
+from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sensitivity
 
 
@@ -334,7 +334,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
 
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="kivi-2bit", limit=6, batch_size=8, profile_tokens=256,
                             all_but=False, tolerance=0.0)
@@ -399,8 +399,8 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
 
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.linear import layer_linears
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.linears.sites import layer_linears
+    from outlierscope.quant.specs.spec import QuantSpec
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="w8a8", limit=6, batch_size=8, profile_tokens=256,
                             all_but=False, tolerance=0.0)
@@ -428,7 +428,7 @@ def test_a_linear_schemes_outlier_ratio_is_its_linears_inputs(hellaswag_cached, 
     quantizes (every decoder linear), from a profile of the same tokens (computed here from its per-layer table),
     not the attention logits'; the record names the points, sensitivity.md says what the ratio measures."""
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.linear import layer_linears
+    from outlierscope.quant.linears.sites import layer_linears
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
     s = SensitivitySettings(model="pair-tiny:diff", quant="w8a8", limit=4, batch_size=8, profile_tokens=256,

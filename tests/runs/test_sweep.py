@@ -450,7 +450,7 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     quantize_model with that spec, resumed, tabulated again byte-identical from the cells, merged from shards."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,),
                   quant=("sage2-int4", "k=int4/per_group:8"))
@@ -488,7 +488,7 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
                   attn_error=True)
     sweep(s, tmp_path, progress=False, log=lambda *_: None)
     err = pd.read_csv(tmp_path / "attn_error.csv")
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     assert set(err["label"]) == {"4-bit int per_tensor", QuantSpec.parse("k=int4/per_group:8").label}
     rows = err.groupby("label")["rows"].sum()
@@ -500,7 +500,7 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
 def test_a_quantized_cell_is_named_by_its_batch_size():
     """Quantized per-item scores depend on the batch size by float32 rounding (tests/eval/test_scorer.py), so a
     quantized cell computed at batch 8 is not reused at batch 32; an unquantized cell (~1e-5 nats) keeps its id."""
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
     from outlierscope.runs.cells import cell_id
 
     def ident(spec, bs):
@@ -594,7 +594,7 @@ def test_sweep_with_bitsandbytes_weights(tiny_pair, hs_jsonl, tmp_path):
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.hooks.points import decoder_layers
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.spec import QuantSpec
+    from outlierscope.quant.specs.spec import QuantSpec
 
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16, 4), weights="nf4", limit=6)
     out = tmp_path / "nf4"

@@ -1,0 +1,90 @@
+"""The paper's dynamic absmax quantization of attention logits, as a tensor operator: the ``logits=`` part of a
+:class:`~outlierscope.quant.specs.spec.QuantSpec` with its layers (:func:`logits_quant`), applied to (B, H, T, S) logits
+with their valid mask. Pure tensor work lives in :mod:`outlierscope.quant.numerics.primitives`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.numerics.primitives import absmax, fake_quant, qmax, quantize_absmax
+
+# reduction dims of the logits (B, H, T, S) per granularity; the batch dim is never reduced,
+# so one sequence's result never depends on what else is in the batch
+GRANULARITY_DIMS = {
+    "per_tensor": (1, 2, 3),  # one scale per sequence and layer, over all heads and valid (query, key)
+    "per_head": (2, 3),  # per sequence, layer and head
+    "per_row": (3,),  # per query token and head: a row sees only its own valid keys
+}
+
+
+@dataclass(frozen=True)
+class LogitsQuant:
+    """Absmax quantization of logits to ``bits`` of ``format`` (``int``, or FP8 ``e4m3``/``e5m2`` at 8) with one scale
+    per ``granularity``, in ``layers`` (None: all); ``bnb``: bitsandbytes' ``int8_vectorwise_quant`` (int8 per row)."""
+
+    bits: int
+    format: str
+    granularity: str
+    layers: tuple[int, ...] | None = None
+    bnb: bool = False
+
+    def applies_to(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+    @property
+    def spans_rows(self) -> bool:
+        """Whether a scale reduces over query rows (per_head, per_tensor): blocked attention needs a first pass."""
+        return 2 in GRANULARITY_DIMS[self.granularity]
+
+    def absmax(self, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+        """The absmax this scale is made of, (B, 1|H, 1|T, 1): max it over blocks of rows, then :meth:`__call__`."""
+        if valid is not None:
+            valid = valid.expand_as(logits)
+        return absmax(logits, GRANULARITY_DIMS[self.granularity], valid)
+
+    def __call__(self, logits: torch.Tensor, valid: torch.Tensor | None, amax: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize logits (B, H, T, S) with their valid mask; returns a new tensor.
+
+        ``amax``: the absmax to scale with (from :meth:`absmax` over all blocks of rows); None: these logits' own."""
+        if valid is not None:
+            valid = valid.expand_as(logits)
+        if self.bnb:
+            return bnb_int8_rowwise(logits, valid)
+        if amax is not None:
+            return fake_quant(logits, amax / qmax(self.bits, self.format), self.bits, self.format, valid)
+        return quantize_absmax(logits, self.bits, GRANULARITY_DIMS[self.granularity], valid, self.format)
+
+
+def logits_quant(spec) -> LogitsQuant | None:
+    """The operator of a :class:`~outlierscope.quant.specs.spec.QuantSpec`'s ``logits=`` part, in its layers; None
+    without one."""
+    p = spec.part("logits")
+    if p is None:
+        return None
+    bits, fmt = p.grid
+    return LogitsQuant(bits, fmt, p.granularity or "per_row", spec.layers, bnb=p.format == "bnb-int8")
+
+
+def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """Absmax int8 per row (last dim) through ``bitsandbytes.functional.int8_vectorwise_quant``."""
+    import bitsandbytes.functional as F
+
+    w = x.float() if valid is None else x.float().masked_fill(~valid, 0.0)
+    rows = w.reshape(-1, w.shape[-1])  # (B*H*T, S)
+    if rows.is_cuda:  # bitsandbytes' CUDA kernel takes float16 only
+        top = float(rows.abs().max()) if rows.numel() else 0.0
+        if top > 65504:
+            raise OutlierscopeError(f"bitsandbytes int8 on CUDA reads float16, but the logits reach {top:.4g} > 65504; "
+                                    "use logits=int8/per_row (our own int8) for this model")
+        rows = rows.half()
+    q, row_absmax, _ = F.int8_vectorwise_quant(rows.contiguous())
+    row_absmax = row_absmax.float()
+    deq = (q.float() * (row_absmax[:, None] / 127.0)).view_as(w)  # (B, H, T, S)
+    keep = (row_absmax > 0).view(*w.shape[:-1], 1)  # (B, H, T, 1)
+    out = torch.where(keep, deq, x.float())
+    if valid is not None:
+        out = torch.where(valid, out, x.float())
+    return out.to(x.dtype)

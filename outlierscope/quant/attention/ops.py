@@ -1,0 +1,223 @@
+"""Tensor operations of attention quantization (pure: no state, never mutate the input): quantize q/k/v (B, H, T, d)
+and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.specs.parts.TensorQuant`'s granularity, and the
+transforms that are exact in full precision (K and Q smoothing, a random-sign Hadamard rotation).
+
+Valid tokens (``valid``: (B, T), False for padding) never enter a scale, a mean or a block's max, and come back
+unchanged. Groups of tokens (``per_block:N``, ``per_channel:N``, Q smoothing's blocks of rows, v's MX/NVFP4 blocks,
+P's blocks along the keys) are counted from each sequence's first real token, as a varlen kernel and a KV cache see
+it: a sequence gets the same blocks alone, left-padded or right-padded in a batch. Granules, for q/k/v (B, H, T, d)::
+
+    per_tensor     (H, T, d) of one sequence          per_channel    (T,) of one head and channel
+    per_head       (T, d) of one head                  per_channel:N  N consecutive tokens of one channel
+    per_token      (d,) of one token and head          per_block:N    (N, d): N consecutive tokens of one head
+    per_group:G    G consecutive channels of a token    MX / NVFP4     32 / 16 along head_dim (q, k) or tokens (v)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.numerics.formats import MX_FORMATS, NVFP4_BLOCK, asym_quant, mx_quant, nvfp4_quant
+from outlierscope.quant.numerics.primitives import fake_quant, qmax, quantize_absmax
+from outlierscope.quant.specs.parts import TensorQuant
+
+
+def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
+
+
+def first_real(valid: torch.Tensor) -> torch.Tensor:
+    """(B,) index of each row's first True of ``valid`` (B, T); 0 for a row with none."""
+    return valid.to(torch.int8).argmax(-1)
+
+
+def _rolled(x: torch.Tensor, start: torch.Tensor, dim: int, back: bool = False) -> torch.Tensor:
+    """``x`` with each sequence b rolled along ``dim`` so that index ``start[b]`` comes first (``back``: the inverse).
+    Padding is contiguous (left or right), so the real tokens stay in order and the padding follows them."""
+    n = x.shape[dim]
+    shift = -start if back else start
+    idx = (torch.arange(n, device=x.device)[None] + shift[:, None]) % n  # (B, n)
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = x.shape[0], n
+    return x.gather(dim, idx.view(shape).expand(x.shape))
+
+
+def _from_start(fn, x: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | None, dim: int,
+                valid_dim: int) -> torch.Tensor:
+    """``fn(x', valid')`` with each sequence of ``x`` (along ``dim``) and ``valid`` (along ``valid_dim``) rolled so that
+    index ``start[b]`` comes first, the result rolled back: groups counted from there. Where every start is 0 (right
+    padding, no padding) or ``start`` is None nothing is copied."""
+    if start is None or not bool(start.any()):
+        return fn(x, valid)
+    return _rolled(fn(_rolled(x, start, dim), _rolled(valid, start, valid_dim)), start, dim, back=True)
+
+
+def _from_first_real(fn, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """:func:`_from_start` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T): token groups counted from each
+    sequence's first real token."""
+    return _from_start(fn, x, valid, first_real(valid), 2, 1)
+
+
+def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """``x`` (B, H, T, d) and its validity reshaped so that one granule is the reduced dims; returns (x', valid',
+    dims), both padded (padding invalid) where a size does not divide T or d."""
+    B, H, T, d = x.shape
+    v = valid[:, None, :, None].expand(B, H, T, d)  # (B, H, T, d)
+    g, n = tq.granularity, tq.size
+    if g == "per_tensor":
+        return x, v, (1, 2, 3)
+    if g == "per_head":
+        return x, v, (2, 3)
+    if g in ("per_token", "per_row"):
+        return x, v, (3,)
+    if g == "per_group":
+        if d % n:
+            raise OutlierscopeError(f"{tq}: head_dim {d} is not a multiple of the group size {n}")
+        return x.reshape(B, H, T, d // n, n), v.reshape(B, H, T, d // n, n), (4,)  # (B, H, T, d/G, G)
+    if g == "per_channel" and n is None:
+        return x, v, (2,)
+    xp, vp = _pad_to(x, 2, n), _pad_to(v, 2, n)  # per_block:N, per_channel:N: groups of N tokens
+    shape = (B, H, xp.shape[2] // n, n, d)  # (B, H, T/N, N, d)
+    return xp.reshape(shape), vp.reshape(shape), (3, 4) if g == "per_block" else (3,)
+
+
+def _asymmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, bits: int) -> torch.Tensor:
+    big = torch.finfo(x.dtype).max
+    lo = x.masked_fill(~valid, big).amin(dims, keepdim=True)
+    hi = x.masked_fill(~valid, -big).amax(dims, keepdim=True)
+    empty = lo > hi  # no valid entry: unchanged
+    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+    return torch.where(valid, asym_quant(x, bits, lo, hi), x)
+
+
+def block_quant(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> torch.Tensor:
+    """MX / NVFP4 along the last dim (zero-padded to whole blocks, then cut back); NVFP4's per-tensor ``amax``
+    broadcasts to ``x`` without its last dim."""
+    block = MX_FORMATS[fmt][1] if fmt in MX_FORMATS else NVFP4_BLOCK
+    xp = _pad_to(x, -1, block)
+    out = mx_quant(xp, fmt) if fmt in MX_FORMATS else nvfp4_quant(xp, amax)
+    return out[..., : x.shape[-1]]
+
+
+def _sequence_blocks(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """``block_quant`` of a (B, H, n, m) tensor whose invalid entries are zero, NVFP4's per-tensor scale per sequence."""
+    amax = w.abs().amax((1, 2, 3))[:, None, None] if fmt == "nvfp4" else None  # (B, 1, 1)
+    return block_quant(w, fmt, amax)
+
+
+def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """q, k: blocks along head_dim; v: along tokens (the dimension P.V reduces). Padding tokens enter as zeros."""
+    v4 = valid[:, None, :, None]  # (B, 1, T, 1)
+    w = x.masked_fill(~v4, 0)
+    if tq.target == "v":
+        w = w.transpose(2, 3)  # (B, H, d, T)
+    q = _sequence_blocks(w, tq.format)
+    if tq.target == "v":
+        q = q.transpose(2, 3)  # (B, H, T, d)
+    return torch.where(v4, q, x)
+
+
+def groups_tokens(tq: TensorQuant) -> bool:
+    """Whether ``tq`` groups consecutive tokens (its result depends on where the groups start)."""
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        return tq.target == "v"
+    return tq.granularity in ("per_block", "per_channel") and tq.size is not None
+
+
+def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype.
+    Groups of tokens start at each sequence's first real token."""
+    if groups_tokens(tq):
+        return _from_first_real(lambda x_, v_: _quantize_tokens(x_, v_, tq), x, valid)
+    return _quantize_tokens(x, valid, tq)
+
+
+def _quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        return _block_format(x, valid, tq)
+    xg, vg, dims = _granules(x, valid, tq)
+    if tq.format == "asym":
+        out = _asymmetric(xg, vg, dims, tq.bits)
+    else:
+        bits, fmt = tq.grid
+        out = quantize_absmax(xg, bits, dims, vg, fmt)
+    B, H, T, d = x.shape
+    if out.dim() == 5 and tq.granularity != "per_group":
+        out = out.reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d): the padding tokens cut off
+    return out.reshape(x.shape)
+
+
+def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities (B, H, t, S) quantized-dequantized per ``tq``: ``per_row`` (absmax over a row's keys),
+    ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys, its blocks counted from each
+    sequence's first real key ``key_start`` (B,) (None: key 0)."""
+    valid = valid.expand_as(p)
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        def blocks(p_, v_):
+            return torch.where(v_, _sequence_blocks(p_.masked_fill(~v_, 0), tq.format), p_)
+
+        return _from_start(blocks, p, valid, key_start, 3, 3)
+    bits, fmt = tq.grid
+    if tq.granularity == "static":
+        scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
+        return fake_quant(p, scale, bits, fmt, valid)
+    return quantize_absmax(p, bits, (3,), valid, fmt)
+
+
+def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """K minus its per-channel mean over the sequence's valid tokens, per head: (B, KV, S, d). Exact under softmax:
+    it subtracts q . mean(k) from every logit of a row."""
+    v = valid[:, None, :, None].to(k.dtype)  # (B, 1, S, 1)
+    mean = (k * v).sum(2, keepdim=True) / v.sum(2, keepdim=True).clamp_min(1)  # (B, KV, 1, d)
+    return k - mean
+
+
+def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only, counted from
+    each sequence's first real row), per head, broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in
+    full precision, so this too is exact."""
+    m = _from_first_real(lambda q_, v_: _block_means(q_, v_, rows), q, valid)
+    return q - m, m
+
+
+def _block_means(q: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tensor:
+    B, H, T, d = q.shape
+    qp = _pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
+    vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
+    mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
+    return mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
+
+
+def sylvester(d: int) -> torch.Tensor:
+    """Sylvester's (d, d) Hadamard matrix (entries +-1, float64); ``d`` a power of 2."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # (2n, 2n)
+    return h
+
+
+def random_sign_hadamard(h: torch.Tensor, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """``diag(signs) . h / sqrt(d)`` with ``signs`` drawn from ``seed``: QuaRot's randomized Hadamard. The signs sit
+    on the input side (``x @ R = (x * signs) @ h / sqrt(d)``), so they change what is quantized; on the output side
+    (``h . diag(signs)``) they would only flip the signs of the rotated values, which a symmetric quantizer commutes
+    with: every seed would quantize alike."""
+    d = h.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
+    return (signs[:, None] * h / math.sqrt(d)).to(dtype=dtype, device=device)  # (d, d): row i times signs[i]
+
+
+def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H_d / sqrt(d)`` (Sylvester's H_d, signs drawn
+    from ``seed``: :func:`random_sign_hadamard`); ``d`` must be a power of 2."""
+    if d < 1 or d & (d - 1):
+        raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
+    return random_sign_hadamard(sylvester(d), seed, dtype, device)

@@ -1,0 +1,149 @@
+"""Tensor operations of linear-layer quantization (pure: no state, never mutate the input).
+
+* ``quantize_activation(x, valid, tq, outlier_cols)``: a linear's input (B, T, C) quantized-dequantized per a
+  :class:`~outlierscope.quant.specs.parts.TensorQuant` ``a=`` part: ``per_token`` (C values of a token), ``per_group:G``
+  (G consecutive channels of a token), ``per_tensor`` (a sequence's valid tokens), ``static`` (one given absmax),
+  MX / NVFP4 blocks along C (NVFP4's per-tensor scale: the sequence's absmax). Padding (``valid`` False) never enters a
+  scale and comes back unchanged. ``outlier_cols`` (B, 1, C): columns kept in full precision and left out of the
+  scales (LLM.int8's decomposition).
+* ``quantize_weight(w, tq)``: a weight (O, I) per a ``w=`` part: ``per_channel`` (an output row), ``per_group:G``
+  (G consecutive inputs of a row), ``per_tensor``; MX / NVFP4 blocks along I (NVFP4's per-tensor scale: the weight's).
+* ``smooth_scales(act_max, weight_max, alpha)``: SmoothQuant's ``s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)``.
+* ``outlier_columns(x, valid, threshold)``: LLM.int8's outlier feature dimensions per sequence.
+* ``rotation(d, seed)``: an orthonormal random-sign Hadamard matrix (signs on the input side, as QuaRot's) of any
+  order ``2^k * m`` where a Hadamard matrix of order m comes from Paley's constructions (QuaRot's non-power-of-2 sizes: 12, 20, 28, 36, 44, 60, 108, ...).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.attention.ops import _asymmetric, block_quant, random_sign_hadamard, sylvester
+from outlierscope.quant.numerics.formats import MX_FORMATS, zero_point_params, zero_point_quant
+from outlierscope.quant.numerics.primitives import fake_quant, qmax, quantize_absmax
+from outlierscope.quant.specs.parts import TensorQuant
+
+
+def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:
+    if x.shape[-1] % size:
+        raise OutlierscopeError(f"{what}: {x.shape[-1]} channels are not a multiple of the group size {size}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)  # (..., C/G, G)
+
+
+def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, tq: TensorQuant) -> torch.Tensor:
+    if tq.format == "asym":
+        return _asymmetric(x, torch.ones_like(x, dtype=torch.bool) if valid is None else valid, dims, tq.bits)
+    if tq.format == "zint":  # a weight grid: no mask
+        return zero_point_quant(x, *zero_point_params(x, tq.bits, dims), tq.bits)
+    bits, fmt = tq.grid
+    return quantize_absmax(x, bits, dims, valid, fmt)
+
+
+def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQuant,
+                        outlier_cols: torch.Tensor | None = None, static_amax: torch.Tensor | None = None,
+                        scale_skip: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` (B, T, C) quantized-dequantized per ``tq`` (an ``a=`` part); ``valid`` (B, T) or None (all valid); a new
+    tensor in ``x``'s dtype. ``static_amax``: the calibrated absmax of ``a=.../static``. ``outlier_cols`` come back
+    unquantized and, unless ``scale_skip`` (B, T, C) names the entries left out of the scales instead (bitsandbytes'
+    rule: the outlier elements alone), enter no scale."""
+    B, T, C = x.shape
+    v = None  # every entry real and quantized: no mask to build or apply (the common token-local case)
+    if valid is not None or outlier_cols is not None:
+        v = (torch.ones(B, T, dtype=torch.bool, device=x.device) if valid is None else valid)[..., None].expand(B, T, C)
+    keep = v
+    if outlier_cols is not None:
+        keep = v & ~outlier_cols  # (B, T, C): outlier columns stay as they are
+        v = keep if scale_skip is None else v & ~scale_skip  # (B, T, C): what enters the scales
+    w = x if v is None else x.masked_fill(~v, 0)
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        amax = w.abs().amax((1, 2))[:, None] if tq.format == "nvfp4" else None  # (B, 1): each sequence's
+        out = block_quant(w, tq.format, amax)
+    elif tq.granularity == "static":
+        bits, fmt = tq.grid
+        out = fake_quant(w, static_amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+                         / qmax(bits, fmt), bits, fmt)
+    elif tq.granularity == "per_group":
+        out = _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None if v is None else _grouped(v, tq.size, str(tq)),
+                                 (-1,), tq).reshape(B, T, C)
+    else:
+        out = _symmetric_or_asym(w, v, (-1,) if tq.granularity == "per_token" else (1, 2), tq)
+    return out if keep is None else torch.where(keep, out, x)
+
+
+def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
+    """A weight (O, I) quantized-dequantized per ``tq`` (a ``w=`` part); a new tensor in ``w``'s dtype."""
+    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+        return block_quant(w, tq.format, w.abs().amax()[None] if tq.format == "nvfp4" else None)
+    if tq.granularity == "per_group":
+        return _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None, (-1,), tq).reshape(w.shape)
+    return _symmetric_or_asym(w, None, (1,) if tq.granularity == "per_channel" else (0, 1), tq)
+
+
+def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
+    """SmoothQuant's per-input-channel factors ``max|X_j|^alpha / max|W_j|^(1 - alpha)`` (computed in float64, clamped
+    at 1e-5 as smoothquant's ``smooth_ln_fcs``; applied in the model's dtype); a channel never seen nonzero gets 1."""
+    a = act_max.double().clamp(min=1e-5)
+    s = (a.pow(alpha) / weight_max.double().clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+    return torch.where(act_max > 0, s, torch.ones_like(s))
+
+
+def outlier_columns(x: torch.Tensor, valid: torch.Tensor | None, threshold: float) -> torch.Tensor:
+    """(B, 1, C): the input channels of each sequence where some valid token has |x| >= ``threshold``."""
+    a = x.abs() >= threshold  # (B, T, C)
+    if valid is not None:
+        a = a & valid[..., None]
+    return a.any(1, keepdim=True)
+
+
+def _paley(q: int) -> torch.Tensor:
+    """A Hadamard matrix from the prime ``q``: order q + 1 (Paley I, q = 3 mod 4) or 2(q + 1) (Paley II, q = 1 mod
+    4), entries +-1, float64."""
+    squares = {(i * i) % q for i in range(1, q)}
+    chi = torch.tensor([0.0] + [1.0 if i in squares else -1.0 for i in range(1, q)], dtype=torch.float64)
+    idx = torch.arange(q)
+    jac = chi[(idx[None, :] - idx[:, None]) % q]  # (q, q): Jacobsthal Q[i, j] = chi(j - i)
+    n = q + 1
+    c = torch.zeros(n, n, dtype=torch.float64)  # the conference matrix [[0, 1^T], [+-1, Q]]
+    c[0, 1:] = 1
+    c[1:, 0] = -1 if q % 4 == 3 else 1
+    c[1:, 1:] = jac
+    if q % 4 == 3:
+        return c + torch.eye(n, dtype=torch.float64)
+    one = torch.tensor([[1.0, 1.0], [1.0, -1.0]], dtype=torch.float64)
+    two = torch.tensor([[1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    return torch.kron(c, one) + torch.kron(torch.eye(n, dtype=torch.float64), two)
+
+
+def _is_prime(q: int) -> bool:
+    return q > 2 and all(q % p for p in range(2, math.isqrt(q) + 1))
+
+
+def _base_order(d: int) -> tuple[int, int | None]:
+    """(m, prime): ``d = 2^k * m`` with a Paley matrix of order m from ``prime`` (None: m = 1, d a power of 2)."""
+    if d & (d - 1) == 0:
+        return 1, None
+    odd = d
+    while odd % 2 == 0:
+        odd //= 2
+    m = odd
+    while m <= d:  # the smallest m: the most of the matrix Sylvester's
+        for q in (m - 1, m // 2 - 1):
+            if q > 2 and (q % 4 == 3 and q + 1 == m or q % 4 == 1 and 2 * (q + 1) == m) and _is_prime(q):
+                return m, q
+        m *= 2
+    raise OutlierscopeError(f"no Hadamard matrix of order {d} is built here (needs 2^k * m with m = q + 1, q a prime "
+                            "= 3 mod 4, or m = 2(q + 1), q a prime = 1 mod 4, as QuaRot's sizes); leave out rotate")
+
+
+def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H / sqrt(d)`` (QuaRot's randomized Hadamard:
+    :func:`~outlierscope.quant.attention.ops.random_sign_hadamard`): H Sylvester's for a power of 2 (the same matrix as
+    :func:`outlierscope.quant.attention.ops.hadamard`), else ``kron(Paley's H_m, Sylvester's H_2^k)``."""
+    m, q = _base_order(d)
+    h = sylvester(d // m)
+    if q is not None:
+        h = torch.kron(_paley(q), h)  # (d, d)
+    return random_sign_hadamard(h, seed, dtype, device)

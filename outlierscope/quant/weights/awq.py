@@ -1,0 +1,108 @@
+"""AWQ (Lin et al., 2023, arXiv 2306.00978) as pure tensor operations: a per-input-channel scale ``s`` found by grid
+search so that the quantized weight ``Q(W s)`` applied to ``x / s`` reproduces ``W x`` best, then each weight group's
+clipping bound found the same way. The arithmetic of AutoAWQ's ``AwqQuantizer`` (the paper's reference code, also
+GPT-QModel 7.6's ``AWQProcessor._compute_best_scale`` / ``_compute_best_clip``), computed in the model's dtype as they
+compute it::
+
+    w_mean = mean over the group's rows of |W| / (max |W| of its quantization group + 1e-6)     # (I,) weight_mean
+    x_mean = mean over every calibration token of |x|                                          # (I,) float32 sums
+    for ratio in 0, 1/n, ..., (n-1)/n:                                                         # n = grid (20)
+        s = x_mean^ratio / (w_mean^(1 - ratio) + 1e-4), clamped >= 1e-4   (duo; else x_mean^ratio)
+        s = s / sqrt(max s * min s);  inf/NaN -> 1                                               # candidate_scales
+        loss = mean((module(x) with every linear of the group at Q(W s) / s  -  module(x))^2)   # the caller's loss
+    s = the ratio of least loss (the first of equal ones)                                      # search_scale
+
+    clipping (not for q/k: "due to qk bmm, it is hard to clip precisely"): on W' = W s and x' = x / s,
+    512 tokens (every (N // 512)-th), for shrink i = 0 .. shrink * grid - 1:
+        m = max |W'| of the group * (1 - i / grid);  err = mean over tokens of (x'_g . (Q(clamp(W'_g, -m, m)) - W'_g))^2
+    each (row, group) keeps the m of least error (the first of equal ones)                    # search_clip
+
+``Q`` is the spec's ``w=`` part: AutoAWQ's symmetric grid is ``int`` (absmax / (2^(b-1) - 1)), its default zero-point
+grid ``zint`` (min-max with an integer zero point; ``zint`` keeps 0 inside a group's range, AutoAWQ does not: they
+differ on a group whose weights all have one sign), compressed-tensors' symmetric grid ``fint``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.specs.calibrated import AWQ_GRIDS, AWQConfig  # noqa: F401 (re-exported)
+
+CLIP_EPS_W, SCALE_EPS = 1e-6, 1e-4  # AutoAWQ's: the weight normalisation and the scale floor
+
+
+def weight_mean(weights: list[torch.Tensor], group: int | None) -> torch.Tensor:
+    """AWQ's per-input-channel weight magnitude of linears reading one input: each weight (O_k, I) normalised by its
+    quantization groups' max |W| (+1e-6), averaged over all their rows (I,), in the weights' dtype, float32 at least
+    (AutoAWQ: the weights' dtype; a float64 model's statistic is float64)."""
+    dt = torch.promote_types(weights[0].dtype, torch.float32)
+    w = torch.cat([x.to(dt) for x in weights])  # (sum O_k, I)
+    rows, n_in = w.shape
+    g = group or n_in
+    a = w.abs().reshape(rows, n_in // g, g)  # (O, I/G, G)
+    a = a / (a.amax(-1, keepdim=True) + CLIP_EPS_W)
+    return a.reshape(rows, n_in).sum(0) / rows
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
+    """One grid point's scales (I,) in ``x_mean``'s dtype: duo (``w_mean`` given) or activation-only (module
+    docstring); a new tensor."""
+    if w_mean is not None:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + SCALE_EPS)).clamp(min=SCALE_EPS)
+    else:
+        s = x_mean.pow(ratio).clamp(min=SCALE_EPS)
+    s = s / (s.max() * s.min()).sqrt()
+    return torch.where(torch.isfinite(s), s, torch.ones_like(s))
+
+
+def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, loss: Callable[[torch.Tensor], float],
+                 grid: int = 20, duo: bool = True) -> tuple[torch.Tensor, int, list[float]]:
+    """AWQ's grid search: the scales (I,) of least ``loss(scales)`` among ratios ``i / grid``, the index ``i`` of the
+    chosen ratio, and every ratio's loss. ``x_mean``/``w_mean`` in the dtype the scales are computed in."""
+    losses, best, best_i = [], None, -1
+    for i in range(grid):
+        s = candidate_scales(x_mean, w_mean if duo else None, i / grid)
+        err = float(loss(s))
+        losses.append(err)
+        if err < (losses[best_i] if best_i >= 0 else float("inf")):
+            best, best_i = s, i
+    if best is None:
+        raise OutlierscopeError(f"awq: no finite loss in the scale search (losses {losses[:3]}...); the module's "
+                                "output is not finite on the calibration text")
+    return best, best_i, losses
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
+                grid: int = 20, shrink: float = 0.5, tokens: int = 512, rows: int = 64) -> torch.Tensor:
+    """AWQ's clipping search (module docstring) of the weight ``w`` (O, I) on its inputs ``x`` (N, I) (every
+    (N // tokens)-th row read): the bound (O, groups) of each row's group, in ``w``'s dtype. ``quant``: the weight
+    quantizer (O', I) -> (O', I) (a ``w=`` part); ``rows``: output rows per step (memory only, not the result)."""
+    n_out, n_in = w.shape
+    g = group or n_in
+    x = x.reshape(-1, n_in)[:: max(1, x.reshape(-1, n_in).shape[0] // tokens)]  # (n, I)
+    xg = x.reshape(1, x.shape[0], n_in // g, g)  # (1, n, I/G, G)
+    out = []
+    for r in range(0, n_out, rows):
+        wb = w[r:r + rows]  # (o, I)
+        wg = wb.reshape(wb.shape[0], 1, n_in // g, g)  # (o, 1, I/G, G)
+        top = wg.abs().amax(-1, keepdim=True)  # (o, 1, I/G, 1)
+        best, least = top.clone(), torch.full_like(top, 1e9)
+        ref = (xg * wg).sum(-1)  # (o, n, I/G)
+        for i in range(int(shrink * grid)):
+            m = top * (1 - i / grid)
+            q = quant(torch.clamp(wg, -m, m).reshape(wb.shape)).reshape(wg.shape)  # (o, 1, I/G, G)
+            err = ((xg * q).sum(-1) - ref).pow(2).mean(1).view(least.shape)  # (o, 1, I/G, 1)
+            better = err < least
+            least[better], best[better] = err[better], m[better]
+        out.append(best.reshape(wb.shape[0], n_in // g))  # (o, I/G)
+    return torch.cat(out)
+
+
+def clip_groups(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
+    """``w`` (O, I) clamped to ``[-bound, bound]`` per (row, group) (``bound`` (O, groups)); a new tensor."""
+    n_out, n_in = w.shape
+    b = bound.to(w.dtype).reshape(n_out, -1, 1)  # (O, I/G, 1)
+    return torch.clamp(w.reshape(n_out, b.shape[1], -1), -b, b).reshape(n_out, n_in)  # (O, I/G, G) -> (O, I)

@@ -1,0 +1,238 @@
+"""What a linear spec's calibration reads and computes: SmoothQuant's and static activation scales (a calibration
+pass over text, or a SmoothQuant ``act_scales.pt``), GPTQ's and AWQ's layer-by-layer calibration
+(:mod:`~outlierscope.quant.weights.gptq_model`, :mod:`~outlierscope.quant.weights.awq_model`), the record of what
+it read, and every check of a spec against a model made before the first forward (:func:`check_linear_shapes`,
+:func:`check_calibration`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from outlierscope.errors import OutlierscopeError
+from outlierscope.hooks.points import decoder_layers
+from outlierscope.models.float64 import float64_model
+from outlierscope.quant.linears.ops import (
+    _base_order,
+)
+from outlierscope.quant.linears.sites import (
+    CALIB_SEQ_LEN,
+    CALIB_TOKENS,
+    Calibration,
+    LinearSite,
+    _max_positions,
+    _recording,
+    input_groups,
+    linear_sites,
+    needs_calibration,
+)
+from outlierscope.quant.specs.spec import QuantSpec
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None) -> Calibration:
+    """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
+    input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
+    endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
+    SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward). GPTQ and AWQ
+    calibrate layer after layer (``checkpoint_dir``: each finished layer saved there, a rerun continues after it)."""
+    from outlierscope.data.text import pack_sequences, text_documents
+
+    sites = linear_sites(model, spec)
+    if spec.gptq is not None or spec.awq is not None:
+        return _layerwise_calibration(model, tokenizer, spec, sites, checkpoint_dir)
+    source = spec.calib or "hellaswag"
+    if source.endswith(".pt"):
+        return Calibration(_read_act_scales(source, sites), input_groups(model, sites), source)
+    if source != "hellaswag" and not Path(source).is_file():
+        raise OutlierscopeError(f"calib:{source}: no such file; give hellaswag, a .txt/.jsonl file or an act_scales.pt")
+    ctx = _max_positions(model) or CALIB_SEQ_LEN
+    seqs = pack_sequences(tokenizer, text_documents(source), min(CALIB_SEQ_LEN, ctx), CALIB_TOKENS)  # (N, T)
+    act_max: dict = {}
+    dev = next(model.parameters()).device
+    with _recording(sites, act_max, None), float64_model(model):
+        for row in seqs:
+            model(input_ids=row[None].to(dev), use_cache=False)
+    return Calibration(act_max, input_groups(model, sites), source)
+
+
+def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: list[LinearSite],
+                           checkpoint_dir=None) -> Calibration:
+    """GPTQ's rounded weights or AWQ's scales and clipping bounds of the quantized linears ``sites``, calibrated layer
+    after layer on ``samples`` sequences of ``spec.calib`` (default: LAMBADA's last passages)
+    (:func:`~outlierscope.quant.weights.gptq_model.gptq_model`, :func:`~outlierscope.quant.weights.awq_model.awq_model`)."""
+    from outlierscope.quant.weights.sequential import DEFAULT_CALIB, calibration_sequences
+
+    ctx = _max_positions(model)
+    cfg, run = _layerwise_method(spec)
+    seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
+    return Calibration({}, (), spec.calib or DEFAULT_CALIB, run(model, seqs, spec, sites, checkpoint_dir=checkpoint_dir))
+
+
+def _layerwise_method(spec: QuantSpec):
+    """(settings, the pass) of a spec's layer-by-layer calibration: GPTQ's or AWQ's."""
+    from outlierscope.quant.weights.awq_model import awq_model
+    from outlierscope.quant.weights.gptq_model import gptq_model
+
+    return (spec.gptq, gptq_model) if spec.gptq is not None else (spec.awq, awq_model)
+
+
+def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint_dir, progress: bool = True) -> None:
+    """For a study that quantizes one layer at a time (``sensitivity``'s ``only_i`` cells): the GPTQ / AWQ calibration
+    of ``spec`` restricted to each layer of ``layers`` (``layers:i``), all in one pass (each layer on the outputs of
+    the float layers below it, as ``layers:i`` alone calibrates it), saved in ``checkpoint_dir`` where
+    :func:`calibrate` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
+    without GPTQ or AWQ."""
+    from outlierscope.quant.weights.sequential import calibration_sequences
+
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear or (spec.gptq is None and spec.awq is None):
+        return
+    cfg, run = _layerwise_method(spec)
+    sites = [s for s in linear_sites(model, dataclasses.replace(spec, layers=None)) if s.layer in set(layers)]
+    seqs = calibration_sequences(tokenizer, spec.calib, cfg, _max_positions(model))  # (N, T)
+    run(model, seqs, spec, sites, progress=progress, checkpoint_dir=checkpoint_dir, alone=True)
+
+
+def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
+    """What a spec's calibration reads, for a run's record (None: it reads nothing): the source as given (or its
+    default), the sha256 of its bytes (a file; ``lambada-tail``: LAMBADA's documents, the digest of the text record)
+    and, for GPTQ and AWQ, the sequences packed from it (no seed: the documents in order): samples, seqlen, tokens
+    and the sha256 of the token ids, which name the calibration exactly whatever the file."""
+    import hashlib
+
+    from outlierscope.io import sha256_file
+    from outlierscope.quant.weights.sequential import DEFAULT_CALIB, calibration_sequences
+
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear or not needs_calibration(spec):
+        return None
+    layerwise = spec.gptq is not None or spec.awq is not None
+    source = spec.calib or (DEFAULT_CALIB if layerwise else "hellaswag")
+    rec: dict = {"source": source}
+    if source == DEFAULT_CALIB:
+        from outlierscope.data.running_text import load_text
+
+        rec["sha256"] = load_text("lambada").sha256
+    elif Path(source).is_file():
+        rec["sha256"] = sha256_file(source)
+    if layerwise:
+        cfg = spec.gptq if spec.gptq is not None else spec.awq
+        seqs = calibration_sequences(tokenizer, spec.calib, cfg, ctx)  # (N, T)
+        rec.update(samples=int(seqs.shape[0]), seqlen=int(seqs.shape[1]), tokens=int(seqs.numel()),
+                   tokens_sha256=hashlib.sha256(seqs.cpu().numpy().tobytes()).hexdigest())
+    return rec
+
+
+def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
+    """:func:`calibration_record` of each spec that calibrates (label -> record), for a run's record."""
+    ctx = _max_positions(model)
+    recs = {QuantSpec.of(spec).label: calibration_record(spec, tokenizer, ctx) for spec in specs}
+    return {k: v for k, v in recs.items() if v is not None}
+
+
+def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
+    """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
+    with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
+    forward). Every process computes the same (it reads the same text)."""
+    spec = QuantSpec.of(spec)
+    if not spec.has_linear:
+        return None
+    linear_sites(model, spec)
+    return calibrate(model, tokenizer, spec, checkpoint_dir) if needs_calibration(spec) else None
+
+
+def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tensor]:
+    if not Path(path).is_file():
+        raise OutlierscopeError(f"calib:{path}: no such file; give an act_scales.pt (profile --preset smoothquant)")
+    try:
+        scales = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch.load raises many types for a cut or foreign file
+        raise OutlierscopeError(f"calib:{path}: not a readable torch file ({type(e).__name__}); give SmoothQuant's "
+                                "act_scales.pt (profile --preset smoothquant writes one)") from None
+    if not isinstance(scales, dict):
+        raise OutlierscopeError(f"calib:{path}: expected SmoothQuant's act_scales.pt (module name -> per-channel "
+                                f"max |x|), got a {type(scales).__name__}")
+    out = {}
+    for s in sites:
+        a = scales.get(s.name)
+        if a is None or tuple(a.shape) != (s.module.in_features,):
+            close = difflib.get_close_matches(s.name, list(scales), n=1)
+            raise OutlierscopeError(f"calib:{path} has no scales of {s.name} ({s.module.in_features} channels)"
+                                    + (f"; it has {close[0]}" if close and a is None else
+                                       f", got shape {tuple(a.shape)}" if a is not None else ""))
+        if not torch.isfinite(a).all() or (a < 0).any() or not (a > 0).any():
+            raise OutlierscopeError(f"calib:{path}: the scales of {s.name} are "
+                                    + ("not all finite" if not torch.isfinite(a).all() else "negative somewhere"
+                                       if (a < 0).any() else "all zero")
+                                    + "; expected max |x| per channel (>= 0, some > 0): make it again")
+        out[s.name] = a.float()
+    return out
+
+
+def check_linear_shapes(spec: QuantSpec, config) -> None:
+    """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
+    weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
+    in_features, a rotation of each in_features, and the ``calib:`` source against those linears
+    (:func:`check_calibration`). A config transformers cannot build is left to the first forward."""
+    from outlierscope.models.quiet import quiet_transformers
+
+    try:
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception:  # custom code, an architecture without a causal-LM class: checked when the model is loaded
+        return
+    if spec.layers is not None and max(spec.layers) >= len(decoder_layers(model)):
+        return  # check_layers says it
+    for site in linear_sites(model, spec):
+        d = site.module.in_features
+        for p in (spec.part("a"), spec.part("w")):
+            if p is not None and p.granularity == "per_group" and d % p.size:
+                raise OutlierscopeError(f"{p}: {site.path} has {d} inputs, not a multiple of the group size {p.size}; "
+                                        "choose a group size that divides it, or leave it out with linears:")
+        if spec.rotate is not None:
+            _base_order(d)
+    check_calibration(spec, model)
+
+
+def check_calibration(spec: QuantSpec, model: nn.Module) -> None:
+    """``calib:`` read before any forward (a mistake found after the 16-bit cell is a defect): a text file that exists,
+    is a file and holds text; an act_scales.pt that loads and has finite, non-negative scales of each quantized
+    linear's shape, not all zero for any (every smoothing factor would silently be 1: plain W8A8 under the
+    SmoothQuant label)."""
+    if not needs_calibration(spec):
+        return
+    if (spec.gptq is not None or spec.awq is not None) and spec.calib is None:
+        from outlierscope.data.running_text import lambada_path
+
+        if not lambada_path().exists():
+            raise OutlierscopeError(f"{'gptq' if spec.gptq else 'awq'} calibrates on LAMBADA's last passages by "
+                                    "default, not fetched yet; run `outlierscope data fetch`, or give calib:FILE")
+        return
+    source = spec.calib or "hellaswag"
+    if source.endswith(".pt"):
+        _read_act_scales(source, linear_sites(model, spec))
+    elif source != "hellaswag":
+        _check_text(source)
+
+
+def _check_text(source: str) -> None:
+    from outlierscope.data.text import text_documents
+
+    path = Path(source)
+    if not path.is_file():
+        raise OutlierscopeError(f"calib:{source}: " + ("a directory" if path.is_dir() else "no such file")
+                                + "; give hellaswag, a .txt/.jsonl file or an act_scales.pt")
+    try:
+        first = next((d for d in text_documents(source) if d.strip()), None)
+    except (UnicodeDecodeError, ValueError, OSError, EOFError) as e:
+        raise OutlierscopeError(f"calib:{source}: not readable as text ({type(e).__name__}); give a UTF-8 .txt or "
+                                ".jsonl file") from None
+    if first is None:
+        raise OutlierscopeError(f"calib:{source}: holds no text; give a .txt/.jsonl file with documents")
