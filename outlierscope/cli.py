@@ -151,7 +151,8 @@ def _cmd_sweep(a) -> None:
 
 
 def _cmd_sensitivity(a) -> None:
-    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity, written_files
+    from outlierscope.runs.sensitivity import SensitivitySettings, sensitivity
+    from outlierscope.runs.sensitivity_record import written_files
     from outlierscope.settings import from_cli
 
     _headless()

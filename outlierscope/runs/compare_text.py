@@ -50,7 +50,7 @@ def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict
     """A text cell's identity: a perplexity cell's (``ident``: its model, text and windows; ``spec``), and the model
     it is compared against when that is not its own unquantized self (``reference``: model, weights, spec), with
     the batch size of any such pair (the checkpoint's own forward depends on it by float32 rounding)."""
-    from outlierscope.runs.perplexity import cell_settings
+    from outlierscope.runs.text_cells import cell_settings
 
     out = cell_settings(ident, spec, batch_size)
     if reference is not None:
@@ -68,7 +68,8 @@ def compare_on_text(s, out: Path, specs: list[str], records: dict | None = None,
     each row's per-token KL divergence (label -> values, for the figure)."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World
-    from outlierscope.runs.perplexity import CellRun, pair_cells, text_ident
+    from outlierscope.runs.perplexity import text_ident
+    from outlierscope.runs.text_cells import CellRun, pair_cells
 
     t = text_windows(s, records, log)
     windows, bs, device = t["windows"], s.text_batch_size, World().device(s.device)

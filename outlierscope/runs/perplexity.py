@@ -20,15 +20,15 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass
 from pathlib import Path
 
 import pandas as pd
 
 from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError, ParamError, check_seed
-from outlierscope.eval.perplexity import LOGPROBS, TokenScores, document_metrics, quantizes_head, score_windows
-from outlierscope.eval.windows import PROTOCOLS, Window, protocol_windows
+from outlierscope.eval.perplexity import LOGPROBS, TokenScores, document_metrics, quantizes_head
+from outlierscope.eval.windows import PROTOCOLS, protocol_windows
 from outlierscope.io import Damaged, git_commit, machine, output_dir, versions, write_csv, write_record, write_text
 from outlierscope.models.loading import (
     attn_block_option,
@@ -37,14 +37,14 @@ from outlierscope.models.loading import (
     dtype_option,
     trust_remote_code_option,
 )
-from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
+from outlierscope.parallel import Shard, World, owned_shards
 from outlierscope.quant.specs.spec import QuantSpec, build_spec
 from outlierscope.quant.weights.calibration import calibration_records
-from outlierscope.runs.cells import cell_id, refuse_other_settings, revised
+from outlierscope.runs.cells import cell_id, refuse_other_settings
+from outlierscope.runs.text_cells import CellRun, _part, _read_part, cell_settings, token_cells
 from outlierscope.settings import option
 
 DEFAULT_LENGTH = {"gptq": 2048, "llamacpp": 512}  # lmeval: the model's max length, as lm-eval
-SPECS_PER_PASS = 16  # specs scored together: each holds one batch's hidden states (tokens x hidden) until the head
 NOISE = ("float64",)  # the arithmetics a noise-floor cell recomputes a spec in
 NOISE_COLUMNS = ("noise_kld_mean", "noise_kld_unc", "noise_kld_p99.9", "noise_same_top")
 COLUMNS = ("label", "quant", "bits", "tokens", "windows", "ppl", "ppl_unc", "ln_ppl_ratio", "ln_ppl_ratio_unc",
@@ -170,79 +170,16 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
     return top if s.protocol == "lmeval" else min(DEFAULT_LENGTH[s.protocol], top)
 
 
-def cell_settings(ident: dict, spec: QuantSpec, batch_size: int, logprobs: str = "float64") -> dict:
-    """A perplexity cell's identity: what every cell of the run shares (``ident``), the spec's text and (when not
-    float64) how its NLL is taken."""
-    out = {**ident, "bits": spec.bits, "quant": str(spec), **revised(spec)}
-    if logprobs != "float64":
-        out["logprobs"] = logprobs
-    if not spec.is_identity and batch_size != 1:
-        out["batch_size"] = batch_size
-    return out
 
 
-def read_cell(cells: Path, cid: str, settings: dict | None = None) -> TokenScores:
-    """The cell ``cid`` in ``cells``: its record's seal, its settings (``settings`` where given, else those its name
-    is the digest of) and its values' digest checked; :class:`~outlierscope.io.Damaged` otherwise."""
-    from outlierscope.io import check_files, check_seal
-
-    meta = cells / f"{cid}.json"
-    try:
-        rec = check_seal(json.loads(meta.read_text()), meta)
-    except FileNotFoundError:
-        raise Damaged(f"{meta}: missing") from None
-    except (ValueError, UnicodeDecodeError):
-        raise Damaged(f"{meta}: not readable JSON (cut or changed)") from None
-    cell = rec.get("cell")
-    if not isinstance(cell, dict) or cell_id(cell) != cid or settings is not None and cell != settings:
-        raise Damaged(f"{meta}: holds the record of another cell (swapped or renamed)")
-    check_files(cells, rec.get("files") or {f"{cid}.npz": ""})
-    return TokenScores.load(cells / f"{cid}.npz")
 
 
-def _load_cell(cells: Path, settings: dict, log=print) -> TokenScores | None:
-    """The complete cell of ``settings``, or None: absent, or damaged (one line says so; it is computed again)."""
-    cid = cell_id(settings)
-    if not (cells / f"{cid}.json").exists():
-        return None
-    try:
-        return read_cell(cells, cid, json.loads(json.dumps(settings)))
-    except Damaged as e:
-        log(f"cell {cid} is damaged ({e}); computing it again")
-        return None
 
 
-def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) -> str:
-    """The per-token values, then the settings, summary and the values' digest (written last, sealed: they mark the
-    cell complete)."""
-    from outlierscope.io import atomic_path, file_digests
-
-    cid = cell_id(settings)
-    with atomic_path(cells / f"{cid}.npz") as tmp:
-        with open(tmp, "wb") as f:
-            tokens.save(f)
-    write_record(cells / f"{cid}.json", {"cell": settings, "summary": stats, "files": file_digests(cells, [f"{cid}.npz"])})
-    return cid
 
 
-def _read_part(path: Path) -> TokenScores:
-    """One virtual shard's part of a cell, its digest checked (:class:`~outlierscope.io.Damaged` otherwise)."""
-    from outlierscope.io import read_checked
-
-    return TokenScores.from_bytes(read_checked(path))
 
 
-def _part_done(path: Path, log) -> bool:
-    """Whether the part ``path`` is there and intact; a damaged one is removed with one line (it is computed again)."""
-    if not path.exists():
-        return False
-    try:
-        _read_part(path)
-        return True
-    except Damaged as e:
-        log(f"{e}; computing that part again")
-        path.unlink()
-        return False
 
 
 def prepare_windows(s, record):
@@ -290,148 +227,26 @@ def windows_said(s, text, length: int, windows) -> str:
             f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
 
 
-def _part(cells: Path, settings: dict, v: int) -> Path:
-    return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
 
 
-def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
-            ref_specs: list[QuantSpec] | None = None, calibration_dir=None, logprobs: str = "float64"):
-    """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
-    against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
-    under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
-    from outlierscope.quant.weights.calibration import calibration_for
-
-    if ref is not None:
-        ref_specs = ref_specs if ref_specs is not None else specs
-        return _pair_scorer({"model": lm, "ref": ref}, windows,
-                            [(("ref", r), ("model", q)) for q, r in zip(specs, ref_specs)], batch_size, attn_block,
-                            calibration_dir, logprobs)
-    cals = [calibration_for(lm.model, lm.tokenizer, spec, calibration_dir) for spec in specs]
-
-    def group(idx: list[int], shard: int) -> list[TokenScores]:
-        return score_windows(lm.model, windows, [specs[j] for j in idx], batch_size, [cals[j] for j in idx],
-                             attn_block, shards=[shard], logprobs=logprobs)
-
-    return _in_passes(group)
 
 
-def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
-                 batch_size: int, attn_block: int | None, calibration_dir=None, logprobs: str = "float64"):
-    """``score(indices, shard)``: the :class:`TokenScores` of ``pairs[indices]`` (each ``((model key, spec) of the
-    base, (model key, spec) of the other)``, ``models``: key -> loaded model) on one virtual shard's windows, each
-    distinct forward once per batch (:func:`~outlierscope.eval.perplexity.score_sides`)."""
-    from outlierscope.eval.perplexity import Side, score_sides
-    from outlierscope.quant.weights.calibration import calibration_for
-
-    cals: dict[tuple[str, str], object] = {}  # (model key, spec text) -> its calibration, computed once
-
-    def side(key: str, spec: QuantSpec) -> Side:
-        if (key, str(spec)) not in cals:
-            lm = models[key]
-            cals[key, str(spec)] = calibration_for(lm.model, lm.tokenizer, spec, calibration_dir)
-        return Side(key, spec, cals[key, str(spec)])
-
-    others = [side(*b) for _, b in pairs]  # the compared sides calibrated before the bases: the order they always had
-    sides = [(side(*a), o) for (a, _), o in zip(pairs, others)]
-    trunks = {k: lm.model for k, lm in models.items()}
-
-    def group(idx: list[int], shard: int) -> list[TokenScores]:
-        return score_sides(trunks, windows, [sides[j] for j in idx], batch_size, attn_block, shards=[shard],
-                           logprobs=logprobs)
-
-    return _in_passes(group, sides=2)
 
 
-def _in_passes(group, sides: int = 1):
-    """``score(indices, shard)`` from ``group``, SPECS_PER_PASS forwards' worth of indices at a time (each index
-    holds up to ``sides`` batches of hidden states until the head: bounded memory)."""
-
-    def score(idx: list[int], shard: int) -> list[TokenScores]:
-        n = max(1, SPECS_PER_PASS // sides)
-        return [t for g in range(0, len(idx), n) for t in group(idx[g:g + n], shard)]
-
-    return score
 
 
-def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, ...], log=print) -> None:
-    """Every missing part (one virtual shard of the windows) of each cell: the unit of resume and of --shard.
-    ``score``: :func:`_scorer`'s (the unquantized model runs once per shard for the specs that still need it).
-    Without a terminal (a log file), one line per shard says where the run is."""
-    import sys
-
-    from tqdm.auto import tqdm
-
-    from outlierscope.io import write_checked
-
-    started = time.perf_counter()
-    for n, v in enumerate(tqdm(owned, desc=f"{len(settings)} cells", unit="shard", disable=None)):
-        missing = [j for j, st in enumerate(settings) if not _part_done(_part(cells, st, v), log)]
-        if not missing:
-            continue
-        for j, tokens in zip(missing, score(missing, v)):
-            write_checked(_part(cells, settings[j], v), tokens.to_bytes())  # its digest checked when read
-        if not sys.stderr.isatty():
-            log(f"shard {v:02d} of {VIRTUAL_SHARDS} done ({n + 1} of {len(owned)} this run, "
-                f"{time.perf_counter() - started:.0f} s)")
 
 
-@dataclass(frozen=True)
-class CellRun:
-    """How a set of text cells is computed: into ``cells`` with ``batch_size`` and ``attn_block``, ``seed`` for the
-    summaries, this process's ``shard`` and ``world``, ``log`` (rank 0's lines)."""
-
-    cells: Path
-    batch_size: int = 1
-    attn_block: int | None = None
-    seed: int = 0
-    shard: Shard = field(default_factory=Shard)
-    world: World = field(default_factory=World)
-    log: object = print
-    logprobs: str = "float64"  # how each NLL is taken (:data:`~outlierscope.eval.perplexity.LOGPROBS`)
 
 
-def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
-                kind: str = "", ref_specs: list[QuantSpec] | None = None) -> list[TokenScores] | None:
-    """Each spec's :class:`TokenScores` on ``windows`` (:func:`cells_of`). ``ref_model``: None for cells against
-    the unquantized model, else what loads the reference model (called only when a cell is missing): the model in
-    another arithmetic (noise-floor cells) or another model, under ``ref_specs`` (default: each spec)."""
-
-    def scorer(todo: list[int]):
-        ref = ref_model() if ref_model is not None else None
-        return _scorer(lm, ref, windows, [specs[i] for i in todo], c.batch_size, c.attn_block,
-                       [ref_specs[i] for i in todo] if ref_specs is not None else None, c.cells.parent / "calibration",
-                       c.logprobs)
-
-    return cells_of(settings, c, scorer, kind)
 
 
-def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
-               settings: list[dict], c: CellRun, kind: str = "") -> list[TokenScores] | None:
-    """Each pair's :class:`TokenScores` on ``windows`` (:func:`cells_of`): ``((model key, spec) of the base,
-    (model key, spec) of the other)``, ``models``: key -> loaded model; every distinct forward of the missing
-    cells runs once per batch."""
-
-    def scorer(todo: list[int]):
-        return _pair_scorer(models, windows, [pairs[i] for i in todo], c.batch_size, c.attn_block,
-                            c.cells.parent / "calibration", c.logprobs)
-
-    return cells_of(settings, c, scorer, kind)
 
 
-def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[TokenScores] | None:
-    """The cells ``settings``: read back when complete, else computed per virtual shard (this process's,
-    resumable) by ``scorer(missing indices)``'s ``score`` and assembled by rank 0 once every part is there.
-    Returns the cells on rank 0 when all are complete, else None."""
-    have = [_load_cell(c.cells, st, c.log) for st in settings]
-    todo = [i for i, h in enumerate(have) if h is None]
-    c.log(f"{len(settings) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
-    with c.world.failing_together():  # then every rank's parts are written
-        if todo:
-            _compute_parts(scorer(todo), [settings[i] for i in todo], c.cells, owned_shards(c.shard, c.world), c.log)
-    if not c.world.is_main:
-        return None
-    have = [h if h is not None else _assemble(c.cells, st, c.seed) for h, st in zip(have, settings)]
-    return None if any(h is None for h in have) else have
+
+
+
+
 
 
 def _noise_model(s: PerplexitySettings, lm):
@@ -439,25 +254,6 @@ def _noise_model(s: PerplexitySettings, lm):
     from outlierscope.models.loading import load_model
 
     return load_model(s.model, dtype=s.noise, device=lm.device, trust_remote_code=s.trust_remote_code, record=lm.record)
-
-
-def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:
-    """The cell from its parts once every virtual shard's is there (then the parts are removed); else None."""
-    paths = [_part(cells, settings, v) for v in range(VIRTUAL_SHARDS)]
-    if not all(p.exists() for p in paths):
-        return None
-    parts = []
-    for p in paths:
-        try:
-            parts.append(_read_part(p))
-        except Damaged as e:  # another process's part (this one's were checked before it scored)
-            p.unlink()
-            raise OutlierscopeError(f"{e}; removed: run again (it resumes and computes that part again)") from None
-    tokens = TokenScores.concat(parts)
-    _save_cell(cells, settings, tokens, summary(tokens, seed))
-    for p in paths:
-        p.unlink()
-    return tokens
 
 
 def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None,

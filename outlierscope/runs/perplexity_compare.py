@@ -48,7 +48,7 @@ def _cell(run: Path, cell: str) -> TokenScores:
     if not path.exists():
         raise OutlierscopeError(f"{path} is missing: the per-token cells of a perplexity run are not committed with "
                                 f"its tables; run its `outlierscope perplexity` command again into {run} (it resumes)")
-    from outlierscope.runs.perplexity import read_cell
+    from outlierscope.runs.text_cells import read_cell
 
     return read_cell(run / "cells", cell)
 

@@ -30,8 +30,7 @@ damage, with the Spearman rank correlation, to ask whether outliers predict wher
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-from dataclasses import MISSING, asdict, dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -39,11 +38,10 @@ import pandas as pd
 
 from outlierscope.analysis.attention_error import (
     AttentionErrorStats,
-    measured_spec,
     pool_heads,
 )
-from outlierscope.analysis.harm import RANK_BY, TEXT_METRICS, RankBy, rank_by_of
-from outlierscope.errors import OutlierscopeError, ParamError, check_seed
+from outlierscope.analysis.harm import RANK_BY, RankBy
+from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.evaluate import EvalResult, evaluate, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import (
@@ -54,149 +52,21 @@ from outlierscope.io import (
     versions,
     write_csv,
     write_record,
-    write_text,
-)
-from outlierscope.models.loading import (
-    attn_block_option,
-    check_placement,
-    device_map_option,
-    device_option,
-    dtype_option,
-    trust_remote_code_option,
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec, quantize_model
-from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
-from outlierscope.quant.specs.spec import QuantSpec, build_spec
-from outlierscope.quant.weights.calibration import calibrate_layers_alone, calibration_records
+from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.calibration import calibrate_layers_alone
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, cell_id, merged_cell, refuse_other_settings, revised
-from outlierscope.runs.perplexity import (
-    TEXT_FIELDS,
-    check_text_fields,
-    length_option,
-    max_windows_option,
-    protocol_option,
-    text_batch_size_option,
-    text_option,
+from outlierscope.runs.sensitivity_record import (
+    _in_attention,
+    _log_summary,
+    _record,
+    _write,
+    outlier_points,
 )
-from outlierscope.settings import check_defaults, option
-
-ITEM_FIELDS = ("task", "limit", "sample", "batch_size")  # what only the gold_ll metric reads
-
-
-@dataclass(frozen=True)
-class SensitivitySettings:
-    """Settings of a per-layer sensitivity study (``outlierscope sensitivity``): one model, one spec quantized layer
-    by layer, ranked by a metric, with a greedy mixed-precision suggestion. Each field is a CLI flag of the same name
-    (its help is the field's ``option`` text) and is written to the study's record."""
-
-    model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model", metavar="SPEC")
-    bits: int = option(4, "bit width of the quantized layers")
-    format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
-    granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
-                              choices=GRANULARITIES)
-    quant: str | None = option(None, "a recipe or spec of attention or linear layers (see `outlierscope recipes`) "
-                               "instead of --bits, --format, --granularity: each layer in turn gets it",
-                               metavar="RECIPE_OR_SPEC")
-    task: str = option("hellaswag", "hellaswag or a zero-shot task (see `outlierscope tasks`)", metavar="TASK")
-    limit: int | None = option(None, "first N validation items", exclusive="items")
-    sample: int | None = option(None, "N items drawn at random (with --seed)", exclusive="items")
-    seed: int = option(0, "seeds --sample")
-    metric: str = option("gold_ll", "rank layers and bound the suggestion by gold_ll (the task's items: mean change of "
-                         "the gold choice's log-likelihood), kld (running text: mean KL divergence to the unquantized "
-                         "model at every token) or ppl (running text: ln of the PPL ratio)", choices=tuple(RANK_BY))
-    text: str = text_option()
-    protocol: str = protocol_option()
-    length: int | None = length_option()
-    max_windows: int | None = max_windows_option()
-    text_batch_size: int = text_batch_size_option()
-    tolerance: float = option(0.05, "largest harm the suggested assignment may have, in the metric's unit: nats of mean "
-                              "gold log-likelihood lost (gold_ll), nats of mean KLD (kld), ln PPL ratio (ppl); a gain "
-                              "always passes")
-    keep_bits: int = option(16, "bits of the layers the suggestion keeps (16: unquantized; e.g. 8 for a 4/8-bit mix)")
-    all_but: bool = option(True, "skip the second pass (every layer quantized but one)")
-    attn_error: bool = option(True, "skip each layer's attention error (measured in the unquantized cell: costs 2-5x "
-                              "one cell)")
-    kinds: bool = option(True, "skip the pass over linear kinds (a linear spec: each kind, q_proj ... down_proj, "
-                         "quantized alone in every layer)")
-    profile_tokens: int = option(20_000, "tokens of the short profile for the per-layer outlier statistic")
-    batch_size: int = option(DEFAULT_BATCH, "sequences per forward; quantized scores depend on it by float32 rounding (part of a "
-                             "quantized cell's identity); 1 is exactly batch-invariant, ~2x slower")
-    dtype: str = dtype_option()
-    device: str = device_option()
-    device_map: str | None = device_map_option()
-    attn_block: int | None = attn_block_option()
-    trust_remote_code: bool = trust_remote_code_option()
-
-    def __post_init__(self):
-        check_seed(self.seed)
-        from outlierscope.data.tasks import check_task
-
-        check_task(self.task)
-        if self.quant is not None:
-            self._check_quant()
-        spec = self.spec()  # bits, format, granularity (or the attention spec) checked before anything loads
-        if self.attn_error and self.metric == "gold_ll":
-            measured_spec(spec)
-        if spec.bits == 16:
-            raise ParamError("bits", "below 16 (16 is unquantized: nothing to be sensitive to)", self.bits)
-        self.spec(bits=self.keep_bits)
-        if not spec.bits < self.keep_bits:
-            raise ParamError("keep_bits", f"above bits={spec.bits} (16 = kept layers unquantized)", self.keep_bits)
-        self._check_metric_fields()
-        if not self.tolerance >= 0:
-            raise ParamError("tolerance", f">= 0 ({RANK_BY[self.metric].unit})", self.tolerance)
-        for n in ("limit", "sample"):
-            if getattr(self, n) is not None and getattr(self, n) < 1:
-                raise ParamError(n, ">= 1", getattr(self, n))
-        if self.profile_tokens < 1:
-            raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
-        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
-
-    def _check_metric_fields(self) -> None:
-        """The item settings only with gold_ll, the text settings only with kld / ppl, whose cells keep no layers at
-        other bits."""
-        if self.metric not in RANK_BY:
-            raise ParamError("metric", f"one of {', '.join(RANK_BY)}", self.metric)
-        check_text_fields(self)
-        scores = "items of a task" if self.metric == "gold_ll" else "running text"
-        check_defaults(self, TEXT_FIELDS if self.metric == "gold_ll" else ITEM_FIELDS,
-                       f"with metric={self.metric!r} (it scores {scores})")
-        if self.metric in TEXT_METRICS and self.keep_bits != UNQUANTIZED_BITS:
-            raise ParamError("keep_bits", f"16 with metric={self.metric!r} (a kept layer at other bits is not built "
-                             "for the text metrics)", self.keep_bits)
-
-    def _check_quant(self) -> None:
-        """``quant`` replaces bits, format and granularity, quantizes something, and names no layers (each layer in
-        turn gets it)."""
-        spec = QuantSpec.parse(self.quant)
-        if spec.is_identity:
-            raise ParamError("quant", "a recipe or spec that quantizes something (see `outlierscope recipes`)",
-                             self.quant, "'none' leaves every layer as it is")
-        if spec.layers is not None:
-            raise ParamError("quant", "a spec that names no layers (each layer in turn gets it)", self.quant)
-        if spec.weights_mode != "none":
-            raise ParamError("quant", "a spec without bitsandbytes weights (w=bnb-...: they replace every layer's "
-                             "linears at once, so no layer can be ranked; rank w=int8/per_channel or "
-                             "w=fint4/per_group:128 instead)", self.quant)
-        if not spec.parts:
-            raise ParamError("quant", "a spec with a quantized part (e.g. 'k=int4/per_token; smooth_k'): smoothing and "
-                             "rotations alone are exact, nothing to be sensitive to", self.quant)
-        if spec.linears is not None and "lm_head" in spec.linears:
-            raise ParamError("quant", "linears inside the decoder layers: sensitivity ranks layers, and the LM head is "
-                             "in none (evaluate it with sweep --quant '...; linears:lm_head')", self.quant)
-        for name in ("bits", "format", "granularity"):
-            default = next(f.default for f in dataclasses.fields(self) if f.name == name)
-            if getattr(self, name) != default:
-                raise ParamError(name, f"its default {default!r} with quant (quant replaces bits, format and "
-                                 "granularity; keep_bits stays the logits' axis)", getattr(self, name))
-
-    def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
-        """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
-        :attr:`bits`; ``keep_bits`` for the kept layers are always the logits')."""
-        if self.quant is not None and bits is None:
-            return dataclasses.replace(QuantSpec.parse(self.quant), layers=tuple(layers) if layers is not None else None)
-        return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)
+from outlierscope.runs.sensitivity_settings import SensitivitySettings
 
 
 def gold_scores(res: EvalResult) -> np.ndarray:
@@ -281,8 +151,8 @@ class _Run:
         if not self.rank_by.on_text:
             res = [(self.cell(role, spec, keep), role) for role, spec, keep in cells]
             return [change(r, self.base, self.metric) for r, _ in res] if self.shard.whole else None
-        from outlierscope.runs.perplexity import cell_settings as text_cell_settings
-        from outlierscope.runs.perplexity import token_cells
+        from outlierscope.runs.text_cells import cell_settings as text_cell_settings
+        from outlierscope.runs.text_cells import token_cells
 
         specs = [spec or QuantSpec() for _, spec, _ in cells]
         settings = [text_cell_settings(self.text["ident"], spec, self.s.text_batch_size) for spec in specs]
@@ -470,7 +340,8 @@ def _text_windows(s: SensitivitySettings, record) -> dict:
 
 def _text_cells(s: SensitivitySettings, lm, text: dict, cells_dir: Path, world: World, log) -> dict:
     """What every text cell shares (the perplexity cells' identity) and how they run."""
-    from outlierscope.runs.perplexity import CellRun, text_ident, windows_said
+    from outlierscope.runs.perplexity import text_ident, windows_said
+    from outlierscope.runs.text_cells import CellRun
 
     windows = text["windows"]
     log(windows_said(s, text["text"], text["length"], windows))
@@ -508,17 +379,8 @@ def _per_layer(run: _Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-def written_files(s: SensitivitySettings, record: dict) -> list[str]:
-    """The files a finished study wrote into its directory, in the order a reader wants them: ``kinds.csv`` only for a
-    scheme with linear parts (``record["kinds"]``), ``attn_error.csv`` only where attention was measured."""
-    return ["sensitivity.md", "sensitivity.csv", "greedy.csv", *(["kinds.csv"] if "kinds" in record else []),
-            *(["attn_error.csv"] if s.attn_error and s.metric == "gold_ll" and _in_attention(s.spec()) else []),
-            "sensitivity.json", "figures/"]
 
 
-def _in_attention(spec) -> bool:
-    """Whether ``spec`` changes anything inside attention (a linear-only spec has no attention error to measure)."""
-    return spec.is_logits_only or spec.has_attention
 
 
 def _per_kind(run: _Run) -> pd.DataFrame | None:
@@ -545,18 +407,6 @@ def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | Non
     return table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
 
 
-def outlier_points(spec, model) -> tuple[str, ...]:
-    """The points whose top-1 / median |x| is a layer's outlier ratio: the attention logits when the spec quantizes
-    attention (or is the logits' bit width), the inputs of the decoder linears it quantizes when it has linear
-    parts (both for a mixed spec)."""
-    from outlierscope.quant.linears.sites import linear_sites
-
-    linear = getattr(spec, "has_linear", False)
-    points = ["layers.*.attn.logits"] if not linear or spec.has_attention else []
-    if linear:
-        paths = sorted({site.path for site in linear_sites(model, spec) if not site.is_head})
-        points += [f"layers.*.{p}.input" for p in paths]
-    return tuple(points)
 
 
 def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
@@ -595,87 +445,11 @@ def _within(run: _Run):
     return within
 
 
-def _record(run: _Run, table: pd.DataFrame, order: list[int], keep: list[int], tries: list[dict]) -> dict:
-    """sensitivity.json: settings, ranking, the suggestion and its verification, rank correlations, cells."""
-    s, rb = run.s, run.rank_by
-    harm = rb.harm(table["only_" + rb.column]).rank()
-    ident = run.text["ident"] if run.text is not None else run.ident
-    rec = {"settings": asdict(s), "n_items": len(run.items), "metric": run.metric,
-           "n_layers": len(decoder_layers(run.lm.model)), "ranking": order, "keep": keep, "keep_bits": s.keep_bits,
-           "quantized": [i for i in run.layers if i not in keep], "final": next(t for t in tries if t["kept"] == len(keep)),
-           # > 0: layers with larger outliers (or a larger attention KL) are hurt more
-           "spearman_damage_vs_outlier_ratio": float(harm.corr(table["outlier_ratio"].rank())),
-           "outlier_points": list(outlier_points(s.spec(), run.lm.model)),
-           "spearman_damage_vs_kl_mean": float(harm.corr(table["kl_mean"].rank())) if "kl_mean" in table else None,
-           "note": "damage = mean change of the gold choice's log-likelihood with only that layer quantized; "
-                   "rank 1 = most harmful; keep: the layers the greedy keeps at keep_bits (16 = unquantized); spearman: rank correlation of the harm (-damage) with the layer's outlier ratio, "
-                   "its largest top-1/median |x| over outlier_points (> 0: layers with larger outliers are hurt more), "
-                   "and with the layer's mean attention KL",
-           "model_source": run.lm.provenance(ident["weights_sha256"]),
-           "cells": run.cells, "processes": run.world.size, "versions": versions(), "machine": machine(),
-           "git_commit": git_commit()}
-    if cal := calibration_records([s.spec()], run.lm.model, run.lm.tokenizer):  # GPTQ/AWQ/SmoothQuant: text, tokens
-        rec["calibration"] = cal
-    if rb.on_text:
-        t = run.text
-        rec["note"] = (f"harm = {rb.column} of the cell with only that layer quantized against the unquantized "
-                       f"model on running text ({rb.unit}); rank 1 = most harmful; keep: the layers the greedy keeps "
-                       "unquantized for a harm of at most the tolerance; spearman: rank correlation of the harm with "
-                       "the layer's outlier ratio, its largest top-1/median |x| over outlier_points")
-        rec["rank_by"] = {"metric": rb.name, "column": rb.column, "unit": rb.unit, "text": t["text"].record(),
-                          "protocol": s.protocol, "length": t["length"], "windows": len(t["windows"]),
-                          "scored_tokens": int(sum(len(w.targets) for w in t["windows"])),
-                          "stability": _ranking_stability(run) if run.world.is_main else None}
-    return rec
 
 
-def _ranking_stability(run: _Run) -> list[dict]:
-    """How many windows the per-layer ranking needs (:func:`~outlierscope.analysis.agreement.ranking_stability` of
-    the one-layer text cells' per-window harm: KLD sums, or NLL change sums for ppl)."""
-    from outlierscope.analysis.agreement import ranking_stability
-    from outlierscope.analysis.kld import window_blocks
-    from outlierscope.runs.perplexity import read_cell
-
-    sums = []
-    for i in run.layers:
-        count, d, k = window_blocks(read_cell(run.cells_dir, run.cells[f"only_{i}"]))
-        sums.append(k if run.rank_by.name == "kld" else d)
-    return ranking_stability(count, np.stack(sums, 1), run.s.seed)  # (windows, layers)
 
 
-def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> None:
-    from outlierscope.report.sensitivity import sensitivity_markdown
-
-    write_csv(out / "sensitivity.csv", table)
-    if kinds is not None:
-        write_csv(out / "kinds.csv", kinds)
-    write_csv(out / "greedy.csv", pd.DataFrame(tries))
-    write_record(out / "sensitivity.json", record)
-    write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries, kinds))
-    _figures(table, out, record)
 
 
-def _log_summary(run: _Run, record: dict) -> None:
-    from outlierscope.report.sensitivity import kept_as
-
-    s, final, rho_kl, rb = run.s, record["final"], record["spearman_damage_vs_kl_mean"], run.rank_by
-    reached = "verified" if final["within_tolerance"] else "NOT reached even keeping every layer"
-    bound = (f"{rb.column} <= {s.tolerance} ({reached}: {final[rb.column]:.4g})" if rb.on_text else
-             f"Δ gold ll >= -{s.tolerance} ({reached}: {final['delta_gold_ll']:+.4f} nats)")
-    run.log(f"layers by harm: {record['ranking']}; keep {record['keep'] or 'none'} {kept_as(s.keep_bits)} for {bound}; "
-            "Spearman(damage, outlier ratio) = "
-            f"{record['spearman_damage_vs_outlier_ratio']:+.2f}"
-            + (f", (damage, attention KL) = {rho_kl:+.2f}" if rho_kl is not None else ""))
 
 
-def _figures(table: pd.DataFrame, out: Path, record: dict) -> None:
-    from outlierscope.report import plots
-    from outlierscope.report.markdown import save_figure
-    from outlierscope.report.sensitivity import outliers_said, quantized_said
-
-    (out / "figures").mkdir(exist_ok=True)
-    what, rb = outliers_said(record), rank_by_of(record["settings"])
-    save_figure(plots.sensitivity_bars(table, quantized_said(record["settings"]), what, rb.column, rb.label),
-                out / "figures", "sensitivity")
-    save_figure(plots.damage_vs_outliers(table, record["spearman_damage_vs_outlier_ratio"], what, rb.harm_sign,
-                                         rb.column, rb.label), out / "figures", "damage_vs_outliers")

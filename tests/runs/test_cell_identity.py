@@ -131,7 +131,7 @@ def _check_text_cells(rec: dict, s) -> None:
     """A study ranked by KLD or PPL names its perplexity cells by the text its record names (source digest,
     protocol, window length and count; CPU runs, float32) and each role's spec at the text batch size."""
     from outlierscope.quant.specs.spec import QuantSpec
-    from outlierscope.runs.perplexity import cell_settings as text_cell_settings
+    from outlierscope.runs.text_cells import cell_settings as text_cell_settings
 
     text = rec["rank_by"]
     ident = {"model": s.model, "weights_sha256": rec["model_source"]["weights_sha256"],

@@ -300,7 +300,7 @@ def test_shards_in_one_directory_then_assembled_give_the_same_bytes(tmp_path, te
 def test_an_interrupted_run_resumes_at_its_shard(tmp_path, text, monkeypatch):
     """Killed in its 6th virtual shard, a rerun computes only the shards not saved (the first five are read back)
     and writes the same table as an uninterrupted run."""
-    from outlierscope.runs import perplexity as P
+    from outlierscope.runs import text_cells as P
 
     real, calls = P.score_windows, []
 

@@ -551,7 +551,7 @@ def test_text_metric_ranks_layers_by_the_float64_kld_of_full_forwards(metric, wo
     for g, w in zip(got, want):
         assert g["same_top"] == w["same_top"] and g["spearman_median"] == pytest.approx(w["spearman_median"], abs=1e-9)
     assert "How much text the ranking needs" in md
-    from outlierscope.runs.sensitivity import written_files
+    from outlierscope.runs.sensitivity_record import written_files
 
     listed = {f.rstrip("/") for f in written_files(s, rec)}
     assert listed == {p.name for p in tmp_path.iterdir()} - {"cells"}  # no attention error on text

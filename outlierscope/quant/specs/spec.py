@@ -56,13 +56,12 @@ both calibrated layer after layer on ``calib:`` text (default: LAMBADA's last pa
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from dataclasses import dataclass, field
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.quant.numerics.names import BACKENDS, FORMATS, UNQUANTIZED_BITS
-from outlierscope.quant.specs.calibrated import AWQ_GRIDS, GPTQ_GRIDS, AWQConfig, GPTQConfig
+from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
 from outlierscope.quant.specs.parts import (  # noqa: F401 (re-exported: the spec's vocabulary)
     ALL_TARGETS,
     BLOCK_FORMATS,
@@ -78,6 +77,7 @@ from outlierscope.quant.specs.parts import (  # noqa: F401 (re-exported: the spe
     parse_part,
 )
 from outlierscope.quant.specs.recipes import RECIPES
+from outlierscope.quant.specs.validate import check_fields
 
 
 def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
@@ -156,153 +156,8 @@ class QuantSpec:
         for key, default in known.items():
             object.__setattr__(self, key, fields.get(key, default))
         object.__setattr__(self, "parts", tuple(parts) + ((logits,) if logits else ()))
-        self._check()
+        check_fields(self)
 
-    def _check_types(self) -> None:
-        """Each field holds what the spec's text can say (so ``parse(str(spec)) == spec``): a ParamError naming the
-        field otherwise (``rotate=1.5``, ``smooth=True``, ``layers=(0.5,)``, ``calib=' x '``)."""
-        def is_int(v):
-            return isinstance(v, int) and not isinstance(v, bool)
-
-        def is_num(v):
-            return (is_int(v) or isinstance(v, float)) and math.isfinite(v)
-
-        checks = {"smooth_k": (lambda v: isinstance(v, bool), "True or False"),
-                  **{k: (is_int, "an integer or None") for k in ("smooth_q", "hadamard", "rotate")},
-                  **{k: (is_num, "a finite number or None") for k in ("smooth", "outliers", "bnb_outliers")},
-                  "layers": (lambda v: isinstance(v, (tuple, list)) and all(is_int(i) for i in v),
-                             "a tuple of integer layer indices or None"),
-                  "linears": (lambda v: isinstance(v, (tuple, list)) and all(isinstance(i, str) and i.strip() == i
-                                                                            and i and ";" not in i for i in v),
-                              "a tuple of linear name patterns or None"),
-                  "calib": (lambda v: isinstance(v, str) and v and v.strip() == v and ";" not in v,
-                            "a calibration source without surrounding spaces or ';' (hellaswag, a file) or None"),
-                  "gptq": (lambda v: isinstance(v, GPTQConfig), "a GPTQConfig or None"),
-                  "awq": (lambda v: isinstance(v, AWQConfig), "an AWQConfig or None")}
-        for key, (ok, expected) in checks.items():
-            value = getattr(self, key)
-            if value is not None and not ok(value):
-                raise ParamError(key, expected, value)
-        bad = [p for p in self.parts if not isinstance(p, TensorQuant)]
-        if bad:
-            raise ParamError("parts", "TensorQuant parts (parse_part('k=int4/per_token'))", bad[0])
-        for key in ("layers", "linears"):
-            if getattr(self, key) is not None:
-                object.__setattr__(self, key, tuple(getattr(self, key)))
-
-    def _check(self) -> None:
-        self._check_types()
-        parts = sorted(self.parts, key=lambda p: ALL_TARGETS.index(p.target))
-        seen = [p.target for p in parts]
-        dup = sorted({t for t in seen if seen.count(t) > 1})
-        if dup:
-            raise OutlierscopeError(f"target {dup[0]} is quantized twice; give each target one format")
-        object.__setattr__(self, "parts", tuple(parts))
-        if self.smooth_q is not None and self.smooth_q < 1:
-            raise OutlierscopeError(f"smooth_q needs a block of rows >= 1, got {self.smooth_q}")
-        for key in ("hadamard", "rotate"):
-            seed = getattr(self, key)
-            if seed is not None and not 0 <= seed < 2**63:
-                raise OutlierscopeError(f"{key}:SEED needs a seed in 0..2^63-1 (a torch generator's range), got {seed}")
-        if self.layers is not None:
-            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
-            if not self.layers or min(self.layers) < 0:
-                raise ParamError("layers", "at least one layer index >= 0 (or None: every layer)", self.layers)
-        self._check_linear()
-        self._check_bnb()
-        self._check_gptq()
-        self._check_awq()
-
-    def _check_gptq(self) -> None:
-        """GPTQ rounds a ``w=`` part on an integer grid (fint, int, zint), per channel or in groups, of the decoder layers'
-        linears, alone among the weight transforms (not built with smoothing, rotations or LLM.int8)."""
-        if self.gptq is None:
-            return
-        w = self.part("w")
-        if w is None or w.format not in GPTQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
-            raise OutlierscopeError(f"gptq rounds a w= part of {'/'.join(GPTQ_GRIDS)} bits per_channel or per_group "
-                                    f"(e.g. w=fint4/per_group:128; gptq), got {w or 'no w= part'}")
-        other = [k for k in ("smooth", "rotate", "outliers", "bnb_outliers") if getattr(self, k) is not None]
-        if other:
-            raise OutlierscopeError(f"gptq with {other[0]}: GPTQ on transformed weights is not built; drop one of the "
-                                    "two")
-        a = self.part("a")
-        if a is not None and a.granularity == "static":
-            raise OutlierscopeError("gptq with a=.../static: one calibration text would serve two passes; use a "
-                                    "dynamic activation granularity with gptq")
-        if "lm_head" in (self.linears or ()):
-            raise OutlierscopeError("gptq quantizes the decoder layers' linears, layer after layer; leave lm_head out "
-                                    "of linears:")
-        if self.gptq.order == "gar" and w.granularity != "per_group":
-            raise OutlierscopeError("gptq:order=gar reorders whole groups; give w=.../per_group:G or another order")
-        if (self.calib or "").endswith(".pt"):
-            raise OutlierscopeError(f"calib:{self.calib}: gptq calibrates on text (its Hessians), not on act_scales")
-
-    def _check_awq(self) -> None:
-        """AWQ scales and clips a ``w=`` part on an integer grid (int, fint, zint), per channel or in groups, of the
-        decoder layers' linears, alone among the weight transforms."""
-        if self.awq is None:
-            return
-        w = self.part("w")
-        if w is None or w.format not in AWQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
-            raise OutlierscopeError(f"awq scales and clips a w= part of {'/'.join(AWQ_GRIDS)} bits per_channel or "
-                                    f"per_group (e.g. w=int4/per_group:128; awq), got {w or 'no w= part'}")
-        other = [k for k in ("gptq", "smooth", "rotate", "outliers", "bnb_outliers") if getattr(self, k) is not None]
-        if other:
-            raise OutlierscopeError(f"awq with {other[0]}: AWQ with another weight or input transform is not built; "
-                                    "drop one of the two")
-        a = self.part("a")
-        if a is not None and a.granularity == "static":
-            raise OutlierscopeError("awq with a=.../static: one calibration text would serve two passes; use a "
-                                    "dynamic activation granularity with awq")
-        if "lm_head" in (self.linears or ()):
-            raise OutlierscopeError("awq scales the decoder layers' linears, layer after layer; leave lm_head out of "
-                                    "linears:")
-        if (self.calib or "").endswith(".pt"):
-            raise OutlierscopeError(f"calib:{self.calib}: awq calibrates on text (its activations), not on act_scales")
-
-    def _check_linear(self) -> None:
-        if self.smooth is not None and not 0.0 <= self.smooth <= 1.0:
-            raise OutlierscopeError(f"smooth:ALPHA needs an alpha in 0..1 (SmoothQuant's migration strength), got {self.smooth}")
-        if self.outliers is not None and self.bnb_outliers is not None:
-            raise OutlierscopeError("outliers:T (the paper's decomposition) and bnb_outliers:T (bitsandbytes' rule) "
-                                    "are two ways of one thing; give one")
-        for key in ("outliers", "bnb_outliers"):
-            t = getattr(self, key)
-            if t is not None and not t > 0:
-                raise OutlierscopeError(f"{key}:T needs a threshold > 0 (LLM.int8: 6.0), got {t}")
-            if t is not None and self.part("a") is None:
-                raise OutlierscopeError(f"{key}:T keeps activation columns out of the a= quantization; add an a= part")
-        if self.linears is not None:
-            object.__setattr__(self, "linears", tuple(dict.fromkeys(self.linears)))
-            bad = [p for p in self.linears if not re.fullmatch(r"[A-Za-z0-9_.*]+", p)]
-            if not self.linears or bad:
-                raise OutlierscopeError(f"linears:PATTERN needs module paths or * patterns like self_attn.* or "
-                                        f"mlp.down_proj, got {','.join(self.linears) or 'nothing'}")
-        a = self.part("a")
-        if a is not None and a.granularity == "static" and self.rotate is not None:
-            raise OutlierscopeError("a=.../static with rotate: the calibrated scales are of the unrotated input; use a "
-                                    "dynamic activation granularity with rotate")
-        needs_calib = self.smooth is not None or (a is not None and a.granularity == "static") or self.gptq is not None \
-            or self.awq is not None
-        if self.calib is not None and not needs_calib:
-            raise OutlierscopeError("calib:SOURCE is read by smooth:ALPHA, a=.../static, gptq and awq only; leave it out")
-        if self.calib is not None and (not self.calib.strip() or ";" in self.calib):
-            raise OutlierscopeError(f"calib:SOURCE needs hellaswag, a text file or an act_scales.pt, got {self.calib!r}")
-
-    def _check_bnb(self) -> None:
-        """bitsandbytes' weights replace every decoder linear by its own module: none of our linear emulation applies
-        to them, and they do not take ``layers:``."""
-        if self.weights_mode == "none":
-            return
-        other = [k for k in ("smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib")
-                 if getattr(self, k) is not None] + (["a="] if self.part("a") else [])
-        if other:
-            raise OutlierscopeError(f"{self.part('w')} (bitsandbytes' own linears) with {other[0]}: our linear "
-                                    "emulation does not apply to bitsandbytes' modules; drop one of the two")
-        if self.layers is not None:
-            raise OutlierscopeError(f"{self.part('w')} applies to every decoder layer; leave out layers: (or quantize "
-                                    "the weights with w=int8/per_channel, which takes layers:)")
 
     def part(self, target: str) -> TensorQuant | None:
         return next((p for p in self.parts if p.target == target), None)
