@@ -362,17 +362,27 @@ def machine() -> dict:
             "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
 
 
+OUTPUTS = ("docs",)  # the checkout's committed results: a run's own outputs, not the code that makes them
+
+
 @functools.cache
 def git_commit() -> str | None:
-    """The commit of the outlierscope checkout that ran (with ``+changes`` if its tracked files differ), or None
-    for an installed copy outside git. Read once per process, at the first record: a run whose outputs lie in the
-    checkout (docs/) would otherwise mark its later records ``+changes`` with its own earlier files."""
+    """The commit of the outlierscope checkout that ran (with ``+changes`` if its tracked files outside the committed
+    results, ``docs/``, differ), or None for an installed copy outside git. Read once per process, at the first
+    record. The results under docs/ do not count: a study rerun from a clean clone writes its outputs there, and the
+    next study of the same clone must not be marked ``+changes`` for them (each record names its inputs by digest)."""
+    return tree_state(Path(__file__).resolve().parent.parent)
+
+
+def tree_state(root: Path) -> str | None:
+    """``HEAD`` of the git checkout ``root``, with ``+changes`` if a tracked file outside :data:`OUTPUTS` differs
+    from it; None outside git."""
     import subprocess
 
-    root = Path(__file__).resolve().parent.parent
+    outside = ["--", ":(top)", *(f":(top,exclude){d}" for d in OUTPUTS)]  # paths from the checkout's top
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", *outside], cwd=root,
                                capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -50,3 +50,35 @@ def test_an_output_directory_reads_the_commit_before_its_block_writes(tmp_path, 
             assert io.git_commit() == "abc123" and status == [0]
     finally:
         io.git_commit.cache_clear()
+
+
+def test_results_under_docs_do_not_mark_a_checkout_changed(tmp_path):
+    """A real git checkout: a changed record under docs/ (a study's own output) leaves it clean; a changed file of
+    code, tracked or staged, marks it '+changes'; a new untracked file does not."""
+    import shutil
+
+    import pytest
+
+    from outlierscope.io import tree_state
+
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t",
+           "HOME": str(tmp_path), "PATH": __import__("os").environ["PATH"]}
+
+    def git(*argv):
+        return subprocess.run(["git", *argv], cwd=tmp_path, env=env, check=True, capture_output=True, text=True).stdout
+
+    git("init", "-q")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "sweep.json").write_text("{}")
+    (tmp_path / "code.py").write_text("x = 1\n")
+    git("add", "-A")
+    git("commit", "-qm", "first")
+    head = git("rev-parse", "HEAD").strip()
+    assert tree_state(tmp_path) == head
+    (tmp_path / "docs" / "sweep.json").write_text('{"cells": []}')
+    (tmp_path / "new.py").write_text("")
+    assert tree_state(tmp_path) == head == tree_state(tmp_path / "docs")  # from inside the checkout alike
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert tree_state(tmp_path) == head + "+changes" == tree_state(tmp_path / "docs")
