@@ -26,6 +26,14 @@ lm = load_model('smollm2-135m'); torch.save(calibration_sequences(lm.tokenizer, 
     GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/gptq_smollm2_reference.py \
         --model ~/.cache/outlierscope/models/smollm2-135m --ids /tmp/smollm2_calib_ids.pt \
         --out tests/quant/fixtures/gptq_gptqmodel_smollm2.safetensors
+
+The digests in the fixture are of the processor that made it (an Intel Xeon); float32 Cholesky and matmuls round
+otherwise on an AMD EPYC. ``--hessians`` makes GPT-QModel's results from the fixture's own Hessians on this machine's
+processor, into a JSON the test reads when it runs on that processor:
+
+    GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/gptq_smollm2_reference.py \
+        --model ~/.cache/outlierscope/models/smollm2-135m --hessians tests/quant/fixtures/gptq_gptqmodel_smollm2.safetensors \
+        --out tests/quant/fixtures/gptq_gptqmodel_smollm2.amd.json
 """
 
 from __future__ import annotations
@@ -103,6 +111,63 @@ def run_gptq(linear, xs, args: dict):
     return h, q, scale, zero, g_idx
 
 
+def run_gptq_on(linear, h, args: dict):
+    """GPT-QModel's GPTQ of ``linear`` with the finalized Hessian ``h`` given (a fixture's): GPT-QModel's task is fed
+    128 zero sequences of 512 tokens (so its sample count is the calibration's) and its Hessian replaced by ``h``
+    before ``quantize``; (Q, scale, zero, g_idx)."""
+    import torch
+    from gptqmodel import QuantizeConfig
+    from gptqmodel.quantization.gptq import GPTQ
+
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
+    task = GPTQ(linear, QuantizeConfig(damp_percent=0.01, damp_auto_increment=0.0015, **args))
+    task.quantizer.configure(perchannel=True)
+    for _ in range(128):
+        task.add_batch(torch.zeros(1, 512, h.shape[0]), None)
+    task.finalize_hessian()
+    task.H = h.clone()
+    q, scale, zero, g_idx, _, _, damp, _ = task.quantize(blocksize=128)
+    assert damp == 0.01, f"GPT-QModel raised the damping to {damp}: the Hessian was not positive definite"
+    return q, scale, zero, g_idx
+
+
+def cpu_name() -> str:
+    from pathlib import Path
+
+    return next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                 if line.startswith("model name")), "unknown")
+
+
+def digests_on_this_processor(a) -> None:
+    """``--hessians``: GPT-QModel's results from the fixture's own Hessians on this machine's processor (float32
+    linear algebra rounds by processor), written as JSON with the processor's name, beside the fixture."""
+    import torch
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    fixture = safe_open(a.hessians, "pt")
+    digests = {}
+    for tag in sorted(fixture.keys()):  # layer{i}.{group}.hessian
+        i, group = int(tag.split(".")[0].removeprefix("layer")), tag.split(".")[1]
+        h = fixture.get_tensor(tag)
+        for key, args in SETTINGS.items():
+            for name in GROUPS[group]:
+                q, scale, zero, g_idx = run_gptq_on(model.model.layers[i].get_submodule(name), h, args)
+                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
+                                                                    "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
+                print(f"layer {i} {name} {key}: done", flush=True)
+    import hashlib
+    from pathlib import Path
+
+    record = {"command": " ".join(["references/gptq_smollm2_reference.py", *sys.argv[1:]]), "processor": cpu_name(),
+              "fixture_sha256": hashlib.sha256(Path(a.hessians).read_bytes()).hexdigest(),
+              "versions": {k: version(k) for k in ("gptqmodel", "torch", "transformers")}, "digests": digests}
+    Path(a.out).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    print(f"wrote {a.out}")
+
+
 def main() -> None:
     import torch
     from safetensors.torch import save_file
@@ -110,10 +175,16 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", required=True, help="SmolLM2-135M's HF directory")
-    ap.add_argument("--ids", required=True, help="the calibration token ids, a torch (N, T) int64 file")
+    ap.add_argument("--ids", help="the calibration token ids, a torch (N, T) int64 file")
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15])
+    ap.add_argument("--hessians", help="a fixture this script wrote: GPT-QModel's results from its Hessians on this "
+                    "processor, as JSON into --out (no calibration forward)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
+    if a.hessians:
+        return digests_on_this_processor(a)
+    if not a.ids:
+        ap.error("--ids is required without --hessians")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     ids = torch.load(a.ids)
     inputs = layer_inputs(model, ids, a.layers)
