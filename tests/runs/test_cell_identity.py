@@ -20,7 +20,7 @@ STUDIES = sorted(p.parent for p in DOCS.rglob("sensitivity.json") if "cells" in 
 # records whose GPTQ cells predate the damping fix (#63: the mean over a contiguous copy of the Hessian's diagonal):
 # those cells would be computed again (their identity lacks the revision), every other cell resumes; a record leaves
 # this list when it is rerun (the test fails while a listed record is already fresh)
-STALE_GPTQ = {"weights/smollm2-135m/arc_easy", "weights/smollm2-135m/hellaswag", "weights/smollm2-135m/sensitivity-gptq"}
+STALE_GPTQ = {"weights/smollm2-135m/sensitivity-gptq"}
 
 
 def _id(p):

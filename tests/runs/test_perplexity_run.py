@@ -367,7 +367,7 @@ def test_specs_scored_in_groups_give_the_same_values(tmp_path, text, monkeypatch
     """SPECS_PER_PASS bounds how many specs hold a batch's hidden states at once: one spec (or noise pair) per pass
     (the unquantized trunk run again for each) gives every cell's per-token values exactly as all in one pass."""
     import outlierscope.eval.perplexity as E
-    import outlierscope.runs.perplexity as P
+    import outlierscope.runs.text_cells as P
 
     assert _run(tmp_path / "one", text, "--noise", "float64") == 0
     monkeypatch.setattr(P, "SPECS_PER_PASS", 1)
