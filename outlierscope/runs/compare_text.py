@@ -37,8 +37,8 @@ def text_windows(s, records: dict | None = None, log=print) -> dict:
     from outlierscope.runs.perplexity import prepare_windows, windows_said
 
     records = {m: (records or {}).get(m) or inspect_model(m, s.trust_remote_code) for m in (s.model, s.real)}
-    text, _, length, windows = prepare_windows(s, records[s.model])
-    if prepare_windows(s, records[s.real])[3] != windows:
+    text, length, windows = prepare_windows(s, records[s.model])
+    if prepare_windows(s, records[s.real])[2] != windows:
         raise ParamError("model", f"a float model whose tokenizer cuts the text as {s.real}'s does", s.model,
                          "their windows of the text differ")
     log(windows_said(s, text, length, windows))

@@ -183,14 +183,14 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
 
 
 def prepare_windows(s, record):
-    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the model's
-    tokenizer (``record``: its :func:`~outlierscope.models.record.inspect_model`), the window length and the
-    windows: everything the tokenizer alone decides, checked before any weights load."""
+    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the window length
+    and the windows cut by the model's tokenizer (``record``: its :func:`~outlierscope.models.record.inspect_model`):
+    everything the tokenizer alone decides, checked before any weights load."""
     from outlierscope.data.running_text import load_text
 
     text = load_text(s.text)
     length = window_length(s, record.config, record.tokenizer)
-    return text, record.tokenizer, length, protocol_windows(s.protocol, record.tokenizer, text.docs, length)[: s.max_windows]
+    return text, length, protocol_windows(s.protocol, record.tokenizer, text.docs, length)[: s.max_windows]
 
 
 def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> dict:
@@ -213,7 +213,7 @@ def _prepare(s: PerplexitySettings, log, device: str, record=None):
     record = record or inspect_model(s.model, s.trust_remote_code)
     for spec in s.specs():  # the specs fit the model's shape: before it loads
         check_spec(spec, record.config)
-    text, _, length, windows = prepare_windows(s, record)
+    text, length, windows = prepare_windows(s, record)
     lm = load_model(s.model, dtype=s.dtype, device=device, trust_remote_code=s.trust_remote_code, record=record)
     tok = record.tokenizer_files
     ident = text_ident(s, lm, text, length, windows)

@@ -334,7 +334,7 @@ def _text_windows(s: SensitivitySettings, record) -> dict:
     """The text metrics' text, window length and windows (the tokenizer alone decides them)."""
     from outlierscope.runs.perplexity import prepare_windows
 
-    text, _, length, windows = prepare_windows(s, record)
+    text, length, windows = prepare_windows(s, record)
     return {"text": text, "length": length, "windows": windows}
 
 
