@@ -92,8 +92,9 @@ def layer_inputs(model, ids, layers: list[int]) -> dict[tuple[int, str], list]:
     return got
 
 
-def run_gptq(linear, xs, args: dict):
-    """GPT-QModel's GPTQ of ``linear`` on inputs ``xs``: (its finalized Hessian, Q, scale, zero, g_idx)."""
+def run_gptq(linear, xs, args: dict, hessian=None):
+    """GPT-QModel's GPTQ of ``linear`` on inputs ``xs``: (its finalized Hessian, Q, scale, zero, g_idx). With
+    ``hessian`` (a fixture's), that Hessian replaces the one accumulated from ``xs`` before ``quantize``."""
     import torch
     from gptqmodel import QuantizeConfig
     from gptqmodel.quantization.gptq import GPTQ
@@ -105,31 +106,17 @@ def run_gptq(linear, xs, args: dict):
     for x in xs:
         task.add_batch(x, None)
     task.finalize_hessian()
+    if hessian is not None:
+        task.H = hessian.clone()
     h = task.H.clone()
     q, scale, zero, g_idx, _, _, damp, _ = task.quantize(blocksize=128)
     assert damp == 0.01, f"GPT-QModel raised the damping to {damp}: the Hessian was not positive definite"
     return h, q, scale, zero, g_idx
 
 
-def run_gptq_on(linear, h, args: dict):
-    """GPT-QModel's GPTQ of ``linear`` with the finalized Hessian ``h`` given (a fixture's): GPT-QModel's task is fed
-    128 zero sequences of 512 tokens (so its sample count is the calibration's) and its Hessian replaced by ``h``
-    before ``quantize``; (Q, scale, zero, g_idx)."""
-    import torch
-    from gptqmodel import QuantizeConfig
-    from gptqmodel.quantization.gptq import GPTQ
-
-    with torch.no_grad():
-        linear.weight.copy_(linear.weight.to(torch.bfloat16).float())
-    task = GPTQ(linear, QuantizeConfig(damp_percent=0.01, damp_auto_increment=0.0015, **args))
-    task.quantizer.configure(perchannel=True)
-    for _ in range(128):
-        task.add_batch(torch.zeros(1, 512, h.shape[0]), None)
-    task.finalize_hessian()
-    task.H = h.clone()
-    q, scale, zero, g_idx, _, _, damp, _ = task.quantize(blocksize=128)
-    assert damp == 0.01, f"GPT-QModel raised the damping to {damp}: the Hessian was not positive definite"
-    return q, scale, zero, g_idx
+def result_digests(q, scale, zero, g_idx) -> dict:
+    """sha256 of a GPTQ result's quantized weight (float32), scales, zero points and g_idx (int32)."""
+    return {"weight": sha(q.float()), "scale": sha(scale.float()), "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
 
 
 def cpu_name() -> str:
@@ -152,11 +139,11 @@ def digests_on_this_processor(a) -> None:
     for tag in sorted(fixture.keys()):  # layer{i}.{group}.hessian
         i, group = int(tag.split(".")[0].removeprefix("layer")), tag.split(".")[1]
         h = fixture.get_tensor(tag)
+        zeros = [torch.zeros(1, 512, h.shape[0])] * 128  # the calibration's sample count; the Hessian is h
         for key, args in SETTINGS.items():
             for name in GROUPS[group]:
-                q, scale, zero, g_idx = run_gptq_on(model.model.layers[i].get_submodule(name), h, args)
-                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
-                                                                    "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
+                _, *result = run_gptq(model.model.layers[i].get_submodule(name), zeros, args, h)
+                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = result_digests(*result)
                 print(f"layer {i} {name} {key}: done", flush=True)
     import hashlib
     from pathlib import Path
@@ -193,12 +180,11 @@ def main() -> None:
         block = model.model.layers[i]
         for key, args in SETTINGS.items():
             for name in GROUPS[group]:
-                h, q, scale, zero, g_idx = run_gptq(block.get_submodule(name), xs, args)
+                h, *result = run_gptq(block.get_submodule(name), xs, args)
                 tag = f"layer{i}.{group}.hessian"
                 tensors.setdefault(tag, h.contiguous())
                 assert torch.equal(tensors[tag], h), (i, key, name)  # one Hessian per input
-                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = {"weight": sha(q.float()), "scale": sha(scale.float()),
-                                                                    "zero": sha(zero.float()), "g_idx": sha(g_idx.int())}
+                digests[f"layer{i}.{name.split('.')[-1]}.{key}"] = result_digests(*result)
                 print(f"layer {i} {name} {key}: done", flush=True)
     meta = {"command": " ".join(["references/gptq_smollm2_reference.py", *sys.argv[1:]]),
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),

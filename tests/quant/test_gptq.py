@@ -257,17 +257,6 @@ SMOLLM2_SETTINGS = {  # the fixture's QuantizeConfig settings -> (bits, grid, or
 }
 
 
-def _processor() -> str:
-    """This machine's processor as /proc/cpuinfo names it."""
-    from pathlib import Path
-
-    try:
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
-
-
 def _smollm2_digests(ref) -> dict:
     """GPT-QModel's digests made on this machine's kind of processor: the fixture's own (made on an Intel Xeon), or the
     JSON that references/gptq_smollm2_reference.py --hessians wrote on an AMD EPYC from the fixture's Hessians (float32
@@ -276,7 +265,9 @@ def _smollm2_digests(ref) -> dict:
     import hashlib
     import json
 
-    cpu = _processor()
+    from outlierscope.io import machine
+
+    cpu = machine()["cpu"]  # /proc/cpuinfo's model name, as every record names the machine
     if "Intel" in cpu:
         return json.loads(ref.metadata()["digests"])
     path = SMOLLM2_FIXTURE.with_suffix(".amd.json")
