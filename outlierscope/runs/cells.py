@@ -52,12 +52,15 @@ def revised(*specs) -> dict:
     seed did nothing); NVFP4's scales follow compressed-tensors' order of operations (before, E4M3 ties of
     bfloat16-valued weights rounded otherwise); GPTQ's damping is the mean of a contiguous copy of the Hessian's
     diagonal, GPT-QModel's summation order (before, a strided view's: the last bit of the damping, and with it most
-    4-bit weights, differed)."""
+    4-bit weights, differed); ``rotate:`` multiplies by the rotation's two Hadamard factors
+    (:class:`~outlierscope.quant.linears.ops.Rotation`; before, by the dense d x d matrix: the same product summed in
+    another order)."""
     rotated = any(getattr(sp, "rotate", None) is not None or getattr(sp, "hadamard", None) is not None for sp in specs)
     nvfp4 = any(p.format == "nvfp4" for sp in specs for p in getattr(sp, "parts", ()))
     gptq = any(getattr(sp, "gptq", None) is not None for sp in specs)
+    factored = any(getattr(sp, "rotate", None) is not None for sp in specs)
     return {**({"rotation": "input-signs"} if rotated else {}), **({"nvfp4": "compressed-tensors-order"} if nvfp4 else {}),
-            **({"gptq": "contiguous-damping-mean"} if gptq else {})}
+            **({"gptq": "contiguous-damping-mean"} if gptq else {}), **({"rotate": "two-factors"} if factored else {})}
 
 
 def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[EvalResult, dict | None]], desc: str,

@@ -13,7 +13,7 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.apply import quantize_model
-from outlierscope.quant.linears.ops import rotation
+from outlierscope.quant.linears.ops import rotation, rotation_factors
 from outlierscope.quant.linears.schemes import quantize_linears
 from outlierscope.quant.linears.sites import linear_sites
 from outlierscope.quant.specs.recipes import RECIPES
@@ -233,6 +233,30 @@ def test_rotation_is_an_orthonormal_hadamard(d):
     r = rotation(d, 7, torch.float64)
     torch.testing.assert_close(r @ r.T, torch.eye(d, dtype=torch.float64), rtol=0, atol=1e-12)
     assert torch.allclose(r.abs(), torch.full_like(r, 1 / math.sqrt(d)))  # +-1/sqrt(d): a scaled Hadamard matrix
+
+
+@pytest.mark.parametrize("d", [1, 8, 12, 20, 28, 36, 64, 256, 384, 576, 1536, 4096])
+def test_rotation_factors_apply_the_dense_rotation(d):
+    """``rotate:`` multiplies by the rotation's two Hadamard factors: in float64 the dense product x @ R up to
+    rounding (R the dense matrix, itself checked against scipy and the seed's signs below); float32 and bfloat16 inputs
+    come back in their dtype, computed in float32; the input is never changed."""
+    r = rotation_factors(d, 7)
+    dense = rotation(d, 7, torch.float64)
+    assert torch.equal(r.matrix(), dense)
+    assert r.outer.shape[0] * r.inner.shape[0] == d and r.outer.shape[0] + r.inner.shape[0] <= max(d, 2 * math.isqrt(d) + 36)
+    x = torch.randn(2, 9, d, dtype=torch.float64, generator=torch.Generator().manual_seed(d)) * 3
+    before = x.clone()
+    want = x @ dense  # (2, 9, d)
+    torch.testing.assert_close(r.apply(x), want, rtol=0, atol=1e-13 * math.sqrt(d))
+    assert torch.equal(x, before)
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        got = r.apply(xd)
+        assert got.dtype == dtype and got.shape == x.shape
+        exact = (xd.double() @ dense).to(torch.float32)
+        tol = 1e-5 * math.sqrt(d) if dtype == torch.float32 else 0.0
+        torch.testing.assert_close(got.float(), exact.to(dtype).float(), rtol=1e-2 if dtype == torch.bfloat16 else 0,
+                                   atol=tol + (0.05 if dtype == torch.bfloat16 else 0))
 
 
 @pytest.mark.parametrize("d", [64, 256, 12, 20, 28, 384, 576])

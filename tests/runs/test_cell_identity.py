@@ -17,10 +17,12 @@ SWEEPS = sorted(p.parent for p in DOCS.rglob("sweep.json") if (p.parent / "cells
 STUDIES = sorted(p.parent for p in DOCS.rglob("sensitivity.json") if "cells" in json.loads(p.read_text()))
 
 
-# records whose GPTQ cells predate the damping fix (#63: the mean over a contiguous copy of the Hessian's diagonal):
-# those cells would be computed again (their identity lacks the revision), every other cell resumes; a record leaves
-# this list when it is rerun (the test fails while a listed record is already fresh)
-STALE_GPTQ = {"weights/smollm2-135m/sensitivity-gptq"}
+# records whose cells of one kind predate a revision (``runs.cells.revised``), by the revision's key: GPTQ cells before
+# the damping fix (#63: the mean over a contiguous copy of the Hessian's diagonal), ``rotate:`` cells before the
+# two-factor rotation (#64). Those cells would be computed again (their identity lacks the revision), every other cell
+# resumes; a record leaves this list when it is rerun (the test fails while a listed record is already fresh)
+STALE = {"weights/smollm2-135m/sensitivity-gptq": "gptq", "linear/pair/arc_easy": "rotate", "linear/pair/hellaswag": "rotate",
+         "linear/smollm2-135m/arc_easy": "rotate", "linear/smollm2-135m/hellaswag": "rotate"}
 
 
 def _id(p):
@@ -28,9 +30,14 @@ def _id(p):
 
 
 def _stale(run_dir: Path, settings: dict) -> bool:
-    """Whether ``settings`` name a GPTQ cell of a listed stale record: then the recorded cell must be the one these
-    settings name without the GPTQ revision (the old arithmetic; checked by the caller), and it is not read back."""
-    return _id(run_dir) in STALE_GPTQ and settings.get("gptq") == "contiguous-damping-mean"
+    """Whether ``settings`` name a cell of a listed stale record that carries the record's revision: then the recorded
+    cell must be the one these settings name without it (the old arithmetic; checked by the caller), and it is not
+    read back."""
+    return _id(run_dir) in STALE and STALE[_id(run_dir)] in settings
+
+
+def _old(run_dir: Path, settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k != STALE[_id(run_dir)]}
 
 
 def _identity(run_dir: Path, cell: str) -> dict:
@@ -57,7 +64,7 @@ def test_sweep_settings_name_their_recorded_cells(run_dir):
                 settings = cell_settings(model, shared["weights_sha256"], spec, s, tasks[task]["items_sha256"],
                                          shared["dtype"], shared.get("device", "cpu"), task)
                 if _stale(run_dir, settings):
-                    old = {k: v for k, v in settings.items() if k != "gptq"}
+                    old = _old(run_dir, settings)
                     assert old == _identity(run_dir, cell_id(old)), f"{_id(run_dir)}: no recorded cell for {old}"
                     stale.add(cell_id(old))
                     continue
@@ -66,7 +73,7 @@ def test_sweep_settings_name_their_recorded_cells(run_dir):
                 assert settings == _identity(run_dir, cid)
                 found.add(cid)
     assert found | stale == recorded
-    assert bool(stale) == (_id(run_dir) in STALE_GPTQ), "a listed stale record was rerun: drop it from STALE_GPTQ"
+    assert bool(stale) == (_id(run_dir) in STALE), "a listed stale record was rerun: drop it from STALE"
 
 
 def _weights_sha(model: str) -> str:
@@ -120,11 +127,11 @@ def test_sensitivity_settings_name_their_recorded_cells(run_dir):
         settings = cell_settings(ident, *_study_specs(s, role, rec["n_layers"]), s.batch_size)
         if _stale(run_dir, settings):
             stale.add(role)
-            settings = {k: v for k, v in settings.items() if k != "gptq"}
+            settings = _old(run_dir, settings)
         assert cell_id(settings) == cid, f"{role} would be computed again: {settings}"
         if (run_dir / "cells").is_dir():
             assert settings == _identity(run_dir, cid)
-    assert bool(stale) == (_id(run_dir) in STALE_GPTQ), "a listed stale record was rerun: drop it from STALE_GPTQ"
+    assert bool(stale) == (_id(run_dir) in STALE), "a listed stale record was rerun: drop it from STALE"
 
 
 def _check_text_cells(rec: dict, s) -> None:

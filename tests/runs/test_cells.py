@@ -13,7 +13,8 @@ from outlierscope.runs.cells import revised
     ("w=fint4/per_group:64; gptq", {"gptq": "contiguous-damping-mean"}),
     ("w=fint3/per_group:64; a=int8/per_token; gptq:order=desc", {"gptq": "contiguous-damping-mean"}),
     ("w=nvfp4", {"nvfp4": "compressed-tensors-order"}),
-    ("w=int4/per_channel; a=int4/per_token; rotate:0", {"rotation": "input-signs"}),
+    ("w=int4/per_channel; a=int4/per_token; rotate:0", {"rotation": "input-signs", "rotate": "two-factors"}),
+    ("q=e4m3/per_block:128; k=e4m3/per_block:128; v=e4m3/per_block:128; hadamard:0", {"rotation": "input-signs"}),
 ])
 def test_revisions_name_the_changed_arithmetic(text, expected):
     assert revised(QuantSpec.parse(text)) == expected

@@ -210,9 +210,13 @@ def random_sign_hadamard(h: torch.Tensor, seed: int, dtype: torch.dtype, device)
     (``h . diag(signs)``) they would only flip the signs of the rotated values, which a symmetric quantizer commutes
     with: every seed would quantize alike."""
     d = h.shape[0]
+    return (random_signs(d, seed)[:, None] * h / math.sqrt(d)).to(dtype=dtype, device=device)  # (d, d): row i times signs[i]
+
+
+def random_signs(d: int, seed: int) -> torch.Tensor:
+    """The (d,) float64 signs +-1 that ``seed`` draws for :func:`random_sign_hadamard`."""
     g = torch.Generator().manual_seed(seed)
-    signs = torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
-    return (signs[:, None] * h / math.sqrt(d)).to(dtype=dtype, device=device)  # (d, d): row i times signs[i]
+    return torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
 
 
 def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:

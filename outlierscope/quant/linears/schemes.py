@@ -5,6 +5,7 @@ What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant'
 
     x' = (x / s) @ H                      # exact in full precision: (x / s) H (W s H)^T = x W^T
     W' = (W * s) @ H                      # (out, in): s scales input columns
+    # @ H: as A^T (X B) per row X (m, k) of the factors H = diag(signs) kron(A, B) / sqrt(d) (ops.Rotation)
     cols = outlier_columns(x', 6.0)        # LLM.int8: kept in full precision, left out of every scale
     y = quant_a(x', cols) @ quant_w(W')^T + b
 
@@ -41,10 +42,11 @@ from torch.nn.utils import parametrize
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import trunk
 from outlierscope.quant.linears.ops import (
+    Rotation,
     outlier_columns,
     quantize_activation,
     quantize_weight,
-    rotation,
+    rotation_factors,
     smooth_scales,
 )
 from outlierscope.quant.linears.sites import (
@@ -70,12 +72,6 @@ def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict
         s = smooth_scales(calib.act_max[group[0]], w_max, alpha)
         out.update({n: s for n in group})
     return out
-
-
-def _rotated(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """``x @ rot`` in float32 at least (float64 for float64 ``x``), back in ``x``'s dtype."""
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    return (x.to(work) @ rot.to(x.device, work)).to(x.dtype)
 
 
 class HeldWeights:
@@ -148,7 +144,7 @@ class _Rounded(_Once):
 class _WeightTransform(_Once):
     """The parametrization ``W -> quant_w((W * s) @ H)`` (AWQ: ``quant_w(clip(W * s))``), from the untouched weight."""
 
-    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: torch.Tensor | None, awq=None,
+    def __init__(self, spec: QuantSpec, scale: torch.Tensor | None, rot: Rotation | None, awq=None,
                  cache: bool = True):
         super().__init__(cache)
         self.part, self.scale, self.rot, self.awq = spec.part("w"), scale, rot, awq  # not in any state_dict
@@ -159,7 +155,7 @@ class _WeightTransform(_Once):
         if self.scale is not None:
             w = w * self.scale.to(w.device, w.dtype)  # (O, I) * (I,): SmoothQuant's W diag(s)
         if self.rot is not None:
-            w = _rotated(w, self.rot)  # (O, I) @ (I, I)
+            w = self.rot.apply(w)  # (O, I) @ R (I, I)
         return quantize_weight(w, self.part) if self.part is not None else w
 
 
@@ -205,7 +201,7 @@ class _LastInput:
         self.key = self.value = self.input = None
 
 
-def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, rot: torch.Tensor | None,
+def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, rot: Rotation | None,
                 static_amax: torch.Tensor | None, last: _LastInput):
     """A forward pre-hook: the linear's input divided by ``scale``, rotated, then quantized per ``spec``'s ``a=``
     part with LLM.int8's outlier columns kept (see the module docstring). ``last``: shared by the sites of one
@@ -226,14 +222,14 @@ def _input_hook(spec: QuantSpec, padding: _Padding, scale: torch.Tensor | None, 
 
 
 def _transform_input(x: torch.Tensor, spec: QuantSpec, part, padding: _Padding, local: bool,
-                     scale: torch.Tensor | None, rot: torch.Tensor | None, static_amax: torch.Tensor | None):
+                     scale: torch.Tensor | None, rot: Rotation | None, static_amax: torch.Tensor | None):
     """One linear's input divided by ``scale``, rotated, quantized per ``part`` (the ``a=`` part) with LLM.int8's
     outlier columns kept."""
     y = x
     if scale is not None:
         y = y / scale.to(y.device, y.dtype)  # (..., I)
     if rot is not None:
-        y = _rotated(y, rot)  # (..., I) @ (I, I)
+        y = rot.apply(y)  # (..., I) @ R (I, I)
     if part is not None:
         x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
         valid = None if local else padding.valid_for(x3)
@@ -282,7 +278,7 @@ def holds_fit(sites: list[LinearSite], free=None) -> bool:
 
 
 def _weight_parametrization(site: LinearSite, spec: QuantSpec, calibration: Calibration | None,
-                            scale: torch.Tensor | None, rot: torch.Tensor | None, hold: bool) -> _Once | None:
+                            scale: torch.Tensor | None, rot: Rotation | None, hold: bool) -> _Once | None:
     """What replaces a site's weight: AWQ's transform, GPTQ's rounded weight, or ``quant_w((W * s) @ H)``; None when
     the weight stays as it is."""
     if spec.awq is not None:
@@ -324,7 +320,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
     _check_linear_spec(spec, calibration, sites)
     hold_weights = holds_fit(sites) if hold_weights is None else hold_weights
     scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
-    rots: dict[int, torch.Tensor] = {}
+    rots: dict[int, Rotation] = {}
     padding, handles, parametrized = _Padding(), [], []
     no_mask = _Padding()  # the LM head's input: gathered positions, all real
     last = _LastInput()  # q/k/v's and gate/up's shared input, transformed once
@@ -333,7 +329,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
         handles.append(trunk(model).register_forward_pre_hook(padding.pre_forward, with_kwargs=True))
         for site in sites:
             d = site.module.in_features
-            rot = rots.setdefault(d, rotation(d, spec.rotate, torch.float64)) if spec.rotate is not None else None
+            rot = rots.setdefault(d, rotation_factors(d, spec.rotate)) if spec.rotate is not None else None
             s = scales.get(site.name)
             if spec.awq is not None:
                 s = calibration.rounded[site.name].scale
