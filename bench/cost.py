@@ -25,6 +25,7 @@ Also ``16-bit, our attention``: the identity spec through outlierscope's attenti
 attention part, and today every quantized cell, runs instead of sdpa).
 Writes bench/results/cost_MODEL.json (see bench/artifact.py).
 Usage: python bench/cost.py [--model smollm2-135m] [--reps 3] [--windows 4] [--length 512] [--batch 4] [--items 50]
+                            [--only SPEC ... --tag TAG]
 (--length: 512 or the model's context, whichever is shorter)
 """
 
@@ -56,8 +57,12 @@ def _args():
     ap.add_argument("--length", type=int, default=None, help="tokens per window (default: 512, or the model's context)")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--items", type=int, default=50)
-    ap.add_argument("--only", nargs="*", help="these specs only (a trial)")
-    return ap.parse_args()
+    ap.add_argument("--only", nargs="*", help="these specs only (with --tag: a record of its own)")
+    ap.add_argument("--tag", help="write cost_MODEL_TAG.json (a run of --only specs beside the full record)")
+    a = ap.parse_args()
+    if a.only and not a.tag:
+        ap.error("--only measures a subset: give --tag NAME so that it does not replace the full cost_MODEL.json")
+    return a
 
 
 def _specs(a, lm) -> dict:
@@ -220,7 +225,9 @@ def main() -> None:
     from outlierscope.io import peak_rss_mb
     from outlierscope.models.loading import load_model
 
-    lm = load_model(a.model)
+    # the base cells are transformers' sdpa attention: load_model's default is eager (the records before 2026-12-06 17:30
+    # UTC named this eager base "sdpa"); every quantized cell switches to outlierscope's function and back
+    lm = load_model(a.model, attn_implementation="sdpa")
     a.length = a.length or min(512, getattr(lm.model.config, "max_position_embeddings", 512) or 512)
     specs = _specs(a, lm)
     cells = _cells(a, lm, specs)
@@ -229,7 +236,8 @@ def main() -> None:
     derived["layout"] = {n: ("shared" if s is None else layout_for(s)) for n, (s, _) in specs.items()}
     derived["profiles_over_goal"] = {k: _top_entries(cells[k]) for k in derived["over_goal"] if k.startswith("text")}
     derived["peak_rss_mb"] = round(peak_rss_mb())
-    write(f"cost_{a.model.replace(':', '-')}", {"model": a.model, "windows": a.windows, "length": a.length,
+    derived["base_attention"] = lm.model.config._attn_implementation  # after every cell: each context restored it
+    write(f"cost_{a.model.replace(':', '-')}" + (f"_{a.tag}" if a.tag else ""), {"model": a.model, "windows": a.windows, "length": a.length,
                                                  "batch": a.batch, "items": a.items, "seconds": raw}, derived,
           start=start, notes="seconds per cell, calibration and model load excluded; median of the repetitions; "
           "ratio = cell / the same kind's unquantized sdpa cell; profile_vs_sdpa_forward: tokens/s of the profile "

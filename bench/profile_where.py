@@ -35,7 +35,7 @@ def main() -> None:
     from outlierscope.quant.apply import quantize_model
     from outlierscope.runs.profile import ProfileSettings, profile_model
 
-    lm = load_model(a.model)
+    lm = load_model(a.model, attn_implementation="sdpa")  # the base: transformers' sdpa (load_model's default is eager)
     seqs = pack_sequences(lm.tokenizer, shuffled(text_documents("hellaswag"), 0), a.length, a.windows * a.length)
 
     def forward(ours: bool):
