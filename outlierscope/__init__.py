@@ -51,7 +51,7 @@ _EXPORTS = {
     "profile_model": "outlierscope.runs.profile",
     "profile": "outlierscope.runs.profile",
     "ProfileSettings": "outlierscope.runs.profile",
-    "ProfileResult": "outlierscope.runs.profile",
+    "ProfileResult": "outlierscope.runs.profile_result",
     "sweep": "outlierscope.runs.sweep",
     "SweepSettings": "outlierscope.runs.sweep_settings",
     "SweepResult": "outlierscope.runs.sweep_tables",

@@ -10,33 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import shutil
-import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import pandas as pd
 import torch
 
-from outlierscope.analysis.outliers import KIND_LABEL, MASSIVE_ABS, MASSIVE_REL, OutlierStats
+from outlierscope.analysis.outliers import MASSIVE_ABS, MASSIVE_REL, OutlierStats
 from outlierscope.data.text import delimiter_ids, pack_sequences, shuffled, text_documents
 from outlierscope.errors import OutlierscopeError, ParamError, check_seed
 from outlierscope.hooks.attention import diff_lambda
 from outlierscope.hooks.capture import capture
 from outlierscope.hooks.points import DEFAULT_POINTS, PRESETS, decoder_layers, resolve_points
 from outlierscope.io import (
-    git_commit,
-    machine,
     output_dir,
     peak_rss_mb,
     read_torch_record,
-    save_torch_checked,
-    versions,
-    write_csv,
-    write_record,
-    write_text,
 )
 from outlierscope.models.float64 import float64_model
 from outlierscope.models.loading import (
@@ -53,7 +42,7 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.parallel import Shard, World, find_shards, owned_shards, shard_of
-from outlierscope.report.tables import table5_markdown
+from outlierscope.runs.profile_result import ProfileResult
 from outlierscope.settings import option
 
 
@@ -142,120 +131,6 @@ def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
 
     spec = QuantSpec.parse(quant)
     return quantize_model(module, spec, attn_block, calibration_for(module, tokenizer, spec))
-
-
-# one CSV per table: (file stem, OutlierStats method)
-STAT_TABLES = (("per_layer", "per_layer"), ("per_head", "per_head"), ("per_channel", "per_channel"),
-               ("histograms", "histograms"), ("outlier_features", "outlier_features"),
-               ("massive_activations", "massive_activations"))
-# every point (outlierscope.analysis.activations): written when not empty
-POINT_TABLES = (("channels", "channels"), ("positions", "positions"), ("int8_features", "int8_features"),
-                ("sinks", "sink_table"))
-
-
-def _with_model(name: str, df: pd.DataFrame) -> pd.DataFrame:
-    df = df.copy()
-    df.insert(0, "model", name)
-    return df
-
-
-def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
-    frames = [f for f in frames if not f.empty]
-    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame({"model": []})
-
-
-@dataclass
-class ProfileResult:
-    """Statistics of one or more profiled models: ``stats`` (the reducers), ``facts`` (what ran, per model),
-    ``settings``; ``tables`` builds every tidy DataFrame, ``save`` writes them with ``profile.json``."""
-
-    stats: dict[str, OutlierStats]
-    facts: dict[str, dict]
-    settings: ProfileSettings
-    _digests: dict[str, Callable[[], str]] = field(default_factory=dict, repr=False)
-
-    @property
-    def table5(self) -> pd.DataFrame:
-        return _concat([_with_model(n, st.table5()) for n, st in self.stats.items()])
-
-    @property
-    def tables(self) -> dict[str, pd.DataFrame]:
-        """Every table by file stem: table5, per_layer, per_head, ..., topk_logits, topk_hidden, lambda."""
-        out = {"table5": self.table5}
-        for stem, method in STAT_TABLES:
-            out[stem] = _concat([_with_model(n, getattr(st, method)()) for n, st in self.stats.items()])
-        for kind, stem in (("attn.logits", "topk_logits"), ("hidden", "topk_hidden")):
-            df = _concat([_with_model(n, st.topk_frame(kind)) for n, st in self.stats.items()])
-            if not df.empty:
-                out[stem] = df
-        massive = {n: st.massive() for n, st in self.stats.items()}  # built once: its recurrence is counted from it
-        for stem, get in (*((stem, lambda n, st, m=m: getattr(st, m)()) for stem, m in POINT_TABLES),
-                          ("massive", lambda n, st: massive[n]),
-                          ("massive_recurrence", lambda n, st: st.massive_recurrence(massive[n])),
-                          ("topk_maps", lambda n, st: st.topk_points(True)),
-                          ("topk_tokens", lambda n, st: st.topk_points(False))):
-            df = _concat([_with_model(n, get(n, st)) for n, st in self.stats.items()])
-            if len(df):
-                out[stem] = df
-        lam = pd.DataFrame([{"model": n, "layer": i, "lambda_init": a, "lambda": b}
-                            for n, f in self.facts.items() for i, (a, b) in enumerate(f.get("lambda", []))])
-        if not lam.empty:
-            out["lambda"] = lam
-        return out
-
-    def __or__(self, other: ProfileResult) -> ProfileResult:
-        """Both results side by side (distinct model names)."""
-        clash = set(self.stats) & set(other.stats)
-        if clash:
-            raise OutlierscopeError(f"model {sorted(clash)[0]} is in both results; give the models distinct names")
-        return ProfileResult({**self.stats, **other.stats}, {**self.facts, **other.facts}, self.settings,
-                             {**self._digests, **other._digests})
-
-    def markdown(self) -> str:
-        return table5_markdown(self.table5, self.facts)
-
-    def save_shard(self, out: str | Path, shard: Shard) -> Path:
-        """A partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: the statistics, facts and settings."""
-        facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
-        path = Path(out) / f"profile.{shard.tag}.pt"
-        save_torch_checked(path, {"stats": self.stats, "facts": facts, "settings": asdict(self.settings),
-                                  "shard": [shard.index, shard.count]})  # digest checked when merged
-        return path
-
-    def act_scales(self) -> dict[str, dict[str, torch.Tensor]]:
-        """SmoothQuant's act_scales per model (models with observed ``nn.Linear`` inputs only)."""
-        return {n: a for n, st in self.stats.items() if (a := st.act_scales())}
-
-    def _save_act_scales(self, stage: Path) -> None:
-        """``act_scales.pt`` as SmoothQuant's generate_act_scales.py writes it (``act_scales.<model>.pt`` each when
-        several models have one)."""
-        scales = self.act_scales()
-        for name, a in scales.items():
-            slug = name.replace(":", "-").replace("/", "_")  # a file name on any system
-            torch.save(a, stage / ("act_scales.pt" if len(scales) == 1 else f"act_scales.{slug}.pt"))
-
-    def save(self, out: str | Path) -> Path:
-        """Write every table into ``out``: staged in a temporary directory, then moved in file by file
-        (each rename atomic), ``profile.json`` last. Weights are hashed here, not while profiling."""
-        facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
-        with output_dir(out) as out:
-            stage = Path(tempfile.mkdtemp(prefix=".profile-", dir=out))
-            try:
-                for stem, df in self.tables.items():
-                    write_csv(stage / f"{stem}.csv", df)
-                write_text(stage / "table5.md", table5_markdown(self.table5, facts))
-                self._save_act_scales(stage)
-                meta = {"settings": asdict(self.settings), "models": facts, "versions": versions(),
-                        "machine": machine(), "git_commit": git_commit(),
-                        "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
-                        "activation_types": KIND_LABEL,
-                        "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}
-                write_record(stage / "profile.json", meta)
-                for f in sorted(stage.iterdir(), key=lambda p: p.name == "profile.json"):
-                    f.replace(out / f.name)
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
-        return out
 
 
 @torch.no_grad()
