@@ -21,7 +21,7 @@ STUDIES = sorted(p.parent for p in DOCS.rglob("sensitivity.json") if "cells" in 
 # the damping fix (#63: the mean over a contiguous copy of the Hessian's diagonal), ``rotate:`` cells before the
 # two-factor rotation (#64). Those cells would be computed again (their identity lacks the revision), every other cell
 # resumes; a record leaves this list when it is rerun (the test fails while a listed record is already fresh)
-STALE = {"weights/smollm2-135m/sensitivity-gptq": "gptq"}
+STALE: dict[str, str] = {}
 
 
 def _id(p):
