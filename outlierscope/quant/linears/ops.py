@@ -155,7 +155,7 @@ def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None)
 class Rotation:
     """:func:`rotation`'s matrix ``R = diag(signs) . kron(A, B) / sqrt(d)`` kept as its two +-1 factors, A (m, m) and
     B (k, k), d = m k. ``x @ R`` is ``A^T (X B)`` for X, a row of x as (m, k): d (m + k) multiply-adds a row instead of
-    d^2 (SmolLM2's 576 = 36 x 16: 30x fewer; 1536 = 12 x 128: 11x), the way QuaRot's kernels apply a non-power-of-2
+    d^2 (SmolLM2's 576 = 36 x 16 and 1536 = 12 x 128: 11x fewer each), the way QuaRot's kernels apply a non-power-of-2
     Hadamard (a transform of the 2^k part, then the m x m matrix). Its sums run in another order than the dense
     product's: equal to it in float64 up to rounding (tested), not bit for bit in float32."""
 
