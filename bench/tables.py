@@ -85,9 +85,7 @@ def _cost_rows(rec: dict) -> list:
     return [
         ("model; text: windows x tokens, batch; HellaSwag items", ("model", "windows", "length", "batch", "items"),
          "{}; {} x {} tokens, batches of {}; {} items"),
-        ("the base cells' attention (transformers' implementation, as loaded)", *(
-            ("base_attention", "`{}`") if "base_attention" in rec["derived"] else
-            ("model", "`eager` (load_model's default; this record predates the key, and its labels' \"sdpa\" is eager)"))),
+        ("the base cells' attention (transformers' implementation, as loaded)", "base_attention", "`{}`"),
         ("16-bit through our attention function: text / HellaSwag", (f"ratio/text {OURS}", f"ratio/hellaswag {OURS}"),
          "{}x / {}x"),
         ("HellaSwag layout factor: the sdpa cell separate / shared", "hellaswag_layout_factor", "{}x"),
