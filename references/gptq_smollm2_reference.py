@@ -149,6 +149,7 @@ def digests_on_this_processor(a) -> None:
     from pathlib import Path
 
     record = {"command": " ".join(["references/gptq_smollm2_reference.py", *sys.argv[1:]]), "processor": cpu_name(),
+              "torch_threads": torch.get_num_threads(),  # float32 Cholesky and matmuls also round by thread count
               "fixture_sha256": hashlib.sha256(Path(a.hessians).read_bytes()).hexdigest(),
               "versions": {k: version(k) for k in ("gptqmodel", "torch", "transformers")}, "digests": digests}
     Path(a.out).write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
@@ -190,6 +191,7 @@ def main() -> None:
             "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),
             "settings": json.dumps({"damp": 0.01, "block": 128, "quantize_config": SETTINGS}),
             "calibration": json.dumps({"shape": list(ids.shape), "ids_sha256": sha(ids)}),
+            "torch_threads": str(torch.get_num_threads()),  # float32 Cholesky and matmuls also round by thread count
             "digests": json.dumps(digests)}
     save_file(tensors, a.out, metadata=meta)
     print(f"wrote {a.out}")

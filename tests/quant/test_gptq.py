@@ -257,11 +257,12 @@ SMOLLM2_SETTINGS = {  # the fixture's QuantizeConfig settings -> (bits, grid, or
 }
 
 
-def _smollm2_digests(ref) -> dict:
-    """GPT-QModel's digests made on this machine's kind of processor: the fixture's own (made on an Intel Xeon), or the
-    JSON that references/gptq_smollm2_reference.py --hessians wrote on an AMD EPYC from the fixture's Hessians (float32
-    Cholesky factors and matmuls round by processor). Another processor: skipped, naming the command that makes its
-    digests."""
+def _smollm2_digests(ref) -> tuple[dict, int]:
+    """GPT-QModel's digests made on this machine's kind of processor, and the torch thread count they were made with:
+    the fixture's own (made on an Intel Xeon), or the JSON that references/gptq_smollm2_reference.py --hessians wrote on
+    an AMD EPYC from the fixture's Hessians (float32 Cholesky factors and matmuls round by processor and by thread
+    count: both were made with torch's default on 2-core machines, 2 threads, before the script recorded it). Another
+    processor: skipped, naming the command that makes its digests."""
     import hashlib
     import json
 
@@ -269,12 +270,13 @@ def _smollm2_digests(ref) -> dict:
 
     cpu = machine()["cpu"]  # /proc/cpuinfo's model name, as every record names the machine
     if "Intel" in cpu:
-        return json.loads(ref.metadata()["digests"])
+        meta = ref.metadata()
+        return json.loads(meta["digests"]), int(meta.get("torch_threads", 2))
     path = SMOLLM2_FIXTURE.with_suffix(".amd.json")
     if "AMD" in cpu and path.exists():
         rec = json.loads(path.read_text())
         assert rec["fixture_sha256"] == hashlib.sha256(SMOLLM2_FIXTURE.read_bytes()).hexdigest(), path  # its Hessians
-        return rec["digests"]
+        return rec["digests"], int(rec.get("torch_threads", 2))
     pytest.skip(f"no GPT-QModel digests made on {cpu}: run references/gptq_smollm2_reference.py --hessians here")
 
 
@@ -300,8 +302,20 @@ def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
         return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
     ref = safe_open(SMOLLM2_FIXTURE, "pt")
-    digests = _smollm2_digests(ref)
+    digests, threads = _smollm2_digests(ref)
     block = load_model("smollm2-135m").model.model.layers[layer]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the reference's thread count (a run under 1 thread differs in the last bits)
+    try:
+        wrong, checked = _compare_with_digests(block, ref, digests, layer, sha)
+    finally:
+        torch.set_num_threads(before)
+    assert checked == (6 if layer == 0 else 3) * len(SMOLLM2_SETTINGS)
+    assert not wrong, (len(wrong), wrong)
+
+
+def _compare_with_digests(block, ref, digests: dict, layer: int, sha) -> tuple[list[str], int]:
+    """(fields that differ from GPT-QModel's digests, results checked) for one SmolLM2 layer's linears."""
     groups = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
               "mlp": ("mlp.gate_proj", "mlp.up_proj")}
     wrong, checked = [], 0
@@ -319,5 +333,4 @@ def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
                     got["zero"] = sha(ours.zero.float())
                 wrong += [f"{name} {key} {k}" for k, v in got.items() if v != want[k]]
                 checked += 1
-    assert checked == (6 if layer == 0 else 3) * len(SMOLLM2_SETTINGS)
-    assert not wrong, (len(wrong), wrong)
+    return wrong, checked
