@@ -17,6 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(os.environ.get("BENCH_RESULTS") or ROOT / "bench" / "results")  # BENCH_RESULTS: a trial run elsewhere
+RECORD_DIRS = ("bench/results/", "references/results/")  # records: writing one is no change of the code that measures
 
 
 def begin() -> dict:
@@ -34,8 +35,8 @@ def machine(start: dict) -> dict:
 
 
 def _git() -> dict:
-    """The commit, and whether tracked files other than bench/results/ differ from it (a record written by the bench
-    run before this one is no change of the code that measured)."""
+    """The commit, and whether tracked files other than the records (bench/results/, references/results/) differ from
+    it (a record written by the run before this one is no change of the code that measured)."""
     import subprocess
 
     from outlierscope.io import git_commit
@@ -46,7 +47,7 @@ def _git() -> dict:
                             text=True, timeout=10).stdout.splitlines()
     except (OSError, subprocess.TimeoutExpired):
         st = []
-    changed = [line[3:] for line in st if not line[3:].startswith("bench/results/")]
+    changed = [line[3:] for line in st if not line[3:].startswith(RECORD_DIRS)]
     return {"commit": commit, "dirty": bool(changed), **({"changed": changed} if changed else {})}
 
 
@@ -76,15 +77,15 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def write(name: str, raw: dict, derived: dict, start: dict, notes: str = "") -> Path:
-    """Write ``bench/results/{name}.json`` with the run's context (``start``: :func:`begin` at the bench's start);
-    returns its path."""
+def write(name: str, raw: dict, derived: dict, start: dict, notes: str = "", folder: Path | None = None) -> Path:
+    """Write ``{folder}/{name}.json`` (default ``bench/results``; references/'s proofs: ``references/results``) with
+    the run's context (``start``: :func:`begin` at the bench's start); returns its path."""
     from outlierscope.io import versions, write_json
 
     record = {"name": name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": _git(), "machine": machine(start),
               "versions": versions(), "raw": raw, "derived": derived, "notes": notes}
-    path = RESULTS / f"{name}.json"
+    path = (folder or RESULTS) / f"{name}.json"
     write_json(path, record)
     print(json.dumps(record, indent=2))
     return path

