@@ -324,17 +324,11 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
         check_spec(sp, model.config)  # group sizes, patterns, rotations fit the model: before the first forward
     if attn_error is not None:
         measured_spec(attn_error_spec or spec)  # a spec it cannot measure fails here, before any forward
-    layout = opt.layout or layout_for(spec)
-    if layout == "shared" and layout_for(spec) != "shared":
-        raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
+    layout = checked_layout(spec, opt.layout)
     if items is None:
         items = select_items(limit, sample, seed, data, task)
     requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
-    settings = {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
-                "granularity": None if spec.is_identity else spec.granularity,
-                "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
-                "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
-                "device": model_device(model), "attn_block": opt.block_rows, "task": task}
+    settings = result_settings(model, spec, layout, items, opt, task)
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
     calibration = calibration_for(model, tokenizer, spec, opt.calibration_dir)
     part = _score(model, requests, spec, settings, opt, text_seqs, measure, shard, world, opt.desc or task, calibration,
@@ -352,6 +346,23 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
     if not shard.whole:
         return part
     return _complete(part, opt.desc or task)
+
+
+def checked_layout(spec: QuantSpec, layout: str | None) -> str:
+    """``layout``, or :func:`layout_for` ``spec`` when None; ``shared`` only where the spec allows it."""
+    layout = layout or layout_for(spec)
+    if layout == "shared" and layout_for(spec) != "shared":
+        raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
+    return layout
+
+
+def result_settings(model, spec: QuantSpec, layout: str, items, opt: EvalOptions, task: str) -> dict:
+    """What an evaluation's scores depend on, as its result records them."""
+    return {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
+            "granularity": None if spec.is_identity else spec.granularity,
+            "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
+            "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
+            "device": model_device(model), "attn_block": opt.block_rows, "task": task}
 
 
 def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, text_seqs, measure, shard: Shard,

@@ -164,11 +164,27 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     the same whatever the shards, so every score equals the one a whole run computes. ``on_batch(k)`` is called
     before the forward of batch ``k`` (its virtual shard is ``shard_of(k)``).
     """
+    numbered = plan_batches(requests, layout, batch_size, shards)
+    scores = empty_scores(requests)
+    head = lm_head(model)
+    done = BatchProgress(requests, numbered, progress)
+    with attention_stages(model, _identity):
+        for k, batch in numbered:
+            if on_batch is not None:
+                on_batch(k)
+            fill_scores(scores, batch, _score_rows(model, head, batch_rows(requests, batch)))
+            done.batch_done(batch)
+    return scores
+
+
+def plan_batches(requests: Sequence[Request], layout: str, batch_size: int,
+                 shards: Collection[int] | None = None) -> list[tuple[int, list[tuple]]]:
+    """The numbered batches (k, [(length, item index, choice or None), ...]) :func:`score_requests` runs: the same
+    whatever ``shards`` keeps (batch k is in virtual shard ``shard_of(k)``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if batch_size <= 0:
         raise ParamError("batch_size", ">= 1", batch_size)
-    scores = np.full((len(requests), max((len(r.conts) for r in requests), default=0)), np.nan)
     shared, separate = [], []  # (length, item index, choice or None)
     for i, r in enumerate(requests):
         if layout == "shared" and r.ctxs is None and not r.truncated:
@@ -183,21 +199,38 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     if shards is not None:
         keep = set(shards)
         numbered = [(k, b) for k, b in numbered if shard_of(k) in keep]
-    batches = [b for _, b in numbered]
-    head = lm_head(model)
-    done_parts = np.zeros(len(requests), dtype=np.int64)
-    need = np.bincount([u[1] for b in batches for u in b], minlength=len(requests))  # rows per item (in these batches)
-    with attention_stages(model, _identity):
-        for k, batch in numbered:
-            if on_batch is not None:
-                on_batch(k)
-            rows = [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
-            for (_, i, j), v in zip(batch, _score_rows(model, head, rows)):
-                if j is None:
-                    scores[i, : len(v)] = v
-                else:
-                    scores[i, j] = v[0]
-                done_parts[i] += 1
-            if progress is not None:
-                progress(int(((done_parts == need) & (need > 0)).sum()))
-    return scores
+    return numbered
+
+
+def empty_scores(requests: Sequence[Request]) -> np.ndarray:
+    """(N, C) NaN: C the most choices of an item."""
+    return np.full((len(requests), max((len(r.conts) for r in requests), default=0)), np.nan)
+
+
+def batch_rows(requests: Sequence[Request], batch: list[tuple]) -> list[dict]:
+    """The rows (ids, positions, mask, gathers) of one planned batch."""
+    return [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
+
+
+def fill_scores(scores: np.ndarray, batch: list[tuple], values: list[np.ndarray]) -> None:
+    """Put one batch's summed log-probabilities (:func:`_score_rows`) in their items' places."""
+    for (_, i, j), v in zip(batch, values):
+        if j is None:
+            scores[i, : len(v)] = v
+        else:
+            scores[i, j] = v[0]
+
+
+class BatchProgress:
+    """Calls ``progress(n)`` with the number of items whose every row has been scored, after each batch."""
+
+    def __init__(self, requests: Sequence[Request], numbered: list[tuple[int, list[tuple]]], progress=None):
+        self.progress = progress
+        self.done = np.zeros(len(requests), dtype=np.int64)
+        self.need = np.bincount([u[1] for _, b in numbered for u in b], minlength=len(requests))  # rows per item
+
+    def batch_done(self, batch: list[tuple]) -> None:
+        for _, i, _ in batch:
+            self.done[i] += 1
+        if self.progress is not None:
+            self.progress(int(((self.done == self.need) & (self.need > 0)).sum()))

@@ -84,3 +84,25 @@ def replaying(model: nn.Module, start: int, recorded: tuple | None) -> Iterator[
     finally:
         for j, block in enumerate(originals):
             blocks[j] = block
+
+
+class _Stop(Exception):
+    """Raised by :func:`stopping_after`'s hook to end a forward."""
+
+
+@contextlib.contextmanager
+def stopping_after(model: nn.Module, layer: int) -> Iterator[None]:
+    """While inside, a forward ends after decoder layer ``layer`` (a forward hook raises, the context catches it):
+    a recording forward (:func:`recording_outputs`) runs no layer above the last it records. The code after the
+    forward inside the context does not run; the hook is removed in ``finally``."""
+    handle = decoder_layers(model)[layer].register_forward_hook(lambda mod, args, out: _raise_stop())
+    try:
+        yield
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+
+
+def _raise_stop():
+    raise _Stop

@@ -83,6 +83,30 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
     return res, cid
 
 
+def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
+                 compute: Callable[[list[int]], list[EvalResult | None]], log=print, shard: Shard | None = None,
+                 world: World | None = None) -> list[tuple[EvalResult | None, str]]:
+    """:func:`cached_cell` of several cells whose missing ones are computed together: ``compute(indices)`` -> their
+    results in that order (every rank calls it; rank 0's are written). Returns (result, cell id) per cell, in order;
+    the other ranks get None for a result."""
+    shard, world = shard or Shard(), world or World()
+    cids = [cell_id(st) for st in settings]
+    names = [cid if shard.whole else f"{cid}.{shard.tag}" for cid in cids]
+    found = [_readable_cell(cells_dir, name, st, (), desc, log) if world.is_main else None
+             for name, st, desc in zip(names, settings, descs)]
+    have = world.broadcast([res is not None for res in found])
+    missing = [n for n, h in enumerate(have) if not h]
+    for n in (n for n, h in enumerate(have) if h):
+        log(f"{descs[n]}: done earlier, skipped ({names[n]})")
+    for n, res in zip(missing, compute(missing) if missing else []):
+        if world.is_main:
+            res.save_cell(cells_dir, names[n], settings[n])
+            log(f"{descs[n]}: {len(res.items)} items in {res.seconds:.0f} s, with {len(missing)} together "
+                f"({names[n]})")
+        found[n] = res
+    return list(zip(found, cids))
+
+
 def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str, ...], desc: str, log):
     """The complete cell ``name`` with ``settings``, or None: absent, other settings, or damaged (one line says so;
     the caller computes it again and its files are replaced)."""

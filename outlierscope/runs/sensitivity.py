@@ -149,8 +149,8 @@ class _Run:
         its text cell; the text cells of one call share each batch's unquantized trunk). None where this process
         computed only its parts (a partial --shard run)."""
         if not self.rank_by.on_text:
-            res = [(self.cell(role, spec, keep), role) for role, spec, keep in cells]
-            return [change(r, self.base, self.metric) for r, _ in res] if self.shard.whole else None
+            res = self.item_cells(cells)
+            return [change(r, self.base, self.metric) for r in res] if self.shard.whole else None
         from outlierscope.runs.text_cells import cell_settings as text_cell_settings
         from outlierscope.runs.text_cells import token_cells
 
@@ -160,6 +160,43 @@ class _Run:
         tokens = token_cells(self.lm, self.text["windows"], specs, settings, self.text["cells"], kind="text ")
         out = [text_change(t, self.s.seed) for t in tokens] if tokens is not None else None
         return self.world.broadcast(out)  # every rank takes the same next step (the greedy's bisection)
+
+    def item_cells(self, cells: list[tuple[str, QuantSpec | None, QuantSpec | None]]) -> list[EvalResult]:
+        """Each (role, spec, keep)'s item cell: those whose spec changes only layers >= s > 0 (one-layer cells; no
+        ``keep``), when there are several, in one pass that shares each batch's unquantized trunk
+        (:func:`~outlierscope.eval.together.evaluate_together`: the same results as one by one); the others one by
+        one (:meth:`cell`)."""
+        from outlierscope.eval.perplexity import prefix_start
+
+        joint = [n for n, (_, spec, keep) in enumerate(cells) if keep is None and spec and prefix_start(spec) > 0]
+        out: list = [None] * len(cells)
+        if len(joint) > 1:
+            for n, res in zip(joint, self.cells_together([cells[n][:2] for n in joint])):
+                out[n] = res
+        return [res if res is not None else self.cell(role, spec, keep)
+                for res, (role, spec, keep) in zip(out, cells)]
+
+    def cells_together(self, cells: list[tuple[str, QuantSpec]]) -> list[EvalResult]:
+        """The item cells of (role, spec) pairs, the missing ones computed together (:meth:`item_cells`)."""
+        from outlierscope.eval.together import evaluate_together
+        from outlierscope.runs.cells import cached_cells
+
+        s = self.s
+        settings = [cell_settings(self.ident, spec, None, None, s.batch_size) for _, spec in cells]
+
+        def compute(missing: list[int]) -> list:
+            return evaluate_together(self.lm, specs=[cells[n][1] for n in missing], items=self.items,
+                                     batch_size=s.batch_size, progress=self.progress,
+                                     desc=f"{cells[missing[0]][0]}..{cells[missing[-1]][0]}",
+                                     block_rows=s.attn_block, task=s.task, layout=self.ident["layout"],
+                                     shard=self.shard, world=self.world,
+                                     calibration_dir=str(self.cells_dir.parent / "calibration"))
+
+        got = cached_cells(self.cells_dir, settings, [role for role, _ in cells], compute, self.log, self.shard,
+                           self.world)
+        for (role, _), (_, cid) in zip(cells, got):
+            self.cells[role] = cid
+        return [self.world.broadcast(res) for res, _ in got]  # every rank takes the same next step
 
     def cell(self, role: str, spec: QuantSpec | None, keep: QuantSpec | None = None,
              measure: QuantSpec | None = None) -> EvalResult:

@@ -237,7 +237,7 @@ def test_cli_missing_model(tmp_path, capsys):
 PLANTED = {0: 0.0, 1: 6.0, 2: 0.6, 3: 2.0}  # layer -> amplitude of the corruption its "quantization" adds
 
 
-def _planted_quantization(model, spec, block_rows=None, calibration=None, linear_error=None):
+def _planted_quantization(model, spec, block_rows=None, calibration=None, linear_error=None, held=None):
     """Stands in for quantize_model: 'quantizing' layer i adds PLANTED[i] * cos(1.7 * key) to its logits (a fixed
     pattern over key positions), so the harm of each layer is known in advance: 1 > 3 > 2 > 0 (0 changes nothing)."""
     from outlierscope.hooks.attention import attention_stages
@@ -257,9 +257,11 @@ def test_planted_harm_ranked_and_recomputed_from_the_cells(hellaswag_cached, tmp
     import matplotlib
 
     import outlierscope.eval.evaluate as ev
+    import outlierscope.eval.together as together
 
     matplotlib.use("Agg")
     monkeypatch.setattr(ev, "quantize_model", _planted_quantization)
+    monkeypatch.setattr(together, "quantize_model", _planted_quantization)  # only_1..3: one pass (prefix reused)
     s = SensitivitySettings(model="pair-tiny:transformer", limit=24, batch_size=8, profile_tokens=256, all_but=False,
                             attn_error=False, tolerance=0.05)
     rec = sensitivity(s, tmp_path, progress=False, log=lambda *_: None)

@@ -1,0 +1,156 @@
+"""Item scores of several specs in one pass over the batches, each batch's unquantized trunk shared: a spec that
+quantizes only decoder layers >= s (``layers:``; sensitivity's one-layer cells) starts from the unquantized
+forward's output of layer s - 1 of the same batch (:mod:`outlierscope.hooks.prefix`), as a perplexity run's text
+cells do (:func:`outlierscope.eval.perplexity.score_sides`).
+
+    for batch in plan_batches(requests, layout, batch_size):           # the batches every spec alone would run
+        with quantize_model(model, QuantSpec()), recording_outputs(model, {s - 1 for s in starts}) as outs:
+            model(batch)                            # the unquantized forward, recorded, up to the highest start - 1
+        for spec, s in zip(specs, starts):
+            with quantize_model(model, spec, held=...), replaying(model, s, outs[s - 1]):
+                scores[spec][batch] = score(model(batch))               # layers < s not run again
+
+Each spec's scores are the bytes :func:`~outlierscope.eval.scorer.score_requests` gives inside that spec's context
+alone (the same batches, rows and arithmetic; layers below ``s`` compute exactly what the unquantized forward did:
+tested per spec). The recording forward stops after the highest layer it records, and is skipped when no spec
+starts above layer 0: the decoder layers run are never more than the specs alone run. Memory: one recorded
+(B, T, D) output per distinct start for one batch, and the specs' quantized weights while they fit ``hold_bytes``
+(:class:`~outlierscope.quant.linears.schemes.HeldWeights`: otherwise quantized again at each batch).
+:func:`evaluate_together` is :func:`~outlierscope.eval.evaluate.evaluate` of each spec in one such pass (the results
+as each alone gives them), for sensitivity's one-layer cells.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Sequence
+
+import numpy as np
+import torch
+
+from outlierscope.eval.evaluate import (
+    EvalOptions,
+    EvalResult,
+    _combine,
+    _complete,
+    _model_and_tokenizer,
+    _options,
+    _partial,
+    checked_layout,
+    result_settings,
+)
+from outlierscope.eval.perplexity import HOLD_BYTES, prefix_start
+from outlierscope.eval.requests import Request, build_requests, lmeval_max_length
+from outlierscope.eval.scorer import (
+    BatchProgress,
+    _identity,
+    _score_rows,
+    batch_rows,
+    empty_scores,
+    fill_scores,
+    gathered_hidden,
+    lm_head,
+    plan_batches,
+)
+from outlierscope.hooks.attention import attention_stages
+from outlierscope.hooks.prefix import recording_outputs, replaying, stopping_after
+from outlierscope.models.loading import check_causal
+from outlierscope.parallel import Shard, World, owned_shards
+from outlierscope.quant.apply import check_spec, quantize_model
+from outlierscope.quant.linears.schemes import HeldWeights
+from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.weights.calibration import calibration_for
+
+
+@torch.no_grad()
+def score_requests_together(model, requests: Sequence[Request], specs: Sequence[QuantSpec], layout: str,
+                            batch_size: int = 32, calibrations: Sequence | None = None, block_rows: int | None = None,
+                            shards: Collection[int] | None = None, progress=None,
+                            hold_bytes: int = HOLD_BYTES) -> list[np.ndarray]:
+    """Per spec of ``specs`` (each with its ``calibrations`` entry, or None), the summed log-probabilities (N, C)
+    :func:`~outlierscope.eval.scorer.score_requests` gives inside ``quantize_model(model, spec, block_rows,
+    calibration)`` in ``layout`` with ``batch_size`` (and ``shards``), computed batch by batch for every spec together
+    (module docstring). ``progress(n)`` after each batch: the items that every spec has scored."""
+    calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
+    if len(calibrations) != len(specs):
+        raise ValueError(f"calibrations must have one entry per spec ({len(specs)}), got {len(calibrations)}")
+    numbered = plan_batches(requests, layout, batch_size, shards)
+    starts = [prefix_start(spec) for spec in specs]
+    needed = {s - 1 for s in starts if s > 0}
+    held = HeldWeights(hold_bytes)
+    scores = [empty_scores(requests) for _ in specs]
+    done = BatchProgress(requests, numbered, progress)
+    for _, batch in numbered:
+        rows = batch_rows(requests, batch)
+        recorded = _record_trunk(model, rows, needed, block_rows) if needed else {}
+        for j, (spec, calibration, start) in enumerate(zip(specs, calibrations, starts)):
+            key = (str(spec), id(calibration))
+            with quantize_model(model, spec, block_rows, calibration, held=(held, key)), \
+                    replaying(model, start, recorded.get(start - 1)), attention_stages(model, _identity):
+                fill_scores(scores[j], batch, _score_rows(model, lm_head(model), rows))
+        done.batch_done(batch)
+    return scores
+
+
+def _record_trunk(model, rows: list[dict], layers: set[int], block_rows: int | None) -> dict:
+    """The unquantized forward of one batch's rows (in the context an unquantized cell scores in) up to the highest
+    of ``layers``: each one's output, as :func:`~outlierscope.hooks.prefix.replaying` takes it."""
+    with quantize_model(model, QuantSpec(), block_rows), recording_outputs(model, layers) as outs, \
+            attention_stages(model, _identity), stopping_after(model, max(layers)):
+        gathered_hidden(model, rows)
+    return dict(outs)
+
+
+
+def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str], items, task: str = "hellaswag",
+                      shard: Shard | None = None, world: World | None = None, options: EvalOptions | None = None,
+                      **option_kwargs) -> list[EvalResult | None]:
+    """``evaluate(model, quant=spec, items=items, task=task, ...)`` for each spec of ``specs``, computed in one pass
+    (:func:`score_requests_together`): each result's scores, predictions and settings are those ``evaluate`` gives
+    for the spec alone; its ``seconds`` the pass's wall time shared equally. The specs must take one layout
+    (``options.layout``, else :func:`~outlierscope.eval.evaluate.layout_for` each). ``shard`` and ``world`` as in
+    ``evaluate`` (rank 0 gets the results, the other ranks Nones; a partial shard gives partial results)."""
+    model, tokenizer = _model_and_tokenizer(model, tokenizer)
+    check_causal(model)
+    opt = _options(options, option_kwargs)
+    shard, world = shard or Shard(), world or World()
+    specs = [QuantSpec.of(spec) for spec in specs]
+    for spec in specs:
+        check_spec(spec, model.config)  # every spec fits the model before the first forward
+    layouts = {checked_layout(spec, opt.layout) for spec in specs}
+    if len(layouts) != 1:
+        raise ValueError(f"specs must take one layout; got {sorted(layouts)}: evaluate them in groups by layout")
+    (layout,) = layouts
+    requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
+    calibrations = [calibration_for(model, tokenizer, spec, opt.calibration_dir) for spec in specs]
+    parts = _score_together(model, requests, specs, layout, opt, calibrations, shard, world, opt.desc or task)
+    results = [_partial(requests, sc, None, result_settings(model, spec, layout, items, opt, task), wall, own, layout)
+               for spec, (sc, wall, own) in zip(specs, parts)]
+    if world.size > 1:
+        gathered = [world.gather(part) for part in results]
+        if not world.is_main:
+            return [None] * len(specs)
+        results = [_combine(g) for g in gathered]
+        for part in results:
+            part.extra["processes"] = world.size
+    if not shard.whole:
+        return results
+    return [_complete(part, opt.desc or task) for part in results]
+
+
+def _score_together(model, requests, specs, layout: str, opt: EvalOptions, calibrations, shard: Shard, world: World,
+                    desc: str) -> list[tuple[np.ndarray, float, list[int]]]:
+    """This process's share of every spec's scores (its virtual shards), with each spec's share of the wall time."""
+    from tqdm.auto import tqdm
+
+    own = owned_shards(shard, world)
+    whole = shard.whole and world.size == 1
+    t0 = time.time()
+    with world.failing_together(), tqdm(total=len(requests) if whole else None, desc=f"{desc} ({len(specs)} together)",
+                                        unit="item", disable=not opt.progress or not world.is_main or None,
+                                        dynamic_ncols=True) as bar:
+        scores = score_requests_together(model, requests, specs, layout, opt.batch_size, calibrations,
+                                         opt.block_rows, shards=None if whole else own,
+                                         progress=lambda done: bar.update(done - bar.n))
+    wall = (time.time() - t0) / max(len(specs), 1)
+    return [(sc, wall, own) for sc in scores]
