@@ -82,6 +82,30 @@ def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
     return body
 
 
+RUN_RECORDS = ("sweep.json", "sensitivity.json", "perplexity.json", "compare.json", "rank_agreement.json")
+
+
+def seal_written_before_seals(directory: str | os.PathLike) -> list[Path]:
+    """Seal the records under ``directory`` that were written before seals: each cell record ``cells/*.json`` gets
+    the sha256 of its per-item csv and side tables (``{name}.csv``, ``{name}.*.csv``) under ``files`` and its seal;
+    each run record (:data:`RUN_RECORDS`) its seal. What a seal vouches for is the content as it stands now (read back
+    later, a changed byte is then found), not how it was made. Sealed records are left alone; returns those sealed."""
+    changed = []
+    for path in sorted(Path(directory).rglob("*.json")):
+        cell = path.parent.name == "cells"
+        if not cell and path.name not in RUN_RECORDS:
+            continue
+        obj = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(obj, dict) or SEAL in obj:
+            continue
+        if cell:
+            names = [path.with_suffix(".csv").name, *(p.name for p in sorted(path.parent.glob(f"{path.stem}.*.csv")))]
+            obj = {**obj, "files": file_digests(path.parent, names)}
+        write_record(path, obj)
+        changed.append(path)
+    return changed
+
+
 def write_record(path: str | os.PathLike, obj: dict) -> None:
     """Write a record (a JSON object outlierscope reads back) sealed with its digest (:func:`check_seal`)."""
     write_json(path, sealed(obj))

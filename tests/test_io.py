@@ -82,3 +82,71 @@ def test_results_under_docs_do_not_mark_a_checkout_changed(tmp_path):
     assert tree_state(tmp_path) == head == tree_state(tmp_path / "docs")  # from inside the checkout alike
     (tmp_path / "code.py").write_text("x = 2\n")
     assert tree_state(tmp_path) == head + "+changes" == tree_state(tmp_path / "docs")
+
+
+def _legacy_cell(cells, name="m_b16_0123456789"):
+    """A cell as outlierscope wrote it before seals: its per-item csv and a record without files or seal."""
+    import json
+
+    import pandas as pd
+
+    cells.mkdir(parents=True)
+    pd.DataFrame({"index": [0, 1], "label": [1, 0], "score0": [-1.5, -2.25], "score1": [-0.5, -3.0],
+                  "tokens0": [3, 4], "tokens1": [2, 5], "pred": [1, 0], "pred_norm": [1, 0]}).to_csv(
+        cells / f"{name}.csv", index=False)
+    (cells / f"{name}.json").write_text(json.dumps({"settings": {"n_items": 2}, "metrics": {"acc": 1.0},
+                                                     "seconds": 1.0, "cell": {"k": 1}}))
+    return name
+
+
+def test_records_written_before_seals_are_sealed_and_then_checked(tmp_path):
+    """seal_written_before_seals: a legacy cell gets its csv's sha256 (computed here with hashlib) and a seal, a
+    legacy run record a seal; afterwards a changed byte of the csv is found on read (before: read silently), a second
+    call changes nothing, and a record that was sealed already is not touched."""
+    import hashlib
+    import json
+
+    import pytest
+
+    from outlierscope.eval.evaluate import EvalResult
+    from outlierscope.io import Damaged, seal_written_before_seals, write_record
+
+    name = _legacy_cell(tmp_path / "cells")
+    (tmp_path / "sweep.json").write_text(json.dumps({"settings": {"a": 1}}))
+    write_record(tmp_path / "compare.json", {"b": 2})
+    before = (tmp_path / "compare.json").read_bytes()
+    csv = tmp_path / "cells" / f"{name}.csv"
+    good, flipped = csv.read_bytes(), csv.read_bytes().replace(b"-2.25", b"-2.26")
+    csv.write_bytes(flipped)
+    assert EvalResult.load(tmp_path / "cells", name).items["score0"][1] == -2.26  # unsealed: read as it is
+    csv.write_bytes(good)
+    assert seal_written_before_seals(tmp_path) == [tmp_path / "cells" / f"{name}.json", tmp_path / "sweep.json"]
+    rec = json.loads((tmp_path / "cells" / f"{name}.json").read_text())
+    assert rec["files"] == {csv.name: hashlib.sha256(csv.read_bytes()).hexdigest()} and "record_sha256" in rec
+    assert "record_sha256" in json.loads((tmp_path / "sweep.json").read_text())
+    assert (tmp_path / "compare.json").read_bytes() == before
+    assert seal_written_before_seals(tmp_path) == []
+    assert EvalResult.load(tmp_path / "cells", name).extra["cell"] == {"k": 1}
+    csv.write_bytes(flipped)
+    with pytest.raises(Damaged, match="does not match the digest"):
+        EvalResult.load(tmp_path / "cells", name)
+
+
+def test_every_record_under_docs_is_sealed():
+    """Every cell and run record committed under docs/ carries its seal (cells: and their files' digests), so a
+    rerun of a committed command that reads them back checks them (the ones written before seals were sealed by
+    outlierscope.io.seal_written_before_seals)."""
+    import json
+    from pathlib import Path
+
+    from outlierscope.io import RUN_RECORDS, SEAL
+
+    docs = Path(__file__).resolve().parent.parent / "docs"
+    unsealed = []
+    for path in docs.rglob("*.json"):
+        cell = path.parent.name == "cells"
+        if cell or path.name in RUN_RECORDS:
+            rec = json.loads(path.read_text())
+            if SEAL not in rec or cell and path.with_suffix(".csv").name not in rec.get("files", {}):
+                unsealed.append(str(path.relative_to(docs)))
+    assert not unsealed, (len(unsealed), unsealed[:5])
