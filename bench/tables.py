@@ -211,6 +211,16 @@ TABLES = {
         ("every per-token value the same bytes; control (whole twice)", ("same_bytes", "control_same_bytes"),
          "{}; {}"),
     ]),
+    "prefix_items_cost": ("prefix_items_cost_smollm2-135m", [
+        ("model, layers; HellaSwag items; spec of each one-layer cell", ("model", "layers", "items", "spec"),
+         "{}, {} layers; {} items; `{}; layers:i`, i = 1 .. L - 1"),
+        ("decoder-layer forwards of one set: reused / one by one", ("layers_run/reused", "layers_run/one_by_one"),
+         "{} / {}"),
+        ("s per set (median): reused / one by one", ("median_s/reused", "median_s/one_by_one"), "{} / {}"),
+        ("reused / one by one (goal <= 0.6x)", "ratio_reused_vs_one_by_one", "**{}x**"),
+        ("every per-item score the same bytes; control (one by one twice)", ("same_bytes", "control_same_bytes"),
+         "{}; {}"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),

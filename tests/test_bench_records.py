@@ -227,6 +227,18 @@ def test_prefix_cost_record_recomputed(stem):
     assert d["layers_run"] == {"reused": n + n * (n + 1) // 2, "whole": n * (n + 1)}  # base + layers i..n-1 per cell
 
 
+@pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("prefix_items_cost_")])
+def test_prefix_items_cost_record_recomputed(stem):
+    r = _rec(stem)
+    sec, d = r["raw"]["seconds"], r["derived"]
+    assert abs(d["ratio_reused_vs_one_by_one"] - _median(sec["reused"]) / _median(sec["one_by_one"])) <= 0.0006
+    n = r["raw"]["layers"]
+    batches, rest = divmod(d["layers_run"]["one_by_one"], n * (n - 1))  # the cells of layers 1..n-1, each whole
+    assert batches >= 1 and not rest
+    # per batch: the recording forward up to layer n - 2, then the cell of layer i from layer i
+    assert d["layers_run"]["reused"] == batches * (n - 1 + n * (n - 1) // 2)
+
+
 def test_guide_cost_table_equals_the_record():
     tables = _tables()
     text = (ROOT / "docs" / "guide" / "cost.md").read_text()
