@@ -337,6 +337,12 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
         if world.size > 1 and stats is not None:
             for other in (world.gather(stats) or [])[1:]:
                 stats.merge(other)
+    return finished(part, shard, world, opt.desc or task)
+
+
+def finished(part: EvalResult, shard: Shard, world: World, desc: str) -> EvalResult | None:
+    """This process's ``part`` as the caller's result: with several processes, rank 0 gathers and combines every
+    rank's (the others get None); a partial ``shard`` stays partial; a whole one gets predictions and metrics."""
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -345,7 +351,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
         part.extra["processes"] = world.size
     if not shard.whole:
         return part
-    return _complete(part, opt.desc or task)
+    return _complete(part, desc)
 
 
 def checked_layout(spec: QuantSpec, layout: str | None) -> str:

@@ -31,12 +31,11 @@ import torch
 from outlierscope.eval.evaluate import (
     EvalOptions,
     EvalResult,
-    _combine,
-    _complete,
     _model_and_tokenizer,
     _options,
     _partial,
     checked_layout,
+    finished,
     result_settings,
 )
 from outlierscope.eval.perplexity import HOLD_BYTES, prefix_start
@@ -126,16 +125,7 @@ def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str]
     parts = _score_together(model, requests, specs, layout, opt, calibrations, shard, world, opt.desc or task)
     results = [_partial(requests, sc, None, result_settings(model, spec, layout, items, opt, task), wall, own, layout)
                for spec, (sc, wall, own) in zip(specs, parts)]
-    if world.size > 1:
-        gathered = [world.gather(part) for part in results]
-        if not world.is_main:
-            return [None] * len(specs)
-        results = [_combine(g) for g in gathered]
-        for part in results:
-            part.extra["processes"] = world.size
-    if not shard.whole:
-        return results
-    return [_complete(part, opt.desc or task) for part in results]
+    return [finished(part, shard, world, opt.desc or task) for part in results]  # one gather per spec, in order
 
 
 def _score_together(model, requests, specs, layout: str, opt: EvalOptions, calibrations, shard: Shard, world: World,
