@@ -45,6 +45,7 @@ _EXPORTS = {
     "LinearErrorStats": "outlierscope.analysis.linear_error",
     "absmax_scale": "outlierscope.quant.numerics.primitives",
     "fake_quant": "outlierscope.quant.numerics.primitives",
+    "fused_kernels": "outlierscope.quant.numerics.fused",
     "evaluate": "outlierscope.eval.evaluate",
     "EvalResult": "outlierscope.eval.evaluate",
     "EvalOptions": "outlierscope.eval.evaluate",

@@ -56,6 +56,7 @@ from outlierscope.models.placement import (  # noqa: F401 (re-exported)
     device_map_option,
     device_option,
     dtype_option,
+    fused_option,
     model_device,
     model_dtype,
     resolve_device,

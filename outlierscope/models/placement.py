@@ -40,6 +40,11 @@ def attn_block_option():
                   metavar="ROWS")
 
 
+def fused_option():
+    return option(False, "compile the quantizers' elementwise chains (torch.compile: the same bytes, tested; CPU only; "
+                  "seconds of compiling at each scheme's first quantized forward)")
+
+
 def trust_remote_code_option():
     return option(False, "run Python code shipped with a model that needs it (auto_map in its config); only for "
                   "models whose authors you trust")
@@ -56,8 +61,9 @@ def _is_device(device: str) -> bool:
     return device in ("auto", "cpu", "cuda") or (device.startswith("cuda:") and device[5:].isdigit())
 
 
-def check_placement(device: str, dtype: str, device_map, attn_block: int | None) -> None:
-    """Validate the run-placement settings that profile and sweep share (before anything loads)."""
+def check_placement(device: str, dtype: str, device_map, attn_block: int | None, fused: bool = False) -> None:
+    """Validate the run-placement settings that profile and sweep share (before anything loads). ``fused``
+    (:mod:`outlierscope.quant.numerics.fused`) is refused where the model would run on a GPU."""
     check_dtype(dtype)
     if not _is_device(device):
         raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
@@ -65,6 +71,12 @@ def check_placement(device: str, dtype: str, device_map, attn_block: int | None)
         raise ParamError("device_map", "auto, balanced, balanced_low_0, sequential or a dict (accelerate's placement)", device_map)
     if attn_block is not None and (not isinstance(attn_block, int) or attn_block < 1):
         raise ParamError("attn_block", "a positive number of query rows (or None: from a 256 MiB budget)", attn_block)
+    if fused not in (False, True):
+        raise ParamError("fused", "True or False", fused)
+    if fused and (device_map is not None or resolve_device(device) != "cpu"):
+        raise ParamError("fused", "False where the model runs on a GPU", fused,
+                         "compiled float32 division there is approximate (Triton's div.full.f32), so the bytes would "
+                         "differ from the eager quantizers'; fused kernels are proven on the CPU")
 
 
 def resolve_device(device: str) -> str:

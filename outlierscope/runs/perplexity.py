@@ -35,6 +35,7 @@ from outlierscope.models.loading import (
     check_placement,
     device_option,
     dtype_option,
+    fused_option,
     trust_remote_code_option,
 )
 from outlierscope.parallel import Shard, World, owned_shards
@@ -126,6 +127,7 @@ class PerplexitySettings:
     dtype: str = dtype_option()
     device: str = device_option()
     attn_block: int | None = attn_block_option()
+    fused: bool = fused_option()
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
@@ -149,7 +151,7 @@ class PerplexitySettings:
         if self.noise is not None and any(quantizes_head(sp) for sp in self.specs()):
             raise ParamError("noise", "specs that leave the LM head unquantized", self.noise,
                              "the noise floor of a quantized lm_head is not computed")
-        check_placement(self.device, self.dtype, None, self.attn_block)
+        check_placement(self.device, self.dtype, None, self.attn_block, self.fused)
 
     def specs(self) -> list[QuantSpec]:
         """The unquantized model first, then the logits' bit widths, then each ``quant``."""
@@ -274,10 +276,11 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     import contextlib
 
     from outlierscope.io import run_lock
+    from outlierscope.quant.numerics.fused import fused_kernels
 
     out, shard, world = Path(out), shard or Shard(), world or World()
     say = log if world.is_main else (lambda *a, **k: None)
-    with output_dir(out), output_dir(out / "cells") as cells, contextlib.ExitStack() as held:
+    with output_dir(out), output_dir(out / "cells") as cells, contextlib.ExitStack() as held, fused_kernels(s.fused):
         with world.failing_together():
             if world.is_main:
                 check_previous(out, s, force, shard)

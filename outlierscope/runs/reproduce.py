@@ -14,6 +14,7 @@ from outlierscope.models.loading import (
     device_map_option,
     device_option,
     dtype_option,
+    fused_option,
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
@@ -44,6 +45,7 @@ class ReproduceSettings:
     dtype: str = dtype_option()
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
+    fused: bool = fused_option()
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):  # the suites expanded and every name checked before anything runs
@@ -73,7 +75,8 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     # every setting, model and task checked before the profile runs: an error must not come after it
     prof_settings = ProfileSettings(tokens=s.tokens, batch_size=8, seq_len=s.seq_len, **s.placement)
     sweep_settings = SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
-                                   sample=s.sample, tasks=s.tasks, batch_size=s.batch_size, text=s.text, **s.placement)
+                                   sample=s.sample, tasks=s.tasks, batch_size=s.batch_size, text=s.text, fused=s.fused,
+                                   **s.placement)
     check_models(sweep_settings)
     check_previous(out / "sweep", asdict(sweep_settings), s.force)
     sweep_settings.task_items()

@@ -53,6 +53,7 @@ from outlierscope.io import (
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec
+from outlierscope.quant.numerics.fused import fused_kernels
 from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 from outlierscope.quant.weights.calibration import calibrate_layers_alone
 from outlierscope.runs.cells import merged_cell, refuse_other_settings
@@ -117,7 +118,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         raise OutlierscopeError(f"shard: whole with metric={s.metric!r} (its text cells split over torchrun's "
                                 "processes, not over --shard runs)")
     with output_dir(out) if main else contextlib.nullcontext(), output_dir(out / "cells") if main else \
-            contextlib.nullcontext():
+            contextlib.nullcontext(), fused_kernels(s.fused):
         run = _prepare(s, out / "cells", progress, log, shard, world)
         run.base = _base_cell(run)
         _calibrate_alone(run)

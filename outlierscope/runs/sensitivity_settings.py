@@ -17,6 +17,7 @@ from outlierscope.models.loading import (
     device_map_option,
     device_option,
     dtype_option,
+    fused_option,
     trust_remote_code_option,
 )
 from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
@@ -78,6 +79,7 @@ class SensitivitySettings:
     device: str = device_option()
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
+    fused: bool = fused_option()
     trust_remote_code: bool = trust_remote_code_option()
 
     def __post_init__(self):
@@ -103,7 +105,7 @@ class SensitivitySettings:
                 raise ParamError(n, ">= 1", getattr(self, n))
         if self.profile_tokens < 1:
             raise ParamError("profile_tokens", ">= 1", self.profile_tokens)
-        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block, self.fused)
 
     def _check_metric_fields(self) -> None:
         """The item settings only with gold_ll, the text settings only with kld / ppl, whose cells keep no layers at

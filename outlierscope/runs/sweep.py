@@ -31,6 +31,7 @@ from outlierscope.models.loading import (
 )
 from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_layers, check_spec
+from outlierscope.quant.numerics.fused import fused_kernels
 from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.quant.weights.calibration import calibration_records
 from outlierscope.runs.cells import DEFAULT_BATCH, cached_cell, merged_cell, refuse_other_settings, revised
@@ -182,7 +183,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
     cells, sources, calibs = [], {}, {}
     log = log if world.is_main else (lambda *a, **k: None)
-    with output_dir(out) if world.is_main else contextlib.nullcontext(out), \
+    with output_dir(out) if world.is_main else contextlib.nullcontext(out), fused_kernels(s.fused), \
             output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
         for spec_str in s.models:
             lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,

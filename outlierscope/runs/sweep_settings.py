@@ -15,6 +15,7 @@ from outlierscope.models.loading import (
     device_map_option,
     device_option,
     dtype_option,
+    fused_option,
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR
@@ -72,6 +73,7 @@ class SweepSettings:
     device: str = device_option()
     device_map: str | None = device_map_option()
     attn_block: int | None = attn_block_option()
+    fused: bool = fused_option()
     attn_error: bool = option(False, "also measure per layer and head what quantization does to attention (KL, "
                               "argmax changes, output error) into attn_error.csv, for the logits cells and the --quant cells, "
                               "and per layer and linear each quantized linear's relative output error into "
@@ -96,7 +98,7 @@ class SweepSettings:
         dup = sorted({m for m in self.models if self.models.count(m) > 1})
         if dup:
             raise ParamError("models", "distinct model specs", list(self.models), f"{dup[0]} is given twice")
-        check_placement(self.device, self.dtype, self.device_map, self.attn_block)
+        check_placement(self.device, self.dtype, self.device_map, self.attn_block, self.fused)
         if not self.tasks:
             raise ParamError("tasks", "at least one task (hellaswag or one of `outlierscope tasks`)", ())
         if self.data is not None and "hellaswag" not in self.tasks:

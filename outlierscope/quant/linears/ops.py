@@ -24,6 +24,7 @@ import torch
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.attention.ops import _asymmetric, block_quant, random_sign_hadamard, random_signs, sylvester
 from outlierscope.quant.numerics.formats import MX_FORMATS, zero_point_params, zero_point_quant
+from outlierscope.quant.numerics.fused import fusable
 from outlierscope.quant.numerics.primitives import fake_quant, qmax, quantize_absmax
 from outlierscope.quant.specs.parts import TensorQuant
 
@@ -43,6 +44,7 @@ def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple,
     return quantize_absmax(x, bits, dims, valid, fmt)
 
 
+@fusable
 def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQuant,
                         outlier_cols: torch.Tensor | None = None, static_amax: torch.Tensor | None = None,
                         scale_skip: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,6 +76,7 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
     return out if keep is None else torch.where(keep, out, x)
 
 
+@fusable
 def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """A weight (O, I) quantized-dequantized per ``tq`` (a ``w=`` part); a new tensor in ``w``'s dtype."""
     if tq.format in MX_FORMATS or tq.format == "nvfp4":

@@ -31,6 +31,7 @@ The last dim must be a multiple of the block size (head dims are; pad otherwise)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,7 +53,7 @@ class Minifloat:
     @property
     def emax(self) -> int:
         """Exponent of the largest normal number (MX's emax_elem)."""
-        return int(torch.tensor(self.max_normal).log2().floor())
+        return math.floor(math.log2(self.max_normal))  # plain Python: no tensor, nothing for a compiled graph to break on
 
 
 MINIFLOATS = {
@@ -121,8 +122,11 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         q = round_minifloat(v, elem)
     nonzero = amax > 0
-    # an all-zero block stays zero (its scale is 2^-127-ish, not 0: kept as it was); none such: nothing to mask
-    out = q.mul_(scale) if bool(nonzero.all()) else torch.where(nonzero, q * scale, w)
+    # an all-zero block stays zero (its scale is 2^-127-ish, not 0: kept as it was); none such: nothing to mask (the
+    # same bytes either way: a compiled graph takes the masked form rather than break on the test)
+    if not torch.compiler.is_compiling() and bool(nonzero.all()):
+        return q.mul_(scale).reshape(x.shape).to(x.dtype)
+    out = torch.where(nonzero, q * scale, w)
     return out.reshape(x.shape).to(x.dtype)
 
 
@@ -148,7 +152,7 @@ def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
     gs, s = nvfp4_scales(x, tensor_amax)
     eff = s / gs  # (..., n, 1)
     ok = eff > 0
-    if bool(ok.all()):  # the common case: no block scale rounded to zero, nothing to mask
+    if not torch.compiler.is_compiling() and bool(ok.all()):  # the common case: no block scale rounded to zero
         return round_minifloat(w / eff, "e2m1").mul_(eff).reshape(x.shape).to(x.dtype)
     q = round_minifloat(w / torch.where(ok, eff, torch.ones_like(eff)), "e2m1")
     return torch.where(ok, q * eff, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)

@@ -85,7 +85,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
     else:
         q = torch.div(w, safe).clamp_(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
     out = q.mul_(safe)
-    if not bool(ok.all()):
+    if torch.compiler.is_compiling() or not bool(ok.all()):  # compiled: no graph break on the test, the same bytes
         torch.where(ok, out, w, out=out)
     if valid is not None:
         torch.where(valid, out, w, out=out)

@@ -1,0 +1,109 @@
+"""Fused kernels, optional: the quantizers' elementwise chains compiled by ``torch.compile`` (inductor), the same bytes.
+
+A quantizer such as NVFP4 or MX is a chain of a dozen elementwise passes over the tensor (absolute values, block
+maxima, a division, a rounding built from comparisons, a product, dtype copies), each reading and writing the whole
+tensor. Inside :func:`fused_kernels` the functions marked :func:`fusable` (``quantize_activation`` and
+``quantize_weight`` of :mod:`outlierscope.quant.linears.ops`) run as one compiled graph, which inductor turns into a
+few loops over the data::
+
+    with fused_kernels():                  # or a run's ``fused=True`` (``--fused``)
+        with quantize_model(model, spec):  # its quantizers compiled at their first call (seconds), then reused
+            model(ids)
+
+Same bytes: on the CPU, inductor's C++ kernels compute each element with the same IEEE float32 operations as the
+eager ones (division, rounding to nearest even, exact powers of two, casts to FP8; no contraction into fused
+multiply-adds: ``-ffp-contract=off``), tested byte for byte against the eager functions on every scheme's quantizer.
+Cells computed fused therefore keep their identity. On CUDA, inductor's Triton kernels divide float32 with an
+approximate reciprocal (``div.full.f32``, up to 2 ulp), which moves values across rounding ties: refused there
+(:func:`outlierscope.models.placement.check_placement`) until a GPU check proves otherwise.
+
+State: one context variable (off unless a caller turns it on), each fusable function's compiled version, made
+at its first fused call (never at import), and the list of compiled calls that failed and ran eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import warnings
+
+import torch
+
+_FUSED = contextvars.ContextVar("outlierscope_fused_kernels", default=False)
+
+
+# graphs a fusable function may compile inside fused_kernels (one per quantizer part and dtype, shapes dynamic):
+# dynamo's default of 8 would fall back to eager from the ninth scheme of a study on
+RECOMPILE_LIMIT = 256
+
+
+@contextlib.contextmanager
+def fused_kernels(enabled: bool = True):
+    """Within the block, the quantizers (``quantize_activation``, ``quantize_weight``: every linear scheme's ``a=`` and
+    ``w=`` parts) run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
+    every scheme), each chain of elementwise passes one fused loop (what it saves: bench/README's cost section);
+    seconds of compiling at each scheme's first call. A run's ``fused=True`` (``--fused``) enters it; refused
+    on a GPU (see the module). Restored on exit, also on error; dynamo's recompile limit is raised to
+    ``RECOMPILE_LIMIT`` meanwhile.
+
+    Example::
+
+        with fused_kernels(), quantize_model(model, QuantSpec.parse("nvfp4")):
+            model(ids)
+    """
+    token = _FUSED.set(bool(enabled))
+    limits = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
+    try:
+        with torch._dynamo.config.patch(**limits) if enabled else contextlib.nullcontext():
+            yield
+    finally:
+        _FUSED.reset(token)
+
+
+def fusing() -> bool:
+    """Whether the caller is inside ``fused_kernels(True)``."""
+    return _FUSED.get()
+
+
+def fusable(fn):
+    """``fn`` as it is, or compiled (``torch.compile``, shapes dynamic after the first recompile) inside
+    :func:`fused_kernels`. Where ``fn`` is already being traced (one fusable function calling another) it runs
+    as it is, inlined into the caller's graph. The eager function stays reachable as ``.eager``.
+
+    A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
+    mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
+    inputs of that dtype in this process (:func:`fallbacks` lists them). Known: inductor 2.13 cannot generate the C++
+    of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses."""
+    compiled = []
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        key = _key(fn, args)
+        if not _FUSED.get() or torch.compiler.is_compiling() or key in _FALLBACKS:
+            return fn(*args, **kwargs)
+        if not compiled:
+            compiled.append(torch.compile(fn))
+        try:
+            return compiled[0](*args, **kwargs)
+        except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor's errors reach here wrapped
+            _FALLBACKS.append(key)
+            warnings.warn(f"fused kernels: compiling {key} failed ({str(e).splitlines()[0][:200]}); it runs eagerly "
+                          "(the same bytes, slower)", RuntimeWarning, stacklevel=2)
+            return fn(*args, **kwargs)
+
+    run.eager = fn
+    return run
+
+
+_FALLBACKS: list[str] = []
+
+
+def _key(fn, args) -> str:
+    dtype = args[0].dtype if args and isinstance(args[0], torch.Tensor) else None
+    return f"{fn.__module__}.{fn.__qualname__} on {dtype}"
+
+
+def fallbacks() -> list[str]:
+    """The fusable functions and input dtypes (``module.name on dtype``) that failed to compile and run eagerly."""
+    return list(_FALLBACKS)
