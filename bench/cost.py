@@ -25,7 +25,9 @@ Also ``16-bit, our attention``: the identity spec through outlierscope's attenti
 attention part, and today every quantized cell, runs instead of sdpa).
 Writes bench/results/cost_MODEL.json (see bench/artifact.py).
 Usage: python bench/cost.py [--model smollm2-135m] [--reps 3] [--windows 4] [--length 512] [--batch 4] [--items 50]
-                            [--only SPEC ... --tag TAG]
+                            [--only SPEC ... --tag TAG] [--fused] [--kinds text hellaswag]
+--fused: each quantized spec's cells also inside ``fused_kernels()`` (its quantizers compiled; the warm-up compiles),
+beside the eager ones in the same run.
 (--length: 512 or the model's context, whichever is shorter)
 """
 
@@ -59,6 +61,10 @@ def _args():
     ap.add_argument("--items", type=int, default=50)
     ap.add_argument("--only", nargs="*", help="these specs only (with --tag: a record of its own)")
     ap.add_argument("--tag", help="write cost_MODEL_TAG.json (a run of --only specs beside the full record)")
+    ap.add_argument("--fused", action="store_true", help="also time each quantized spec's cells inside fused_kernels() "
+                    "(cells '<kind> <spec>, fused'; compiled in the warm-up)")
+    ap.add_argument("--kinds", nargs="+", choices=("text", "hellaswag"), default=("text", "hellaswag"),
+                    help="which cells per spec (default both); the kld and profile cells come with text and no --only")
     a = ap.parse_args()
     if a.only and not a.tag:
         ap.error("--only measures a subset: give --tag NAME so that it does not replace the full cost_MODEL.json")
@@ -91,13 +97,19 @@ def _specs(a, lm) -> dict:
     return out
 
 
-def _context(lm, spec, calib):
+def _context(lm, spec, calib, fused: bool = False):
     from outlierscope.quant.apply import quantize_model
+    from outlierscope.quant.numerics.fused import fused_kernels
 
-    return contextlib.nullcontext() if spec is None else quantize_model(lm.model, spec, calibration=calib)
+    if spec is None:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(fused_kernels(fused))
+    stack.enter_context(quantize_model(lm.model, spec, calibration=calib))
+    return stack
 
 
-def text_cell(lm, batches, spec, calib) -> float:
+def text_cell(lm, batches, spec, calib, fused: bool = False) -> float:
     """One spec's NLL cell on the batches (rows of perplexity windows); returns the summed NLL (a check)."""
     import torch
 
@@ -105,7 +117,7 @@ def text_cell(lm, batches, spec, calib) -> float:
     from outlierscope.eval.scorer import HEAD_ROWS, gathered_hidden, lm_head
 
     total = 0.0
-    with torch.no_grad(), _context(lm, spec, calib):
+    with torch.no_grad(), _context(lm, spec, calib, fused):
         head = lm_head(lm.model)
         for rows in batches:
             h, _, tgt = gathered_hidden(lm.model, rows)
@@ -118,10 +130,10 @@ def text_cell(lm, batches, spec, calib) -> float:
     return total
 
 
-def hellaswag_cell(lm, requests, spec, calib, layout: str) -> None:
+def hellaswag_cell(lm, requests, spec, calib, layout: str, fused: bool = False) -> None:
     from outlierscope.eval.scorer import score_requests
 
-    with _context(lm, spec, calib):
+    with _context(lm, spec, calib, fused):
         score_requests(lm.model, requests, layout, 32)
 
 
@@ -164,16 +176,23 @@ def _cells(a, lm, specs) -> dict:
     cells = {}
     for name, (spec, calib) in specs.items():
         layout = "shared" if spec is None else layout_for(spec)
-        cells[f"text {name}"] = lambda s=spec, c=calib: text_cell(lm, batches, s, c)
-        cells[f"hellaswag {name}"] = lambda s=spec, c=calib, lay=layout: hellaswag_cell(lm, requests, s, c, lay)
-    cells[f"hellaswag {BASE}, separate"] = lambda: hellaswag_cell(lm, requests, None, None, "separate")
-    if "w8a8" in specs:
+        for fused in (False, True) if a.fused and spec is not None and not spec.is_identity else (False,):
+            tag = ", fused" if fused else ""
+            if "text" in a.kinds:
+                cells[f"text {name}{tag}"] = lambda s=spec, c=calib, f=fused: text_cell(lm, batches, s, c, f)
+            if "hellaswag" in a.kinds:
+                cells[f"hellaswag {name}{tag}"] = lambda s=spec, c=calib, lay=layout, f=fused: hellaswag_cell(
+                    lm, requests, s, c, lay, f)
+    if "hellaswag" in a.kinds:
+        cells[f"hellaswag {BASE}, separate"] = lambda: hellaswag_cell(lm, requests, None, None, "separate")
+    if "w8a8" in specs and "text" in a.kinds:
         cells["kld w8a8"] = lambda: kld_cell(lm, windows, a.batch, *specs["w8a8"])
     import torch
 
     seqs = torch.stack([torch.as_tensor(w.input_ids) for w in windows])  # (N, T)
-    cells["forward sdpa"] = lambda: forward_cell(lm, seqs, a.batch)
-    cells["profile"] = lambda: profile_cell(lm, seqs, a.batch)
+    if "text" in a.kinds and not a.only:
+        cells["forward sdpa"] = lambda: forward_cell(lm, seqs, a.batch)
+        cells["profile"] = lambda: profile_cell(lm, seqs, a.batch)
     return cells
 
 
@@ -203,18 +222,24 @@ def derive(raw: dict, specs: dict) -> dict:
     med = {k: median(v) for k, v in raw.items()}
     out = {"median_s": {k: round(v, 3) for k, v in med.items()}, "ratio": {}, "goal": {}, "over_goal": []}
     for kind in ("text", "hellaswag"):
+        if f"{kind} {BASE}" not in med:
+            continue
         base = med[f"{kind} {BASE}"]
         for name in specs:
-            r = round(med[f"{kind} {name}"] / base, 3)
-            out["ratio"][f"{kind} {name}"] = r
-            if name in GOALS:
-                out["goal"][f"{kind} {name}"] = GOALS[name]
-                if r > GOALS[name]:
-                    out["over_goal"].append(f"{kind} {name}")
+            for cell in (f"{kind} {name}", f"{kind} {name}, fused"):
+                if cell not in med:
+                    continue
+                r = out["ratio"][cell] = round(med[cell] / base, 3)
+                if name in GOALS:
+                    out["goal"][cell] = GOALS[name]
+                    if r > GOALS[name]:
+                        out["over_goal"].append(cell)
     if "kld w8a8" in med:
         out["kld_vs_nll_cell"] = round(med["kld w8a8"] / med["text w8a8"], 3)
-    out["profile_vs_sdpa_forward"] = round(med["forward sdpa"] / med["profile"], 3)  # tokens/s ratio, as many tokens
-    out["hellaswag_layout_factor"] = round(med[f"hellaswag {BASE}, separate"] / med[f"hellaswag {BASE}"], 3)
+    if "profile" in med:
+        out["profile_vs_sdpa_forward"] = round(med["forward sdpa"] / med["profile"], 3)  # tokens/s, as many tokens
+    if f"hellaswag {BASE}, separate" in med:
+        out["hellaswag_layout_factor"] = round(med[f"hellaswag {BASE}, separate"] / med[f"hellaswag {BASE}"], 3)
     return out
 
 
@@ -238,7 +263,8 @@ def main() -> None:
     derived["peak_rss_mb"] = round(peak_rss_mb())
     derived["base_attention"] = lm.model.config._attn_implementation  # after every cell: each context restored it
     write(f"cost_{a.model.replace(':', '-')}" + (f"_{a.tag}" if a.tag else ""), {"model": a.model, "windows": a.windows, "length": a.length,
-                                                 "batch": a.batch, "items": a.items, "seconds": raw}, derived,
+                                                 "batch": a.batch, "items": a.items, "fused": a.fused,
+                                                 "kinds": list(a.kinds), "seconds": raw}, derived,
           start=start, notes="seconds per cell, calibration and model load excluded; median of the repetitions; "
           "ratio = cell / the same kind's unquantized sdpa cell; profile_vs_sdpa_forward: tokens/s of the profile "
           "over the sdpa forward's (as many tokens, the same shapes); peak RSS of the process (VmHWM)")

@@ -212,10 +212,15 @@ def test_cost_record_recomputed(stem):
         kind = key.split(" ", 1)[0]
         assert abs(ratio - med[key] / med[f"{kind} unquantized sdpa"]) <= 0.0006, key
     assert sorted(d["over_goal"]) == sorted(k for k, g in d["goal"].items() if d["ratio"][k] > g)
-    assert abs(d["kld_vs_nll_cell"] - med["kld w8a8"] / med["text w8a8"]) <= 0.0006
-    assert abs(d["profile_vs_sdpa_forward"] - med["forward sdpa"] / med["profile"]) <= 0.0006
-    assert abs(d["hellaswag_layout_factor"] - med["hellaswag unquantized sdpa, separate"]
-               / med["hellaswag unquantized sdpa"]) <= 0.0006
+    assert set(d["ratio"]) == {k for k in med if k.startswith(("text ", "hellaswag ")) and not k.endswith(", separate")}
+    full = not r["raw"].get("kinds") or len(r["raw"]["kinds"]) == 2  # a --kinds text record has no HellaSwag cells
+    if "kld w8a8" in med or full:
+        assert abs(d["kld_vs_nll_cell"] - med["kld w8a8"] / med["text w8a8"]) <= 0.0006
+    if "profile" in med or full:
+        assert abs(d["profile_vs_sdpa_forward"] - med["forward sdpa"] / med["profile"]) <= 0.0006
+    if full:
+        assert abs(d["hellaswag_layout_factor"] - med["hellaswag unquantized sdpa, separate"]
+                   / med["hellaswag unquantized sdpa"]) <= 0.0006
 
 
 @pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("prefix_cost_")])
