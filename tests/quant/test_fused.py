@@ -18,8 +18,7 @@ from outlierscope.quant.specs.recipes import RECIPES
 from outlierscope.quant.specs.spec import QuantSpec
 
 LINEAR = [n for n, r in RECIPES.items() if QuantSpec.parse(n).part("a") is not None or QuantSpec.parse(n).part("w")]
-MORE = ["w=mxfp8_e4m3; a=mxfp8_e4m3", "w=mxint8; a=mxint8", "w=mxfp6_e2m3; a=mxfp6_e3m2", "w=zint4/per_group:32",
-        "w=fint4/per_group:64; a=fint8/per_token", "a=int8/per_tensor", "a=e4m3/per_group:64"]
+MORE = ["w=mxfp8_e4m3; a=mxfp8_e4m3", "w=mxint8; a=mxint8", "w=mxfp6_e2m3; a=mxfp6_e3m2", "w=zint4/per_group:32"]
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -46,8 +45,7 @@ def _activations(dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return x.bfloat16().to(dtype), valid
 
 
-CASES = [(n, torch.float32) for n in LINEAR + MORE] + [(n, torch.float64) for n in ("nvfp4", "mxfp4", "llm-int8",
-                                                                                  "w8a8", MORE[0], MORE[2])]
+CASES = [(n, torch.float32) for n in LINEAR + MORE] + [(n, torch.float64) for n in ("nvfp4", "w8a8", MORE[0])]
 
 
 @pytest.mark.parametrize("name, dtype", CASES)
@@ -71,6 +69,27 @@ def test_fused_quantizers_give_the_eager_bytes(name, dtype):
         # the MX FP6 / FP8 element rounding of float64 runs (frexp) is the one graph inductor cannot build: eager
         assert fallbacks() == failed or dtype == torch.float64 and fallbacks()[-1].endswith("float64")
         assert torch.equal(_bits(fused), _bits(eager)), f"{name}: {fn.__name__}"
+
+
+@pytest.mark.parametrize("name", ["nvfp4", "llm-int8"])
+def test_fused_over_changing_shapes(name):
+    """A forward feeds each quantizer several shapes (576 and 1536 channels, batches of other lengths): after the
+    first recompile dynamo compiles shape-generic kernels; each shape's bytes are still the eager ones."""
+    spec = QuantSpec.parse(name)
+    a, w = spec.part("a"), spec.part("w")
+    g = torch.Generator().manual_seed(5)
+    for shape in ((2, 64, 576), (2, 64, 1536), (3, 41, 576), (1, 97, 1536)):
+        x = (torch.randn(*shape, generator=g) * 3).bfloat16().float()
+        x[..., 11] *= 200
+        valid = torch.ones(shape[:2], dtype=torch.bool)
+        valid[0, : shape[1] // 3] = False  # left padding
+        cols = outlier_columns(x, valid, spec.outlier_threshold) if spec.outlier_threshold is not None else None
+        weight = (torch.randn(shape[1] + 7, shape[2], generator=g) * 0.05).bfloat16().float()
+        for fn, args in ((quantize_activation, (x, valid, a, cols)), (quantize_weight, (weight, w))):
+            eager = fn(*args)
+            with fused_kernels():
+                fused = fn(*args)
+            assert torch.equal(_bits(fused), _bits(eager)), f"{name} {shape}: {fn.__name__}"
 
 
 def test_every_mx_shared_exponent_and_e2m1_tie():

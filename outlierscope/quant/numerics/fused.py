@@ -17,6 +17,11 @@ Cells computed fused therefore keep their identity. On CUDA, inductor's Triton k
 approximate reciprocal (``div.full.f32``, up to 2 ulp), which moves values across rounding ties: refused there
 (:func:`outlierscope.models.placement.check_placement`) until a GPU check proves otherwise.
 
+Not fused: attention's q/k/v and P quantizers (``quantize_tokens``, ``quantize_probs``). Compiled, they gave the eager
+bytes on every recipe at fixed shapes, but once dynamo compiled shape-generic kernels (a forward changes shapes), the
+NVFP4 recipe's v (quantized along the tokens, transposed, zero-padded to whole blocks) came out wrong in torch 2.13:
+they stay eager until that holds.
+
 State: one context variable (off unless a caller turns it on), each fusable function's compiled version, made
 at its first fused call (never at import), and the list of compiled calls that failed and ran eagerly.
 """
