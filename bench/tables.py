@@ -258,12 +258,33 @@ def render_cost_columns(stem: str) -> str:
     return "\n".join(lines)
 
 
+def render_fused(stem: str) -> str:
+    """A ``bench/cost.py --fused`` record: per spec its text cell eager and fused against the unquantized sdpa cell
+    of the same run, and how much faster fused is."""
+    rec = load(stem)
+    d, med = rec["derived"], rec["derived"]["median_s"]
+    lines = ["| spec | eager | fused | eager / fused |", "|---|---|---|---|"]
+    for name in _cost_specs(rec):
+        eager, fused = f"text {name}", f"text {name}, fused"
+        lines.append(f"| `{name}` | {d['ratio'][eager]}x | {d['ratio'][fused]}x | {med[eager] / med[fused]:.2f}x |")
+    lines += ["", f"Running text, ratios to the unquantized sdpa cell of the same run "
+                  f"({rec['raw']['windows']} windows x {rec['raw']['length']} tokens, batches of {rec['raw']['batch']}); "
+                  f"record `bench/results/{stem}.json` (commit `{rec['git']['commit'][:10]}`"
+                  f"{' + changes' if rec['git']['dirty'] else ''}, {rec['machine']['cpu']}, {rec['machine']['cores']} cores, "
+                  f"{rec['machine']['torch_threads']} thread(s), load average {rec['machine']['load_average_1m_at_start']} "
+                  f"at the start, medians of {min(len(v) for v in rec['raw']['seconds'].values())})."]
+    return "\n".join(lines)
+
+
 COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the guide's cost page
+FUSED = {}  # bench/cost.py --fused records: table name -> record stem
 
 
 def render(name: str) -> str:
     if name in COLUMNS:
         return render_cost_columns(COLUMNS[name])
+    if name in FUSED:
+        return render_fused(FUSED[name])
     stem, rows = TABLES[name]
     rec = load(stem)
     rows = rows(rec) if callable(rows) else rows
