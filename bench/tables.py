@@ -277,7 +277,7 @@ def render_fused(stem: str) -> str:
 
 
 COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the guide's cost page
-FUSED = {}  # bench/cost.py --fused records: table name -> record stem
+FUSED = {"cost_fused_smollm2": "cost_smollm2-135m_fused"}  # bench/cost.py --fused records: table name -> stem
 
 
 def render(name: str) -> str:
