@@ -22,18 +22,21 @@ from outlierscope.parallel import Shard, World
 DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch size is another cell (float32 rounding)
 
 
+SPEED_ONLY = ("fused",)  # settings that change how fast, never what: a run resumed with another value is the same run
+
+
 def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, force: bool, upgrade=dict) -> None:
     """Refuse to replace the tables of ``what`` (a sweep, a sensitivity run, ...) whose record ``prev`` holds other
     settings than ``now`` unless ``force`` (cells with matching settings are reused either way). ``now`` and
     ``defaults`` as a record holds them (JSON values); a setting an older record lacks counts as its default;
-    ``upgrade``: the record's settings with today's keys."""
+    ``upgrade``: the record's settings with today's keys. ``SPEED_ONLY`` settings are not compared."""
     if force or not prev.exists():
         return
     try:
         old = upgrade(json.loads(prev.read_text()).get("settings", {}))
     except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
         old = {}
-    diff = sorted(k for k in now if old.get(k, defaults.get(k)) != now[k])
+    diff = sorted(k for k in now if k not in SPEED_ONLY and old.get(k, defaults.get(k)) != now[k])
     if diff:
         raise Refused(f"{prev.parent} holds {what} with other settings ({', '.join(diff)} differ); choose another "
                       "output directory, or {fix} to replace its tables (cells with matching settings are reused)")

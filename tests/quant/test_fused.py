@@ -186,3 +186,18 @@ def test_a_fused_perplexity_run_writes_the_same_cells(tmp_path):
         perplexity(PerplexitySettings(**base, fused=fused), tmp_path / str(fused), log=lambda *a, **k: None)
         cells[fused] = {p.name: p.read_bytes() for p in sorted((tmp_path / str(fused) / "cells").glob("*.npz"))}
     assert len(cells[True]) == 4 and cells[True] == cells[False]
+
+
+def test_a_run_resumed_with_fused_is_the_same_run(tmp_path):
+    """``fused`` changes speed only: an output directory made without it is resumed with it (and back) without
+    ``force``; another setting is still refused."""
+    import json
+
+    from outlierscope.runs.cells import Refused, refuse_other_settings
+
+    prev = tmp_path / "record.json"
+    prev.write_text(json.dumps({"settings": {"model": "m", "fused": False, "seed": 0}}))
+    defaults = {"model": None, "fused": False, "seed": 0}
+    refuse_other_settings(prev, {"model": "m", "fused": True, "seed": 0}, defaults, "a run", force=False)
+    with pytest.raises(Refused, match="seed differ"):
+        refuse_other_settings(prev, {"model": "m", "fused": True, "seed": 1}, defaults, "a run", force=False)
