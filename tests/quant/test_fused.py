@@ -158,12 +158,25 @@ def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(monkeypatch):
     def double(x):
         return x * 2
 
-    with fused_kernels(), pytest.warns(RuntimeWarning, match="compiling .*double on torch.float32 failed .* eagerly"):
+    with fused_kernels(), pytest.warns(RuntimeWarning, match="double on torch.float32: compiling failed .* eagerly"):
         assert torch.equal(double(torch.ones(3)), torch.full((3,), 2.0))
     assert fallbacks()[-1].endswith("double on torch.float32")
     with fused_kernels(), warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no second attempt, no second warning
         assert torch.equal(double(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_an_input_off_the_cpu_runs_eagerly_with_a_warning(monkeypatch):
+    """A GPU model under ``fused_kernels()`` directly (the runs refuse it): eager, a warning; the meta device stands
+    in for a GPU here (nothing is compiled: torch.compile would fail the test)."""
+    monkeypatch.setattr(torch, "compile", lambda fn: pytest.fail("compiled an input off the CPU"))
+
+    @fusable
+    def triple(x):
+        return x * 3
+
+    with fused_kernels(), pytest.warns(RuntimeWarning, match="triple on torch.float32: its input is on meta"):
+        assert triple(torch.ones(3, device="meta")).device.type == "meta"
 
 
 def test_fused_refused_on_a_gpu_placement():

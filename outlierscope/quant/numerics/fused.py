@@ -78,7 +78,8 @@ def fusable(fn):
 
     A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
     mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
-    inputs of that dtype in this process (:func:`fallbacks` lists them). Known: inductor 2.13 cannot generate the C++
+    inputs of that dtype in this process (:func:`fallbacks` lists them). Inputs off the CPU (``fused_kernels`` used
+    directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a warning. Known: inductor 2.13 cannot generate the C++
     of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses."""
     compiled = []
 
@@ -87,14 +88,15 @@ def fusable(fn):
         key = _key(fn, args)
         if not _FUSED.get() or torch.compiler.is_compiling() or key in _FALLBACKS:
             return fn(*args, **kwargs)
+        if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
+            _fall_back(key, f"its input is on {args[0].device.type}; fused kernels are proven on the CPU only")
+            return fn(*args, **kwargs)
         if not compiled:
             compiled.append(torch.compile(fn))
         try:
             return compiled[0](*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor's errors reach here wrapped
-            _FALLBACKS.append(key)
-            warnings.warn(f"fused kernels: compiling {key} failed ({str(e).splitlines()[0][:200]}); it runs eagerly "
-                          "(the same bytes, slower)", RuntimeWarning, stacklevel=2)
+            _fall_back(key, f"compiling failed ({str(e).splitlines()[0][:200]})")
             return fn(*args, **kwargs)
 
     run.eager = fn
@@ -102,6 +104,12 @@ def fusable(fn):
 
 
 _FALLBACKS: list[str] = []
+
+
+def _fall_back(key: str, why: str) -> None:
+    _FALLBACKS.append(key)
+    warnings.warn(f"fused kernels: {key}: {why}; it runs eagerly (the eager bytes, slower)", RuntimeWarning,
+                  stacklevel=3)
 
 
 def _key(fn, args) -> str:
