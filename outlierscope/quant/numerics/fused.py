@@ -78,15 +78,18 @@ def fusable(fn):
 
     A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
     mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
-    inputs of that dtype in this process (:func:`fallbacks` lists them). Inputs off the CPU (``fused_kernels`` used
-    directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a warning. Known: inductor 2.13 cannot generate the C++
-    of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses."""
+    inputs of that dtype in this process (:func:`fallbacks` lists them). Known: inductor 2.13 cannot generate the C++
+    of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses. Inputs off the CPU
+    (``fused_kernels`` used directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a
+    warning."""
     compiled = []
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
+        if not _FUSED.get() or torch.compiler.is_compiling():
+            return fn(*args, **kwargs)
         key = _key(fn, args)
-        if not _FUSED.get() or torch.compiler.is_compiling() or key in _FALLBACKS:
+        if key in _FALLBACKS:
             return fn(*args, **kwargs)
         if args and isinstance(args[0], torch.Tensor) and args[0].device.type != "cpu":
             _fall_back(key, f"its input is on {args[0].device.type}; fused kernels are proven on the CPU only")
