@@ -22,7 +22,9 @@ from outlierscope.parallel import Shard, World
 DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch size is another cell (float32 rounding)
 
 
-SPEED_ONLY = ("fused",)  # settings that change how fast, never what: a run resumed with another value is the same run
+# settings that change how fast or in what memory, never the numbers (fused: tested; attn_block: blocked attention is
+# exact, tested in tests/hooks): a run resumed with another value is the same run
+SPEED_ONLY = ("fused", "attn_block")
 
 
 def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, force: bool, upgrade=dict) -> None:

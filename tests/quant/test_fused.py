@@ -202,15 +202,16 @@ def test_a_fused_perplexity_run_writes_the_same_cells(tmp_path):
 
 
 def test_a_run_resumed_with_fused_is_the_same_run(tmp_path):
-    """``fused`` changes speed only: an output directory made without it is resumed with it (and back) without
-    ``force``; another setting is still refused."""
+    """``fused`` and ``attn_block`` change speed only: an output directory made without them is resumed with them (and
+    back) without ``force``; another setting is still refused."""
     import json
 
     from outlierscope.runs.cells import Refused, refuse_other_settings
 
     prev = tmp_path / "record.json"
-    prev.write_text(json.dumps({"settings": {"model": "m", "fused": False, "seed": 0}}))
-    defaults = {"model": None, "fused": False, "seed": 0}
-    refuse_other_settings(prev, {"model": "m", "fused": True, "seed": 0}, defaults, "a run", force=False)
+    prev.write_text(json.dumps({"settings": {"model": "m", "fused": False, "attn_block": None, "seed": 0}}))
+    defaults = {"model": None, "fused": False, "attn_block": None, "seed": 0}
+    refuse_other_settings(prev, {"model": "m", "fused": True, "attn_block": 64, "seed": 0}, defaults, "a run", force=False)
     with pytest.raises(Refused, match="seed differ"):
-        refuse_other_settings(prev, {"model": "m", "fused": True, "seed": 1}, defaults, "a run", force=False)
+        refuse_other_settings(prev, {"model": "m", "fused": True, "attn_block": None, "seed": 1}, defaults, "a run",
+                              force=False)
