@@ -252,10 +252,15 @@ def render_cost_columns(stem: str) -> str:
         lines.append(f"| `{name}` | {d['ratio'][f'text {name}']}x | {d['ratio'][f'hellaswag {name}']}x "
                      f"({d['layout'][name]}) |")
     lines += ["", f"Ratios to the unquantized sdpa cell (HellaSwag's own separate layout: "
-                  f"{d['hellaswag_layout_factor']}x); record `bench/results/{stem}.json` (commit "
-                  f"`{rec['git']['commit'][:10]}`{' + changes' if rec['git']['dirty'] else ''}, {rec['machine']['cpu']}, "
-                  f"{rec['machine']['cores']} cores, medians of {min(len(v) for v in rec['raw']['seconds'].values())})."]
+                  f"{d['hellaswag_layout_factor']}x); {_cost_record(rec, stem)}."]
     return "\n".join(lines)
+
+
+def _cost_record(rec: dict, stem: str, machine: str = "") -> str:
+    """``record `bench/results/STEM.json` (commit ..., CPU, N cores, <machine>medians of R)`` of a cost record."""
+    return (f"record `bench/results/{stem}.json` (commit `{rec['git']['commit'][:10]}`"
+            f"{' + changes' if rec['git']['dirty'] else ''}, {rec['machine']['cpu']}, {rec['machine']['cores']} cores, "
+            f"{machine}medians of {min(len(v) for v in rec['raw']['seconds'].values())})")
 
 
 def render_fused(stem: str) -> str:
@@ -267,12 +272,11 @@ def render_fused(stem: str) -> str:
     for name in _cost_specs(rec):
         eager, fused = f"text {name}", f"text {name}, fused"
         lines.append(f"| `{name}` | {d['ratio'][eager]}x | {d['ratio'][fused]}x | {med[eager] / med[fused]:.2f}x |")
+    m = rec["machine"]
     lines += ["", f"Running text, ratios to the unquantized sdpa cell of the same run "
                   f"({rec['raw']['windows']} windows x {rec['raw']['length']} tokens, batches of {rec['raw']['batch']}); "
-                  f"record `bench/results/{stem}.json` (commit `{rec['git']['commit'][:10]}`"
-                  f"{' + changes' if rec['git']['dirty'] else ''}, {rec['machine']['cpu']}, {rec['machine']['cores']} cores, "
-                  f"{rec['machine']['torch_threads']} thread(s), load average {rec['machine']['load_average_1m_at_start']} "
-                  f"at the start, medians of {min(len(v) for v in rec['raw']['seconds'].values())})."]
+                  + _cost_record(rec, stem, f"{m['torch_threads']} thread(s), load average "
+                                 f"{m['load_average_1m_at_start']} at the start, ") + "."]
     return "\n".join(lines)
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from outlierscope.quant.numerics.primitives import FP8_FORMATS
+from outlierscope.quant.numerics.primitives import FP8_FORMATS, every
 
 
 @dataclass(frozen=True)
@@ -122,9 +122,8 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
     else:
         q = round_minifloat(v, elem)
     nonzero = amax > 0
-    # an all-zero block stays zero (its scale is 2^-127-ish, not 0: kept as it was); none such: nothing to mask (the
-    # same bytes either way: a compiled graph takes the masked form rather than break on the test)
-    if not torch.compiler.is_compiling() and bool(nonzero.all()):
+    # an all-zero block stays zero (its scale is 2^-127-ish, not 0: kept as it was); none such: nothing to mask
+    if every(nonzero):
         return q.mul_(scale).reshape(x.shape).to(x.dtype)
     out = torch.where(nonzero, q * scale, w)
     return out.reshape(x.shape).to(x.dtype)
@@ -152,7 +151,7 @@ def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
     gs, s = nvfp4_scales(x, tensor_amax)
     eff = s / gs  # (..., n, 1)
     ok = eff > 0
-    if not torch.compiler.is_compiling() and bool(ok.all()):  # the common case: no block scale rounded to zero
+    if every(ok):  # the common case: no block scale rounded to zero, nothing to mask
         return round_minifloat(w / eff, "e2m1").mul_(eff).reshape(x.shape).to(x.dtype)
     q = round_minifloat(w / torch.where(ok, eff, torch.ones_like(eff)), "e2m1")
     return torch.where(ok, q * eff, torch.zeros_like(q)).reshape(x.shape).to(x.dtype)

@@ -47,6 +47,13 @@ def qmax(bits: int, fmt: str = "int") -> float:
     return float(torch.finfo(FP8_FORMATS[fmt]).max)
 
 
+def every(mask: torch.Tensor) -> bool:
+    """Whether every entry of ``mask`` holds, for skipping a mask that changes nothing (the common case); False
+    while ``torch.compile`` traces (``fused_kernels``): the masked form gives the same bytes and the graph does not
+    break on reading a tensor's value."""
+    return not torch.compiler.is_compiling() and bool(mask.all())
+
+
 def _work_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
@@ -85,7 +92,7 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
     else:
         q = torch.div(w, safe).clamp_(-m, m).to(FP8_FORMATS[fmt]).to(w.dtype)
     out = q.mul_(safe)
-    if torch.compiler.is_compiling() or not bool(ok.all()):  # compiled: no graph break on the test, the same bytes
+    if not every(ok):
         torch.where(ok, out, w, out=out)
     if valid is not None:
         torch.where(valid, out, w, out=out)
