@@ -102,18 +102,28 @@ def cost_args(description: str):
     return ap.parse_args()
 
 
+def interleaved(cells: dict, reps: int, warmup: bool = True, decimals: int = 2) -> dict[str, list[float]]:
+    """Seconds of each named zero-argument callable, per repetition every one in turn (interleaved, so a change of the
+    machine's load reaches all of them alike), after one warm-up call of each unless ``warmup`` is False (the caller
+    warmed them up itself)."""
+    if warmup:
+        for fn in cells.values():
+            fn()
+    raw = {name: [] for name in cells}
+    for rep in range(reps):
+        for name, fn in cells.items():
+            t0 = time.perf_counter()
+            fn()
+            raw[name].append(round(time.perf_counter() - t0, decimals))
+            print(f"rep {rep} {name}: {raw[name][-1]:.{max(decimals - 1, 1)}f} s", flush=True)
+    return raw
+
+
 def time_cells(lm, specs: dict, items: list, reps: int) -> dict[str, list[float]]:
-    """Seconds of ``evaluate`` per named spec on ``items``, after one warm-up of each on 8 items; per repetition
-    every spec in turn (interleaved, so a change of the machine's load reaches all of them alike)."""
+    """Seconds of ``evaluate`` per named spec on ``items``, after one warm-up of each on 8 items (:func:`interleaved`)."""
     from outlierscope.eval.evaluate import evaluate
 
     for spec in specs.values():  # warm-up
         evaluate(lm, quant=spec, items=items[:8], progress=False)
-    raw = {name: [] for name in specs}
-    for rep in range(reps):
-        for name, spec in specs.items():
-            t0 = time.perf_counter()
-            evaluate(lm, quant=spec, items=items, progress=False)
-            raw[name].append(round(time.perf_counter() - t0, 2))
-            print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
-    return raw
+    cells = {name: (lambda spec=spec: evaluate(lm, quant=spec, items=items, progress=False)) for name, spec in specs.items()}
+    return interleaved(cells, reps, warmup=False)

@@ -37,7 +37,7 @@ import argparse
 import contextlib
 import time
 
-from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, interleaved, median, write  # bench/artifact.py (on sys.path as a script)
 
 LOGITS = ("logits-int8", "logits-int6", "logits-int4")
 RECIPES = ("sage1", "sage2-int4", "fa3-fp8", "fa3-fp8-hadamard", "kivi-2bit", "kivi-4bit", "mxfp4-attn",
@@ -196,19 +196,6 @@ def _cells(a, lm, specs) -> dict:
     return cells
 
 
-def time_cells(cells: dict, reps: int) -> dict[str, list[float]]:
-    for fn in cells.values():  # warm-up
-        fn()
-    raw = {name: [] for name in cells}
-    for rep in range(reps):
-        for name, fn in cells.items():
-            t0 = time.perf_counter()
-            fn()
-            raw[name].append(round(time.perf_counter() - t0, 3))
-            print(f"rep {rep} {name}: {raw[name][-1]:.2f} s", flush=True)
-    return raw
-
-
 def _top_entries(cell, rows: int = 8) -> list[str]:
     from torch.profiler import profile
 
@@ -256,7 +243,7 @@ def main() -> None:
     a.length = a.length or min(512, getattr(lm.model.config, "max_position_embeddings", 512) or 512)
     specs = _specs(a, lm)
     cells = _cells(a, lm, specs)
-    raw = time_cells(cells, a.reps)
+    raw = interleaved(cells, a.reps, decimals=3)
     derived = derive(raw, specs)
     derived["layout"] = {n: ("shared" if s is None else layout_for(s)) for n, (s, _) in specs.items()}
     derived["profiles_over_goal"] = {k: _top_entries(cells[k]) for k in derived["over_goal"] if k.startswith("text")}

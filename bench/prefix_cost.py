@@ -13,9 +13,8 @@ Usage: python bench/prefix_cost.py [--model smollm2-135m] [--spec w8a8] [--windo
 from __future__ import annotations
 
 import argparse
-import time
 
-from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, interleaved, median, write  # bench/artifact.py (on sys.path as a script)
 
 
 def main() -> None:
@@ -63,13 +62,7 @@ def main() -> None:
         return all(np.array_equal(getattr(x, k), getattr(y, k)) for x, y in zip(values[a], values[b], strict=True)
                    for k in ("nll", "nll_base", "kld", "p_diff", "same_top"))
 
-    raw = {"reused": [], "whole": []}
-    for rep in range(a.reps):
-        for name, prefix in (("reused", True), ("whole", False)):
-            t0 = time.perf_counter()
-            cell(prefix)
-            raw[name].append(round(time.perf_counter() - t0, 2))
-            print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
+    raw = interleaved({"reused": lambda: cell(True), "whole": lambda: cell(False)}, a.reps, warmup=False)
     for h in handles:
         h.remove()
     derived = {"median_s": {k: median(v) for k, v in raw.items()},

@@ -14,9 +14,8 @@ Usage: python bench/prefix_items_cost.py [--model smollm2-135m] [--spec w8a8] [-
 from __future__ import annotations
 
 import argparse
-import time
 
-from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, interleaved, median, write  # bench/artifact.py (on sys.path as a script)
 
 
 def main() -> None:
@@ -56,13 +55,7 @@ def main() -> None:
     def same(x: str, y: str) -> bool:
         return all(r.items.equals(s.items) for r, s in zip(values[x], values[y], strict=True))
 
-    raw = {"reused": [], "one_by_one": []}
-    for rep in range(a.reps):
-        for name, together in (("reused", True), ("one_by_one", False)):
-            t0 = time.perf_counter()
-            cells(together)
-            raw[name].append(round(time.perf_counter() - t0, 2))
-            print(f"rep {rep} {name}: {raw[name][-1]:.1f} s", flush=True)
+    raw = interleaved({"reused": lambda: cells(True), "one_by_one": lambda: cells(False)}, a.reps, warmup=False)
     for h in handles:
         h.remove()
     derived = {"median_s": {k: median(v) for k, v in raw.items()},

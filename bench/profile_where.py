@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import time
 
-from artifact import begin, median, write  # bench/artifact.py (this folder is on sys.path when run as a script)
+from artifact import begin, interleaved, median, write  # bench/artifact.py (on sys.path as a script)
 
 
 def main() -> None:
@@ -46,14 +45,7 @@ def main() -> None:
     settings = ProfileSettings(tokens=int(seqs.numel()), seq_len=a.length, batch_size=a.batch)
     cells = {"forward sdpa": lambda: forward(False), "forward ours 16-bit": lambda: forward(True),
              "profile": lambda: profile_model(lm, settings=settings, progress=False)}
-    for fn in cells.values():
-        fn()
-    raw = {k: [] for k in cells}
-    for _ in range(a.reps):
-        for k, fn in cells.items():
-            t0 = time.perf_counter()
-            fn()
-            raw[k].append(round(time.perf_counter() - t0, 3))
+    raw = interleaved(cells, a.reps, decimals=3)
     with torch_profile() as p:
         cells["profile"]()
     top = p.key_averages().table(sort_by="self_cpu_time_total", row_limit=12).splitlines()

@@ -221,6 +221,27 @@ TABLES = {
         ("every per-item score the same bytes; control (one by one twice)", ("same_bytes", "control_same_bytes"),
          "{}; {}"),
     ]),
+    "make_reproduce": ("make_reproduce", [
+        ("`make reproduce`, the whole target (install, data, both runs), min (goal 25)", "make_reproduce_min", "**{}**"),
+        ("the two runs' own wall time (their reproduce.json), min", "runs_min", "{}"),
+        ("pair: profile (400,000 tokens per model) / sweep (16/8/6/4 bits, 2 models, 10,042 items) / report, s",
+         ("stages_s/pair/profile_s", "stages_s/pair/sweep_s", "stages_s/pair/report_s"), "{} / {} / {}"),
+        ("SmolLM2-135M (`REAL_ARGS`): profile / sweep / report, s",
+         ("stages_s/smollm2-135m/profile_s", "stages_s/smollm2-135m/sweep_s", "stages_s/smollm2-135m/report_s"),
+         "{} / {} / {}"),
+        ("the pair's sweep cells, s: unquantized / 8 / 6 / 4 bits (Transformer)",
+         tuple(f"pair_sweep_cells_s/pair-tiny:transformer {b}" for b in
+               ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor", "4-bit int per_tensor")),
+         "{} / {} / {} / {}"),
+        ("the same (Diff)", tuple(f"pair_sweep_cells_s/pair-tiny:diff {b}" for b in
+                                  ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor",
+                                   "4-bit int per_tensor")), "{} / {} / {} / {}"),
+        ("the pair's Table 5 against docs/reproduction: largest relative difference",
+         "vs_docs_reproduction/table5_largest_relative_difference", "{:.1e}"),
+        ("the pair's sweep against docs/reproduction (same cell ids): largest difference of acc / acc_norm / flip rate",
+         ("vs_docs_reproduction/sweep_max_abs_difference/acc", "vs_docs_reproduction/sweep_max_abs_difference/acc_norm",
+          "vs_docs_reproduction/sweep_max_abs_difference/flip_rate"), "{} / {} / {:.1e}"),
+    ]),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
@@ -302,9 +323,14 @@ def render(name: str) -> str:
     where = record_path(stem).relative_to(HERE.parent).as_posix()
     lines += ["", f"Record: `{where}` ({rec['date']}, commit `{rec['git']['commit'][:10]}`"
                   f"{' + changes' if rec['git']['dirty'] else ''}; {m['cpu']}, {m['cores']} cores, {m['torch_threads']} "
-                  f"threads{', ' + m['gpu'] if m['gpu'] else ''}; load average {m['load_average_1m_at_start']} at the start; "
+                  f"threads{', ' + m['gpu'] if m['gpu'] else ''}; {_load(m)}; "
                   f"torch {rec['versions']['torch']}). Raw timings of every repetition are in the record."]
     return "\n".join(lines)
+
+
+def _load(m: dict) -> str:
+    load = m["load_average_1m_at_start"]
+    return "load at the start not recorded" if load is None else f"load average {load} at the start"
 
 
 def _get(d: dict, key: str):

@@ -244,6 +244,19 @@ def test_prefix_items_cost_record_recomputed(stem):
     assert d["layers_run"]["reused"] == batches * (n - 1 + n * (n - 1) // 2)
 
 
+def test_make_reproduce_record_recomputed():
+    """The minutes from the raw seconds, each run's total from its stages, the sweep's stage at least its cells."""
+    r = _rec("make_reproduce")
+    d = r["derived"]
+    assert d["make_reproduce_min"] == round(r["raw"]["make_seconds"] / 60, 1)
+    stages = d["stages_s"]
+    assert d["runs_min"] == round(sum(t["total_s"] for t in stages.values()) / 60, 1)
+    for t in stages.values():
+        assert abs(t["total_s"] - (t["profile_s"] + t["sweep_s"] + t["report_s"])) <= 0.2
+    assert stages["pair"]["sweep_s"] >= sum(d["pair_sweep_cells_s"].values())
+    assert r["raw"]["make_seconds"] >= sum(t["total_s"] for t in stages.values())
+
+
 def test_guide_cost_table_equals_the_record():
     tables = _tables()
     text = (ROOT / "docs" / "guide" / "cost.md").read_text()

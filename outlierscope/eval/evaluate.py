@@ -237,7 +237,7 @@ class EvalResult:
         return cls(items, meta.get("metrics", {}), meta.get("settings", {}), meta.get("seconds", 0.0), extra)
 
 
-def _model_and_tokenizer(model, tokenizer):
+def model_and_tokenizer(model, tokenizer):
     if isinstance(model, LoadedModel):
         return model.model, tokenizer or model.tokenizer
     if tokenizer is None:
@@ -266,7 +266,7 @@ class EvalOptions:
             raise ParamError("layout", "'separate' or 'shared' (or None: from the quantization)", self.layout)
 
 
-def _options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
+def eval_options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
     """``options``, or one made of :class:`EvalOptions` fields given as keywords (``batch_size=8``)."""
     if options is not None and kwargs:
         raise ParamError("options", "either an EvalOptions or its fields as keywords, not both", sorted(kwargs))
@@ -314,9 +314,9 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
     ``shard`` the result is partial (:attr:`EvalResult.is_partial`: NaN scores elsewhere) and
     :func:`merge_results` combines the parts. Any split gives the scores of a single process.
     """
-    model, tokenizer = _model_and_tokenizer(model, tokenizer)
+    model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)
-    opt = _options(options, option_kwargs)
+    opt = eval_options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
     spec = QuantSpec.of(quant)
     attn_error_spec = QuantSpec.of(attn_error_spec) if attn_error_spec else None
@@ -397,10 +397,10 @@ def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, t
                                     on_batch=on_batch if stats else None)
             # the LM loss is one process's job: the one with virtual shard 0
             loss = lm_loss(model, text_seqs, opt.batch_size) if text_seqs is not None and 0 in own else None
-    return _partial(requests, scores, loss, settings, time.time() - t0, own, settings["layout"])
+    return partial_result(requests, scores, loss, settings, time.time() - t0, own, settings["layout"])
 
 
-def _partial(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:
+def partial_result(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:
     df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
     for j in range(scores.shape[1]):
         df[f"score{j}"] = scores[:, j]

@@ -41,7 +41,8 @@ LAYOUTS = ("shared", "separate")
 HEAD_ROWS = 256  # continuation positions per LM-head block (measured best on the project's CPU: 128-256)
 
 
-def _identity(ctx, logits):
+def unchanged_logits(ctx, logits):
+    """The logits stage that changes nothing: the unquantized path through our attention."""
     return logits
 
 
@@ -102,7 +103,7 @@ def gathered_hidden(model, rows: list[dict]) -> tuple[torch.Tensor, list[tuple[i
     return hidden[torch.tensor(b_idx), torch.tensor(p_idx)], owner, tgt  # (N, D)
 
 
-def _score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
+def score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
     """Summed log-probabilities of each row's gathers (one padded batch)."""
     h, owner, tgt = gathered_hidden(model, rows)
     tgt_t = torch.tensor(tgt, device=h.device)
@@ -168,11 +169,11 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     scores = empty_scores(requests)
     head = lm_head(model)
     done = BatchProgress(requests, numbered, progress)
-    with attention_stages(model, _identity):
+    with attention_stages(model, unchanged_logits):
         for k, batch in numbered:
             if on_batch is not None:
                 on_batch(k)
-            fill_scores(scores, batch, _score_rows(model, head, batch_rows(requests, batch)))
+            fill_scores(scores, batch, score_rows(model, head, batch_rows(requests, batch)))
             done.batch_done(batch)
     return scores
 
@@ -213,7 +214,7 @@ def batch_rows(requests: Sequence[Request], batch: list[tuple]) -> list[dict]:
 
 
 def fill_scores(scores: np.ndarray, batch: list[tuple], values: list[np.ndarray]) -> None:
-    """Put one batch's summed log-probabilities (:func:`_score_rows`) in their items' places."""
+    """Put one batch's summed log-probabilities (:func:`score_rows`) in their items' places."""
     for (_, i, j), v in zip(batch, values):
         if j is None:
             scores[i, : len(v)] = v

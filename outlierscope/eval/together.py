@@ -31,25 +31,25 @@ import torch
 from outlierscope.eval.evaluate import (
     EvalOptions,
     EvalResult,
-    _model_and_tokenizer,
-    _options,
-    _partial,
     checked_layout,
+    eval_options,
     finished,
+    model_and_tokenizer,
+    partial_result,
     result_settings,
 )
 from outlierscope.eval.perplexity import HOLD_BYTES, prefix_start
 from outlierscope.eval.requests import Request, build_requests, lmeval_max_length
 from outlierscope.eval.scorer import (
     BatchProgress,
-    _identity,
-    _score_rows,
     batch_rows,
     empty_scores,
     fill_scores,
     gathered_hidden,
     lm_head,
     plan_batches,
+    score_rows,
+    unchanged_logits,
 )
 from outlierscope.hooks.attention import attention_stages
 from outlierscope.hooks.prefix import recording_outputs, replaying, stopping_after
@@ -85,8 +85,8 @@ def score_requests_together(model, requests: Sequence[Request], specs: Sequence[
         for j, (spec, calibration, start) in enumerate(zip(specs, calibrations, starts)):
             key = (str(spec), id(calibration))
             with quantize_model(model, spec, block_rows, calibration, held=(held, key)), \
-                    replaying(model, start, recorded.get(start - 1)), attention_stages(model, _identity):
-                fill_scores(scores[j], batch, _score_rows(model, lm_head(model), rows))
+                    replaying(model, start, recorded.get(start - 1)), attention_stages(model, unchanged_logits):
+                fill_scores(scores[j], batch, score_rows(model, lm_head(model), rows))
         done.batch_done(batch)
     return scores
 
@@ -95,7 +95,7 @@ def _record_trunk(model, rows: list[dict], layers: set[int], block_rows: int | N
     """The unquantized forward of one batch's rows (in the context an unquantized cell scores in) up to the highest
     of ``layers``: each one's output, as :func:`~outlierscope.hooks.prefix.replaying` takes it."""
     with quantize_model(model, QuantSpec(), block_rows), recording_outputs(model, layers) as outs, \
-            attention_stages(model, _identity), stopping_after(model, max(layers)):
+            attention_stages(model, unchanged_logits), stopping_after(model, max(layers)):
         gathered_hidden(model, rows)
     return dict(outs)
 
@@ -109,9 +109,9 @@ def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str]
     for the spec alone; its ``seconds`` the pass's wall time shared equally. The specs must take one layout
     (``options.layout``, else :func:`~outlierscope.eval.evaluate.layout_for` each). ``shard`` and ``world`` as in
     ``evaluate`` (rank 0 gets the results, the other ranks Nones; a partial shard gives partial results)."""
-    model, tokenizer = _model_and_tokenizer(model, tokenizer)
+    model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)
-    opt = _options(options, option_kwargs)
+    opt = eval_options(options, option_kwargs)
     shard, world = shard or Shard(), world or World()
     specs = [QuantSpec.of(spec) for spec in specs]
     for spec in specs:
@@ -123,7 +123,7 @@ def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str]
     requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
     calibrations = [calibration_for(model, tokenizer, spec, opt.calibration_dir) for spec in specs]
     parts = _score_together(model, requests, specs, layout, opt, calibrations, shard, world, opt.desc or task)
-    results = [_partial(requests, sc, None, result_settings(model, spec, layout, items, opt, task), wall, own, layout)
+    results = [partial_result(requests, sc, None, result_settings(model, spec, layout, items, opt, task), wall, own, layout)
                for spec, (sc, wall, own) in zip(specs, parts)]
     return [finished(part, shard, world, opt.desc or task) for part in results]  # one gather per spec, in order
 

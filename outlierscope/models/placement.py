@@ -22,7 +22,8 @@ DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")
 # the placement settings every run shares, declared once (outlierscope.settings): the runs' dataclasses use these
 def dtype_option():
     return option("auto", "weights and activations (auto: the checkpoint's bf16/fp16 on cuda, float32 on the cpu; "
-                  "attention logits are float32 at least; float64: independent of batch size and processor, slower)",
+                  "attention logits are float32 at least; float64: independent of batch size and processor but for the "
+                  "rounding ties of full-range grids such as W8A8's (the perplexity guide), slower)",
                   choices=DTYPES)
 
 

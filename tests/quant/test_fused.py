@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from outlierscope.errors import ParamError
+from outlierscope.quant.attention.ops import first_real, quantize_probs, quantize_tokens
 from outlierscope.quant.linears.ops import outlier_columns, quantize_activation, quantize_weight
 from outlierscope.quant.numerics.fused import fallbacks, fusable, fused_kernels, fusing
 from outlierscope.quant.specs.recipes import RECIPES
@@ -90,6 +91,73 @@ def test_fused_over_changing_shapes(name):
             with fused_kernels():
                 fused = fn(*args)
             assert torch.equal(_bits(fused), _bits(eager)), f"{name} {shape}: {fn.__name__}"
+
+
+ATTENTION = [n for n, r in RECIPES.items() if any(QuantSpec.parse(n).part(t) for t in ("q", "k", "v", "probs"))]
+# the attention recipes' parts in one list, and spec parts of the other granularities
+ATTENTION_PARTS = sorted({str(p): p for n in ATTENTION + ["k=asym2/per_channel:32; probs=int8/static",
+                                                                "q=int8/per_token; k=int4/per_group:32; v=int8/per_head; probs=int8/per_row"]
+                          for p in (QuantSpec.parse(n).part(t) for t in ("q", "k", "v", "probs")) if p}.items())
+
+
+def _qkv(shape: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """bf16-valued q/k/v-like (B, H, T, d) data with outlier channels and an all-zero token, its (B, T) validity with
+    left padding (row 0) and right padding (row 1), causal probabilities (B, H, T, T) of it and each row's first key."""
+    B, H, T, d = shape
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, H, T, d, generator=g) * torch.logspace(-2, 1, d)[torch.randperm(d, generator=g)])
+    x[..., 3] *= 60
+    x[:, :, T // 2] = 0
+    x = x.bfloat16().float()
+    valid = torch.ones(B, T, dtype=torch.bool)
+    valid[0, : T // 3], valid[1, T - T // 4:] = False, False
+    logits = torch.randn(B, H, T, T, generator=g) * 4
+    keys = valid[:, None, None, :] & torch.ones(T, T, dtype=torch.bool).tril()  # (B, 1, T, T)
+    probs = logits.masked_fill(~keys, float("-inf")).softmax(-1).nan_to_num(0.0)
+    return x, valid, probs, first_real(valid)
+
+
+@pytest.mark.parametrize("part", [p for _, p in ATTENTION_PARTS], ids=[n for n, _ in ATTENTION_PARTS])
+def test_fused_attention_quantizers_give_the_eager_bytes(part):
+    """Attention's q/k/v and P quantizers of every recipe, compiled, over changing shapes (dynamo's shape-generic
+    kernels from the second shape on) with left and right padding and groups of tokens counted from the first real
+    token: the eager bytes, from one graph each (no break). NVFP4's parts stay eager (no frame compiled)."""
+    shapes = ((2, 3, 70, 64), (3, 3, 45, 64), (2, 2, 130, 128), (3, 4, 33, 64))
+    for n, shape in enumerate(shapes):
+        x, valid, probs, start = _qkv(shape, n)
+        fn, args = (quantize_probs, (probs, valid[:, None, None, :], part, start)) if part.target == "probs" else \
+            (quantize_tokens, (x, valid, part))
+        eager = fn(*args)
+        if n == 0 and part.format != "nvfp4":
+            assert torch._dynamo.explain(fn.eager)(*args).graph_break_count == 0, str(part)
+        frames, failed = _frames(), fallbacks()
+        with fused_kernels(), warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            fused = fn(*args)
+        assert fallbacks() == failed and torch.equal(_bits(fused), _bits(eager)), f"{part} {shape}"
+        compiled = _frames() > frames
+        assert not compiled if part.format == "nvfp4" else compiled or n > 0, str(part)
+
+
+@pytest.mark.parametrize("text", ["logits=int8/per_tensor", "logits=int4/per_tensor", "logits=int6/per_head",
+                                  "logits=int4/per_row", "logits=e4m3/per_row"])
+def test_fused_logits_give_the_eager_bytes(text):
+    """The paper's logits quantizer compiled, its own scale and a scale given from blocks of rows (``amax``), over
+    changing shapes with padding and the causal mask: the eager bytes."""
+    from outlierscope.quant.attention.logits import logits_quant
+
+    lq = logits_quant(QuantSpec.parse(text))
+    for n, shape in enumerate(((2, 3, 70, 64), (3, 3, 45, 64), (2, 2, 130, 128))):
+        _, valid, _, _ = _qkv(shape, n)
+        B, H, T, _ = shape
+        logits = (torch.randn(B, H, T, T, generator=torch.Generator().manual_seed(n)) * 9).bfloat16().float()
+        keys = valid[:, None, None, :] & torch.ones(T, T, dtype=torch.bool).tril()  # (B, 1, T, T)
+        for amax in (None, lq.absmax(logits, keys) * 1.25):
+            eager = lq(logits, keys, amax)
+            with fused_kernels(), warnings.catch_warnings():
+                warnings.simplefilter("error", RuntimeWarning)
+                fused = lq(logits, keys, amax)
+            assert torch.equal(_bits(fused), _bits(eager)), f"{text} {shape} amax={amax is not None}"
 
 
 def test_every_mx_shared_exponent_and_e2m1_tie():
@@ -192,13 +260,14 @@ def test_fused_refused_on_a_gpu_placement():
 def test_a_fused_perplexity_run_writes_the_same_cells(tmp_path):
     from outlierscope.runs.perplexity import PerplexitySettings, perplexity
 
-    base = dict(model="pair-tiny:transformer", quant=("nvfp4", "mxfp4", "llm-int8"), max_windows=2, length=128,
+    base = dict(model="pair-tiny:transformer", quant=("nvfp4", "mxfp4", "llm-int8", "sage2-int4", "mxfp8-attn"),
+                max_windows=2, length=128,
                 dtype="float32")
     cells = {}
     for fused in (False, True):
         perplexity(PerplexitySettings(**base, fused=fused), tmp_path / str(fused), log=lambda *a, **k: None)
         cells[fused] = {p.name: p.read_bytes() for p in sorted((tmp_path / str(fused) / "cells").glob("*.npz"))}
-    assert len(cells[True]) == 4 and cells[True] == cells[False]
+    assert len(cells[True]) == 6 and cells[True] == cells[False]
 
 
 def test_a_run_resumed_with_fused_is_the_same_run(tmp_path):

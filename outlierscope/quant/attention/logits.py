@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.numerics.fused import fusable
 from outlierscope.quant.numerics.primitives import absmax, fake_quant, qmax, quantize_absmax
 
 # reduction dims of the logits (B, H, T, S) per granularity; the batch dim is never reduced,
@@ -49,13 +50,25 @@ class LogitsQuant:
         """Quantize logits (B, H, T, S) with their valid mask; returns a new tensor.
 
         ``amax``: the absmax to scale with (from :meth:`absmax` over all blocks of rows); None: these logits' own."""
-        if valid is not None:
-            valid = valid.expand_as(logits)
-        if self.bnb:
-            return bnb_int8_rowwise(logits, valid)
-        if amax is not None:
-            return fake_quant(logits, amax / qmax(self.bits, self.format), self.bits, self.format, valid)
-        return quantize_absmax(logits, self.bits, GRANULARITY_DIMS[self.granularity], valid, self.format)
+        return quantize_logits(logits, valid, self, amax)
+
+
+def _bnb(logits, valid, lq: LogitsQuant, amax=None) -> bool:
+    return lq.bnb  # bitsandbytes' own kernel: nothing to compile
+
+
+@fusable(eager_if=_bnb)
+def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: LogitsQuant,
+                    amax: torch.Tensor | None = None) -> torch.Tensor:
+    """:meth:`LogitsQuant.__call__`: compiled inside :func:`~outlierscope.quant.numerics.fused.fused_kernels` (the
+    same bytes), bitsandbytes' rows always eager."""
+    if valid is not None:
+        valid = valid.expand_as(logits)
+    if lq.bnb:
+        return bnb_int8_rowwise(logits, valid)
+    if amax is not None:
+        return fake_quant(logits, amax / qmax(lq.bits, lq.format), lq.bits, lq.format, valid)
+    return quantize_absmax(logits, lq.bits, GRANULARITY_DIMS[lq.granularity], valid, lq.format)
 
 
 def logits_quant(spec) -> LogitsQuant | None:

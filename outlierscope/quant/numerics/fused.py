@@ -3,8 +3,9 @@
 A quantizer such as NVFP4 or MX is a chain of a dozen elementwise passes over the tensor (absolute values, block
 maxima, a division, a rounding built from comparisons, a product, dtype copies), each reading and writing the whole
 tensor. Inside :func:`fused_kernels` the functions marked :func:`fusable` (``quantize_activation`` and
-``quantize_weight`` of :mod:`outlierscope.quant.linears.ops`) run as one compiled graph, which inductor turns into a
-few loops over the data::
+``quantize_weight`` of :mod:`outlierscope.quant.linears.ops`; attention's ``quantize_tokens`` and ``quantize_probs``
+of :mod:`outlierscope.quant.attention.ops` and the paper's ``quantize_logits``) run as one compiled graph each, which
+inductor turns into a few loops over the data::
 
     with fused_kernels():                  # or a run's ``fused=True`` (``--fused``)
         with quantize_model(model, spec):  # its quantizers compiled at their first call (seconds), then reused
@@ -17,10 +18,11 @@ Cells computed fused therefore keep their identity. On CUDA, inductor's Triton k
 approximate reciprocal (``div.full.f32``, up to 2 ulp), which moves values across rounding ties: refused there
 (:func:`outlierscope.models.placement.check_placement`) until a GPU check proves otherwise.
 
-Not fused: attention's q/k/v and P quantizers (``quantize_tokens``, ``quantize_probs``). Compiled, they gave the eager
-bytes on every recipe at fixed shapes, but once dynamo compiled shape-generic kernels (a forward changes shapes), the
-NVFP4 recipe's v (quantized along the tokens, transposed, zero-padded to whole blocks) came out wrong in torch 2.13:
-they stay eager until that holds.
+Not fused: attention's NVFP4 parts (``nvfp4-attn``): compiled, NVFP4's v (quantized along the tokens, transposed,
+zero-padded to whole blocks, its per-tensor scale per sequence) comes out wrong in torch 2.13 (the test of every
+attention part fails on it when the exclusion is removed); they stay eager until that holds. Every other attention
+part (integer, FP8 and MX q/k/v and P at every granularity; the paper's logits) compiled over changing shapes, with
+left and right padding, gives the eager bytes (tested).
 
 State: one context variable (off unless a caller turns it on), each fusable function's compiled version, made
 at its first fused call (never at import), and the list of compiled calls that failed and ran eagerly.
@@ -46,7 +48,8 @@ RECOMPILE_LIMIT = 256
 @contextlib.contextmanager
 def fused_kernels(enabled: bool = True):
     """Within the block, the quantizers (``quantize_activation``, ``quantize_weight``: every linear scheme's ``a=`` and
-    ``w=`` parts) run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
+    ``w=`` parts; ``quantize_tokens``, ``quantize_probs``, ``quantize_logits``: attention's q/k/v, P and logits parts
+    but NVFP4's and bitsandbytes') run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
     every scheme), each chain of elementwise passes one fused loop (what it saves: bench/README's cost section);
     seconds of compiling at each scheme's first call. A run's ``fused=True`` (``--fused``) enters it; refused
     on a GPU (see the module). Restored on exit, also on error; dynamo's recompile limit is raised to
@@ -71,10 +74,12 @@ def fusing() -> bool:
     return _FUSED.get()
 
 
-def fusable(fn):
+def fusable(fn=None, *, eager_if=None):
     """``fn`` as it is, or compiled (``torch.compile``, shapes dynamic after the first recompile) inside
     :func:`fused_kernels`. Where ``fn`` is already being traced (one fusable function calling another) it runs
-    as it is, inlined into the caller's graph. The eager function stays reachable as ``.eager``.
+    as it is, inlined into the caller's graph. The eager function stays reachable as ``.eager``. ``eager_if``: a
+    predicate of ``fn``'s arguments under which it always runs eagerly (a case compiling is known to get wrong); used
+    as ``@fusable(eager_if=...)``.
 
     A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
     mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
@@ -82,11 +87,13 @@ def fusable(fn):
     of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses. Inputs off the CPU
     (``fused_kernels`` used directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a
     warning."""
+    if fn is None:
+        return functools.partial(fusable, eager_if=eager_if)
     compiled = []
 
     @functools.wraps(fn)
     def run(*args, **kwargs):
-        if not _FUSED.get() or torch.compiler.is_compiling():
+        if not _FUSED.get() or torch.compiler.is_compiling() or eager_if is not None and eager_if(*args, **kwargs):
             return fn(*args, **kwargs)
         key = _key(fn, args)
         if key in _FALLBACKS:
