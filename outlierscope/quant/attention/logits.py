@@ -57,7 +57,7 @@ def _bnb(logits, valid, lq: LogitsQuant, amax=None) -> bool:
     return lq.bnb  # bitsandbytes' own kernel: nothing to compile
 
 
-@fusable(eager_if=_bnb)
+@fusable(eager_if=_bnb, dynamic=True)
 def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: LogitsQuant,
                     amax: torch.Tensor | None = None) -> torch.Tensor:
     """:meth:`LogitsQuant.__call__`: compiled inside :func:`~outlierscope.quant.numerics.fused.fused_kernels` (the

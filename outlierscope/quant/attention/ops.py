@@ -133,13 +133,7 @@ def groups_tokens(tq: TensorQuant) -> bool:
     return tq.granularity in ("per_block", "per_channel") and tq.size is not None
 
 
-def _nvfp4(x, valid, tq, *args, **kwargs) -> bool:
-    """NVFP4 parts stay eager inside ``fused_kernels``: compiled (torch 2.13), v's blocks along the tokens come out
-    wrong (:mod:`outlierscope.quant.numerics.fused`)."""
-    return tq.format == "nvfp4"
-
-
-@fusable(eager_if=_nvfp4)
+@fusable(dynamic=True)  # shape-generic from the first call: see outlierscope.quant.numerics.fused
 def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype.
     Groups of tokens start at each sequence's first real token."""
@@ -163,7 +157,7 @@ def _quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> t
     return out.reshape(x.shape)
 
 
-@fusable(eager_if=_nvfp4)
+@fusable(dynamic=True)
 def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_start: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities (B, H, t, S) quantized-dequantized per ``tq``: ``per_row`` (absmax over a row's keys),
     ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys, its blocks counted from each

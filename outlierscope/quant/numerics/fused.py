@@ -18,11 +18,12 @@ Cells computed fused therefore keep their identity. On CUDA, inductor's Triton k
 approximate reciprocal (``div.full.f32``, up to 2 ulp), which moves values across rounding ties: refused there
 (:func:`outlierscope.models.placement.check_placement`) until a GPU check proves otherwise.
 
-Not fused: attention's NVFP4 parts (``nvfp4-attn``): compiled, NVFP4's v (quantized along the tokens, transposed,
-zero-padded to whole blocks, its per-tensor scale per sequence) comes out wrong in torch 2.13 (the test of every
-attention part fails on it when the exclusion is removed); they stay eager until that holds. Every other attention
-part (integer, FP8 and MX q/k/v and P at every granularity; the paper's logits) compiled over changing shapes, with
-left and right padding, gives the eager bytes (tested).
+Attention's quantizers are compiled shape-generic from their first call (``dynamic=True``): a forward's attention
+shapes change with every batch, and the kernel torch 2.13 specialised to the first shape of NVFP4's v ((2, 3, 70, 64)
+in the test: quantized along the tokens, transposed, zero-padded to whole blocks) wrote zeros where the eager function
+returns the padding tokens unchanged (its valid entries were right; the shape-generic kernels give the eager bytes).
+Every attention part of the recipes (integer, FP8, MX and NVFP4 q/k/v and P at every granularity; the paper's
+logits) compiled so gives the eager bytes over changing shapes with left and right padding (tested).
 
 State: one context variable (off unless a caller turns it on), each fusable function's compiled version, made
 at its first fused call (never at import), and the list of compiled calls that failed and ran eagerly.
@@ -49,7 +50,7 @@ RECOMPILE_LIMIT = 256
 def fused_kernels(enabled: bool = True):
     """Within the block, the quantizers (``quantize_activation``, ``quantize_weight``: every linear scheme's ``a=`` and
     ``w=`` parts; ``quantize_tokens``, ``quantize_probs``, ``quantize_logits``: attention's q/k/v, P and logits parts
-    but NVFP4's and bitsandbytes') run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
+    but bitsandbytes') run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
     every scheme), each chain of elementwise passes one fused loop (what it saves: bench/README's cost section);
     seconds of compiling at each scheme's first call. A run's ``fused=True`` (``--fused``) enters it; refused
     on a GPU (see the module). Restored on exit, also on error; dynamo's recompile limit is raised to
@@ -74,12 +75,13 @@ def fusing() -> bool:
     return _FUSED.get()
 
 
-def fusable(fn=None, *, eager_if=None):
-    """``fn`` as it is, or compiled (``torch.compile``, shapes dynamic after the first recompile) inside
-    :func:`fused_kernels`. Where ``fn`` is already being traced (one fusable function calling another) it runs
-    as it is, inlined into the caller's graph. The eager function stays reachable as ``.eager``. ``eager_if``: a
-    predicate of ``fn``'s arguments under which it always runs eagerly (a case compiling is known to get wrong); used
-    as ``@fusable(eager_if=...)``.
+def fusable(fn=None, *, eager_if=None, dynamic: bool | None = None):
+    """``fn`` as it is, or compiled (``torch.compile``) inside :func:`fused_kernels`. Where ``fn`` is already being
+    traced (one fusable function calling another) it runs as it is, inlined into the caller's graph. The eager
+    function stays reachable as ``.eager``. Used as ``@fusable`` or ``@fusable(...)``: ``eager_if``, a predicate of
+    ``fn``'s arguments under which it always runs eagerly (nothing to compile); ``dynamic``, ``torch.compile``'s
+    (None: a kernel specialised to the first shape, shape-generic ones after the first recompile; True: shape-generic
+    from the first call).
 
     A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
     mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
@@ -88,7 +90,7 @@ def fusable(fn=None, *, eager_if=None):
     (``fused_kernels`` used directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a
     warning."""
     if fn is None:
-        return functools.partial(fusable, eager_if=eager_if)
+        return functools.partial(fusable, eager_if=eager_if, dynamic=dynamic)
     compiled = []
 
     @functools.wraps(fn)
@@ -102,7 +104,7 @@ def fusable(fn=None, *, eager_if=None):
             _fall_back(key, f"its input is on {args[0].device.type}; fused kernels are proven on the CPU only")
             return fn(*args, **kwargs)
         if not compiled:
-            compiled.append(torch.compile(fn))
+            compiled.append(torch.compile(fn, dynamic=dynamic))
         try:
             return compiled[0](*args, **kwargs)
         except torch._dynamo.exc.BackendCompilerFailed as e:  # inductor's errors reach here wrapped
