@@ -302,7 +302,8 @@ def render_fused(stem: str) -> str:
 
 
 COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the guide's cost page
-FUSED = {"cost_fused_smollm2": "cost_smollm2-135m_fused"}  # bench/cost.py --fused records: table name -> stem
+# bench/cost.py --fused records: table name -> stem
+FUSED = {"cost_fused_smollm2": "cost_smollm2-135m_fused", "cost_fused_attention_smollm2": "cost_smollm2-135m_fused-attention"}
 
 
 def render(name: str) -> str:

@@ -259,14 +259,29 @@ def test_fused_refused_on_a_gpu_placement():
 def test_a_fused_perplexity_run_writes_the_same_cells(tmp_path):
     from outlierscope.runs.perplexity import PerplexitySettings, perplexity
 
-    base = dict(model="pair-tiny:transformer", quant=("nvfp4", "mxfp4", "llm-int8", "sage2-int4", "mxfp8-attn"),
-                max_windows=2, length=128,
+    base = dict(model="pair-tiny:transformer", quant=("nvfp4", "mxfp4", "llm-int8", "sage2-int4", "mxfp8-attn",
+                                                      "nvfp4-attn", "logits-int4"), max_windows=2, length=128,
                 dtype="float32")
     cells = {}
     for fused in (False, True):
         perplexity(PerplexitySettings(**base, fused=fused), tmp_path / str(fused), log=lambda *a, **k: None)
         cells[fused] = {p.name: p.read_bytes() for p in sorted((tmp_path / str(fused) / "cells").glob("*.npz"))}
-    assert len(cells[True]) == 6 and cells[True] == cells[False]
+    assert len(cells[True]) == 8 and cells[True] == cells[False]
+
+
+def test_fused_hellaswag_scores_are_the_eager_ones(hs_jsonl):
+    """HellaSwag items in batches of varying length (every (context, ending) its own padded sequence): attention's
+    compiled quantizers, one shape-generic kernel over all of them, score every item as the eager ones do."""
+    from outlierscope.eval.evaluate import evaluate
+    from outlierscope.models.loading import load_model
+
+    lm = load_model("pair-tiny:diff")
+    for spec in ("nvfp4-attn", "sage2-int4", "logits-int6"):
+        eager = evaluate(lm, quant=spec, data=hs_jsonl, limit=8, batch_size=5, progress=False)
+        with fused_kernels():
+            fused = evaluate(lm, quant=spec, data=hs_jsonl, limit=8, batch_size=5, progress=False)
+        cols = eager.score_columns
+        assert fused.items[cols].equals(eager.items[cols]), spec
 
 
 def test_a_run_resumed_with_fused_is_the_same_run(tmp_path):
