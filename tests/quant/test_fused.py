@@ -214,7 +214,7 @@ def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(monkeypatch):
     failure = torch._dynamo.exc.BackendCompilerFailed.__new__(torch._dynamo.exc.BackendCompilerFailed)
     Exception.__init__(failure, "CppCompileError: C++ compile error")  # what inductor raises, without a compiler
 
-    def broken(fn):
+    def broken(fn, **options):  # torch.compile(fn, dynamic=...)
         def call(*a, **k):
             raise failure
         return call
@@ -236,7 +236,7 @@ def test_a_graph_that_fails_to_compile_runs_eagerly_with_a_warning(monkeypatch):
 def test_an_input_off_the_cpu_runs_eagerly_with_a_warning(monkeypatch):
     """A GPU model under ``fused_kernels()`` directly (the runs refuse it): eager, a warning; the meta device stands
     in for a GPU here (nothing is compiled: torch.compile would fail the test)."""
-    monkeypatch.setattr(torch, "compile", lambda fn: pytest.fail("compiled an input off the CPU"))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: pytest.fail("compiled an input off the CPU"))
 
     @fusable
     def triple(x):
