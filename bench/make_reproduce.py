@@ -13,7 +13,6 @@ Usage: python bench/make_reproduce.py [--clone DIR] | [--from DIR --make-seconds
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import time
 from pathlib import Path
@@ -36,12 +35,10 @@ def _collect(clone: Path) -> dict:
     import numpy as np
     import pandas as pd
 
-    from outlierscope.io import check_seal
+    from outlierscope.io import read_record
 
-    runs = {}
-    for name, rel in RUNS.items():
-        path = clone / rel / "reproduce.json"
-        runs[name] = check_seal(json.loads(path.read_text()), path)
+    runs = {name: read_record(clone / rel / "reproduce.json", ("timings", "settings", "machine", "git_commit"),
+                              "reproduce record", sealed_only=True) for name, rel in RUNS.items()}
     docs = ROOT / "docs" / "reproduction"
     t5, t5_doc = pd.read_csv(clone / RUNS["pair"] / "profile" / "table5.csv"), pd.read_csv(docs / "table5.csv")
     cols = ["top1", "top2", "top3", "top10", "top100", "median", "count"]
@@ -49,7 +46,7 @@ def _collect(clone: Path) -> dict:
     sw = pd.read_csv(clone / RUNS["pair"] / "sweep" / "sweep.csv").merge(
         pd.read_csv(docs / "sweep.csv"), on=["model", "bits", "metric", "cell"], suffixes=("", "_doc"))
     diff = (sw["value"] - sw["value_doc"]).abs()
-    sweep = check_seal(json.loads((clone / RUNS["pair"] / "sweep" / "sweep.json").read_text()), "sweep.json")
+    sweep = read_record(clone / RUNS["pair"] / "sweep" / "sweep.json", ("cells",), "sweep record", sealed_only=True)
     cells_s = {f"{c['model']} {c['label']}": c["seconds"] for c in sweep["cells"]}
     rel = {c: float(np.max(np.abs(t5[c] - t5_doc[c]) / np.abs(t5_doc[c]))) for c in cols}
     return {"runs": runs, "pair_sweep_cells_s": cells_s, "vs_docs_reproduction": {

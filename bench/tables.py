@@ -296,8 +296,7 @@ def render_fused(stem: str) -> str:
     m = rec["machine"]
     lines += ["", f"Running text, ratios to the unquantized sdpa cell of the same run "
                   f"({rec['raw']['windows']} windows x {rec['raw']['length']} tokens, batches of {rec['raw']['batch']}); "
-                  + _cost_record(rec, stem, f"{m['torch_threads']} thread(s), load average "
-                                 f"{m['load_average_1m_at_start']} at the start, ") + "."]
+                  + _cost_record(rec, stem, f"{m['torch_threads']} thread(s), {_load(m)}, ") + "."]
     return "\n".join(lines)
 
 
