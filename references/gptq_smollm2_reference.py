@@ -7,8 +7,8 @@ Runs in GPT-QModel's venv (``make gptq-venv``), imports nothing of outlierscope.
    weights bfloat16 values) with transformers, and runs the calibration token ids ``--ids`` (a torch (N, T) int64
    file: outlierscope's own GPTQ calibration, 128 sequences of 512 tokens of LAMBADA's last passages, written by the
    command below) through it, keeping the input of q/k/v_proj (``input_layernorm``'s output) of each layer of
-   ``--layers``, and of layer 0 also o_proj's and gate/up_proj's (``GROUPS``; down_proj's 1536 x 1536 Hessian would
-   make the fixture 9 MB larger);
+   ``--layers``, and of layer 0 also o_proj's and gate/up_proj's (``GROUPS``; down_proj's 1536 x 1536 Hessian has a
+   fixture of its own, ``--down`` below);
 2. rounds those linears' weights to bfloat16 values (a bfloat16 checkpoint's; the GGUF-dequantized weights of the
    fetched model are not) after the inputs are recorded, and for each setting of ``SETTINGS`` and each of them builds GPT-QModel's ``GPTQ`` task on the linear
    (``quantizer.configure(perchannel=True)``, as its GPTQProcessor does), feeds it every sequence's input with
@@ -27,7 +27,15 @@ lm = load_model('smollm2-135m'); torch.save(calibration_sequences(lm.tokenizer, 
         --model ~/.cache/outlierscope/models/smollm2-135m --ids /tmp/smollm2_calib_ids.pt \
         --out tests/quant/fixtures/gptq_gptqmodel_smollm2.safetensors
 
-The digests in the fixture are of the processor that made it (an Intel Xeon); float32 Cholesky and matmuls round
+``--down`` makes down_proj's fixture of layer 0 (``MLP_LAYERS``): GPT-QModel's Hessian accumulated from the same
+calibration inputs (the gated product), stored as its upper triangle (4.7 MB; the matrix made symmetric from it is
+what GPT-QModel quantizes with), and the digests of every setting with the processor that made them (an AMD EPYC):
+
+    GPTQMODEL_CPU_WORKERS=2 .venv-gptq/bin/python references/gptq_smollm2_reference.py --down \
+        --model ~/.cache/outlierscope/models/smollm2-135m --ids /tmp/smollm2_calib_ids.pt \
+        --out tests/quant/fixtures/gptq_gptqmodel_smollm2_down.safetensors
+
+The digests in the first fixture are of the processor that made it (an Intel Xeon); float32 Cholesky and matmuls round
 otherwise on an AMD EPYC. ``--hessians`` makes GPT-QModel's results from the fixture's own Hessians on this machine's
 processor, into a JSON the test reads when it runs on that processor:
 
@@ -57,7 +65,8 @@ SETTINGS = {
     "w3g64-zp-desc": dict(bits=3, group_size=64, sym=False, desc_act=True, act_group_aware=False),
 }
 GROUPS = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-          "mlp": ("mlp.gate_proj", "mlp.up_proj")}  # linears reading one input; down_proj's 1536^2 Hessian left out
+          "mlp": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}  # linears reading one input
+# down_proj's (1536, 1536) Hessian (9.4 MB) has a fixture of its own (--down): its upper triangle (4.7 MB)
 MLP_LAYERS = (0,)  # layers whose o_proj and gate/up are in the fixture too (each Hessian 1.3 MB)
 
 
@@ -90,6 +99,93 @@ def layer_inputs(model, ids, layers: list[int]) -> dict[tuple[int, str], list]:
         for h in hooks:
             h.remove()
     return got
+
+
+def down_inputs(model, ids, layers: list[int]) -> dict[int, list]:
+    """Each sequence's input (1, T, 1536) of down_proj (the gated product) of each layer of ``layers``; the forward
+    stops after the last of them (the layers above it are not needed)."""
+    import torch
+
+    class Stop(Exception):
+        pass
+
+    def stop(mod, args):
+        raise Stop
+
+    got: dict[int, list] = {}
+    hooks = [model.model.layers[i].mlp.down_proj.register_forward_pre_hook(
+        lambda m, a, i=i: got.setdefault(i, []).append(a[0].detach().clone())) for i in layers]
+    hooks.append(model.model.layers[max(layers)].mlp.down_proj.register_forward_hook(lambda m, a, out: stop(m, a)))
+    try:
+        with torch.no_grad():
+            for row in ids:
+                try:
+                    model(input_ids=row[None], attention_mask=torch.ones_like(row[None]), use_cache=False)
+                except Stop:
+                    pass
+    finally:
+        for h in hooks:
+            h.remove()
+    return got
+
+
+def symmetric_from_upper(h):
+    """The symmetric matrix of ``h``'s upper triangle (diagonal included): float32 products of X^T X need not be
+    bitwise symmetric; the fixture stores only the upper triangle, so the test and GPT-QModel get this matrix."""
+    import torch
+
+    return torch.triu(h) + torch.triu(h, 1).T
+
+
+def upper_values(h):
+    """The upper triangle (diagonal included) of a square ``h``, row by row: (n (n + 1) / 2,)."""
+    import torch
+
+    i, j = torch.triu_indices(h.shape[0], h.shape[1])
+    return h[i, j].contiguous()
+
+
+def from_upper_values(v, n: int):
+    """The symmetric (n, n) matrix of :func:`upper_values`' ``v``."""
+    import torch
+
+    i, j = torch.triu_indices(n, n)
+    h = torch.zeros(n, n, dtype=v.dtype)
+    h[i, j] = v
+    h[j, i] = v
+    return h
+
+
+def down_fixture(a) -> None:
+    """``--down``: GPT-QModel's GPTQ of down_proj of each layer of ``MLP_LAYERS`` with the Hessian GPT-QModel
+    accumulated from the calibration inputs, made symmetric from its upper triangle (stored, (n (n + 1) / 2,)), for
+    every setting; the digests in the metadata with the processor that made them."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    ids = torch.load(a.ids)
+    inputs = down_inputs(model, ids, list(MLP_LAYERS))
+    tensors, digests = {}, {}
+    for i, xs in inputs.items():
+        linear = model.model.layers[i].mlp.down_proj
+        h, *_ = run_gptq(linear, xs, SETTINGS["w4g64-sym"])  # GPT-QModel's accumulated Hessian
+        sym = symmetric_from_upper(h)
+        print(f"layer {i} down_proj: Hessian bitwise symmetric as accumulated: {bool(torch.equal(h, h.T))}", flush=True)
+        tensors[f"layer{i}.down.hessian_upper"] = upper_values(sym)
+        zeros = [torch.zeros(1, 512, sym.shape[0])] * len(xs)
+        for key, args in SETTINGS.items():
+            _, *result = run_gptq(linear, zeros, args, sym)
+            digests[f"layer{i}.down_proj.{key}"] = result_digests(*result)
+            print(f"layer {i} down_proj {key}: done", flush=True)
+    meta = {"command": " ".join(["references/gptq_smollm2_reference.py", *sys.argv[1:]]), "processor": cpu_name(),
+            "versions": json.dumps({k: version(k) for k in ("gptqmodel", "torch", "transformers")}),
+            "settings": json.dumps({"damp": 0.01, "block": 128, "quantize_config": SETTINGS}),
+            "calibration": json.dumps({"shape": list(ids.shape), "ids_sha256": sha(ids)}),
+            "torch_threads": str(torch.get_num_threads()), "digests": json.dumps(digests)}
+    save_file(tensors, a.out, metadata=meta)
+    print(f"wrote {a.out}")
 
 
 def run_gptq(linear, xs, args: dict, hessian=None):
@@ -136,9 +232,12 @@ def digests_on_this_processor(a) -> None:
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     fixture = safe_open(a.hessians, "pt")
     digests = {}
-    for tag in sorted(fixture.keys()):  # layer{i}.{group}.hessian
+    for tag in sorted(fixture.keys()):  # layer{i}.{group}.hessian, or .hessian_upper (--down's)
         i, group = int(tag.split(".")[0].removeprefix("layer")), tag.split(".")[1]
         h = fixture.get_tensor(tag)
+        if tag.endswith(".hessian_upper"):
+            n = model.model.layers[i].get_submodule(GROUPS[group][0]).in_features
+            h = from_upper_values(h, n)
         zeros = [torch.zeros(1, 512, h.shape[0])] * 128  # the calibration's sample count; the Hessian is h
         for key, args in SETTINGS.items():
             for name in GROUPS[group]:
@@ -167,10 +266,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, nargs="+", default=[0, 15])
     ap.add_argument("--hessians", help="a fixture this script wrote: GPT-QModel's results from its Hessians on this "
                     "processor, as JSON into --out (no calibration forward)")
+    ap.add_argument("--down", action="store_true", help="down_proj's fixture (its Hessian's upper triangle and "
+                    "the digests of this processor) into --out, from --ids")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     if a.hessians:
         return digests_on_this_processor(a)
+    if a.down:
+        if not a.ids:
+            ap.error("--down needs --ids")
+        return down_fixture(a)
     if not a.ids:
         ap.error("--ids is required without --hessians")
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()

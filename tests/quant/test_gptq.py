@@ -257,27 +257,32 @@ SMOLLM2_SETTINGS = {  # the fixture's QuantizeConfig settings -> (bits, grid, or
 }
 
 
-def _smollm2_digests(ref) -> tuple[dict, int]:
-    """GPT-QModel's digests made on this machine's kind of processor, and the torch thread count they were made with:
-    the fixture's own (made on an Intel Xeon), or the JSON that references/gptq_smollm2_reference.py --hessians wrote on
-    an AMD EPYC from the fixture's Hessians (float32 Cholesky factors and matmuls round by processor and by thread
-    count: both were made with torch's default on 2-core machines, 2 threads, before the script recorded it). Another
-    processor: skipped, naming the command that makes its digests."""
+def _smollm2_digests(fixture) -> tuple[dict, int]:
+    """GPT-QModel's digests of ``fixture`` made on this machine's kind of processor, and the torch thread count they
+    were made with: the fixture's own (the processor its metadata names; the first fixture, without the field, was
+    made on an Intel Xeon), or the JSON that references/gptq_smollm2_reference.py --hessians wrote beside it on the
+    other kind (``.amd.json``, ``.intel.json``) from the fixture's Hessians (float32 Cholesky factors and matmuls round
+    by processor and by thread count: all were made with torch's default on 2-core machines, 2 threads). A processor
+    without digests: skipped, naming the command that makes them."""
     import hashlib
     import json
+
+    from safetensors import safe_open
 
     from outlierscope.io import machine
 
     cpu = machine()["cpu"]  # /proc/cpuinfo's model name, as every record names the machine
-    if "Intel" in cpu:
-        meta = ref.metadata()
+    kind = next((k for k in ("Intel", "AMD") if k in cpu), None)
+    meta = safe_open(fixture, "pt").metadata()
+    if kind is not None and kind in meta.get("processor", "Intel(R) Xeon(R) Processor"):
         return json.loads(meta["digests"]), int(meta.get("torch_threads", 2))
-    path = SMOLLM2_FIXTURE.with_suffix(".amd.json")
-    if "AMD" in cpu and path.exists():
+    path = fixture.with_suffix(f".{(kind or 'other').lower()}.json")
+    if path.exists():
         rec = json.loads(path.read_text())
-        assert rec["fixture_sha256"] == hashlib.sha256(SMOLLM2_FIXTURE.read_bytes()).hexdigest(), path  # its Hessians
+        assert rec["fixture_sha256"] == hashlib.sha256(fixture.read_bytes()).hexdigest(), path  # its Hessians
         return rec["digests"], int(rec.get("torch_threads", 2))
-    pytest.skip(f"no GPT-QModel digests made on {cpu}: run references/gptq_smollm2_reference.py --hessians here")
+    pytest.skip(f"no GPT-QModel digests of {fixture.name} made on {cpu}: run references/gptq_smollm2_reference.py "
+                f"--hessians tests/quant/fixtures/{fixture.name} --out tests/quant/fixtures/{path.name} here")
 
 
 @pytest.mark.skipif(not __import__("outlierscope.models.fetch", fromlist=["is_fetched"]).is_fetched("smollm2-135m"),
@@ -302,7 +307,7 @@ def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
         return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
 
     ref = safe_open(SMOLLM2_FIXTURE, "pt")
-    digests, threads = _smollm2_digests(ref)
+    digests, threads = _smollm2_digests(SMOLLM2_FIXTURE)
     block = load_model("smollm2-135m").model.model.layers[layer]
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the reference's thread count (a run under 1 thread differs in the last bits)
@@ -314,15 +319,64 @@ def test_smollm2_layers_equal_gpt_qmodels_gptq_bit_for_bit(layer):
     assert not wrong, (len(wrong), wrong)
 
 
+SMOLLM2_DOWN_FIXTURE = FIXTURES / "gptq_gptqmodel_smollm2_down.safetensors"
+
+
+@pytest.mark.skipif(not __import__("outlierscope.models.fetch", fromlist=["is_fetched"]).is_fetched("smollm2-135m"),
+                    reason="SmolLM2-135M is not fetched (make test fetches it)")
+def test_smollm2_down_proj_equals_gpt_qmodels_gptq_bit_for_bit():
+    """The same for layer 0's down_proj (1536 inputs: 24 groups of 64, 12 blocks of 128; its input, the gated product,
+    the layer's most outlier-laden), from a fixture of its own (references/gptq_smollm2_reference.py --down, made on
+    an AMD EPYC): GPT-QModel's Hessian accumulated from the 128 x 512 calibration tokens, stored as its upper triangle
+    (the symmetric matrix it spans is what GPT-QModel quantized with), and GPT-QModel's digests for the 8 settings."""
+    import hashlib
+
+    from safetensors import safe_open
+
+    from outlierscope.models.loading import load_model
+
+    def sha(t):
+        return hashlib.sha256(t.detach().contiguous().numpy().tobytes()).hexdigest()
+
+    ref = safe_open(SMOLLM2_DOWN_FIXTURE, "pt")
+    digests, threads = _smollm2_digests(SMOLLM2_DOWN_FIXTURE)
+    block = load_model("smollm2-135m").model.model.layers[0]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        wrong, checked = _compare_with_digests(block, ref, digests, 0, sha)
+    finally:
+        torch.set_num_threads(before)
+    assert checked == len(SMOLLM2_SETTINGS)
+    assert not wrong, (len(wrong), wrong)
+
+
+def _hessian(ref, layer: int, group: str) -> torch.Tensor | None:
+    """A fixture's Hessian of one input: stored whole (``.hessian``) or as its upper triangle row by row
+    (``.hessian_upper``: n (n + 1) / 2 values, mirrored here), None where the fixture has none."""
+    if f"layer{layer}.{group}.hessian" in ref.keys():
+        return ref.get_tensor(f"layer{layer}.{group}.hessian")
+    if f"layer{layer}.{group}.hessian_upper" not in ref.keys():
+        return None
+    v = ref.get_tensor(f"layer{layer}.{group}.hessian_upper")
+    n = int(round(((8 * v.numel() + 1) ** 0.5 - 1) / 2))  # v.numel() == n (n + 1) / 2
+    h = torch.zeros(n, n, dtype=v.dtype)
+    for i in range(n):  # row i holds columns i..n-1, after i * n - i (i - 1) / 2 values of the rows above
+        off = i * n - i * (i - 1) // 2
+        h[i, i:] = v[off:off + n - i]
+        h[i:, i] = v[off:off + n - i]
+    return h
+
+
 def _compare_with_digests(block, ref, digests: dict, layer: int, sha) -> tuple[list[str], int]:
     """(fields that differ from GPT-QModel's digests, results checked) for one SmolLM2 layer's linears."""
     groups = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-              "mlp": ("mlp.gate_proj", "mlp.up_proj")}
+              "mlp": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
     wrong, checked = [], 0
     for group, names in groups.items():
-        if f"layer{layer}.{group}.hessian" not in ref.keys():
+        h = _hessian(ref, layer, group)
+        if h is None:
             continue
-        h = ref.get_tensor(f"layer{layer}.{group}.hessian")
         for key, (bits, fmt, order, static) in SMOLLM2_SETTINGS.items():
             for name in names:
                 w = block.get_submodule(name).weight.detach().to(torch.bfloat16).float()  # a bfloat16 checkpoint's
