@@ -178,3 +178,28 @@ def test_awq_config_text_and_errors():
                         ("w=int4/per_group:32; awq; calib:a.pt", "act_scales")):
         with pytest.raises(OutlierscopeError, match=words):
             QuantSpec.parse(text)
+
+
+@pytest.mark.parametrize("n_out, n_in, group, tokens, fmt", [(200, 576, 64, 700, "fint4"), (96, 1536, 64, 1100, "int3"),
+                                                             (130, 384, 128, 530, "zint4"), (64, 256, None, 300, "int4")])
+def test_clip_search_step_is_speed_only(n_out, n_in, group, tokens, fmt):
+    """search_clip's output rows per step (``rows``; default: a product of about CLIP_STEP_ELEMENTS) change its speed,
+    never its result: each row's group sums and token means reduce the same elements in the same order, so steps of
+    1, 3, 7, 64 rows, the default and all rows at once give the same bytes of every error compared (clip_errors) and
+    of the bounds (bfloat16-valued weights, several groups, steps that leave a remainder; under the suite's thread
+    count, where a reduction may split across threads)."""
+    from outlierscope.quant.linears.ops import quantize_weight
+    from outlierscope.quant.weights.awq import clip_errors
+
+    gen = torch.Generator().manual_seed(n_out)
+    w = (torch.randn(n_out, n_in, generator=gen) * 0.05).bfloat16().float()
+    x = (torch.randn(tokens, n_in, generator=gen) * torch.linspace(0.1, 8, n_in)).bfloat16().float()
+    part = QuantSpec.parse(f"w={fmt}/" + (f"per_group:{group}" if group else "per_channel")).part("w")
+    top, errs = clip_errors(w, x, lambda v: quantize_weight(v, part), group, rows=64)
+    want = search_clip(w, x, lambda v: quantize_weight(v, part), group, rows=64)
+    assert errs.shape == (10, n_out, n_in // (group or n_in)) and torch.equal(top, want.max(top))  # never above top
+    for rows in (None, 1, 3, 7, n_out):
+        got_top, got_errs = clip_errors(w, x, lambda v: quantize_weight(v, part), group, rows=rows)
+        assert torch.equal(got_top, top) and torch.equal(got_errs, errs), (rows, int((got_errs != errs).sum()))
+        got = search_clip(w, x, lambda v: quantize_weight(v, part), group, rows=rows)
+        assert torch.equal(got, want), (rows, int((got != want).sum()))

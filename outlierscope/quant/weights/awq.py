@@ -75,30 +75,53 @@ def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, loss: Callable[[tor
     return best, best_i, losses
 
 
-def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
-                grid: int = 20, shrink: float = 0.5, tokens: int = 512, rows: int = 64) -> torch.Tensor:
-    """AWQ's clipping search (module docstring) of the weight ``w`` (O, I) on its inputs ``x`` (N, I) (every
-    (N // tokens)-th row read): the bound (O, groups) of each row's group, in ``w``'s dtype. ``quant``: the weight
-    quantizer (O', I) -> (O', I) (a ``w=`` part); ``rows``: output rows per step (memory only, not the result)."""
+# elements of search_clip's per-step product (o, n, I/G, G): 8 MiB of float32, about what a core's cache holds. The
+# product is the search's cost; a step of 64 rows of SmolLM2's gate_proj (75 MiB) ran 4x slower than steps this size
+CLIP_STEP_ELEMENTS = 2**21
+
+
+def clip_errors(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
+                grid: int = 20, shrink: float = 0.5, tokens: int = 512,
+                rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The errors AWQ's clipping search compares (module docstring) for the weight ``w`` (O, I) on its inputs ``x``
+    (N, I) (every (N // tokens)-th row read): each (row, group)'s largest |w| (O, I/G) and the mean squared output
+    error of every shrink step (S, O, I/G), S = ``shrink * grid``, in ``w``'s dtype. ``quant``: the weight quantizer
+    (O', I) -> (O', I) (a ``w=`` part); ``rows``: output rows per step (default: a product of about
+    ``CLIP_STEP_ELEMENTS``), speed and memory only: each row's sums over a group and means over the tokens reduce the
+    same elements in the same order whatever the step (tested)."""
     n_out, n_in = w.shape
     g = group or n_in
     x = x.reshape(-1, n_in)[:: max(1, x.reshape(-1, n_in).shape[0] // tokens)]  # (n, I)
     xg = x.reshape(1, x.shape[0], n_in // g, g)  # (1, n, I/G, G)
-    out = []
+    rows = rows or max(1, CLIP_STEP_ELEMENTS // (x.shape[0] * n_in))
+    tops, errs = [], []
     for r in range(0, n_out, rows):
         wb = w[r:r + rows]  # (o, I)
         wg = wb.reshape(wb.shape[0], 1, n_in // g, g)  # (o, 1, I/G, G)
         top = wg.abs().amax(-1, keepdim=True)  # (o, 1, I/G, 1)
-        best, least = top.clone(), torch.full_like(top, 1e9)
         ref = (xg * wg).sum(-1)  # (o, n, I/G)
+        step = []
         for i in range(int(shrink * grid)):
             m = top * (1 - i / grid)
             q = quant(torch.clamp(wg, -m, m).reshape(wb.shape)).reshape(wg.shape)  # (o, 1, I/G, G)
-            err = ((xg * q).sum(-1) - ref).pow(2).mean(1).view(least.shape)  # (o, 1, I/G, 1)
-            better = err < least
-            least[better], best[better] = err[better], m[better]
-        out.append(best.reshape(wb.shape[0], n_in // g))  # (o, I/G)
-    return torch.cat(out)
+            step.append(((xg * q).sum(-1) - ref).pow(2).mean(1))  # (o, I/G)
+        tops.append(top.reshape(wb.shape[0], n_in // g))  # (o, I/G)
+        errs.append(torch.stack(step))  # (S, o, I/G)
+    return torch.cat(tops), torch.cat(errs, 1)
+
+
+def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
+                grid: int = 20, shrink: float = 0.5, tokens: int = 512, rows: int | None = None) -> torch.Tensor:
+    """AWQ's clipping search (module docstring): the bound (O, groups) of each row's group of ``w`` (O, I), in ``w``'s
+    dtype: the shrink step of least :func:`clip_errors` (the first of equal ones; none finite: no shrink). The
+    arguments are :func:`clip_errors`'."""
+    top, errs = clip_errors(w, x, quant, group, grid, shrink, tokens, rows)  # (O, I/G), (S, O, I/G)
+    best, least = top.clone(), torch.full_like(top, 1e9)
+    for i in range(errs.shape[0]):
+        m = top * (1 - i / grid)
+        better = errs[i] < least
+        least[better], best[better] = errs[i][better], m[better]
+    return best
 
 
 def clip_groups(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
