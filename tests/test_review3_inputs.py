@@ -58,8 +58,10 @@ def test_huge_layer_ranges_fail_at_once():
 
     with pytest.raises(ValueError, match="below 65536"):
         parse_layers("0-3000000000")
-    with pytest.raises(OutlierscopeError):
+    with pytest.raises(OutlierscopeError, match="layer indices must be below 65536"):
         QuantSpec.parse("w8a8; layers:0-3000000000")
+    with pytest.raises(OutlierscopeError, match="look like 0-3 or 0,2,5"):
+        QuantSpec.parse("w8a8; layers:zero")
     assert parse_layers(f"0-{MAX_LAYERS - 1}")[-1] == MAX_LAYERS - 1
 
 

@@ -323,12 +323,15 @@ def _flag_value(key: str, arg: str, text: str):
         return arg.strip()
     if key in ("gptq", "awq"):
         return GPTQConfig.parse(arg) if key == "gptq" else AWQConfig.parse(arg)
-    try:
-        if key == "layers":
+    if key == "layers":
+        try:
             return tuple(parse_layers(arg.replace("+", ",")))
+        except ValueError as e:  # its reason (a range from high to low, an index past MAX_LAYERS) names the fix
+            raise OutlierscopeError(f"cannot read layers:{arg} in {text!r}: {e}") from None
+    try:
         return float(arg) if key in ("smooth", "outliers", "bnb_outliers") else int(arg)
     except (ValueError, TypeError):
-        expected = {"layers": "layers:0-3 or layers:0,2", "smooth": "smooth:0.5", "outliers": "outliers:6.0",
+        expected = {"smooth": "smooth:0.5", "outliers": "outliers:6.0",
                     "bnb_outliers": "bnb_outliers:6.0"}
         raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected "
                                 + expected.get(key, f"{key}:N")) from None
