@@ -322,6 +322,8 @@ class OutlierStats:
     per-element passes compiled (:mod:`outlierscope.analysis.kernels`: the same statistics, faster; sums differ
     from the uncompiled ones within float32 rounding)."""
 
+    keeps_observations = False  # each call reduces its observation before returning (capture may then mask in place)
+
     def __init__(self, n_layers: int, n_heads: int, hidden_size: int, seq_len: int, k: int = 100,
                  layer_k: int = 10, bins: LogBins | None = None, *, sink_k: int = 4, massive_abs: float = MASSIVE_ABS,
                  massive_rel: float = MASSIVE_REL, massive_cap: int = 100_000, delimiters=(), compile: bool = False):

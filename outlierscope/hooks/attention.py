@@ -98,14 +98,17 @@ class Stage:
 
     ``apply(ctx, logits)`` returns the logits or a new tensor and never modifies its input; it must be
     deterministic (a block may be recomputed and applied again). ``observes``: the stage hands the tensor to
-    user code (it then returns its input unchanged; the attention function never masks that tensor in place,
-    and runs the stage once per layer, not again in DiffLlama's second call). ``reduce(ctx, logits)``: for a
+    user code (it then returns its input unchanged, and the attention function runs it once per layer, not again
+    in DiffLlama's second call); ``keeps``: that user code may keep the tensor past its call, so the attention
+    function never masks it in place (a copy of every block); False for code that only reduces it before it
+    returns (the library's reducers: ``keeps_observations = False``). ``reduce(ctx, logits)``: for a
     stage that needs a reduction over all query rows (an absmax scale per head or per tensor), the block's
     reduction (or None for a layer it leaves alone); the stage reads the max over blocks as
     ``ctx.reduced(self)``. Stages are compared by identity (each is a key of ``ctx.state``)."""
 
     apply: Callable[[LogitContext, torch.Tensor], torch.Tensor]
     observes: bool = False
+    keeps: bool = True
     reduce: Callable[[LogitContext, torch.Tensor], torch.Tensor | None] | None = None
     name: str = "stage"
     taps: frozenset[str] = frozenset()
@@ -270,7 +273,8 @@ class _AttentionFunction:
         self.model_name = type(model).__name__
         self.stages = stages
         self.block_rows, self.block_bytes = rows, block_bytes
-        self.exposes = any(st.observes or st.taps for st in stages)
+        # masked in place unless user code may hold the logits (taps hand over q/k/v and probs, never the logits)
+        self.exposes = any(st.observes and st.keeps for st in stages)
         self.taps = frozenset().union(*(st.taps for st in stages))
         self.layer_of = {id(layer_mod): i for i, layer in enumerate(decoder_layers(model)) for layer_mod in layer.modules()}
         self.is_diff = model.config.model_type == "diffllama"
@@ -432,7 +436,7 @@ class _AttentionFunction:
         # float32's min, the softmax's dtype: float64's would become -inf there, and a row with no allowed key (a
         # left-padding query) NaN, which reaches every real row through 0 * NaN in probs @ value (eager does that)
         fill = torch.finfo(torch.float32).min
-        # In place only when no stage handed the tensor to user code, which may keep it (e.g. `reducers=seen.append`).
+        # In place unless a stage handed the tensor to user code that may keep it (e.g. `reducers=seen.append`).
         logits = logits.masked_fill(masked, fill) if self.exposes else logits.masked_fill_(masked, fill)
         # float32 at least, as eager attention; a float64 model's in float64 (its reference runs stay float64 through
         # and cannot move with the padded length through a float32 sum)

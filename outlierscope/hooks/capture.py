@@ -3,7 +3,10 @@
     with capture(model, ["layers.*.attn.logits", "layers.*.hidden"], reducers=[stats]) as cap:
         model(input_ids=ids, attention_mask=mask)
 
-A reducer is any callable ``reducer(obs: Observation)``; it must not keep ``obs.x``.
+A reducer is any callable ``reducer(obs: Observation)``; to keep data past its call it keeps copies, not ``obs.x``
+itself (the next batch would overwrite a view). A logits map is still handed over in memory of its own, masked only
+after the call, unless every reducer declares ``keeps_observations = False`` (the library's
+:class:`~outlierscope.analysis.outliers.OutlierStats` does): the map is then masked in place, one copy per layer less.
 Every hook handle is removed and the attention implementation restored in ``finally``,
 also when the forward raises.
 """
@@ -190,8 +193,10 @@ def capture(model: nn.Module, points: Sequence[str] | str | None = None, reducer
     em = _Emitter(cap, _as_list(reducers), {(p.layer, p.kind): p for p in resolved})
     taps = frozenset(p.kind for p in resolved if p.kind in ATTN_TAPS)
     wants_logits = any(p.kind == "attn.logits" for p in resolved)
-    # observes: the attention function must not reuse memory that reducers may hold
-    stage = Stage(apply=em.logits, observes=wants_logits, name="capture", taps=taps, tap=em.tap)
+    # keeps: the attention function must not reuse memory that a reducer may hold; one that declares
+    # ``keeps_observations = False`` (the library's: they reduce a tensor before returning) spares a copy of each map
+    keeps = any(getattr(r, "keeps_observations", True) for r in em.reducers)
+    stage = Stage(apply=em.logits, observes=wants_logits, keeps=keeps, name="capture", taps=taps, tap=em.tap)
     handles = []
 
     def pre_forward(mod, args, kwargs):

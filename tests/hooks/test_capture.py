@@ -222,6 +222,47 @@ def test_diff_maps_labelled():
     assert seen[0].is_diff and seen[0].n_heads == 4
 
 
+@pytest.mark.parametrize("arch", ["llama", "diffllama"])
+def test_reducers_that_let_go_spare_the_copy_of_each_map(arch):
+    """A reducer declaring ``keeps_observations = False`` gets the logits in the memory the softmax then masks in
+    place (what it wrongly kept shows float32's min at the masked entries: no copy was made); any other reducer gets a
+    map of its own, never masked (the raw logits there). The model's output is the same either way, and equal to
+    eager attention's; the observed values before masking equal the kept copy's."""
+    model = make(arch)
+    ids = torch.randint(0, 101, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, :3] = 0  # left padding: masked entries in padded rows and columns besides the causal ones
+    with torch.no_grad():
+        ref = model(input_ids=ids, attention_mask=mask).logits
+
+    class LetsGo:
+        keeps_observations = False
+
+        def __init__(self):
+            self.kept, self.copies = [], []
+
+        def __call__(self, obs):
+            self.kept.append(obs.x)  # breaks its own declaration, to show which memory it was given
+            self.copies.append(obs.x.clone())
+
+    kept = []
+    for reducer in (LetsGo(), None):
+        with torch.no_grad(), capture(model, "layers.*.attn.logits",
+                                      reducers=reducer or (lambda o: kept.append((o.x, o.x.clone(), o.valid)))):
+            out = model(input_ids=ids, attention_mask=mask).logits
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        if reducer is not None:
+            lets_go = reducer
+    fill = torch.finfo(torch.float32).min
+    assert len(lets_go.kept) == len(kept) == 2  # once per layer (DiffLlama too)
+    for x_in_place, copy, (x_own, own_copy, valid) in zip(lets_go.kept, lets_go.copies, kept):
+        torch.testing.assert_close(copy, own_copy, rtol=0, atol=0)  # the same logits observed either way
+        masked = ~(torch.tril(torch.ones(7, 7, dtype=torch.bool)) & mask.bool()[:, None, None, :])  # (B, 1, T, S)
+        assert (x_in_place.expand_as(x_own)[masked.expand_as(x_own)] == fill).all()  # masked in place
+        assert torch.equal(x_own, own_copy)  # its own map: untouched after the call
+        assert (x_own[masked.expand_as(x_own)] != fill).all()
+
+
 def test_hidden_states_are_layer_outputs():
     model = make("llama")
     ids = torch.randint(0, 101, (2, 7))

@@ -136,3 +136,33 @@ def test_profile_model_with_a_new_preset_drops_the_default_points(tiny_corpus):
     assert _replaced(ProfileSettings(), {"preset": "kv", "points": ("layers.*.hidden",)}).points == ("layers.*.hidden",)
     with pytest.raises(ValueError, match="points must be at least one point or pattern"):
         ProfileSettings(points=())
+
+
+def test_the_profile_masks_each_map_in_place_with_the_same_statistics(monkeypatch):
+    """The profile's reducers declare that they let go of each observation (``keeps_observations = False``), so the
+    attention function masks each logits map in place instead of copying it; every table and every statistic is the
+    same bytes as with the copy (the reducers declaring that they keep)."""
+    import sys
+
+    from outlierscope.analysis.outliers import OutlierStats
+    from outlierscope.models.loading import load_model
+    from outlierscope.runs.profile import profile_model
+
+    capture_mod = sys.modules["outlierscope.hooks.capture"]  # the package exports capture, the function, by that name
+    keeps, stages = [], capture_mod.attention_stages
+    monkeypatch.setattr(capture_mod, "attention_stages", lambda model, stage, **kw: keeps.append(stage.keeps) or stages(model, stage, **kw))
+    lm = load_model("pair-tiny:diff")
+    runs = []
+    for declared in (None, True):  # None: as the library declares it
+        if declared is not None:
+            monkeypatch.setattr(OutlierStats, "keeps_observations", declared)
+        runs.append(profile_model(lm, tokens=3 * 64, seq_len=64, batch_size=2, progress=False))
+    assert keeps == [False, True]
+    (a, b) = runs
+    assert a.tables.keys() == b.tables.keys()
+    for k in a.tables:
+        pd.testing.assert_frame_equal(a.tables[k], b.tables[k], check_exact=True)
+    (sa,), (sb,) = a.stats.values(), b.stats.values()  # {model name: OutlierStats}
+    assert torch.equal(sa.logits.hist, sb.logits.hist) and sa.logits.hist.sum() > 0
+    assert torch.equal(sa.logits.moments.sums, sb.logits.moments.sums)
+    assert torch.equal(sa.logits.top.values, sb.logits.top.values)
