@@ -285,17 +285,28 @@ def _cost_record(rec: dict, stem: str, machine: str = "") -> str:
 
 
 def render_fused(stem: str) -> str:
-    """A ``bench/cost.py --fused`` record: per spec its text cell eager and fused against the unquantized sdpa cell
-    of the same run, and how much faster fused is."""
+    """A ``bench/cost.py --fused`` record: per spec its text cell (and its HellaSwag cell, where the record has
+    them) eager and fused against the unquantized sdpa cell of the same kind and run, and how much faster fused is."""
     rec = load(stem)
     d, med = rec["derived"], rec["derived"]["median_s"]
-    lines = ["| spec | eager | fused | eager / fused |", "|---|---|---|---|"]
+    kinds = [k for k in ("text", "hellaswag") if f"{k} unquantized sdpa" in d["ratio"]]
+    label = {"text": "running text", "hellaswag": "HellaSwag"}
+    prefix = {k: f"{label[k].split()[-1]} " if len(kinds) > 1 else "" for k in kinds}  # "text eager" beside "HellaSwag eager"
+    lines = ["| spec | " + " | ".join(f"{prefix[k]}eager | {prefix[k]}fused | eager / fused" for k in kinds) + " |",
+             "|---|" + "---|---|---|" * len(kinds)]
     for name in _cost_specs(rec):
-        eager, fused = f"text {name}", f"text {name}, fused"
-        lines.append(f"| `{name}` | {d['ratio'][eager]}x | {d['ratio'][fused]}x | {med[eager] / med[fused]:.2f}x |")
-    m = rec["machine"]
-    lines += ["", f"Running text, ratios to the unquantized sdpa cell of the same run "
-                  f"({rec['raw']['windows']} windows x {rec['raw']['length']} tokens, batches of {rec['raw']['batch']}); "
+        cols = []
+        for k in kinds:
+            eager, fused = f"{k} {name}", f"{k} {name}, fused"
+            layout = f" ({d['layout'][name]})" if k == "hellaswag" else ""
+            cols.append(f"{d['ratio'][eager]}x{layout} | {d['ratio'][fused]}x | {med[eager] / med[fused]:.2f}x")
+        lines.append(f"| `{name}` | " + " | ".join(cols) + " |")
+    m, raw = rec["machine"], rec["raw"]
+    what = f"{raw['windows']} windows x {raw['length']} tokens, batches of {raw['batch']}"
+    if "hellaswag" in kinds:
+        what += f"; HellaSwag: {raw['items']} items, each spec in its layout, against the shared sdpa cell"
+    caption = " and ".join(label[k] for k in kinds)
+    lines += ["", f"{caption[0].upper()}{caption[1:]}, ratios to the unquantized sdpa cell of the same run ({what}); "
                   + _cost_record(rec, stem, f"{m['torch_threads']} thread(s), {_load(m)}, ") + "."]
     return "\n".join(lines)
 
