@@ -7,7 +7,9 @@ commit) and compares the pair's tables with the committed ones (docs/reproductio
 cell id: the largest difference of each column and metric). ``--from DIR --make-seconds S``: collect a ``make reproduce`` already run in the clean clone DIR instead.
 One repetition (a run takes half an hour); the machine must be otherwise idle (its load is recorded).
 Writes bench/results/make_reproduce.json (see bench/artifact.py).
-Usage: python bench/make_reproduce.py [--clone DIR] | [--from DIR --make-seconds S]
+``--make-args 'REPRODUCE_ARGS=--fused' --tag fused``: the same with make variables given (here the pair's run with
+its quantizers compiled, the same bytes), into bench/results/make_reproduce_fused.json.
+Usage: python bench/make_reproduce.py [--clone DIR] [--make-args 'VAR=VALUE ...' --tag TAG] | [--from DIR --make-seconds S]
 """
 
 from __future__ import annotations
@@ -22,10 +24,10 @@ from artifact import ROOT, begin, write  # bench/artifact.py (on sys.path as a s
 RUNS = {"pair": "runs/reproduce", "smollm2-135m": "runs/reproduce-smollm2-135m"}
 
 
-def _run(clone: Path) -> float:
+def _run(clone: Path, make_args: list[str]) -> float:
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     t0 = time.time()
-    subprocess.run(["make", "reproduce"], cwd=clone, check=True)
+    subprocess.run(["make", "reproduce", *make_args], cwd=clone, check=True)
     return round(time.time() - t0, 1)
 
 
@@ -61,11 +63,16 @@ def main() -> None:
     ap.add_argument("--clone", type=Path, default=ROOT.parent / "outlierscope-make-reproduce")
     ap.add_argument("--from", dest="src", type=Path, help="a clean clone where `make reproduce` already ran")
     ap.add_argument("--make-seconds", type=float, help="with --from: that make's wall time")
+    ap.add_argument("--make-args", default="", help="make variables, e.g. 'REPRODUCE_ARGS=--fused' (needs --tag)")
+    ap.add_argument("--tag", help="write make_reproduce_TAG.json (a variant beside the default record)")
     a = ap.parse_args()
     if (a.src is None) != (a.make_seconds is None):
         ap.error("--from and --make-seconds go together")
+    make_args = a.make_args.split()
+    if make_args and not a.tag or any("=" not in m for m in make_args):
+        ap.error("--make-args takes make variables VAR=VALUE and goes with --tag (its record is not the default's)")
     clone = a.src or a.clone
-    make_s = a.make_seconds if a.src else _run(clone)
+    make_s = a.make_seconds if a.src else _run(clone, make_args)
     if a.src:
         start = {"load_average_1m_at_start": None}
     got = _collect(clone)
@@ -74,7 +81,8 @@ def main() -> None:
     runs_s = sum(t["total_s"] for t in stages.values())
     derived = {"make_reproduce_min": round(make_s / 60, 1), "runs_min": round(runs_s / 60, 1), "goal_min": 25,
                "stages_s": stages, "run_commits": commits, **{k: v for k, v in got.items() if k != "runs"}}
-    write("make_reproduce", {"make_seconds": make_s, "clone": str(clone),
+    write("make_reproduce" + (f"_{a.tag}" if a.tag else ""), {"make_seconds": make_s, "clone": str(clone),
+                             "make_args": make_args,
                              "settings": {n: r["settings"] for n, r in got["runs"].items()},
                              "machines": {n: r["machine"] for n, r in got["runs"].items()}}, derived, start=start,
           notes="one repetition (half an hour); make_reproduce_min: the whole target (install, data, both runs), "

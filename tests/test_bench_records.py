@@ -244,9 +244,10 @@ def test_prefix_items_cost_record_recomputed(stem):
     assert d["layers_run"]["reused"] == batches * (n - 1 + n * (n - 1) // 2)
 
 
-def test_make_reproduce_record_recomputed():
+@pytest.mark.parametrize("stem", [s for s in RECORDS if s.startswith("make_reproduce")])
+def test_make_reproduce_record_recomputed(stem):
     """The minutes from the raw seconds, each run's total from its stages, the sweep's stage at least its cells."""
-    r = _rec("make_reproduce")
+    r = _rec(stem)
     d = r["derived"]
     assert d["make_reproduce_min"] == round(r["raw"]["make_seconds"] / 60, 1)
     stages = d["stages_s"]
