@@ -103,6 +103,30 @@ def _cost_rows(rec: dict) -> list:
     ]
 
 
+# bench/make_reproduce.py records (the default and `--tag fused`): the same rows
+MAKE_REPRODUCE_ROWS = [
+    ("`make reproduce`, the whole target (install, data, both runs), min (goal 25)", "make_reproduce_min", "**{}**"),
+    ("the two runs' own wall time (their reproduce.json), min", "runs_min", "{}"),
+    ("pair: profile (400,000 tokens per model) / sweep (16/8/6/4 bits, 2 models, 10,042 items) / report, s",
+     ("stages_s/pair/profile_s", "stages_s/pair/sweep_s", "stages_s/pair/report_s"), "{} / {} / {}"),
+    ("SmolLM2-135M (`REAL_ARGS`): profile / sweep / report, s",
+     ("stages_s/smollm2-135m/profile_s", "stages_s/smollm2-135m/sweep_s", "stages_s/smollm2-135m/report_s"),
+     "{} / {} / {}"),
+    ("the pair's sweep cells, s: unquantized / 8 / 6 / 4 bits (Transformer)",
+     tuple(f"pair_sweep_cells_s/pair-tiny:transformer {b}" for b in
+           ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor", "4-bit int per_tensor")),
+     "{} / {} / {} / {}"),
+    ("the same (Diff)", tuple(f"pair_sweep_cells_s/pair-tiny:diff {b}" for b in
+                              ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor",
+                               "4-bit int per_tensor")), "{} / {} / {} / {}"),
+    ("the pair's Table 5 against docs/reproduction: largest relative difference",
+     "vs_docs_reproduction/table5_largest_relative_difference", "{:.1e}"),
+    ("the pair's sweep against docs/reproduction (same cell ids): largest difference of acc / acc_norm / flip rate",
+     ("vs_docs_reproduction/sweep_max_abs_difference/acc", "vs_docs_reproduction/sweep_max_abs_difference/acc_norm",
+      "vs_docs_reproduction/sweep_max_abs_difference/flip_rate"), "{} / {} / {:.1e}"),
+]
+
+
 # table name -> (record file stem, [(row label, key in the record's "derived", format)], or a function of the record
 # that gives them)
 TABLES = {
@@ -221,27 +245,8 @@ TABLES = {
         ("every per-item score the same bytes; control (one by one twice)", ("same_bytes", "control_same_bytes"),
          "{}; {}"),
     ]),
-    "make_reproduce": ("make_reproduce", [
-        ("`make reproduce`, the whole target (install, data, both runs), min (goal 25)", "make_reproduce_min", "**{}**"),
-        ("the two runs' own wall time (their reproduce.json), min", "runs_min", "{}"),
-        ("pair: profile (400,000 tokens per model) / sweep (16/8/6/4 bits, 2 models, 10,042 items) / report, s",
-         ("stages_s/pair/profile_s", "stages_s/pair/sweep_s", "stages_s/pair/report_s"), "{} / {} / {}"),
-        ("SmolLM2-135M (`REAL_ARGS`): profile / sweep / report, s",
-         ("stages_s/smollm2-135m/profile_s", "stages_s/smollm2-135m/sweep_s", "stages_s/smollm2-135m/report_s"),
-         "{} / {} / {}"),
-        ("the pair's sweep cells, s: unquantized / 8 / 6 / 4 bits (Transformer)",
-         tuple(f"pair_sweep_cells_s/pair-tiny:transformer {b}" for b in
-               ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor", "4-bit int per_tensor")),
-         "{} / {} / {} / {}"),
-        ("the same (Diff)", tuple(f"pair_sweep_cells_s/pair-tiny:diff {b}" for b in
-                                  ("16 (unquantized)", "8-bit int per_tensor", "6-bit int per_tensor",
-                                   "4-bit int per_tensor")), "{} / {} / {} / {}"),
-        ("the pair's Table 5 against docs/reproduction: largest relative difference",
-         "vs_docs_reproduction/table5_largest_relative_difference", "{:.1e}"),
-        ("the pair's sweep against docs/reproduction (same cell ids): largest difference of acc / acc_norm / flip rate",
-         ("vs_docs_reproduction/sweep_max_abs_difference/acc", "vs_docs_reproduction/sweep_max_abs_difference/acc_norm",
-          "vs_docs_reproduction/sweep_max_abs_difference/flip_rate"), "{} / {} / {:.1e}"),
-    ]),
+    "make_reproduce": ("make_reproduce", MAKE_REPRODUCE_ROWS),
+    "make_reproduce_fused": ("make_reproduce_fused", MAKE_REPRODUCE_ROWS),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),
         ("whole process, s: 1 process / 2 processes", ("one_process_s", "processes_s"), "{} / {}"),
