@@ -69,7 +69,7 @@ def main() -> None:
     if (a.src is None) != (a.make_seconds is None):
         ap.error("--from and --make-seconds go together")
     make_args = a.make_args.split()
-    if make_args and not a.tag or any("=" not in m for m in make_args):
+    if (make_args and not a.tag) or any("=" not in m for m in make_args):
         ap.error("--make-args takes make variables VAR=VALUE and goes with --tag (its record is not the default's)")
     clone = a.src or a.clone
     make_s = a.make_seconds if a.src else _run(clone, make_args)

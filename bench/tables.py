@@ -296,7 +296,7 @@ def render_fused(stem: str) -> str:
     d, med = rec["derived"], rec["derived"]["median_s"]
     kinds = [k for k in ("text", "hellaswag") if f"{k} unquantized sdpa" in d["ratio"]]
     label = {"text": "running text", "hellaswag": "HellaSwag"}
-    prefix = {k: f"{label[k].split()[-1]} " if len(kinds) > 1 else "" for k in kinds}  # "text eager" beside "HellaSwag eager"
+    prefix = {"text": "text ", "hellaswag": "HellaSwag "} if len(kinds) > 1 else {"text": ""}  # columns of each kind
     lines = ["| spec | " + " | ".join(f"{prefix[k]}eager | {prefix[k]}fused | eager / fused" for k in kinds) + " |",
              "|---|" + "---|---|---|" * len(kinds)]
     for name in _cost_specs(rec):

@@ -245,19 +245,16 @@ def test_reducers_that_let_go_spare_the_copy_of_each_map(arch):
             self.kept.append(obs.x)  # breaks its own declaration, to show which memory it was given
             self.copies.append(obs.x.clone())
 
-    kept = []
-    for reducer in (LetsGo(), None):
-        with torch.no_grad(), capture(model, "layers.*.attn.logits",
-                                      reducers=reducer or (lambda o: kept.append((o.x, o.x.clone())))):
+    lets_go, kept = LetsGo(), []
+    for reducer in (lets_go, lambda o: kept.append((o.x, o.x.clone()))):
+        with torch.no_grad(), capture(model, "layers.*.attn.logits", reducers=reducer):
             out = model(input_ids=ids, attention_mask=mask).logits
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-        if reducer is not None:
-            lets_go = reducer
     fill = torch.finfo(torch.float32).min
+    masked = ~(torch.tril(torch.ones(7, 7, dtype=torch.bool)) & mask.bool()[:, None, None, :])  # (B, 1, T, S)
     assert len(lets_go.kept) == len(kept) == 2  # once per layer (DiffLlama too)
     for x_in_place, copy, (x_own, own_copy) in zip(lets_go.kept, lets_go.copies, kept):
         torch.testing.assert_close(copy, own_copy, rtol=0, atol=0)  # the same logits observed either way
-        masked = ~(torch.tril(torch.ones(7, 7, dtype=torch.bool)) & mask.bool()[:, None, None, :])  # (B, 1, T, S)
         assert (x_in_place.expand_as(x_own)[masked.expand_as(x_own)] == fill).all()  # masked in place
         assert torch.equal(x_own, own_copy)  # its own map: untouched after the call
         assert (x_own[masked.expand_as(x_own)] != fill).all()
