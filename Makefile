@@ -5,6 +5,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 REPRODUCE_ARGS ?=
+# `make reproduce` runs as NPROC processes of one thread under torchrun (one per core, or per GPU; the bytes of one
+# process of one thread: outlierscope.parallel); NPROC=1 for a single process
+NPROC ?= $(shell $(BIN)/python -c "from outlierscope.parallel import local_processes; print(local_processes())")
+RUN = OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m outlierscope
 # the real model's part of `make reproduce` (2.3 of its 36.9 minutes on 2 cores: bench/results/make_reproduce.json)
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
@@ -28,9 +32,9 @@ data: $(STAMP)
 	$(BIN)/outlierscope data fetch
 
 reproduce: install data
-	$(BIN)/outlierscope reproduce $(REPRODUCE_ARGS)
+	$(RUN) reproduce $(REPRODUCE_ARGS)
 	$(BIN)/outlierscope models fetch $(REAL_MODEL)
-	$(BIN)/outlierscope reproduce --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
+	$(RUN) reproduce --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
 
 lint: install
 	$(BIN)/ruff check .

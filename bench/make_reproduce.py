@@ -7,7 +7,8 @@ commit) and compares the pair's tables with the committed ones (docs/reproductio
 cell id: the largest difference of each column and metric). ``--from DIR --make-seconds S``: collect a ``make reproduce`` already run in the clean clone DIR instead.
 One repetition (a run takes half an hour); the machine must be otherwise idle (its load is recorded).
 Writes bench/results/make_reproduce.json (see bench/artifact.py).
-``--make-args 'REPRODUCE_ARGS=--fused' --tag fused``: the same with make variables given (here the pair's run with
+Each run's processes and threads per process (``make reproduce`` starts ``NPROC`` processes of one thread under
+torchrun since 2026-12-07: ``launch``). ``--make-args 'REPRODUCE_ARGS=--fused' --tag fused``: the same with make variables given (here the pair's run with
 its quantizers compiled, the same bytes), into bench/results/make_reproduce_fused.json.
 Usage: python bench/make_reproduce.py [--clone DIR] [--make-args 'VAR=VALUE ...' --tag TAG] | [--from DIR --make-seconds S]
 """
@@ -79,7 +80,10 @@ def main() -> None:
     commits = {name: r["git_commit"] for name, r in got["runs"].items()}
     stages = {name: r["timings"] for name, r in got["runs"].items()}
     runs_s = sum(t["total_s"] for t in stages.values())
+    launch = {name: {"processes": r.get("processes", 1), "threads": r["machine"]["torch_threads"]}
+              for name, r in got["runs"].items()}  # reproduce.json without the key: one process
     derived = {"make_reproduce_min": round(make_s / 60, 1), "runs_min": round(runs_s / 60, 1), "goal_min": 25,
+               "launch": launch,
                "stages_s": stages, "run_commits": commits, **{k: v for k, v in got.items() if k != "runs"}}
     write("make_reproduce" + (f"_{a.tag}" if a.tag else ""), {"make_seconds": make_s, "clone": str(clone),
                              "make_args": make_args,

@@ -245,7 +245,10 @@ TABLES = {
         ("every per-item score the same bytes; control (one by one twice)", ("same_bytes", "control_same_bytes"),
          "{}; {}"),
     ]),
-    "make_reproduce": ("make_reproduce", MAKE_REPRODUCE_ROWS),
+    "make_reproduce": ("make_reproduce", [
+        ("each run: processes x threads per process (pair / SmolLM2-135M)",
+         ("launch/pair/processes", "launch/pair/threads", "launch/smollm2-135m/processes",
+          "launch/smollm2-135m/threads"), "{} x {} / {} x {}"), *MAKE_REPRODUCE_ROWS]),
     "make_reproduce_fused": ("make_reproduce_fused", MAKE_REPRODUCE_ROWS),
     "parallel": ("parallel_sweep_2", [
         ("items, processes", ("items", "procs"), "{} items, {} processes"),

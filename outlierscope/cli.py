@@ -266,11 +266,14 @@ def _cmd_report(a) -> None:
 
 
 def _cmd_reproduce(a) -> None:
+    from outlierscope.parallel import World
     from outlierscope.runs.reproduce import ReproduceSettings, reproduce
     from outlierscope.settings import from_cli
 
     _headless()
-    print(f"report: {reproduce(from_cli(ReproduceSettings, vars(a)))}")
+    path = reproduce(from_cli(ReproduceSettings, vars(a)), world=World.from_env())
+    if path is not None:
+        print(f"report: {path}")
 
 
 class _Once(argparse.Action):

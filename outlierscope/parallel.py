@@ -158,6 +158,18 @@ def _all_gather(obj, size: int) -> list:
     return out
 
 
+def local_processes() -> int:
+    """How many processes of one thread a run on this machine should start (``make reproduce`` under ``torchrun``):
+    one per GPU where there are GPUs, else one per core this process may use; at most :data:`VIRTUAL_SHARDS` (the
+    most that get work). One thread per process keeps the bytes of one process (a BLAS sums in another order with
+    another number of threads)."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(gpus or cores, VIRTUAL_SHARDS))
+
+
 def owned_shards(shard: Shard, world: World) -> tuple[int, ...]:
     """The virtual shards this process computes: those of ``shard``, then every ``world.size``-th of them."""
     if shard.count * world.size > VIRTUAL_SHARDS:

@@ -356,3 +356,24 @@ def test_text_metric_sensitivity_on_two_processes_equals_one(tmp_path):
         a, b = (TokenScores.load(tmp_path / d / "cells" / f"{cid}.npz") for d in ("p1", "p2"))
         for k in ("window", "nll", "nll_base", "kld", "same_top", "p_diff"):
             assert np.array_equal(getattr(a, k), getattr(b, k)), (cid, k)
+
+
+def test_reproduce_on_two_processes_equals_one(tmp_path):
+    """reproduce under torchrun (as `make reproduce` runs it: processes of one thread): the profile's and the sweep's
+    tables and cells byte-identical to one process's; rank 0 alone writes the report and the record, which counts
+    the processes."""
+    import json
+
+    cmd = ["reproduce", "--model", "pair-tiny:diff", "--bits", "16", "4", "--limit", "24", "--tokens", "4096",
+           "--seq-len", "64", "--batch-size", "8"]
+    outs = {procs: tmp_path / f"p{procs}" for procs in (1, 2)}
+    printed = {procs: _cli([*cmd, "--out", str(out)], procs=procs).stdout for procs, out in outs.items()}
+    one, two = _csvs(outs[1]), _csvs(outs[2])
+    assert {"profile/table5.csv", "sweep/sweep.csv"} <= set(one) and sum(k.startswith("sweep/cells/") for k in one) == 2
+    assert one == two
+    assert printed[2].count("report: ") == 1 and (outs[2] / "report.md").exists()
+    for procs, out in outs.items():  # each stage split over the processes, not run whole by each
+        rec = {name: json.loads((out / name).read_text()) for name in ("reproduce.json", "sweep/sweep.json",
+                                                                       "profile/profile.json")}
+        assert rec["reproduce.json"]["processes"] == rec["sweep/sweep.json"]["processes"] == procs
+        assert rec["profile/profile.json"]["models"]["pair-tiny:diff"]["processes"] == procs

@@ -18,6 +18,7 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR, PRESETS, ROLES
+from outlierscope.parallel import World
 from outlierscope.quant.numerics.names import GRANULARITIES
 from outlierscope.settings import option
 
@@ -59,8 +60,13 @@ class ReproduceSettings:
                 "trust_remote_code": self.trust_remote_code}
 
 
-def reproduce(s: ReproduceSettings, log=print) -> Path:
-    """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused."""
+def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Path | None:
+    """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused.
+
+    Under ``torchrun`` (``world=World.from_env()``) every rank profiles and scores its virtual shards
+    (:mod:`outlierscope.parallel`), rank 0 writes the tables, figures, report and ``reproduce.json`` and returns the
+    report's path (the other ranks None): with one thread per process, the bytes of one process (``make reproduce``
+    runs so, one process per core)."""
     from outlierscope.data.tasks import task_label
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
@@ -80,23 +86,27 @@ def reproduce(s: ReproduceSettings, log=print) -> Path:
     check_models(sweep_settings)
     check_previous(out / "sweep", asdict(sweep_settings), s.force)
     sweep_settings.task_items()
+    world = world or World()
+    log = log if world.is_main else (lambda *a, **k: None)
     t0 = time.time()
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
-    profile(list(s.models), prof_settings, out / "profile")
+    profile(list(s.models), prof_settings, out / "profile", world=world)
     t1 = time.time()
     tasks = s.tasks
     names = ", ".join(task_label(t) for t in tasks)
     log(f"[2/3] sweeping {', '.join(map(str, s.bits))} bits ({s.granularity}) on "
         f"{f'up to {s.limit or s.sample:,}' if s.limit or s.sample else 'all'} validation items of {names} (Figure 8)")
-    sweep(sweep_settings, out / "sweep", log=log, force=s.force)
+    sweep(sweep_settings, out / "sweep", log=log, force=s.force, world=world)
     t2 = time.time()
+    if not world.is_main:
+        return None
     log("[3/3] plotting and writing the report")
     path = write_report(out)
     t3 = time.time()
     timings = {"profile_s": round(t1 - t0, 1), "sweep_s": round(t2 - t1, 1), "report_s": round(t3 - t2, 1),
                "total_s": round(t3 - t0, 1)}
-    write_record(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "machine": machine(),
-                                        "versions": versions(), "git_commit": git_commit()})
+    write_record(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "processes": world.size,
+                                        "machine": machine(), "versions": versions(), "git_commit": git_commit()})
     log(f"timings: profile {timings['profile_s']:.0f} s, sweep {timings['sweep_s']:.0f} s, report "
         f"{timings['report_s']:.0f} s, total {timings['total_s'] / 60:.1f} min (recorded in reproduce.json)")
     return path
