@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from outlierscope.analysis.reducers import LogBins, Moments, TopK
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
+from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, local_processes, owned_shards
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -209,6 +209,20 @@ def test_world_device_is_the_local_gpu(monkeypatch):
         w.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert w.device("auto") == "auto"  # no GPU: load_model resolves auto to the CPU
+
+
+def test_local_processes_one_per_core_or_gpu(monkeypatch):
+    """make reproduce's NPROC: the cores this process may use (2 of a 40-core machine's affinity: 2), or the GPUs
+    where there are GPUs (8 on a 96-core node: 8), never more than the 16 virtual shards (40 free cores: 16)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 9}, raising=False)
+    assert local_processes() == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(40)), raising=False)
+    assert local_processes() == 16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(96)), raising=False)
+    assert local_processes() == 8
 
 
 def test_owned_shards_partition():
