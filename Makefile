@@ -9,7 +9,7 @@ REPRODUCE_ARGS ?=
 # process of one thread: outlierscope.parallel); NPROC=1 for a single process
 NPROC ?= $(shell $(BIN)/python -c "from outlierscope.parallel import local_processes; print(local_processes())")
 RUN = OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -m outlierscope
-# the real model's part of `make reproduce` (2.3 of its 36.9 minutes on 2 cores: bench/results/make_reproduce.json)
+# the real model's part of `make reproduce` (1.7 of its 27.8 minutes on 2 cores: bench/results/make_reproduce.json)
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 

@@ -9,6 +9,7 @@ A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import sys
@@ -20,7 +21,8 @@ COST_PAGE = HERE.parent / "docs" / "guide" / "cost.md"  # the guide's compact co
 RESULTS = HERE / "results"
 REFERENCES = HERE.parent / "references" / "README.md"  # the proofs against other libraries (no timing)
 RECORD_DIRS = (RESULTS, HERE.parent / "references" / "results")
-PAGES = (README, REFERENCES, COST_PAGE)  # every file that holds generated tables
+TOP_README = HERE.parent / "README.md"  # the project's README: one summary table
+PAGES = (README, REFERENCES, COST_PAGE, TOP_README)  # every file that holds generated tables
 
 
 
@@ -76,7 +78,17 @@ def _perplexity_cost_rows(marginal: bool = True) -> list:
     ]
 
 
-BASE, OURS = "unquantized sdpa", "16-bit, our attention"  # bench/cost.py's base cell and its own-attention cell
+def _cost_specs():
+    """bench/cost_specs.py (bench/cost.py's specs by family, its base cell's names), loaded by its path: this file runs
+    as a script and the tests load it by path too."""
+    spec = importlib.util.spec_from_file_location("bench_cost_specs", HERE / "cost_specs.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+COST_SPECS = _cost_specs()
+BASE, OURS = COST_SPECS.BASE, COST_SPECS.OURS  # bench/cost.py's base cell and its own-attention cell
 
 
 def _cost_specs(rec: dict) -> list[str]:
@@ -319,12 +331,48 @@ def render_fused(stem: str) -> str:
     return "\n".join(lines)
 
 
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
+
+
+def render_cost_summary(stem: str, make_stem: str) -> str:
+    """The top-level README's table: per family of bench/cost.py's specs the range of its ratios to the unquantized
+    sdpa cell (running text; HellaSwag by layout) against its goal, then the KLD cell, the profile and `make
+    reproduce` (the make_reproduce record), each with its goal."""
+    rec, make = load(stem), load(make_stem)
+    d = rec["derived"]
+    lines = ["| what | running text | HellaSwag | goal |", "|---|---|---|---|"]
+    for family, names in COST_SPECS.FAMILIES.items():
+        names = [n for n in names if n in d["layout"]]
+        by_layout = {lay: [d["ratio"][f"hellaswag {n}"] for n in names if d["layout"][n] == lay]
+                     for lay in ("shared", "separate")}
+        hs = "; ".join(f"{_span(v)} ({lay})" for lay, v in by_layout.items() if v)
+        goals = sorted({d["goal"][f"text {n}"] for n in names})
+        lines.append(f"| {family} ({len(names)} specs) | {_span([d['ratio'][f'text {n}'] for n in names])} | {hs} | "
+                     f"<= {' / '.join(f'{g}x' for g in goals)} |")
+    lines += [f"| a KLD cell (`w8a8`) / its plain NLL cell | {d['kld_vs_nll_cell']}x | | <= 1.1x |",
+              f"| profile (Table 5's points), tokens/s / the sdpa forward's | {d['profile_vs_sdpa_forward']}x | | "
+              f">= 0.9x |",
+              f"| `make reproduce` on a fresh clone, minutes | {make['derived']['make_reproduce_min']} | | "
+              f"{make['derived']['goal_min']} |"]
+    m = make["machine"]
+    lines += ["", f"Ratios to the unquantized sdpa cell of the same run, {rec['raw']['model']}, HellaSwag's own layout "
+                  f"for the context and its endings (the sdpa cell separate / shared: {d['hellaswag_layout_factor']}x); "
+                  + _cost_record(rec, stem) + f"; `make reproduce`: record `bench/results/{make_stem}.json` (commit "
+                  f"`{make['git']['commit'][:10]}`, {m['cpu']}, {m['cores']} cores, one run)."]
+    return "\n".join(lines)
+
+
+SUMMARY = {"cost_summary": ("cost_smollm2-135m", "make_reproduce")}  # the top-level README's table
 COLUMNS = {"cost_columns_smollm2": "cost_smollm2-135m"}  # tables of the guide's cost page
 # bench/cost.py --fused records: table name -> stem
 FUSED = {"cost_fused_smollm2": "cost_smollm2-135m_fused", "cost_fused_attention_smollm2": "cost_smollm2-135m_fused-attention"}
 
 
 def render(name: str) -> str:
+    if name in SUMMARY:
+        return render_cost_summary(*SUMMARY[name])
     if name in COLUMNS:
         return render_cost_columns(COLUMNS[name])
     if name in FUSED:

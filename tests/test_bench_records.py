@@ -24,11 +24,15 @@ def _tables():
 def test_readme_tables_equal_the_records():
     tables = _tables()
     names = []
-    for readme in (BENCH / "README.md", ROOT / "references" / "README.md"):
+    pages = (BENCH / "README.md", ROOT / "references" / "README.md", ROOT / "docs" / "guide" / "cost.md",
+             ROOT / "README.md")
+    assert set(tables.PAGES) == set(pages)
+    for readme in pages:
         text = readme.read_text()
         names += re.findall(r"<!-- bench:(\w+) -->", text)
         assert tables.rewrite(text) == text, f"{readme} differs from the records: run `python bench/tables.py`"
-    assert sorted(names) == sorted([*tables.TABLES, *tables.FUSED])  # every table generated once, every generator used
+    # every table generated once, every generator used
+    assert sorted(names) == sorted([*tables.TABLES, *tables.FUSED, *tables.COLUMNS, *tables.SUMMARY])
 
 
 @pytest.mark.parametrize("stem", ["profile", "quant"])
