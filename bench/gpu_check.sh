@@ -16,7 +16,9 @@
 #   4. sweep.txt + sweep.json: a timed `sweep` (16 and 4 bits, per_tensor, LIMIT items, bf16) and
 #      profile.txt + profile.json: a timed `profile` (TOKENS tokens, sequence length 512), on SmolLM2-135M when
 #      it is in $OUTLIERSCOPE_CACHE/models (it is 517 MB: too large to carry, so usually not), else on a random
-#      model of its shape (seeded; accuracy then means nothing, the timing does).
+#      model of its shape (seeded; accuracy then means nothing, the timing does);
+#   5. fused.txt: the same sweep with --fused (the quantizers compiled by torch.compile, #64): its wall time, each
+#      cell's seconds beside step 4's, and whether every csv (sweep tables, per-item cells) is byte-identical.
 #
 # Prepare here (.gpu_cache/ is git-ignored): mkdir -p .gpu_cache && cp ~/.cache/outlierscope/hellaswag-validation.arrow .gpu_cache/
 # then run it there with `.gpu_cache` carried. DRY_RUN=1 runs every step on the CPU with tiny sizes (the tests do).
@@ -40,7 +42,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 HF_HUB_OF
 rc=0
 step() { echo "== $*" >&2; }
 
-step "1/4 environment"
+step "1/5 environment"
 "$py" - <<'PY' > "$outdir/env.txt" 2>&1 || rc=1
 import torch, transformers
 print("torch", torch.__version__, "transformers", transformers.__version__, "cuda", torch.version.cuda)
@@ -49,18 +51,18 @@ print("tf32 matmul allowed:", torch.backends.cuda.matmul.allow_tf32, "(outliersc
 PY
 cat "$outdir/env.txt"
 
-step "2/4 tests marked cuda"
+step "2/5 tests marked cuda"
 "$py" -m pytest -q -p no:cacheprovider -o addopts= -m cuda -rs tests/test_cuda.py tests/train/test_train.py \
     > "$outdir/pytest.txt" 2>&1
 t=$?; [ $t -ne 0 ] && [ $t -ne 5 ] && rc=1  # 5: nothing collected
 tail -n 5 "$outdir/pytest.txt"
 
-step "3/4 blocked attention memory"
+step "3/5 blocked attention memory"
 mem_args=(--device "$device"); [ "$dry" = 1 ] && mem_args+=(--dry-run)
 BENCH_RESULTS="$outdir" "$py" bench/attention_memory.py "${mem_args[@]}" > "$outdir/attention_memory.txt" 2>&1 || rc=1
 tail -n 3 "$outdir/attention_memory.txt"
 
-step "4/4 timed sweep and profile"
+step "4/5 timed sweep and profile"
 model="$OUTLIERSCOPE_CACHE/models/smollm2-135m"
 if [ "$dry" = 1 ]; then
     model=pair-tiny:diff
@@ -91,5 +93,22 @@ cp "$work/sweep/sweep.json" "$outdir/" 2>/dev/null || rc=1
     > "$outdir/profile.txt" 2>&1 || rc=1
 cp "$work/profile/profile.json" "$outdir/" 2>/dev/null || rc=1
 tail -n 3 "$outdir/sweep.txt" "$outdir/profile.txt"
+
+step "5/5 the same sweep with the quantizers compiled (--fused): its time and its bytes against step 4's"
+{ timed "$py" -m outlierscope sweep --model "$model" --bits 16 4 --limit "$limit" --device "$device" --dtype "$dt" \
+    --batch-size 64 --fused --out "$work/sweep-fused" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | tail -n 8
+  "$py" - "$work/sweep" "$work/sweep-fused" <<'PY'
+import json, sys
+from pathlib import Path
+eager, fused = (Path(d) for d in sys.argv[1:])
+names = sorted(p.relative_to(eager).as_posix() for p in eager.rglob("*.csv"))
+differ = [n for n in names if not (fused / n).exists() or (fused / n).read_bytes() != (eager / n).read_bytes()]
+cells = {d.name: {c["label"]: c["seconds"] for c in json.loads((d / "sweep.json").read_text())["cells"]}
+         for d in (eager, fused)}
+print(json.dumps({"csv_files": len(names), "byte_identical": len(names) - len(differ), "differ": differ,
+                  "cell_seconds": cells}))
+PY
+} > "$outdir/fused.txt" 2>&1 || rc=1
+tail -n 2 "$outdir/fused.txt"
 echo "gpu_check exit $rc; files in $outdir" >&2
 exit $rc

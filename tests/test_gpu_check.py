@@ -18,8 +18,8 @@ def test_gpu_check_dry_run(tmp_path, hellaswag_cached):
                        timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["attention_memory.txt", "env.txt", "profile.json", "profile.txt", "pytest.txt", "sweep.json",
-                     "sweep.txt"]
+    assert files == ["attention_memory.txt", "env.txt", "fused.txt", "profile.json", "profile.txt", "pytest.txt",
+                     "sweep.json", "sweep.txt"]
     assert len(files) <= 8
     assert "cuda available: False" in (out / "env.txt").read_text()
     assert "skipped" in (out / "pytest.txt").read_text()  # the cuda tests are collected and skip without a GPU
@@ -29,3 +29,7 @@ def test_gpu_check_dry_run(tmp_path, hellaswag_cached):
     assert sweep["settings"]["device"] == "cpu" and sweep["n_items"] == 6
     assert json.loads((out / "profile.json").read_text())["settings"]["device"] == "cpu"
     assert "wall" in (out / "sweep.txt").read_text()
+    fused = (out / "fused.txt").read_text()
+    got = json.loads(fused.strip().splitlines()[-1])  # the compiled quantizers: the eager bytes (on the CPU)
+    assert "wall" in fused and got["csv_files"] >= 4 and got["byte_identical"] == got["csv_files"], got
+    assert set(got["cell_seconds"]) == {"sweep", "sweep-fused"} and len(got["cell_seconds"]["sweep-fused"]) == 2

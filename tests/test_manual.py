@@ -16,11 +16,16 @@ def test_readme_is_short():
 
 
 def test_readme_table_rows_are_their_records_rows():
-    """Each table under a ``<!-- rows from: PATH -->`` comment is rows of that committed file, verbatim; every table
-    of the README is under one (no number typed by hand)."""
-    source, tables = None, 0
+    """Each table under a ``<!-- rows from: PATH -->`` comment is rows of that committed file, verbatim, or inside a
+    ``<!-- bench:NAME -->`` block (generated from bench records by bench/tables.py, tests/test_bench_records.py
+    compares it with them); every table of the README is one of these (no number typed by hand)."""
+    source, tables, generated = None, 0, False
     for line in README.read_text().splitlines():
-        if m := re.match(r"<!-- rows from: (\S+) -->", line):
+        if re.match(r"<!-- bench:\w+ -->", line) or line == "<!-- /bench -->":
+            generated = line != "<!-- /bench -->"
+        elif generated:
+            continue
+        elif m := re.match(r"<!-- rows from: (\S+) -->", line):
             source, tables = (ROOT / m.group(1)).read_text(), tables + 1
         elif line.startswith("|"):
             assert source is not None, f"a README table row with no record named above it: {line}"
