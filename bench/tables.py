@@ -78,7 +78,7 @@ def _perplexity_cost_rows(marginal: bool = True) -> list:
     ]
 
 
-def _cost_specs():
+def _load_cost_specs():
     """bench/cost_specs.py (bench/cost.py's specs by family, its base cell's names), loaded by its path: this file runs
     as a script and the tests load it by path too."""
     spec = importlib.util.spec_from_file_location("bench_cost_specs", HERE / "cost_specs.py")
@@ -87,7 +87,7 @@ def _cost_specs():
     return mod
 
 
-COST_SPECS = _cost_specs()
+COST_SPECS = _load_cost_specs()
 BASE, OURS = COST_SPECS.BASE, COST_SPECS.OURS  # bench/cost.py's base cell and its own-attention cell
 
 
