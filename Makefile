@@ -31,9 +31,12 @@ install: $(STAMP)
 data: $(STAMP)
 	$(BIN)/outlierscope data fetch
 
+# each run's arguments checked in one process first: a bad one is one line, not one per process and torchrun's report
 reproduce: install data
+	$(BIN)/outlierscope reproduce --check $(REPRODUCE_ARGS)
 	$(RUN) reproduce $(REPRODUCE_ARGS)
 	$(BIN)/outlierscope models fetch $(REAL_MODEL)
+	$(BIN)/outlierscope reproduce --check --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
 	$(RUN) reproduce --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
 
 lint: install

@@ -42,6 +42,8 @@ class ReproduceSettings:
     text: str | None = option(None, "held-out .txt/.jsonl(.xz) text: also report LM loss per bit width")
     seq_len: int | None = option(None, "profile sequence length (default: min(model context, 256))")
     force: bool = option(False, "replace the tables of a sweep with other settings in OUT/sweep")
+    check: bool = option(False, "check every setting, model and task, then stop without running (make reproduce does "
+                                "this in one process before it starts torchrun's)")
     device: str = device_option()
     dtype: str = dtype_option()
     device_map: str | None = device_map_option()
@@ -66,7 +68,7 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     Under ``torchrun`` (``world=World.from_env()``) every rank profiles and scores its virtual shards
     (:mod:`outlierscope.parallel`), rank 0 writes the tables, figures, report and ``reproduce.json`` and returns the
     report's path (the other ranks None): with one thread per process, the bytes of one process (``make reproduce``
-    runs so, one process per core)."""
+    runs so, one process per core). ``s.check``: every setting, model and task checked, nothing run (None)."""
     from outlierscope.data.tasks import task_label
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
@@ -88,6 +90,9 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     sweep_settings.task_items()
     world = world or World()
     log = log if world.is_main else (lambda *a, **k: None)
+    if s.check:
+        log(f"checked: {', '.join(s.models)}; {', '.join(s.tasks)}; {s.out} (nothing run)")
+        return None
     t0 = time.time()
     log(f"[1/3] profiling {', '.join(s.models)} on {s.tokens:,} tokens of HellaSwag text (Table 5)")
     profile(list(s.models), prof_settings, out / "profile", world=world)

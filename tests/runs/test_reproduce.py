@@ -29,3 +29,16 @@ def test_reproduce_with_tasks(tiny_pair, tmp_path, capsys):
     assert {"figure8_acc.png", "figure8_acc_norm.png", "table5_bars.png"} <= {p.name for p in (out / "figures").iterdir()}
     assert main(["reproduce", "--task", "copaa", "--out", str(tmp_path / "x")]) == 2
     assert "did you mean copa" in capsys.readouterr().err
+
+
+def test_reproduce_check_runs_nothing(tmp_path, capsys):
+    """--check (make reproduce's step before torchrun): the settings, models and tasks checked, nothing written; a bad
+    model or task fails there with its one line."""
+    if not hellaswag_path().exists():
+        pytest.skip("data not cached (make test fetches it)")
+    out = tmp_path / "rep"
+    assert main(["reproduce", "--check", "--model", "pair-tiny:diff", "--limit", "6", "--tokens", "1024", "--seq-len", "64",
+                 "--out", str(out)]) == 0
+    assert "checked: pair-tiny:diff; hellaswag" in capsys.readouterr().out and not out.exists()
+    assert main(["reproduce", "--check", "--model", "pair-tiny:dif", "--out", str(out)]) == 2
+    assert "did you mean pair-tiny:diff" in capsys.readouterr().err and not out.exists()
