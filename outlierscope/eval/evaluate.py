@@ -27,7 +27,7 @@ from outlierscope.analysis.attention_error import measure_attention_error, measu
 from outlierscope.analysis.paired import compare, mean_stderr
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.requests import build_requests, lmeval_max_length, predictions
+from outlierscope.eval.requests import Request, build_requests, check_requests, lmeval_max_length, predictions
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import Damaged, check_files, check_seal, file_digests, write_csv, write_record
 from outlierscope.models.float64 import float64_model
@@ -286,7 +286,7 @@ def eval_options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
 def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, task: str = "hellaswag", items=None,
              limit: int | None = None, sample: int | None = None, seed: int = 0, data: str | None = None,
              text_seqs=None, attn_error=None, attn_error_spec=None, linear_error=None, shard: Shard | None = None,
-             world: World | None = None,
+             world: World | None = None, requests: list[Request] | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
     (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
@@ -295,8 +295,10 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
 
     Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
     or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
-    per-item columns ``score0..`` padded with NaN. ``text_seqs`` (N, T) token ids: also the mean LM loss on them.
-    How it runs: ``options`` (:class:`EvalOptions`: batch size, attention block rows, layout, progress bar), or its
+    per-item columns ``score0..`` padded with NaN. ``requests``: the items' tokenised requests when the caller has
+    them (:func:`~outlierscope.eval.requests.build_requests` of the same items, tokenizer and lm-eval max length; a
+    sweep builds them once for every cell of a model and task), checked to be those items'; None: built here.
+    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (:class:`EvalOptions`: batch size, attention block rows, layout, progress bar), or its
     fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
     see :class:`EvalOptions`). ``layout``: ``"separate"``
     (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
@@ -327,7 +329,11 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
     layout = checked_layout(spec, opt.layout)
     if items is None:
         items = select_items(limit, sample, seed, data, task)
-    requests = build_requests(items, tokenizer, lmeval_max_length(model, tokenizer))
+    max_length = lmeval_max_length(model, tokenizer)
+    if requests is None:
+        requests = build_requests(items, tokenizer, max_length)
+    else:
+        check_requests(requests, items, max_length)
     settings = result_settings(model, spec, layout, items, opt, task)
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
     calibration = calibration_for(model, tokenizer, spec, opt.calibration_dir)

@@ -143,6 +143,21 @@ def build_requests(items, tokenizer, max_length: int) -> list[Request]:
     return out
 
 
+def check_requests(requests: Sequence[Request], items, max_length: int) -> None:
+    """``requests`` are :func:`build_requests` of ``items`` at ``max_length`` (the same count, item indexes and
+    length; the token ids themselves are the caller's word), else a ParamError naming the mismatch."""
+    from outlierscope.errors import ParamError
+
+    want = [it.doc().index for it in items]
+    got = [r.index for r in requests]
+    if got != want:
+        raise ParamError("requests", f"build_requests of these {len(want)} items (indexes {want[:3]}...)",
+                         f"{len(got)} requests of items {got[:3]}...")
+    if any(r.max_length != max_length for r in requests):
+        raise ParamError("requests", f"requests built at the model's lm-eval max length {max_length}",
+                         f"max length {next(r.max_length for r in requests if r.max_length != max_length)}")
+
+
 # -- metrics -------------------------------------------------------------------------------
 
 

@@ -65,11 +65,22 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     return {**out, **revised(spec)}
 
 
-def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict, cells_dir: Path,
-                      progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
-    """A sweep cell through the shared cache (:func:`~outlierscope.runs.cells.cached_cell`). With ``attn_error`` in
-    the settings, ``cells/<cell>.attn_error.csv`` (per layer and head) is written with the cell and put in
-    ``res.extra["attn_error_table"]``."""
+def _requests_once(lm, items):
+    """A function returning the items' requests (:func:`~outlierscope.eval.requests.build_requests`), built at its
+    first call (the first cell of a model and task that runs) and shared by the others: tokenising all of HellaSwag
+    takes seconds, a cached cell needs none."""
+    from functools import cache
+
+    from outlierscope.eval.requests import build_requests, lmeval_max_length
+
+    return cache(lambda: build_requests(items, lm.tokenizer, lmeval_max_length(lm.model, lm.tokenizer)))
+
+
+def _load_or_run_cell(lm, items, requests, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict,
+                      cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
+    """A sweep cell through the shared cache (:func:`~outlierscope.runs.cells.cached_cell`); ``requests()``: the items'
+    requests (:func:`_requests_once`). With ``attn_error`` in the settings, ``cells/<cell>.attn_error.csv`` (per layer
+    and head) is written with the cell and put in ``res.extra["attn_error_table"]``."""
     task = settings.get("task", "hellaswag")
     label = cell_label(spec, {"quantization_config": lm.quantization_config()})
     desc = f"{settings['model']} {task} {label}" if len(s.tasks) > 1 or task != "hellaswag" else \
@@ -88,7 +99,7 @@ def _load_or_run_cell(lm, items, spec: QuantSpec, s: SweepSettings, text_seqs, s
         sites = linear_sites(lm.model, spec) if in_linears else []  # the LM head, when named: layer n_layers
         lin = LinearErrorStats(max(site.layer for site in sites) + 1, list(dict.fromkeys(site.path for site in sites))) \
             if sites else None
-        res = evaluate(lm, quant=spec.with_weights(s.weights), items=items, text_seqs=text_seqs,
+        res = evaluate(lm, quant=spec.with_weights(s.weights), items=items, requests=requests(), text_seqs=text_seqs,
                        batch_size=s.batch_size, progress=progress, desc=desc, block_rows=s.attn_block, shard=shard, world=world, task=task, attn_error=stats,
                        linear_error=lin, calibration_dir=str(cells_dir.parent / "calibration"))
         # a --shard part keeps the raw numbers of its virtual shards, which merge exactly (merge_sweep)
@@ -196,10 +207,11 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             if s.text:
                 text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
             for t in s.tasks:
+                requests = _requests_once(lm, items[t])
                 for spec in s.specs():
                     settings = cell_settings(spec_str, wsha, spec, s, tasks[t]["items_sha256"], lm.dtype, lm.device, t)
-                    res, cid = _load_or_run_cell(lm, items[t], spec, s, text_seqs, settings, cells_dir, progress, log,
-                                                 shard, world)
+                    res, cid = _load_or_run_cell(lm, items[t], requests, spec, s, text_seqs, settings, cells_dir,
+                                                 progress, log, shard, world)
                     cells.append((spec_str, t, spec, cid, res))
         del lm  # the text cells load each model again: one copy at a time
     extra = {"text_metrics": _text_metrics(s, out, log, world, records)} if s.kld_text is not None else {}

@@ -140,3 +140,26 @@ def test_items_digest_is_the_committed_runs(hellaswag_cached):
         if s["sample"] and s["sample"] < len(items):
             items = select_items(None, s["sample"], s["seed"], None, task)
         assert items_digest(items) == info["items_sha256"], task
+
+
+def test_evaluate_takes_requests_of_its_items_only(hellaswag_cached):
+    """evaluate(requests=...) scores what it would build itself (the same per-item scores, bytes), and refuses the
+    requests of other items or of another max length with a one-line ParamError."""
+    from outlierscope.errors import ParamError
+    from outlierscope.eval.evaluate import evaluate, select_items
+    from outlierscope.eval.requests import lmeval_max_length
+    from outlierscope.models.loading import load_model
+
+    lm = load_model("pair-tiny:diff")
+    items = select_items(limit=6)
+    n = lmeval_max_length(lm.model, lm.tokenizer)
+    reqs = build_requests(items, lm.tokenizer, n)
+    given = evaluate(lm, quant="logits=int4/per_tensor", items=items, requests=reqs, batch_size=4, progress=False)
+    built = evaluate(lm, quant="logits=int4/per_tensor", items=items, batch_size=4, progress=False)
+    assert given.items.to_csv() == built.items.to_csv()
+    with pytest.raises(ParamError, match="requests must be build_requests of these 6 items"):
+        evaluate(lm, items=items, requests=reqs[:5], progress=False)
+    with pytest.raises(ParamError, match="requests must be build_requests of these 5 items"):
+        evaluate(lm, items=items[1:], requests=reqs[:5], progress=False)
+    with pytest.raises(ParamError, match=f"lm-eval max length {n}"):
+        evaluate(lm, items=items, requests=build_requests(items, lm.tokenizer, 16), progress=False)

@@ -122,6 +122,21 @@ def test_resume_after_crash(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
     pd.testing.assert_frame_equal(table.drop(columns="cell"), full[1].drop(columns="cell"))
 
 
+def test_items_tokenised_once_per_model_and_task(tiny_pair, hs_jsonl, tmp_path, monkeypatch, full):
+    """Each model's items are tokenised once for its three cells (and not at all when every cell is cached); the
+    tables are the full fixture's."""
+    import outlierscope.eval.requests as rq
+
+    calls, real = [], rq.build_requests
+    monkeypatch.setattr(rq, "build_requests", lambda *a, **k: calls.append(1) or real(*a, **k))
+    out = tmp_path / "s"
+    table = sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None).table
+    assert len(calls) == 2  # 2 models x 1 task
+    pd.testing.assert_frame_equal(table, full[1])
+    sweep(_settings(tiny_pair, hs_jsonl), out, progress=False, log=lambda *_: None)
+    assert len(calls) == 2  # every cell read back
+
+
 def test_changed_settings_recompute(tiny_pair, hs_jsonl, tmp_path):
     out = tmp_path / "s"
     sweep(_settings(tiny_pair, hs_jsonl, bits=(16, 4)), out, progress=False, log=lambda *_: None)
