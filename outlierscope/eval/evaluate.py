@@ -298,8 +298,8 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
     per-item columns ``score0..`` padded with NaN. ``requests``: the items' tokenised requests when the caller has
     them (:func:`~outlierscope.eval.requests.build_requests` of the same items, tokenizer and lm-eval max length; a
     sweep builds them once for every cell of a model and task), checked to be those items'; None: built here.
-    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (:class:`EvalOptions`: batch size, attention block rows, layout, progress bar), or its
-    fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
+    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (:class:`EvalOptions`:
+    batch size, attention block rows, layout, progress bar), or its fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
     see :class:`EvalOptions`). ``layout``: ``"separate"``
     (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
     each attention row depends on its own keys: unquantized or per_row); None: :func:`layout_for` ``quant``.
