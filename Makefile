@@ -31,13 +31,14 @@ install: $(STAMP)
 data: $(STAMP)
 	$(BIN)/outlierscope data fetch
 
-# each run's arguments checked in one process first: a bad one is one line, not one per process and torchrun's report
+# `reproduce` with the arguments $(1): checked in one process first (a bad one is one line, not one per process and
+# torchrun's report), then run as NPROC processes
+CHECKED_REPRODUCE = $(BIN)/outlierscope reproduce --check $(1) && $(RUN) reproduce $(1)
+
 reproduce: install data
-	$(BIN)/outlierscope reproduce --check $(REPRODUCE_ARGS)
-	$(RUN) reproduce $(REPRODUCE_ARGS)
+	$(call CHECKED_REPRODUCE,$(REPRODUCE_ARGS))
 	$(BIN)/outlierscope models fetch $(REAL_MODEL)
-	$(BIN)/outlierscope reproduce --check --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
-	$(RUN) reproduce --model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL)
+	$(call CHECKED_REPRODUCE,--model $(REAL_MODEL) $(REAL_ARGS) --out runs/reproduce-$(REAL_MODEL))
 
 lint: install
 	$(BIN)/ruff check .

@@ -84,8 +84,8 @@ PY
 fi
 dt=auto; [ "$dry" = 1 ] && dt=float32
 timed() { local t0=$EPOCHREALTIME; "$@"; local r=$?; awk -v a="$t0" -v b="$EPOCHREALTIME" 'BEGIN{printf "wall %.1f s\n", b - a}'; return $r; }
-{ timed "$py" -m outlierscope sweep --model "$model" --bits 16 4 --limit "$limit" \
-    --device "$device" --dtype "$dt" --batch-size 64 --out "$work/sweep" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | tail -n 25; } \
+sweep_args=(--model "$model" --bits 16 4 --limit "$limit" --device "$device" --dtype "$dt" --batch-size 64)  # steps 4, 5
+{ timed "$py" -m outlierscope sweep "${sweep_args[@]}" --out "$work/sweep" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | tail -n 25; } \
     > "$outdir/sweep.txt" 2>&1 || rc=1
 cp "$work/sweep/sweep.json" "$outdir/" 2>/dev/null || rc=1
 { timed "$py" -m outlierscope profile --model "$model" --tokens "$tokens" \
@@ -95,8 +95,7 @@ cp "$work/profile/profile.json" "$outdir/" 2>/dev/null || rc=1
 tail -n 3 "$outdir/sweep.txt" "$outdir/profile.txt"
 
 step "5/5 the same sweep with the quantizers compiled (--fused): its time and its bytes against step 4's"
-{ timed "$py" -m outlierscope sweep --model "$model" --bits 16 4 --limit "$limit" --device "$device" --dtype "$dt" \
-    --batch-size 64 --fused --out "$work/sweep-fused" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | tail -n 8
+{ timed "$py" -m outlierscope sweep "${sweep_args[@]}" --fused --out "$work/sweep-fused" 2>&1 | tr '\r' '\n' | grep -v '^\s*$' | tail -n 8
   "$py" - "$work/sweep" "$work/sweep-fused" <<'PY'
 import json, sys
 from pathlib import Path

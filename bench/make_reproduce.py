@@ -8,8 +8,9 @@ cell id: the largest difference of each column and metric). ``--from DIR --make-
 One repetition (a run takes half an hour); the machine must be otherwise idle (its load is recorded).
 Writes bench/results/make_reproduce.json (see bench/artifact.py).
 Each run's processes and threads per process (``make reproduce`` starts ``NPROC`` processes of one thread under
-torchrun since 2026-12-07: ``launch``). ``--make-args 'REPRODUCE_ARGS=--fused' --tag fused``: the same with make variables given (here the pair's run with
-its quantizers compiled, the same bytes), into bench/results/make_reproduce_fused.json.
+torchrun since 2026-12-07: ``launch``). ``--make-args 'REPRODUCE_ARGS=--fused' --tag fused``: the same with make
+variables given (here the pair's run with its quantizers compiled, the same bytes), into
+bench/results/make_reproduce_fused.json.
 Usage: python bench/make_reproduce.py [--clone DIR] [--make-args 'VAR=VALUE ...' --tag TAG] | [--from DIR --make-seconds S]
 """
 
