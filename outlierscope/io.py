@@ -161,13 +161,14 @@ def save_torch_checked(path: str | os.PathLike, obj) -> None:
     write_checked(path, buf.getvalue())
 
 
-def load_torch_checked(path: str | os.PathLike, weights_only: bool = True):
-    """What :func:`save_torch_checked` saved, its digest checked (:class:`Damaged` otherwise)."""
+def load_torch_checked(path: str | os.PathLike):
+    """What :func:`save_torch_checked` saved, its digest checked (:class:`Damaged` otherwise); tensors and plain
+    containers only (``weights_only=True``): a file holding other objects is refused, never unpickled."""
     import io as _io
 
     import torch
 
-    return torch.load(_io.BytesIO(read_checked(path)), map_location="cpu", weights_only=weights_only)
+    return torch.load(_io.BytesIO(read_checked(path)), map_location="cpu", weights_only=True)
 
 
 def write_csv(path: str | os.PathLike, df) -> None:
@@ -265,14 +266,20 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
 
 
 def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "shard file") -> dict:
-    """A dict saved by outlierscope with :func:`save_torch_checked` (our own files: not for untrusted input), with
-    ``keys``; a truncated, changed or foreign file is a one-line error."""
+    """A dict saved with :func:`save_torch_checked`, with ``keys``; a truncated, changed or foreign file, or one that
+    holds objects other than tensors and plain containers (a pickle that could run code), is a one-line error."""
+    import pickle
+
     path = Path(path)
     try:
-        obj = load_torch_checked(path, weights_only=False)
+        obj = load_torch_checked(path)
     except Damaged as e:
         raise Damaged(f"{e}; not a readable {what}: run that shard again") from None
-    except Exception as e:  # noqa: BLE001 - torch raises many types for a payload it cannot unpickle
+    except pickle.UnpicklingError:
+        raise OutlierscopeError(f"{path} holds Python objects other than tensors and plain containers (a pickle that "
+                                f"could run code when loaded): refused; not a {what} outlierscope wrote: run that shard "
+                                "again") from None
+    except Exception as e:  # noqa: BLE001 - torch raises many types for a payload it cannot read
         raise OutlierscopeError(f"{path} is not a readable {what} ({type(e).__name__}); run that shard again") from None
     missing = [k for k in keys if not isinstance(obj, dict) or k not in obj]
     if missing:

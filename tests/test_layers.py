@@ -8,7 +8,7 @@ import pytest
 PKG = Path(__file__).resolve().parent.parent / "outlierscope"
 # rank of each top-level part of the package; a module may import only parts of lower or equal rank
 # (analysis sits above quant: it measures what quantization does; runs, train and lmeval share a rank)
-RANK = {"errors": 0, "io": 1, "parallel": 1, "settings": 1, "data": 2, "models": 3, "hooks": 4, "quant": 5, "analysis": 6, "eval": 7,
+RANK = {"errors": 0, "io": 1, "parallel": 1, "settings": 1, "state": 1, "data": 2, "models": 3, "hooks": 4, "quant": 5, "analysis": 6, "eval": 7,
         "report": 8, "runs": 9, "train": 9, "lmeval": 9, "cli": 10, "__init__": 11, "__main__": 11}
 
 

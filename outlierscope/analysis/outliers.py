@@ -37,6 +37,7 @@ from outlierscope.errors import ParamError
 from outlierscope.hooks.capture import Observation
 from outlierscope.hooks.points import ATTN_KINDS, KINDS, LM_HEAD, MAP_KINDS
 from outlierscope.parallel import VIRTUAL_SHARDS
+from outlierscope.state import from_plain, to_plain
 
 MASSIVE_ABS = 100.0  # Sun et al. 2024: massive activation magnitude
 MASSIVE_REL = 1000.0  # ... and this many times the median |x|
@@ -376,6 +377,21 @@ class OutlierStats:
         for st in (*self.by_kind.values(), *self.sinks.values()):
             st.shard = shard
 
+    def state(self) -> dict:
+        """These statistics as tensors and plain containers (what :meth:`from_state` reads back)."""
+        return to_plain(self, STATE_CLASSES)
+
+    @classmethod
+    def from_state(cls, data: dict) -> OutlierStats:
+        """The statistics :meth:`state` returned.
+
+        data: :meth:`state`'s value, as read back with ``torch.load(weights_only=True)``.
+        Raises ValueError: for data that is not the state of an OutlierStats."""
+        stats = from_plain(data, STATE_CLASSES)
+        if not isinstance(stats, cls):
+            raise ValueError(f"expected the state of an OutlierStats, got {type(stats).__name__}")
+        return stats
+
     def merge(self, other: OutlierStats) -> OutlierStats:
         """Add ``other``'s statistics (same model and settings) into this one; returns self."""
         self.order += [k for k in getattr(other, "order", []) if k not in self.order]
@@ -626,6 +642,9 @@ class OutlierStats:
                 df.insert(0, "point", kind)
                 frames.append(df)
         return _concat_frames(frames)
+
+
+STATE_CLASSES = (OutlierStats, LogitStats, TokenStats, HiddenStats, SinkStats, TopK, Moments, Exceedances, LogBins)
 
 
 def _concat_frames(frames: list[pd.DataFrame], columns: list[str] | None = None) -> pd.DataFrame:

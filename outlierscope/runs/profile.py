@@ -254,6 +254,14 @@ def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None 
     return result
 
 
+def _stats(state, path: Path) -> OutlierStats:
+    """The statistics stored in the profile shard file ``path``; a one-line error when they are not."""
+    try:
+        return OutlierStats.from_state(state)
+    except (ValueError, TypeError, KeyError) as e:
+        raise OutlierscopeError(f"{path} is not a readable profile shard file ({e}); run that shard again") from None
+
+
 def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> ProfileResult:
     """Combine the ``profile.shard-i-of-N.pt`` files of a profile run with ``--shard i/N`` (i = 0..N-1) found in
     ``dirs`` and write the whole profile to ``out`` (default: the first directory): the bytes of one process."""
@@ -265,10 +273,10 @@ def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> Prof
     for p in parts[1:]:
         if p["settings"] != first["settings"] or list(p["stats"]) != list(first["stats"]):
             raise OutlierscopeError("the profile shards were run with different settings or models; merge one run")
-    stats = first["stats"]
-    for p in parts[1:]:
+    stats = {name: _stats(st, files[0]) for name, st in first["stats"].items()}
+    for p, f in zip(parts[1:], files[1:]):
         for name, st in p["stats"].items():
-            stats[name].merge(st)
+            stats[name].merge(_stats(st, f))
     facts = {}
     for name, f in first["facts"].items():
         facts[name] = {k: v for k, v in f.items() if k != "shard"}

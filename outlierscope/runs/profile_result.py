@@ -102,8 +102,8 @@ class ProfileResult:
         """A partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: the statistics, facts and settings."""
         facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
         path = Path(out) / f"profile.{shard.tag}.pt"
-        save_torch_checked(path, {"stats": self.stats, "facts": facts, "settings": asdict(self.settings),
-                                  "shard": [shard.index, shard.count]})  # digest checked when merged
+        save_torch_checked(path, {"stats": {n: st.state() for n, st in self.stats.items()}, "facts": facts,
+                                  "settings": asdict(self.settings), "shard": [shard.index, shard.count]})
         return path
 
     def act_scales(self) -> dict[str, dict[str, torch.Tensor]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from outlierscope.errors import OutlierscopeError
 from outlierscope.io import (
     Damaged,
     atomic_dir,
@@ -63,7 +64,7 @@ def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> 
     except Damaged as e:
         raise Damaged(f"{e}: the checkpoint is damaged; start the run again without --resume") from None
     for role in models:
-        ck = torch.load(state / f"{role}.pt", map_location="cpu", weights_only=False)
+        ck = _read_role(state / f"{role}.pt")
         models[role].load_state_dict(ck["model"])
         opts[role].load_state_dict(ck["optimizer"])
         scheds[role].load_state_dict(ck["scheduler"])
@@ -71,6 +72,19 @@ def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> 
         if ck["rng_cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(ck["rng_cuda"])
     return meta["step"], meta["wall_s"], meta.get("fed", fed)
+
+
+def _read_role(path: Path) -> dict:
+    """One role's resume state: tensors and plain containers only; a file holding other objects is refused."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError:
+        raise OutlierscopeError(f"{path} holds Python objects other than tensors and plain containers (a pickle that "
+                                "could run code when loaded): refused; start the run again without --resume") from None
 
 
 def read_log(path: Path, upto_step: int) -> list[dict]:

@@ -200,7 +200,7 @@ def _load_layers(path, key: str) -> dict:
     if path is None or not path.exists():
         return {}
     try:
-        state = load_torch_checked(path, weights_only=True)
+        state = load_torch_checked(path)
     except (Damaged, Exception) as e:  # noqa: BLE001 - torch.load raises many types for a foreign payload
         why = str(e) if isinstance(e, Damaged) else f"{path}: not readable ({type(e).__name__})"
         warnings.warn(f"{why}; calibrating those layers again (the file is rewritten)", stacklevel=2)
