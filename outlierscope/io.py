@@ -50,6 +50,7 @@ def write_json(path: str | os.PathLike, obj) -> None:
 
 SEAL = "record_sha256"  # the key of a record's digest of its own content (the last key of a sealed record)
 FRAME = b"outlierscope-sha256 "  # a checked binary file: this, 64 hex digits of the payload's sha256, a newline
+IDENT_FRAME = b"outlierscope-sha256-ident "  # ... of its identity's JSON line and payload, then that line
 
 
 class Damaged(OutlierscopeError):
@@ -127,27 +128,55 @@ def check_files(directory: str | os.PathLike, digests: dict[str, str]) -> None:
             raise Damaged(f"{path}: its content does not match the digest its record holds (changed, cut or swapped)")
 
 
-def write_checked(path: str | os.PathLike, payload: bytes) -> None:
-    """Write ``payload`` atomically behind a header holding its sha256 (:func:`read_checked` reads it back)."""
+def write_checked(path: str | os.PathLike, payload: bytes, ident: dict | None = None) -> None:
+    """Write ``payload`` atomically behind a header holding its sha256 (:func:`read_checked` reads it back).
+
+    path: the file to write.
+    payload: the bytes to store.
+    ident: what the file claims to be (a cell and its part, say), stored in the header under the same digest
+        (:func:`read_checked_ident` reads it back)."""
+    body = payload if ident is None else json.dumps(ident, sort_keys=True).encode() + b"\n" + payload
+    frame = FRAME if ident is None else IDENT_FRAME
     with atomic_path(path) as tmp:
         with open(tmp, "wb") as f:
-            f.write(FRAME + hashlib.sha256(payload).hexdigest().encode() + b"\n")
-            f.write(payload)
+            f.write(frame + hashlib.sha256(body).hexdigest().encode() + b"\n")
+            f.write(body)
 
 
-def read_checked(path: str | os.PathLike) -> bytes:
-    """The payload of a file written by :func:`write_checked`, its digest checked; :class:`Damaged` otherwise."""
-    path = Path(path)
+def _checked_body(path: Path) -> tuple[bool, bytes]:
+    """(whether the file carries an identity, its body), its digest checked; :class:`Damaged` otherwise."""
     try:
         data = path.read_bytes()
     except OSError as e:
         raise Damaged(f"{path}: cannot be read ({e.strerror or e})") from None
-    head, _, payload = data.partition(b"\n")
-    if not head.startswith(FRAME) or len(head) != len(FRAME) + 64:
+    head, _, body = data.partition(b"\n")
+    frame = IDENT_FRAME if head.startswith(IDENT_FRAME) else FRAME
+    if not head.startswith(frame) or len(head) != len(frame) + 64:
         raise Damaged(f"{path}: no digest header: written by an older outlierscope, or not by outlierscope")
-    if hashlib.sha256(payload).hexdigest().encode() != head[len(FRAME):]:
+    if hashlib.sha256(body).hexdigest().encode() != head[len(frame):]:
         raise Damaged(f"{path}: its content does not match its digest (cut or changed after it was written)")
-    return payload
+    return frame is IDENT_FRAME, body
+
+
+def read_checked(path: str | os.PathLike) -> bytes:
+    """The payload of a file written by :func:`write_checked`, its digest checked; :class:`Damaged` otherwise."""
+    has_ident, body = _checked_body(Path(path))
+    return body.partition(b"\n")[2] if has_ident else body
+
+
+def read_checked_ident(path: str | os.PathLike) -> tuple[dict, bytes]:
+    """(identity, payload) of a file written by :func:`write_checked` with ``ident``, its digest checked;
+    :class:`Damaged` otherwise, also for a file that carries no identity."""
+    path = Path(path)
+    has_ident, body = _checked_body(path)
+    line, _, payload = body.partition(b"\n")
+    try:
+        ident = json.loads(line) if has_ident else None
+    except ValueError:
+        ident = None
+    if not isinstance(ident, dict):
+        raise Damaged(f"{path}: carries no identity (written by an older outlierscope, or not by outlierscope)")
+    return ident, payload
 
 
 def save_torch_checked(path: str | os.PathLike, obj) -> None:

@@ -130,3 +130,20 @@ def test_training_resume_refuses_a_planted_pickle(tmp_path, tiny_corpus):
     with pytest.raises(OutlierscopeError, match="holds Python objects other than tensors") as e:
         train(TrainArgs(**args, resume=True))
     assert not marker.exists() and "\n" not in str(e.value)
+
+
+def test_profile_merge_refuses_a_renamed_shard_file(tmp_path, tiny_corpus):
+    """Shard 0's file under shard 1's name (its data would count twice): a one-line error naming the file."""
+    from outlierscope.cli import main
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.runs.profile import merge_profile
+
+    out = tmp_path / "p"
+    for i in range(2):
+        assert main(["profile", "--model", "pair-tiny:transformer", "--text", str(tiny_corpus / "val.jsonl"),
+                     "--tokens", "300", "--out", str(out), "--shard", f"{i}/2"]) == 0
+    part = out / "profile.shard-1-of-2.pt"
+    part.write_bytes((out / "profile.shard-0-of-2.pt").read_bytes())
+    with pytest.raises(OutlierscopeError, match="holds shard 0/2 of a profile, not 1/2") as e:
+        merge_profile([out])
+    assert str(part) in str(e.value) and not (out / "profile.json").exists()

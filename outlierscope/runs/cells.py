@@ -113,13 +113,28 @@ def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
 
 
 def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str, ...], desc: str, log):
-    """The complete cell ``name`` with ``settings``, or None: absent, other settings, or damaged (one line says so;
-    the caller computes it again and its files are replaced)."""
+    """The complete cell ``name`` with ``settings``, or None: absent, other settings, or damaged or claiming another
+    cell (one line says so; the caller computes it again and its files are replaced)."""
     try:
+        if (cells_dir / f"{name}.json").exists():
+            check_claim(cells_dir, name, EvalResult.load(cells_dir, name))
         return EvalResult.load_cell(cells_dir, name, settings, tables)
     except Damaged as e:
-        log(f"{desc}: cell {name} is damaged ({e}); computing it again")
+        log(f"{desc}: cell {name} is damaged: {e}; computing it again")
         return None
+
+
+def check_claim(cells_dir: Path, name: str, res: EvalResult | None) -> None:
+    """:class:`~outlierscope.io.Damaged` unless the record of ``name`` (a cell or its part) holds the settings the
+    cell id in ``name`` is the digest of."""
+    cid = name.partition(".")[0]
+    claimed = res.extra.get("cell") if res is not None else None
+    try:
+        held = cell_id(claimed)
+    except (TypeError, KeyError, AttributeError):
+        held = None
+    if res is not None and held != cid:
+        raise Damaged(f"{cells_dir / name}.json: holds the record of cell {held}, not of {cid} (swapped or renamed)")
 
 
 def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dict]:
@@ -133,6 +148,7 @@ def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dic
         name = f"{cell}.shard-{i}-of-{n}"
         try:
             res = EvalResult.load(d / "cells", name)
+            check_claim(d / "cells", name, res)
         except Damaged as e:
             raise OutlierscopeError(f"part {i}/{n} of cell {cell}: {e}; rerun that shard (it resumes), then merge "
                                     "again") from None

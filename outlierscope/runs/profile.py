@@ -268,7 +268,11 @@ def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> Prof
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "profile", ".pt", "profile")
     n = len(files)
-    parts = [read_torch_record(f, ("settings", "stats", "facts"), "profile shard file") for f in files]
+    parts = [read_torch_record(f, ("settings", "stats", "facts", "shard"), "profile shard file") for f in files]
+    for i, (f, p) in enumerate(zip(files, parts)):
+        if list(p["shard"]) != [i, n]:
+            raise OutlierscopeError(f"{f} holds shard {p['shard'][0]}/{p['shard'][1]} of a profile, not {i}/{n} (swapped "
+                                    "or renamed); rerun that shard, then merge again")
     first = parts[0]
     for p in parts[1:]:
         if p["settings"] != first["settings"] or list(p["stats"]) != list(first["stats"]):

@@ -86,10 +86,18 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
 
 
 def _read_part(path: Path) -> TokenScores:
-    """One virtual shard's part of a cell, its digest checked (:class:`~outlierscope.io.Damaged` otherwise)."""
-    from outlierscope.io import read_checked
+    """One virtual shard's part of a cell, its digest and identity checked: the cell and virtual shard its name says,
+    with the settings that cell's id is the digest of (:class:`~outlierscope.io.Damaged` otherwise)."""
+    from outlierscope.io import read_checked_ident
 
-    return TokenScores.from_bytes(read_checked(path))
+    ident, payload = read_checked_ident(path)
+    cid, _, rest = path.name.partition(".part-")
+    want = {"cell": cid, "part": int(rest[:2]) if rest[:2].isdigit() else None, "of": VIRTUAL_SHARDS}
+    settings = ident.get("settings")
+    if any(ident.get(k) != v for k, v in want.items()) or not isinstance(settings, dict) or cell_id(settings) != cid:
+        raise Damaged(f"{path}: holds part {ident.get('part')} of cell {ident.get('cell')}, not part {want['part']} of "
+                      f"cell {cid} (swapped or renamed)")
+    return TokenScores.from_bytes(payload)
 
 
 def _part_done(path: Path, log) -> bool:
@@ -107,6 +115,14 @@ def _part_done(path: Path, log) -> bool:
 
 def _part(cells: Path, settings: dict, v: int) -> Path:
     return cells / f"{cell_id(settings)}.part-{v:02d}-of-{VIRTUAL_SHARDS}.npz"
+
+
+def _write_part(cells: Path, settings: dict, v: int, tokens: TokenScores) -> None:
+    """One virtual shard's part of a cell, behind its digest and its identity (the cell, the shard, the settings)."""
+    from outlierscope.io import write_checked
+
+    ident = {"cell": cell_id(settings), "part": v, "of": VIRTUAL_SHARDS, "settings": settings}
+    write_checked(_part(cells, settings, v), tokens.to_bytes(), ident)
 
 
 def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
@@ -176,15 +192,13 @@ def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, .
 
     from tqdm.auto import tqdm
 
-    from outlierscope.io import write_checked
-
     started = time.perf_counter()
     for n, v in enumerate(tqdm(owned, desc=f"{len(settings)} cells", unit="shard", disable=None)):
         missing = [j for j, st in enumerate(settings) if not _part_done(_part(cells, st, v), log)]
         if not missing:
             continue
         for j, tokens in zip(missing, score(missing, v)):
-            write_checked(_part(cells, settings[j], v), tokens.to_bytes())  # its digest checked when read
+            _write_part(cells, settings[j], v, tokens)
         if not sys.stderr.isatty():
             log(f"shard {v:02d} of {VIRTUAL_SHARDS} done ({n + 1} of {len(owned)} this run, "
                 f"{time.perf_counter() - started:.0f} s)")

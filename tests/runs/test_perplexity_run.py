@@ -419,3 +419,27 @@ def test_shards_in_other_directories_merged_give_the_same_bytes(tmp_path, text, 
     part.unlink()
     assert main(["merge", str(tmp_path / "s0" / "p"), str(tmp_path / "s1" / "p"), "--out", str(tmp_path / "c")]) == 2
     assert "is missing" in capsys.readouterr().err and not (tmp_path / "c").exists()
+
+
+def test_a_part_swapped_for_another_cells_part_is_recomputed_or_refused(tmp_path, text, capsys):
+    """Another cell's part of the same virtual shard under a part's name (a digest-valid file): `merge` of that shard's
+    directory is a one-line error naming the file; the shard's run again says so in one line and computes that part
+    again; merged and assembled, the table equals an untouched run's."""
+    assert _run(tmp_path / "one", text) == 0
+    for i in (0, 1):
+        assert _run(tmp_path / f"s{i}", text, "--shard", f"{i}/2") == 0
+    cells = tmp_path / "s0" / "p" / "cells"
+    cids = sorted({p.name.partition(".part-")[0] for p in cells.glob("*.part-*")})
+    victim = sorted(cells.glob(f"{cids[0]}.part-*"))[0]
+    victim.write_bytes((cells / victim.name.replace(cids[0], cids[1])).read_bytes())
+    merge = ["merge", str(tmp_path / "s0" / "p"), str(tmp_path / "s1" / "p"), "--out", str(tmp_path / "m" / "p")]
+    capsys.readouterr()
+    assert main(merge) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(victim) in err and f"of cell {cids[1]}, not part" in err and "\n" not in err
+    assert not (tmp_path / "m").exists()
+    assert _run(tmp_path / "s0", text, "--shard", "0/2") == 0
+    assert capsys.readouterr().out.count("(swapped or renamed); computing that part again") == 1
+    assert main(merge) == 0
+    assert _run(tmp_path / "m", text) == 0
+    assert (tmp_path / "m" / "p" / "perplexity.csv").read_bytes() == (tmp_path / "one" / "p" / "perplexity.csv").read_bytes()

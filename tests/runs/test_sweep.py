@@ -635,3 +635,25 @@ def test_sweep_with_bitsandbytes_weights(tiny_pair, hs_jsonl, tmp_path):
         np.testing.assert_array_equal(cell[cols].to_numpy(), ref.items[cols].to_numpy())
     with pytest.raises(OutlierscopeError, match="specs without bitsandbytes weights"):
         _settings(tiny_pair, hs_jsonl, quant=("w=bnb-nf4",))
+
+
+def test_a_part_swapped_for_another_cells_part_is_recomputed_or_refused(tiny_pair, hs_jsonl, tmp_path, capsys, full):
+    """Another cell's part of the same shard under a part's names (its record and table, digest-valid): `merge` is a
+    one-line error naming the record; the shard's run again says so in one line and computes that part again; the
+    merged table then equals one process's."""
+    s = _settings(tiny_pair, hs_jsonl)
+    for i in range(2):
+        sweep(s, tmp_path / f"s{i}", progress=False, log=lambda *_: None, shard=sw.Shard(i, 2))
+    cells = tmp_path / "s0" / "cells"
+    a, b = sorted(cells.glob("*_b4_*.shard-0-of-2.json"))[0], sorted(cells.glob("*_b2_*.shard-0-of-2.json"))[0]
+    for suffix in (".json", ".csv"):
+        a.with_suffix(suffix).write_bytes(b.with_suffix(suffix).read_bytes())
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "s0"), str(tmp_path / "s1"), "--out", str(tmp_path / "m")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(a) in err and "(swapped or renamed)" in err and "\n" not in err
+    logs = []
+    sweep(s, tmp_path / "s0", progress=False, log=logs.append, shard=sw.Shard(0, 2))
+    assert sum("(swapped or renamed); computing it again" in m for m in logs) == 1
+    sw.merge_sweep([tmp_path / "s0", tmp_path / "s1"], tmp_path / "m", log=lambda *_: None)
+    assert (tmp_path / "m" / "sweep.csv").read_bytes() == (full[0] / "sweep.csv").read_bytes()
