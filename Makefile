@@ -35,6 +35,15 @@ data: $(STAMP)
 # torchrun's report), then run as NPROC processes
 CHECKED_REPRODUCE = $(BIN)/outlierscope reproduce --check $(1) && $(RUN) reproduce $(1)
 
+# NPROC given on the command line or in the environment: a whole number >= 1, checked before anything runs
+ifneq ($(filter reproduce,$(MAKECMDGOALS)),)
+ifneq ($(filter command line environment,$(origin NPROC)),)
+ifneq ($(shell printf '%s' '$(NPROC)' | grep -Eqx '[1-9][0-9]*' || echo bad),)
+$(error NPROC must be a whole number of processes >= 1, got '$(NPROC)'; leave it out for one per core)
+endif
+endif
+endif
+
 reproduce: install data
 	$(call CHECKED_REPRODUCE,$(REPRODUCE_ARGS))
 	$(BIN)/outlierscope models fetch $(REAL_MODEL)

@@ -80,13 +80,13 @@ def median(xs: list[float]) -> float:
 def write(name: str, raw: dict, derived: dict, start: dict, notes: str = "", folder: Path | None = None) -> Path:
     """Write ``{folder}/{name}.json`` (default ``bench/results``; references/'s proofs: ``references/results``) with
     the run's context (``start``: :func:`begin` at the bench's start); returns its path."""
-    from outlierscope.io import versions, write_json
+    from outlierscope.io import versions, write_record
 
     record = {"name": name, "command": " ".join([Path(sys.executable).name, *sys.argv]),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "git": _git(), "machine": machine(start),
               "versions": versions(), "raw": raw, "derived": derived, "notes": notes}
     path = (folder or RESULTS) / f"{name}.json"
-    write_json(path, record)
+    write_record(path, record)  # sealed: read back, a changed number is found
     print(json.dumps(record, indent=2))
     return path
 

@@ -39,18 +39,22 @@ def _collect(clone: Path) -> dict:
     import numpy as np
     import pandas as pd
 
-    from outlierscope.io import read_record
+    from outlierscope.io import read_record, vouched
 
     runs = {name: read_record(clone / rel / "reproduce.json", ("timings", "settings", "machine", "git_commit"),
                               "reproduce record", sealed_only=True) for name, rel in RUNS.items()}
     docs = ROOT / "docs" / "reproduction"
-    t5, t5_doc = pd.read_csv(clone / RUNS["pair"] / "profile" / "table5.csv"), pd.read_csv(docs / "table5.csv")
+    committed = read_record(docs / "tables.json", ("files",), "tables record", sealed_only=True)
+    pair = clone / RUNS["pair"]
+    profile = read_record(pair / "profile" / "profile.json", ("files",), "profile record", sealed_only=True)
+    sweep = read_record(pair / "sweep" / "sweep.json", ("cells", "files"), "sweep record", sealed_only=True)
+    t5 = pd.read_csv(vouched(profile, pair / "profile", "table5.csv", "profile"))
+    t5_doc = pd.read_csv(vouched(committed, docs, "table5.csv"))
     cols = ["top1", "top2", "top3", "top10", "top100", "median", "count"]
     assert (t5[["model", "point"]].values == t5_doc[["model", "point"]].values).all()
-    sw = pd.read_csv(clone / RUNS["pair"] / "sweep" / "sweep.csv").merge(
-        pd.read_csv(docs / "sweep.csv"), on=["model", "bits", "metric", "cell"], suffixes=("", "_doc"))
+    sw = pd.read_csv(vouched(sweep, pair / "sweep", "sweep.csv", "sweep")).merge(
+        pd.read_csv(vouched(committed, docs, "sweep.csv")), on=["model", "bits", "metric", "cell"], suffixes=("", "_doc"))
     diff = (sw["value"] - sw["value_doc"]).abs()
-    sweep = read_record(clone / RUNS["pair"] / "sweep" / "sweep.json", ("cells",), "sweep record", sealed_only=True)
     cells_s = {f"{c['model']} {c['label']}": c["seconds"] for c in sweep["cells"]}
     rel = {c: float(np.max(np.abs(t5[c] - t5_doc[c]) / np.abs(t5_doc[c]))) for c in cols}
     return {"runs": runs, "pair_sweep_cells_s": cells_s, "vs_docs_reproduction": {

@@ -10,7 +10,6 @@ A table sits between ``<!-- bench:NAME -->`` and ``<!-- /bench -->``; NAME is a 
 from __future__ import annotations
 
 import importlib.util
-import json
 import re
 import sys
 from pathlib import Path
@@ -280,7 +279,10 @@ def record_path(stem: str) -> Path:
 
 
 def load(stem: str) -> dict:
-    return json.loads(record_path(stem).read_text())
+    """The record ``stem``, its seal checked."""
+    from outlierscope.io import read_record
+
+    return read_record(record_path(stem), what="bench record", sealed_only=True)
 
 
 def render_cost_columns(stem: str) -> str:

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
 
 class OutlierscopeError(Exception):
     """A user-facing error: the message names the problem and the fix, on one line."""
@@ -55,3 +59,30 @@ def lookup(registry: dict, name: str, what: str):
     close = difflib.get_close_matches(name, list(registry), n=3, cutoff=0.4)
     raise OutlierscopeError(f"unknown {what} {name!r}: expected one of {', '.join(registry)}"
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
+
+
+@contextlib.contextmanager
+def warnings_to(log: Callable[[str], object]) -> Iterator[None]:
+    """Within the block, a warning that outlierscope's own code raises (not a deprecation) is one line of ``log``,
+    ``warning: ...``, each message once; any other warning is shown as before.
+
+    log: the run's log (the CLI's: standard output)."""
+    import warnings
+
+    previous, said = warnings.showwarning, set()
+    own = f"{os.sep}outlierscope{os.sep}"
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if own in str(filename) and not issubclass(category, DeprecationWarning):
+            text = f"warning: {str(message).removeprefix('outlierscope: ')}"
+            if text not in said:
+                said.add(text)
+                log(text)
+        else:
+            previous(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = previous

@@ -26,6 +26,7 @@ def _umask() -> int:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success it is renamed onto ``path``."""
     path = Path(path)
+    check_file_targets([path])
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
@@ -37,6 +38,14 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def check_file_targets(paths: Iterable[str | os.PathLike]) -> None:
+    """A one-line error if a directory stands where one of ``paths`` (files outlierscope writes) goes."""
+    for p in paths:
+        if Path(p).is_dir():
+            raise OutlierscopeError(f"{p} is a directory where outlierscope writes a file; move it away or choose "
+                                    "another output directory")
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
@@ -83,33 +92,39 @@ def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
     return body
 
 
-RUN_RECORDS = ("sweep.json", "sensitivity.json", "perplexity.json", "compare.json", "rank_agreement.json")
-
-
-def seal_written_before_seals(directory: str | os.PathLike) -> list[Path]:
-    """Seal the records under ``directory`` that were written before seals: each cell record ``cells/*.json`` gets
-    the sha256 of its per-item csv and side tables (``{name}.csv``, ``{name}.*.csv``) under ``files`` and its seal;
-    each run record (:data:`RUN_RECORDS`) its seal. What a seal vouches for is the content as it stands now (read back
-    later, a changed byte is then found), not how it was made. Sealed records are left alone; returns those sealed."""
-    changed = []
-    for path in sorted(Path(directory).rglob("*.json")):
-        cell = path.parent.name == "cells"
-        if not cell and path.name not in RUN_RECORDS:
-            continue
-        obj = json.loads(path.read_text(encoding="utf-8"))
-        if not isinstance(obj, dict) or SEAL in obj:
-            continue
-        if cell:
-            names = [path.with_suffix(".csv").name, *(p.name for p in sorted(path.parent.glob(f"{path.stem}.*.csv")))]
-            obj = {**obj, "files": file_digests(path.parent, names)}
-        write_record(path, obj)
-        changed.append(path)
-    return changed
-
-
 def write_record(path: str | os.PathLike, obj: dict) -> None:
     """Write a record (a JSON object outlierscope reads back) sealed with its digest (:func:`check_seal`)."""
     write_json(path, sealed(obj))
+
+
+def write_run_record(path: str | os.PathLike, obj: dict, tables: Iterable[str]) -> None:
+    """Write a run's record (:func:`write_record`) with the sha256 of each of its tables under ``files``.
+
+    path: the record; it is written last, after its tables.
+    obj: the record's content.
+    tables: the names of the files beside it that the run wrote (read back, each is checked: :func:`vouched`)."""
+    path = Path(path)
+    write_record(path, {**obj, "files": file_digests(path.parent, tables)})
+
+
+def vouched(record: dict, directory: str | os.PathLike, name: str, what: str = "run") -> Path:
+    """``directory/name`` after checking it against the digest its run's record lists.
+
+    record: the run's record, as :func:`read_record` returns it.
+    directory: where the record and its tables are.
+    name: the table's file name.
+    what: the run's kind, for the error.
+    Raises Damaged: the record lists no digests, not this file, or another digest than the file's."""
+    path = Path(directory) / name
+    files = record.get("files")
+    if not isinstance(files, dict):
+        raise Damaged(f"{directory}: its {what} record holds no digests of its tables (written by an older "
+                      f"outlierscope): run the {what} again")
+    if name not in files:
+        raise Damaged(f"{path}: not among the tables its {what} record lists (not written by that {what}); remove it "
+                      f"or run the {what} again")
+    check_files(directory, {name: files[name]})
+    return path
 
 
 def file_digests(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, str]:

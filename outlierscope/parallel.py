@@ -142,9 +142,15 @@ class World:
             error = f"rank {self.rank}: {e if isinstance(e, OutlierscopeError) else f'{type(e).__name__}: {e}'}"
         self.agree(error)
 
-    def agree(self, error: str | None) -> None:
-        """Raise on every rank if any rank reports an error (the first rank's message), else return."""
-        errors = [error] if self.size == 1 else _all_gather(error, self.size)
+    def agree(self, error: str | Exception | None) -> None:
+        """Raise on every rank if any rank reports an error, else return.
+
+        error: this rank's error, or None; a rank with an exception raises it as it is, the others the first
+            rank's message."""
+        errors = [str(error) if error else None] if self.size == 1 else _all_gather(str(error) if error else None,
+                                                                                   self.size)
+        if isinstance(error, Exception):
+            raise error
         bad = [e for e in errors if e]
         if bad:
             raise OutlierscopeError(bad[0])

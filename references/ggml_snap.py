@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import shutil
 import sys
 from pathlib import Path
@@ -78,7 +77,9 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {"command": " ".join(["references/ggml_snap.py", *sys.argv[1:]]), "model": a.model, "out": a.out,
               **snap_dir(src, out, a.type)}
-    (out / "ggml_snap.json").write_text(json.dumps(record, indent=1) + "\n")
+    from textpack import write_sealed
+
+    write_sealed(out / "ggml_snap.json", record)
     print(f"{len(record['snapped'])} weights through {a.type} -> {out}")
 
 

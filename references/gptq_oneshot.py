@@ -79,11 +79,11 @@ def main() -> None:
               "machine": {"cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
                           "threads": torch.get_num_threads()},
               "command": " ".join(["references/gptq_oneshot.py", *map(shlex.quote, sys.argv[1:])])}
-    text = json.dumps(record, indent=2) + "\n"
-    (Path(a.out) / "gptq_oneshot.json").write_text(text)
+    from textpack import write_sealed
+
+    text = write_sealed(Path(a.out) / "gptq_oneshot.json", record)
     if a.record:
-        Path(a.record).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.record).write_text(text)
+        write_sealed(a.record, record)
     print(text)
 
 

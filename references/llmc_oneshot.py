@@ -93,7 +93,9 @@ def main() -> None:
                            "transformers": transformers.__version__, "torch": torch.__version__,
                            "python": platform.python_version()}}
     for d in (Path(a.out), export):
-        (d / "llmc_oneshot.json").write_text(json.dumps(record, indent=1) + "\n")
+        from textpack import write_sealed
+
+        write_sealed(d / "llmc_oneshot.json", record)
     print(json.dumps(record, indent=1))
     if not (record["parser_matches_export"] and record["checkpoint_matches_export"]):
         raise SystemExit("llm-compressor's reading of the export differs from it (see the record above)")

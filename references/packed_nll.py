@@ -100,7 +100,9 @@ def main() -> None:
     a = ap.parse_args()
     rec = compare(a.compare) if a.compare else measure(a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(rec, indent=2) + "\n")
+    from textpack import write_sealed
+
+    write_sealed(a.out, rec)
     for row in rec.get("rows", []):
         print(f"{row['run']:<40} {row['loader']:<45} {row['mean_nll']:.4f} {row['vs_first_real_mean']:+.5f} "
               f"{row['vs_first_real_max_abs']:.5f}")

@@ -1,6 +1,6 @@
-"""Token ids packed from a text file's documents: shared by the scripts that run in other venvs
-(gptq_oneshot.py, packed_nll.py; this folder is on sys.path when they run as scripts) and bench/gptq_cost.py. Imports nothing of
-outlierscope."""
+"""What the scripts of references/ share (this folder is on sys.path when they run as scripts, in other venvs too): token
+ids packed from a text file's documents (gptq_oneshot.py, packed_nll.py, bench/gptq_cost.py) and sealed records
+(outlierscope.io, imported from this checkout: it needs the standard library only)."""
 
 from __future__ import annotations
 
@@ -23,3 +23,17 @@ def packed_ids(tok, path: str, seqs: int, length: int):
     if len(ids) < seqs * length:
         raise SystemExit(f"{path}: {len(ids)} tokens, fewer than {seqs} x {length} = {seqs * length}")
     return torch.tensor(ids[: seqs * length]).reshape(seqs, length)  # (N, T)
+
+
+def write_sealed(path, record: dict) -> str:
+    """Write ``record`` to ``path`` as a sealed record (``outlierscope.io.write_record``); returns the text written."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from outlierscope.io import write_record
+
+    write_record(path, record)
+    return Path(path).read_text()

@@ -11,7 +11,6 @@ Usage: .venv/bin/python references/weight_grid.py --model ~/.cache/outlierscope/
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import subprocess
 import sys
@@ -63,7 +62,9 @@ def main() -> None:
               "machine": {"cpu": platform.machine(), "python": platform.python_version(), "torch": torch.__version__},
               "block": a.block, "tol": a.tol, "summary": summary, "tensors": rows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(record, indent=1) + "\n")
+    from textpack import write_sealed
+
+    write_sealed(a.out, record)
     for k, v in summary.items():
         print(f"{k:28s} {v['tensors']:3d} tensors, on a Q4_1 grid: {v['mean_on_grid']:.4f} (min {v['min_on_grid']:.4f})")
 

@@ -327,3 +327,30 @@ def test_inputs_that_ended_late_are_one_line_before_any_cell(argv, msg, tmp_path
     err = capsys.readouterr().err
     assert rc == 2 and msg.replace("{tmp}", str(tmp_path)) in err and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_a_runs_own_warning_is_one_line_of_its_log(tmp_path, capsys):
+    """gptq:samples beyond what the calibration text gives: a library run says so as one line of its own log (not a
+    Python UserWarning with its file and line); the command line prints that line; other warnings pass as before."""
+    import warnings
+
+    from outlierscope.errors import warnings_to
+    from outlierscope.runs.sweep import SweepSettings, sweep
+
+    calib = tmp_path / "calib.jsonl"
+    calib.write_text('{"text": "a short calibration text, a few words only."}\n')
+    spec = f"w=int4/per_group:32; gptq:samples=64,seqlen=8; calib:{calib}"
+    logged = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        sweep(SweepSettings(models=("pair-tiny:diff",), bits=(16,), quant=(spec,), limit=2), tmp_path / "s",
+              progress=False, log=logged.append)
+    said = [m for m in logged if m.startswith("warning: ")]
+    assert len(said) == 1 and "fewer than gptq:samples=64: calibrating on" in said[0] and "\n" not in said[0]
+    err = capsys.readouterr().err
+    assert "UserWarning" not in err and "gptq:samples" not in err
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with warnings_to(logged.append):
+            warnings.warn("not ours", UserWarning, stacklevel=1)  # this test file is outside the package: passed on
+    assert [str(w.message) for w in seen] == ["not ours"]

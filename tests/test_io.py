@@ -1,7 +1,12 @@
 """outlierscope.io: what a record says of the checkout that made it."""
 
 import subprocess
+from pathlib import Path
 from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_the_commit_is_the_checkout_as_the_run_found_it(monkeypatch):
@@ -99,54 +104,84 @@ def _legacy_cell(cells, name="m_b16_0123456789"):
     return name
 
 
-def test_records_written_before_seals_are_sealed_and_then_checked(tmp_path):
-    """seal_written_before_seals: a legacy cell gets its csv's sha256 (computed here with hashlib) and a seal, a
-    legacy run record a seal; afterwards a changed byte of the csv is found on read (before: read silently), a second
-    call changes nothing, and a record that was sealed already is not touched."""
+def _seal_records():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("seal_records", ROOT / "bench" / "seal_records.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_records_written_before_seals_are_sealed_and_then_checked(tmp_path, monkeypatch):
+    """bench/seal_records.py: a legacy cell gets its csv's sha256 (computed here with hashlib) and a seal, a legacy run
+    record its tables' digests and a seal, no value changed; afterwards a changed byte of the csv is found on read
+    (before: read silently), a second run changes nothing, and a record that was complete already is not touched."""
     import hashlib
     import json
 
-    import pytest
-
     from outlierscope.eval.evaluate import EvalResult
-    from outlierscope.io import Damaged, seal_written_before_seals, write_record
+    from outlierscope.io import Damaged, write_record
 
-    name = _legacy_cell(tmp_path / "cells")
-    (tmp_path / "sweep.json").write_text(json.dumps({"settings": {"a": 1}}))
-    write_record(tmp_path / "compare.json", {"b": 2})
-    before = (tmp_path / "compare.json").read_bytes()
-    csv = tmp_path / "cells" / f"{name}.csv"
+    mod = _seal_records()
+    monkeypatch.setattr(mod, "ROOT", tmp_path)
+    monkeypatch.setattr(mod, "TABLES_ONLY", {})
+    monkeypatch.setattr("sys.argv", ["seal_records.py"])
+    run = tmp_path / "docs" / "run"
+    name = _legacy_cell(run / "cells")
+    (run / "sweep.json").write_text(json.dumps({"settings": {"a": 1}}))
+    (run / "sweep.csv").write_text("model,bits\nx,4\n")
+    write_record(run / "compare.json", {"b": 2, "files": {}})
+    before = (run / "compare.json").read_bytes()
+    csv = run / "cells" / f"{name}.csv"
     good, flipped = csv.read_bytes(), csv.read_bytes().replace(b"-2.25", b"-2.26")
     csv.write_bytes(flipped)
-    assert EvalResult.load(tmp_path / "cells", name).items["score0"][1] == -2.26  # unsealed: read as it is
+    assert EvalResult.load(run / "cells", name).items["score0"][1] == -2.26  # unsealed: read as it is
     csv.write_bytes(good)
-    assert seal_written_before_seals(tmp_path) == [tmp_path / "cells" / f"{name}.json", tmp_path / "sweep.json"]
-    rec = json.loads((tmp_path / "cells" / f"{name}.json").read_text())
-    assert rec["files"] == {csv.name: hashlib.sha256(csv.read_bytes()).hexdigest()} and "record_sha256" in rec
-    assert "record_sha256" in json.loads((tmp_path / "sweep.json").read_text())
-    assert (tmp_path / "compare.json").read_bytes() == before
-    assert seal_written_before_seals(tmp_path) == []
-    assert EvalResult.load(tmp_path / "cells", name).extra["cell"] == {"k": 1}
+    assert mod.main() == 0
+    rec = json.loads((run / "cells" / f"{name}.json").read_text())
+    assert rec["files"] == {csv.name: hashlib.sha256(good).hexdigest()} and "record_sha256" in rec
+    assert rec["settings"] == {"n_items": 2} and rec["cell"] == {"k": 1}
+    sweep = json.loads((run / "sweep.json").read_text())
+    assert sweep["settings"] == {"a": 1} and "record_sha256" in sweep
+    assert sweep["files"] == {"sweep.csv": hashlib.sha256(b"model,bits\nx,4\n").hexdigest()}
+    assert (run / "compare.json").read_bytes() == before
+    assert mod.main() == 0 and [r for r in mod.records(tmp_path) if mod.sealed_form(r) is not None] == []
+    assert EvalResult.load(run / "cells", name).extra["cell"] == {"k": 1}
     csv.write_bytes(flipped)
     with pytest.raises(Damaged, match="does not match the digest"):
-        EvalResult.load(tmp_path / "cells", name)
+        EvalResult.load(run / "cells", name)
 
 
-def test_every_record_under_docs_is_sealed():
-    """Every cell and run record committed under docs/ carries its seal (cells: and their files' digests), so a
-    rerun of a committed command that reads them back checks them (the ones written before seals were sealed by
-    outlierscope.io.seal_written_before_seals)."""
+def _canonical_sha256(obj) -> str:
+    import hashlib
     import json
-    from pathlib import Path
 
-    from outlierscope.io import RUN_RECORDS, SEAL
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
-    docs = Path(__file__).resolve().parent.parent / "docs"
-    unsealed = []
-    for path in docs.rglob("*.json"):
-        cell = path.parent.name == "cells"
-        if cell or path.name in RUN_RECORDS:
-            rec = json.loads(path.read_text())
-            if SEAL not in rec or cell and path.with_suffix(".csv").name not in rec.get("files", {}):
-                unsealed.append(str(path.relative_to(docs)))
-    assert not unsealed, (len(unsealed), unsealed[:5])
+
+def test_every_committed_record_is_sealed_and_verifies():
+    """Every record under docs/, bench/results/ and references/results/ carries a seal that matches its content
+    (recomputed here: sha256 of its canonical JSON), every file a record lists has that sha256, and every table
+    committed under docs/ is listed by a record beside it or above it (a changed digit of any is found on read)."""
+    import hashlib
+    import json
+
+    mod = _seal_records()
+    listed, bad = set(), []
+    for path in mod.records(ROOT):
+        rec = json.loads(path.read_text())
+        body = {k: v for k, v in rec.items() if k != "record_sha256"}
+        if rec.get("record_sha256") != _canonical_sha256(body):
+            bad.append(f"{path.relative_to(ROOT)}: seal")
+        run = path.name in mod.RUN_TABLES or path.parent.name == "cells" or path.name == "tables.json"
+        if run and not isinstance(rec.get("files"), dict):
+            bad.append(f"{path.relative_to(ROOT)}: no files")
+        for name, digest in (rec.get("files") or {}).items() if run else ():
+            f = path.parent / name
+            listed.add(f.resolve())
+            if not f.is_file() or hashlib.sha256(f.read_bytes()).hexdigest() != digest:
+                bad.append(f"{path.relative_to(ROOT)}: {name}")
+    assert len(list(mod.records(ROOT))) > 600 and not bad, (len(bad), bad[:5])
+    tables = [p for p in (ROOT / "docs").rglob("*.csv") if p.resolve() not in listed]
+    assert not tables, (len(tables), [str(p.relative_to(ROOT)) for p in tables[:5]])

@@ -391,3 +391,18 @@ def test_reproduce_on_two_processes_equals_one(tmp_path):
                                                                        "profile/profile.json")}
         assert rec["reproduce.json"]["processes"] == rec["sweep/sweep.json"]["processes"] == procs
         assert rec["profile/profile.json"]["models"]["pair-tiny:diff"]["processes"] == procs
+
+
+@pytest.mark.parametrize("nproc", ["0", "-1", "two", "", "01"])
+def test_make_reproduce_checks_nproc_first(nproc):
+    """`make reproduce NPROC=...` with no whole number >= 1: one line naming it, exit 2, before any install or run;
+    a good one reaches torchrun's --nproc-per-node (a dry run)."""
+    import shutil
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    r = subprocess.run(["make", "reproduce", f"NPROC={nproc}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and f"NPROC must be a whole number of processes >= 1, got '{nproc}'" in r.stderr
+    dry = subprocess.run(["make", "-n", "reproduce", "NPROC=3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert dry.returncode == 0 and "--nproc-per-node 3 -m outlierscope reproduce" in dry.stdout

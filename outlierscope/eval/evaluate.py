@@ -14,7 +14,6 @@ unquantized acc 0.260307, acc_norm 0.257518, identical to lm-eval item by item.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,14 @@ from outlierscope.analysis.attention_error import measure_attention_error, measu
 from outlierscope.analysis.paired import compare, mean_stderr
 from outlierscope.data.hellaswag import load_hellaswag
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.eval.requests import Request, build_requests, check_requests, lmeval_max_length, predictions
+from outlierscope.eval.requests import (
+    Request,
+    build_requests,
+    check_requests,
+    items_digest,
+    lmeval_max_length,
+    predictions,
+)
 from outlierscope.eval.scorer import LAYOUTS, score_requests
 from outlierscope.io import Damaged, check_files, check_seal, file_digests, write_csv, write_record
 from outlierscope.models.float64 import float64_model
@@ -95,15 +101,6 @@ def subset_items(items: list, limit: int | None = None, sample: int | None = Non
         idx = np.sort(np.random.default_rng(seed).choice(len(items), sample, replace=False))
         return [items[i] for i in idx]
     return items
-
-
-def items_digest(items) -> str:
-    """sha256 of the items' content (``item.digest_fields()``: HellaSwag's fields, a task row's requests, gold and
-    choice lengths)."""
-    h = hashlib.sha256()
-    for it in items:
-        h.update(json.dumps(it.digest_fields()).encode())
-    return h.hexdigest()
 
 
 def lm_loss(model, seqs, batch_size: int) -> float:
@@ -333,7 +330,7 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
     if requests is None:
         requests = build_requests(items, tokenizer, max_length)
     else:
-        check_requests(requests, items, max_length)
+        check_requests(requests, items, tokenizer, max_length)
     settings = result_settings(model, spec, layout, items, opt, task)
     measure = None if attn_error is None else (attn_error, attn_error_spec or spec)
     calibration = calibration_for(model, tokenizer, spec, opt.calibration_dir)

@@ -13,6 +13,8 @@ of the sum divided by the choice's length in characters; standard error = sample
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -127,7 +129,39 @@ class Encoder:
         return out
 
 
-def build_requests(items, tokenizer, max_length: int) -> list[Request]:
+class Requests(list):
+    """The requests of some items (a list of :class:`Request`), with what they were built from: the items' digest
+    (:func:`items_digest`), the tokenizer's (:func:`tokenizer_digest`) and the lm-eval max length."""
+
+    def __init__(self, requests, items_sha256: str, tokenizer_sha256: str, max_length: int):
+        super().__init__(requests)
+        self.items_sha256, self.tokenizer_sha256, self.max_length = items_sha256, tokenizer_sha256, max_length
+
+
+def items_digest(items) -> str:
+    """sha256 of the items' content (``item.digest_fields()``: HellaSwag's fields, a task row's requests, gold and
+    choice lengths)."""
+    h = hashlib.sha256()
+    for it in items:
+        h.update(json.dumps(it.digest_fields()).encode())
+    return h.hexdigest()
+
+
+def tokenizer_digest(tokenizer) -> str:
+    """sha256 of what a tokenizer encodes with: a fast tokenizer's whole definition (vocabulary, merges, normalizer,
+    special tokens), else its vocabulary and special tokens, else (an object with neither) the object itself."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        blob = backend.to_str()
+    elif hasattr(tokenizer, "get_vocab"):
+        blob = json.dumps([sorted(tokenizer.get_vocab().items()), str(getattr(tokenizer, "special_tokens_map", ""))])
+    else:
+        blob = f"object {id(tokenizer)}"
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return hashlib.sha256(f"{type(tokenizer).__name__}\n{eos}\n{blob}".encode()).hexdigest()
+
+
+def build_requests(items, tokenizer, max_length: int) -> Requests:
     """Requests of any items (HellaSwag items, task rows: each ``item.doc()``; any number of choices, shared or
     per-choice contexts), tokenised by lm-eval's rules; a context shared by every choice is kept once (``ctx``)."""
     docs = [it.doc() for it in items]
@@ -140,22 +174,32 @@ def build_requests(items, tokenizer, max_length: int) -> list[Request]:
         shared = all(c == ctxs[0] for c in ctxs)
         out.append(Request(doc.index, doc.gold, ctxs[0] if shared else (), tuple(tuple(p[1]) for p in pairs),
                            tuple(doc.choice_chars), max_length, None if shared else ctxs))
-    return out
+    return Requests(out, items_digest(items), tokenizer_digest(tokenizer), max_length)
 
 
-def check_requests(requests: Sequence[Request], items, max_length: int) -> None:
-    """``requests`` are :func:`build_requests` of ``items`` at ``max_length`` (the same count, item indexes and
-    length; the token ids themselves are the caller's word), else a ParamError naming the mismatch."""
+def check_requests(requests: Sequence[Request], items, tokenizer, max_length: int) -> None:
+    """``requests`` are :func:`build_requests` of ``items`` with ``tokenizer`` at ``max_length``, else a ParamError
+    naming the mismatch.
+
+    requests: what the caller built.
+    items: the items to score.
+    tokenizer: the model's tokenizer.
+    max_length: the model's lm-eval max length."""
     from outlierscope.errors import ParamError
 
-    want = [it.doc().index for it in items]
-    got = [r.index for r in requests]
-    if got != want:
-        raise ParamError("requests", f"build_requests of these {len(want)} items (indexes {want[:3]}...)",
-                         f"{len(got)} requests of items {got[:3]}...")
-    if any(r.max_length != max_length for r in requests):
+    want = f"build_requests of these {len(items)} items"
+    if not isinstance(requests, Requests):
+        raise ParamError("requests", f"{want} (its value, which holds the digests of its items and tokenizer)",
+                         f"a {type(requests).__name__} of {len(requests)} requests")
+    if requests.items_sha256 != items_digest(items):
+        raise ParamError("requests", f"{want} (items sha256 {items_digest(items)[:12]})",
+                         f"{len(requests)} requests of other items (sha256 {requests.items_sha256[:12]})")
+    if requests.tokenizer_sha256 != tokenizer_digest(tokenizer):
+        raise ParamError("requests", f"{want} built with this model's tokenizer",
+                         f"requests of another tokenizer (sha256 {requests.tokenizer_sha256[:12]})")
+    if requests.max_length != max_length:
         raise ParamError("requests", f"requests built at the model's lm-eval max length {max_length}",
-                         f"max length {next(r.max_length for r in requests if r.max_length != max_length)}")
+                         f"max length {requests.max_length}")
 
 
 # -- metrics -------------------------------------------------------------------------------

@@ -100,7 +100,6 @@ def _record_trunk(model, rows: list[dict], layers: set[int], block_rows: int | N
     return dict(outs)
 
 
-
 def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str], items, task: str = "hellaswag",
                       shard: Shard | None = None, world: World | None = None, options: EvalOptions | None = None,
                       **option_kwargs) -> list[EvalResult | None]:

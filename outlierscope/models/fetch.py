@@ -129,10 +129,15 @@ resolves to it anywhere a model is accepted.
 
 
 def gguf_quant_types(path: str | os.PathLike) -> list[str]:
-    """The tensor types of a GGUF file (``Q4_1``, ``Q8_0``, ``F32``, ...), sorted."""
+    """The tensor types of a GGUF file (``Q4_1``, ``Q8_0``, ``F32``, ...), sorted; a file the reader cannot read
+    (cut short, damaged) is a one-line error."""
     import gguf
 
-    return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors})
+    try:
+        return sorted({t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors})
+    except Exception as e:  # noqa: BLE001 - the reader raises IndexError, ValueError, ... for a cut file
+        raise OutlierscopeError(f"{path}: not a readable GGUF file ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else 'cut short?'}); "
+                                "pass the whole .gguf file as llama.cpp writes it") from None
 
 
 @contextlib.contextmanager

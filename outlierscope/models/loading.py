@@ -150,8 +150,6 @@ class LoadedModel:
         return sha256_files(sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin")))
 
 
-
-
 def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
     """Fill a model loaded without its GPTQ/AWQ config (its packed linears plain and unfilled) with the decoded
     weights; the loading info, less those linears' weights and packed tensors, is checked as any other. Returns
@@ -175,8 +173,6 @@ def _load_packed(path: Path, quant: dict, model, info: dict) -> dict:
 def _embedding_rows(model) -> int | None:
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return emb.num_embeddings if emb is not None and hasattr(emb, "num_embeddings") else None
-
-
 
 
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",

@@ -15,7 +15,7 @@ from pathlib import Path
 import pandas as pd
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import read_record
+from outlierscope.io import read_record, vouched
 
 SWEEP_COLUMNS = ["model", "task", "bits", "label", "format", "granularity", "weights", "metric", "value", "stderr",
                  "delta_vs_16", "ci_low", "ci_high", "mcnemar_p", "n_items", "chance", "cell"]
@@ -80,10 +80,20 @@ class RunResults:
         return self.tables[name]
 
 
-def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty: bool = False) -> pd.DataFrame | None:
-    """A validated CSV result table; None when absent (or legitimately empty); a one-line error when damaged."""
+def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty: bool = False,
+               record: dict | None = None, what: str = "run") -> pd.DataFrame | None:
+    """A validated CSV result table; None when absent (or legitimately empty); a one-line error when damaged.
+
+    path: the table.
+    required: its columns.
+    numeric: the columns that hold numbers only.
+    may_be_empty: whether a table without rows is legitimate.
+    record: the record of the run that wrote it; the table must match the digest it lists.
+    what: the run's kind, for the error."""
     if not path.exists():
         return None
+    if record is not None:
+        vouched(record, path.parent, path.name, what)
     try:
         df = pd.read_csv(path)
     except pd.errors.EmptyDataError:
@@ -144,46 +154,57 @@ def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
 
 
 def load_run(run_dir: str | Path) -> RunResults:
-    """Every table and record of a profile, sweep or reproduce output directory."""
+    """Every table and record of a profile, sweep or reproduce output directory, each table checked against the
+    digest its run's record lists."""
     root = Path(run_dir)
     if not root.is_dir():
         raise OutlierscopeError(f"run directory not found: {root}; pass the output directory of a profile, sweep or reproduce run")
     res = RunResults(root)
     for cand in (root, root / "profile"):
         if (cand / "profile.json").exists():
-            res.profile_dir, res.profile_meta = cand, read_record(cand / "profile.json", what="profile record")
-            for name, (req, num) in PROFILE_TABLES.items():
-                df = read_table(cand / f"{name}.csv", req, num, name in MAY_BE_EMPTY)
-                if df is not None:
-                    res.tables[name] = df
+            _load_profile(res, cand)
             break
     for cand in (root, root / "sweep"):
-        if (cand / "sweep.csv").exists():
-            res.sweep_dir = cand
-            res.sweep_meta = read_record(cand / "sweep.json", what="sweep record") if (cand / "sweep.json").exists() else None
-            req, num = SWEEP_TABLES["sweep"]
-            res.tables["sweep"] = sw = read_table(cand / "sweep.csv", req, num)
-            meta = res.sweep_meta or {}
-            if "task" not in sw:  # a sweep from before tasks: its one task from the record, else HellaSwag
-                settings = meta.get("settings", {})
-                sw.insert(1, "task", settings.get("task", (settings.get("tasks") or ["hellaswag"])[0]))
-            if "chance" not in sw:  # written before the column: the record's, else HellaSwag's 25%
-                sw.insert(sw.columns.get_loc("n_items") + 1, "chance", float(meta.get("chance", 25.0)))
-            check_sweep_rows(cand / "sweep.csv", sw)
-            errors = read_table(cand / "attn_error.csv", *SWEEP_TABLES["attn_error"])  # `sweep --attn-error`
-            if errors is not None:
-                res.tables["attn_error"] = errors
-            gold = read_table(cand / "gold_ll.csv", *SWEEP_TABLES["gold_ll"])  # sweeps since issue #38
-            if gold is not None:
-                res.tables["gold_ll"] = gold
-            lin = read_table(cand / "linear_error.csv", *SWEEP_TABLES["linear_error"])  # with linear schemes
-            if lin is not None:
-                res.tables["linear_error"] = lin
-            for cid in dict.fromkeys(res.tables["sweep"]["cell"]) if "cell" in res.tables["sweep"] else ():
-                df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"])
-                if df is not None:
-                    res.cells[cid] = df
+        if (cand / "sweep.csv").exists() or (cand / "sweep.json").exists():
+            _load_sweep(res, cand)
             break
     if res.profile_dir is None and res.sweep_dir is None:
         raise OutlierscopeError(f"{root} holds no profile.json or sweep.csv (also looked in profile/ and sweep/)")
     return res
+
+
+def _load_profile(res: RunResults, cand: Path) -> None:
+    """The profile record and every table it lists into ``res``."""
+    res.profile_dir, res.profile_meta = cand, read_record(cand / "profile.json", what="profile record")
+    for name, (req, num) in PROFILE_TABLES.items():
+        df = read_table(cand / f"{name}.csv", req, num, name in MAY_BE_EMPTY, res.profile_meta, "profile")
+        if df is not None:
+            res.tables[name] = df
+
+
+def _load_sweep(res: RunResults, cand: Path) -> None:
+    """The sweep record, its tables and its cells' per-item tables into ``res``."""
+    res.sweep_dir = cand
+    meta = res.sweep_meta = read_record(cand / "sweep.json", what="sweep record")
+    req, num = SWEEP_TABLES["sweep"]
+    sw = read_table(cand / "sweep.csv", req, num, record=meta, what="sweep")
+    if sw is None:
+        raise OutlierscopeError(f"{cand / 'sweep.csv'}: missing beside its sweep.json; run the sweep again")
+    res.tables["sweep"] = sw
+    if "task" not in sw:  # a one-task sweep of an older version: its task from the record, else HellaSwag
+        settings = meta.get("settings", {})
+        sw.insert(1, "task", settings.get("task", (settings.get("tasks") or ["hellaswag"])[0]))
+    if "chance" not in sw:  # an older sweep without the column: the record's, else HellaSwag's 25%
+        sw.insert(sw.columns.get_loc("n_items") + 1, "chance", float(meta.get("chance", 25.0)))
+    check_sweep_rows(cand / "sweep.csv", sw)
+    for name in ("attn_error", "gold_ll", "linear_error"):  # measured where the sweep's settings asked
+        df = read_table(cand / f"{name}.csv", *SWEEP_TABLES[name], record=meta, what="sweep")
+        if df is not None:
+            res.tables[name] = df
+    for cid in dict.fromkeys(sw["cell"]) if "cell" in sw else ():
+        if (cand / "cells" / f"{cid}.json").exists():
+            cell = read_record(cand / "cells" / f"{cid}.json", what="cell record")
+            df = read_table(cand / "cells" / f"{cid}.csv", ["index", "label", "pred", "pred_norm"], ["index", "label"],
+                            record=cell, what="cell")
+            if df is not None:
+                res.cells[cid] = df

@@ -8,22 +8,27 @@ from pathlib import Path
 import pandas as pd
 
 from outlierscope.analysis.harm import rank_by_of
-from outlierscope.io import read_record
+from outlierscope.io import read_record, vouched
 from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 
 
 def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict]]:
-    """(record, per-layer table, greedy tries) of a sensitivity run directory, as the run held them."""
+    """(record, per-layer table, greedy tries) of a sensitivity run directory, as the run held them, each table
+    checked against the digest its record lists."""
     d = Path(run_dir)
     record = read_record(d / "sensitivity.json", ("settings", "final"), "sensitivity record")
-    tries = pd.read_csv(d / "greedy.csv", keep_default_na=False).to_dict("records")  # "" = no layer kept
-    return record, pd.read_csv(d / "sensitivity.csv"), tries
+    greedy = vouched(record, d, "greedy.csv", "sensitivity study")
+    tries = pd.read_csv(greedy, keep_default_na=False).to_dict("records")  # "" = no layer kept
+    return record, pd.read_csv(vouched(record, d, "sensitivity.csv", "sensitivity study")), tries
 
 
 def load_kinds(run_dir: str | Path) -> pd.DataFrame | None:
     """A linear scheme's per-kind table (``kinds.csv``: q_proj ... down_proj, each quantized alone), else None."""
-    path = Path(run_dir) / "kinds.csv"
-    return pd.read_csv(path, float_precision="round_trip") if path.exists() else None
+    d = Path(run_dir)
+    if not (d / "kinds.csv").exists():
+        return None
+    record = read_record(d / "sensitivity.json", ("settings",), "sensitivity record")
+    return pd.read_csv(vouched(record, d, "kinds.csv", "sensitivity study"), float_precision="round_trip")
 
 
 def kept_as(keep_bits: int) -> str:

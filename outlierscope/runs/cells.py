@@ -16,7 +16,7 @@ import pandas as pd
 from outlierscope.analysis.attention_error import AttentionErrorStats
 from outlierscope.errors import OutlierscopeError, Refused
 from outlierscope.eval.evaluate import EvalResult
-from outlierscope.io import Damaged
+from outlierscope.io import Damaged, check_file_targets, check_seal
 from outlierscope.parallel import Shard, World
 
 DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch size is another cell (float32 rounding)
@@ -35,9 +35,12 @@ def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, forc
     if force or not prev.exists():
         return
     try:
-        old = upgrade(json.loads(prev.read_text()).get("settings", {}))
-    except (ValueError, UnicodeDecodeError, AttributeError, TypeError):
-        old = {}
+        rec = check_seal(json.loads(prev.read_text(encoding="utf-8")), prev, required=False)
+        old = upgrade(rec["settings"])
+    except (ValueError, UnicodeDecodeError, KeyError, AttributeError, TypeError, Damaged) as e:
+        why = e if isinstance(e, Damaged) else f"{prev}: not a readable record"
+        raise Refused(f"{why}; the record of {what} in {prev.parent} is damaged: {{fix}} to replace its tables (cells "
+                      "with matching settings are reused), or choose another output directory") from None
     diff = sorted(k for k in now if k not in SPEED_ONLY and old.get(k, defaults.get(k)) != now[k])
     if diff:
         raise Refused(f"{prev.parent} holds {what} with other settings ({', '.join(diff)} differ); choose another "
@@ -78,6 +81,8 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
     cid = cell_id(settings)
     name = cid if shard.whole else f"{cid}.{shard.tag}"
     res = _readable_cell(cells_dir, name, settings, tables, desc, log) if world.is_main else None
+    ends = () if res is not None else (".csv", ".json", *(f".{t}.csv" for t in tables))
+    _check_targets(world, [f"{name}{end}" for end in ends], cells_dir)  # every rank: a collective
     if world.broadcast(res is not None):
         log(f"{desc}: done earlier, skipped ({name})")
         return res, cid
@@ -101,6 +106,7 @@ def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
              for name, st, desc in zip(names, settings, descs)]
     have = world.broadcast([res is not None for res in found])
     missing = [n for n, h in enumerate(have) if not h]
+    _check_targets(world, [f"{names[n]}{end}" for n in missing for end in (".csv", ".json")], cells_dir)
     for n in (n for n, h in enumerate(have) if h):
         log(f"{descs[n]}: done earlier, skipped ({names[n]})")
     for n, res in zip(missing, compute(missing) if missing else []):
@@ -110,6 +116,17 @@ def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
                 f"({names[n]})")
         found[n] = res
     return list(zip(found, cids))
+
+
+def _check_targets(world: World, names: list[str], cells_dir: Path) -> None:
+    """Rank 0 checks that no directory stands where the files ``names`` go; every rank raises its error."""
+    error = None
+    if world.is_main:
+        try:
+            check_file_targets(cells_dir / n for n in names)
+        except OutlierscopeError as e:
+            error = e
+    world.agree(error)
 
 
 def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str, ...], desc: str, log):

@@ -22,9 +22,18 @@ import numpy as np
 import pandas as pd
 
 from outlierscope.analysis.paired import mcnemar_exact, mean_change
-from outlierscope.errors import ParamError, check_seed
+from outlierscope.errors import ParamError, check_seed, warnings_to
 from outlierscope.eval.evaluate import EvalResult
-from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record, write_text
+from outlierscope.io import (
+    git_commit,
+    machine,
+    output_dir,
+    read_record,
+    versions,
+    write_csv,
+    write_run_record,
+    write_text,
+)
 from outlierscope.models.loading import (
     device_map_option,
     device_option,
@@ -236,7 +245,7 @@ def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, lo
                   "versions": versions(), "machine": machine(), "git_commit": git_commit()}
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", _markdown(table, record))
-        write_record(out / "compare.json", record)
+        write_run_record(out / "compare.json", record, ["compare.csv", "compare.md"])
     return table
 
 
@@ -258,7 +267,7 @@ def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict
     from outlierscope.runs.perplexity import perplexity_markdown, write_figures
 
     _check_previous_text(out, s, force)
-    with output_dir(out), output_dir(out / "cells"):
+    with output_dir(out), output_dir(out / "cells"), warnings_to(log):
         log(f"real: {s.real}; emulated: {s.model} under {' | '.join(specs)}; on running text")
         table, text, kld = compare_on_text(s, out, specs, records, log)
         record = {"settings": dataclasses.asdict(s), "real": s.real, "model": s.model, "specs": specs,
@@ -272,6 +281,6 @@ def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict
                    f"{record['scored_tokens']:,} tokens of {s.text} ({s.protocol}); KL(a || b) at every token; "
                    "PPL is b's.\n\n" + md + "\nHow emulation and real differ by construction:\n\n"
                    + "".join(f"- {d}\n" for d in record["differences"]))
-        write_record(out / "compare.json", record)
+        write_run_record(out / "compare.json", record, ["compare.csv", "compare.md"])
     log(md)
     return table

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError, ParamError, Refused
 from outlierscope.hooks.points import decoder_layers
-from outlierscope.io import git_commit, output_dir, read_record, versions, write_record, write_text
+from outlierscope.io import git_commit, output_dir, read_record, versions, write_run_record, write_text
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
 from outlierscope.quant import export as qexport
 from outlierscope.quant.linears.sites import linear_sites
@@ -86,10 +86,7 @@ def _check_study_measured(run: str, rec: dict, spec: QuantSpec) -> None:
     cell = Path(run) / "cells" / f"{rec['cells'][role]}.json" if role else None
     if cell is None or not cell.exists():
         return
-    try:
-        measured = json.loads(cell.read_text())["settings"]["quant"]
-    except (ValueError, KeyError, TypeError):
-        return
+    measured = read_record(cell, ("settings",), "cell record")["settings"].get("quant")
     today = str(dataclasses.replace(spec, layers=(int(role.split("_")[1]),)))
     if measured != today:
         raise OutlierscopeError(f"{run}: {rec['settings']['quant']} on layer {role.split('_')[1]} is {today} today, which "
@@ -164,7 +161,7 @@ def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -
         write_text(d / "recipe.yaml", f"# outlierscope export of {choice.spec} for {choice.model}\n"
                    + yaml.safe_dump(recipe, sort_keys=False))
         write_text(d / "quantization_config.json", json.dumps(qconfig, indent=2) + "\n")
-        write_record(d / "export.json", record)
+        write_run_record(d / "export.json", record, ["recipe.yaml", "quantization_config.json"])
     log(f"{choice.spec} on {choice.model}: {len(ignore)} ignore entries"
         + (f" (kept layers {', '.join(map(str, choice.keep))})" if choice.keep else ""))
     return Path(out)

@@ -26,10 +26,20 @@ from pathlib import Path
 import pandas as pd
 
 from outlierscope.analysis.kld import summary
-from outlierscope.errors import OutlierscopeError, ParamError, check_seed
+from outlierscope.errors import OutlierscopeError, ParamError, check_seed, warnings_to
 from outlierscope.eval.perplexity import LOGPROBS, TokenScores, document_metrics, quantizes_head
 from outlierscope.eval.windows import PROTOCOLS, protocol_windows
-from outlierscope.io import Damaged, git_commit, machine, output_dir, versions, write_csv, write_record, write_text
+from outlierscope.io import (
+    Damaged,
+    git_commit,
+    machine,
+    output_dir,
+    versions,
+    write_csv,
+    write_record,
+    write_run_record,
+    write_text,
+)
 from outlierscope.models.loading import (
     attn_block_option,
     check_placement,
@@ -172,18 +182,6 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
     return top if s.protocol == "lmeval" else min(DEFAULT_LENGTH[s.protocol], top)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
 def prepare_windows(s, record):
     """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the window length
     and the windows cut by the model's tokenizer (``record``: its :func:`~outlierscope.models.record.inspect_model`):
@@ -229,28 +227,6 @@ def windows_said(s, text, length: int, windows) -> str:
             f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _noise_model(s: PerplexitySettings, lm):
     """The model again in the noise arithmetic (``s.noise``), on the same device."""
     from outlierscope.models.loading import load_model
@@ -280,7 +256,8 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
 
     out, shard, world = Path(out), shard or Shard(), world or World()
     say = log if world.is_main else (lambda *a, **k: None)
-    with output_dir(out), output_dir(out / "cells") as cells, contextlib.ExitStack() as held, fused_kernels(s.fused):
+    with output_dir(out), output_dir(out / "cells") as cells, contextlib.ExitStack() as held, fused_kernels(s.fused), \
+            warnings_to(say):
         with world.failing_together():
             if world.is_main:
                 check_previous(out, s, force, shard)
@@ -318,7 +295,7 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
         write_csv(out / "perplexity.csv", table)
         write_figures(out / "figures", table, {spec.label: tokens.kld for spec, tokens in zip(specs, have)})
         write_text(out / "perplexity.md", perplexity_markdown(table))
-        write_record(out / "perplexity.json", record)
+        write_run_record(out / "perplexity.json", record, ["perplexity.csv", "perplexity.md"])
     say(perplexity_markdown(table))
     return table
 

@@ -25,7 +25,7 @@ import pandas as pd
 from outlierscope.analysis.kld import paired_runs
 from outlierscope.errors import OutlierscopeError, check_seed
 from outlierscope.eval.perplexity import TokenScores
-from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_record, write_text
+from outlierscope.io import git_commit, machine, output_dir, versions, write_csv, write_run_record, write_text
 
 SAME = ("length", "windows", "scored_tokens")  # record fields both runs must share (and the text's digest, protocol)
 COLUMNS = ("label", "quant", "windows", "tokens", "delta_nll_a", "delta_nll_b", "delta_nll_diff",
@@ -38,9 +38,10 @@ def _run(path: Path) -> tuple[dict, pd.DataFrame]:
     if not rec_path.exists() or not csv.exists():
         raise OutlierscopeError(f"{path}: no perplexity.json / perplexity.csv; expected an `outlierscope perplexity` "
                                 "output directory whose run finished")
-    from outlierscope.io import read_record
+    from outlierscope.io import read_record, vouched
 
-    return read_record(rec_path, ("settings",), "perplexity record"), pd.read_csv(csv)
+    rec = read_record(rec_path, ("settings",), "perplexity record")
+    return rec, pd.read_csv(vouched(rec, path, "perplexity.csv", "perplexity run"))
 
 
 def _cell(run: Path, cell: str) -> TokenScores:
@@ -104,8 +105,9 @@ def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int 
     with output_dir(out):
         write_csv(out / "compare.csv", table)
         write_text(out / "compare.md", compare_markdown(table, *names))
-        write_record(out / "compare.json", {"a": {"dir": str(a), **rec_a}, "b": {"dir": str(b), **rec_b}, "seed": seed,
-                                          "versions": versions(), "machine": machine(), "git_commit": git_commit()})
+        write_run_record(out / "compare.json", {"a": {"dir": str(a), **rec_a}, "b": {"dir": str(b), **rec_b},
+                                                "seed": seed, "versions": versions(), "machine": machine(),
+                                                "git_commit": git_commit()}, ["compare.csv", "compare.md"])
     return table
 
 
@@ -178,10 +180,11 @@ def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: st
     with output_dir(out):
         write_csv(out / "rank_agreement.csv", frame[list(AGREEMENT_COLUMNS)])
         write_text(out / "rank_agreement.md", agreement_markdown(frame, summary, model, task))
-        write_record(out / "rank_agreement.json", {"model": model, "task": task, **summary, "seed": seed,
-                                                 "perplexity": str(perplexity_dir), "sweep": str(sweep_dir),
-                                                 "versions": versions(), "machine": machine(),
-                                                 "git_commit": git_commit()})
+        write_run_record(out / "rank_agreement.json", {"model": model, "task": task, **summary, "seed": seed,
+                                                       "perplexity": str(perplexity_dir), "sweep": str(sweep_dir),
+                                                       "versions": versions(), "machine": machine(),
+                                                       "git_commit": git_commit()},
+                         ["rank_agreement.csv", "rank_agreement.md"])
     return summary
 
 

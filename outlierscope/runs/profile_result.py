@@ -22,7 +22,7 @@ from outlierscope.io import (
     save_torch_checked,
     versions,
     write_csv,
-    write_record,
+    write_run_record,
     write_text,
 )
 from outlierscope.parallel import Shard
@@ -134,7 +134,7 @@ class ProfileResult:
                         "median_rel_error_bound": next(iter(self.stats.values())).bins.rel_error_bound,
                         "activation_types": KIND_LABEL,
                         "excluded": "masked (future/padding/out-of-window) logits, padding tokens"}
-                write_record(stage / "profile.json", meta)
+                write_run_record(stage / "profile.json", meta, sorted(f.name for f in stage.iterdir()))
                 for f in sorted(stage.iterdir(), key=lambda p: p.name == "profile.json"):
                     f.replace(out / f.name)
             finally:

@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.io import git_commit, machine, versions, write_record
+from outlierscope.io import git_commit, machine, versions, write_run_record
 from outlierscope.models.loading import (
     attn_block_option,
     device_map_option,
@@ -73,7 +73,7 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report
     from outlierscope.runs.profile import ProfileSettings, profile
-    from outlierscope.runs.sweep import SweepSettings, check_models, check_previous, sweep
+    from outlierscope.runs.sweep import SweepSettings, check_inputs, check_previous, sweep
 
     roles = {f"{p}:{r}" for p in PRESETS for r in ROLES}  # a mistyped role gets check_model's "did you mean"
     missing = [m for m in s.models if m in roles and m not in bundled_specs()]
@@ -85,7 +85,7 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     sweep_settings = SweepSettings(models=tuple(s.models), bits=tuple(s.bits), granularity=s.granularity, limit=s.limit,
                                    sample=s.sample, tasks=s.tasks, batch_size=s.batch_size, text=s.text, fused=s.fused,
                                    **s.placement)
-    check_models(sweep_settings)
+    check_inputs(sweep_settings)
     check_previous(out / "sweep", asdict(sweep_settings), s.force)
     sweep_settings.task_items()
     world = world or World()
@@ -110,8 +110,9 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     t3 = time.time()
     timings = {"profile_s": round(t1 - t0, 1), "sweep_s": round(t2 - t1, 1), "report_s": round(t3 - t2, 1),
                "total_s": round(t3 - t0, 1)}
-    write_record(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "processes": world.size,
-                                        "machine": machine(), "versions": versions(), "git_commit": git_commit()})
+    write_run_record(out / "reproduce.json", {"settings": asdict(s), "timings": timings, "processes": world.size,
+                                              "machine": machine(), "versions": versions(), "git_commit": git_commit()},
+                     ["report.md", "profile/profile.json", "sweep/sweep.json"])
     log(f"timings: profile {timings['profile_s']:.0f} s, sweep {timings['sweep_s']:.0f} s, report "
         f"{timings['report_s']:.0f} s, total {timings['total_s'] / 60:.1f} min (recorded in reproduce.json)")
     return path

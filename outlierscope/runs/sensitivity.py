@@ -39,7 +39,7 @@ from outlierscope.analysis.attention_error import (
     pool_heads,
 )
 from outlierscope.analysis.harm import RANK_BY, RankBy
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, warnings_to
 from outlierscope.eval.evaluate import EvalResult, items_digest, layout_for, select_items
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.io import (
@@ -118,7 +118,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         raise OutlierscopeError(f"shard: whole with metric={s.metric!r} (its text cells split over torchrun's "
                                 "processes, not over --shard runs)")
     with output_dir(out) if main else contextlib.nullcontext(), output_dir(out / "cells") if main else \
-            contextlib.nullcontext(), fused_kernels(s.fused):
+            contextlib.nullcontext(), fused_kernels(s.fused), warnings_to(log if main else (lambda *a, **k: None)):
         run = _prepare(s, out / "cells", progress, log, shard, world)
         run.base = _base_cell(run)
         _calibrate_alone(run)
@@ -135,7 +135,7 @@ def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, 
         if kinds is not None:
             record["kinds"] = _by_harm(kinds, run.rank_by, "", "linear")["linear"].tolist()  # most harmful first
         if main:
-            _write(out, record, table, tries, kinds)
+            _write(out, run.s, record, table, tries, kinds)
     if main:
         _log_summary(run, record)
     return record if main else None
@@ -277,10 +277,6 @@ def _per_layer(run: _Run) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
-
-
-
-
 def _per_kind(run: _Run) -> pd.DataFrame | None:
     """Per linear kind (its path in a decoder layer: ``self_attn.q_proj`` ... ``mlp.down_proj``): the change with only
     that kind quantized, in every layer. None unless the spec quantizes linear layers (and ``kinds``)."""
@@ -303,8 +299,6 @@ def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | Non
     if out is not None:
         write_csv(out / "attn_error.csv", heads)
     return table.merge(pool_heads(heads).drop(columns=["rows"]), on="layer", how="left")
-
-
 
 
 def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
@@ -341,13 +335,5 @@ def _within(run: _Run):
         return run.rank_by.within(c, s.tolerance), c  # a harm bound: a gain is never a failure
 
     return within
-
-
-
-
-
-
-
-
 
 

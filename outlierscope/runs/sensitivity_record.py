@@ -17,7 +17,7 @@ from outlierscope.io import (
     machine,
     versions,
     write_csv,
-    write_record,
+    write_run_record,
     write_text,
 )
 from outlierscope.quant.weights.calibration import calibration_records
@@ -99,16 +99,19 @@ def _ranking_stability(run) -> list[dict]:
     return ranking_stability(count, np.stack(sums, 1), run.s.seed)  # (windows, layers)
 
 
-def _write(out: Path, record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> None:
+def _write(out: Path, s: SensitivitySettings, record: dict, table: pd.DataFrame, tries: list[dict],
+           kinds: pd.DataFrame | None = None) -> None:
+    """The study's tables, its summary page and figures, then ``sensitivity.json`` with the tables' digests."""
     from outlierscope.report.sensitivity import sensitivity_markdown
 
     write_csv(out / "sensitivity.csv", table)
     if kinds is not None:
         write_csv(out / "kinds.csv", kinds)
     write_csv(out / "greedy.csv", pd.DataFrame(tries))
-    write_record(out / "sensitivity.json", record)
     write_text(out / "sensitivity.md", sensitivity_markdown(record, table, tries, kinds))
     _figures(table, out, record)
+    tables = [f for f in written_files(s, record) if f.endswith((".csv", ".md"))]
+    write_run_record(out / "sensitivity.json", record, tables)
 
 
 def _log_summary(run, record: dict) -> None:

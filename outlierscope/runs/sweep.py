@@ -21,7 +21,7 @@ import pandas as pd
 
 from outlierscope.analysis.attention_error import AttentionErrorStats
 from outlierscope.data.tasks import task_label, task_metrics
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, warnings_to
 from outlierscope.eval.evaluate import EvalResult, evaluate
 from outlierscope.io import git_commit, machine, output_dir, read_record, versions, write_csv, write_record
 from outlierscope.models.loading import (
@@ -111,28 +111,12 @@ def _load_or_run_cell(lm, items, requests, spec: QuantSpec, s: SweepSettings, te
     return cached_cell(cells_dir, settings, compute, desc, log, tables, shard, world)
 
 
-
-
-
-
-
-
-
-
 def check_previous(out: Path, settings: dict, force: bool, shard: Shard | None = None) -> None:
     """Refuse to replace the sweep.csv (or shard record) of a sweep with other settings unless ``force``. A
     setting that an older sweep.json lacks counts as equal when it has its default value now."""
     prev = out / ("sweep.json" if shard is None or shard.whole else f"sweep.{shard.tag}.json")
     refuse_other_settings(prev, json.loads(json.dumps(settings)), json.loads(json.dumps(asdict(SweepSettings()))),
                           "a sweep", force, _current_keys)
-
-
-
-
-
-
-
-
 
 
 def check_models(s: SweepSettings, records: dict | None = None) -> dict:
@@ -148,6 +132,27 @@ def check_models(s: SweepSettings, records: dict | None = None) -> dict:
     return records
 
 
+def check_inputs(s: SweepSettings, records: dict | None = None) -> dict:
+    """Every model and file a sweep of ``s`` reads, checked before its first cell: the models and specs
+    (:func:`check_models`), the text of ``text`` packed as each model's cells pack it, the text of ``kld_text`` cut
+    into each model's windows. Returns each model's record."""
+    records = check_models(s, records)
+    if s.text:
+        for m in s.models:
+            _text_seqs(s, records[m].tokenizer, records[m].config)
+    if s.kld_text is not None:
+        _check_text_cells(s, records)
+    return records
+
+
+def _text_seqs(s: SweepSettings, tokenizer, config):
+    """The sequences of ``s.text`` a model's cells measure their LM loss on (``s.text_tokens`` tokens)."""
+    from outlierscope.data.text import pack_sequences, text_documents
+    from outlierscope.models.loading import resolve_seq_len
+
+    return pack_sequences(tokenizer, text_documents(s.text), resolve_seq_len(config, None), s.text_tokens)
+
+
 def check_specs(model: str, specs, config) -> None:
     """Each spec fits ``config`` (its layers exist, its groups and blocks divide the shapes), or one line naming the
     model."""
@@ -157,8 +162,6 @@ def check_specs(model: str, specs, config) -> None:
             check_spec(spec, config)
         except OutlierscopeError as e:
             raise OutlierscopeError(f"{model}: {e}") from None
-
-
 
 
 def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
@@ -171,8 +174,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
     A partial ``shard`` writes its part of each cell (``cells/<cell>.shard-i-of-N.*``) and
     ``sweep.shard-i-of-N.json`` and returns None; :func:`merge_sweep` combines the shards. The numbers do not
     depend on the split."""
-    from outlierscope.data.text import pack_sequences, text_documents
-    from outlierscope.models.loading import load_model, resolve_seq_len
+    from outlierscope.models.loading import load_model
 
     shard, world = shard or Shard(), world or World()
     out = Path(out)
@@ -185,16 +187,14 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
         try:
             check_previous(out, asdict(s), force, shard)
         except OutlierscopeError as e:
-            error = str(e)
+            error = e
     world.agree(error)
-    records = check_models(s, records)
-    if s.kld_text is not None:
-        _check_text_cells(s, records)
+    records = check_inputs(s, records)
     items = s.task_items()
     tasks = {t: task_record(t, items[t]) for t in s.tasks}
     cells, sources, calibs = [], {}, {}
     log = log if world.is_main else (lambda *a, **k: None)
-    with output_dir(out) if world.is_main else contextlib.nullcontext(out), fused_kernels(s.fused), \
+    with output_dir(out) if world.is_main else contextlib.nullcontext(out), fused_kernels(s.fused), warnings_to(log), \
             output_dir(out / "cells") if world.is_main else contextlib.nullcontext(out / "cells") as cells_dir:
         for spec_str in s.models:
             lm = load_model(spec_str, dtype=s.dtype, device=world.device(s.device), device_map=s.device_map,
@@ -203,9 +203,7 @@ def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, f
             sources[spec_str] = lm.provenance(wsha)  # as given, resolved commit / GGUF details, weights digest
             if cal := calibration_records(s.specs(), lm.model, lm.tokenizer):  # each calibrated spec's text, tokens
                 calibs[spec_str] = cal
-            text_seqs = None
-            if s.text:
-                text_seqs = pack_sequences(lm.tokenizer, text_documents(s.text), resolve_seq_len(lm.model, None), s.text_tokens)
+            text_seqs = _text_seqs(s, lm.tokenizer, lm.model.config) if s.text else None
             for t in s.tasks:
                 requests = _requests_once(lm, items[t])
                 for spec in s.specs():

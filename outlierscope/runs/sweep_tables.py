@@ -4,7 +4,7 @@ change against the model's 16-bit cell), ``attn_error.csv``, ``linear_error.csv`
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +13,7 @@ import pandas as pd
 from outlierscope.analysis.paired import BOOTSTRAP_REPS, mean_change
 from outlierscope.data.tasks import chance_percent, task_label, task_metrics
 from outlierscope.eval.evaluate import EvalResult, items_digest
-from outlierscope.io import git_commit, machine, versions, write_csv, write_record
+from outlierscope.io import git_commit, machine, versions, write_csv, write_run_record
 from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.report.load import SWEEP_COLUMNS
 from outlierscope.report.tables import FLIP_METRIC, sweep_table
@@ -72,15 +72,22 @@ class SweepResult:
     table: pd.DataFrame
     record: dict
     out: Path
+    side: dict[str, pd.DataFrame] = field(default_factory=dict)  # attn_error, linear_error, gold_ll: where measured
 
     def markdown(self) -> str:
         """One row per model and bit width: acc, acc_norm (stderr), change vs 16 bits with CI, McNemar p, flips."""
         return sweep_table(self.table)
 
     def save(self, out: str | Path) -> Path:
-        write_csv(Path(out) / "sweep.csv", self.table)
-        write_record(Path(out) / "sweep.json", self.record)
-        return Path(out)
+        """Write ``sweep.csv`` and the side tables, then ``sweep.json`` with their digests (and ``text.csv``'s, which
+        the run's text cells wrote before)."""
+        out = Path(out)
+        write_csv(out / "sweep.csv", self.table)
+        for name, df in self.side.items():
+            write_csv(out / f"{name}.csv", df)
+        text = ["text.csv"] if "text_metrics" in self.record else []
+        write_run_record(out / "sweep.json", self.record, ["sweep.csv", *(f"{n}.csv" for n in self.side), *text])
+        return out
 
 
 def task_record(task: str, items: list) -> dict:
@@ -112,20 +119,27 @@ def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, Eval
     record = {"settings": asdict(s), **single, "tasks": tasks, "bootstrap_reps": BOOTSTRAP_REPS,
               "cells": cell_index, **record_extra, "versions": versions(), "machine": machine(),
               "git_commit": git_commit(), "note": "bits 16 = unquantized"}
-    result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out)
+    result = SweepResult(pd.DataFrame(rows, columns=SWEEP_COLUMNS), record, out, _side_tables(cells, errors, lin_errors, s.seed))
     result.save(out)
-    if errors:  # per model, task, bit width, layer and head: what quantization did to attention
-        t = pd.concat(errors, ignore_index=True)
-        write_csv(out / "attn_error.csv", t[["model", "task", "bits", "label"] + [c for c in t.columns
-                                                                                if c not in ("model", "task", "bits", "label")]])
-    if lin_errors:  # per model, task, scheme, layer and linear: each quantized linear's relative output error
-        t = pd.concat(lin_errors, ignore_index=True)
-        write_csv(out / "linear_error.csv", t[["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean",
-                                               "rel_err_max"]])
-    gold = gold_ll_table(cells, s.seed)
-    if len(gold):
-        write_csv(out / "gold_ll.csv", gold)
     return result
+
+
+def _side_tables(cells, errors: list[pd.DataFrame], lin_errors: list[pd.DataFrame], seed: int) -> dict[str, pd.DataFrame]:
+    """The sweep's tables beside ``sweep.csv``, where measured: per model, task, bit width, layer and head what
+    quantization did to attention; per scheme, layer and linear each quantized linear's relative output error; per
+    quantized cell the change of the gold choice's log-likelihood."""
+    side = {}
+    if errors:
+        t = pd.concat(errors, ignore_index=True)
+        first = ["model", "task", "bits", "label"]
+        side["attn_error"] = t[first + [c for c in t.columns if c not in first]]
+    if lin_errors:
+        t = pd.concat(lin_errors, ignore_index=True)
+        side["linear_error"] = t[["model", "task", "label", "layer", "linear", "tokens", "rel_err_mean", "rel_err_max"]]
+    gold = gold_ll_table(cells, seed)
+    if len(gold):
+        side["gold_ll"] = gold
+    return side
 
 
 GOLD_COLUMNS = ["model", "task", "label", "n_items", "delta_gold_ll", "ci_low", "ci_high", "minus_first_model",

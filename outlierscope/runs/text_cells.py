@@ -22,7 +22,7 @@ from outlierscope.analysis.kld import summary
 from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.perplexity import TokenScores, score_windows
 from outlierscope.eval.windows import Window
-from outlierscope.io import Damaged, write_record
+from outlierscope.io import Damaged, check_file_targets, write_record
 from outlierscope.parallel import VIRTUAL_SHARDS, Shard, World, owned_shards
 from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.runs.cells import cell_id, revised
@@ -111,6 +111,12 @@ def _part_done(path: Path, log) -> bool:
         log(f"{e}; computing that part again")
         path.unlink()
         return False
+
+
+def _files(cells: Path, settings: dict) -> list[Path]:
+    """Every file a cell of ``settings`` writes: its parts, values and record."""
+    cid = cell_id(settings)
+    return [*(_part(cells, settings, v) for v in range(VIRTUAL_SHARDS)), cells / f"{cid}.npz", cells / f"{cid}.json"]
 
 
 def _part(cells: Path, settings: dict, v: int) -> Path:
@@ -253,6 +259,7 @@ def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[T
     Returns the cells on rank 0 when all are complete, else None."""
     have = [_load_cell(c.cells, st, c.log) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
+    check_file_targets(p for i in todo for p in _files(c.cells, settings[i]))  # before any part is scored
     c.log(f"{len(settings) - len(todo)} {kind}cells done earlier, {len(todo)} to compute")
     with c.world.failing_together():  # then every rank's parts are written
         if todo:
@@ -261,8 +268,6 @@ def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[T
         return None
     have = [h if h is not None else _assemble(c.cells, st, c.seed) for h, st in zip(have, settings)]
     return None if any(h is None for h in have) else have
-
-
 
 
 def _assemble(cells: Path, settings: dict, seed: int) -> TokenScores | None:

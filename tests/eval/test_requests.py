@@ -163,3 +163,32 @@ def test_evaluate_takes_requests_of_its_items_only(hellaswag_cached):
         evaluate(lm, items=items[1:], requests=reqs[:5], progress=False)
     with pytest.raises(ParamError, match=f"lm-eval max length {n}"):
         evaluate(lm, items=items, requests=build_requests(items, lm.tokenizer, 16), progress=False)
+
+
+def test_requests_of_other_items_or_another_tokenizer_are_refused(hellaswag_cached):
+    """Requests carry the digests of the items and the tokenizer they were built from: ARC-Easy items' requests
+    (the same indexes 0..5) for HellaSwag items, an edited item's, another tokenizer's (same vocabulary size) or a
+    plain list are refused in one line before any forward; the requests built from the items themselves pass."""
+    import dataclasses
+
+    from outlierscope.errors import ParamError
+    from outlierscope.eval.evaluate import evaluate, select_items
+    from outlierscope.eval.requests import lmeval_max_length
+    from outlierscope.models.loading import load_model
+    from outlierscope.train.tokenizer import train_bpe
+
+    lm = load_model("pair-tiny:diff")
+    items, arc = select_items(limit=6), select_items(limit=6, task="arc_easy")
+    n = lmeval_max_length(lm.model, lm.tokenizer)
+    assert [it.doc().index for it in arc] == [it.doc().index for it in items]  # indexes alone cannot tell them apart
+    edited = [dataclasses.replace(items[0], endings=("a",) * 4), *items[1:]]
+    other = train_bpe(["the history of the world is long and the river runs"] * 50, vocab_size=len(lm.tokenizer))
+    cases = [(build_requests(arc, lm.tokenizer, n), "requests of other items"),
+             (build_requests(edited, lm.tokenizer, n), "requests of other items"),
+             (build_requests(items, other, n), "requests of another tokenizer"),
+             (list(build_requests(items, lm.tokenizer, n)), "got 'a list of 6 requests'")]
+    for reqs, says in cases:
+        with pytest.raises(ParamError, match="requests must be build_requests of these 6 items") as e:
+            evaluate(lm, items=items, requests=reqs, progress=False)
+        assert says in str(e.value) and "\n" not in str(e.value)
+    evaluate(lm, items=items, requests=build_requests(items, lm.tokenizer, n), progress=False)

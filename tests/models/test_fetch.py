@@ -298,3 +298,22 @@ def test_a_spec_that_does_not_fit_a_gguf_file_fails_before_its_conversion(source
             "head_dim", "vocab_size")
     meta, converted = mf.gguf_config(path).to_dict(), check_model(str(path))[1].to_dict()
     assert {k: meta.get(k) for k in keys} == {k: converted.get(k) for k in keys}
+
+
+def test_a_truncated_gguf_file_is_one_line(source, tmp_path, monkeypatch, capsys):
+    """The first 2,000 bytes of a valid GGUF file (its header and metadata start, no tensors): inspect_model and the
+    CLI say so in one line (it was the GGUF reader's IndexError), and nothing is cached."""
+    from outlierscope.cli import main
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.models.record import inspect_model
+
+    monkeypatch.setenv("OUTLIERSCOPE_CACHE", str(tmp_path / "cache"))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(source[2].read_bytes()[:2000])
+    with pytest.raises(OutlierscopeError) as e:
+        inspect_model(str(cut))
+    assert str(cut) in str(e.value) and "\n" not in str(e.value)
+    assert main(["profile", "--model", str(cut), "--tokens", "100", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(cut) in err and not (tmp_path / "o").exists()
+    assert not list((tmp_path / "cache").rglob("config.json"))

@@ -230,3 +230,17 @@ def test_the_readme_one_liners_quantize_a_model():
             assert (out - ref).abs().max() > 1e-4, line
             assert ("Linear4bit" in kinds) == ("bnb-nf4" in line), line
             assert torch.equal(model(input_ids=ids).logits, ref), line
+
+
+def test_the_constructor_bounds_layers_as_the_parser_does():
+    """A layer index the parser refuses (65536 = 2^16 and above) is refused by the constructor too; the largest one
+    accepted round-trips."""
+    from outlierscope.errors import ParamError
+
+    for index in (1 << 16, 10**12):
+        with pytest.raises(ParamError, match=f"layers must be layer indices below 65536 .*got {index}"):
+            QuantSpec(bits=4, layers=(0, index))
+        with pytest.raises(OutlierscopeError, match="below 65536"):
+            QuantSpec.parse(f"logits=int4/per_tensor; layers:{index}")
+    top = QuantSpec(bits=4, layers=((1 << 16) - 1,))
+    assert QuantSpec.parse(str(top)) == top

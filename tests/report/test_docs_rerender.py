@@ -54,3 +54,37 @@ def test_sweep_table_from_its_cells(run_dir, tmp_path):
 
 def test_every_kind_is_covered():
     assert len(REPORTS) >= 3 and len(SENSITIVITY) >= 4 and len(SWEEPS) >= 5
+
+
+@pytest.mark.parametrize("table", ["sensitivity.csv", "greedy.csv"])
+def test_a_changed_digit_of_a_sensitivity_table_is_refused(tmp_path, table):
+    """load_sensitivity checks each table against its record's digest: one changed digit is a one-line error."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.report.sensitivity import load_sensitivity
+
+    copy = tmp_path / "run"
+    shutil.copytree(SENSITIVITY[0], copy)
+    text = (copy / table).read_text()
+    at = text.index(".", text.index("\n")) + 1  # the first digit after a decimal point in the data rows
+    (copy / table).write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+    with pytest.raises(OutlierscopeError, match="does not match the digest its record holds") as e:
+        load_sensitivity(copy)
+    assert str(copy / table) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_changed_digit_of_a_perplexity_table_is_refused(tmp_path):
+    """compare-perplexity reads each run's perplexity.csv against its record's digest."""
+    from outlierscope.errors import OutlierscopeError
+    from outlierscope.runs.perplexity_compare import compare_perplexity
+
+    runs = {}
+    for role in ("transformer", "diff"):
+        runs[role] = tmp_path / role
+        shutil.copytree(DOCS / "perplexity" / "pair" / role, runs[role])
+    csv = runs["diff"] / "perplexity.csv"
+    text = csv.read_text()
+    at = text.index(".", text.index("\n")) + 1
+    csv.write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+    with pytest.raises(OutlierscopeError, match="does not match the digest its record holds") as e:
+        compare_perplexity(runs["transformer"], runs["diff"], tmp_path / "ab")
+    assert str(csv) in str(e.value) and not (tmp_path / "ab").exists()

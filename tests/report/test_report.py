@@ -108,16 +108,45 @@ def test_profile_bfloat16_close_to_float32(run_dir, tiny_pair, tiny_corpus, tmp_
     (lambda b: b.replace(b"transformer,hellaswag,16,", b"transformer,hellaswag,sixteen,", 1), "column bits holds non-numeric"),
 ])
 @pytest.mark.parametrize("cmd", ["plot", "report"])
-def test_damaged_sweep_table(run_dir, tmp_path, capsys, damage, msg, cmd):
+@pytest.mark.parametrize("resealed", [False, True], ids=["record", "resealed"])
+def test_damaged_sweep_table(run_dir, tmp_path, capsys, damage, msg, cmd, resealed):
+    """A damaged sweep.csv: its record's digest refuses it; resealed over the damage (a writer's bug, a crafted
+    record), its shape is refused, in one line naming the file, with nothing drawn."""
     import shutil
+
+    from outlierscope.io import file_digests, read_record, write_record
 
     d = tmp_path / "damaged"
     shutil.copytree(run_dir / "sweep", d, ignore=shutil.ignore_patterns("figures", "report.md"))
     (d / "sweep.csv").write_bytes(damage((d / "sweep.csv").read_bytes()))
+    if resealed:
+        rec = read_record(d / "sweep.json")
+        write_record(d / "sweep.json", {**rec, "files": {**rec["files"], **file_digests(d, ["sweep.csv"])}})
     assert main([cmd, str(d)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and msg in err and "sweep.csv" in err
+    want = msg if resealed else "its content does not match the digest its record holds"
+    assert err.count("\n") == 1 and want in err and "sweep.csv" in err
     assert not (d / "figures").exists() or not any((d / "figures").iterdir())  # nothing drawn from a damaged file
+    assert not (d / "report.md").exists()
+
+
+@pytest.mark.parametrize("table", ["sweep/sweep.csv", "profile/table5.csv", "profile/per_layer.csv",
+                                   "profile/histograms.csv", "profile/topk_logits.csv"])
+@pytest.mark.parametrize("cmd", ["plot", "report"])
+def test_one_changed_digit_is_refused(run_dir, tmp_path, capsys, table, cmd):
+    """One digit of a result table changed (the file still a well-formed table): a one-line error naming it."""
+    import re
+    import shutil
+
+    d = tmp_path / "run"
+    shutil.copytree(run_dir, d, ignore=shutil.ignore_patterns("figures", "report.md"))
+    text = (d / table).read_text()
+    m = re.search(r"\d\.(\d)", text.split("\n", 2)[1])  # a digit after a decimal point in the first row
+    at = len(text.split("\n", 1)[0]) + 1 + m.start(1)
+    (d / table).write_text(text[:at] + str((int(text[at]) + 1) % 10) + text[at + 1:])
+    assert main([cmd, str(d)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(d / table) in err and "does not match the digest" in err
     assert not (d / "report.md").exists()
 
 
@@ -183,12 +212,15 @@ def test_sweep_from_before_tasks_loads(run_dir, tmp_path):
     import json
     import shutil
 
+    from outlierscope.io import file_digests, read_record, write_record
     from outlierscope.report.load import load_run
 
     d = tmp_path / "old"
     shutil.copytree(run_dir / "sweep", d, ignore=shutil.ignore_patterns("figures", "report.md"))
     new = pd.read_csv(d / "sweep.csv")
     new.drop(columns=["task", "chance"]).to_csv(d / "sweep.csv", index=False)
+    rec = read_record(d / "sweep.json")  # the record of such a sweep vouches for its table as written
+    write_record(d / "sweep.json", {**rec, "files": {**rec["files"], **file_digests(d, ["sweep.csv"])}})
     got = load_run(d).tables["sweep"]
     assert list(got.columns) == list(new.columns) and got["task"].eq("hellaswag").all() and got["chance"].eq(25.0).all()
     meta = json.loads((d / "sweep.json").read_text())

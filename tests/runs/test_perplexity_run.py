@@ -443,3 +443,37 @@ def test_a_part_swapped_for_another_cells_part_is_recomputed_or_refused(tmp_path
     assert main(merge) == 0
     assert _run(tmp_path / "m", text) == 0
     assert (tmp_path / "m" / "p" / "perplexity.csv").read_bytes() == (tmp_path / "one" / "p" / "perplexity.csv").read_bytes()
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[: len(b) // 2], lambda b: b.replace(b'"windows": ', b'"windows": 1', 1)],
+                         ids=["truncated", "edited"])
+def test_a_damaged_record_in_out_is_named_as_damaged(tmp_path, text, capsys, damage):
+    """perplexity.json cut or edited in the run's own --out: one line saying it is damaged and that --force replaces
+    the tables (not "other settings"); with --force the run writes a sound record again."""
+    assert _run(tmp_path, text) == 0
+    rec = tmp_path / "p" / "perplexity.json"
+    rec.write_bytes(damage(rec.read_bytes()))
+    capsys.readouterr()
+    assert _run(tmp_path, text) == 2
+    err = capsys.readouterr().err.strip()
+    assert str(rec) in err and "is damaged" in err and "pass --force" in err and "other settings" not in err
+    assert "\n" not in err
+    assert _run(tmp_path, text, "--force") == 0
+    from outlierscope.io import read_record
+
+    assert read_record(rec, sealed_only=True)["windows"] > 0
+
+
+def test_a_directory_where_a_cell_file_goes_is_one_line_before_any_work(tmp_path, text, capsys):
+    """A directory standing where a cell's values go: one line naming it, exit 2, no part scored or left behind."""
+    from outlierscope.runs.cells import cell_id
+
+    assert _run(tmp_path / "one", text) == 0
+    cid = json.loads((tmp_path / "one" / "p" / "perplexity.json").read_text())["cells"]["kivi-2bit"]
+    assert cell_id(json.loads((tmp_path / "one" / "p" / "cells" / f"{cid}.json").read_text())["cell"]) == cid
+    (tmp_path / "p" / "cells" / f"{cid}.npz").mkdir(parents=True)
+    capsys.readouterr()
+    assert _run(tmp_path, text) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{cid}.npz is a directory where outlierscope writes a file" in err
+    assert not list((tmp_path / "p" / "cells").glob("*.part-*")) and not (tmp_path / "p" / "perplexity.json").exists()

@@ -42,3 +42,20 @@ def test_reproduce_check_runs_nothing(tmp_path, capsys):
     assert "checked: pair-tiny:diff; hellaswag" in capsys.readouterr().out and not out.exists()
     assert main(["reproduce", "--check", "--model", "pair-tiny:dif", "--out", str(out)]) == 2
     assert "did you mean pair-tiny:diff" in capsys.readouterr().err and not out.exists()
+
+
+def test_check_reads_the_text_the_sweep_will_read(tmp_path, capsys, monkeypatch):
+    """--check reads --text as the sweep's cells will (a Latin-1 file: one line naming it, exit 2), before any profile;
+    so does the run itself."""
+    from outlierscope.runs import profile as prof
+
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("Caf\xe9 au lait, cr\xe8me br\xfbl\xe9e.\n".encode("latin-1") * 200)
+    out = tmp_path / "r"
+    monkeypatch.setattr(prof, "profile", lambda *a, **k: pytest.fail("the profile ran before the text was read"))
+    for extra in (["--check"], []):
+        assert main(["reproduce", *extra, "--model", "pair-tiny:diff", "--limit", "6", "--tokens", "1024",
+                     "--text", str(text), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(text) in err and "UTF-8" in err
+    assert not out.exists()

@@ -657,3 +657,41 @@ def test_a_part_swapped_for_another_cells_part_is_recomputed_or_refused(tiny_pai
     assert sum("(swapped or renamed); computing it again" in m for m in logs) == 1
     sw.merge_sweep([tmp_path / "s0", tmp_path / "s1"], tmp_path / "m", log=lambda *_: None)
     assert (tmp_path / "m" / "sweep.csv").read_bytes() == (full[0] / "sweep.csv").read_bytes()
+
+
+@pytest.mark.parametrize("damage", [lambda b: b[:40], lambda b: b.replace(b'"batch_size": 8', b'"batch_size": 9', 1)],
+                         ids=["truncated", "edited"])
+def test_a_damaged_record_in_out_is_named_as_damaged(tiny_pair, hs_jsonl, tmp_path, damage):
+    """sweep.json cut or edited in the run's own --out: one line saying it is damaged (not "other settings")."""
+    s = _settings(tiny_pair, hs_jsonl, bits=(16, 4))
+    out = tmp_path / "s"
+    sweep(s, out, progress=False, log=lambda *_: None)
+    rec = out / "sweep.json"
+    rec.write_bytes(damage(rec.read_bytes()))
+    with pytest.raises(OutlierscopeError, match="is damaged: pass force=True to replace its tables") as e:
+        sweep(s, out, progress=False, log=lambda *_: None)
+    assert str(rec) in str(e.value) and "other settings" not in str(e.value)
+
+
+def test_cli_refusal_names_the_flag(tiny_pair, hs_jsonl, tmp_path, capsys):
+    """The sweep command's refusal of other settings in --out names --force, as every run command's does."""
+    argv = ["sweep", "--model", str(tiny_pair["diff"]), "--data", str(hs_jsonl), "--bits", "16", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--granularity", "per_head"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (granularity differ)" in err and "pass --force" in err and "force=True" not in err
+
+
+def test_a_directory_where_a_cell_file_goes_is_one_line_before_the_cell(tiny_pair, hs_jsonl, tmp_path, capsys, full,
+                                                                        monkeypatch):
+    """A directory standing where a sweep cell's table goes: one line naming it, exit 2, before that cell runs."""
+    monkeypatch.setattr(sw, "evaluate", lambda *a, **k: pytest.fail("the cell ran"))
+    cid = json.loads((full[0] / "sweep.json").read_text())["cells"][0]["cell"]
+    out = tmp_path / "s"
+    (out / "cells" / f"{cid}.csv").mkdir(parents=True)
+    rc = main(["sweep", "--model", str(tiny_pair["transformer"]), "--model", str(tiny_pair["diff"]), "--bits", "16",
+               "4", "2", "--data", str(hs_jsonl), "--batch-size", "8", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and f"{cid}.csv is a directory where outlierscope writes a file" in err
+    assert sorted(p.name for p in (out / "cells").iterdir()) == [f"{cid}.csv"]

@@ -11,7 +11,7 @@ import re
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.quant.specs.calibrated import AWQ_GRIDS, GPTQ_GRIDS, AWQConfig, GPTQConfig
-from outlierscope.quant.specs.parts import ALL_TARGETS, TensorQuant
+from outlierscope.quant.specs.parts import ALL_TARGETS, MAX_LAYERS, TensorQuant
 
 
 def _check_types(spec) -> None:
@@ -67,6 +67,8 @@ def check_fields(spec) -> None:
         object.__setattr__(spec, "layers", tuple(sorted(set(spec.layers))))
         if not spec.layers or min(spec.layers) < 0:
             raise ParamError("layers", "at least one layer index >= 0 (or None: every layer)", spec.layers)
+        if max(spec.layers) >= MAX_LAYERS:
+            raise ParamError("layers", f"layer indices below {MAX_LAYERS} (a model's layers)", max(spec.layers))
     _check_linear(spec)
     _check_bnb(spec)
     _check_gptq(spec)

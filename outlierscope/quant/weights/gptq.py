@@ -107,7 +107,6 @@ def column_order(diag: torch.Tensor, order: str, group: int | None) -> torch.Ten
     return torch.cat([perm, torch.arange(n * group, diag.numel(), device=diag.device)])
 
 
-
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint", group: int | None = None,
                   block_size: int = 128, damp: float = 0.01, order: str = "none",
                   static_groups: bool = False) -> GPTQResult:
