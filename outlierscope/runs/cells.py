@@ -27,24 +27,32 @@ DEFAULT_BATCH = 32  # sequences per forward; a quantized cell at another batch s
 SPEED_ONLY = ("fused", "attn_block")
 
 
-def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, force: bool, upgrade=dict) -> None:
-    """Refuse to replace the tables of ``what`` (a sweep, a sensitivity run, ...) whose record ``prev`` holds other
-    settings than ``now`` unless ``force`` (cells with matching settings are reused either way). ``now`` and
-    ``defaults`` as a record holds them (JSON values); a setting an older record lacks counts as its default;
-    ``upgrade``: the record's settings with today's keys. ``SPEED_ONLY`` settings are not compared."""
+def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, force: bool, upgrade=dict,
+                          cells: bool = True) -> None:
+    """Refuse to replace the tables of a run whose record holds other settings, or is damaged, unless ``force``.
+
+    prev: the earlier run's record.
+    now: this run's settings as a record holds them (JSON values).
+    defaults: the settings' defaults (a setting an older record lacks counts as its default).
+    what: the run, for the error (``a sweep``, ``an export``).
+    force: replace them.
+    upgrade: the record's settings with today's keys.
+    cells: whether the run keeps cells, which are reused either way (said in the error).
+    ``SPEED_ONLY`` settings are not compared."""
     if force or not prev.exists():
         return
+    reused = " (cells with matching settings are reused)" if cells else ""
     try:
         rec = check_seal(json.loads(prev.read_text(encoding="utf-8")), prev, required=False)
         old = upgrade(rec["settings"])
     except (ValueError, UnicodeDecodeError, KeyError, AttributeError, TypeError, Damaged) as e:
         why = e if isinstance(e, Damaged) else f"{prev}: not a readable record"
-        raise Refused(f"{why}; the record of {what} in {prev.parent} is damaged: {{fix}} to replace its tables (cells "
-                      "with matching settings are reused), or choose another output directory") from None
+        raise Refused(f"{why}; the record of {what} in {prev.parent} is damaged: {{fix}} to replace its tables{reused}, "
+                      "or choose another output directory") from None
     diff = sorted(k for k in now if k not in SPEED_ONLY and old.get(k, defaults.get(k)) != now[k])
     if diff:
         raise Refused(f"{prev.parent} holds {what} with other settings ({', '.join(diff)} differ); choose another "
-                      "output directory, or {fix} to replace its tables (cells with matching settings are reused)")
+                      f"output directory, or {{fix}} to replace its tables{reused}")
 
 
 def cell_id(settings: dict) -> str:

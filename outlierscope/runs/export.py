@@ -18,7 +18,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from outlierscope.errors import OutlierscopeError, ParamError, Refused
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.io import git_commit, output_dir, read_record, versions, write_run_record, write_text
 from outlierscope.models.loading import check_model, meta_model, preview_config, trust_remote_code_option
@@ -26,6 +26,7 @@ from outlierscope.quant import export as qexport
 from outlierscope.quant.linears.sites import linear_sites
 from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.quant.weights.calibration import check_linear_shapes
+from outlierscope.runs.cells import refuse_other_settings
 from outlierscope.settings import option
 
 
@@ -135,12 +136,8 @@ def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -
     earlier export in ``out`` with other settings is replaced only with ``force``."""
     import yaml
 
-    prev = Path(out) / "export.json"
-    if prev.exists() and not force:
-        old = read_record(prev, ("settings",))["settings"]
-        if old != json.loads(json.dumps(dataclasses.asdict(s))):
-            raise Refused(f"{out} holds an export with other settings ({old.get('quant') or old.get('run')}); choose "
-                          "another output directory, or {fix} to replace it")
+    refuse_other_settings(Path(out) / "export.json", json.loads(json.dumps(dataclasses.asdict(s))), {}, "an export",
+                          force, cells=False)
     choice = choose(s)
     qexport.check_exportable(choice.spec)
     if choice.spec.has_attention and (choice.keep or choice.spec.layers is not None):

@@ -45,6 +45,11 @@ def test_a_sweeps_cell_exported(tmp_path, capsys):
     assert main([*argv, "--force"]) == 0
     mods = yaml.safe_load((out / "recipe.yaml").read_text())["default_stage"]["default_modifiers"]
     assert mods["SmoothQuantModifier"] == {"smoothing_strength": 0.5}
+    rec = out / "export.json"
+    rec.write_text(rec.read_text().replace('"w8a8', '"w4a8', 1))  # an edited record: its seal no longer matches
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(rec) in err and "is damaged: pass --force" in err and "cells" not in err
 
 
 def test_a_recipe_name_whose_meaning_changed_since_the_sweep_is_refused(tmp_path, capsys):
