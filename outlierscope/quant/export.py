@@ -36,16 +36,11 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
+from outlierscope.quant.numerics.registry import Block, format_of_ct_args
 from outlierscope.quant.specs.spec import TARGETS, QuantSpec, TensorQuant
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
 GPTQ_ACTORDER = {"none": None, "desc": "weight"}  # gptq:order -> GPTQModifier's actorder (with static group scales)
-BLOCK_ARGS = {  # our block formats -> compressed-tensors' arguments (its MXFP4 / MXFP8 / NVFP4 presets)
-    "ct-mxfp4": {"num_bits": 4, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
-    "ct-mxfp8_e4m3": {"num_bits": 8, "type": "float", "group_size": 32, "strategy": "group", "scale_dtype": "torch.uint8"},
-    "nvfp4": {"num_bits": 4, "type": "float", "group_size": 16, "strategy": "tensor_group",
-              "scale_dtype": "torch.float8_e4m3fn"},
-}
 STRATEGY = {"per_channel": "channel", "per_group": "group", "per_tensor": "tensor", "per_token": "token",
             "static": "tensor", "per_head": "attn_head"}
 
@@ -62,32 +57,13 @@ def _ct():
 def tensor_args(p: TensorQuant) -> dict:
     """compressed-tensors' ``QuantizationArgs`` fields of one ``a=``/``w=`` part (or ``k``/``v`` of a KV cache)."""
     dynamic = p.target == "a" and p.granularity != "static"
-    if p.format in BLOCK_ARGS:
-        args = {**BLOCK_ARGS[p.format], "symmetric": True, "dynamic": dynamic}
-        if p.format == "nvfp4" and dynamic:  # per-block scales dynamic, the global one calibrated
-            args.update(dynamic="local", observer="static_minmax")
+    fmt = p.fmt
+    args = fmt.ct_args(p)
+    if isinstance(fmt, Block):  # its own blocks
+        args["dynamic"] = dynamic
+        if dynamic and fmt.ct_dynamic:  # NVFP4: per-block scales dynamic, the global one calibrated
+            args.update(fmt.ct_dynamic)
         return args
-    if p.format == "int":
-        raise OutlierscopeError(f"{p}: {p.format_text} is the restricted grid (absmax / {2 ** (p.bits - 1) - 1}), which "
-                                "compressed-tensors does not write: its int grid is the full-range one (absmax / "
-                                f"{(2 ** p.bits - 1) / 2}); measure and export {p.target}=fint{p.bits}"
-                                + (f"/{p.granularity}" if p.granularity else "") + (f":{p.size}" if p.size else ""))
-    if f"ct-{p.format}" in BLOCK_ARGS:
-        raise OutlierscopeError(f"{p}: {p.format} is OCP's MX scale (floor(log2 max)), which compressed-tensors does "
-                                "not write: its MX rounds a block's max to a power of two first (up from mantissa "
-                                f"1.75); measure and export {p.target}=ct-{p.format}")
-    if p.format == "asym":
-        raise OutlierscopeError(f"{p}: asym{p.bits}'s zero point is a float here (min-max); compressed-tensors rounds "
-                                "it to an integer, another grid; export a symmetric fint or FP format")
-    if p.format == "fint":  # compressed-tensors' symmetric int grid: absmax / ((2^b - 1) / 2) onto [-2^(b-1), 2^(b-1)-1]
-        args = {"num_bits": p.bits, "type": "int", "symmetric": True}
-    elif p.format == "zint":  # its asymmetric int: [min(min, 0), max(max, 0)], an integer zero point
-        args = {"num_bits": p.bits, "type": "int", "symmetric": False}
-    elif p.format == "e4m3":
-        args = {"num_bits": 8, "type": "float", "symmetric": True}
-    else:
-        raise OutlierscopeError(f"{p}: compressed-tensors has no {p.format} format (it takes intN, asymN, e4m3, "
-                                f"{', '.join(BLOCK_ARGS)}); export a spec in one of those")
     args.update(strategy=STRATEGY[p.granularity], dynamic=dynamic)
     if p.granularity == "per_group":
         args["group_size"] = p.size
@@ -104,7 +80,7 @@ def kv_cache_args(spec: QuantSpec) -> dict | None:
     others += [n for n, on in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q is not None),
                                ("hadamard", spec.hadamard is not None)) if on]
     same = k is not None and v is not None and dataclasses.replace(k, target="v") == v
-    if others or not same or k.format not in ("fint", "int", "e4m3") or k.bits not in (None, 8) \
+    if others or not same or not k.fmt.ct_kv or k.nominal_bits != 8 \
             or k.granularity not in ("per_tensor", "per_head"):
         raise OutlierscopeError(f"{spec}: compressed-tensors quantizes attention only as a KV cache (k and v alike, "
                                 "fint8 or e4m3, per_tensor or per_head); expected e.g. 'kv=e4m3/per_tensor' or no "
@@ -182,12 +158,12 @@ def differences(spec: QuantSpec) -> list[str]:
         notes.append("a=.../per_tensor: the emulation's scale is each sequence's; compressed-tensors' dynamic "
                      "per-tensor scale is the whole batch's")
     w = spec.part("w")
-    if w is not None and w.format == "nvfp4":
+    if w is not None and isinstance(w.fmt, Block) and w.fmt.global_scale:
         notes.append("nvfp4 weights: a loaded checkpoint's are decoded in float32 (compressed-tensors' dequantize, "
                      "q x fp32(s / gs), as the emulation computes them); compressed-tensors' own decompression computes "
                      "in bfloat16, and NVFP4 kernels multiply the codes by the E4M3 scales in the product and divide by "
                      "the global scales after it: the same values, rounded otherwise")
-    if a is not None and a.format == "nvfp4":
+    if a is not None and isinstance(a.fmt, Block) and a.fmt.global_scale:
         notes.append("nvfp4 activations: the emulation's global scale is each sequence's; compressed-tensors "
                      "calibrates a static one (dynamic: local)")
     if spec.smooth is not None or a is not None and a.granularity == "static":
@@ -238,16 +214,8 @@ def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
 
 def _format_from_args(args: dict) -> tuple[str, bool]:
     """(format text, whether it brings its own blocks) of compressed-tensors ``QuantizationArgs`` fields."""
-    for fmt, block in BLOCK_ARGS.items():
-        keys = ("num_bits", "type", "group_size", "strategy")
-        if all(args.get(k) == block[k] for k in keys):
-            return fmt, True
-    if args.get("type") == "int":
-        return f"{'fint' if args.get('symmetric', True) else 'asym'}{args['num_bits']}", False
-    if args.get("type") == "float" and args.get("num_bits") == 8:
-        return "e4m3", False
-    raise OutlierscopeError(f"compressed-tensors arguments {args} have no emulation here (expected int, FP8 E4M3, "
-                            f"{', '.join(BLOCK_ARGS)})")
+    fmt, bits = format_of_ct_args(args)
+    return fmt.text(bits), isinstance(fmt, Block)
 
 
 def part_text(target: str, args: dict) -> str:

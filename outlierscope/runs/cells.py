@@ -72,10 +72,10 @@ def revised(*specs) -> dict:
     (:class:`~outlierscope.quant.linears.ops.Rotation`; before, by the dense d x d matrix: the same product summed in
     another order)."""
     rotated = any(getattr(sp, "rotate", None) is not None or getattr(sp, "hadamard", None) is not None for sp in specs)
-    nvfp4 = any(p.format == "nvfp4" for sp in specs for p in getattr(sp, "parts", ()))
+    formats = {k: v for sp in specs for p in getattr(sp, "parts", ()) for k, v in p.fmt.identity.items()}
     gptq = any(getattr(sp, "gptq", None) is not None for sp in specs)
     factored = any(getattr(sp, "rotate", None) is not None for sp in specs)
-    return {**({"rotation": "input-signs"} if rotated else {}), **({"nvfp4": "compressed-tensors-order"} if nvfp4 else {}),
+    return {**({"rotation": "input-signs"} if rotated else {}), **formats,
             **({"gptq": "contiguous-damping-mean"} if gptq else {}), **({"rotate": "two-factors"} if factored else {})}
 
 

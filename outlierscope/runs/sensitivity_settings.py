@@ -20,7 +20,8 @@ from outlierscope.models.loading import (
     fused_option,
     trust_remote_code_option,
 )
-from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS
+from outlierscope.quant.numerics.names import GRANULARITIES, UNQUANTIZED_BITS
+from outlierscope.quant.numerics.registry import logits_formats
 from outlierscope.quant.specs.spec import QuantSpec, build_spec
 from outlierscope.runs.cells import DEFAULT_BATCH
 from outlierscope.runs.perplexity import (
@@ -45,7 +46,7 @@ class SensitivitySettings:
 
     model: str = option(MISSING, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model", metavar="SPEC")
     bits: int = option(4, "bit width of the quantized layers")
-    format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
+    format: str = option("int", "int absmax or FP8 (bits 8)", choices=logits_formats())
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
                               choices=GRANULARITIES)
     quant: str | None = option(None, "a recipe or spec of attention or linear layers (see `outlierscope recipes`) "

@@ -19,7 +19,8 @@ from outlierscope.models.loading import (
     trust_remote_code_option,
 )
 from outlierscope.models.presets import DEFAULT_PAIR
-from outlierscope.quant.numerics.names import FORMATS, GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
+from outlierscope.quant.numerics.names import GRANULARITIES, UNQUANTIZED_BITS, WEIGHT_MODES
+from outlierscope.quant.numerics.registry import logits_formats
 from outlierscope.quant.specs.spec import QuantSpec, build_spec, layers_option
 from outlierscope.runs.cells import DEFAULT_BATCH
 from outlierscope.runs.perplexity import length_option, max_windows_option, protocol_option
@@ -39,7 +40,7 @@ class SweepSettings:
     models: tuple[str, ...] = option(DEFAULT_PAIR, "Hub id (ORG/NAME[@REVISION]), HF model directory, .gguf file, preset role or fetched model; repeat",
                                      flag="--model", repeat=True, metavar="SPEC")
     bits: tuple[int, ...] = option((16, 8, 6, 4), "bit widths; 16 = unquantized")
-    format: str = option("int", "int absmax or FP8 (bits 8)", choices=FORMATS)
+    format: str = option("int", "int absmax or FP8 (bits 8)", choices=logits_formats())
     granularity: str = option("per_tensor", "one scale per sequence and layer / per head / per query row",
                               choices=GRANULARITIES)
     quant: tuple[str, ...] = option((), "also: an attention recipe or spec (q/k/v/P/KV cache; see `outlierscope "

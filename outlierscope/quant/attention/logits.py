@@ -11,6 +11,7 @@ import torch
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.numerics.fused import fusable
 from outlierscope.quant.numerics.primitives import absmax, fake_quant, qmax, quantize_absmax
+from outlierscope.quant.numerics.registry import Kernel
 
 # reduction dims of the logits (B, H, T, S) per granularity; the batch dim is never reduced,
 # so one sequence's result never depends on what else is in the batch
@@ -77,8 +78,7 @@ def logits_quant(spec) -> LogitsQuant | None:
     p = spec.part("logits")
     if p is None:
         return None
-    bits, fmt = p.grid
-    return LogitsQuant(bits, fmt, p.granularity or "per_row", spec.layers, bnb=p.format == "bnb-int8")
+    return LogitsQuant(p.nominal_bits, p.fmt.grid, p.granularity or "per_row", spec.layers, bnb=isinstance(p.fmt, Kernel))
 
 
 def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:

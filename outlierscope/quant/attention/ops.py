@@ -20,19 +20,11 @@ import math
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.numerics.formats import MX_FORMATS, NVFP4_BLOCK, asym_quant, mx_quant, nvfp4_quant
+from outlierscope.quant.numerics.formats import pad_to
 from outlierscope.quant.numerics.fused import fusable
-from outlierscope.quant.numerics.primitives import every, fake_quant, qmax, quantize_absmax
+from outlierscope.quant.numerics.primitives import every
+from outlierscope.quant.numerics.registry import Block
 from outlierscope.quant.specs.parts import TensorQuant
-
-
-def _pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    extra = -x.shape[dim] % multiple
-    if not extra:
-        return x
-    shape = list(x.shape)
-    shape[dim] = extra
-    return torch.cat([x, x.new_zeros(shape)], dim)
 
 
 def first_real(valid: torch.Tensor) -> torch.Tensor:
@@ -85,33 +77,16 @@ def _granules(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> tuple[to
         return x.reshape(B, H, T, d // n, n), v.reshape(B, H, T, d // n, n), (4,)  # (B, H, T, d/G, G)
     if g == "per_channel" and n is None:
         return x, v, (2,)
-    xp, vp = _pad_to(x, 2, n), _pad_to(v, 2, n)  # per_block:N, per_channel:N: groups of N tokens
+    xp, vp = pad_to(x, 2, n), pad_to(v, 2, n)  # per_block:N, per_channel:N: groups of N tokens
     shape = (B, H, xp.shape[2] // n, n, d)  # (B, H, T/N, N, d)
     return xp.reshape(shape), vp.reshape(shape), (3, 4) if g == "per_block" else (3,)
 
 
-def _asymmetric(x: torch.Tensor, valid: torch.Tensor, dims: tuple, bits: int) -> torch.Tensor:
-    big = torch.finfo(x.dtype).max
-    lo = x.masked_fill(~valid, big).amin(dims, keepdim=True)
-    hi = x.masked_fill(~valid, -big).amax(dims, keepdim=True)
-    empty = lo > hi  # no valid entry: unchanged
-    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
-    return torch.where(valid, asym_quant(x, bits, lo, hi), x)
-
-
-def block_quant(x: torch.Tensor, fmt: str, amax: torch.Tensor | None = None) -> torch.Tensor:
-    """MX / NVFP4 along the last dim (zero-padded to whole blocks, then cut back); NVFP4's per-tensor ``amax``
-    broadcasts to ``x`` without its last dim."""
-    block = MX_FORMATS[fmt][1] if fmt in MX_FORMATS else NVFP4_BLOCK
-    xp = _pad_to(x, -1, block)
-    out = mx_quant(xp, fmt) if fmt in MX_FORMATS else nvfp4_quant(xp, amax)
-    return out[..., : x.shape[-1]]
-
-
-def _sequence_blocks(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``block_quant`` of a (B, H, n, m) tensor whose invalid entries are zero, NVFP4's per-tensor scale per sequence."""
-    amax = w.abs().amax((1, 2, 3))[:, None, None] if fmt == "nvfp4" else None  # (B, 1, 1)
-    return block_quant(w, fmt, amax)
+def _sequence_blocks(w: torch.Tensor, fmt: Block) -> torch.Tensor:
+    """A block format along the last dim of a (B, H, n, m) tensor whose invalid entries are zero; a global scale's
+    amax per sequence."""
+    amax = w.abs().amax((1, 2, 3))[:, None, None] if fmt.global_scale else None  # (B, 1, 1)
+    return fmt.blocks(w, amax)
 
 
 def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
@@ -120,7 +95,7 @@ def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torc
     w = x.masked_fill(~v4, 0)
     if tq.target == "v":
         w = w.transpose(2, 3)  # (B, H, d, T)
-    q = _sequence_blocks(w, tq.format)
+    q = _sequence_blocks(w, tq.fmt)
     if tq.target == "v":
         q = q.transpose(2, 3)  # (B, H, T, d)
     return torch.where(v4, q, x)
@@ -128,7 +103,7 @@ def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torc
 
 def groups_tokens(tq: TensorQuant) -> bool:
     """Whether ``tq`` groups consecutive tokens (its result depends on where the groups start)."""
-    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+    if isinstance(tq.fmt, Block):
         return tq.target == "v"
     return tq.granularity in ("per_block", "per_channel") and tq.size is not None
 
@@ -143,14 +118,10 @@ def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> to
 
 
 def _quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
-    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+    if isinstance(tq.fmt, Block):
         return _block_format(x, valid, tq)
     xg, vg, dims = _granules(x, valid, tq)
-    if tq.format == "asym":
-        out = _asymmetric(xg, vg, dims, tq.bits)
-    else:
-        bits, fmt = tq.grid
-        out = quantize_absmax(xg, bits, dims, vg, fmt)
+    out = tq.fmt.quantize(xg, dims, vg, tq.bits)
     B, H, T, d = x.shape
     if out.dim() == 5 and tq.granularity != "per_group":
         out = out.reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d): the padding tokens cut off
@@ -163,16 +134,14 @@ def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_st
     ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys, its blocks counted from each
     sequence's first real key ``key_start`` (B,) (None: key 0)."""
     valid = valid.expand_as(p)
-    if tq.format in MX_FORMATS or tq.format == "nvfp4":
+    if isinstance(tq.fmt, Block):
         def blocks(p_, v_):
-            return torch.where(v_, _sequence_blocks(p_.masked_fill(~v_, 0), tq.format), p_)
+            return torch.where(v_, _sequence_blocks(p_.masked_fill(~v_, 0), tq.fmt), p_)
 
         return _from_start(blocks, p, valid, key_start, 3, 3)
-    bits, fmt = tq.grid
     if tq.granularity == "static":
-        scale = torch.tensor(1.0 / qmax(bits, fmt), dtype=torch.float64 if p.dtype == torch.float64 else torch.float32)
-        return fake_quant(p, scale, bits, fmt, valid)
-    return quantize_absmax(p, bits, (3,), valid, fmt)
+        return tq.fmt.quantize_static(p, 1.0, tq.bits, valid)  # P <= 1
+    return tq.fmt.quantize(p, (3,), valid, tq.bits)
 
 
 def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -193,8 +162,8 @@ def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Ten
 
 def _block_means(q: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tensor:
     B, H, T, d = q.shape
-    qp = _pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
-    vp = _pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
+    qp = pad_to(q, 2, rows).reshape(B, H, -1, rows, d)  # (B, H, T/rows, rows, d)
+    vp = pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
     mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
     return mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
 

@@ -22,10 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.attention.ops import _asymmetric, block_quant, random_sign_hadamard, random_signs, sylvester
-from outlierscope.quant.numerics.formats import MX_FORMATS, zero_point_params, zero_point_quant
+from outlierscope.quant.attention.ops import random_sign_hadamard, random_signs, sylvester
 from outlierscope.quant.numerics.fused import fusable
-from outlierscope.quant.numerics.primitives import fake_quant, qmax, quantize_absmax
+from outlierscope.quant.numerics.registry import Block
 from outlierscope.quant.specs.parts import TensorQuant
 
 
@@ -33,15 +32,6 @@ def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:
     if x.shape[-1] % size:
         raise OutlierscopeError(f"{what}: {x.shape[-1]} channels are not a multiple of the group size {size}")
     return x.reshape(*x.shape[:-1], x.shape[-1] // size, size)  # (..., C/G, G)
-
-
-def _symmetric_or_asym(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, tq: TensorQuant) -> torch.Tensor:
-    if tq.format == "asym":
-        return _asymmetric(x, torch.ones_like(x, dtype=torch.bool) if valid is None else valid, dims, tq.bits)
-    if tq.format == "zint":  # a weight grid: no mask
-        return zero_point_quant(x, *zero_point_params(x, tq.bits, dims), tq.bits)
-    bits, fmt = tq.grid
-    return quantize_absmax(x, bits, dims, valid, fmt)
 
 
 @fusable
@@ -61,29 +51,30 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
         keep = v & ~outlier_cols  # (B, T, C): outlier columns stay as they are
         v = keep if scale_skip is None else v & ~scale_skip  # (B, T, C): what enters the scales
     w = x if v is None else x.masked_fill(~v, 0)
-    if tq.format in MX_FORMATS or tq.format == "nvfp4":
-        amax = w.abs().amax((1, 2))[:, None] if tq.format == "nvfp4" else None  # (B, 1): each sequence's
-        out = block_quant(w, tq.format, amax)
+    fmt = tq.fmt
+    if isinstance(fmt, Block):
+        amax = w.abs().amax((1, 2))[:, None] if fmt.global_scale else None  # (B, 1): each sequence's
+        out = fmt.blocks(w, amax)
     elif tq.granularity == "static":
-        bits, fmt = tq.grid
-        out = fake_quant(w, static_amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
-                         / qmax(bits, fmt), bits, fmt)
+        out = fmt.quantize_static(w, static_amax.to(torch.float64 if x.dtype == torch.float64 else torch.float32),
+                                  tq.bits)
     elif tq.granularity == "per_group":
-        out = _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None if v is None else _grouped(v, tq.size, str(tq)),
-                                 (-1,), tq).reshape(B, T, C)
+        out = fmt.quantize(_grouped(w, tq.size, str(tq)), (-1,), None if v is None else _grouped(v, tq.size, str(tq)),
+                           tq.bits).reshape(B, T, C)
     else:
-        out = _symmetric_or_asym(w, v, (-1,) if tq.granularity == "per_token" else (1, 2), tq)
+        out = fmt.quantize(w, (-1,) if tq.granularity == "per_token" else (1, 2), v, tq.bits)
     return out if keep is None else torch.where(keep, out, x)
 
 
 @fusable
 def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
     """A weight (O, I) quantized-dequantized per ``tq`` (a ``w=`` part); a new tensor in ``w``'s dtype."""
-    if tq.format in MX_FORMATS or tq.format == "nvfp4":
-        return block_quant(w, tq.format, w.abs().amax()[None] if tq.format == "nvfp4" else None)
+    fmt = tq.fmt
+    if isinstance(fmt, Block):
+        return fmt.blocks(w, w.abs().amax()[None] if fmt.global_scale else None)
     if tq.granularity == "per_group":
-        return _symmetric_or_asym(_grouped(w, tq.size, str(tq)), None, (-1,), tq).reshape(w.shape)
-    return _symmetric_or_asym(w, None, (1,) if tq.granularity == "per_channel" else (0, 1), tq)
+        return fmt.quantize(_grouped(w, tq.size, str(tq)), (-1,), None, tq.bits).reshape(w.shape)
+    return fmt.quantize(w, (1,) if tq.granularity == "per_channel" else (0, 1), None, tq.bits)
 
 
 def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:

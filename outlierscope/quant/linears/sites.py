@@ -16,6 +16,7 @@ from torch import nn
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.models.float64 import float64_model
+from outlierscope.quant.numerics.registry import Block
 from outlierscope.quant.specs.spec import QuantSpec
 
 HEAD = "lm_head"  # the pattern that names the LM head (the model's output embeddings)
@@ -136,4 +137,4 @@ def token_local(spec: QuantSpec) -> bool:
     context's choices may share its prefix (:func:`~outlierscope.eval.evaluate.layout_for`)."""
     a = spec.part("a")
     return spec.outlier_threshold is None and (a is None or a.granularity in ("per_token", "per_group", "static")
-                                      or a.format not in ("nvfp4",) and a.granularity is None)
+                                               or isinstance(a.fmt, Block) and not a.fmt.global_scale)

@@ -21,7 +21,8 @@
   that rounds to zero makes its block zero), as NVIDIA's Model Optimizer and compressed-tensors keep it; torchao
   clamps it up to E4M3's smallest normal 2^-6 instead, so blocks whose amax is below 2^-6 * 6 * g differ from
   torchao's.
-* ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches.
+* ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches;
+  ``asym_minmax(x, valid, dims, bits)`` between each granule's own min and max.
 * ``zero_point_params(x, bits, dims)`` / ``zero_point_quant(x, scale, zero, bits)``: the integer-zero-point grid of
   GPTQ and AWQ checkpoints (``zint``: GPT-QModel's ``Quantizer`` with ``sym=False``).
 
@@ -167,6 +168,29 @@ def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -
     safe = torch.where(ok, scale, torch.ones_like(scale))
     q = torch.round((w - lo) / safe).clamp_(0, levels)
     return torch.where(ok, q * safe + lo, w).to(x.dtype)
+
+
+def asym_minmax(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, bits: int) -> torch.Tensor:
+    """:func:`asym_quant` between each granule's min and max over ``dims`` among ``valid`` entries (None: all);
+    invalid entries and granules with none valid come back unchanged."""
+    if valid is None:
+        valid = torch.ones_like(x, dtype=torch.bool)
+    big = torch.finfo(x.dtype).max
+    lo = x.masked_fill(~valid, big).amin(dims, keepdim=True)
+    hi = x.masked_fill(~valid, -big).amax(dims, keepdim=True)
+    empty = lo > hi  # no valid entry: unchanged
+    lo, hi = torch.where(empty, 0, lo), torch.where(empty, 0, hi)
+    return torch.where(valid, asym_quant(x, bits, lo, hi), x)
+
+
+def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    """``x`` zero-padded along ``dim`` to a multiple of ``multiple`` (itself when it is one)."""
+    extra = -x.shape[dim] % multiple
+    if not extra:
+        return x
+    shape = list(x.shape)
+    shape[dim] = extra
+    return torch.cat([x, x.new_zeros(shape)], dim)
 
 
 def zero_point_params(x: torch.Tensor, bits: int, dims) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,12 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from outlierscope.quant.numerics.names import FORMATS, UNQUANTIZED_BITS
+from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 
 INT_BITS = tuple(range(2, 16))  # integer absmax formats; 16 means "unquantized"
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-assert FORMATS == ("int", *FP8_FORMATS)
-GRIDS = (*FORMATS, "fint")  # "fint": the full-range integer grid (module docstring)
+GRIDS = ("int", *FP8_FORMATS, "fint")  # the grids of absmax quantization ("fint": the full-range integer grid)
 
 
 def check_bits(bits: int, fmt: str = "int") -> None:

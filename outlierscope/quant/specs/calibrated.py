@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.specs.config_fields import check_field_types, check_repeat
 
-GPTQ_GRIDS = ("fint", "int", "zint")  # symmetric grids, and zint: GPTQ's integer zero points (sym=False)
 ORDERS = ("none", "desc", "gar")
 SEQUENTIAL = ("subset", "layer")  # GPT-QModel's true_sequential; llm-compressor's sequential pipeline
 
@@ -72,7 +71,6 @@ class GPTQConfig:
         return cls(**kw)
 
 
-AWQ_GRIDS = ("int", "fint", "zint")  # zint: AutoAWQ's zero point (but a group of one sign keeps 0 in its range)
 
 
 @dataclass(frozen=True)

@@ -8,14 +8,9 @@ import re
 from dataclasses import dataclass
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.numerics.formats import MX_FORMATS
+from outlierscope.quant.numerics.names import ALL_TARGETS, LINEAR_TARGETS, TARGETS  # noqa: F401 (the parts' vocabulary)
+from outlierscope.quant.numerics.registry import Format, format_named, read_format
 
-TARGETS = ("logits", "q", "k", "v", "probs")  # inside attention
-LINEAR_TARGETS = ("a", "w")  # a linear layer's input (activations) and weight
-ALL_TARGETS = TARGETS + LINEAR_TARGETS
-FLOAT_FORMATS = ("e4m3", "e5m2")
-BLOCK_FORMATS = (*MX_FORMATS, "nvfp4")
-BNB_FORMATS = ("bnb-int8", "bnb-nf4")  # bitsandbytes' own kernels: Linear8bitLt / Linear4bit, int8 rows of the logits
 GRANULARITIES = {  # target kind -> granularities it takes
     "logits": ("per_tensor", "per_head", "per_row"),
     "qkv": ("per_tensor", "per_head", "per_token", "per_row", "per_channel", "per_block", "per_group"),
@@ -72,9 +67,9 @@ def _kind(target: str) -> str:
 
 @dataclass(frozen=True)
 class TensorQuant:
-    """One tensor's quantization: ``format`` (``int``/``asym``/``fint`` with ``bits``, an FP8, a block or a
-    bitsandbytes format), ``granularity`` and its ``size`` (tokens per block, channels per group, tokens per channel
-    group)."""
+    """One tensor's quantization: a registered ``format`` (:mod:`outlierscope.quant.numerics.registry`) with its
+    ``bits`` where it takes a width, its ``granularity`` and the granularity's ``size`` (tokens per block, channels
+    per group, tokens per channel group)."""
 
     target: str
     format: str
@@ -86,43 +81,23 @@ class TensorQuant:
         if self.target not in ALL_TARGETS:
             raise OutlierscopeError(f"quantization target must be one of {', '.join(ALL_TARGETS)} (or kv), "
                                     f"got {self.target!r}")
-        if self.format == "zint" and self.target != "w":
-            raise OutlierscopeError(f"{self.target}: zint (GPTQ's integer zero point) is a weight grid; use it in w=")
-        if self.format in ("int", "asym", "fint", "zint"):
-            top = 15 if self.target == "logits" else 8  # the paper's axis runs to 16 (= unquantized)
-            if not isinstance(self.bits, int) or isinstance(self.bits, bool) or not 2 <= self.bits <= top:
-                raise OutlierscopeError(f"{self.target}: {self.format} needs bits in 2..{top}, got {self.bits!r}")
-            if self.format == "fint" and self.target in ("logits", "probs"):
-                raise OutlierscopeError(f"{self.target}: fint (the full-range grid of compressed-tensors and torchao) "
-                                        "is for a=, w=, q, k and v parts; use int here")
-        elif self.format in FLOAT_FORMATS + BLOCK_FORMATS + BNB_FORMATS:
-            if self.bits is not None:
-                raise OutlierscopeError(f"{self.target}: format {self.format} has no bits setting")
-        else:
-            raise OutlierscopeError(f"{self.target}: unknown format {self.format!r}; expected int2..int8, asym2..asym8, "
-                                    "zint2..zint8 (w=), "
-                                    "fint2..fint8 (a=, w=, q, k, v), "
-                                    f"{', '.join(FLOAT_FORMATS + BLOCK_FORMATS + BNB_FORMATS)}")
-        self._check_granularity()
+        try:
+            fmt = format_named(self.format)
+        except OutlierscopeError as e:
+            raise OutlierscopeError(f"{self.target}: {e}") from None
+        fmt.check(self.target, self.bits, self.granularity)
+        if fmt.granular:
+            self._check_granularity()
+
+    @property
+    def fmt(self) -> Format:
+        """The registered format."""
+        return format_named(self.format)
 
     def _check_granularity(self) -> None:
         g, kind = self.granularity, _kind(self.target)
-        if self.format in BLOCK_FORMATS + BNB_FORMATS:
-            if g is not None:
-                raise OutlierscopeError(f"{self.target}: {self.format} brings its own blocks; leave out the granularity")
-            allowed = {"bnb-int8": ("w", "logits"), "bnb-nf4": ("w",)}.get(self.format, ALL_TARGETS)
-            if self.target not in allowed:
-                raise OutlierscopeError(f"{self.target}: {self.format} (bitsandbytes) applies to "
-                                        f"{' and '.join(t + '=' for t in allowed)} only")
-            if self.target == "logits" and self.format in BLOCK_FORMATS:
-                raise OutlierscopeError("logits: block formats apply to the matmul inputs (q, k, probs, v), not to logits")
-            return
-        if self.target == "logits" and self.format == "asym":
-            raise OutlierscopeError("logits: symmetric formats only (int or FP8), as the paper's absmax")
         if g not in GRANULARITIES[kind]:
             raise OutlierscopeError(f"{self.target}: granularity must be one of {', '.join(GRANULARITIES[kind])}, got {g!r}")
-        if g == "static" and self.format not in FLOAT_FORMATS + ("int", "fint"):
-            raise OutlierscopeError(f"{self.target}: static scales need a symmetric format (int or FP8)")
         if self.target == "w" and g == "per_channel" and self.size is not None:
             raise OutlierscopeError("w: per_channel is one scale per output row; it takes no size")
         if SIZED.get(g) and (not isinstance(self.size, int) or self.size < 1):
@@ -131,23 +106,13 @@ class TensorQuant:
             raise OutlierscopeError(f"{self.target}: {g} takes no size, got {self.size!r}")
 
     @property
-    def grid(self) -> tuple[int, str]:
-        """(bits, format) of a symmetric grid as :mod:`outlierscope.quant.numerics.primitives` names it: ``int`` with its bits,
-        FP8 formats (and bitsandbytes' int8 rows) at 8."""
-        if self.format in ("int", "fint"):
-            return self.bits, self.format
-        return 8, "int" if self.format == "bnb-int8" else self.format
-
-    @property
     def format_text(self) -> str:
-        return f"{self.format}{self.bits}" if self.bits is not None else self.format
+        return self.fmt.text(self.bits)
 
     @property
     def nominal_bits(self) -> int:
-        """Bits per element: int/asym/fint/zint their own, FP8, MXINT8 and bitsandbytes int8 8, MXFP6 6, MXFP4, NVFP4, NF4 4."""
-        if self.bits is not None:
-            return self.bits
-        return {"mxfp6_e3m2": 6, "mxfp6_e2m3": 6, "mxfp4": 4, "ct-mxfp4": 4, "nvfp4": 4, "bnb-nf4": 4}.get(self.format, 8)
+        """Bits per element (the format's own width, or its fixed one: FP8 8, MXFP6 6, MXFP4, NVFP4, NF4 4)."""
+        return self.fmt.nominal_bits(self.bits)
 
     def __str__(self) -> str:
         g = "" if self.granularity is None else f"/{self.granularity}" + (f":{self.size}" if self.size else "")
@@ -158,13 +123,16 @@ _PART = re.compile(r"^(?P<targets>[a-z,+]+)=(?P<fmt>[a-z0-9_-]+)(?:/(?P<gran>[a-
 
 
 def parse_part(text: str) -> list[TensorQuant]:
+    """The parts of one ``TARGETS=FORMAT[/GRANULARITY[:N]]`` item (``kv`` is ``k`` and ``v``).
+
+    text: the item."""
     m = _PART.match(text)
     if not m:
         raise OutlierscopeError(f"cannot read {text!r}: expected TARGETS=FORMAT[/GRANULARITY[:N]], e.g. k=int4/per_group:32")
-    fmt, bits = m["fmt"], None
-    num = re.fullmatch(r"(int|asym|fint|zint)(\d+)", fmt)
-    if num:
-        fmt, bits = num[1], int(num[2])
     targets = [t for name in re.split("[,+]", m["targets"]) for t in (("k", "v") if name == "kv" else (name,))]
+    try:
+        fmt, bits = read_format(m["fmt"])
+    except OutlierscopeError as e:
+        raise OutlierscopeError(f"{targets[0]}: {e}") from None
     size = int(m["size"]) if m["size"] else None
-    return [TensorQuant(t, fmt, bits, m["gran"], size) for t in targets]
+    return [TensorQuant(t, fmt.name, bits, m["gran"], size) for t in targets]

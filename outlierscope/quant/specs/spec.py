@@ -60,13 +60,11 @@ import re
 from dataclasses import dataclass, field
 
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.quant.numerics.names import BACKENDS, FORMATS, UNQUANTIZED_BITS
+from outlierscope.quant.numerics.names import BACKENDS, UNQUANTIZED_BITS
+from outlierscope.quant.numerics.registry import FORMATS, Kernel, format_named, logits_formats
 from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
 from outlierscope.quant.specs.parts import (  # noqa: F401 (re-exported: the spec's vocabulary)
     ALL_TARGETS,
-    BLOCK_FORMATS,
-    BNB_FORMATS,
-    FLOAT_FORMATS,
     GRANULARITIES,
     KERNEL_FORMAT,
     LINEAR_TARGETS,
@@ -83,8 +81,8 @@ from outlierscope.quant.specs.validate import check_fields
 def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
     """The logits part of the paper's keyword form (``QuantSpec(bits=4, granularity="per_head")``); None at 16 bits."""
     fmt, gran, backend = format or "int", granularity or "per_tensor", backend or "torch"
-    if fmt not in FORMATS:  # a typo is an error at 16 bits too, where these settings do not apply
-        raise ParamError("format", f"one of {', '.join(FORMATS)}", fmt)
+    if fmt not in logits_formats():  # a typo is an error at 16 bits too, where these settings do not apply
+        raise ParamError("format", f"one of {', '.join(logits_formats())}", fmt)
     if gran not in GRANULARITIES["logits"]:
         raise ParamError("granularity", f"one of {', '.join(GRANULARITIES['logits'])}", gran)
     if backend not in BACKENDS:
@@ -94,16 +92,20 @@ def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
     if bits == UNQUANTIZED_BITS:
         return None
     if backend == "bitsandbytes":
-        if (fmt, bits, gran) != ("int", 8, "per_row"):
-            raise ParamError("backend", "'torch' unless format int, bits 8, granularity per_row (bitsandbytes' int8 "
-                             f"rows), with {fmt}, {bits}, {gran}", backend)
-        return TensorQuant("logits", "bnb-int8")
-    if fmt in FLOAT_FORMATS:
+        rows = format_named(BNB_LOGITS)  # bitsandbytes' int8 rows
+        if (fmt, bits, gran) != (rows.grid, rows.nominal, "per_row"):
+            raise ParamError("backend", f"'torch' unless format {rows.grid}, bits {rows.nominal}, granularity per_row "
+                             f"(bitsandbytes' int8 rows), with {fmt}, {bits}, {gran}", backend)
+        return TensorQuant("logits", rows.name)
+    if format_named(fmt).bits is None:
         if bits != 8:
             raise ParamError("bits", f"8 (or {UNQUANTIZED_BITS} = unquantized) for format {fmt}", bits)
         return TensorQuant("logits", fmt, None, gran)
     return TensorQuant("logits", fmt, bits, gran)
 
+
+BNB_PREFIX = "bnb-"  # bitsandbytes' weights formats: the prefix of a weights mode (int8, nf4)
+BNB_LOGITS = "bnb-int8"  # the format of the keyword form's backend="bitsandbytes"
 
 _FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib", "gptq",
           "awq")
@@ -174,19 +176,20 @@ class QuantSpec:
     def weights_mode(self) -> str:
         """bitsandbytes' weights: ``int8`` (``w=bnb-int8``), ``nf4`` (``w=bnb-nf4``) or ``none``."""
         w = self.part("w")
-        return w.format.removeprefix("bnb-") if w is not None and w.format in BNB_FORMATS else "none"
+        return w.format.removeprefix(BNB_PREFIX) if w is not None and isinstance(w.fmt, Kernel) else "none"
 
     def with_weights(self, mode: str) -> QuantSpec:
         """This spec with bitsandbytes' ``mode`` weights (``int8``, ``nf4``; ``none``: unchanged)."""
         if mode == "none":
             return self
-        if f"bnb-{mode}" not in BNB_FORMATS:
+        fmt = FORMATS.get(BNB_PREFIX + str(mode))
+        if not isinstance(fmt, Kernel) or "w" not in fmt.targets:
             raise ParamError("mode", "one of none, int8, nf4 (bitsandbytes' weights)", mode)
-        return dataclasses.replace(self, parts=(*self.parts, TensorQuant("w", f"bnb-{mode}")))
+        return dataclasses.replace(self, parts=(*self.parts, TensorQuant("w", fmt.name)))
 
     def without_weights(self) -> QuantSpec:
         """This spec without its bitsandbytes weights part (what runs through our emulation)."""
-        keep = tuple(p for p in self.parts if p.format not in BNB_FORMATS or p.target != "w")
+        keep = tuple(p for p in self.parts if not isinstance(p.fmt, Kernel) or p.target != "w")
         return self if keep == self.parts else dataclasses.replace(self, parts=keep)
 
     @property
@@ -217,7 +220,7 @@ class QuantSpec:
     @property
     def bits(self) -> int:
         if self.is_logits_only:
-            return self.parts[0].grid[0] if self.parts else UNQUANTIZED_BITS
+            return self.parts[0].nominal_bits if self.parts else UNQUANTIZED_BITS
         return min((p.nominal_bits for p in self.parts), default=UNQUANTIZED_BITS)
 
     @property
@@ -240,9 +243,7 @@ class QuantSpec:
         if not self.parts:
             return f"{UNQUANTIZED_BITS} (unquantized)"
         p = self.parts[0]
-        base = f"{p.bits}-bit int" if p.format == "int" else "fp8 " + p.format if p.format in FLOAT_FORMATS else \
-            "8-bit bnb-int8"
-        return f"{base} {self.granularity}" + (f" layers {','.join(map(str, self.layers))}" if self.layers else "")
+        return f"{p.fmt.words(p.bits)} {self.granularity}" + (f" layers {','.join(map(str, self.layers))}" if self.layers else "")
 
     @property
     def label(self) -> str:

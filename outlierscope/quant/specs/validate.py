@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 
 from outlierscope.errors import OutlierscopeError, ParamError
-from outlierscope.quant.specs.calibrated import AWQ_GRIDS, GPTQ_GRIDS, AWQConfig, GPTQConfig
+from outlierscope.quant.numerics.registry import integer_formats
+from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
 from outlierscope.quant.specs.parts import ALL_TARGETS, MAX_LAYERS, TensorQuant
 
 
@@ -71,58 +73,56 @@ def check_fields(spec) -> None:
             raise ParamError("layers", f"layer indices below {MAX_LAYERS} (a model's layers)", max(spec.layers))
     _check_linear(spec)
     _check_bnb(spec)
-    _check_gptq(spec)
-    _check_awq(spec)
+    _check_weight_algorithms(spec)
 
 
-def _check_gptq(spec) -> None:
-    """GPTQ rounds a ``w=`` part on an integer grid (fint, int, zint), per channel or in groups, of the decoder layers'
-    linears, alone among the weight transforms (not built with smoothing, rotations or LLM.int8)."""
-    if spec.gptq is None:
-        return
-    w = spec.part("w")
-    if w is None or w.format not in GPTQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
-        raise OutlierscopeError(f"gptq rounds a w= part of {'/'.join(GPTQ_GRIDS)} bits per_channel or per_group "
-                                f"(e.g. w=fint4/per_group:128; gptq), got {w or 'no w= part'}")
-    other = [k for k in ("smooth", "rotate", "outliers", "bnb_outliers") if getattr(spec, k) is not None]
-    if other:
-        raise OutlierscopeError(f"gptq with {other[0]}: GPTQ on transformed weights is not built; drop one of the "
-                                "two")
-    a = spec.part("a")
-    if a is not None and a.granularity == "static":
-        raise OutlierscopeError("gptq with a=.../static: one calibration text would serve two passes; use a "
-                                "dynamic activation granularity with gptq")
-    if "lm_head" in (spec.linears or ()):
-        raise OutlierscopeError("gptq quantizes the decoder layers' linears, layer after layer; leave lm_head out "
-                                "of linears:")
-    if spec.gptq.order == "gar" and w.granularity != "per_group":
-        raise OutlierscopeError("gptq:order=gar reorders whole groups; give w=.../per_group:G or another order")
-    if (spec.calib or "").endswith(".pt"):
-        raise OutlierscopeError(f"calib:{spec.calib}: gptq calibrates on text (its Hessians), not on act_scales")
+@dataclass(frozen=True)
+class _WeightAlgorithm:
+    """What the checks say of one weight algorithm a spec names (``gptq``, ``awq``)."""
+
+    key: str  # the spec's field and text key
+    does: str  # what it does to a w= part
+    example: str  # a spec that runs it
+    alone: tuple[str, ...]  # the transforms it is not built with
+    why_alone: str  # said when one of them is given too
+    reads: str  # what it calibrates on
 
 
-def _check_awq(spec) -> None:
-    """AWQ scales and clips a ``w=`` part on an integer grid (int, fint, zint), per channel or in groups, of the
-    decoder layers' linears, alone among the weight transforms."""
-    if spec.awq is None:
-        return
-    w = spec.part("w")
-    if w is None or w.format not in AWQ_GRIDS or w.granularity not in ("per_channel", "per_group"):
-        raise OutlierscopeError(f"awq scales and clips a w= part of {'/'.join(AWQ_GRIDS)} bits per_channel or "
-                                f"per_group (e.g. w=int4/per_group:128; awq), got {w or 'no w= part'}")
-    other = [k for k in ("gptq", "smooth", "rotate", "outliers", "bnb_outliers") if getattr(spec, k) is not None]
-    if other:
-        raise OutlierscopeError(f"awq with {other[0]}: AWQ with another weight or input transform is not built; "
-                                "drop one of the two")
-    a = spec.part("a")
-    if a is not None and a.granularity == "static":
-        raise OutlierscopeError("awq with a=.../static: one calibration text would serve two passes; use a "
-                                "dynamic activation granularity with awq")
-    if "lm_head" in (spec.linears or ()):
-        raise OutlierscopeError("awq scales the decoder layers' linears, layer after layer; leave lm_head out of "
-                                "linears:")
-    if (spec.calib or "").endswith(".pt"):
-        raise OutlierscopeError(f"calib:{spec.calib}: awq calibrates on text (its activations), not on act_scales")
+_WEIGHT_ALGORITHMS = (
+    _WeightAlgorithm("gptq", "rounds", "w=fint4/per_group:128; gptq", ("smooth", "rotate", "outliers", "bnb_outliers"),
+                     "GPTQ on transformed weights is not built", "its Hessians"),
+    _WeightAlgorithm("awq", "scales and clips", "w=int4/per_group:128; awq",
+                     ("gptq", "smooth", "rotate", "outliers", "bnb_outliers"),
+                     "AWQ with another weight or input transform is not built", "its activations"),
+)
+
+
+def _check_weight_algorithms(spec) -> None:
+    """GPTQ and AWQ each calibrate a ``w=`` part on an integer grid, per channel or in groups, of the decoder layers'
+    linears, layer after layer, on text, alone among the weight transforms."""
+    for alg in _WEIGHT_ALGORITHMS:
+        cfg = getattr(spec, alg.key)
+        if cfg is None:
+            continue
+        w = spec.part("w")
+        if w is None or not w.fmt.integer or w.granularity not in ("per_channel", "per_group"):
+            raise OutlierscopeError(f"{alg.key} {alg.does} a w= part of {'/'.join(integer_formats())} bits per_channel "
+                                    f"or per_group (e.g. {alg.example}), got {w or 'no w= part'}")
+        other = [k for k in alg.alone if getattr(spec, k) is not None]
+        if other:
+            raise OutlierscopeError(f"{alg.key} with {other[0]}: {alg.why_alone}; drop one of the two")
+        a = spec.part("a")
+        if a is not None and a.granularity == "static":
+            raise OutlierscopeError(f"{alg.key} with a=.../static: one calibration text would serve two passes; use a "
+                                    f"dynamic activation granularity with {alg.key}")
+        if "lm_head" in (spec.linears or ()):
+            raise OutlierscopeError(f"{alg.key} calibrates the decoder layers' linears, layer after layer; leave "
+                                    "lm_head out of linears:")
+        if getattr(cfg, "order", None) == "gar" and w.granularity != "per_group":
+            raise OutlierscopeError("gptq:order=gar reorders whole groups; give w=.../per_group:G or another order")
+        if (spec.calib or "").endswith(".pt"):
+            raise OutlierscopeError(f"calib:{spec.calib}: {alg.key} calibrates on text ({alg.reads}), not on "
+                                    "act_scales")
 
 
 def _check_linear(spec) -> None:

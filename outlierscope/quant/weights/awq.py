@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.specs.calibrated import AWQ_GRIDS, AWQConfig  # noqa: F401 (re-exported)
+from outlierscope.quant.specs.calibrated import AWQConfig  # noqa: F401 (re-exported)
 
 CLIP_EPS_W, SCALE_EPS = 1e-6, 1e-4  # AutoAWQ's: the weight normalisation and the scale floor
 

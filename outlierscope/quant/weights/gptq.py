@@ -32,9 +32,8 @@ from dataclasses import dataclass
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.numerics.formats import zero_point_params, zero_point_quant
-from outlierscope.quant.numerics.primitives import absmax_scale, fake_quant, qmax
-from outlierscope.quant.specs.calibrated import GPTQ_GRIDS, ORDERS, SEQUENTIAL, GPTQConfig  # noqa: F401 (re-exported)
+from outlierscope.quant.numerics.registry import FORMATS, integer_formats
+from outlierscope.quant.specs.calibrated import ORDERS, SEQUENTIAL, GPTQConfig  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -61,21 +60,6 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
     n += B
     inp = (2 / n) ** 0.5 * x.reshape(-1, n_in).t().to(dt)  # (I, B*T)
     return h + inp.matmul(inp.t()), n
-
-
-def _scale(w: torch.Tensor, bits: int, fmt: str) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Each row's (scale, zero point) of ``w`` (O, k) on the grid: (O, 1) each (symmetric grids: zero None); a row of
-    zeros takes absmax 1 (GPT-QModel's rule: its later, updated values still land on a grid)."""
-    if fmt == "zint":
-        return zero_point_params(w, bits, (1,))
-    s = absmax_scale(w, bits, (1,), fmt=fmt)
-    return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, fmt)), None
-
-
-def _round(x: torch.Tensor, params: tuple, bits: int, fmt: str) -> torch.Tensor:
-    """``x`` (O, k) onto the grid of ``params`` (:func:`_scale`'s, broadcastable)."""
-    scale, zero = params
-    return zero_point_quant(x, scale, zero, bits) if fmt == "zint" else fake_quant(x, scale, bits, fmt)
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
@@ -113,8 +97,9 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     """GPTQ of a weight ``w`` (O, I) with the Hessian ``h`` (I, I) of its inputs (module docstring); ``group``: input
     columns per scale (None: one scale per output row); ``order``: :func:`column_order`'s. Neither input is
     changed."""
-    if fmt not in GPTQ_GRIDS:
-        raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(GPTQ_GRIDS)}, got {fmt!r}")
+    grid = FORMATS.get(fmt)
+    if grid is None or not grid.integer or grid.bits is None:
+        raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(integer_formats())}, got {fmt!r}")
     if order not in ORDERS or (order == "gar" and group is None):
         raise OutlierscopeError(f"GPTQ order must be one of {', '.join(ORDERS)} (gar: with groups), got {order!r}")
     n_out, n_in = w.shape
@@ -124,7 +109,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
         raise OutlierscopeError(f"{n_in} input columns are not a multiple of the group size {group}")
     dt = torch.float64 if w.dtype == torch.float64 else torch.float32  # float32 as the references; float64 for tests
     W, H = w.to(dt).clone(), h.to(dt).clone()
-    row_scale = _scale(W, bits, fmt)  # per-channel: the weight as given (GPT-QModel's first find_params)
+    row_scale = grid.scale_params(W, bits, (1,))  # per-channel: the weight as given (GPT-QModel's first find_params)
     dead = H.diagonal() == 0
     H[dead, dead] = 1
     W[:, dead] = 0
@@ -132,19 +117,20 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     static = None  # static groups: every group's (scale, zero) from the original column order, before any update
     if group is not None and static_groups:
         static = tuple(None if t is None else t.reshape(n_out, n_in // G)  # (O * I/G, 1) -> (O, I/G)
-                       for t in _scale(W.reshape(n_out * (n_in // G), G), bits, fmt))
+                       for t in grid.scale_params(W.reshape(n_out * (n_in // G), G), bits, (1,)))
     perm = column_order(H.diagonal(), order, group)
     if perm is not None:
         W, H = W[:, perm], H[perm][:, perm]
     U = inverse_hessian_factor(H, damp)
-    Q, taken = _columns(W, U, bits, fmt, group, block_size, static, perm, row_scale)
+    Q, taken = _columns(W, U, bits, grid, group, block_size, static, perm, row_scale)
     g_idx = torch.arange(n_in, device=w.device) // G  # (I,): in processing order
     if static is not None:
         scale, zero = static
     elif group is None:
         scale, zero = row_scale
     else:  # (O, groups) each
-        scale, zero = torch.cat([p[0] for p in taken], 1), (torch.cat([p[1] for p in taken], 1) if fmt == "zint" else None)
+        scale = torch.cat([p[0] for p in taken], 1)
+        zero = None if taken[0][1] is None else torch.cat([p[1] for p in taken], 1)
     if perm is not None:
         inv = torch.argsort(perm)
         Q = Q[:, inv]
@@ -156,7 +142,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
     return GPTQResult(Q, scale, g_idx, perm, zero)
 
 
-def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int | None, block_size: int,
+def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, grid, group: int | None, block_size: int,
              static: tuple | None, perm: torch.Tensor | None, row_scale: tuple) -> tuple[torch.Tensor, list[tuple]]:
     """The column loop (module docstring) on ``W`` (O, I, processing order; updated in place: the caller's copy).
     Returns the rounded weight and, for dynamic groups, each group's (scale, zero) (O, 1) in processing order."""
@@ -168,12 +154,12 @@ def _columns(W: torch.Tensor, U: torch.Tensor, bits: int, fmt: str, group: int |
         for i in range(i2 - i1):
             j = i1 + i
             if group is not None and static is None and j % group == 0:
-                scale = _scale(W[:, j:j + group], bits, fmt)  # W: before this block's own updates (GPT-QModel)
+                scale = grid.scale_params(W[:, j:j + group], bits, (1,))  # W: before this block's own updates (GPT-QModel)
                 scales.append(scale)
             elif static is not None:
                 col = (int(perm[j]) if perm is not None else j) // group
                 scale = tuple(None if t is None else t[:, col, None] for t in static)  # (O, 1) each
-            q = _round(W1[:, i:i + 1], scale, bits, fmt)[:, 0]  # (O,)
+            q = grid.round(W1[:, i:i + 1], scale, bits)[:, 0]  # (O,)
             Q[:, j] = q
             e = (W1[:, i] - q) / U1[i, i]
             W1[:, i:] -= e.unsqueeze(1).matmul(U1[i, i:].unsqueeze(0))  # (O, 1) x (1, rest)
