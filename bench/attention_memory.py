@@ -66,7 +66,7 @@ def _mode_context(model, mode: str, rows: int, tokens: int):
     if mode == "eager":
         return contextlib.nullcontext
     if mode.startswith("quant8"):
-        return lambda: quantize_model(model, QuantSpec(bits=8, granularity="per_tensor"), block_rows=block)
+        return lambda: quantize_model(model, QuantSpec.logits(bits=8, granularity="per_tensor"), block_rows=block)
     return lambda: attention_stages(model, lambda c, x: x, block_rows=block)
 
 

@@ -33,9 +33,9 @@ def main() -> None:
     valid = torch.ones(256, 256, dtype=torch.bool).tril()[None, None]
     raw["copy_s"] = repeat(lambda: x.clone(), 5)
     for gran in ("per_tensor", "per_head", "per_row"):
-        spec = logits_quant(QuantSpec(bits=8, granularity=gran))
+        spec = logits_quant(QuantSpec.logits(bits=8, granularity=gran))
         raw[f"fake_quant_{gran}_s"] = repeat(lambda spec=spec: spec(x, valid), 5)
-    spec = logits_quant(QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes"))
+    spec = logits_quant(QuantSpec.logits(bits=8, granularity="per_row", backend="bitsandbytes"))
     raw["bitsandbytes_per_row_s"] = repeat(lambda: spec(x, valid), 5)
 
     lm = load_model(a.model)
@@ -46,9 +46,9 @@ def main() -> None:
             lm.model.set_attn_implementation(impl)
             raw[f"forward_{impl}_s"] = repeat(run, 5)
         lm.model.set_attn_implementation("eager")
-        with quantize_model(lm.model, QuantSpec(bits=16)):
+        with quantize_model(lm.model, QuantSpec.logits(bits=16)):
             raw["forward_ours_unquantized_s"] = repeat(run, 5)
-        with quantize_model(lm.model, QuantSpec(bits=8)):
+        with quantize_model(lm.model, QuantSpec.logits(bits=8)):
             raw["forward_quant8_per_tensor_s"] = repeat(run, 5)
     gb = x.numel() * 4 / 1e9
     derived = {k.removesuffix("_s") + "_GBps": round(gb / median(raw[k]), 2)

@@ -8,7 +8,7 @@ One import line for notebooks::
         quantize_model, profile_model, evaluate, sweep, load_run
 
 ``QuantSpec`` is the one spec of everything quantized (the paper's logits, attention kernels, linear layers,
-bitsandbytes weights): ``QuantSpec(bits=4)``, ``QuantSpec.parse("sage2-int4")``, ``QuantSpec.parse("w8a8; kivi-4bit")``,
+bitsandbytes weights): ``QuantSpec.logits(bits=4)``, ``QuantSpec.parse("sage2-int4")``, ``QuantSpec.parse("w8a8; kivi-4bit")``,
 ``QuantSpec.parse("w=bnb-nf4")``. The names before it (``AttnQuant``, ``quantize_attention``, ``quantize_weights``)
 still resolve for one release, with a DeprecationWarning.
 

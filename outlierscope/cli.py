@@ -61,8 +61,10 @@ def _cmd_tasks(a) -> None:
 
 
 def _cmd_recipes(a) -> None:
+    from outlierscope.quant.numerics.registry import FORMATS, spelling
     from outlierscope.quant.specs.recipes import RECIPES
     from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.specs.transforms import TRANSFORMS, summary
 
     if a.spec is not None:  # check a spec or recipe and print its canonical text (an empty one is an error)
         spec = QuantSpec.parse(a.spec)
@@ -70,6 +72,12 @@ def _cmd_recipes(a) -> None:
         return
     for r in RECIPES.values():
         print(f"{r.name}\n  spec:         {QuantSpec.parse(r.name)}\n  follows:      {r.source}\n  not modelled: {r.not_modelled}")
+    print("\nformats (TARGETS=FORMAT[/GRANULARITY[:N]]):")
+    for f in FORMATS.values():
+        print(f"  {spelling(f):<16} {f.summary}; on {', '.join(f.targets)}")
+    print("\ntransforms (KEY or KEY:ARG):")
+    for key, t in TRANSFORMS.items():
+        print(f"  {key:<16} {summary(t)}")
 
 
 def _cmd_models_fetch(a) -> None:

@@ -71,7 +71,7 @@ def test_our_attention_in_bf16_is_as_close_to_float32_as_hf(arch):
 @pytest.mark.parametrize("granularity", ["per_tensor", "per_head", "per_row"])
 def test_quantized_logits_equal_cpu_reference(granularity):
     """Observed after the quantizer: on CUDA within one quantization code of the CPU's, nearly always equal."""
-    spec = QuantSpec(bits=4, granularity=granularity)
+    spec = QuantSpec.logits(bits=4, granularity=granularity)
     out = {}
     for dev in ("cpu", "cuda"):
         model = make("llama").to(dev)
@@ -92,7 +92,7 @@ def test_quantized_logits_equal_cpu_reference(granularity):
 def test_blocked_equals_unblocked_on_cuda(granularity):
     model = make("diffllama").to("cuda")
     ids, mask = _batch("cuda")
-    spec = QuantSpec(bits=6, granularity=granularity)
+    spec = QuantSpec.logits(bits=6, granularity=granularity)
     with torch.no_grad():
         with quantize_model(model, spec):
             ref = model(input_ids=ids, attention_mask=mask).logits
@@ -122,8 +122,8 @@ def test_bitsandbytes_float16_path():
     pytest.importorskip("bitsandbytes")
     x = torch.randn(2, 3, 8, 16, device="cuda") * 20
     valid = torch.ones(8, 16, dtype=torch.bool, device="cuda").tril()[None, None]
-    bnb = logits_quant(QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes"))(x, valid)
-    ref = logits_quant(QuantSpec(bits=8, granularity="per_row"))(x, valid)
+    bnb = logits_quant(QuantSpec.logits(bits=8, granularity="per_row", backend="bitsandbytes"))(x, valid)
+    ref = logits_quant(QuantSpec.logits(bits=8, granularity="per_row"))(x, valid)
     step = x.abs().amax(-1, keepdim=True) / 127
     assert ((bnb - ref).abs() <= step * 1.01).all()
 
@@ -146,7 +146,7 @@ def test_device_map_split_between_gpu_and_cpu(tmp_path):
     split = load_model(str(tmp_path), dtype="float32", device_map=dmap)
     whole = load_model(str(tmp_path), dtype="float32", device="cpu")
     ids, mask = _batch("cpu")
-    spec = QuantSpec(bits=4, granularity="per_head")
+    spec = QuantSpec.logits(bits=4, granularity="per_head")
     res = {}
     for name, lm in (("split", split), ("whole", whole)):
         st = OutlierStats.for_model(lm.model, T)

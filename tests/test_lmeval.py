@@ -65,7 +65,7 @@ def test_quantized_equals_our_scorer(task_dir, granularity):
 
     n = 12
     tasks = write_task_yamls(task_dir, ["hellaswag"])
-    res = evaluate(load_model(PAIR_DIFF, device="cpu", dtype="float64"), quant=QuantSpec(bits=4, granularity=granularity),
+    res = evaluate(load_model(PAIR_DIFF, device="cpu", dtype="float64"), quant=QuantSpec.logits(bits=4, granularity=granularity),
                    limit=n, batch_size=8, progress=False)
     mine = res.items[res.score_columns].to_numpy()
     for bs in (1, 5) if granularity == "per_tensor" else (5,):
@@ -317,7 +317,7 @@ def test_loglikelihood_rolling_equals_a_naive_forward(bits):
     (got,) = lm.loglikelihood_rolling([Instance("loglikelihood_rolling", {}, (text,), 0)])
     toks = lm.tokenizer(text).input_ids
     ids = torch.tensor([[lm.tokenizer.eos_token_id, *toks]])  # (1, T + 1)
-    with torch.no_grad(), quantize_model(lm.model, QuantSpec(bits=bits)):
+    with torch.no_grad(), quantize_model(lm.model, QuantSpec.logits(bits=bits)):
         lp = torch.log_softmax(lm.model(input_ids=ids).logits[0, :-1].double(), -1)  # (T, V)
     want = float(lp[torch.arange(len(toks)), torch.tensor(toks)].sum())
     assert got == pytest.approx(want, abs=1e-3)

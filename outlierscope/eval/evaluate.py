@@ -2,7 +2,7 @@
 
     from outlierscope import evaluate, load_model, QuantSpec
     lm = load_model("pair-tiny:diff")
-    res = evaluate(lm, quant=QuantSpec(bits=4), limit=200)
+    res = evaluate(lm, quant=QuantSpec.logits(bits=4), limit=200)
     res.metrics["acc_norm"], res.items.head()      # per-item scores, predictions, token counts
     res.save("runs/diff-4bit")                       # items.csv + eval.json (settings, timing)
 
@@ -60,7 +60,7 @@ def layout_for(spec: QuantSpec) -> str:
     if core.is_identity:
         return "shared"
     if core.is_logits_only:
-        return "shared" if core.granularity == "per_row" else "separate"
+        return "shared" if core.columns.granularity == "per_row" else "separate"
     from outlierscope.quant.linears.sites import token_local
 
     return "shared" if not core.has_attention and token_local(core) else "separate"
@@ -367,8 +367,8 @@ def checked_layout(spec: QuantSpec, layout: str | None) -> str:
 
 def result_settings(model, spec: QuantSpec, layout: str, items, opt: EvalOptions, task: str) -> dict:
     """What an evaluation's scores depend on, as its result records them."""
-    return {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.format,
-            "granularity": None if spec.is_identity else spec.granularity,
+    return {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.columns.format,
+            "granularity": None if spec.is_identity else spec.columns.granularity,
             "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
             "items_sha256": items_digest(items), "batch_size": opt.batch_size, "dtype": model_dtype(model),
             "device": model_device(model), "attn_block": opt.block_rows, "task": task}

@@ -22,7 +22,6 @@ continuation, which no tokenizer we know produces in text.)
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import hashlib
 import warnings
 
@@ -57,7 +56,7 @@ def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> Q
         raise OutlierscopeError(f"{' and '.join(given)} describe the logits' axis (bits), not quant={quant}: a spec "
                                 "says its own format and granularity (e.g. quant=k=int4/per_token); leave them out")
     spec = QuantSpec.parse(str(quant))
-    return spec if layers is None else dataclasses.replace(spec, layers=_layers(layers))
+    return spec if layers is None else spec.with_layers(_layers(layers))
 
 
 def _layers(layers) -> tuple[int, ...] | None:

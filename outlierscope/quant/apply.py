@@ -15,11 +15,12 @@ from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, attention_stages
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.attention.logits import LogitsQuant, logits_quant
-from outlierscope.quant.attention.ops import hadamard, quantize_probs, quantize_tokens, smooth_k, smooth_q
+from outlierscope.quant.attention.ops import quantize_probs, quantize_tokens, smooth_q
 from outlierscope.quant.bnb import bnb_weights, quantize_weights  # noqa: F401 (quantize_weights: deprecated alias)
 from outlierscope.quant.linears.schemes import quantize_linears
 from outlierscope.quant.linears.sites import Calibration
 from outlierscope.quant.specs.spec import TARGETS, QuantSpec
+from outlierscope.quant.specs.transforms import Hadamard, SmoothQ
 from outlierscope.quant.weights.calibration import check_linear_shapes
 
 
@@ -52,7 +53,7 @@ def check_spec(spec: QuantSpec | str, config) -> None:
     for p in spec.parts:
         if p.target in TARGETS and p.granularity == "per_group" and d % p.size:  # a/w groups: check_linear_shapes
             raise OutlierscopeError(f"{p}: the model's head_dim {d} is not a multiple of the group size {p.size}")
-    if spec.hadamard is not None and d & (d - 1):
+    if spec.get(Hadamard) is not None and d & (d - 1):
         raise OutlierscopeError(f"hadamard needs a power-of-2 head_dim; the model's is {d}")
 
 
@@ -68,18 +69,17 @@ def _qkv_transform(spec: QuantSpec):
     """The stage's ``qkv``: Hadamard rotation, K smoothing, Q smoothing (with its full-precision correction), then
     q, k, v quantized per their parts; layers outside ``spec.layers`` pass through."""
     parts = {t: spec.part(t) for t in ("q", "k", "v")}
+    exact = sorted((t for t in spec.transforms if t.attention and not isinstance(t, SmoothQ)), key=lambda t: t.qk_rank)
+    sq = spec.get(SmoothQ)
 
     def transform(ctx: QKVContext, q, k, v) -> QKV:
         if not spec.applies_to(ctx.layer):
             return QKV(q, k, v)
-        if spec.hadamard is not None:
-            rot = hadamard(q.shape[-1], spec.hadamard, q.dtype, q.device)  # (d, d)
-            q, k = q @ rot, k @ rot  # q k^T unchanged: rot is orthonormal
-        if spec.smooth_k:
-            k = smooth_k(k, ctx.k_valid)
+        for t in exact:  # q k^T unchanged: a rotation, K smoothing, a registered transform
+            q, k = t.qk(q, k, ctx.q_valid, ctx.k_valid)
         q_mean = None
-        if spec.smooth_q is not None:
-            q, q_mean = smooth_q(q, ctx.q_valid, spec.smooth_q)
+        if sq is not None:
+            q, q_mean = smooth_q(q, ctx.q_valid, sq.rows)
         k_exact = k
         q = quantize_tokens(q, ctx.q_valid, parts["q"]) if parts["q"] else q
         k = quantize_tokens(k, ctx.k_valid, parts["k"]) if parts["k"] else k
@@ -95,8 +95,7 @@ def attention_stage(spec: QuantSpec) -> Stage:
     this stage), P quantization."""
     lq = logits_quant(spec)
     p = spec.part("probs")
-    qkv_needed = any(spec.part(t) for t in ("q", "k", "v")) or spec.smooth_k or spec.smooth_q is not None \
-        or spec.hadamard is not None
+    qkv_needed = any(spec.part(t) for t in ("q", "k", "v")) or any(t.attention for t in spec.transforms)
 
     def logits(ctx: LogitContext, x):
         return lq(x, ctx.valid, ctx.reduced(stage)) if lq is not None and lq.applies_to(ctx.layer) else x

@@ -37,10 +37,13 @@ from torch import nn
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.points import decoder_layers
 from outlierscope.quant.numerics.registry import Block, format_of_ct_args
+from outlierscope.quant.specs.calibrated import GPTQConfig
 from outlierscope.quant.specs.spec import TARGETS, QuantSpec, TensorQuant
+from outlierscope.quant.specs.transforms import Calib, Layers, Linears, Rotate, Smooth
 
 TARGET_CLASS = "Linear"  # compressed-tensors matches a target without "re:" against the module's class name
 GPTQ_ACTORDER = {"none": None, "desc": "weight"}  # gptq:order -> GPTQModifier's actorder (with static group scales)
+WRITTEN = (Smooth, GPTQConfig, Calib, Linears, Layers)  # the transforms a recipe or an ignore list states
 STRATEGY = {"per_channel": "channel", "per_group": "group", "per_tensor": "tensor", "per_token": "token",
             "static": "tensor", "per_head": "attn_head"}
 
@@ -77,8 +80,7 @@ def kv_cache_args(spec: QuantSpec) -> dict | None:
         return None
     k, v = spec.part("k"), spec.part("v")
     others = [str(p) for p in spec.parts if p.target in TARGETS and p.target not in ("k", "v")]
-    others += [n for n, on in (("smooth_k", spec.smooth_k), ("smooth_q", spec.smooth_q is not None),
-                               ("hadamard", spec.hadamard is not None)) if on]
+    others += [t.key for t in spec.transforms if t.attention]
     same = k is not None and v is not None and dataclasses.replace(k, target="v") == v
     if others or not same or not k.fmt.ct_kv or k.nominal_bits != 8 \
             or k.granularity not in ("per_tensor", "per_head"):
@@ -92,7 +94,7 @@ def kv_cache_args(spec: QuantSpec) -> dict | None:
 
 def check_exportable(spec: QuantSpec) -> None:
     """Refuse what compressed-tensors and llm-compressor's quantization cannot state, before any model is read."""
-    if spec.rotate is not None:
+    if spec.get(Rotate) is not None:
         raise OutlierscopeError(f"{spec}: rotate:SEED has no compressed-tensors form that reproduces it (llm-compressor's "
                                 "QuIP/SpinQuant modifiers rotate differently); export the spec without it")
     if spec.outlier_threshold is not None:
@@ -121,6 +123,9 @@ def check_exportable(spec: QuantSpec) -> None:
         raise OutlierscopeError(f"{spec}: awq is AutoAWQ's search (ratios i/20, with clipping); llm-compressor's "
                                 "AWQModifier searches other ratios without clipping, so its recipe would not give these "
                                 "weights; export without awq (RTN) or with gptq:static,sequential=layer")
+    other = [t for t in spec.transforms if not isinstance(t, WRITTEN) and not t.attention]  # attention: kv_cache_args
+    if other:
+        raise OutlierscopeError(f"{spec}: {other[0]} has no compressed-tensors form; export the spec without it")
 
 
 def linear_scheme(spec: QuantSpec) -> dict | None:
@@ -166,7 +171,7 @@ def differences(spec: QuantSpec) -> list[str]:
     if a is not None and isinstance(a.fmt, Block) and a.fmt.global_scale:
         notes.append("nvfp4 activations: the emulation's global scale is each sequence's; compressed-tensors "
                      "calibrates a static one (dynamic: local)")
-    if spec.smooth is not None or a is not None and a.granularity == "static":
+    if spec.get(Smooth) is not None or a is not None and a.granularity == "static":
         notes.append("calibration: llm-compressor calibrates the smoothing factors and static scales on the dataset "
                      f"given to oneshot; the emulation on {spec.calib or 'hellaswag'}")
     if spec.has_attention:
@@ -193,8 +198,8 @@ def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
     """An llm-compressor recipe (``oneshot(model, recipe=...)``): SmoothQuant when the spec smooths, then the
     quantization with the same scheme, ignore list and KV cache scheme as :func:`quantization_config`."""
     modifiers = {}
-    if spec.smooth is not None:
-        modifiers["SmoothQuantModifier"] = {"smoothing_strength": spec.smooth}
+    if (smooth := spec.get(Smooth)) is not None:
+        modifiers["SmoothQuantModifier"] = {"smoothing_strength": smooth.alpha}
     scheme, kv = linear_scheme(spec), kv_cache_args(spec)
     quant = {"targets": [TARGET_CLASS], "ignore": ignore}
     if scheme:

@@ -64,19 +64,14 @@ def cell_id(settings: dict) -> str:
 
 def revised(*specs) -> dict:
     """Keys a cell's identity gains where the arithmetic behind a spec's text changed, so that cells computed before
-    are never read back as today's: a rotation's signs moved to its input side (``rotate:``/``hadamard:``; before, the
-    seed did nothing); NVFP4's scales follow compressed-tensors' order of operations (before, E4M3 ties of
-    bfloat16-valued weights rounded otherwise); GPTQ's damping is the mean of a contiguous copy of the Hessian's
-    diagonal, GPT-QModel's summation order (before, a strided view's: the last bit of the damping, and with it most
-    4-bit weights, differed); ``rotate:`` multiplies by the rotation's two Hadamard factors
-    (:class:`~outlierscope.quant.linears.ops.Rotation`; before, by the dense d x d matrix: the same product summed in
-    another order)."""
-    rotated = any(getattr(sp, "rotate", None) is not None or getattr(sp, "hadamard", None) is not None for sp in specs)
-    formats = {k: v for sp in specs for p in getattr(sp, "parts", ()) for k, v in p.fmt.identity.items()}
-    gptq = any(getattr(sp, "gptq", None) is not None for sp in specs)
-    factored = any(getattr(sp, "rotate", None) is not None for sp in specs)
-    return {**({"rotation": "input-signs"} if rotated else {}), **formats,
-            **({"gptq": "contiguous-damping-mean"} if gptq else {}), **({"rotate": "two-factors"} if factored else {})}
+    are never read back as today's: each format's and transform's ``identity`` (NVFP4's scales in compressed-tensors'
+    order of operations, a rotation's signs on its input side, ``rotate:``'s two Hadamard factors, GPTQ's damping as
+    the mean of a contiguous copy of the Hessian's diagonal)."""
+    keys = {}
+    for sp in specs:
+        for item in (*getattr(sp, "parts", ()), *getattr(sp, "transforms", ())):
+            keys.update(item.fmt.identity if hasattr(item, "fmt") else item.identity)
+    return keys
 
 
 def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[EvalResult, dict | None]], desc: str,

@@ -88,7 +88,7 @@ def _check_study_measured(run: str, rec: dict, spec: QuantSpec) -> None:
     if cell is None or not cell.exists():
         return
     measured = read_record(cell, ("settings",), "cell record")["settings"].get("quant")
-    today = str(dataclasses.replace(spec, layers=(int(role.split("_")[1]),)))
+    today = str(spec.with_layers((int(role.split("_")[1]),)))
     if measured != today:
         raise OutlierscopeError(f"{run}: {rec['settings']['quant']} on layer {role.split('_')[1]} is {today} today, which "
                                 f"this study did not measure (its cell: {measured}); run the study again, then export")
@@ -128,7 +128,7 @@ def _quantized_names(model, choice: Choice) -> set[str]:
     layers = [i for i in range(n) if spec.applies_to(i) and i not in choice.keep]
     if not layers:
         raise OutlierscopeError(f"{spec}: every layer is kept or left out; nothing to quantize")
-    return {site.name for site in linear_sites(model, dataclasses.replace(spec, layers=tuple(layers)))}
+    return {site.name for site in linear_sites(model, spec.with_layers(layers))}
 
 
 def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -> Path:

@@ -55,6 +55,7 @@ from outlierscope.parallel import Shard, World, find_shards
 from outlierscope.quant.apply import check_spec
 from outlierscope.quant.numerics.fused import fused_kernels
 from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
+from outlierscope.quant.specs.transforms import Linears
 from outlierscope.quant.weights.calibration import calibrate_layers_alone
 from outlierscope.runs.cells import merged_cell, refuse_other_settings
 from outlierscope.runs.sensitivity_cells import _Run, cell_settings, change  # noqa: F401  (change: its old path)
@@ -280,7 +281,6 @@ def _per_layer(run: _Run) -> pd.DataFrame:
 def _per_kind(run: _Run) -> pd.DataFrame | None:
     """Per linear kind (its path in a decoder layer: ``self_attn.q_proj`` ... ``mlp.down_proj``): the change with only
     that kind quantized, in every layer. None unless the spec quantizes linear layers (and ``kinds``)."""
-    import dataclasses as dc
 
     from outlierscope.quant.linears.sites import linear_sites
 
@@ -288,7 +288,7 @@ def _per_kind(run: _Run) -> pd.DataFrame | None:
     if not run.s.kinds or not spec.has_linear:
         return None
     paths = list(dict.fromkeys(site.path for site in linear_sites(run.lm.model, spec)))
-    res = run.changes([(f"kind_{path}", dc.replace(spec, linears=(path,)), None) for path in paths])
+    res = run.changes([(f"kind_{path}", spec.with_part(Linears((path,))), None) for path in paths])
     return pd.DataFrame([{"linear": path, **(res[n] if res else {})} for n, path in enumerate(paths)])
 
 

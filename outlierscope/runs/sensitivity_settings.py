@@ -150,5 +150,5 @@ class SensitivitySettings:
         """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
         :attr:`bits`; ``keep_bits`` for the kept layers are always the logits')."""
         if self.quant is not None and bits is None:
-            return dataclasses.replace(QuantSpec.parse(self.quant), layers=tuple(layers) if layers is not None else None)
+            return QuantSpec.parse(self.quant).with_layers(layers)
         return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)

@@ -47,8 +47,8 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     is not the default 32 (cells at 32 keep their ids): its per-item scores depend on it by float32 rounding
     (:mod:`outlierscope.eval.scorer`); an unquantized cell's differ by ~1e-5 nats at most and keep their ids."""
     ident = spec.is_identity
-    out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.format,
-           "granularity": None if ident else spec.granularity, "layers": list(spec.layers) if spec.layers else None,
+    out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.columns.format,
+           "granularity": None if ident else spec.columns.granularity, "layers": list(spec.layers) if spec.layers else None,
            "weights": s.weights, "dtype": dtype, "items_sha256": items_sha, "text": s.text,
            "text_tokens": s.text_tokens if s.text else None}
     kind = device.split(":")[0]

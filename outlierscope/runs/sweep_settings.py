@@ -3,7 +3,6 @@ checked on construction, written to the run's record (:class:`SweepSettings`).""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from outlierscope.analysis.attention_error import measured_spec
@@ -177,7 +176,7 @@ class SweepSettings:
         out: list = [self.spec(b) for b in _bits_order(self)]
         for q in self.quant:
             a = QuantSpec.parse(q)
-            out.append(a if a.layers is not None or self.layers is None else dataclasses.replace(a, layers=self.layers))
+            out.append(a if a.layers is not None or self.layers is None else a.with_layers(self.layers))
         return out
 
     def spec_of(self, cell: dict) -> QuantSpec:

@@ -56,8 +56,8 @@ def _tidy_rows(model: str, task: str, spec: QuantSpec, label: str, s: SweepSetti
     for m, v in metrics.items():
         if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
             continue
-        rows.append({"model": model, "task": task, "bits": spec.bits, "label": label, "format": spec.format,
-                     "granularity": "none" if spec.is_identity else spec.granularity, "weights": s.weights,
+        rows.append({"model": model, "task": task, "bits": spec.bits, "label": label, "format": spec.columns.format,
+                     "granularity": "none" if spec.is_identity else spec.columns.granularity, "weights": s.weights,
                      "metric": m, "value": v, "stderr": metrics.get(f"{m}_stderr"),
                      "delta_vs_16": metrics.get(f"{m}_delta"), "ci_low": metrics.get(f"{m}_ci_low"),
                      "ci_high": metrics.get(f"{m}_ci_high"), "mcnemar_p": metrics.get(f"{m}_mcnemar_p"),

@@ -85,7 +85,7 @@ def test_identical_logits_have_no_error():
 def test_merge_equals_whole():
     g = torch.Generator().manual_seed(3)
     parts = [(torch.randn(2, 2, 4, 6, generator=g), torch.rand(2, 1, 4, 6, generator=g) > 0.2) for _ in range(4)]
-    spec = logits_quant(QuantSpec(bits=4))
+    spec = logits_quant(QuantSpec.logits(bits=4))
     whole, a, b = AttentionErrorStats(2, 2), AttentionErrorStats(2, 2), AttentionErrorStats(2, 2)
     for i, (x, v) in enumerate(parts):
         whole.update(i % 2, x, spec(x, v), v)
@@ -108,7 +108,7 @@ def batch():
 def test_measuring_leaves_the_model_alone_and_blocks_agree(role, batch):
     lm = load_model(f"pair-tiny:{role}", device="cpu")
     ids, mask = batch
-    spec = QuantSpec(bits=4, granularity="per_tensor")
+    spec = QuantSpec.logits(bits=4, granularity="per_tensor")
     with torch.no_grad(), quantize_model(lm.model, spec):
         ref = lm.model(input_ids=ids, attention_mask=mask).logits
     stats = {}
@@ -135,12 +135,12 @@ def test_layer_subset_and_bits_order(batch):
     kl = {}
     for bits in (8, 4):
         st = AttentionErrorStats(n_l, n_h)
-        with torch.no_grad(), measure_attention_error(lm.model, QuantSpec(bits=bits), st):
+        with torch.no_grad(), measure_attention_error(lm.model, QuantSpec.logits(bits=bits), st):
             lm.model(input_ids=ids, attention_mask=mask)
         kl[bits] = st.kl_sum.sum()
     assert kl[8] < kl[4]
     st = AttentionErrorStats(n_l, n_h)
-    with torch.no_grad(), measure_attention_error(lm.model, QuantSpec(bits=4, layers=(1,)), st):
+    with torch.no_grad(), measure_attention_error(lm.model, QuantSpec.logits(bits=4, layers=(1,)), st):
         lm.model(input_ids=ids, attention_mask=mask)
     assert st.rows[1].sum() > 0 and st.rows.sum() == st.rows[1].sum()
 
@@ -152,7 +152,7 @@ def test_evaluate_with_attention_error(hellaswag_cached):
     from outlierscope.parallel import Shard
 
     lm = load_model("pair-tiny:diff", device="cpu")
-    spec = QuantSpec(bits=4)
+    spec = QuantSpec.logits(bits=4)
     st = AttentionErrorStats(lm.model.config.num_hidden_layers)
     plain = evaluate(lm, quant=spec, limit=6, progress=False, batch_size=8)
     res = evaluate(lm, quant=spec, limit=6, progress=False, batch_size=8, attn_error=st)

@@ -178,7 +178,7 @@ def _naive(model, windows, spec):
     return {k: np.array(v) for k, v in out.items()}
 
 
-@pytest.mark.parametrize("spec", [QuantSpec(bits=4), QuantSpec.parse("w8a8; kivi-2bit"), QuantSpec()])
+@pytest.mark.parametrize("spec", [QuantSpec.logits(bits=4), QuantSpec.parse("w8a8; kivi-2bit"), QuantSpec()])
 def test_values_equal_the_full_forward_in_float64(pair, spec):
     model, tok = pair
     windows = lmeval_windows(tok, DOCS, 48)[:9]  # several windows per document, of different lengths
@@ -201,7 +201,7 @@ def _logits(model, spec, ids):
         return model(input_ids=ids).logits[0].double()
 
 
-@pytest.mark.parametrize("spec", [QuantSpec.parse("w8a8"), QuantSpec(bits=4)])
+@pytest.mark.parametrize("spec", [QuantSpec.parse("w8a8"), QuantSpec.logits(bits=4)])
 def test_noise_floor_is_the_kld_between_two_arithmetics_of_one_spec(pair, spec):
     """score_noise: the spec in float32 against the same spec in float64 as the base, equal to KL divergences
     computed here from both models' own full forwards; the same arithmetic against itself: 0 at every token."""
@@ -308,7 +308,7 @@ def test_float64_blocks_change_no_value(pair, monkeypatch, rows):
 
     model, tok = pair
     windows = lmeval_windows(tok, DOCS, 48)[:6]
-    specs = [QuantSpec.parse("w8a8"), QuantSpec(bits=4)]
+    specs = [QuantSpec.parse("w8a8"), QuantSpec.logits(bits=4)]
     default = score_windows(model, windows, specs, batch_size=3)
     monkeypatch.setattr(perplexity, "F64_ROWS", rows)
     for want, got in zip(default, score_windows(model, windows, specs, batch_size=3)):
@@ -320,7 +320,7 @@ def test_base_is_shared_by_every_spec(pair):
     """Two specs scored together: each equals the spec scored alone (the unquantized pass is shared, not mixed)."""
     model, tok = pair
     windows = gptq_windows(tok, DOCS, 32)[:4]
-    a, b = QuantSpec(bits=4), QuantSpec.parse("kivi-2bit")
+    a, b = QuantSpec.logits(bits=4), QuantSpec.parse("kivi-2bit")
     together = score_windows(model, windows, [a, b], batch_size=2)
     for spec, got in zip((a, b), together):
         (alone,) = score_windows(model, windows, [spec], batch_size=2)

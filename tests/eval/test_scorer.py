@@ -52,7 +52,7 @@ def test_batch_size_independence(setup):
 
 def test_per_row_quantization_exact_with_shared_prefix(setup):
     lm, reqs = setup
-    with quantize_model(lm.model, QuantSpec(bits=4, granularity="per_row")):
+    with quantize_model(lm.model, QuantSpec.logits(bits=4, granularity="per_row")):
         shared = score_requests(lm.model, reqs, "shared", 8)
         sep = score_requests(lm.model, reqs, "separate", 8)
     np.testing.assert_allclose(shared, sep, atol=1e-4, rtol=0)
@@ -65,7 +65,7 @@ def test_whole_sequence_scales_equal_naive_reference(setup, granularity):
     reference; our batched scores equal it, do not depend on the batch, and differ from unquantized."""
     lm, reqs = setup
     plain = score_requests(lm.model, reqs, "separate", 16)
-    with quantize_model(lm.model, QuantSpec(bits=4, granularity=granularity)):
+    with quantize_model(lm.model, QuantSpec.logits(bits=4, granularity=granularity)):
         a = score_requests(lm.model, reqs, "separate", 1)
         b = score_requests(lm.model, reqs, "separate", 16)
         ref = naive_scores(lm.model, reqs)
@@ -90,7 +90,7 @@ def test_blocked_attention_same_scores(setup, granularity):
     with the shared (tree-masked) layout too."""
     lm, reqs = setup
     layout = "shared" if granularity == "per_row" else "separate"
-    spec = QuantSpec(bits=4, granularity=granularity)
+    spec = QuantSpec.logits(bits=4, granularity=granularity)
     with quantize_model(lm.model, spec):
         ref = score_requests(lm.model, reqs, layout, 8)
     with quantize_model(lm.model, spec, block_rows=5):
@@ -146,7 +146,7 @@ def test_ragged_choices_and_per_choice_contexts_equal_reference(setup, layout):
     pred, pred_norm = predictions(got, [r.choice_chars for r in reqs])
     assert all(p < len(r.conts) for p, r in zip(pred, reqs)) and all(p < len(r.conts) for p, r in zip(pred_norm, reqs))
     if layout == "separate":  # per_tensor scales see each (context, ending) sequence alone
-        with quantize_model(lm.model, QuantSpec(bits=4, granularity="per_tensor")):
+        with quantize_model(lm.model, QuantSpec.logits(bits=4, granularity="per_tensor")):
             np.testing.assert_allclose(score_requests(lm.model, reqs, layout, 4), naive(lm.model), atol=1e-4, rtol=0,
                                        equal_nan=True)
 
@@ -176,8 +176,8 @@ def test_evaluate_a_zero_shot_task(setup, task, tmp_path):
 
 
 @pytest.mark.parametrize("quant, layout, ok", [(None, "separate", True), (None, "shared", True),
-                                               (QuantSpec(bits=4, granularity="per_row"), "shared", True),
-                                               (QuantSpec(bits=4), "separate", True), (QuantSpec(bits=4), "shared", False),
+                                               (QuantSpec.logits(bits=4, granularity="per_row"), "shared", True),
+                                               (QuantSpec.logits(bits=4), "separate", True), (QuantSpec.logits(bits=4), "shared", False),
                                                (None, "packed", False)])
 def test_evaluate_layout(setup, hs_jsonl, quant, layout, ok):
     """evaluate(layout=...): any exact layout scores as the default one does (the record says which ran); a
@@ -235,7 +235,7 @@ def test_bfloat16_agrees_with_float32_on_a_real_model(hellaswag_cached):
 
 @pytest.mark.parametrize("quant", ["sage1", "sage2-int4", "fa3-fp8", "k=asym2/per_channel:32; v=asym2/per_token",
                                    "mxfp4-attn", "nvfp4-attn",
-                                   "logits-int8", "logits-int4", QuantSpec(bits=4, granularity="per_row")])
+                                   "logits-int8", "logits-int4", QuantSpec.logits(bits=4, granularity="per_row")])
 def test_quantized_scores_depend_on_the_batch_only_through_float32_rounding(setup, quant):
     """In float64 (kernel-shape rounding ~1e-16, which no quantizer boundary can separate in practice) every recipe
     and the paper's logits at 8/4 bits give the same per-item scores at batch 1, 7 and 32, padded or not: nothing of

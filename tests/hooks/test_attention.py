@@ -103,7 +103,7 @@ def test_blocked_quantization_equals_unblocked(arch, granularity, rows):
     """Quantized attention in blocks: the global scale (per_tensor, per_head) from a first pass; in float64 equal
     to the unblocked result up to the matmul's rounding (a wrong scale would move the output by a whole step)."""
     model = make(arch).double()
-    spec = QuantSpec(bits=4, granularity=granularity)
+    spec = QuantSpec.logits(bits=4, granularity=granularity)
     ref, ref_seen = _run(model, None, spec)
     out, seen = _run(model, rows, spec)
     same(out, ref)
@@ -115,7 +115,7 @@ def test_blocked_quantization_equals_unblocked(arch, granularity, rows):
 def test_blocked_quantization_float32_predictions():
     model = make("llama")
     for g in ("per_tensor", "per_head", "per_row"):
-        spec = QuantSpec(bits=4, granularity=g)
+        spec = QuantSpec.logits(bits=4, granularity=g)
         ref, _ = _run(model, None, spec)
         out, _ = _run(model, 3, spec)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
@@ -124,7 +124,7 @@ def test_blocked_quantization_float32_predictions():
 def test_quantization_is_observed_in_blocks_after_it():
     """quantize_model outside capture: the capture sees the quantized blocks, scaled with the global absmax."""
     model = make("llama").double()
-    spec = QuantSpec(bits=3, granularity="per_tensor")
+    spec = QuantSpec.logits(bits=3, granularity="per_tensor")
     ids, mask = _batch()
     runs = []
     for rows in (None, 4):
@@ -187,7 +187,7 @@ def test_nested_contexts_inherit_block_rows():
     model = make("llama")
     ids, mask = _batch()
     rows = []
-    with torch.no_grad(), quantize_model(model, QuantSpec(bits=8, granularity="per_row"), block_rows=5), \
+    with torch.no_grad(), quantize_model(model, QuantSpec.logits(bits=8, granularity="per_row"), block_rows=5), \
             capture(model, ["layers.0.attn.logits"], reducers=lambda o: rows.append(o.x.shape[2])):
         model(input_ids=ids, attention_mask=mask)
     assert rows == [5, 5, 1]

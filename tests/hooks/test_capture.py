@@ -394,12 +394,12 @@ def test_hybrid_models(arch):
     for (_, x, valid), e in zip(seen, eager):
         probs = torch.softmax(x.masked_fill(~valid, -math.inf).double(), -1)
         torch.testing.assert_close(probs, e.double(), atol=1e-5, rtol=1e-4)
-    with torch.no_grad(), quantize_model(model, QuantSpec(bits=2, layers=tuple(attn))):
+    with torch.no_grad(), quantize_model(model, QuantSpec.logits(bits=2, layers=tuple(attn))):
         q = model(input_ids=ids).logits
     assert (q - ref.logits).abs().max() > 1e-3  # the attention layers were quantized
     other = next(i for i, k in enumerate(kinds) if k == "o")
     with pytest.raises(OutlierscopeError, match=rf"layers \[{other}\] hold no attention .*attention layers are {attn[0]}"):
-        with quantize_model(model, QuantSpec(bits=4, layers=(other,))):
+        with quantize_model(model, QuantSpec.logits(bits=4, layers=(other,))):
             pass
 
 

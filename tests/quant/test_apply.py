@@ -32,7 +32,7 @@ def _logits(model, spec=None):
 
 
 def test_16_bits_is_exact(model):
-    assert torch.equal(_logits(model, QuantSpec(bits=16)), _logits(model))
+    assert torch.equal(_logits(model, QuantSpec.logits(bits=16)), _logits(model))
     assert model.config._attn_implementation == "eager"
 
 
@@ -63,7 +63,7 @@ def test_quantized_attention_equals_float64_reference(model, granularity, bits):
     hooks = [attn.v_proj.register_forward_hook(lambda m, a, o: got.__setitem__("v", o)),
              attn.o_proj.register_forward_pre_hook(lambda m, a: got.__setitem__("o_in", a[0]))]
     keep = lambda d: (lambda o: d.__setitem__(o.point.layer, (o.x.clone(), o.valid.clone())))  # noqa: E731
-    spec = QuantSpec(bits=bits, granularity=granularity)
+    spec = QuantSpec.logits(bits=bits, granularity=granularity)
     try:
         with torch.no_grad(), capture(model, "layers.*.attn.logits", reducers=keep(raw)), \
                 quantize_model(model, spec), capture(model, "layers.*.attn.logits", reducers=keep(quant)):
@@ -93,7 +93,7 @@ def test_quantized_attention_equals_float64_reference(model, granularity, bits):
 
 
 def test_quantized_logits_can_be_profiled(model):
-    spec = QuantSpec(bits=3, granularity="per_head")
+    spec = QuantSpec.logits(bits=3, granularity="per_head")
     seen = []
     with torch.no_grad(), quantize_model(model, spec), capture(model, "layers.*.attn.logits", reducers=seen.append):
         model(input_ids=IDS[:1])
@@ -104,7 +104,7 @@ def test_quantized_logits_can_be_profiled(model):
 
 def test_layer_restriction(model):
     seen = {}
-    spec = QuantSpec(bits=2, layers=(1,))
+    spec = QuantSpec.logits(bits=2, layers=(1,))
     with torch.no_grad(), quantize_model(model, spec), capture(model, "layers.*.attn.logits",
                                                                    reducers=lambda o: seen.__setitem__(o.point.layer, o.x)):
         model(input_ids=IDS[:1])
@@ -112,13 +112,13 @@ def test_layer_restriction(model):
         model(input_ids=IDS[:1])
     assert torch.equal(seen[0], seen[("ref", 0)]) and not torch.equal(seen[1], seen[("ref", 1)])
     with pytest.raises(OutlierscopeError, match="out of range"):
-        with quantize_model(model, QuantSpec(bits=4, layers=(7,))):
+        with quantize_model(model, QuantSpec.logits(bits=4, layers=(7,))):
             pass
 
 
 def test_restored_after_exception(model):
     with pytest.raises(RuntimeError, match="^boom$"):
-        with quantize_model(model, QuantSpec(bits=4)):
+        with quantize_model(model, QuantSpec.logits(bits=4)):
             raise RuntimeError("boom")
     assert model.config._attn_implementation == "eager"
 

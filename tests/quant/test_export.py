@@ -2,7 +2,6 @@
 own presets of the same name, the ignore list selects (by compressed-tensors' own matcher) exactly the linears written
 out by hand, and what compressed-tensors cannot state is refused in one line."""
 
-import dataclasses
 import re
 
 import pytest
@@ -91,7 +90,7 @@ def test_ignore_list_selects_exactly_the_quantized_linears(text, layers, expecte
     from outlierscope.quant.linears.sites import linear_sites
 
     model = _meta_llama()
-    spec = dataclasses.replace(QuantSpec.parse(text), layers=layers)
+    spec = QuantSpec.parse(text).with_layers(layers)
     ignore = qexport.ignore_list(model, {s.name for s in linear_sites(model, spec)})
     assert {n for n, _ in match_named_modules(model, ["Linear"], ignore)} == expected
     whole = [f"re:model\\.layers\\.{i}\\." for i in range(3) if i not in layers]

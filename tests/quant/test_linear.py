@@ -18,6 +18,7 @@ from outlierscope.quant.linears.schemes import quantize_linears
 from outlierscope.quant.linears.sites import linear_sites
 from outlierscope.quant.specs.recipes import RECIPES
 from outlierscope.quant.specs.spec import LINEAR_RECIPES, QuantSpec
+from outlierscope.quant.specs.transforms import Smooth
 from outlierscope.quant.weights.calibration import calibrate
 from tests.quant.test_recipes import _mx_rows
 
@@ -216,7 +217,7 @@ def test_mitigations_change_nothing_unquantized(text, tmp_path):
     model = _model()
     spec = QuantSpec.parse(text.format(scales=tmp_path / "s.pt"))
     _act_scales(model, tmp_path / "s.pt")
-    calib = calibrate(model, None, spec) if spec.smooth is not None else None
+    calib = calibrate(model, None, spec) if spec.get(Smooth) is not None else None
     ids, mask = _batch()
     kw = dict(input_ids=ids, attention_mask=mask, position_ids=_positions(mask))
     with torch.no_grad():
@@ -658,7 +659,7 @@ def _calibrated_case(name: str, tmp_path):
     act_scales.pt made here."""
     model = _bf16_float32_model()
     spec, calib = QuantSpec.parse(name), None
-    if spec.smooth is not None:
+    if spec.get(Smooth) is not None:
         _act_scales(model, tmp_path / "act_scales.pt")
         spec = QuantSpec.parse(f"{name}; calib:{tmp_path / 'act_scales.pt'}")
         calib = calibrate(model, None, spec)

@@ -89,7 +89,7 @@ def test_grid_and_clamp():
 @pytest.mark.parametrize("bad", [1, 17, 0, 8.5, "8", True])
 def test_bits_out_of_range(bad):
     with pytest.raises(ValueError, match="bits must be in 2..16"):
-        QuantSpec(bits=bad)
+        QuantSpec.logits(bits=bad)
 
 
 @pytest.mark.parametrize("kw,msg", [(dict(format="int4"), "format must be one of int, e4m3, e5m2"),
@@ -97,10 +97,10 @@ def test_bits_out_of_range(bad):
                                     (dict(format="e4m3", bits=4), r"bits must be 8 \(or 16 = unquantized\) for format e4m3"),
                                     (dict(backend="bitsandbytes", granularity="per_tensor"),
                                      "backend must be 'torch' unless format int, bits 8, granularity per_row"),
-                                    (dict(bits=None, format="e4m3"), "bits must be a bit width with format")])
+                                    (dict(bits=None, format="e4m3"), "bits must be in 2..16")])
 def test_spec_errors(kw, msg):
     with pytest.raises(ValueError, match=msg):
-        QuantSpec(**{"bits": 8, **kw})
+        QuantSpec.logits(**{"bits": 8, **kw})
 
 
 def test_parse_layers():
@@ -115,7 +115,7 @@ def test_granularity_is_per_sequence(gran):
     torch.manual_seed(0)
     x = torch.randn(8, 4, 6, 6) * torch.rand(8, 1, 1, 1) * 10
     valid = torch.ones(6, 6, dtype=torch.bool).tril()[None, None].expand(8, 4, 6, 6)
-    spec = logits_quant(QuantSpec(bits=4, granularity=gran))
+    spec = logits_quant(QuantSpec.logits(bits=4, granularity=gran))
     full = spec(x, valid)
     for i in (0, 5):
         assert torch.equal(full[i : i + 1], spec(x[i : i + 1], valid[i : i + 1]))
@@ -124,7 +124,7 @@ def test_granularity_is_per_sequence(gran):
 def test_per_row_scale_sees_only_valid_keys():
     x = torch.tensor([[[[1.0, 100.0], [1.0, 2.0]]]])  # row 0 may only see key 0
     valid = torch.tensor([[[[True, False], [True, True]]]])
-    q = logits_quant(QuantSpec(bits=2, granularity="per_row"))(x, valid)
+    q = logits_quant(QuantSpec.logits(bits=2, granularity="per_row"))(x, valid)
     assert q[0, 0, 0].tolist() == [1.0, 100.0] and q[0, 0, 1].tolist() == [0.0, 2.0]
 
 
@@ -133,8 +133,8 @@ def test_bitsandbytes_per_row_int8_matches(seed):
     torch.manual_seed(seed)
     x = torch.randn(2, 3, 16, 16) * 5
     valid = torch.ones(16, 16, dtype=torch.bool).tril()[None, None].expand_as(x)
-    ours = logits_quant(QuantSpec(bits=8, granularity="per_row"))(x, valid)
-    bnb = logits_quant(QuantSpec(bits=8, granularity="per_row", backend="bitsandbytes"))(x, valid)
+    ours = logits_quant(QuantSpec.logits(bits=8, granularity="per_row"))(x, valid)
+    bnb = logits_quant(QuantSpec.logits(bits=8, granularity="per_row", backend="bitsandbytes"))(x, valid)
     assert torch.isfinite(bnb).all()
     # identical except where x / scale sits within float rounding of a .5 tie (x*127/amax vs x/(amax/127))
     scale = absmax_scale(x, 8, (3,), valid)

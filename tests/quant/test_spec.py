@@ -100,8 +100,7 @@ def test_every_recipe_pair_and_example_round_trips(text):
     assert QuantSpec.parse(str(spec)) == spec
 
 
-# the paper's keyword form, and the words and table columns its cells were named by before #47 (their old QuantSpec
-# fields and label, written out here by hand)
+# the paper's form (QuantSpec.logits), and the words and table columns its cells are named by (written out by hand)
 @pytest.mark.parametrize("kw,text,bits,fmt,gran,words", [
     (dict(bits=4), "logits=int4/per_tensor", 4, "int", "per_tensor", "4-bit int per_tensor"),
     (dict(bits=6, granularity="per_head"), "logits=int6/per_head", 6, "int", "per_head", "6-bit int per_head"),
@@ -112,27 +111,27 @@ def test_every_recipe_pair_and_example_round_trips(text):
     (dict(bits=8, granularity="per_row", backend="bitsandbytes"), "logits=bnb-int8", 8, "bnb-int8", "per_row",
      "8-bit bnb-int8 per_row"),
 ])
-def test_the_paper_keyword_form_is_the_logits_part(kw, text, bits, fmt, gran, words):
-    spec = QuantSpec(**kw)
+def test_the_paper_form_is_the_logits_part(kw, text, bits, fmt, gran, words):
+    spec = QuantSpec.logits(**kw)
     assert spec == QuantSpec.parse(text) and str(spec) == text and spec.is_logits_only
-    assert (spec.bits, spec.format, spec.granularity, spec.description, spec.label) == (bits, fmt, gran, words, words)
+    assert (*spec.columns, spec.description, spec.label) == (bits, fmt, gran, words, words)
     assert spec.is_identity == (bits == 16)
 
 
 def test_a_spec_beyond_the_logits_keeps_its_table_columns():
     spec = QuantSpec.parse("sage2-int4")
-    assert (spec.bits, spec.format, spec.granularity, spec.label) == (4, "attn", str(spec), "sage2-int4")
+    assert (*spec.columns, spec.label) == (4, "attn", str(spec), "sage2-int4")
     assert spec.description == str(spec) and not spec.is_logits_only
-    assert QuantSpec.parse("logits-int4") == QuantSpec(bits=4) and QuantSpec.parse("logits-int4").label == "logits-int4"
+    assert QuantSpec.parse("logits-int4") == QuantSpec.logits(bits=4) and QuantSpec.parse("logits-int4").label == "logits-int4"
 
 
 def test_bitsandbytes_weights_are_a_part():
     nf4 = QuantSpec.parse("w=bnb-nf4")
     assert nf4.weights_mode == "nf4" and not nf4.is_identity and not nf4.has_linear
     assert nf4.without_weights() == QuantSpec() and QuantSpec().with_weights("nf4") == nf4
-    both = QuantSpec(bits=4).with_weights("int8")
-    assert str(both) == "logits=int4/per_tensor; w=bnb-int8" and both.without_weights() == QuantSpec(bits=4)
-    assert QuantSpec(bits=4).with_weights("none") == QuantSpec(bits=4)
+    both = QuantSpec.logits(bits=4).with_weights("int8")
+    assert str(both) == "logits=int4/per_tensor; w=bnb-int8" and both.without_weights() == QuantSpec.logits(bits=4)
+    assert QuantSpec.logits(bits=4).with_weights("none") == QuantSpec.logits(bits=4)
 
 
 @pytest.mark.parametrize("text,msg", [
@@ -147,15 +146,23 @@ def test_bitsandbytes_parts_refuse_what_does_not_apply(text, msg):
         QuantSpec.parse(text)
 
 
-@pytest.mark.parametrize("kw", [dict(format="e4m3"), dict(granularity="per_head"), dict(backend="bitsandbytes")])
-def test_logits_settings_without_bits_are_refused(kw):
-    with pytest.raises(OutlierscopeError, match="bits must be a bit width with format, granularity or backend"):
-        QuantSpec(**kw)
+@pytest.mark.parametrize("kw,msg", [(dict(bits=4, format="e4m4"), "format must be one of int, e4m3, e5m2"),
+                                    (dict(bits=6, format="e4m3"), "bits must be 8 .* for format e4m3"),
+                                    (dict(bits=4, backend="bitsandbytes"), "backend must be 'torch' unless format int, bits 8"),
+                                    (dict(bits=17), "bits must be in 2..16")])
+def test_the_paper_form_refuses_what_it_cannot_say(kw, msg):
+    with pytest.raises(OutlierscopeError, match=msg):
+        QuantSpec.logits(**kw)
+
+
+def test_the_constructor_takes_parts_not_the_paper_keywords():
+    with pytest.raises(TypeError, match="unexpected keyword argument 'bits'"):
+        QuantSpec(bits=4)
 
 
 def test_unknown_keyword_is_a_type_error():
     with pytest.raises(TypeError, match="unexpected keyword argument 'granularty'"):
-        QuantSpec(bits=4, granularty="per_head")
+        QuantSpec.logits(bits=4, granularty="per_head")
 
 
 @pytest.mark.parametrize("module,name", [("outlierscope", "AttnQuant"), ("outlierscope.quant", "AttnQuant"),
@@ -179,9 +186,9 @@ def test_the_old_function_names_warn_and_do_the_same():
         assert apply.as_attn_quant("sage1") == QuantSpec.parse("sage1")
     with pytest.warns(DeprecationWarning, match="quantize_attention is deprecated"):
         f = outlierscope.quantize_attention
-        f(None, QuantSpec(bits=4)).__enter__ if False else None  # resolving warns nothing; calling does
+        f(None, QuantSpec.logits(bits=4)).__enter__ if False else None  # resolving warns nothing; calling does
         with pytest.raises(AttributeError):  # a real call: it goes on to quantize_model (here: no model)
-            with f(None, QuantSpec(bits=4)):
+            with f(None, QuantSpec.logits(bits=4)):
                 pass
     assert "AttnQuant" not in outlierscope.__all__ and "quantize_attention" not in outlierscope.__all__
 
@@ -239,8 +246,8 @@ def test_the_constructor_bounds_layers_as_the_parser_does():
 
     for index in (1 << 16, 10**12):
         with pytest.raises(ParamError, match=f"layers must be layer indices below 65536 .*got {index}"):
-            QuantSpec(bits=4, layers=(0, index))
+            QuantSpec.logits(bits=4, layers=(0, index))
         with pytest.raises(OutlierscopeError, match="below 65536"):
             QuantSpec.parse(f"logits=int4/per_tensor; layers:{index}")
-    top = QuantSpec(bits=4, layers=((1 << 16) - 1,))
+    top = QuantSpec.logits(bits=4, layers=((1 << 16) - 1,))
     assert QuantSpec.parse(str(top)) == top

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from outlierscope.quant.specs.transforms import Linears
 from outlierscope.runs.cells import cell_id
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
@@ -84,7 +85,6 @@ def _weights_sha(model: str) -> str:
 
 def _study_specs(s, role: str, n_layers: int):
     """(spec, keep, measure) of a sensitivity role, as :mod:`outlierscope.runs.sensitivity` builds it."""
-    import dataclasses
 
     from outlierscope.runs.sensitivity import _in_attention
 
@@ -97,7 +97,7 @@ def _study_specs(s, role: str, n_layers: int):
     if role.startswith("all_but_"):
         return s.spec([j for j in layers if j != int(role[8:])]), None, None
     if role.startswith("kind_"):
-        return dataclasses.replace(s.spec(), linears=(role[5:],)), None, None
+        return s.spec().with_part(Linears((role[5:],))), None, None
     kept = [] if role == "all" else [int(i) for i in role.removeprefix(f"{tag}_").split("_")]
     quantized = [i for i in layers if i not in kept]
     keep = s.spec(kept, bits=s.keep_bits) if kept and s.keep_bits < 16 else None

@@ -12,6 +12,7 @@ import torch
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.specs.transforms import Linears
 from outlierscope.runs.sensitivity import SensitivitySettings, greedy_keep, sensitivity
 
 
@@ -202,7 +203,7 @@ def test_kept_layers_at_8_bits(tiny_pair, hellaswag_cached, tmp_path):
     assert "NOT reached" in logs[-1] and "at 8 bits" in logs[-1]
     both = EvalResult.load(tmp_path / "cells", rec["cells"]["keep8_0_1"])
     lm = load_model(kw["model"], device="cpu")
-    direct = evaluate(lm, quant=QuantSpec(bits=8), items=select_items(5, None, 0, None, "hellaswag"),
+    direct = evaluate(lm, quant=QuantSpec.logits(bits=8), items=select_items(5, None, 0, None, "hellaswag"),
                       batch_size=kw["batch_size"], progress=False)  # quantized float32: the cell's batch size
     np.testing.assert_array_equal(both.items[both.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     d4, d8 = abs(g["delta_gold_ll"].iloc[0]), abs(g["delta_gold_ll"].iloc[1])
@@ -332,7 +333,6 @@ def test_sensitivity_on_a_zero_shot_task(task, granularity, tiny_pair, tmp_path)
 def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_path, monkeypatch):
     """--quant RECIPE: each layer in turn gets the recipe (its cell equals evaluate() with the recipe on that layer
     alone), cells named by the spec text; the attention error of the recipe measured per layer."""
-    import dataclasses
 
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
@@ -350,7 +350,7 @@ def test_sensitivity_with_an_attention_recipe(tiny_pair, hellaswag_cached, tmp_p
         cell = json.loads((tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.json").read_text())["cell"]
         assert cell["quant"] == f"{QuantSpec.parse('kivi-2bit')}; layers:{i}"
         df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'only_{i}']}.csv")
-        spec = dataclasses.replace(QuantSpec.parse("kivi-2bit"), layers=(i,))
+        spec = QuantSpec.parse("kivi-2bit").with_layers((i,))
         direct = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=False)  # the cell's batch size
         np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     err = pd.read_csv(tmp_path / "attn_error.csv")
@@ -397,7 +397,6 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
     """--quant w8a8: each layer in turn, then each linear kind alone in every layer (kinds.csv, most harmful first in
     the record); a kind's cell equals evaluate() with that kind's pattern; no attention error (nothing in attention
     changes)."""
-    import dataclasses
 
     from outlierscope.eval.evaluate import evaluate, select_items
     from outlierscope.models.loading import load_model
@@ -415,7 +414,7 @@ def test_sensitivity_of_a_linear_scheme_per_layer_and_kind(hellaswag_cached, tmp
     assert not (tmp_path / "attn_error.csv").exists()
     path = paths[-1]
     df = pd.read_csv(tmp_path / "cells" / f"{rec['cells'][f'kind_{path}']}.csv")
-    direct = evaluate(lm, quant=dataclasses.replace(QuantSpec.parse("w8a8"), linears=(path,)),
+    direct = evaluate(lm, quant=QuantSpec.parse("w8a8").with_part(Linears((path,))),
                       items=select_items(limit=6), batch_size=8, progress=False)
     np.testing.assert_array_equal(df[direct.score_columns].to_numpy(), direct.items[direct.score_columns].to_numpy())
     gold = direct.items.apply(lambda r: r[f"score{int(r['label'])}"], axis=1)

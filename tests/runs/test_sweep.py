@@ -626,7 +626,7 @@ def test_sweep_with_bitsandbytes_weights(tiny_pair, hs_jsonl, tmp_path):
                     new.load_state_dict(lin.state_dict())
                     setattr(child, name, new.to(lin.weight.device))
     items = s.task_items()["hellaswag"]
-    for c, spec in zip(rec["cells"], (QuantSpec(), QuantSpec(bits=4))):
+    for c, spec in zip(rec["cells"], (QuantSpec(), QuantSpec.logits(bits=4))):
         ident = json.loads((out / "cells" / f"{c['cell']}.json").read_text())["cell"]
         assert ident["weights"] == "nf4" and ident["bits"] == spec.bits
         ref = evaluate(lm, quant=spec, items=items, batch_size=s.batch_size, progress=False)

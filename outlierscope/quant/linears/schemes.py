@@ -57,6 +57,7 @@ from outlierscope.quant.linears.sites import (
     token_local,
 )
 from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.specs.transforms import BnbOutliers, Rotate, Smooth, Transform
 
 
 def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict[str, torch.Tensor]:
@@ -148,6 +149,7 @@ class _WeightTransform(_Once):
                  cache: bool = True):
         super().__init__(cache)
         self.part, self.scale, self.rot, self.awq = spec.part("w"), scale, rot, awq  # not in any state_dict
+        self.transforms = spec.transforms
 
     def compute(self, w: torch.Tensor) -> torch.Tensor:
         if self.awq is not None:
@@ -156,6 +158,8 @@ class _WeightTransform(_Once):
             w = w * self.scale.to(w.device, w.dtype)  # (O, I) * (I,): SmoothQuant's W diag(s)
         if self.rot is not None:
             w = self.rot.apply(w)  # (O, I) @ R (I, I)
+        for t in self.transforms:  # a registered transform's change of the weight (built-ins: none)
+            w = t.linear_weight(w)
         return quantize_weight(w, self.part) if self.part is not None else w
 
 
@@ -230,14 +234,16 @@ def _transform_input(x: torch.Tensor, spec: QuantSpec, part, padding: _Padding, 
         y = y / scale.to(y.device, y.dtype)  # (..., I)
     if rot is not None:
         y = rot.apply(y)  # (..., I) @ R (I, I)
+    for t in spec.transforms:  # a registered transform's exact change of the input (built-ins: none)
+        y = t.linear_input(y)
     if part is not None:
         x3 = y if y.dim() == 3 else y.reshape(1, -1, y.shape[-1])  # (B, T, I); routed tokens: (1, N, I)
         valid = None if local else padding.valid_for(x3)
         cols = skip = None
         if spec.outlier_threshold is not None:
             cols = outlier_columns(x3, valid, spec.outlier_threshold)  # (B, 1, I)
-            if spec.bnb_outliers is not None:  # bitsandbytes: only the outlier elements leave the row scales
-                skip = x3.abs() >= spec.bnb_outliers  # (B, T, I)
+            if spec.get(BnbOutliers) is not None:  # bitsandbytes: only the outlier elements leave the row scales
+                skip = x3.abs() >= spec.outlier_threshold  # (B, T, I)
         y = quantize_activation(x3, valid, part, cols, static_amax, skip).reshape(y.shape)
     return y
 
@@ -285,7 +291,8 @@ def _weight_parametrization(site: LinearSite, spec: QuantSpec, calibration: Cali
         return _WeightTransform(spec, None, None, calibration.rounded[site.name], hold)
     if spec.gptq is not None:
         return _Rounded(calibration.rounded[site.name], hold)
-    if spec.part("w") is not None or scale is not None or rot is not None:
+    reweights = any(type(t).linear_weight is not Transform.linear_weight for t in spec.transforms)
+    if spec.part("w") is not None or scale is not None or rot is not None or reweights:
         return _WeightTransform(spec, scale, rot, cache=hold)
     return None
 
@@ -319,7 +326,8 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
         return
     _check_linear_spec(spec, calibration, sites)
     hold_weights = holds_fit(sites) if hold_weights is None else hold_weights
-    scales = smoothing(sites, calibration, spec.smooth) if spec.smooth is not None else {}
+    smooth, rotate = spec.get(Smooth), spec.get(Rotate)
+    scales = smoothing(sites, calibration, smooth.alpha) if smooth is not None else {}
     rots: dict[int, Rotation] = {}
     padding, handles, parametrized = _Padding(), [], []
     no_mask = _Padding()  # the LM head's input: gathered positions, all real
@@ -329,7 +337,7 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
         handles.append(trunk(model).register_forward_pre_hook(padding.pre_forward, with_kwargs=True))
         for site in sites:
             d = site.module.in_features
-            rot = rots.setdefault(d, rotation_factors(d, spec.rotate)) if spec.rotate is not None else None
+            rot = rots.setdefault(d, rotation_factors(d, rotate.seed)) if rotate is not None else None
             s = scales.get(site.name)
             if spec.awq is not None:
                 s = calibration.rounded[site.name].scale

@@ -18,6 +18,7 @@ from outlierscope.hooks.points import decoder_layers
 from outlierscope.models.float64 import float64_model
 from outlierscope.quant.numerics.registry import Block
 from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.specs.transforms import Smooth
 
 HEAD = "lm_head"  # the pattern that names the LM head (the model's output embeddings)
 
@@ -85,8 +86,8 @@ class Calibration:
 
 def needs_calibration(spec: QuantSpec) -> bool:
     a = spec.part("a")
-    return spec.smooth is not None or (a is not None and a.granularity == "static") or spec.gptq is not None \
-        or spec.awq is not None
+    return spec.get(Smooth) is not None or (a is not None and a.granularity == "static") \
+        or spec.calibrated_weights is not None
 
 
 @contextlib.contextmanager

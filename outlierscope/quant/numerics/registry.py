@@ -272,9 +272,14 @@ def read_format(text: str) -> tuple[Format, int | None]:
     return format_named(text), None
 
 
+def spelling(fmt: Format) -> str:
+    """The format as a spec writes it: ``int2..int8``, ``e4m3``."""
+    return f"{fmt.name}{fmt.bits[0]}..{fmt.name}{fmt.bits[1]}" if fmt.bits else fmt.name
+
+
 def spellings() -> list[str]:
-    """Every format as a spec writes it (``int2..int8``, ``e4m3``, ...), for errors and the reference."""
-    return [f"{f.name}{f.bits[0]}..{f.name}{f.bits[1]}" if f.bits else f.name for f in FORMATS.values()]
+    """Every registered format as a spec writes it, for errors and the reference."""
+    return [spelling(f) for f in FORMATS.values()]
 
 
 def integer_formats() -> tuple[str, ...]:

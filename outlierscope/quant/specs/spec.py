@@ -1,68 +1,18 @@
-"""What to quantize: one frozen spec for everything the toolkit quantizes, with one text form and one parser.
-
-A :class:`QuantSpec` holds one :class:`TensorQuant` part per quantized tensor and the transforms applied first
-(smoothing, rotations, LLM.int8's decomposition), scoped by ``layers:`` and ``linears:``. Its text is its identity
-(``QuantSpec.parse(str(spec)) == spec``; a sweep cell's settings are derived from it)::
-
-    logits=int4/per_tensor                                      # the paper's Figure 8 (QuantSpec(bits=4))
-    q=int8/per_block:128; k=int8/per_block:64; smooth_k        # SageAttention (sage1)
-    k=asym2/per_channel:32; v=asym2/per_group:32               # KIVI, 2 bits
-    q=mxfp4; k=mxfp4; probs=mxfp4; v=mxfp4                      # MX: 32-element blocks along the reduction dim
-    w=fint8/per_channel; a=fint8/per_token                     # W8A8 (llm-compressor, compressed-tensors)
-    w=int8/per_channel; a=int8/per_token; smooth:0.5           # SmoothQuant (its restricted grid), alpha 0.5
-    w=int4/per_channel; a=int4/per_token; rotate:0             # W4A4 with a seeded Hadamard rotation (QuaRot)
-    w=bnb-nf4                                                   # bitsandbytes Linear4bit weights (NF4, block 64)
-    w8a8; kivi-4bit                                             # recipe names combine with each other and with parts
-
-The paper's keyword form is the same type: ``QuantSpec(bits=4)`` is ``logits=int4/per_tensor``, ``QuantSpec(bits=8,
-format="e4m3", granularity="per_head", layers=(0, 1))`` is ``logits=e4m3/per_head; layers:0,1``, ``QuantSpec(bits=16)``
-quantizes nothing (``none``), and ``backend="bitsandbytes"`` (int8 per row) is ``logits=bnb-int8``.
-
-Attention targets: ``logits`` (pre-softmax, after scaling, before soft-capping and masking), ``q``, ``k``, ``v``
-(after RoPE and QK-norm, k and v per KV head: what a KV cache holds; ``kv`` in the text is ``k`` and ``v`` alike),
-``probs`` (P, before P.V). Formats: ``int2``..``int8`` (symmetric absmax; the logits take up to ``int15``),
-``asym2``..``asym8`` (min-max with a zero point, as KIVI), ``e4m3``/``e5m2`` (FP8, absmax to the format's max), and
-the block formats ``mxfp8_e4m3``, ``mxfp8_e5m2``, ``mxfp6_e3m2``, ``mxfp6_e2m3``, ``mxfp4``, ``mxint8``, ``nvfp4``
-(their blocks run along the dimension the next matmul reduces: head_dim for q and k, keys for P, tokens for v).
-Granularities of q/k/v (B, H, T, d): ``per_tensor`` (a sequence), ``per_head``, ``per_token`` (= ``per_row``: one
-token's d values), ``per_channel[:N]`` (a channel over all tokens, or groups of N tokens), ``per_block:N`` (N
-consecutive tokens x d, as kernels tile them), ``per_group:G`` (G consecutive channels of a token). P: ``per_row``
-or ``static`` (P <= 1: the scale is 1 / the format's max, as SageAttention2's FP8 P). Logits: ``per_tensor`` (one
-scale per sequence and layer), ``per_head``, ``per_row`` (the paper's absmax). ``smooth_k``, ``smooth_q:N``,
-``hadamard:SEED``: SageAttention's smoothing and a random-sign Hadamard rotation of q and k (exact in full precision).
-
-Linear layers (``nn.Linear`` of the decoder layers; :mod:`outlierscope.quant.linears.schemes`): ``a`` (a linear's input,
-(tokens, in_features)): ``per_token``, ``per_tensor`` (one scale per sequence, dynamic), ``per_group:G``, ``static``
-(one scale per linear from a calibration pass); ``w`` (the weight, (out_features, in_features)): ``per_channel``,
-``per_group:G``, ``per_tensor``. Formats as above (RTN); MX and NVFP4 blocks run along in_features (NVFP4's
-per-tensor scale: the weight's, and each sequence's for activations). ``zintB`` (``w=`` only): the integer-zero-point grid of GPTQ
-and AWQ checkpoints (GPT-QModel's ``sym=False``, compressed-tensors' asymmetric int). ``fintB``: the full-range
-symmetric grid of compressed-tensors and torchao (absmax / 127.5 onto [-128, 127] at 8 bits, values divided by the scale) where
-``intB`` is the restricted one (absmax / 127 onto [-127, 127]: SmoothQuant's, bitsandbytes', vLLM's dynamic
-activation kernel). ``smooth:ALPHA`` (SmoothQuant), ``rotate:SEED`` (a random-sign Hadamard rotation of every
-quantized linear's input), ``outliers:T`` (LLM.int8's decomposition as the paper states it), ``bnb_outliers:T``
-(bitsandbytes' rule: only the elements with |x| >= T are left out of a token's scale), ``linears:PATTERN[,PATTERN]``
-(module paths inside a decoder layer: ``self_attn.*``, ``mlp.down_proj``), ``calib:SOURCE`` (what ``smooth`` and
-``static`` calibrate on: ``hellaswag`` (default), a .txt/.jsonl file, or a SmoothQuant ``act_scales.pt``).
-``gptq[:KEY=VALUE,...]`` rounds the ``w=`` part with GPTQ and ``awq[:KEY=VALUE,...]`` scales and clips it with AWQ,
-both calibrated layer after layer on ``calib:`` text (default: LAMBADA's last passages; :mod:`~outlierscope.quant.weights.gptq`,
-:mod:`~outlierscope.quant.weights.awq`). ``w=bnb-int8`` / ``w=bnb-nf4``: bitsandbytes' own ``Linear8bitLt`` / ``Linear4bit`` replace every decoder linear
-(the ``--weights int8|nf4`` of sweeps); they stand alone among the linear parts and apply to every layer.
-``layers:`` applies to the attention and the linear parts alike. Lists also take ``+`` for ``,``
-(``q+k=int8/per_token``, ``linears:self_attn.*+mlp.down_proj``, ``layers:0+2``), a form that survives lm-eval's
-``model_args``, which split at commas; the canonical text uses commas.
-"""
+"""What to quantize: :class:`QuantSpec`, one frozen spec for everything the toolkit quantizes, with one text form and
+one parser (the grammar: the guide's "Spec language" page). Its tensor parts (:class:`TensorQuant`) name a format per
+quantized tensor; its transforms (:mod:`outlierscope.quant.specs.transforms`) what happens first and where. Its text is
+its identity: ``QuantSpec.parse(str(spec)) == spec``, and a cell's settings are derived from it."""
 
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass, field
+from typing import NamedTuple, TypeVar
 
 from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.quant.numerics.names import BACKENDS, UNQUANTIZED_BITS
 from outlierscope.quant.numerics.registry import FORMATS, Kernel, format_named, logits_formats
-from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
+from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig, WeightAlgorithm
 from outlierscope.quant.specs.parts import (  # noqa: F401 (re-exported: the spec's vocabulary)
     ALL_TARGETS,
     GRANULARITIES,
@@ -75,11 +25,16 @@ from outlierscope.quant.specs.parts import (  # noqa: F401 (re-exported: the spe
     parse_part,
 )
 from outlierscope.quant.specs.recipes import RECIPES
-from outlierscope.quant.specs.validate import check_fields
+from outlierscope.quant.specs.transforms import TRANSFORMS, Calib, Layers, Linears, Transform, _Threshold
+from outlierscope.quant.specs.validate import check_spec_parts
+
+BNB_PREFIX = "bnb-"  # bitsandbytes' weights formats: the prefix of a weights mode (int8, nf4)
+BNB_LOGITS = "bnb-int8"  # the format of the keyword form's backend="bitsandbytes"
+T = TypeVar("T", bound=Transform)
 
 
 def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
-    """The logits part of the paper's keyword form (``QuantSpec(bits=4, granularity="per_head")``); None at 16 bits."""
+    """The logits part of the paper's form (:meth:`QuantSpec.logits`); None at 16 bits."""
     fmt, gran, backend = format or "int", granularity or "per_tensor", backend or "torch"
     if fmt not in logits_formats():  # a typo is an error at 16 bits too, where these settings do not apply
         raise ParamError("format", f"one of {', '.join(logits_formats())}", fmt)
@@ -104,65 +59,113 @@ def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
     return TensorQuant("logits", fmt, bits, gran)
 
 
-BNB_PREFIX = "bnb-"  # bitsandbytes' weights formats: the prefix of a weights mode (int8, nf4)
-BNB_LOGITS = "bnb-int8"  # the format of the keyword form's backend="bitsandbytes"
+class Columns(NamedTuple):
+    """A spec's columns in a sweep table: the paper's logits fields for the paper's form; otherwise the fewest bits
+    any part uses, ``attn`` and the spec's text."""
 
-_FLAGS = ("smooth_q", "hadamard", "layers", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib", "gptq",
-          "awq")
-_TRANSFORMS = ("smooth_k", "smooth_q", "hadamard", "smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib",
-               "gptq", "awq")
+    bits: int
+    format: str
+    granularity: str
 
 
 @dataclass(frozen=True, init=False)
 class QuantSpec:
-    """Everything a model is quantized with (the text form in the module docstring).
+    """Everything a model is quantized with.
 
-    ``parts``: one :class:`TensorQuant` per target, in :data:`ALL_TARGETS` order. Attention: ``smooth_k`` (subtract
-    K's per-channel mean over the sequence's tokens: exact under softmax), ``smooth_q`` (subtract Q's per-channel mean
-    over blocks of that many rows and add ``mean_q . k^T`` back in full precision, as SageAttention2), ``hadamard``
-    (seed of a random-sign Hadamard rotation of q and k along head_dim). Linear layers: ``smooth`` (SmoothQuant's
-    alpha), ``rotate`` (seed of a random-sign Hadamard rotation of each quantized linear's input), ``outliers`` /
-    ``bnb_outliers`` (LLM.int8's threshold, the paper's or bitsandbytes' rule), ``linears`` (module-path patterns
-    inside a decoder layer; None: every ``nn.Linear``), ``calib`` (what ``smooth`` and static activation scales
-    calibrate on; None: ``hellaswag``). ``layers``: None: every layer. ``name``: the recipe it came from (not part of
-    its identity).
-
-    The paper's keyword form builds the logits part: ``QuantSpec(bits=4)``, ``QuantSpec(bits=8, format="e4m3",
-    granularity="per_row", layers=(0, 1))``, ``QuantSpec(bits=16)`` (unquantized)."""
+    parts: one :class:`TensorQuant` per quantized tensor, in target order.
+    transforms: the typed transforms (smoothing, rotations, LLM.int8's decomposition, GPTQ, AWQ, the calibration
+        source, the linears and layers it applies to), in the canonical text's order.
+    name: the recipe it came from (not part of its identity).
+    The constructor takes tensor parts and transforms alike in ``parts``; :meth:`logits` builds the paper's form."""
 
     parts: tuple[TensorQuant, ...] = ()
-    smooth_k: bool = False
-    smooth_q: int | None = None
-    hadamard: int | None = None
-    layers: tuple[int, ...] | None = None
-    name: str | None = field(default=None, compare=False)  # the recipe it came from, if any
-    smooth: float | None = None
-    rotate: int | None = None
-    outliers: float | None = None
-    linears: tuple[str, ...] | None = None
-    bnb_outliers: float | None = None
-    calib: str | None = None
-    gptq: GPTQConfig | None = None
-    awq: AWQConfig | None = None
+    transforms: tuple[Transform, ...] = ()
+    name: str | None = field(default=None, compare=False)
 
-    def __init__(self, parts=(), *, bits: int | None = None, format: str | None = None,
-                 granularity: str | None = None, backend: str | None = None, **fields):
-        known = {f.name: f.default for f in dataclasses.fields(QuantSpec)}
-        unknown = sorted(set(fields) - set(known))
-        if unknown:
-            raise TypeError(f"QuantSpec() got an unexpected keyword argument {unknown[0]!r}")
-        if bits is None and (format, granularity, backend) != (None, None, None):
-            raise ParamError("bits", "a bit width with format, granularity or backend (they describe the logits part: "
-                             "QuantSpec(bits=8, format='e4m3'))", None)
-        logits = _logits_part(bits, format, granularity, backend) if bits is not None else None
-        for key, default in known.items():
-            object.__setattr__(self, key, fields.get(key, default))
-        object.__setattr__(self, "parts", tuple(parts) + ((logits,) if logits else ()))
-        check_fields(self)
+    def __init__(self, parts=(), transforms=(), name: str | None = None):
+        given = (*parts, *transforms)
+        bad = [p for p in given if not isinstance(p, (TensorQuant, Transform))]
+        if bad:
+            raise ParamError("parts", "TensorQuant parts and Transform parts (parse_part('k=int4/per_token'), "
+                             "Smooth(0.5))", bad[0])
+        keys = [t.key for t in given if isinstance(t, Transform)]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise OutlierscopeError(f"{twice[0]} is given twice; give it once")
+        tensor = sorted((p for p in given if isinstance(p, TensorQuant)), key=lambda p: ALL_TARGETS.index(p.target))
+        object.__setattr__(self, "parts", tuple(tensor))
+        object.__setattr__(self, "transforms", tuple(sorted((t for t in given if isinstance(t, Transform)),
+                                                            key=lambda t: t.rank)))
+        object.__setattr__(self, "name", name)
+        check_spec_parts(self)
 
+    @classmethod
+    def logits(cls, bits: int, format: str = "int", granularity: str = "per_tensor", backend: str = "torch",
+               layers=None) -> QuantSpec:
+        """The paper's form: the attention logits quantized with dynamic absmax (16 bits: unquantized).
+
+        bits: 2..16 (16 = unquantized; FP8 formats: 8).
+        format: ``int``, ``e4m3`` or ``e5m2``.
+        granularity: ``per_tensor``, ``per_head`` or ``per_row``.
+        backend: ``torch``, or ``bitsandbytes`` (its int8 rows: bits 8, per_row).
+        layers: the layers quantized (None: every layer)."""
+        part = _logits_part(bits, format, granularity, backend)
+        if part is None:
+            return cls()
+        return cls((part, *([Layers(tuple(layers))] if layers is not None else [])))
 
     def part(self, target: str) -> TensorQuant | None:
+        """The tensor part of ``target``, or None."""
         return next((p for p in self.parts if p.target == target), None)
+
+    def get(self, kind: type[T]) -> T | None:
+        """The transform of type ``kind``, or None."""
+        return next((t for t in self.transforms if isinstance(t, kind)), None)
+
+    def with_part(self, part: TensorQuant | Transform) -> QuantSpec:
+        """This spec with ``part`` in place of its part of the same target or transform type (or added)."""
+        same = (lambda p: isinstance(p, TensorQuant) and p.target == part.target) if isinstance(part, TensorQuant) \
+            else (lambda t: type(t) is type(part))
+        return QuantSpec((*(p for p in (*self.parts, *self.transforms) if not same(p)), part), name=self.name)
+
+    def with_layers(self, layers) -> QuantSpec:
+        """This spec on ``layers`` (indices; None: every layer)."""
+        return self.without(Layers) if layers is None else self.with_part(Layers(tuple(layers)))
+
+    def without(self, kind: type[Transform]) -> QuantSpec:
+        """This spec without its transform of type ``kind``."""
+        return QuantSpec((*self.parts, *(t for t in self.transforms if not isinstance(t, kind))), name=self.name)
+
+    @property
+    def layers(self) -> tuple[int, ...] | None:
+        """The layers it applies to (None: every layer)."""
+        t = self.get(Layers)
+        return None if t is None else t.indices
+
+    @property
+    def linears(self) -> tuple[str, ...] | None:
+        """The linear-name patterns it quantizes (None: every ``nn.Linear`` of a decoder layer)."""
+        t = self.get(Linears)
+        return None if t is None else t.patterns
+
+    @property
+    def calib(self) -> str | None:
+        """What it calibrates on (None: the calibration's default)."""
+        t = self.get(Calib)
+        return None if t is None else t.source
+
+    @property
+    def calibrated_weights(self) -> WeightAlgorithm | None:
+        """Its weight algorithm (GPTQ or AWQ), or None."""
+        return self.get(WeightAlgorithm)
+
+    @property
+    def gptq(self) -> GPTQConfig | None:
+        return self.get(GPTQConfig)
+
+    @property
+    def awq(self) -> AWQConfig | None:
+        return self.get(AWQConfig)
 
     def applies_to(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -170,7 +173,8 @@ class QuantSpec:
     @property
     def outlier_threshold(self) -> float | None:
         """LLM.int8's threshold, whichever rule (``outliers`` or ``bnb_outliers``) gives it; None: no decomposition."""
-        return self.outliers if self.outliers is not None else self.bnb_outliers
+        t = self.get(_Threshold)
+        return None if t is None else t.threshold
 
     @property
     def weights_mode(self) -> str:
@@ -194,16 +198,15 @@ class QuantSpec:
 
     @property
     def has_attention(self) -> bool:
-        """Whether anything happens inside attention (a q/k/v/logits/probs part, smoothing, a rotation of q and k)."""
-        return any(p.target in TARGETS for p in self.parts) or self.smooth_k or self.smooth_q is not None \
-            or self.hadamard is not None
+        """Whether anything happens inside attention (a q/k/v/logits/probs part, or a transform there)."""
+        return any(p.target in TARGETS for p in self.parts) or any(t.attention for t in self.transforms)
 
     @property
     def has_linear(self) -> bool:
-        """Whether our emulation does anything to the linear layers (an a/w part, smoothing, a rotation); bitsandbytes'
-        weights are :attr:`weights_mode`."""
-        return any(p.target in LINEAR_TARGETS for p in self.without_weights().parts) or self.smooth is not None \
-            or self.rotate is not None
+        """Whether our emulation does anything to the linear layers (an a/w part, or a transform of them);
+        bitsandbytes' weights are :attr:`weights_mode`."""
+        return any(p.target in LINEAR_TARGETS for p in self.without_weights().parts) or \
+            any(t.linears for t in self.transforms)
 
     @property
     def is_identity(self) -> bool:
@@ -211,29 +214,23 @@ class QuantSpec:
 
     @property
     def is_logits_only(self) -> bool:
-        """The paper's form: a logits part or nothing (``QuantSpec(bits=B, ...)``), with no other part or transform."""
-        return all(p.target == "logits" for p in self.parts) and \
-            not any(getattr(self, k) not in (None, False) for k in _TRANSFORMS)
+        """The paper's form: a logits part or nothing (:meth:`logits`), with no other part or transform than
+        ``layers:``."""
+        return all(p.target == "logits" for p in self.parts) and all(isinstance(t, Layers) for t in self.transforms)
 
-    # a sweep table's columns (bits, format, granularity): the paper's logits fields for the paper's form; otherwise
-    # the fewest bits any part uses, KERNEL_FORMAT and the spec's text
     @property
     def bits(self) -> int:
-        if self.is_logits_only:
-            return self.parts[0].nominal_bits if self.parts else UNQUANTIZED_BITS
+        """The fewest bits per element any part uses (16: none)."""
         return min((p.nominal_bits for p in self.parts), default=UNQUANTIZED_BITS)
 
     @property
-    def format(self) -> str:
-        if self.is_logits_only:
-            return self.parts[0].format if self.parts else "int"
-        return KERNEL_FORMAT
-
-    @property
-    def granularity(self) -> str:
-        if self.is_logits_only:
-            return (self.parts[0].granularity or "per_row") if self.parts else "per_tensor"
-        return str(self)
+    def columns(self) -> Columns:
+        """Its columns in a sweep table (:class:`Columns`)."""
+        if not self.is_logits_only:
+            return Columns(self.bits, KERNEL_FORMAT, str(self))
+        if not self.parts:
+            return Columns(UNQUANTIZED_BITS, "int", "per_tensor")
+        return Columns(self.bits, self.parts[0].format, self.parts[0].granularity or "per_row")
 
     @property
     def description(self) -> str:
@@ -243,7 +240,8 @@ class QuantSpec:
         if not self.parts:
             return f"{UNQUANTIZED_BITS} (unquantized)"
         p = self.parts[0]
-        return f"{p.fmt.words(p.bits)} {self.granularity}" + (f" layers {','.join(map(str, self.layers))}" if self.layers else "")
+        layers = f" layers {','.join(map(str, self.layers))}" if self.layers else ""
+        return f"{p.fmt.words(p.bits)} {self.columns.granularity}{layers}"
 
     @property
     def label(self) -> str:
@@ -251,15 +249,7 @@ class QuantSpec:
         return self.name or self.description
 
     def __str__(self) -> str:
-        items = [str(p) for p in self.parts]
-        items += ["smooth_k"] * self.smooth_k + ([f"smooth_q:{self.smooth_q}"] if self.smooth_q is not None else [])
-        items += [f"hadamard:{self.hadamard}"] if self.hadamard is not None else []
-        items += [str(c) for c in (self.gptq, self.awq) if c is not None]
-        items += [f"{k}:{v}" for k in ("smooth", "rotate", "outliers", "bnb_outliers", "calib")
-                  if (v := getattr(self, k)) is not None]
-        items += [f"linears:{','.join(self.linears)}"] if self.linears is not None else []
-        items += [f"layers:{','.join(map(str, self.layers))}"] if self.layers is not None else []
-        return "; ".join(items) or "none"
+        return "; ".join([*map(str, self.parts), *map(str, self.transforms)]) or "none"
 
     @classmethod
     def of(cls, spec: QuantSpec | str | None) -> QuantSpec:
@@ -268,8 +258,10 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """A spec from its text, a recipe's name (:data:`~outlierscope.quant.specs.recipes.RECIPES`), or recipe names and
-        parts joined by ``;``."""
+        """A spec from its text, a recipe's name (:data:`~outlierscope.quant.specs.recipes.RECIPES`), or recipe names
+        and parts joined by ``;``.
+
+        text: the spec's text."""
         text = text.strip()
         if not text:
             raise OutlierscopeError("empty quantization spec: give a recipe name (see `outlierscope recipes`), a spec "
@@ -282,30 +274,28 @@ class QuantSpec:
         if "" in items:
             raise OutlierscopeError(f"an empty part in {text!r} (a trailing or doubled ';'); remove it")
         names = [i for i in items if i in RECIPES]
-        parts, kw = [], {}
+        parts, keys = [], set()
         for item in (x.strip() for i in items for x in (RECIPES[i].text.split(";") if i in RECIPES else [i])):
-            _read_item(item, text, parts, kw)
-        return cls(tuple(parts), **kw, name="; ".join(names) if len(names) == len(items) else None)
+            parts += _read_item(item, text, keys)
+        return cls(tuple(parts), name="; ".join(names) if len(names) == len(items) else None)
 
 
-def _read_item(item: str, text: str, parts: list, kw: dict) -> None:
-    """One ``;``-separated item of ``text`` into ``parts`` (a ``TARGETS=FORMAT`` part) or ``kw`` (a transform)."""
-    key, _, arg = item.partition(":")
-    if key in kw or item == "smooth_k" and "smooth_k" in kw:
-        raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
-    if item == "smooth_k":
-        kw["smooth_k"] = True
-    elif item in ("gptq", "awq"):
-        kw[item] = GPTQConfig() if item == "gptq" else AWQConfig()
-    elif key in _FLAGS and "=" not in key:
-        kw[key] = _flag_value(key, arg, text)
-    elif "=" not in item and ":" not in item:
-        if "calib" in kw and any(c in item for c in "/.\\"):
+def _read_item(item: str, text: str, keys: set) -> list:
+    """The parts of one ``;``-separated item of ``text``: its tensor parts (``TARGETS=FORMAT``) or its transform
+    (``keys``: the transform keys read so far)."""
+    key, colon, arg = item.partition(":")
+    kind = TRANSFORMS.get(key) if "=" not in key else None
+    if kind is not None and (colon or kind.bare):
+        if key in keys:
+            raise OutlierscopeError(f"{key} is given twice in {text!r}; give it once")
+        keys.add(key)
+        return [kind.parse(arg if colon else None, text)]
+    if "=" not in item and ":" not in item:
+        if "calib" in keys and any(c in item for c in "/.\\"):
             raise OutlierscopeError(f"{item!r} in {text!r} reads as the rest of a calib: path, but ';' separates "
                                     "the parts of a spec; rename the file without ';'")
         _unknown_recipe(item, text)
-    else:
-        parts += parse_part(item)
+    return parse_part(item)
 
 
 def _unknown_recipe(item: str, text: str):
@@ -317,35 +307,11 @@ def _unknown_recipe(item: str, text: str):
                             + (f"; did you mean {', '.join(close)}?" if close else ""))
 
 
-def _flag_value(key: str, arg: str, text: str):
-    if key == "linears":
-        return tuple(p.strip() for p in re.split("[,+]", arg))  # '+': lm-eval's model_args split at commas
-    if key == "calib":
-        return arg.strip()
-    if key in ("gptq", "awq"):
-        return GPTQConfig.parse(arg) if key == "gptq" else AWQConfig.parse(arg)
-    if key == "layers":
-        try:
-            return tuple(parse_layers(arg.replace("+", ",")))
-        except ValueError as e:  # its reason (a range from high to low, an index past MAX_LAYERS) names the fix
-            raise OutlierscopeError(f"cannot read layers:{arg} in {text!r}: {e}") from None
-    try:
-        return float(arg) if key in ("smooth", "outliers", "bnb_outliers") else int(arg)
-    except (ValueError, TypeError):
-        expected = {"smooth": "smooth:0.5", "outliers": "outliers:6.0",
-                    "bnb_outliers": "bnb_outliers:6.0"}
-        raise OutlierscopeError(f"cannot read {key}:{arg} in {text!r}: expected "
-                                + expected.get(key, f"{key}:N")) from None
-
-
 def build_spec(bits: int, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
     """The paper's settings (a sweep's ``--bits``, ``--format``, ``--granularity``, ``--layers``) as a spec:
-    unquantized for 16 bits (format, granularity and layers do not apply; a typo in them is still an error)."""
-    if bits == UNQUANTIZED_BITS:
-        _logits_part(bits, format, granularity, None)
-        return QuantSpec()
-    return QuantSpec(bits=bits, format=format, granularity=granularity,
-                     layers=tuple(layers) if layers is not None else None)
+    :meth:`QuantSpec.logits` (unquantized for 16 bits: format, granularity and layers do not apply; a typo in them is
+    still an error)."""
+    return QuantSpec.logits(bits, format, granularity, layers=None if bits == UNQUANTIZED_BITS else layers)
 
 
 LINEAR_RECIPES = tuple(n for n in RECIPES if QuantSpec.parse(n).has_linear)  # the recipes of linear layers

@@ -6,7 +6,6 @@ it read, and every check of a spec against a model made before the first forward
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from outlierscope.quant.linears.sites import (
     needs_calibration,
 )
 from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.specs.transforms import Rotate
 
 
 @torch.no_grad()
@@ -93,7 +93,7 @@ def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint
     if not spec.has_linear or (spec.gptq is None and spec.awq is None):
         return
     cfg, run = _layerwise_method(spec)
-    sites = [s for s in linear_sites(model, dataclasses.replace(spec, layers=None)) if s.layer in set(layers)]
+    sites = [s for s in linear_sites(model, spec.with_layers(None)) if s.layer in set(layers)]
     seqs = calibration_sequences(tokenizer, spec.calib, cfg, _max_positions(model))  # (N, T)
     run(model, seqs, spec, sites, progress=progress, checkpoint_dir=checkpoint_dir, alone=True)
 
@@ -196,7 +196,7 @@ def check_linear_shapes(spec: QuantSpec, config) -> None:
             if p is not None and p.granularity == "per_group" and d % p.size:
                 raise OutlierscopeError(f"{p}: {site.path} has {d} inputs, not a multiple of the group size {p.size}; "
                                         "choose a group size that divides it, or leave it out with linears:")
-        if spec.rotate is not None:
+        if spec.get(Rotate) is not None:
             _base_order(d)
     check_calibration(spec, model)
 
