@@ -22,16 +22,7 @@ from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 from outlierscope.hooks.attention import LogitContext, Stage, Tap, attention_stages
-from outlierscope.hooks.points import (
-    ATTN_TAPS,
-    DEFAULT_POINTS,
-    Point,
-    attention_module,
-    decoder_layers,
-    output_projection,
-    point_name,
-    resolve_points,
-)
+from outlierscope.hooks.points import ATTN_TAPS, DEFAULT_POINTS, KIND, Point, decoder_layers, point_name, resolve_points
 from outlierscope.models.float64 import float64_model
 
 
@@ -101,17 +92,15 @@ def _output_tensor(output) -> torch.Tensor | None:
 
 def _module_targets(model: nn.Module, points: list[Point]) -> list[tuple[nn.Module, str, Point]]:
     """(module, "input"|"output", point) for every point observed by a module hook: module inputs and outputs,
-    ``attn.out`` (the output projection's input), ``hidden`` (the decoder layer's output) and ``lm_head.input``."""
+    ``lm_head.input`` and the point kinds whose entry names a hook (:data:`~outlierscope.hooks.points.POINT_KINDS`)."""
     modules = dict(model.named_modules())
     layers = decoder_layers(model)
     out = []
     for p in points:
         if p.module is not None:
             out.append((modules[p.module], "input" if p.kind.endswith(".input") else "output", p))
-        elif p.kind == "hidden":
-            out.append((layers[p.layer], "output", p))
-        elif p.kind == "attn.out":
-            out.append((output_projection(attention_module(layers[p.layer]))[1], "input", p))
+        elif p.kind in KIND and KIND[p.kind].hook is not None:
+            out.append((*KIND[p.kind].hook(layers[p.layer]), p))
     return out
 
 

@@ -1,57 +1,98 @@
-"""Named observation points of a decoder-only model.
-
-Attention internals, produced by our attention function (nothing runs for a point not asked for):
-
-``layers.{i}.attn.logits``: pre-softmax attention logits ``(q @ k^T) * scaling``, shape
-(batch, heads, queries, keys), with the boolean mask of valid entries (causal, not padding,
-inside a sliding window). For a Diff model the two maps are heads ``[0, H/2)`` (map 1)
-and ``[H/2, H)`` (map 2); differential head ``j`` pairs heads ``j`` and ``j + H/2``.
-
-``layers.{i}.attn.q`` / ``.attn.k`` / ``.attn.v``: queries, keys and values as the attention function gets them
-(after RoPE and any QK-norm, keys and values before their heads are repeated: what a KV cache holds), observed
-as (batch, tokens, heads * head_dim): channel ``c`` is head ``c // head_dim``, dimension ``c % head_dim``.
-Valid: non-padding query rows (q), keys some real query may attend to (k, v).
-
-``layers.{i}.attn.probs``: the attention probabilities after softmax, (batch, heads, queries, keys), valid entries
-as for the logits; ``layers.{i}.attn.probs_diff`` (Diff models only): the differential map ``p1 - lambda p2`` per
-differential head, (batch, heads / 2, queries, keys).
-
-``layers.{i}.attn.out``: the attention's output per head before the output projection, (batch, tokens, heads *
-head_dim) (a Diff model's: after the differential combination and its group norm): the input of ``o_proj`` /
-``c_proj`` / ``out_proj`` / ``dense``.
-
-``layers.{i}.hidden``: the decoder layer's output (after both residual additions), shape
-(batch, tokens, channels), valid (non-padding) tokens only.
-
-``layers.{i}.<module path>.input`` / ``.output``: the (first tensor) input or output of any submodule of a decoder
-layer (``layers.3.mlp.down_proj.input``), and ``lm_head.input`` (layer index: the number of decoder layers),
-(batch, tokens, channels), valid tokens only.
-
-Patterns use ``*`` (``layers.*.hidden``, ``layers.*.self_attn.*_proj.input``); an unknown name fails with the
-closest valid ones. :data:`PRESETS` name sets of points (``--preset kv``).
-
-Hybrid models (Jamba, LFM2, Qwen3-Next) interleave attention layers with state-space or convolution
-layers: every layer has a ``hidden`` point, only attention layers the ``attn.*`` points, and layer
-indices are the model's own. The model structure is found, never assumed from a class name:
-:func:`decoder_layers`, :func:`attention_layers`, :func:`trunk`.
-"""
+"""Named observation points of a decoder-only model: one table of point kinds (:data:`POINT_KINDS`), each
+``layers.{i}.<kind>``, plus every submodule's input and output (``layers.{i}.<module path>.input``) and
+``lm_head.input``. Patterns use ``*``; an unknown name fails with the closest valid ones; :data:`PRESETS` name sets of
+points. The model's structure is found, never assumed from a class name (:func:`decoder_layers`,
+:func:`attention_layers`, :func:`trunk`): in a hybrid model only its attention layers have the ``attn.*`` points."""
 
 from __future__ import annotations
 
 import difflib
 import fnmatch
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from torch import nn
 
 from outlierscope.errors import OutlierscopeError
 
-KINDS = ("attn.logits", "hidden")  # Table 5's two kinds (the defaults)
-ATTN_TAPS = ("attn.q", "attn.k", "attn.v", "attn.probs", "attn.probs_diff")  # from inside the attention function
-ATTN_KINDS = ("attn.logits", *ATTN_TAPS, "attn.out")
-MAP_KINDS = ("attn.logits", "attn.probs", "attn.probs_diff")  # (B, H, T, S) maps; every other kind is (B, T, C)
-DEFAULT_POINTS = ("layers.*.attn.logits", "layers.*.hidden")
+
+@dataclass(frozen=True)
+class PointKind:
+    """One kind of observation point, ``layers.{i}.<name>``.
+
+    name: the kind's name (``attn.logits``).
+    observes: what it observes, in words (its shape and valid entries).
+    shape: ``map`` (batch, heads, queries, keys) or ``tokens`` (batch, tokens, channels).
+    tap: where it is observed: ``logits`` (the attention function's logits stage), ``attention`` (a tap inside the
+        attention function) or ``module`` (a module hook: :attr:`hook`).
+    table5: one of the paper's Table 5 kinds (the default points).
+    attention: whether only attention layers have it.
+    has: whether a layer has it, given its attention module and whether the model is a Diff model (None: every
+        layer it applies to).
+    hook: for a module tap, (module, ``input`` or ``output``) of a decoder layer."""
+
+    name: str
+    observes: str
+    shape: str = "tokens"
+    tap: str = "attention"
+    table5: bool = False
+    attention: bool = True
+    has: Callable[[nn.Module | None, bool], bool] | None = None
+    hook: Callable[[nn.Module], tuple[nn.Module, str]] | None = None
+
+
+def _out_projection_input(block: nn.Module) -> tuple[nn.Module, str]:
+    return output_projection(attention_module(block))[1], "input"
+
+
+POINT_KINDS = (
+    PointKind("attn.logits", "pre-softmax attention logits (q @ k^T) * scaling (batch, heads, queries, keys), valid "
+              "entries causal, not padding, inside a sliding window; a Diff model's two maps are heads [0, H/2) and "
+              "[H/2, H)", "map", "logits", table5=True),
+    PointKind("attn.q", "queries as the attention function gets them (after RoPE and any QK-norm), (batch, tokens, "
+              "heads * head_dim): channel c is head c // head_dim; valid: non-padding query rows"),
+    PointKind("attn.k", "keys as the attention function gets them, before their heads are repeated (what a KV cache "
+              "holds), (batch, tokens, kv_heads * head_dim); valid: keys some real query may attend to"),
+    PointKind("attn.v", "values as attn.k"),
+    PointKind("attn.probs", "attention probabilities after softmax, (batch, heads, queries, keys), valid entries as "
+              "the logits'", "map"),
+    PointKind("attn.probs_diff", "a Diff model's differential map p1 - lambda p2 per differential head, (batch, "
+              "heads / 2, queries, keys)", "map", has=lambda attn, diff: diff),
+    PointKind("attn.out", "the attention's output per head before the output projection (a Diff model's: after the "
+              "differential combination and its group norm), (batch, tokens, heads * head_dim)", tap="module",
+              has=lambda attn, diff: output_projection(attn) is not None, hook=_out_projection_input),
+    PointKind("hidden", "the decoder layer's output after both residual additions, (batch, tokens, channels), "
+              "valid tokens only", tap="module", table5=True, attention=False,
+              hook=lambda block: (block, "output")),
+)
+KIND = {k.name: k for k in POINT_KINDS}
+
+
+def register_point_kind(kind: PointKind) -> PointKind:
+    """Add a module-tapped point kind (``tap="module"`` with its ``hook``) to the table; returns it.
+
+    kind: the new kind (a kind tapped inside the attention function also needs its tap there)."""
+    global POINT_KINDS
+    if kind.name in KIND or kind.tap != "module" or kind.hook is None:
+        raise ValueError(f"point kind {kind.name!r}: expected a new name, tap='module' and a hook")
+    POINT_KINDS = (*POINT_KINDS, kind)
+    KIND[kind.name] = kind
+    return kind
+
+
+def unregister_point_kind(name: str) -> None:
+    """Remove a kind :func:`register_point_kind` added.
+
+    name: its name."""
+    global POINT_KINDS
+    POINT_KINDS = tuple(k for k in POINT_KINDS if k.name != name)
+    KIND.pop(name)
+KINDS = tuple(k.name for k in POINT_KINDS if k.table5)  # Table 5's two kinds (the defaults)
+ATTN_TAPS = tuple(k.name for k in POINT_KINDS if k.tap == "attention")  # observed inside the attention function
+ATTN_KINDS = tuple(k.name for k in POINT_KINDS if k.attention)
+MAP_KINDS = tuple(k.name for k in POINT_KINDS if k.shape == "map")  # (B, H, T, S) maps; every other kind is (B, T, C)
+DEFAULT_POINTS = tuple(f"layers.*.{k}" for k in KINDS)
 LM_HEAD = "lm_head.input"
 
 
@@ -76,14 +117,12 @@ PRESETS = {p.name: p for p in (
 )}
 
 
-POINT_PRESETS = PRESETS  # the name exported by the package
-"""Named sets of points by name (``table5``: the paper's attention logits and hidden states; ``kv``, ``sinks``,
-``smoothquant``: ``outlierscope profile --preset NAME``), each a :class:`PointPreset` of point patterns such as
-``layers.*.attn.k``."""
-
-
 @dataclass(frozen=True)
 class Point:
+    """One observation point of a model: its name, its layer and kind (a :data:`POINT_KINDS` name,
+    ``<module path>.input|output`` or ``lm_head.input``), and for a module point the module's full name and whether it
+    is an ``nn.Linear``."""
+
     name: str
     layer: int
     kind: str  # one of ATTN_KINDS, "hidden", "<module path>.input|output" or LM_HEAD
@@ -188,12 +227,9 @@ def lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def _layer_points(i: int, block: nn.Module, prefix: str, attention: bool, diff: bool) -> list[Point]:
-    out = []
-    if attention:
-        attn = attention_module(block)
-        kinds = [k for k in ATTN_KINDS if (k != "attn.probs_diff" or diff) and (k != "attn.out" or output_projection(attn))]
-        out += [Point(point_name(i, k), i, k) for k in kinds]
-    out.append(Point(point_name(i, "hidden"), i, "hidden"))
+    attn = attention_module(block) if attention else None
+    out = [Point(point_name(i, k.name), i, k.name) for k in POINT_KINDS
+           if (attention or not k.attention) and (k.has is None or k.has(attn, diff))]
     for path, m in block.named_modules():
         if path:
             for io in ("input", "output"):

@@ -210,3 +210,33 @@ def test_patterns_presets_and_typos():
         resolve_points(model, preset="kvv")
     with pytest.raises(OutlierscopeError, match="unknown observation point"):
         resolve_points(model, ["layers.*.attn.probs_diff"])  # Diff models only
+
+
+def test_a_point_kind_is_one_entry_of_the_table():
+    """A new kind defined here (the MLP's output) is one entry: it resolves by name and pattern on every layer and
+    capture observes exactly what the module returns (read by a hook of the test's own)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from outlierscope.hooks.capture import capture
+    from outlierscope.hooks.points import PointKind, register_point_kind, resolve_points, unregister_point_kind
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, max_position_embeddings=32)).eval()
+    register_point_kind(PointKind("mlp.out", "the MLP's output", tap="module", attention=False,
+                                  hook=lambda block: (block.mlp, "output")))
+    try:
+        assert [p.name for p in resolve_points(model, "layers.*.mlp.out")] == ["layers.0.mlp.out", "layers.1.mlp.out"]
+        seen, want = [], []
+        h = model.model.layers[1].mlp.register_forward_hook(lambda m, a, out: want.append(out.detach().clone()))
+        try:
+            with capture(model, ["layers.1.mlp.out"], reducers=lambda obs: seen.append(obs.x.clone())):
+                model(torch.tensor([[1, 2, 3, 4, 5]]))
+        finally:
+            h.remove()
+        assert len(seen) == 1 and torch.equal(seen[0], want[0])
+    finally:
+        unregister_point_kind("mlp.out")
+    with pytest.raises(OutlierscopeError, match="unknown observation point 'layers.0.mlp.out'"):
+        resolve_points(model, "layers.0.mlp.out")
