@@ -1,5 +1,7 @@
+
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -42,7 +44,6 @@ def test_unknown_model_is_one_line(capsys):
 def test_library_warning_prints_its_prefix_once(monkeypatch, capsys):
     """The library's warnings start with "outlierscope: "; the command line's one-line format adds "warning:" once
     (seen doubled on an H200: "outlierscope: warning: outlierscope: statistics run uncompiled")."""
-    import warnings
 
     monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main's format undone after the test
     assert main(["info"]) == 0
@@ -332,7 +333,6 @@ def test_inputs_that_ended_late_are_one_line_before_any_cell(argv, msg, tmp_path
 def test_a_runs_own_warning_is_one_line_of_its_log(tmp_path, capsys):
     """gptq:samples beyond what the calibration text gives: a library run says so as one line of its own log (not a
     Python UserWarning with its file and line); the command line prints that line; other warnings pass as before."""
-    import warnings
 
     from outlierscope.errors import warnings_to
     from outlierscope.runs.sweep import SweepSettings, sweep
@@ -354,3 +354,30 @@ def test_a_runs_own_warning_is_one_line_of_its_log(tmp_path, capsys):
         with warnings_to(logged.append):
             warnings.warn("not ours", UserWarning, stacklevel=1)  # this test file is outside the package: passed on
     assert [str(w.message) for w in seen] == ["not ours"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["perplexity", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["sweep", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["sensitivity", "--model", "pair-tiny:diff", "--seed", "-1"],
+    ["profile", "--model", "pair-tiny:diff", "--seed", str(2**32)],
+])
+def test_a_negative_or_huge_seed_is_refused_first(argv, capsys, tmp_path):
+    rc = main([*argv, "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--seed must be an integer from 0 to 4294967295" in err and not (tmp_path / "o").exists()
+
+
+def test_under_torchrun_the_error_line_is_what_its_failure_report_shows(tmp_path, monkeypatch, capsys):
+    """torchrun's launcher reads each failed worker's TORCHELASTIC_ERROR_FILE: read back by torch's own ProcessFailure,
+    the root cause is outlierscope's one line (before: "To enable traceback see: ..." after the line)."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    err = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(err))
+    assert main(["sweep", "--model", "pair-tiny:diff", "--bits", "1", "--out", str(tmp_path / "o")]) == 2
+    line = capsys.readouterr().err.strip()
+    assert line.startswith("outlierscope: error: ") and "--bits" in line
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(err))
+    report = ChildFailedError("outlierscope", {0: failure}).format_msg()  # what torchrun prints
+    assert f"traceback : {line}\n" in report and "To enable traceback" not in report

@@ -1,10 +1,13 @@
 """outlierscope.io: what a record says of the checkout that made it."""
 
+
 import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+
+from outlierscope.errors import OutlierscopeError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,3 +188,11 @@ def test_every_committed_record_is_sealed_and_verifies():
     assert len(list(mod.records(ROOT))) > 600 and not bad, (len(bad), bad[:5])
     tables = [p for p in (ROOT / "docs").rglob("*.csv") if p.resolve() not in listed]
     assert not tables, (len(tables), [str(p.relative_to(ROOT)) for p in tables[:5]])
+
+
+def test_rank_agreement_on_a_missing_directory_says_so(tmp_path, capsys):
+    from outlierscope.io import read_record
+
+    with pytest.raises(OutlierscopeError, match="the directory does not exist") as e:
+        read_record(tmp_path / "nowhere" / "sweep.json", what="sweep record")
+    assert "permission" not in str(e.value)

@@ -87,14 +87,12 @@ def test_functions_fit_on_a_screen():
     assert not long, "functions over 80 lines: " + ", ".join(long)
 
 
-# quant/'s sub-packages (#65): the numbers, the spec that names them, then what applies them; a sub-package imports only
-# lower ranks or itself. The modules at quant/'s top (apply, export, bnb) sit above every sub-package; the old paths
-# (one-line shims that alias a moved module, and _moved that makes them) are outside the order. apply (quantize_model)
-# calls bnb for bitsandbytes weights.
+# quant/'s sub-packages: the numbers, the spec that names them, then what applies them; a sub-package imports only
+# lower ranks or itself. The modules at quant/'s top (apply, export, bnb) sit above every sub-package; apply
+# (quantize_model) calls bnb for bitsandbytes weights.
 QUANT_RANK = {"numerics": 0, "specs": 1, "attention": 2, "linears": 3, "weights": 4, "bnb": 5, "export": 5, "apply": 6,
               "__init__": 7}
 QUANT = PKG / "quant"
-SHIMS = {p for p in QUANT.glob("*.py") if p.stem not in QUANT_RANK}
 
 
 def _quant_part(module: str) -> str | None:
@@ -104,7 +102,7 @@ def _quant_part(module: str) -> str | None:
     return parts[2] if len(parts) > 2 else "__init__"
 
 
-@pytest.mark.parametrize("path", sorted(p for p in QUANT.rglob("*.py") if p not in SHIMS),
+@pytest.mark.parametrize("path", sorted(QUANT.rglob("*.py")),
                          ids=lambda p: str(p.relative_to(QUANT)))
 def test_quant_subpackages_import_downward(path):
     rel = path.relative_to(QUANT)
@@ -114,14 +112,8 @@ def test_quant_subpackages_import_downward(path):
         other = _quant_part(module)
         if other is None or other == own:
             continue
-        assert other in QUANT_RANK, f"quant/{rel}:{line} imports the deprecated path {module}"
+        assert other in QUANT_RANK, f"quant/{rel}:{line} imports {module}, which is no sub-package of quant/"
         assert QUANT_RANK[other] < QUANT_RANK[own], (
             f"quant/{rel}:{line} imports {module} (rank {QUANT_RANK[other]}) from quant/{own} (rank {QUANT_RANK[own]})")
 
 
-def test_quant_old_paths_are_shims_only():
-    """Nothing in the package imports an old path of quant/ (they exist for users, for one release)."""
-    old = {f"outlierscope.quant.{p.stem}" for p in SHIMS if p.stem != "_moved"}
-    users = [f"{p.relative_to(PKG)}:{line} {m}" for p in MODULES if p not in SHIMS
-             for m, line in _imports(p) if m in old]
-    assert not users, "old quant/ paths imported inside the package: " + ", ".join(users)

@@ -66,6 +66,7 @@ POINT_KINDS = (
               "valid tokens only", tap="module", table5=True, attention=False,
               hook=lambda block: (block, "output")),
 )
+"""Every kind of observation point ``layers.{i}.<kind>``, one :class:`PointKind` each."""
 KIND = {k.name: k for k in POINT_KINDS}
 
 
@@ -115,6 +116,7 @@ PRESETS = {p.name: p for p in (
     PointPreset("smoothquant", (), linear_inputs=True,
                 help="the input of every nn.Linear (decoder layers and LM head); exports act_scales.pt"),
 )}
+"""Named sets of points (``outlierscope profile --preset NAME``), each a :class:`PointPreset`."""
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,6 @@ What quantization does to attention is measured in :mod:`outlierscope.analysis.a
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 from torch import nn
@@ -16,7 +15,7 @@ from outlierscope.hooks.attention import QKV, LogitContext, QKVContext, Stage, a
 from outlierscope.hooks.points import attention_layers, decoder_layers
 from outlierscope.quant.attention.logits import LogitsQuant, logits_quant
 from outlierscope.quant.attention.ops import quantize_probs, quantize_tokens, smooth_q
-from outlierscope.quant.bnb import bnb_weights, quantize_weights  # noqa: F401 (quantize_weights: deprecated alias)
+from outlierscope.quant.bnb import bnb_weights
 from outlierscope.quant.linears.schemes import quantize_linears
 from outlierscope.quant.linears.sites import Calibration
 from outlierscope.quant.specs.spec import TARGETS, QuantSpec
@@ -108,12 +107,6 @@ def attention_stage(spec: QuantSpec) -> Stage:
     return stage
 
 
-def as_attn_quant(spec: QuantSpec | str) -> QuantSpec:
-    """Deprecated (for one release): :meth:`QuantSpec.of`."""
-    warnings.warn("as_attn_quant is deprecated: use QuantSpec.of(spec)", DeprecationWarning, stacklevel=2)
-    return QuantSpec.of(spec)
-
-
 @contextlib.contextmanager
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
@@ -152,9 +145,3 @@ def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | No
 
 def _touches_attention(spec: QuantSpec) -> bool:
     return spec.has_attention or not spec.has_linear
-
-
-def quantize_attention(*args, **kwargs):
-    """Deprecated (for one release): :func:`quantize_model`, the name before linear layers joined."""
-    warnings.warn("quantize_attention is deprecated: use quantize_model", DeprecationWarning, stacklevel=2)
-    return quantize_model(*args, **kwargs)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -71,16 +70,3 @@ def bnb_weights(model: nn.Module, mode: str) -> Iterator[nn.Module]:
     finally:
         for parent, cname, lin in swapped:
             setattr(parent, cname, lin)
-
-
-def quantize_weights(model: nn.Module, mode: str) -> nn.Module:
-    """Deprecated (for one release): bitsandbytes weights in place, for good. Use ``quantize_model(model,
-    "w=bnb-int8")`` (or ``QuantSpec(...).with_weights("nf4")``), which puts the originals back afterwards."""
-    warnings.warn("quantize_weights is deprecated: quantize with a spec's w=bnb-int8 / w=bnb-nf4 part "
-                  "(quantize_model(model, 'w=bnb-nf4'))", DeprecationWarning, stacklevel=2)
-    if mode not in WEIGHT_MODES:
-        raise OutlierscopeError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
-    if mode != "none":
-        _swap_in(model, mode)
-        _check_runs(model, mode)
-    return model

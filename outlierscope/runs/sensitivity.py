@@ -58,7 +58,7 @@ from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 from outlierscope.quant.specs.transforms import Linears
 from outlierscope.quant.weights.calibration import calibrate_layers_alone
 from outlierscope.runs.cells import merged_cell, refuse_other_settings
-from outlierscope.runs.sensitivity_cells import _Run, cell_settings, change  # noqa: F401  (change: its old path)
+from outlierscope.runs.sensitivity_cells import _Run, change
 from outlierscope.runs.sensitivity_record import (
     _in_attention,
     _log_summary,

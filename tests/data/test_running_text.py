@@ -4,6 +4,7 @@ dataset through ``datasets`` (its README's configs, its parquet files), a second
 reads the same documents from the cache without a request, and every failure is one line. The expected documents
 are the rows written into the served parquet file here."""
 
+
 import io
 import json
 import os
@@ -98,3 +99,21 @@ def test_a_missing_split_dataset_or_cache_is_one_line(hub, tmp_path, source, env
 def test_a_malformed_dataset_name_fails_before_any_request(source, msg):
     with pytest.raises(OutlierscopeError, match=msg.replace("(", r"\(")):
         load_text(source)
+
+
+@pytest.fixture()
+def bad_texts(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name, says", [("latin1.txt", "is not UTF-8 text"), ("dir.txt", "a directory, not a file"),
+                                        ("broken.parquet", "cannot be read as parquet")])
+def test_unreadable_running_text_is_one_line(bad_texts, name, says):
+    from outlierscope.data.running_text import load_text
+
+    with pytest.raises(OutlierscopeError, match=says) as e:
+        load_text(str(bad_texts / name))
+    assert "\n" not in str(e.value) and name in str(e.value)

@@ -167,17 +167,6 @@ def _check_bnb_weights(replaced: dict, originals: dict, mode: str, hidden: int) 
             torch.testing.assert_close(lin(xi), torch.nn.functional.linear(xi, w, lin.bias), rtol=1e-5, atol=1e-6)
 
 
-def test_deprecated_quantize_weights_warns_and_quantizes_in_place():
-    import bitsandbytes as bnb
-
-    from outlierscope import quantize_weights
-
-    m = PairConfig.from_name("pair-test").build("transformer").eval()
-    with pytest.warns(DeprecationWarning, match="quantize_weights is deprecated"):
-        quantize_weights(m, "int8")
-    assert isinstance(m.model.layers[0].mlp.down_proj, bnb.nn.Linear8bitLt)
-
-
 def _small_logits(m):
     with torch.no_grad():
         return m(input_ids=IDS[:, :8] % 512).logits

@@ -2,6 +2,7 @@
 (AutoAWQ's arithmetic; references/awq_gptqmodel_reference.py, its fixture committed) and against AutoAWQ's algorithm
 written here in float64 numpy (loops over ratios, rows and groups; the MLP's forward by hand)."""
 
+
 import json
 from pathlib import Path
 
@@ -203,3 +204,19 @@ def test_clip_search_step_is_speed_only(n_out, n_in, group, tokens, fmt):
         assert torch.equal(got_top, top) and torch.equal(got_errs, errs), (rows, int((got_errs != errs).sum()))
         got = search_clip(w, x, lambda v: quantize_weight(v, part), group, rows=rows)
         assert torch.equal(got, want), (rows, int((got != want).sum()))
+
+
+def test_awq_weight_statistic_is_float64_in_a_float64_model():
+    """AutoAWQ takes the statistic in the weights' dtype: float64 weights give float64 values equal to a float64
+    computation written here (float32 rounding was 1e-7 off, enough to flip a tie on a full-range grid)."""
+    import torch
+
+    from outlierscope.quant.weights.awq import weight_mean
+
+    g = torch.Generator().manual_seed(1)
+    ws = [torch.randn(48, 64, generator=g, dtype=torch.float64), torch.randn(16, 64, generator=g, dtype=torch.float64)]
+    got = weight_mean(ws, 16)
+    w = torch.cat(ws).abs().reshape(64, 4, 16)  # (O, I/G, G)
+    want = (w / (w.amax(-1, keepdim=True) + 1e-6)).reshape(64, 64).mean(0)  # (I,)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-15, atol=0)

@@ -4,6 +4,7 @@ each column by removing that column, so the two agree only if the Cholesky facto
 right. The scale of a dynamic group is taken, as GPT-QModel takes it, from the weights as they were when the block
 holding the group's first column began."""
 
+
 import numpy as np
 import pytest
 import torch
@@ -388,3 +389,26 @@ def _compare_with_digests(block, ref, digests: dict, layer: int, sha) -> tuple[l
                 wrong += [f"{name} {key} {k}" for k, v in got.items() if v != want[k]]
                 checked += 1
     return wrong, checked
+
+
+def test_gptq_damping_averages_a_contiguous_copy_of_the_diagonal():
+    """GPT-QModel (and IST-DASLab's GPTQ, llm-compressor) damp with ``damp * torch.mean(torch.diag(H))``: the mean of
+    a contiguous copy. The Hessian (SmolLM2's hidden size) is the first of 64 seeded ones whose strided mean differs from
+    the contiguous one in its last bit on this processor (which ones do depends on the processor's summation: about
+    half of them on an Intel Xeon and on an AMD EPYC)."""
+    import torch
+
+    from outlierscope.quant.weights.gptq import inverse_hessian_factor
+
+    def hessian(seed):
+        g = torch.Generator().manual_seed(seed)
+        x = torch.randn(256, 576, generator=g) * torch.rand(576, generator=g) * 10
+        return x.T @ x  # (576, 576)
+
+    h = next((h for h in map(hessian, range(64)) if torch.mean(h.diagonal()) != torch.mean(torch.diag(h))), None)
+    assert h is not None  # the case exists
+    ref = h.clone()  # GPT-QModel 7.6's lines, written out
+    diag = torch.arange(576)
+    ref[diag, diag] += 0.01 * torch.mean(torch.diag(ref))
+    ref = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(ref)), upper=True)
+    assert torch.equal(inverse_hessian_factor(h, 0.01), ref)

@@ -3,11 +3,14 @@ captured by running the whole model with every earlier linear's rounded weight a
 the rounding by the float64 OBS form of tests/quant/test_gptq.py), and against GPT-QModel 7.6's own checkpoints."""
 
 import copy
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
+from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError
 from outlierscope.quant.linears.sites import linear_sites
 from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.quant.weights.gptq_model import gptq_model
@@ -156,7 +159,6 @@ def test_a_gptq_spec_runs_through_quantize_model_and_the_commands(tmp_path, caps
     records the calibration's text and tokens."""
     import json
 
-    from outlierscope.cli import main
     from outlierscope.models.loading import load_model
     from outlierscope.quant.apply import quantize_model
     from outlierscope.quant.weights.calibration import calibration_for
@@ -287,3 +289,31 @@ def test_whole_model_equals_llm_compressors_gptq_modifier(tag, gptq):
             differ += [] if same else [name]
         if sequential == "subset":
             assert "model.layers.0.self_attn.o_proj" in differ and not any(".0.self_attn.q" in n for n in differ)
+
+
+@pytest.mark.parametrize("kind", ["gptq", "awq"])
+def test_calibration_text_too_short_or_fewer_samples_names_the_file(tmp_path, kind):
+    """A calibration text shorter than one sequence is a one-line error naming calib:FILE and the seqlen setting; one
+    that gives fewer sequences than samples is calibrated on those, with a warning saying how many."""
+    from outlierscope.models.loading import load_model
+    from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights.sequential import calibration_sequences
+
+    lm = load_model("pair-tiny:transformer")
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat")
+    spec = QuantSpec.parse(f"w=int4/per_group:32; {kind}:samples=4,seqlen=48; calib:{short}")
+    cfg = getattr(spec, kind)
+    with pytest.raises(OutlierscopeError) as e:
+        calibration_sequences(lm.tokenizer, str(short), cfg, None)
+    msg = str(e.value)
+    assert f"calib:{short}: too short" in msg and f"{kind}:seqlen=48" in msg and "\n" not in msg
+    some = tmp_path / "some.txt"
+    some.write_text(" ".join(["the cat sat on the mat"] * 30))  # about 180 tokens: 3 sequences of 48, not 4
+    n = len(lm.tokenizer(some.read_text(), add_special_tokens=False)["input_ids"]) + 1  # + EOS after the document
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        seqs = calibration_sequences(lm.tokenizer, str(some), cfg, None)
+    assert len(seqs) == n // 48 < 4
+    (w,) = [w for w in seen if "fewer than" in str(w.message)]
+    assert f"calib:{some} gives {n // 48} sequences of 48 tokens, fewer than {kind}:samples=4" in str(w.message)

@@ -3,17 +3,18 @@ the same type, the table columns and words the committed cells were named by, bi
 the names before it as deprecated aliases."""
 
 import itertools
+import math
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from outlierscope.errors import OutlierscopeError
+from outlierscope.errors import OutlierscopeError, ParamError
 from outlierscope.quant.specs.recipes import RECIPES
 from outlierscope.quant.specs.spec import QuantSpec
+from outlierscope.quant.specs.transforms import Calib, Hadamard, Layers, Linears, Outliers, Rotate, Smooth
 
 SIZE = st.integers(1, 256)
 INT = st.sampled_from(["int", "asym", "fint"]).flatmap(lambda f: st.integers(2, 8).map(lambda b: f"{f}{b}"))
@@ -165,44 +166,11 @@ def test_unknown_keyword_is_a_type_error():
         QuantSpec.logits(bits=4, granularty="per_head")
 
 
-@pytest.mark.parametrize("module,name", [("outlierscope", "AttnQuant"), ("outlierscope.quant", "AttnQuant"),
-                                         ("outlierscope.quant.specs.recipe", "AttnQuant")])
-def test_the_old_type_name_warns_and_is_the_one_type(module, name):
-    import importlib
-
-    with pytest.warns(DeprecationWarning, match="AttnQuant is deprecated"):
-        old = getattr(importlib.import_module(module), name)
-    assert old is QuantSpec
-
-
-def test_the_old_function_names_warn_and_do_the_same():
-    import outlierscope
-    from outlierscope.quant import apply
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        import outlierscope.quant.specs.recipe  # noqa: F401 (importing the old module does not warn; its old names do)
-    with pytest.warns(DeprecationWarning, match="as_attn_quant is deprecated"):
-        assert apply.as_attn_quant("sage1") == QuantSpec.parse("sage1")
-    with pytest.warns(DeprecationWarning, match="quantize_attention is deprecated"):
-        f = outlierscope.quantize_attention
-        f(None, QuantSpec.logits(bits=4)).__enter__ if False else None  # resolving warns nothing; calling does
-        with pytest.raises(AttributeError):  # a real call: it goes on to quantize_model (here: no model)
-            with f(None, QuantSpec.logits(bits=4)):
-                pass
-    assert "AttnQuant" not in outlierscope.__all__ and "quantize_attention" not in outlierscope.__all__
-
-
 def test_no_module_dispatches_between_spec_types():
-    """One type: no isinstance between spec classes, and the old name only in its deprecation shims."""
+    """One spec type: no isinstance between spec classes."""
     pkg = Path(__file__).resolve().parents[2] / "outlierscope"
-    shims = {"quant/specs/recipe.py", "quant/__init__.py", "__init__.py"}
     for path in pkg.rglob("*.py"):
-        rel = str(path.relative_to(pkg))
-        text = path.read_text()
-        assert not re.search(r"isinstance\([^()]*,\s*\(?[\w., ]*\b(QuantSpec|AttnQuant)\b", text), rel
-        if rel not in shims:
-            assert "AttnQuant" not in text, f"{rel} still names AttnQuant"
+        assert not re.search(r"isinstance\([^()]*,\s*\(?[\w., ]*\bQuantSpec\b", path.read_text()), path
 
 
 def _readme_one_liners() -> list[str]:
@@ -251,3 +219,54 @@ def test_the_constructor_bounds_layers_as_the_parser_does():
             QuantSpec.parse(f"logits=int4/per_tensor; layers:{index}")
     top = QuantSpec.logits(bits=4, layers=((1 << 16) - 1,))
     assert QuantSpec.parse(str(top)) == top
+
+
+def test_huge_layer_ranges_fail_at_once():
+    from outlierscope.quant.specs.parts import MAX_LAYERS, parse_layers
+    from outlierscope.quant.specs.spec import QuantSpec
+
+    with pytest.raises(ValueError, match="below 65536"):
+        parse_layers("0-3000000000")
+    with pytest.raises(OutlierscopeError, match="layer indices must be below 65536"):
+        QuantSpec.parse("w8a8; layers:0-3000000000")
+    with pytest.raises(OutlierscopeError, match="look like 0-3 or 0,2,5"):
+        QuantSpec.parse("w8a8; layers:zero")
+    assert parse_layers(f"0-{MAX_LAYERS - 1}")[-1] == MAX_LAYERS - 1
+
+
+@pytest.mark.parametrize("text, says", [("gptq:order=desc,order=none", "sets order twice"),
+                                        ("awq:grid=10,grid=20", "sets grid twice"),
+                                        ("gptq:damp=0", "0 < X < 1")])
+def test_weight_algorithm_settings_given_twice_or_zero_damping(text, says):
+    from outlierscope.quant.specs.spec import QuantSpec
+
+    with pytest.raises(OutlierscopeError, match=says):
+        QuantSpec.parse(f"w=int4/per_group:64; {text}")
+
+
+def test_weight_algorithm_configs_check_their_types():
+    from outlierscope.quant.specs.calibrated import AWQConfig, GPTQConfig
+
+    for cfg, kw in ((GPTQConfig, dict(block=1.5)), (GPTQConfig, dict(static=1)), (GPTQConfig, dict(order=3)),
+                    (AWQConfig, dict(shrink=True)), (AWQConfig, dict(grid=2.0))):
+        with pytest.raises(OutlierscopeError, match="needs"):
+            cfg(**kw)
+
+
+@pytest.mark.parametrize("part, field", [(lambda: Rotate(1.5), "rotate"), (lambda: Smooth(True), "smooth"),
+                                         (lambda: Layers((0.5,)), "layers"), (lambda: Calib(" x "), "calib"),
+                                         (lambda: Hadamard(True), "hadamard"), (lambda: Outliers(math.nan), "outliers"),
+                                         (lambda: Linears(("o_proj ",)), "linears")])
+def test_a_part_refuses_what_the_text_cannot_say(part, field):
+    with pytest.raises(ParamError) as e:
+        part()
+    assert e.value.param == field
+
+
+@pytest.mark.parametrize("text", ["w8a8; smooth:0.5; layers:0-3", "k=int4/per_token; rotate:7",
+                                  "w=int4/per_group:64; gptq:damp=0.05,order=desc,static; calib:hellaswag",
+                                  "w=int4/per_group:64; awq:grid=10,shrink=0.25", "kivi-2bit", "w4a8"])
+def test_every_built_spec_reads_back_as_itself(text):
+    spec = QuantSpec.parse(text)
+    again = QuantSpec((*reversed(spec.transforms), *reversed(spec.parts)))  # any order in: the canonical one out
+    assert again == spec and QuantSpec.parse(str(again)) == spec

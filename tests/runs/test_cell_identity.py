@@ -107,7 +107,8 @@ def _study_specs(s, role: str, n_layers: int):
 @pytest.mark.parametrize("run_dir", STUDIES, ids=_id)
 def test_sensitivity_settings_name_their_recorded_cells(run_dir):
     from outlierscope.eval.evaluate import items_digest, layout_for, select_items
-    from outlierscope.runs.sensitivity import SensitivitySettings, cell_settings
+    from outlierscope.runs.sensitivity import SensitivitySettings
+    from outlierscope.runs.sensitivity_cells import cell_settings
 
     rec = json.loads((run_dir / "sensitivity.json").read_text())
     s = SensitivitySettings(**rec["settings"])

@@ -9,6 +9,7 @@ import pytest
 
 from outlierscope.analysis.kld import paired_runs
 from outlierscope.cli import main
+from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.perplexity import TokenScores
 
 
@@ -132,3 +133,15 @@ def test_rank_agreement_of_a_perplexity_run_and_a_sweep(tmp_path, hellaswag_cach
     err = capsys.readouterr().err
     assert "is missing: the per-token cells" in err and "outlierscope perplexity" in err and err.count("\n") == 1
     assert not (tmp_path / "r2").exists()
+
+
+def test_compare_perplexity_refuses_runs_of_different_tokenizers(tmp_path):
+    from outlierscope.runs.perplexity_compare import check_pairable
+
+    def rec(tok):
+        return {"text": {"sha256": "t"}, "settings": {"protocol": "gptq"}, "length": 512, "windows": 4,
+                "scored_tokens": 2044, "tokenizer": {"files_sha256": tok}}
+
+    check_pairable(rec("a" * 64), rec("a" * 64), tmp_path / "a", tmp_path / "b")
+    with pytest.raises(OutlierscopeError, match="different tokenizers"):
+        check_pairable(rec("a" * 64), rec("b" * 64), tmp_path / "a", tmp_path / "b")

@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import warnings
 
 import numpy as np
 import pandas as pd
@@ -12,6 +13,7 @@ from outlierscope.cli import main
 from outlierscope.data.running_text import load_text
 from outlierscope.errors import OutlierscopeError
 from outlierscope.eval.perplexity import TokenScores
+from outlierscope.quant.specs.spec import QuantSpec
 
 PASSAGES = [f"Passage {i}: " + " ".join(f"the {w} went to the {w}s" for w in ("cat", "dog", "fox")[: 1 + i % 3]) * (3 + i)
             for i in range(30)]
@@ -185,7 +187,6 @@ def test_windows_are_scored_once_per_batch_of_every_spec(tmp_path, text):
     from outlierscope.eval.perplexity import score_windows
     from outlierscope.eval.windows import protocol_windows
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.specs.spec import QuantSpec
 
     assert _run(tmp_path, text) == 0
     table = pd.read_csv(tmp_path / "p" / "perplexity.csv")
@@ -259,7 +260,6 @@ def test_logprobs_lmeval_is_its_own_cell_with_lm_evals_sums(tmp_path, text, caps
 def test_figures_have_every_quantized_spec(tmp_path, text):
     """figures/: the KLD distribution with one line per quantized spec (not the unquantized model, whose KLD is 0),
     and the interval panels with one row each, no text cut off."""
-    import warnings
 
     import matplotlib
 
@@ -477,3 +477,19 @@ def test_a_directory_where_a_cell_file_goes_is_one_line_before_any_work(tmp_path
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{cid}.npz is a directory where outlierscope writes a file" in err
     assert not list((tmp_path / "p" / "cells").glob("*.part-*")) and not (tmp_path / "p" / "perplexity.json").exists()
+
+
+@pytest.fixture()
+def bad_texts(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["latin1.txt", "broken.parquet"])
+def test_perplexity_with_an_unreadable_text_exits_before_loading(bad_texts, name, capsys, tmp_path):
+    rc = main(["perplexity", "--model", "pair-tiny:diff", "--text", str(bad_texts / name), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and name in err
+    assert not (tmp_path / "o").exists()

@@ -1,3 +1,5 @@
+
+
 import json
 
 import numpy as np
@@ -6,6 +8,7 @@ import pytest
 
 from outlierscope.cli import main
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.specs.spec import QuantSpec
 from outlierscope.runs import sweep as sw
 from outlierscope.runs.sweep import SweepSettings, sweep
 
@@ -465,7 +468,6 @@ def test_sweep_with_attention_recipes(tiny_pair, hs_jsonl, tmp_path, capsys):
     quantize_model with that spec, resumed, tabulated again byte-identical from the cells, merged from shards."""
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.specs.spec import QuantSpec
 
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16,),
                   quant=("sage2-int4", "k=int4/per_group:8"))
@@ -503,7 +505,6 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
                   attn_error=True)
     sweep(s, tmp_path, progress=False, log=lambda *_: None)
     err = pd.read_csv(tmp_path / "attn_error.csv")
-    from outlierscope.quant.specs.spec import QuantSpec
 
     assert set(err["label"]) == {"4-bit int per_tensor", QuantSpec.parse("k=int4/per_group:8").label}
     rows = err.groupby("label")["rows"].sum()
@@ -515,7 +516,6 @@ def test_attention_error_with_recipes_measures_every_cell(tiny_pair, hs_jsonl, t
 def test_a_quantized_cell_is_named_by_its_batch_size():
     """Quantized per-item scores depend on the batch size by float32 rounding (tests/eval/test_scorer.py), so a
     quantized cell computed at batch 8 is not reused at batch 32; an unquantized cell (~1e-5 nats) keeps its id."""
-    from outlierscope.quant.specs.spec import QuantSpec
     from outlierscope.runs.cells import cell_id
 
     def ident(spec, bs):
@@ -609,7 +609,6 @@ def test_sweep_with_bitsandbytes_weights(tiny_pair, hs_jsonl, tmp_path):
     from outlierscope.eval.evaluate import evaluate
     from outlierscope.hooks.points import decoder_layers
     from outlierscope.models.loading import load_model
-    from outlierscope.quant.specs.spec import QuantSpec
 
     s = _settings(tiny_pair, hs_jsonl, models=(str(tiny_pair["diff"]),), bits=(16, 4), weights="nf4", limit=6)
     out = tmp_path / "nf4"
@@ -695,3 +694,27 @@ def test_a_directory_where_a_cell_file_goes_is_one_line_before_the_cell(tiny_pai
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and f"{cid}.csv is a directory where outlierscope writes a file" in err
     assert sorted(p.name for p in (out / "cells").iterdir()) == [f"{cid}.csv"]
+
+
+@pytest.fixture()
+def bad_texts(tmp_path):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    return tmp_path
+
+
+def test_sweep_kld_text_is_read_before_any_item_cell(bad_texts, capsys, tmp_path):
+    out = tmp_path / "sweep"
+    rc = main(["sweep", "--model", "pair-tiny:diff", "--bits", "16", "8", "--limit", "4", "--kld-text",
+               str(bad_texts / "latin1.txt"), "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and "latin1.txt" in err and "not UTF-8" in err
+    assert not list(out.rglob("*.npz")) and not list(out.rglob("*.json"))
+
+
+def test_kld_length_zero_names_its_flag(capsys, tmp_path):
+    rc = main(["sweep", "--model", "pair-tiny:diff", "--kld-text", "lambada", "--kld-length", "0", "--out",
+               str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--kld-length must be >= 2" in err

@@ -15,11 +15,10 @@ it: a sequence gets the same blocks alone, left-padded or right-padded in a batc
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from outlierscope.errors import OutlierscopeError
+from outlierscope.quant.numerics.exact import hadamard, smooth_k  # noqa: F401 (the attention transforms' arithmetic)
 from outlierscope.quant.numerics.formats import pad_to
 from outlierscope.quant.numerics.fused import fusable
 from outlierscope.quant.numerics.primitives import every
@@ -144,14 +143,6 @@ def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_st
     return tq.fmt.quantize(p, (3,), valid, tq.bits)
 
 
-def smooth_k(k: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """K minus its per-channel mean over the sequence's valid tokens, per head: (B, KV, S, d). Exact under softmax:
-    it subtracts q . mean(k) from every logit of a row."""
-    v = valid[:, None, :, None].to(k.dtype)  # (B, 1, S, 1)
-    mean = (k * v).sum(2, keepdim=True) / v.sum(2, keepdim=True).clamp_min(1)  # (B, KV, 1, d)
-    return k - mean
-
-
 def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only, counted from
     each sequence's first real row), per head, broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in
@@ -166,34 +157,3 @@ def _block_means(q: torch.Tensor, valid: torch.Tensor, rows: int) -> torch.Tenso
     vp = pad_to(valid[:, None, :, None].to(q.dtype).expand(B, 1, T, 1), 2, rows).reshape(B, 1, -1, rows, 1)  # (B, 1, T/rows, rows, 1)
     mean = (qp * vp).sum(3, keepdim=True) / vp.sum(3, keepdim=True).clamp_min(1)  # (B, H, T/rows, 1, d)
     return mean.expand_as(qp).reshape(B, H, -1, d)[:, :, :T]  # (B, H, T, d)
-
-
-def sylvester(d: int) -> torch.Tensor:
-    """Sylvester's (d, d) Hadamard matrix (entries +-1, float64); ``d`` a power of 2."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < d:
-        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # (2n, 2n)
-    return h
-
-
-def random_sign_hadamard(h: torch.Tensor, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """``diag(signs) . h / sqrt(d)`` with ``signs`` drawn from ``seed``: QuaRot's randomized Hadamard. The signs sit
-    on the input side (``x @ R = (x * signs) @ h / sqrt(d)``), so they change what is quantized; on the output side
-    (``h . diag(signs)``) they would only flip the signs of the rotated values, which a symmetric quantizer commutes
-    with: every seed would quantize alike."""
-    d = h.shape[0]
-    return (random_signs(d, seed)[:, None] * h / math.sqrt(d)).to(dtype=dtype, device=device)  # (d, d): row i times signs[i]
-
-
-def random_signs(d: int, seed: int) -> torch.Tensor:
-    """The (d,) float64 signs +-1 that ``seed`` draws for :func:`random_sign_hadamard`."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
-
-
-def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H_d / sqrt(d)`` (Sylvester's H_d, signs drawn
-    from ``seed``: :func:`random_sign_hadamard`); ``d`` must be a power of 2."""
-    if d < 1 or d & (d - 1):
-        raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
-    return random_sign_hadamard(sylvester(d), seed, dtype, device)

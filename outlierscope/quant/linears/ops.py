@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from outlierscope.errors import OutlierscopeError
-from outlierscope.quant.attention.ops import random_sign_hadamard, random_signs, sylvester
+from outlierscope.quant.numerics.exact import random_sign_hadamard, random_signs, sylvester
 from outlierscope.quant.numerics.fused import fusable
 from outlierscope.quant.numerics.registry import Block
 from outlierscope.quant.specs.parts import TensorQuant

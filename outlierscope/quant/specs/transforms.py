@@ -112,7 +112,7 @@ class SmoothK(Transform):
         return cls()
 
     def qk(self, q, k, q_valid, k_valid):
-        from outlierscope.quant.attention.ops import smooth_k
+        from outlierscope.quant.numerics.exact import smooth_k
 
         return q, smooth_k(k, k_valid)
 
@@ -171,7 +171,7 @@ class Hadamard(_Seeded):
     identity = {"rotation": "input-signs"}
 
     def qk(self, q, k, q_valid, k_valid):
-        from outlierscope.quant.attention.ops import hadamard
+        from outlierscope.quant.numerics.exact import hadamard
 
         rot = hadamard(q.shape[-1], self.seed, q.dtype, q.device)  # (d, d)
         return q @ rot, k @ rot

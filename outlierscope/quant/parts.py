@@ -1,5 +1,0 @@
-"""Deprecated path (see :mod:`outlierscope.quant._moved`): :mod:`outlierscope.quant.specs.parts`."""
-
-from outlierscope.quant._moved import moved
-
-moved(__name__, "outlierscope.quant.specs.parts")
