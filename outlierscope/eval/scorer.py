@@ -9,17 +9,7 @@ Two layouts, same numbers (up to float summation order):
 * ``separate``: one row per (item, choice), as lm-eval builds it. Needed for ``per_tensor`` and
   ``per_head`` quantization (the scale sees the whole sequence) and for items lm-eval truncates.
 
-The language-model head and log-softmax are computed only at continuation positions. Rows are
-sorted by length and batched, right-padded. Nothing of one sequence enters another's quantization (scales, blocks and
-groups are per sequence, counted from its first real token; tested in float64 at batch 1, 7 and 32 for every
-recipe). The arithmetic is not batch-invariant in float32: the BLAS picks a GEMM kernel by the number of rows of a
-forward (seen on SmolLM2's ``down_proj``) and attention matmuls of very short sequences by their padded length.
-Unquantized, per-item scores then move in their last digits with the batch size; quantized, such a last bit can cross
-a quantizer's rounding boundary and move a score by a fraction of a nat. So a quantized cell's identity holds its
-batch size (when not the default 32), and ``batch_size=1`` (one sequence per forward, no padding) is the exactly
-batch-invariant setting, at the cost of batching. (Fixed-size row chunks for every linear layer plus padding to
-multiples of 64 tokens made the scores identical in a trial here, at more than twice the time and as a property of
-one BLAS, so it is not used.)
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -10,14 +10,7 @@ cells do (:func:`outlierscope.eval.perplexity.score_sides`).
             with quantize_model(model, spec, held=...), replaying(model, s, outs[s - 1]):
                 scores[spec][batch] = score(model(batch))               # layers < s not run again
 
-Each spec's scores are the bytes :func:`~outlierscope.eval.scorer.score_requests` gives inside that spec's context
-alone (the same batches, rows and arithmetic; layers below ``s`` compute exactly what the unquantized forward did:
-tested per spec). The recording forward stops after the highest layer it records, and is skipped when no spec
-starts above layer 0: the decoder layers run are never more than the specs alone run. Memory: one recorded
-(B, T, D) output per distinct start for one batch, and the specs' quantized weights while they fit ``hold_bytes``
-(:class:`~outlierscope.quant.linears.schemes.HeldWeights`: otherwise quantized again at each batch).
-:func:`evaluate_together` is :func:`~outlierscope.eval.evaluate.evaluate` of each spec in one such pass (the results
-as each alone gives them), for sensitivity's one-layer cells.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -5,41 +5,7 @@ No forward is monkey-patched: inside :func:`attention_stages` a model is switche
 with a boolean mask function in ``AttentionMaskInterface``; both are unregistered and the
 original implementation is restored in ``finally``.
 
-The function computes, per layer, in blocks of query rows (``block_rows``; one block when the
-whole (B, H, T, S) float32 logits fit ``block_bytes``)::
-
-    tap("attn.q", query); tap("attn.k", key); tap("attn.v", value)  # only for stages whose taps ask for them
-    for each block of rows [t0, t1):
-        logits = (query[t0:t1] @ repeat_kv(key)^T) * scaling  # (B, H, t1-t0, S), float32 at least
-        for stage in stages: logits = stage.apply(ctx, logits) # observe and/or quantize, in entry order
-        logits = softcap * tanh(logits / softcap)              # only for models with logit soft-capping
-        probs  = softmax(where(allowed, logits, min), >= fp32) # whole rows: exact (float64 for float64 models)
-        tap("attn.probs", probs); tap("attn.probs_diff", p1 - lambda p2)  # Diff models: the differential map
-        out[t0:t1] = probs.to(dtype) @ repeat_kv(value)
-
-A stage is a :class:`Stage`: what it does to a block (``apply``), whether it hands the tensor to
-user code (``observes``), and, when its result depends on rows outside the block (an absmax scale
-per head or per tensor), the reduction it needs over all rows (``reduce``): with several blocks, a
-first pass computes every block and keeps only ``reduce``'s result, the elementwise max over the
-blocks; the second pass recomputes the blocks and the stage reads that max as ``ctx.reduced(stage)``. Max is exact, so the
-blocked result equals the unblocked one up to the matmul's rounding (BLAS sums a block of rows in
-another order than the whole matrix: about 1e-16 relative in float64, 1e-7 in float32); a
-quantization scale is the same max. Observers see each block once, with ``ctx.q_start``, its first row.
-A stage's ``taps`` name the other tensors it wants (:class:`Tap`): nothing is copied for a tensor no stage asks for.
-
-Logits are float32 for bf16/fp16 models (q and k are upcast before the matmul): bf16 rounding near
-the absmax is about a quarter of an 8-bit step. The probabilities return to the model's dtype, as
-in eager attention. For float32 and float64 models, with no stage, the output equals
-transformers' eager attention everywhere, padding positions included.
-
-Stages see the logits after scaling and before soft-capping and masking, with ``valid``: the
-entries the mask allows (causal, not padding, inside a sliding window) in the rows of real
-(non-padding) queries. The softmax uses ``allowed``, the model's own mask, so a padding query row
-attends as in eager attention; padding rows are never observed, never enter a quantization scale,
-and are never scored. DiffLlama calls the function twice per layer with the same query and key
-(once per half of the value); the second call reuses the first call's probabilities when they
-were one block, and otherwise recomputes the blocks with the non-observing stages and the first
-call's ``state``, so stages observe once per layer and memory stays bounded.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -5,18 +5,7 @@ Every forward (``_model_call``: loglikelihood, rolling loglikelihood) and every 
 :func:`~outlierscope.quant.apply.quantize_model` with the spec of ``model_args``; 16 bits goes
 through the same attention function unquantized.
 
-Padding. lm-eval batches loglikelihood inputs right-padded with zeros and calls the model without an
-attention mask. That is harmless without quantization (causal attention: real positions never see
-the padding), but a per_head/per_tensor scale is an absmax over the sequence's rows, and the rows of
-the padding would enter it, so the numbers would depend on the batch. The adapter therefore passes the
-mask: before handing the requests to lm-eval it indexes every input (context + continuation, left
-truncated, last token dropped: lm-eval's rule) by a digest, and in ``_model_call`` it finds each
-row's real length as the longest indexed prefix followed only by zeros. Padding then never enters a scale
-or a block (tested at lm-eval batch sizes 1 and 5 against :func:`~outlierscope.eval.evaluate`); quantized scores
-still carry float32 rounding that depends on a batch's shape (:mod:`outlierscope.eval.scorer`), so they equal
-``evaluate``'s exactly where both run one sequence per forward (``batch_size=1``). (An input that is another
-input plus trailing token-0s is read as the longer one; it would need a token id 0 at the end of a
-continuation, which no tokenizer we know produces in text.)
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -12,14 +12,7 @@ model those casts round the values to float32 and back (about 3e-5 nats per toke
     t.to(torch.float32)       -> t.to(torch.float64)       (also .to(device, dtype), .to(dtype=...), .type(...))
     f(..., dtype=float32)     -> f(..., dtype=float64)     (arange, zeros, softmax, sum, ...)
 
-"The model's code" is the first caller outside torch: a module of ``transformers`` (its remote-code modules
-``transformers_modules.*`` included). Calls from outlierscope's own code are left alone: a quantizer whose format
-states float32 arithmetic (NVFP4's scales) keeps it, and every widening is exact (float32 values, and integers below
-2^53, are float64 values). Nothing else changes: no forward is replaced, no hook is registered.
-
-:func:`float64_model` enters the mode for a float64 model (a no-op context for any other dtype): every forward that
-outlierscope makes runs inside it. ``load_model(..., dtype="float64")`` builds the model inside it, so that buffers
-made at construction (rotary inverse frequencies, GPT-J's sinusoids, Phi3's scaling factors) are float64 values.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,30 +1,7 @@
 """A quantization spec as the tools that build deployed models read it: compressed-tensors' ``quantization_config``
 (what a checkpoint's config.json carries, what vLLM reads) and an llm-compressor recipe (what ``oneshot`` runs).
 
-What maps (one compressed-tensors ``QuantizationArgs`` per ``a=``/``w=`` part; every other spec item is refused
-in one line naming why)::
-
-    w=fintB/per_channel       -> weights {num_bits: B, type: int, symmetric: true, strategy: channel}
-    w=fintB/per_group:G       -> weights {..., strategy: group, group_size: G}
-    a=fintB/per_token         -> input_activations {..., strategy: token, dynamic: true}
-    a=fintB/per_tensor|static -> input_activations {..., strategy: tensor, dynamic: true | false}
-    e4m3                      -> {num_bits: 8, type: float}   (compressed-tensors' FP8 is E4M3 only)
-    ct-mxfp4, ct-mxfp8_e4m3   -> compressed-tensors' MXFP4 / MXFP8 arguments (its own MX scale rounding)
-    nvfp4                     -> compressed-tensors' NVFP4 arguments
-    smooth:ALPHA              -> SmoothQuantModifier(smoothing_strength=ALPHA) before the QuantizationModifier
-    gptq:static,sequential=layer[,order=desc]  -> GPTQModifier(block_size, dampening_frac, actorder None | weight) in its place
-    k=F/per_tensor; v=F/...   -> kv_cache_scheme {num_bits: 8, type: F, strategy: tensor | attn_head}
-
-Only the grid that was measured is written: ``intB`` (the restricted grid, absmax / (2^(B-1) - 1)) and ``asymB`` (a
-float zero point) are refused in one line naming the ``fintB`` spelling, since compressed-tensors writes neither;
-OCP's ``mxfp4`` / ``mxfp8_e4m3`` likewise name ``ct-mxfp4`` / ``ct-mxfp8_e4m3`` (compressed-tensors rounds a block's
-max to a power of two before its exponent, another scale for a block whose max has mantissa >= 1.75).
-
-Which modules: ``targets: [Linear]`` and an ``ignore`` list of every ``nn.Linear`` the spec leaves alone, read from
-the model's module tree exactly as :func:`~outlierscope.quant.linears.sites.linear_sites` selects (``linears:``, ``layers:``,
-the layers a sensitivity study keeps, the LM head unless named). A decoder layer left whole is one ``re:`` pattern.
-
-The emulation and the real scheme are not bit-identical; :func:`differences` lists how, per export.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -9,22 +9,7 @@
             a loss bound (a gain of any size passes; a loss of more than ``tolerance`` nats fails)
             (kept layers unquantized, or at ``keep_bits`` bits: a mixed 4/8-bit assignment)
 
-With ``metric`` kld (or ppl) the same steps run on running text instead of items: damage[i] = - the mean KL
-divergence of only[i] to the unquantized model at every scored token (or - ln(PPL(only[i]) / PPL(base))), and the
-greedy's bound is a mean KLD (ln PPL ratio) of at most ``tolerance``; each cell is a perplexity cell
-(:mod:`outlierscope.runs.perplexity`: per-token values, resumable per virtual shard), and the specs of one pass
-share the unquantized trunk and head of every batch.
-
-Each evaluation is a resumable cell of the cache sweep uses (:mod:`outlierscope.runs.cells`: ``cells/<cell id>``,
-reused when its settings match; ``sensitivity.json`` maps each role, ``base``, ``only_3``, ``keep_0_1``, ..., to its
-cell). With
-``attn_error`` the unquantized cell also measures, for every layer, what ``spec`` does to that layer's
-attention (KL, top-key changes, output error; :mod:`outlierscope.analysis.attention_error`) without
-applying it: each layer's input is then the unquantized one, exactly what its one-layer cell quantizes,
-so one measured forward gives every one-layer cell's own attention error. All cells, the unquantized one
-too, score the same sequences (the layout of ``spec``: with a per_tensor scale, one per context and
-choice). The layer's outlier statistic (top-1 / median |logit| from a short profile) is put beside its
-damage, with the Spearman rank correlation, to ask whether outliers predict where quantization hurts.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -9,24 +9,7 @@ What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant'
     cols = outlier_columns(x', 6.0)        # LLM.int8: kept in full precision, left out of every scale
     y = quant_a(x', cols) @ quant_w(W')^T + b
 
-The weights are never changed: ``W'`` is computed from the untouched parameter (a ``torch.nn.utils.parametrize``
-parametrization) when the context is entered and held while it lasts (``hold_weights``; memory: one more
-copy of the quantized linears' weights; ``hold_weights=False``: computed at each forward, at most one linear's copy at
-a time; the default, None, holds them on the CPU and on a GPU where they take at most half its free memory); leaving the context restores the model exactly (the parametrization is removed, the original ``Parameter``
-put back).
-Activations go through a forward pre-hook. Per-sequence statistics (``a=.../per_tensor``, NVFP4's activation scale,
-the outlier columns) read the padding of the forward's 2-D ``attention_mask`` (a trunk pre-hook): padding never enters
-them. Token-local parts (``per_token``, ``per_group``, ``static``, MX) need no mask.
-
-The LM head is quantized only when named (``linears:lm_head``; ``*`` patterns match decoder-layer linears only), as
-llm-compressor's recipes ``ignore: [lm_head]`` by default. Its site's layer is one past the last decoder layer. It
-reads the final hidden state of the positions being scored (gathered rows, not sequences), so it takes token-local
-activation parts only.
-
-SmoothQuant's ``s`` is shared by the linears that read the same input tensor (q/k/v, gate/up: SmoothQuant folds it
-into the norm before them) and computed from their calibrated ``max|X_j|`` and the largest ``|W_ij|`` over all of
-them; a linear reading an input of its own (o_proj, down_proj) is not smoothed, as SmoothQuant's and llm-compressor's
-Llama mappings. :func:`calibrate` runs the calibration pass (or reads ``act_scales.pt``).
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,33 +1,6 @@
 """Element and block formats beyond integer absmax (pure tensor primitives: no state, never mutate the input).
 
-* ``round_minifloat(x, fmt)``: round to the nearest value of a small float format (ties to even), subnormals
-  included, saturating at the largest normal: FP8 ``e4m3`` (the OCP/``fn`` variant, max 448) and ``e5m2``
-  (max 57344), FP6 ``e3m2`` (max 28) and ``e2m3`` (max 7.5), FP4 ``e2m1`` (max 6).
-* ``mx_quant(x, fmt)``: OCP Microscaling (MX v1.0, section 6.3): blocks of 32 consecutive elements along the
-  last dim share a scale ``X = 2^(floor(log2(max |V|)) - emax_elem)`` (E8M0: exponent clamped to [-127, 127]),
-  each element is ``V / X`` rounded to the element format with saturation, then multiplied back by ``X``.
-  ``mxint8``: elements are 8-bit two's complement with an implicit 2^-6 (``round(V / X * 64) / 64``, clamped to
-  +-127/64 as the microxcaling reference does).
-  ``ct-mxfp4`` / ``ct-mxfp8_e4m3``: compressed-tensors' MXFP4 / MXFP8 (what its checkpoints and vLLM hold), which
-  differ from OCP's in one step: the block max is first rounded to a power of two, up when its mantissa is at least
-  1.75 (``round_to_power_2``: add a quarter of the binade, drop the mantissa), so the shared exponent is
-  ``floor(log2(max |V|)) + [mantissa >= 1.75] - emax_elem`` and such blocks take the next scale (their largest
-  element then lands on 4 or 256, not 6 or 448). Elements as OCP's.
-* ``nvfp4_quant(x, tensor_amax)``: NVIDIA NVFP4: blocks of 16 along the last dim, FP4 E2M1 elements, an E4M3
-  block scale ``e4m3(gs * (amax_block / 6))`` under a float32 global scale ``gs = 448 * 6 / tensor_amax``; elements
-  are ``e2m1(x / (block_scale / gs))``: compressed-tensors' order of operations, bit for bit (on bfloat16-valued
-  weights many block scales land on E4M3 ties, where ``(amax_block / 6) / (tensor_amax / 2688)`` rounds otherwise). The block scale
-  is converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3 subnormals down to 2^-9 kept; a scale
-  that rounds to zero makes its block zero), as NVIDIA's Model Optimizer and compressed-tensors keep it; torchao
-  clamps it up to E4M3's smallest normal 2^-6 instead, so blocks whose amax is below 2^-6 * 6 * g differ from
-  torchao's.
-* ``asym_quant(x, bits, lo, hi)``: asymmetric (min-max, zero point) integer quantization, as KIVI's caches;
-  ``asym_minmax(x, valid, dims, bits)`` between each granule's own min and max.
-* ``zero_point_params(x, bits, dims)`` / ``zero_point_quant(x, scale, zero, bits)``: the integer-zero-point grid of
-  GPTQ and AWQ checkpoints (``zint``: GPT-QModel's ``Quantizer`` with ``sym=False``).
-
-The last dim must be a multiple of the block size (head dims are; pad otherwise). Work happens in float32
-(float64 for float64 input); the result comes back in ``x``'s dtype.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

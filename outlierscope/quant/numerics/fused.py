@@ -11,22 +11,7 @@ inductor turns into a few loops over the data::
         with quantize_model(model, spec):  # its quantizers compiled at their first call (seconds), then reused
             model(ids)
 
-Same bytes: on the CPU, inductor's C++ kernels compute each element with the same IEEE float32 operations as the
-eager ones (division, rounding to nearest even, exact powers of two, casts to FP8; no contraction into fused
-multiply-adds: ``-ffp-contract=off``), tested byte for byte against the eager functions on every scheme's quantizer.
-Cells computed fused therefore keep their identity. On CUDA, inductor's Triton kernels divide float32 with an
-approximate reciprocal (``div.full.f32``, up to 2 ulp), which moves values across rounding ties: refused there
-(:func:`outlierscope.models.placement.check_placement`) until a GPU check proves otherwise.
-
-Attention's quantizers are compiled shape-generic from their first call (``dynamic=True``): a forward's attention
-shapes change with every batch, and the kernel torch 2.13 specialised to the first shape of NVFP4's v ((2, 3, 70, 64)
-in the test: quantized along the tokens, transposed, zero-padded to whole blocks) wrote zeros where the eager function
-returns the padding tokens unchanged (its valid entries were right; the shape-generic kernels give the eager bytes).
-Every attention part of the recipes (integer, FP8, MX and NVFP4 q/k/v and P at every granularity; the paper's
-logits) compiled so gives the eager bytes over changing shapes with left and right padding (tested).
-
-State: one context variable (off unless a caller turns it on), each fusable function's compiled version, made
-at its first fused call (never at import), and the list of compiled calls that failed and ran eagerly.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,25 +1,6 @@
-"""AWQ (Lin et al., 2023, arXiv 2306.00978) as pure tensor operations: a per-input-channel scale ``s`` found by grid
-search so that the quantized weight ``Q(W s)`` applied to ``x / s`` reproduces ``W x`` best, then each weight group's
-clipping bound found the same way. The arithmetic of AutoAWQ's ``AwqQuantizer`` (the paper's reference code, also
-GPT-QModel 7.6's ``AWQProcessor._compute_best_scale`` / ``_compute_best_clip``), computed in the model's dtype as they
-compute it::
+"""
 
-    w_mean = mean over the group's rows of |W| / (max |W| of its quantization group + 1e-6)     # (I,) weight_mean
-    x_mean = mean over every calibration token of |x|                                          # (I,) float32 sums
-    for ratio in 0, 1/n, ..., (n-1)/n:                                                         # n = grid (20)
-        s = x_mean^ratio / (w_mean^(1 - ratio) + 1e-4), clamped >= 1e-4   (duo; else x_mean^ratio)
-        s = s / sqrt(max s * min s);  inf/NaN -> 1                                               # candidate_scales
-        loss = mean((module(x) with every linear of the group at Q(W s) / s  -  module(x))^2)   # the caller's loss
-    s = the ratio of least loss (the first of equal ones)                                      # search_scale
-
-    clipping (not for q/k: "due to qk bmm, it is hard to clip precisely"): on W' = W s and x' = x / s,
-    512 tokens (every (N // 512)-th), for shrink i = 0 .. shrink * grid - 1:
-        m = max |W'| of the group * (1 - i / grid);  err = mean over tokens of (x'_g . (Q(clamp(W'_g, -m, m)) - W'_g))^2
-    each (row, group) keeps the m of least error (the first of equal ones)                    # search_clip
-
-``Q`` is the spec's ``w=`` part: AutoAWQ's symmetric grid is ``int`` (absmax / (2^(b-1) - 1)), its default zero-point
-grid ``zint`` (min-max with an integer zero point; ``zint`` keeps 0 inside a group's range, AutoAWQ does not: they
-differ on a group whose weights all have one sign), compressed-tensors' symmetric grid ``fint``.
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,24 +1,6 @@
-"""AWQ of a model's linear layers, layer after layer, as AutoAWQ searches them (:mod:`~outlierscope.quant.weights.awq`), each
-layer calibrated on the outputs of the already-quantized layers below it (GPT-QModel's replay; AutoAWQ itself feeds
-every layer the float model's activations)::
+"""
 
-    seqs    = calibration token ids (N, T)                      # awq:samples x awq:seqlen of calib:SOURCE
-    inputs  = layer 0's inputs for every sequence
-    for each decoder layer:
-        groups = its linears reading one input (q/k/v, o, gate/up, down), found by one forward
-        one forward of every sequence records each group's input x and the inputs of the module that judges it:
-            the group's common parent (self_attn for q/k/v, mlp for gate/up), a lone linear itself
-        each group's scale s: search_scale, the loss that module's output with the group at Q(W s) / s
-            (a lone linear only where its producer can absorb s, as AutoAWQ folds it: up_proj -> down_proj, and
-             v_proj -> o_proj when v_proj has as many outputs as o_proj inputs, not under grouped-query attention)
-        each linear but q/k: its clipping bound, search_clip on W s and x / s
-        every linear of the layer at Q(clip(W s)) / s from now on
-        inputs = the quantized layer's outputs
-
-The model's weights are never changed: the scales are kept per linear (:class:`AWQWeight`) and applied as SmoothQuant's
-are (the input divided by ``s``, the weight's columns multiplied by it; AutoAWQ folds ``1 / s`` into the norm or
-linear before), equal in exact arithmetic. Memory: one layer's inputs for the N sequences (each group's input and
-its judging module's inputs).
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
-"""GPTQ (Frantar et al., 2022, arXiv 2210.17323) as pure tensor operations: a weight's input columns rounded one after
-another, each column's rounding error moved onto the columns not yet rounded through the inverse Hessian of the
-layer's inputs (its upper Cholesky factor), in blocks of columns (the paper's lazy batch updates). The arithmetic of
-GPT-QModel's ``GPTQ.quantize`` and of llm-compressor's ``quantize_weight`` (float32), on a symmetric grid::
+"""
 
-    H = 2/n sum x x^T                         # (I, I) over every input row x; n: the sequences (hessian_update)
-    scale per row of the whole weight         # a per-channel grid: from the weight as given
-    dead columns (H_jj = 0): weight 0, H_jj = 1
-    static groups: every group's scale from the weight now (its original column order)
-    order: columns by decreasing H_jj (act order), or whole groups so (group-aware reordering, GPT-QModel's default)
-    H += damp * mean(diag H) I;  U = chol(chol_inverse(chol(H)))^T        # upper: U^T U = H^-1
-    for each block [i1, i2) of block_size columns:
-        for each column j of the block (W1: the block's working copy):
-            dynamic groups: at a group's first column its scale from W[:, j : j + G]   # W: as the block found it
-            q_j = round-to-grid(W1[:, j]);  e = (W1[:, j] - q_j) / U_jj;  W1[:, j:] -= e U[j, j:]
-        W[:, i2:] -= E U[i1:i2, i2:]          # E: the block's errors, (O, block)
-    columns back to their order; each column's group index (g_idx)
-
-GPT-QModel computes a dynamic group's scale from ``W`` before the block's own updates (a column group that starts
-inside a block sees the earlier blocks' updates only); llm-compressor always uses static scales (its observer runs on
-the weight before GPTQ; with act order its groups are the original columns', GPT-QModel's ``static_groups`` with
-``desc_act``). The grid is ``fint`` (GPTQ's symmetric scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1],
-compressed-tensors' symmetric int), ``int`` (absmax / (2^(b-1) - 1), our restricted range) or ``zint`` (GPTQ's
-``sym=False``: the range [min(min, 0), max(max, 0)] with an integer zero point). A group whose weights are all zero
-when its scale is taken gets absmax 1 (GPT-QModel's rule; zint: the range [-1, 1]).
+Its design in full: the developer guide's internals page (docs/develop/internals.md).
 """
 
 from __future__ import annotations

@@ -169,9 +169,9 @@ def _checkpoint_path(directory, kind: str, model: nn.Module, seqs: torch.Tensor,
     h = hashlib.sha256()
     cfg = getattr(model, "config", None)
     reads = f"{spec.part('w')}|{spec.gptq}|{spec.awq}"
-    if kind == "awq" and _partial_layers(model, sites):  # AWQ of a part of a layer's groups: their scales since #49
+    if kind == "awq" and _partial_layers(model, sites):  # part of a layer's groups: scales of those groups alone
         reads += "|awq-partial-groups"
-    if kind == "gptq":  # the damping's mean over a contiguous copy of the diagonal since #63
+    if kind == "gptq":  # the damping is the mean of a contiguous copy of the diagonal (GPT-QModel's order)
         reads += "|contiguous-damping-mean"
     h.update(f"{kind}|{reads}|{getattr(cfg, '_name_or_path', '')}|{next(model.parameters()).dtype}|".encode())
     h.update("|".join(s.name for s in sites).encode())
