@@ -295,7 +295,7 @@ class _Once(argparse.Action):
 
 
 def _add_settings(s: argparse.ArgumentParser, cls) -> None:
-    """The flags of a run command, derived from its settings dataclass (:mod:`outlierscope.settings`): the field's
+    """The flags of a run command, derived from its settings dataclass (``outlierscope.settings``): the field's
     name (or its ``flag``), type, default, choices and help; ``dest`` is the field's name."""
     from dataclasses import MISSING
 

@@ -14,7 +14,7 @@ class OutlierscopeError(Exception):
 class ParamError(OutlierscopeError, ValueError):
     """A bad value of one Python parameter: ``f"{param} must be {expected}, got {got!r}"``.
 
-    Library code names the parameter; the CLI re-renders the message with its flag (:meth:`renamed`).
+    Library code names the parameter; the CLI re-renders the message with its flag (``renamed``).
     """
 
     def __init__(self, param: str, expected: str, got, hint: str = ""):
@@ -31,7 +31,7 @@ class ParamError(OutlierscopeError, ValueError):
 
 class Refused(OutlierscopeError):
     """A refusal that passing one Python parameter overrides: ``template``'s ``{fix}`` reads ``param=True`` from the
-    library and the flag (``--force``) from the CLI (:meth:`renamed`)."""
+    library and the flag (``--force``) from the CLI (``renamed``)."""
 
     def __init__(self, template: str, param: str = "force"):
         self.template, self.param = template, param
@@ -45,7 +45,7 @@ SEED_LIMIT = 2**32  # numpy's seeds: 0 <= seed < 2**32
 
 
 def check_seed(seed, name: str = "seed") -> None:
-    """A seed numpy and torch both take: an int in [0, 2**32); else a :class:`ParamError` naming ``name``."""
+    """A seed numpy and torch both take: an int in [0, 2**32); else a ``ParamError`` naming ``name``."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
         raise ParamError(name, f"an integer from 0 to {SEED_LIMIT - 1}", seed)
 
@@ -66,7 +66,8 @@ def warnings_to(log: Callable[[str], object]) -> Iterator[None]:
     """Within the block, a warning that outlierscope's own code raises (not a deprecation) is one line of ``log``,
     ``warning: ...``, each message once; any other warning is shown as before.
 
-    log: the run's log (the CLI's: standard output)."""
+    Args:
+        log: the run's log (the CLI's: standard output)."""
     import warnings
 
     previous, said = warnings.showwarning, set()

@@ -74,14 +74,14 @@ def json_sha256(obj) -> str:
 
 
 def sealed(obj: dict) -> dict:
-    """``obj`` with :data:`SEAL` (its content's digest) appended."""
+    """``obj`` with ``SEAL`` (its content's digest) appended."""
     body = {k: v for k, v in obj.items() if k != SEAL}
     return {**body, SEAL: json_sha256(body)}
 
 
 def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
     """``obj`` (a record read from ``path``) without its seal, after checking the seal against its content; a record
-    without one is :class:`Damaged` when ``required`` (else it is returned as read: written before seals)."""
+    without one is ``Damaged`` when ``required`` (else it is returned as read: written before seals)."""
     if not isinstance(obj, dict) or SEAL not in obj:
         if required:
             raise Damaged(f"{path}: no {SEAL}: written by an older outlierscope or not by outlierscope")
@@ -93,16 +93,17 @@ def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
 
 
 def write_record(path: str | os.PathLike, obj: dict) -> None:
-    """Write a record (a JSON object outlierscope reads back) sealed with its digest (:func:`check_seal`)."""
+    """Write a record (a JSON object outlierscope reads back) sealed with its digest (``check_seal``)."""
     write_json(path, sealed(obj))
 
 
 def write_run_record(path: str | os.PathLike, obj: dict, tables: Iterable[str]) -> None:
-    """Write a run's record (:func:`write_record`) with the sha256 of each of its tables under ``files``.
+    """Write a run's record (``write_record``) with the sha256 of each of its tables under ``files``.
 
-    path: the record; it is written last, after its tables.
-    obj: the record's content.
-    tables: the names of the files beside it that the run wrote (read back, each is checked: :func:`vouched`)."""
+    Args:
+        path: the record; it is written last, after its tables.
+        obj: the record's content.
+        tables: the names of the files beside it that the run wrote (read back, each is checked: ``vouched``)."""
     path = Path(path)
     write_record(path, {**obj, "files": file_digests(path.parent, tables)})
 
@@ -110,11 +111,14 @@ def write_run_record(path: str | os.PathLike, obj: dict, tables: Iterable[str]) 
 def vouched(record: dict, directory: str | os.PathLike, name: str, what: str = "run") -> Path:
     """``directory/name`` after checking it against the digest its run's record lists.
 
-    record: the run's record, as :func:`read_record` returns it.
-    directory: where the record and its tables are.
-    name: the table's file name.
-    what: the run's kind, for the error.
-    Raises Damaged: the record lists no digests, not this file, or another digest than the file's."""
+    Args:
+        record: the run's record, as ``read_record`` returns it.
+        directory: where the record and its tables are.
+        name: the table's file name.
+        what: the run's kind, for the error.
+
+    Raises:
+        Damaged: the record lists no digests, not this file, or another digest than the file's."""
     path = Path(directory) / name
     files = record.get("files")
     if not isinstance(files, dict):
@@ -133,7 +137,7 @@ def file_digests(directory: str | os.PathLike, names: Iterable[str]) -> dict[str
 
 
 def check_files(directory: str | os.PathLike, digests: dict[str, str]) -> None:
-    """Each file of ``digests`` (name -> sha256) present in ``directory`` with that digest; else :class:`Damaged`
+    """Each file of ``digests`` (name -> sha256) present in ``directory`` with that digest; else ``Damaged``
     naming the first that is not."""
     for name, want in digests.items():
         path = Path(directory) / name
@@ -144,12 +148,13 @@ def check_files(directory: str | os.PathLike, digests: dict[str, str]) -> None:
 
 
 def write_checked(path: str | os.PathLike, payload: bytes, ident: dict | None = None) -> None:
-    """Write ``payload`` atomically behind a header holding its sha256 (:func:`read_checked` reads it back).
+    """Write ``payload`` atomically behind a header holding its sha256 (``read_checked`` reads it back).
 
-    path: the file to write.
-    payload: the bytes to store.
-    ident: what the file claims to be (a cell and its part, say), stored in the header under the same digest
-        (:func:`read_checked_ident` reads it back)."""
+    Args:
+        path: the file to write.
+        payload: the bytes to store.
+        ident: what the file claims to be (a cell and its part, say), stored in the header under the same digest
+            (``read_checked_ident`` reads it back)."""
     body = payload if ident is None else json.dumps(ident, sort_keys=True).encode() + b"\n" + payload
     frame = FRAME if ident is None else IDENT_FRAME
     with atomic_path(path) as tmp:
@@ -159,7 +164,7 @@ def write_checked(path: str | os.PathLike, payload: bytes, ident: dict | None = 
 
 
 def _checked_body(path: Path) -> tuple[bool, bytes]:
-    """(whether the file carries an identity, its body), its digest checked; :class:`Damaged` otherwise."""
+    """(whether the file carries an identity, its body), its digest checked; ``Damaged`` otherwise."""
     try:
         data = path.read_bytes()
     except OSError as e:
@@ -174,14 +179,14 @@ def _checked_body(path: Path) -> tuple[bool, bytes]:
 
 
 def read_checked(path: str | os.PathLike) -> bytes:
-    """The payload of a file written by :func:`write_checked`, its digest checked; :class:`Damaged` otherwise."""
+    """The payload of a file written by ``write_checked``, its digest checked; ``Damaged`` otherwise."""
     has_ident, body = _checked_body(Path(path))
     return body.partition(b"\n")[2] if has_ident else body
 
 
 def read_checked_ident(path: str | os.PathLike) -> tuple[dict, bytes]:
-    """(identity, payload) of a file written by :func:`write_checked` with ``ident``, its digest checked;
-    :class:`Damaged` otherwise, also for a file that carries no identity."""
+    """(identity, payload) of a file written by ``write_checked`` with ``ident``, its digest checked;
+    ``Damaged`` otherwise, also for a file that carries no identity."""
     path = Path(path)
     has_ident, body = _checked_body(path)
     line, _, payload = body.partition(b"\n")
@@ -195,7 +200,7 @@ def read_checked_ident(path: str | os.PathLike) -> tuple[dict, bytes]:
 
 
 def save_torch_checked(path: str | os.PathLike, obj) -> None:
-    """``torch.save(obj)`` into a checked file (:func:`write_checked`)."""
+    """``torch.save(obj)`` into a checked file (``write_checked``)."""
     import io as _io
 
     import torch
@@ -206,7 +211,7 @@ def save_torch_checked(path: str | os.PathLike, obj) -> None:
 
 
 def load_torch_checked(path: str | os.PathLike):
-    """What :func:`save_torch_checked` saved, its digest checked (:class:`Damaged` otherwise); tensors and plain
+    """What ``save_torch_checked`` saved, its digest checked (``Damaged`` otherwise); tensors and plain
     containers only (``weights_only=True``): a file holding other objects is refused, never unpickled."""
     import io as _io
 
@@ -223,7 +228,7 @@ def write_csv(path: str | os.PathLike, df) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``path``; on success it replaces ``path`` (see :func:`replace_dir`)."""
+    """Yield a fresh temporary directory beside ``path``; on success it replaces ``path`` (see ``replace_dir``)."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
@@ -285,7 +290,7 @@ def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
 
 def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "run record",
                 sealed_only: bool = False) -> dict:
-    """A JSON object written by outlierscope, with ``keys``, its seal checked (:func:`write_record`; a record written
+    """A JSON object written by outlierscope, with ``keys``, its seal checked (``write_record``; a record written
     before seals is read as it is unless ``sealed_only``); a damaged or foreign file is a one-line error."""
     path = Path(path)
     try:
@@ -310,7 +315,7 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
 
 
 def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "shard file") -> dict:
-    """A dict saved with :func:`save_torch_checked`, with ``keys``; a truncated, changed or foreign file, or one that
+    """A dict saved with ``save_torch_checked``, with ``keys``; a truncated, changed or foreign file, or one that
     holds objects other than tensors and plain containers (a pickle that could run code), is a one-line error."""
     import pickle
 
@@ -450,7 +455,7 @@ def git_commit() -> str | None:
 
 
 def tree_state(root: Path) -> str | None:
-    """``HEAD`` of the git checkout ``root``, with ``+changes`` if a tracked file outside :data:`OUTPUTS` differs
+    """``HEAD`` of the git checkout ``root``, with ``+changes`` if a tracked file outside ``OUTPUTS`` differs
     from it; None outside git."""
     import subprocess
 

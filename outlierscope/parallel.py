@@ -1,7 +1,7 @@
 """Data parallelism with identical numbers for any number of processes.
 
 The work of a run (the batches of a sweep cell, the batches of a profile) is cut into a fixed number
-of **virtual shards** (:data:`VIRTUAL_SHARDS`): batch ``b`` belongs to shard ``b % VIRTUAL_SHARDS``.
+of **virtual shards** (``VIRTUAL_SHARDS``): batch ``b`` belongs to shard ``b % VIRTUAL_SHARDS``.
 The batches themselves are the ones a single process forms (same rows, same padding), so a batch's
 numbers do not depend on who computes it. A process takes the shards assigned to it, results are
 keyed by item index (sweeps) or kept per shard where their merge is order-sensitive (the float64
@@ -10,10 +10,10 @@ moments of a profile), and everything is combined in shard order. So 1 process, 
 
 Two ways to split the work:
 
-* :class:`World`: processes started by ``torchrun`` or ``accelerate launch`` (``RANK``,
+* ``World``: processes started by ``torchrun`` or ``accelerate launch`` (``RANK``,
   ``WORLD_SIZE``, ``LOCAL_RANK`` in the environment); results are gathered to rank 0 over
   ``torch.distributed`` with the gloo backend (the payloads are small), and rank 0 alone writes.
-* :class:`Shard`: one share ``i/N`` of the work without any communication (a batch scheduler's job);
+* ``Shard``: one share ``i/N`` of the work without any communication (a batch scheduler's job);
   each writes a shard file, ``outlierscope merge`` combines them.
 
 Both compose: the shards of ``--shard i/N`` are split again over a world's ranks.
@@ -145,8 +145,9 @@ class World:
     def agree(self, error: str | Exception | None) -> None:
         """Raise on every rank if any rank reports an error, else return.
 
-        error: this rank's error, or None; a rank with an exception raises it as it is, the others the first
-            rank's message."""
+        Args:
+            error: this rank's error, or None; a rank with an exception raises it as it is, the others the first
+                rank's message."""
         errors = [str(error) if error else None] if self.size == 1 else _all_gather(str(error) if error else None,
                                                                                    self.size)
         if isinstance(error, Exception):
@@ -166,7 +167,7 @@ def _all_gather(obj, size: int) -> list:
 
 def local_processes() -> int:
     """How many processes of one thread a run on this machine should start (``make reproduce`` under ``torchrun``):
-    one per GPU where there are GPUs, else one per core this process may use; at most :data:`VIRTUAL_SHARDS` (the
+    one per GPU where there are GPUs, else one per core this process may use; at most ``VIRTUAL_SHARDS`` (the
     most that get work). One thread per process keeps the bytes of one process (a BLAS sums in another order with
     another number of threads)."""
     import torch

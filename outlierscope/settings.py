@@ -1,9 +1,9 @@
 """Fields of the run settings dataclasses, with what a command line needs to know about them.
 
-Each setting of :class:`~outlierscope.runs.profile.ProfileSettings`, ``SweepSettings``, ``SensitivitySettings``
-and ``ReproduceSettings`` is declared once, with :func:`option`: its default, a help string and, where needed,
+Each setting of ``ProfileSettings``, ``SweepSettings``, ``SensitivitySettings``
+and ``ReproduceSettings`` is declared once, with ``option``: its default, a help string and, where needed,
 its choices, its flag's spelling and how a command-line string becomes the value. ``outlierscope.cli``
-derives each run command's flags from these fields (:func:`cli_options`), so a new setting is one line in
+derives each run command's flags from these fields (``cli_options``), so a new setting is one line in
 one place and the library and the command line cannot disagree::
 
     @dataclass(frozen=True)
@@ -74,7 +74,7 @@ def _base(hint) -> tuple[str, type]:
 
 
 def cli_options(cls) -> list[CliOption]:
-    """The command-line options of a settings dataclass, in field order (fields declared with :func:`option`)."""
+    """The command-line options of a settings dataclass, in field order (fields declared with ``option``)."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):

@@ -1,7 +1,7 @@
 """Objects as tensors and plain containers, for files read back with ``torch.load(weights_only=True)``.
 
-:func:`to_plain` turns an object of an allowed class (and everything it holds) into dicts, lists, tuples, numbers,
-strings and tensors; :func:`from_plain` rebuilds it from exactly those, constructing only the classes it is given.
+``to_plain`` turns an object of an allowed class (and everything it holds) into dicts, lists, tuples, numbers,
+strings and tensors; ``from_plain`` rebuilds it from exactly those, constructing only the classes it is given.
 Nothing read back this way can run code: a file that holds anything else is refused by torch's loader.
 """
 
@@ -24,9 +24,12 @@ def to_plain(obj, classes: tuple[type, ...]):
     """``obj`` as plain containers and tensors; instances of ``classes`` by name and attributes (an object met
     twice is stored once and referred to after).
 
-    obj: what to convert.
-    classes: the classes whose instances may be stored.
-    Raises TypeError: for a value of any other type."""
+    Args:
+        obj: what to convert.
+        classes: the classes whose instances may be stored.
+
+    Raises:
+        TypeError: for a value of any other type."""
     allowed = {c.__qualname__: c for c in classes}
     memo: dict[int, int] = {}
 
@@ -50,11 +53,14 @@ def to_plain(obj, classes: tuple[type, ...]):
 
 
 def from_plain(data, classes: tuple[type, ...]):
-    """The object :func:`to_plain` stored, built from ``classes`` only.
+    """The object ``to_plain`` stored, built from ``classes`` only.
 
-    data: what ``to_plain`` returned (as read back).
-    classes: the classes that may be constructed.
-    Raises ValueError: for a class name not in ``classes`` or a reference to no stored object."""
+    Args:
+        data: what ``to_plain`` returned (as read back).
+        classes: the classes that may be constructed.
+
+    Raises:
+        ValueError: for a class name not in ``classes`` or a reference to no stored object."""
     allowed = {c.__qualname__: c for c in classes}
     built: dict[int, object] = {}
 

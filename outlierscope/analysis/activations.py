@@ -1,8 +1,8 @@
 """Tables of every observation point beyond Table 5's two: per channel, per position, massive activations and where
 they recur, LLM.int8 outlier features, attention sinks, and SmoothQuant's ``act_scales.pt``.
 
-Each function reads one reducer of :class:`~outlierscope.analysis.outliers.OutlierStats` (a :class:`TokenStats` for
-(B, T, C) points, a :class:`SinkStats` for attention probabilities) and returns a tidy DataFrame, so one process and
+Each function reads one reducer of ``OutlierStats`` (a ``TokenStats`` for
+(B, T, C) points, a ``SinkStats`` for attention probabilities) and returns a tidy DataFrame, so one process and
 N processes give the same bytes (every quantity below is a count, a max or a float64 sum kept per virtual shard).
 
 Its design in full: the developer guide's internals page (docs/develop/internals.md).
@@ -80,7 +80,7 @@ def _layers(st) -> list[int]:
 
 
 def channels_frame(st) -> pd.DataFrame:
-    """The ``channels`` table of one token kind (a :class:`TokenStats`)."""
+    """The ``channels`` table of one token kind (a ``TokenStats``)."""
     sumabs = st.shard_sumabs.sum(0)  # in shard order: the same for any split
     frames = []
     for layer in _layers(st):

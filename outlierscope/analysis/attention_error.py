@@ -9,7 +9,7 @@ For every real query row, against the unquantized logits of the same forward (sa
               it only the second happens: the top key's weight is split with keys that were below)
     rel_out = ||(p - p~) @ V|| / ||p @ V||                        relative error of the head's output row
 
-:func:`measure_attention_error` streams it from any forward; :class:`AttentionErrorStats` keeps per (layer, head) the row count, the sums and maxima of kl and
+``measure_attention_error`` streams it from any forward; ``AttentionErrorStats`` keeps per (layer, head) the row count, the sums and maxima of kl and
 rel_out and the count of changed argmaxes; memory is O(layers x heads). Counts and maxima merge
 exactly; sums are float64 (relative error about rows x 1e-16). Soft-capped models are measured before
 the cap. For DiffLlama, V is the value half of the layer's first attention call.
@@ -77,8 +77,8 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
 
 
 class AttentionErrorStats:
-    """Per (layer, head) sums, maxima and counts of :func:`attention_row_errors` over every row seen, kept per virtual
-    shard (:mod:`outlierscope.parallel`; :meth:`set_shard` before each batch): the shards' float64 sums are added in
+    """Per (layer, head) sums, maxima and counts of ``attention_row_errors`` over every row seen, kept per virtual
+    shard (``outlierscope.parallel``; ``set_shard`` before each batch): the shards' float64 sums are added in
     shard order only at the end, so 1 process, N processes and N ``--shard`` runs give the same bytes."""
 
     FIELDS = ("rows", "changed", "kl_sum", "kl_max", "rel_sum", "rel_max")
@@ -113,7 +113,7 @@ class AttentionErrorStats:
     def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
                value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
                quant_value: torch.Tensor | None = None) -> None:
-        """Add the rows of one block (:func:`attention_row_errors` of the arguments) to ``layer``."""
+        """Add the rows of one block (``attention_row_errors`` of the arguments) to ``layer``."""
         if self.n_heads is None:
             self._allocate(ref.shape[1])
         e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value, quant_probs, quant_value).items()}
@@ -144,7 +144,7 @@ class AttentionErrorStats:
 
     def shard_table(self) -> pd.DataFrame:
         """The raw per virtual shard numbers (one row per shard, layer and head with rows): what a ``--shard`` run
-        saves beside its partial cell, for :meth:`from_shard_tables` to merge exactly."""
+        saves beside its partial cell, for ``from_shard_tables`` to merge exactly."""
         if self.n_heads is None:
             return pd.DataFrame(columns=self.SHARD_COLUMNS)
         idx = torch.nonzero(self.per_shard["rows"] > 0)  # (R, 3): (shard, layer, head)
@@ -154,7 +154,7 @@ class AttentionErrorStats:
 
     @classmethod
     def from_shard_tables(cls, tables: list[pd.DataFrame], n_layers: int) -> AttentionErrorStats:
-        """The statistics of :meth:`shard_table` parts (disjoint virtual shards) combined."""
+        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined."""
         st = cls(n_layers)
         rows = pd.concat([t for t in tables if len(t)], ignore_index=True) if any(len(t) for t in tables) else None
         if rows is None:
@@ -187,7 +187,7 @@ class AttentionErrorStats:
         return pd.DataFrame(recs)
 
     def per_layer(self) -> pd.DataFrame:
-        """Pooled over heads: :func:`pool_heads` of :meth:`table`."""
+        """Pooled over heads: ``pool_heads`` of ``table``."""
         return pool_heads(self.table())
 
 
@@ -205,7 +205,7 @@ def _ordered_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.DataFrame:
-    """Rows of a per layer and head ``table`` (:meth:`AttentionErrorStats.table`, or tables of it) pooled per
+    """Rows of a per layer and head ``table`` (``AttentionErrorStats.table``, or tables of it) pooled per
     ``by``: the rows summed, the means weighted by rows, the maxima. A column missing in some pooled row (a cell
     measured without the output error beside one with it) pools to NaN, not to a mean of the rows that have it."""
     if table.empty:
@@ -221,7 +221,7 @@ def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.Data
 
 
 def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
-    """A per layer and head ``table`` (:meth:`AttentionErrorStats.table`) pooled over heads: :func:`pool_rows` per
+    """A per layer and head ``table`` (``AttentionErrorStats.table``) pooled over heads: ``pool_rows`` per
     layer, in layer order."""
     return pool_rows(table, ["layer"], sort=True)
 
@@ -229,18 +229,18 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
 @contextlib.contextmanager
 def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
                             block_rows: int | None = None) -> Iterator:
-    """Stream into ``stats`` (:class:`AttentionErrorStats`) what quantizing with ``spec`` does to each layer's
+    """Stream into ``stats`` (``AttentionErrorStats``) what quantizing with ``spec`` does to each layer's
     attention, without changing the model: an observing stage quantizes copies and compares. Entered before
-    :func:`~outlierscope.quant.apply.quantize_model` with the same spec, it measures each layer against the
+    ``quantize_model`` with the same spec, it measures each layer against the
     unquantized attention of the same forward (same layer input)::
 
         stats = AttentionErrorStats(n_layers, n_heads)
         with measure_attention_error(model, spec, stats), quantize_model(model, spec):
             model(input_ids=ids, attention_mask=mask)
 
-    ``spec`` (a :class:`~outlierscope.quant.specs.spec.QuantSpec`, its text or a recipe name): the paper's logits part
-    alone (the logits before the soft cap, quantized and compared: :func:`_logit_stage`), or q, k, v and P with their
-    transforms (:func:`_kernel_stage`); one that quantizes the logits and q/k/v/P together is refused (measure the
+    ``spec`` (a ``QuantSpec``, its text or a recipe name): the paper's logits part
+    alone (the logits before the soft cap, quantized and compared: ``_logit_stage``), or q, k, v and P with their
+    transforms (``_kernel_stage``); one that quantizes the logits and q/k/v/P together is refused (measure the
     two parts separately). Linear parts and bitsandbytes weights are not measured here (they act outside attention).
     """
     spec = measured_spec(spec)
@@ -251,7 +251,7 @@ def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
 
 
 def measured_spec(spec: QuantSpec | str) -> QuantSpec:
-    """The attention part of ``spec`` that :func:`measure_attention_error` measures (its linear parts and bitsandbytes
+    """The attention part of ``spec`` that ``measure_attention_error`` measures (its linear parts and bitsandbytes
     weights left out); one that quantizes the logits and q/k/v/P together is refused (call it before anything
     expensive)."""
     spec = QuantSpec.of(spec).without_weights()
@@ -277,7 +277,7 @@ def _logit_stage(lq: LogitsQuant | None, stats, label: str) -> Stage:
 
 def _kernel_stage(spec: QuantSpec, stats) -> Stage:
     """Compares, per block of query rows, the attention of the call's own q, k, v (as the stage receives them) with
-    the attention a kernel computes after ``spec``'s transforms (:func:`~outlierscope.quant.apply.attention_stage`'s
+    the attention a kernel computes after ``spec``'s transforms (``attention_stage``'s
     own ``qkv`` and ``probs``, run on copies)::
 
         ref    = (q @ k^T) * scaling                   p = softmax(cap(ref)),  out = p @ v

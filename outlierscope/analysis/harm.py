@@ -1,6 +1,6 @@
 """What a per-layer sensitivity study ranks layers by: one column of a cell's change against the unquantized
 model, its sign (which way hurts) and its unit. ``gold_ll`` reads items of a task; ``kld`` and ``ppl`` read running
-text (:mod:`outlierscope.eval.perplexity`)."""
+text (``outlierscope.eval.perplexity``)."""
 
 from __future__ import annotations
 
@@ -40,5 +40,5 @@ RANK_BY = {"gold_ll": RankBy("gold_ll", "delta_gold_ll", -1, "nats of mean gold 
 
 
 def rank_by_of(settings: dict) -> RankBy:
-    """The :class:`RankBy` of a sensitivity record's settings (records before the text metrics: gold_ll)."""
+    """The ``RankBy`` of a sensitivity record's settings (records before the text metrics: gold_ll)."""
     return RANK_BY[settings.get("metric", "gold_ll")]

@@ -2,7 +2,7 @@
 
 Each function reads the observed tensor once and returns what the reducers keep, reduced along the last
 one or two dims (per row, per channel); everything after it (top-k selection, merging, float64 sums) touches
-those small results only. The functions are plain PyTorch: :func:`kernel` returns them compiled
+those small results only. The functions are plain PyTorch: ``kernel`` returns them compiled
 (``torch.compile``: one fused C++/OpenMP loop on CPU, Triton on a GPU) or as they are (eager; the same
 results except the float rounding of sums, see below).
 
@@ -23,7 +23,7 @@ import torch
 
 @functools.lru_cache(maxsize=16)
 def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[torch.Tensor, int]:
-    """A lookup table for :func:`bin_index` of the bins with the n + 1 float32 edges lo r^j (computed in float64,
+    """A lookup table for ``bin_index`` of the bins with the n + 1 float32 edges lo r^j (computed in float64,
     then rounded), j = 0..n, and its shift ``s``.
 
     The bits of a float32 >= 0, read as an int32, order like the values. Cut them into cells of 2^s consecutive
@@ -44,7 +44,7 @@ def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[tor
 
 
 def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:
-    """Bin of each |x| in ``a`` (>= 0): the number of the edges of :func:`bin_table` ``(table, s)`` at or below
+    """Bin of each |x| in ``a`` (>= 0): the number of the edges of ``bin_table`` ``(table, s)`` at or below
     float32(a), int32, exact (integer work only: the float's bits select a cell, one comparison inside it)."""
     bits = a.float().view(torch.int32)
     cell = table[bits >> s]  # (below << (s + 1)) | the edge's low bits
@@ -66,7 +66,7 @@ def working(x: torch.Tensor) -> torch.Tensor:
 
 def map_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int):
     """One pass over a map ``x`` (B, H, T, S) with ``valid`` (bool, (B, 1|H, T, S)) and per-head ``shift`` (H,);
-    ``(table, s)``: :func:`bin_table` of ``n`` bins.
+    ``(table, s)``: ``bin_table`` of ``n`` bins.
 
     Returns ``rowmax`` (B, H, T): max |x| over a row's valid entries (-1 if none); ``idx`` (B, H, T, S) int32: the
     bin of |x| plus h (n + 3) for head h, or h (n + 3) + n + 2 (a sentinel) where invalid, for one bincount of
@@ -84,7 +84,7 @@ def map_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: t
 def token_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int,
                big: float, huge: float, per_channel: bool):
     """One pass over a token tensor ``x`` (B, T, C) with ``valid`` (bool, (B, T, 1)) and ``shift`` (C,) per channel
-    or (1,); ``(table, s)``: :func:`bin_table` of ``n`` bins.
+    or (1,); ``(table, s)``: ``bin_table`` of ``n`` bins.
 
     Returns ``rowmax`` (B, T): max |x| of a token (-1 if padding); per sequence and channel (B, C): ``chmax`` (max |x|
     over valid tokens, -1 if none), ``n_big`` (|x| >= ``big``), ``n_huge`` (|x| > ``huge``), ``sumabs`` (sum |x|);

@@ -2,7 +2,7 @@
 --kl-divergence`` prints them, plus intervals from blocks of windows.
 
 ``tokens``: any object with (N,) arrays ``window``, ``nll``, ``nll_base``, ``kld``, ``same_top``, ``p_diff``
-(:class:`~outlierscope.eval.perplexity.TokenScores`). llama.cpp's formulas (tools/perplexity/perplexity.cpp)::
+(``TokenScores``). llama.cpp's formulas (tools/perplexity/perplexity.cpp)::
 
     mean_and_uncertainty(x) = mean(x), sqrt((mean(x^2) - mean(x)^2) / (n - 1))      (0 for n <= 10)
     PPL(Q) = exp(mean nll) +- PPL * u(nll)                   ln(PPL(Q)/PPL(base)) = mean nll - mean nll_base

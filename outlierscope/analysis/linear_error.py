@@ -3,9 +3,9 @@
 gives it, so each linear's own error, not what earlier layers passed on), per decoder layer and linear (its path
 inside the layer: ``self_attn.q_proj`` ... ``mlp.down_proj``), over the real tokens.
 
-:class:`LinearErrorStats` keeps the sums per virtual shard (:mod:`outlierscope.parallel`), as
-:class:`~outlierscope.analysis.attention_error.AttentionErrorStats` does, so 1 process, N processes and N ``--shard``
-runs give the same bytes. :func:`~outlierscope.quant.linears.schemes.quantize_linears` (``error=stats``) feeds it.
+``LinearErrorStats`` keeps the sums per virtual shard (``outlierscope.parallel``), as
+``AttentionErrorStats`` does, so 1 process, N processes and N ``--shard``
+runs give the same bytes. ``quantize_linears`` (``error=stats``) feeds it.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ class LinearErrorStats:
 
     @classmethod
     def from_shard_tables(cls, tables: list[pd.DataFrame], n_layers: int) -> LinearErrorStats:
-        """The statistics of :meth:`shard_table` parts (disjoint virtual shards) combined."""
+        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined."""
         rows = pd.concat([t for t in tables if len(t)], ignore_index=True) if any(len(t) for t in tables) else None
         names = dict(zip(rows["k"], rows["linear"])) if rows is not None else {}
         linears = [names.get(k, f"unseen_{k}") for k in range(1 + max(names, default=-1))]

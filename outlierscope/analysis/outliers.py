@@ -1,6 +1,6 @@
 """Streaming outlier statistics of attention logits and hidden states (Table 5 and finer).
 
-:class:`OutlierStats` is a reducer for :func:`outlierscope.hooks.capture`. Per observation
+``OutlierStats`` is a reducer for ``outlierscope.hooks.capture``. Per observation
 point it keeps, with memory independent of the number of tokens:
 
 * exact top-k of |x| with locations: pooled over all layers (k, default 100) and per layer (``layer_k``);
@@ -9,7 +9,7 @@ point it keeps, with memory independent of the number of tokens:
   which medians are estimated with relative error <= ``bins.rel_error_bound`` (0.4988%);
 * float64 power sums of x (count, mean, std, Pearson kurtosis) and max |x|, per layer and head
   (logits) or per layer and channel (hidden states), kept per virtual shard of the run
-  (:mod:`outlierscope.parallel`; set with :meth:`OutlierStats.set_shard`) and merged in shard order,
+  (``outlierscope.parallel``; set with ``OutlierStats.set_shard``) and merged in shard order,
   so any split of the work over processes gives the same bytes;
 * hidden states: per (layer, channel) counts of |x| >= 6 (LLM.int8 outlier features) and |x| > 100,
   per (layer, position) counts of |x| >= 6; massive activations (Sun et al. 2024) are the
@@ -168,7 +168,7 @@ class TokenStats(_KindStats):
     token); moments per layer (``channel_moments``: per layer and channel); per (layer, channel): max |x| and the
     (sequence, token) where it first occurs, sum of |x| (per virtual shard), counts of |x| >= 6 and > 100; per
     (layer, position): max and sum of each token's max |x|, tokens, tokens with a |x| >= 6; every value above
-    ``massive_abs`` with its token id (:class:`Exceedances`, up to ``massive_cap``)."""
+    ``massive_abs`` with its token id (``Exceedances``, up to ``massive_cap``)."""
 
     n_loc = 4
     tie = (2, 0, 3, 1)  # (seq, layer, token, channel): (b, t, c) is the flat order of one observation
@@ -292,7 +292,7 @@ def _argmax_merge(cur: torch.Tensor, cur_at: torch.Tensor, new: torch.Tensor, ne
 
 
 class HiddenStats(TokenStats):
-    """Hidden states (B, T, C): :class:`TokenStats` with moments per (layer, channel) (the ``per_channel`` table)."""
+    """Hidden states (B, T, C): ``TokenStats`` with moments per (layer, channel) (the ``per_channel`` table)."""
 
     def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins, **kw):
         super().__init__(n_layers, hidden_size, seq_len, k, layer_k, bins, kind="hidden", channel_moments=True, **kw)
@@ -312,15 +312,15 @@ def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
 class OutlierStats:
     """Streaming statistics of every observed point of one model; call it with observations.
 
-    One reducer per point kind in ``by_kind``: :class:`LogitStats` for maps (logits, probabilities), :class:`TokenStats`
-    for (B, T, C) tensors (:class:`HiddenStats` for hidden states); Table 5's two exist from the start, the others
-    are made at their first observation. Probability maps also feed a :class:`SinkStats` (``sinks``).
-    :meth:`merge` adds the statistics of other data of the same model (data-parallel shards).
+    One reducer per point kind in ``by_kind``: ``LogitStats`` for maps (logits, probabilities), ``TokenStats``
+    for (B, T, C) tensors (``HiddenStats`` for hidden states); Table 5's two exist from the start, the others
+    are made at their first observation. Probability maps also feed a ``SinkStats`` (``sinks``).
+    ``merge`` adds the statistics of other data of the same model (data-parallel shards).
 
     ``sink_k``: key positions counted as the sink; ``massive_abs`` / ``massive_rel``: the massive-activation
     thresholds (|x| above both, the second times the layer's median |x|); ``massive_cap``: exceedances kept per point
     kind; ``delimiters``: token ids whose massive activations are labelled ``delimiter``; ``compile``: run the
-    per-element passes compiled (:mod:`outlierscope.analysis.kernels`: the same statistics, faster; sums differ
+    per-element passes compiled (``outlierscope.analysis.kernels``: the same statistics, faster; sums differ
     from the uncompiled ones within float32 rounding)."""
 
     keeps_observations = False  # each call reduces its observation before returning (capture may then mask in place)
@@ -378,15 +378,18 @@ class OutlierStats:
             st.shard = shard
 
     def state(self) -> dict:
-        """These statistics as tensors and plain containers (what :meth:`from_state` reads back)."""
+        """These statistics as tensors and plain containers (what ``from_state`` reads back)."""
         return to_plain(self, STATE_CLASSES)
 
     @classmethod
     def from_state(cls, data: dict) -> OutlierStats:
-        """The statistics :meth:`state` returned.
+        """The statistics ``state`` returned.
 
-        data: :meth:`state`'s value, as read back with ``torch.load(weights_only=True)``.
-        Raises ValueError: for data that is not the state of an OutlierStats."""
+        Args:
+            data: ``state``'s value, as read back with ``torch.load(weights_only=True)``.
+
+        Raises:
+            ValueError: for data that is not the state of an OutlierStats."""
         stats = from_plain(data, STATE_CLASSES)
         if not isinstance(stats, cls):
             raise ValueError(f"expected the state of an OutlierStats, got {type(stats).__name__}")
@@ -618,7 +621,7 @@ class OutlierStats:
         return [st.kind for st in self._tokens() if st.massive.overflowed]
 
     def massive_recurrence(self, massive: pd.DataFrame | None = None) -> pd.DataFrame:
-        """Where the massive activations recur; ``massive``: :meth:`massive`'s table when the caller has it already."""
+        """Where the massive activations recur; ``massive``: ``massive``'s table when the caller has it already."""
         sequences = max((st.sequences for st in self._tokens()), default=0)
         return act.recurrence_frame(self.massive() if massive is None else massive, sequences)
 

@@ -1,10 +1,10 @@
 """Paired comparison of two evaluations of the same items: pure functions of 0/1 outcomes and scores.
 
-* :func:`mean_stderr`: mean and standard error (sample std with n - 1, over sqrt(n)), lm-eval's ``stderr``;
-* :func:`paired_bootstrap`: 95% percentile interval of mean(b - a), items resampled with replacement (seeded);
-* :func:`mcnemar_exact`: two-sided exact McNemar p-value (binomial test on the discordant pairs);
-* :func:`compare`: all of the above for one metric, plus the flip rate (share of changed predictions);
-* :func:`mean_change`: mean(b - a) of per-item scores (a log-likelihood) with its paired bootstrap interval.
+* ``mean_stderr``: mean and standard error (sample std with n - 1, over sqrt(n)), lm-eval's ``stderr``;
+* ``paired_bootstrap``: 95% percentile interval of mean(b - a), items resampled with replacement (seeded);
+* ``mcnemar_exact``: two-sided exact McNemar p-value (binomial test on the discordant pairs);
+* ``compare``: all of the above for one metric, plus the flip rate (share of changed predictions);
+* ``mean_change``: mean(b - a) of per-item scores (a log-likelihood) with its paired bootstrap interval.
 
 Tested against scipy and numpy re-computations in ``tests/stats/test_paired.py``.
 """

@@ -1,7 +1,7 @@
 """Streaming primitives: exact top-k with locations, log-spaced histograms, moments.
 
 Each keeps memory independent of the number of values seen. The per-element work that feeds them in a profile is
-done in one pass per observed tensor by :mod:`outlierscope.analysis.kernels` (its docstring has the table of what
+done in one pass per observed tensor by ``outlierscope.analysis.kernels`` (its docstring has the table of what
 each pass computes per element, and the error bound of the float32 row sums that the moments add in float64).
 """
 
@@ -26,7 +26,7 @@ def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor
 
 def row_candidates(rowmax: torch.Tensor, row_values, shape: tuple[int, ...], k: int,
                    coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`dense_candidates` of a tensor of ``shape`` given its row maxima ``rowmax`` (``shape[:-1]``) and
+    """``dense_candidates`` of a tensor of ``shape`` given its row maxima ``rowmax`` (``shape[:-1]``) and
     ``row_values(rows)``: the |x| (-1 where invalid) of the flat rows ``rows`` (R,) as (R, S).
 
     Two stages, exact: the k largest entries lie in the rows (last dim) whose maximum is at least the
@@ -56,7 +56,7 @@ class TopK:
     """Exact running top-k of values, each with an integer location row (e.g. layer, head, seq, query, key).
 
     Ties are broken by location, compared field by field in the order ``tie`` (default: as stored). Give
-    the order in which :func:`dense_candidates` meets the entries of one observation (its flat order)
+    the order in which ``dense_candidates`` meets the entries of one observation (its flat order)
     after the fields that differ between observations, and any split of a stream merges exactly."""
 
     def __init__(self, k: int, n_loc: int, tie: tuple[int, ...] | None = None):
@@ -117,12 +117,12 @@ class LogBins:
         return math.sqrt(self.ratio) - 1
 
     def table(self, device="cpu") -> tuple[torch.Tensor, int]:
-        """The lookup table of :meth:`index` on ``device`` and its shift (:func:`~outlierscope.analysis.kernels.bin_table`)."""
+        """The lookup table of ``index`` on ``device`` and its shift (``bin_table``)."""
         return bin_table(self.lo, self.ratio, self.n, str(device))
 
     def index(self, absx: torch.Tensor) -> torch.Tensor:
         """Bin of each |x| (int32, same shape): the number of float32 edges ``lo r^j`` (j = 0..n) at or below
-        float32(|x|), exact whatever computes it (:func:`outlierscope.analysis.kernels.bin_index`)."""
+        float32(|x|), exact whatever computes it (``outlierscope.analysis.kernels.bin_index``)."""
         return bin_index(absx, *self.table(absx.device))
 
     def edges(self) -> np.ndarray:
@@ -155,7 +155,7 @@ def _float_sums(t: torch.Tensor, dim: int, rest: tuple[int, ...]) -> torch.Tenso
 
 def masked_mean(x: torch.Tensor, valid: torch.Tensor, dim: int, rest: tuple[int, ...], n: torch.Tensor) -> torch.Tensor:
     """Mean of the valid entries of ``x`` per group (``n`` of them), reduced over ``dim`` and ``rest`` as
-    :func:`_float_sums`; rounded to x's dtype (so that a shift is exactly representable there), as float64."""
+    ``_float_sums``; rounded to x's dtype (so that a shift is exactly representable there), as float64."""
     return (_float_sums(torch.where(valid, x, 0.0), dim, rest).reshape(n.shape) / n.clamp_min(1)).to(x.dtype).double()
 
 
@@ -163,11 +163,11 @@ class Moments:
     """Moments of x per group (e.g. per layer and head), streamed: count, shifted power sums, max |x|.
 
     The power sums are of ``x - shift``, where ``shift`` is each group's mean in the first batch that has valid
-    entries for it (:meth:`centre`): with the data centred, the sums do not cancel catastrophically when a group
+    entries for it (``centre``): with the data centred, the sums do not cancel catastrophically when a group
     has a large mean. Powers are summed along one row (the last reduced dim) in float32, and those row sums are
     added in float64 on the host, across batches; float64 input stays float64 throughout. The bound on a row's
-    float32 sum is in :mod:`outlierscope.analysis.kernels` (which computes the row sums of a profile in one pass;
-    :meth:`update` is the same arithmetic for any tensor, uncompiled).
+    float32 sum is in ``outlierscope.analysis.kernels`` (which computes the row sums of a profile in one pass;
+    ``update`` is the same arithmetic for any tensor, uncompiled).
     """
 
     def __init__(self, shape: tuple[int, ...]):
@@ -186,7 +186,7 @@ class Moments:
 
     def add(self, row: int, n: torch.Tensor, sums: torch.Tensor, maxabs: torch.Tensor) -> None:
         """Add a batch of row ``row``: ``n`` valid entries per group, ``sums`` (4, groups) float64 of (x - shift)^k
-        about :meth:`centre`'s shifts, ``maxabs`` per group."""
+        about ``centre``'s shifts, ``maxabs`` per group."""
         self.count[row] += n
         self.sums[:, row] += sums
         self.maxabs[row] = torch.maximum(self.maxabs[row], maxabs.double().cpu())
@@ -231,7 +231,7 @@ class Moments:
         self.maxabs = torch.maximum(self.maxabs, other.maxabs)
 
     def summary(self) -> dict:
-        """:meth:`describe` of every group: arrays shaped like ``count``."""
+        """``describe`` of every group: arrays shaped like ``count``."""
         return self.describe(self.count.numpy(), *self.sums.numpy(), shift=self.shift.numpy())
 
     @staticmethod

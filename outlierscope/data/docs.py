@@ -1,4 +1,4 @@
-"""The one item type every evaluation scores: a :class:`TaskDoc`, one ``(context, continuation)`` request per choice.
+"""The one item type every evaluation scores: a ``TaskDoc``, one ``(context, continuation)`` request per choice.
 
 A HellaSwag item and a zero-shot task row both become one (``item.doc()``); both also say how many choices they have
 (``n_choices``) and what identifies their content (``digest_fields()``: what a run's items digest is made of, so a

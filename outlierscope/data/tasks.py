@@ -146,7 +146,7 @@ def task_metrics(name: str) -> tuple[str, ...]:
 
 
 def check_task(name: str, suites: bool = False) -> str:
-    """``name`` if it is HellaSwag or a registered task (with ``suites``: or a suite of :data:`SUITES`), else a one-line
+    """``name`` if it is HellaSwag or a registered task (with ``suites``: or a suite of ``SUITES``), else a one-line
     error listing them all, with "did you mean"."""
     lookup(dict.fromkeys(["hellaswag", *TASKS, *(SUITES if suites else ())]), name, "task or suite" if suites else "task")
     return name

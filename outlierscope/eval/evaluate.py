@@ -6,7 +6,7 @@
     res.metrics["acc_norm"], res.items.head()      # per-item scores, predictions, token counts
     res.save("runs/diff-4bit")                       # items.csv + eval.json (settings, timing)
 
-Scores follow lm-eval 0.4.13 exactly (see :mod:`outlierscope.eval.requests`); reference numbers on
+Scores follow lm-eval 0.4.13 exactly (see ``outlierscope.eval.requests``); reference numbers on
 all 10,042 validation items (``bench/results/eval_vs_lmeval_diff_10042.json``): pair-tiny:diff
 unquantized acc 0.260307, acc_norm 0.257518, identical to lm-eval item by item.
 """
@@ -71,7 +71,7 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
     """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``.
 
     ``task``: ``hellaswag`` (items of ``data`` or the cached set) or a zero-shot task of
-    :mod:`outlierscope.data.tasks` (its rows as :class:`~outlierscope.data.docs.TaskDoc`)."""
+    ``outlierscope.data.tasks`` (its rows as ``TaskDoc``)."""
     if limit is not None and sample is not None:
         raise OutlierscopeError("limit and sample exclude each other; pass one")
     if task == "hellaswag":
@@ -124,7 +124,7 @@ def lm_loss(model, seqs, batch_size: int) -> float:
 class EvalResult:
     """Per-item results of one evaluation and its exact settings.
 
-    ``items``: one row per item (:func:`item_columns`: summed log-likelihood and token count of each choice,
+    ``items``: one row per item (``item_columns``: summed log-likelihood and token count of each choice,
     acc and acc_norm predictions); ``metrics``: acc, acc_norm with standard errors (and ``lm_loss``);
     ``settings``: what produced it (quantization, layout, items digest, batch size).
     """
@@ -163,7 +163,7 @@ class EvalResult:
 
     @property
     def is_partial(self) -> bool:
-        """A shard's share (NaN scores for the items of other shards): see :func:`merge_results`."""
+        """A shard's share (NaN scores for the items of other shards): see ``merge_results``."""
         return "shards" in self.extra
 
     def record(self) -> dict:
@@ -171,7 +171,7 @@ class EvalResult:
 
     def save(self, out: str | Path, name: str = "eval", vouch: tuple[str, ...] = ()) -> Path:
         """Write ``{name}.csv`` (per item) and then ``{name}.json`` (settings, metrics, the sha256 of the csv and of the
-        files ``vouch`` names in ``out``, sealed: :func:`~outlierscope.io.write_record`), each atomically."""
+        files ``vouch`` names in ``out``, sealed: ``write_record``), each atomically."""
         out = Path(out)
         write_csv(out / f"{name}.csv", self.items)
         files = file_digests(out, (f"{name}.csv", *vouch))
@@ -181,7 +181,7 @@ class EvalResult:
     def save_cell(self, out: str | Path, name: str, settings: dict, tables: dict | None = None) -> None:
         """Save as a run's cell: ``settings`` (its identity) in the record, each side table as
         ``{name}.{key}.csv`` before the cell's json (which marks it complete and holds every file's digest), and the
-        tables in ``extra["{key}_table"]`` (as :meth:`load_cell` returns them)."""
+        tables in ``extra["{key}_table"]`` (as ``load_cell`` returns them)."""
         self.extra["cell"] = settings
         for key, df in (tables or {}).items():
             write_csv(Path(out) / f"{name}.{key}.csv", df)
@@ -191,9 +191,9 @@ class EvalResult:
 
     @classmethod
     def load_cell(cls, out: str | Path, name: str, settings: dict, tables: tuple[str, ...] = ()) -> EvalResult | None:
-        """A complete cell saved by :meth:`save_cell` with exactly these ``settings`` and side ``tables`` (read into
+        """A complete cell saved by ``save_cell`` with exactly these ``settings`` and side ``tables`` (read into
         ``extra["{key}_table"]``); None otherwise (the caller computes it). A cell whose files do not match their
-        digests is :class:`~outlierscope.io.Damaged`."""
+        digests is ``Damaged``."""
         res = cls.load(out, name)
         if res is None or res.extra.get("cell") != settings:
             return None
@@ -206,8 +206,8 @@ class EvalResult:
 
     @classmethod
     def load(cls, out: str | Path, name: str = "eval") -> EvalResult | None:
-        """Read back a result written by :meth:`save`: None when it is absent (no json: never finished);
-        :class:`~outlierscope.io.Damaged` when its record's seal or a file's digest does not match (a record written
+        """Read back a result written by ``save``: None when it is absent (no json: never finished);
+        ``Damaged`` when its record's seal or a file's digest does not match (a record written
         before digests, without ``record_sha256``, is checked by its structure only: columns and item count)."""
         out = Path(out)
         meta_path, items_path = out / f"{name}.json", out / f"{name}.csv"
@@ -246,7 +246,7 @@ def model_and_tokenizer(model, tokenizer):
 class EvalOptions:
     """How an evaluation runs: sequences per forward, query rows per attention block, the layout of the sequences,
     and the progress bar. Only the batch size can change a score: unquantized by float32 rounding (~1e-5 nats), and
-    quantized by more where such a rounding crosses a quantizer's rounding boundary (:mod:`outlierscope.eval.scorer`);
+    quantized by more where such a rounding crosses a quantizer's rounding boundary (``outlierscope.eval.scorer``);
     ``batch_size=1`` scores each sequence in a forward of its own, exactly batch-invariant."""
 
     batch_size: int = 32  # sequences per forward; quantized scores depend on it by float32 rounding (1: exactly none)
@@ -264,7 +264,7 @@ class EvalOptions:
 
 
 def eval_options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
-    """``options``, or one made of :class:`EvalOptions` fields given as keywords (``batch_size=8``)."""
+    """``options``, or one made of ``EvalOptions`` fields given as keywords (``batch_size=8``)."""
     if options is not None and kwargs:
         raise ParamError("options", "either an EvalOptions or its fields as keywords, not both", sorted(kwargs))
     try:
@@ -286,32 +286,32 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
              world: World | None = None, requests: list[Request] | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
     """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
-    (HellaSwag or a zero-shot task of :mod:`outlierscope.data.tasks`), scored as lm-evaluation-harness 0.4.13 scores
-    it, quantized by ``quant`` (a :class:`QuantSpec` or its text: a recipe name such as ``"w8a8"`` or ``"kivi-2bit"``,
+    (HellaSwag or a zero-shot task of ``outlierscope.data.tasks``), scored as lm-evaluation-harness 0.4.13 scores
+    it, quantized by ``quant`` (a ``QuantSpec`` or its text: a recipe name such as ``"w8a8"`` or ``"kivi-2bit"``,
     or parts such as ``"a=int8/per_token; w=int4/per_group:64"``; None: unquantized).
 
     Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
     or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
     per-item columns ``score0..`` padded with NaN. ``requests``: the items' tokenised requests when the caller has
-    them (:func:`~outlierscope.eval.requests.build_requests` of the same items, tokenizer and lm-eval max length; a
+    them (``build_requests`` of the same items, tokenizer and lm-eval max length; a
     sweep builds them once for every cell of a model and task), checked to be those items'; None: built here.
-    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (:class:`EvalOptions`:
+    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (``EvalOptions``:
     batch size, attention block rows, layout, progress bar), or its fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
-    see :class:`EvalOptions`). ``layout``: ``"separate"``
+    see ``EvalOptions``). ``layout``: ``"separate"``
     (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
-    each attention row depends on its own keys: unquantized or per_row); None: :func:`layout_for` ``quant``.
-    ``attn_error``: an :class:`~outlierscope.analysis.attention_error.AttentionErrorStats` that also receives, per
+    each attention row depends on its own keys: unquantized or per_row); None: ``layout_for`` ``quant``.
+    ``attn_error``: an ``AttentionErrorStats`` that also receives, per
     layer and head, what ``quant`` does to the attention of every scored sequence (per virtual shard: with ``world``
     rank 0's gets every rank's; with a partial ``shard``, this shard's, to merge with the others'). ``attn_error_spec``:
     measure this spec instead of ``quant``, without applying it (each layer's error on the unquantized input).
-    ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
+    ``linear_error``: a ``LinearErrorStats`` that receives each quantized
     linear's relative output error (per virtual shard, gathered as ``attn_error``).
     Non-finite log-likelihoods are an error naming the first such item.
 
-    Data parallel (:mod:`outlierscope.parallel`): with ``world`` (processes of ``torchrun``) each rank
+    Data parallel (``outlierscope.parallel``): with ``world`` (processes of ``torchrun``) each rank
     scores its virtual shards and rank 0 gets the whole result (the other ranks get None); with a partial
-    ``shard`` the result is partial (:attr:`EvalResult.is_partial`: NaN scores elsewhere) and
-    :func:`merge_results` combines the parts. Any split gives the scores of a single process.
+    ``shard`` the result is partial (``EvalResult.is_partial``: NaN scores elsewhere) and
+    ``merge_results`` combines the parts. Any split gives the scores of a single process.
     """
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)
@@ -358,7 +358,7 @@ def finished(part: EvalResult, shard: Shard, world: World, desc: str) -> EvalRes
 
 
 def checked_layout(spec: QuantSpec, layout: str | None) -> str:
-    """``layout``, or :func:`layout_for` ``spec`` when None; ``shared`` only where the spec allows it."""
+    """``layout``, or ``layout_for`` ``spec`` when None; ``shared`` only where the spec allows it."""
     layout = layout or layout_for(spec)
     if layout == "shared" and layout_for(spec) != "shared":
         raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)

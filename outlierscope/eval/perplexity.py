@@ -1,6 +1,6 @@
 """Per-token negative log-likelihood and KL divergence to the unquantized model on running text.
 
-For every scored token of the windows (:mod:`outlierscope.eval.windows`) and every quantization spec, from both
+For every scored token of the windows (``outlierscope.eval.windows``) and every quantization spec, from both
 models' full distributions in the same pass (no stored base, nothing rounded; the unquantized trunk runs once per
 batch and is shared by every spec)::
 
@@ -32,7 +32,7 @@ from outlierscope.quant.linears.schemes import HeldWeights
 from outlierscope.quant.specs.spec import QuantSpec
 
 FLOATS = ("nll", "nll_base", "kld", "p_diff")
-LOGPROBS = ("float64", "lmeval")  # how a token's NLL is taken from its logits (:func:`_nll`)
+LOGPROBS = ("float64", "lmeval")  # how a token's NLL is taken from its logits (``_nll``)
 HOLD_BYTES = 4 * 2**30  # quantized weights a run keeps from batch to batch (all sides together); beyond: per batch
 F64_ROWS = 32  # rows per float64 block of a spec's values: its (F64_ROWS, V) temporaries stay small and in cache
 
@@ -55,7 +55,7 @@ class TokenScores:
     def summary(self, seed: int = 0) -> dict:
         """llama.cpp's statistics of these tokens (PPL, ln PPL ratio, KLD mean and percentiles, same top token, RMS
         dp, each with its uncertainty) and the NLL change and mean KLD with 95% intervals over whole windows
-        (:func:`outlierscope.analysis.kld.summary`)."""
+        (``outlierscope.analysis.kld.summary``)."""
         from outlierscope.analysis.kld import summary
 
         return summary(self, seed)
@@ -65,12 +65,12 @@ class TokenScores:
 
     @classmethod
     def load(cls, path) -> TokenScores:
-        """What :meth:`save` wrote to ``path`` (a file name or a binary file)."""
+        """What ``save`` wrote to ``path`` (a file name or a binary file)."""
         with np.load(path) as z:
             return cls(**{k: z[k] for k in ("window", "same_top", *FLOATS)})
 
     def to_bytes(self) -> bytes:
-        """The bytes :meth:`save` writes."""
+        """The bytes ``save`` writes."""
         import io
 
         buf = io.BytesIO()
@@ -121,7 +121,7 @@ def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None
     """What every spec's values need of the base's logits (n, V): its float64 log-probabilities, their probabilities,
     top token and the targets' NLL (computed once per block, shared by every spec). Both float64 arrays are made
     F64_ROWS rows at a time (the probabilities from the block of log-probabilities still in cache), into
-    :func:`_workspace` of ``workspaces`` when given: a caller that scores block after block reuses one buffer
+    ``_workspace`` of ``workspaces`` when given: a caller that scores block after block reuses one buffer
     instead of two fresh (n, V) allocations per block (for a large vocabulary each one page-faulted anew)."""
     n, v = logits_b.shape
     if workspaces is None:
@@ -137,7 +137,7 @@ def _base(logits_b: torch.Tensor, targets: torch.Tensor, workspaces: dict | None
 
 def _values(logits_q: torch.Tensor, base: dict[str, torch.Tensor], targets: torch.Tensor,
             logprobs: str = "float64") -> dict[str, torch.Tensor]:
-    """The per-token values of the quantized model's logits (n, V) against :func:`_base`'s, in blocks of F64_ROWS
+    """The per-token values of the quantized model's logits (n, V) against ``_base``'s, in blocks of F64_ROWS
     rows (each row's values do not depend on the block; the float64 temporaries stay small)."""
     parts = [_values_block(logits_q[r:r + F64_ROWS], {k: v[r:r + F64_ROWS] for k, v in base.items()},
                            targets[r:r + F64_ROWS], logprobs) for r in range(0, max(len(targets), 1), F64_ROWS)]
@@ -175,7 +175,7 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
     """Per-token values of several quantized models' hidden states ``hqs`` (each (N, D), with its head) against the
     unquantized ``hb`` (N, D): in blocks of HEAD_ROWS rows, the base's log-probabilities computed once per block and
     shared by every spec (one block of HEAD_ROWS x vocabulary float64 values per model at a time, in
-    :func:`_workspace` from ``workspaces``: a run's, kept from batch to batch)."""
+    ``_workspace`` from ``workspaces``: a run's, kept from batch to batch)."""
     parts: list[list[dict]] = [[] for _ in hqs]
     for s in range(0, len(targets), HEAD_ROWS):
         t = targets[s:s + HEAD_ROWS]
@@ -196,13 +196,13 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
                   calibrations: Sequence | None = None, block_rows: int | None = None,
                   shards: Collection[int] | None = None, progress=None, logprobs: str = "float64",
                   hold_bytes: int = HOLD_BYTES) -> list[TokenScores]:
-    """Each spec's :class:`TokenScores` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
-    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): :func:`score_sides` with every
+    """Each spec's ``TokenScores`` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
+    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): ``score_sides`` with every
     spec against the unquantized model. The unquantized model runs once per batch, through the same attention
     function as the quantized ones (so a spec that quantizes nothing has KL divergence 0 exactly, and is not run
     again), and its log-probabilities are computed once per block of positions for every spec whose LM head is not
-    quantized; ``calibrations``: each spec's :func:`~outlierscope.quant.weights.calibration.calibration_for`; ``hold_bytes``:
-    :func:`score_sides`'."""
+    quantized; ``calibrations``: each spec's ``calibration_for``; ``hold_bytes``:
+    ``score_sides``'."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     base = Side("model", QuantSpec())
     pairs = [(base, Side("model", spec, cal)) for spec, cal in zip(specs, calibrations)]
@@ -220,17 +220,17 @@ def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> l
 def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                 calibrations: Sequence | None = None, ref_calibrations: Sequence | None = None,
                 block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
-    """The numerical noise floor of each spec: its :class:`TokenScores` computed by ``model`` against the same spec
+    """The numerical noise floor of each spec: its ``TokenScores`` computed by ``model`` against the same spec
     computed by ``ref_model`` (the same weights in other arithmetic, e.g. float64) as the base, so ``kld`` is
-    KL(ref || model) of one scheme under two arithmetics (:func:`score_pairs` with each spec on both sides)."""
+    KL(ref || model) of one scheme under two arithmetics (``score_pairs`` with each spec on both sides)."""
     return score_pairs(model, ref_model, windows, specs, specs, batch_size, calibrations, ref_calibrations,
                        block_rows, shards)
 
 
 @dataclass(frozen=True, eq=False)
 class Side:
-    """One forward of a pair of :func:`score_sides`: ``model`` (a key of its models) under ``spec``, with the
-    spec's ``calibration`` (:func:`~outlierscope.quant.weights.calibration.calibration_for`'s, or None)."""
+    """One forward of a pair of ``score_sides``: ``model`` (a key of its models) under ``spec``, with the
+    spec's ``calibration`` (``calibration_for``'s, or None)."""
 
     model: str
     spec: QuantSpec
@@ -252,12 +252,12 @@ def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[S
     the float model and against n emulations on it: n + 2 forwards), and a base's log-probabilities are computed
     once per block of positions for every pair that shares it. An ``other`` that quantizes the LM head is scored
     inside its own context (its head exists only there); a base that does is refused. ``progress(k)`` after the
-    k-th batch. ``logprobs``: how each NLL is taken from the logits (:data:`LOGPROBS`, :func:`_nll`; the KLD and
+    k-th batch. ``logprobs``: how each NLL is taken from the logits (``LOGPROBS``, ``_nll``; the KLD and
     the rest in float64 either way). ``hold_bytes``: the sides' quantized weights are kept from batch to batch, in
     order of first use, while their bytes together stay within it (memory: up to that much besides the model; the
     rest is quantized again at each batch); the same values either way. A side that quantizes only layers >= s
     (``layers:``; sensitivity's one-layer cells) starts from the unquantized side's output of layer s - 1 in the
-    same batch (:func:`prefix_start`, :mod:`outlierscope.hooks.prefix`): the same bytes, the layers below not run
+    same batch (``prefix_start``, ``outlierscope.hooks.prefix``): the same bytes, the layers below not run
     again; memory: one (B, T, D) tensor per distinct start, for the batch."""
     if logprobs not in LOGPROBS:
         raise ParamError("logprobs", f"one of {', '.join(LOGPROBS)}", logprobs)
@@ -304,9 +304,9 @@ def _sides(pairs: Sequence[tuple[Side, Side]]) -> dict[tuple, Side]:
 
 def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows: int | None, held: HeldWeights):
     """Each side's hidden states at the scored positions of one batch (side key -> (N, D)), and the targets (N,).
-    ``held``: the run's quantized weights, kept from batch to batch (:class:`HeldWeights`). A side that quantizes
+    ``held``: the run's quantized weights, kept from batch to batch (``HeldWeights``). A side that quantizes
     only layers >= s of a model whose unquantized side runs too starts from that side's output of layer s - 1
-    (:mod:`outlierscope.hooks.prefix`): the same bytes, layers below s not run again."""
+    (``outlierscope.hooks.prefix``): the same bytes, layers below s not run again."""
     hidden = {}
     starts = {key: prefix_start(side.spec) for key, side in sides.items()}
     plain = {side.model: key for key, side in sides.items() if side.spec.is_identity and side.calibration is None}
@@ -366,7 +366,7 @@ def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
                 ref_calibrations: Sequence | None = None, block_rows: int | None = None,
                 shards: Collection[int] | None = None) -> list[TokenScores]:
     """Two models compared token by token: for each j, ``model`` under ``specs[j]`` against ``ref_model`` under
-    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's): :func:`score_sides`
+    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's): ``score_sides``
     with two models. The noise floor (one spec, two arithmetics) and a real quantized checkpoint against its
     emulation (the checkpoint unquantized as the base) are both such pairs; a reference spec shared by several pairs
     runs once per batch."""
@@ -389,7 +389,7 @@ def _scores(parts: list[dict]) -> TokenScores:
 def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Sequence[str],
                      logprobs: str = "float64") -> dict:
     """lm-evaluation-harness 0.4.13's metrics of a ``loglikelihood_rolling`` task (its wikitext) from the per-token
-    values of lmeval windows: per document the log-likelihood (:func:`document_loglikelihoods`; 0 for an empty one),
+    values of lmeval windows: per document the log-likelihood (``document_loglikelihoods``; 0 for an empty one),
     its words (``len(re.split(r"\\s+", doc))``) and UTF-8 bytes; word_perplexity = exp(-sum ll / sum words),
     byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte = -sum ll / sum bytes / ln 2. Of the quantized model
     and (``*_base``) of the unquantized one."""

@@ -1,8 +1,8 @@
 """Loglikelihood requests of zero-shot multiple-choice items, tokenised exactly as lm-evaluation-harness 0.4.13 does.
 
-Every item (a HellaSwag item or a task row) is a :class:`~outlierscope.data.docs.TaskDoc` (``item.doc()``): one
+Every item (a HellaSwag item or a task row) is a ``TaskDoc`` (``item.doc()``): one
 request per choice, ``(context, continuation)``; HellaSwag's document (lm-eval ``hellaswag.yaml`` /
-``utils.process_docs``) is :func:`outlierscope.data.hellaswag.build_doc`, with continuation ``" " + choice``.
+``utils.process_docs``) is ``outlierscope.data.hellaswag.build_doc``, with continuation ``" " + choice``.
 Tokenisation follows lm-eval's ``_encode_pair`` (trailing whitespace of the context moves to the continuation;
 ``whole = enc(ctx + cont)``, ``ctx_ids = enc(ctx)``, continuation ids ``whole[len(ctx_ids):]``; an empty context
 becomes the EOS id).
@@ -130,8 +130,8 @@ class Encoder:
 
 
 class Requests(list):
-    """The requests of some items (a list of :class:`Request`), with what they were built from: the items' digest
-    (:func:`items_digest`), the tokenizer's (:func:`tokenizer_digest`) and the lm-eval max length."""
+    """The requests of some items (a list of ``Request``), with what they were built from: the items' digest
+    (``items_digest``), the tokenizer's (``tokenizer_digest``) and the lm-eval max length."""
 
     def __init__(self, requests, items_sha256: str, tokenizer_sha256: str, max_length: int):
         super().__init__(requests)
@@ -178,13 +178,14 @@ def build_requests(items, tokenizer, max_length: int) -> Requests:
 
 
 def check_requests(requests: Sequence[Request], items, tokenizer, max_length: int) -> None:
-    """``requests`` are :func:`build_requests` of ``items`` with ``tokenizer`` at ``max_length``, else a ParamError
+    """``requests`` are ``build_requests`` of ``items`` with ``tokenizer`` at ``max_length``, else a ParamError
     naming the mismatch.
 
-    requests: what the caller built.
-    items: the items to score.
-    tokenizer: the model's tokenizer.
-    max_length: the model's lm-eval max length."""
+    Args:
+        requests: what the caller built.
+        items: the items to score.
+        tokenizer: the model's tokenizer.
+        max_length: the model's lm-eval max length."""
     from outlierscope.errors import ParamError
 
     want = f"build_requests of these {len(items)} items"

@@ -151,7 +151,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
     run faster in small batches). ``progress(n_items)`` is called as items finish.
 
     ``shards``: compute only the batches of these virtual shards (batch ``b`` is in shard
-    ``b % VIRTUAL_SHARDS``, :mod:`outlierscope.parallel`); the other scores are NaN. The batches are
+    ``b % VIRTUAL_SHARDS``, ``outlierscope.parallel``); the other scores are NaN. The batches are
     the same whatever the shards, so every score equals the one a whole run computes. ``on_batch(k)`` is called
     before the forward of batch ``k`` (its virtual shard is ``shard_of(k)``).
     """
@@ -170,7 +170,7 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
 
 def plan_batches(requests: Sequence[Request], layout: str, batch_size: int,
                  shards: Collection[int] | None = None) -> list[tuple[int, list[tuple]]]:
-    """The numbered batches (k, [(length, item index, choice or None), ...]) :func:`score_requests` runs: the same
+    """The numbered batches (k, [(length, item index, choice or None), ...]) ``score_requests`` runs: the same
     whatever ``shards`` keeps (batch k is in virtual shard ``shard_of(k)``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
@@ -204,7 +204,7 @@ def batch_rows(requests: Sequence[Request], batch: list[tuple]) -> list[dict]:
 
 
 def fill_scores(scores: np.ndarray, batch: list[tuple], values: list[np.ndarray]) -> None:
-    """Put one batch's summed log-probabilities (:func:`score_rows`) in their items' places."""
+    """Put one batch's summed log-probabilities (``score_rows``) in their items' places."""
     for (_, i, j), v in zip(batch, values):
         if j is None:
             scores[i, : len(v)] = v

@@ -1,7 +1,7 @@
 """Item scores of several specs in one pass over the batches, each batch's unquantized trunk shared: a spec that
 quantizes only decoder layers >= s (``layers:``; sensitivity's one-layer cells) starts from the unquantized
-forward's output of layer s - 1 of the same batch (:mod:`outlierscope.hooks.prefix`), as a perplexity run's text
-cells do (:func:`outlierscope.eval.perplexity.score_sides`).
+forward's output of layer s - 1 of the same batch (``outlierscope.hooks.prefix``), as a perplexity run's text
+cells do (``outlierscope.eval.perplexity.score_sides``).
 
     for batch in plan_batches(requests, layout, batch_size):           # the batches every spec alone would run
         with quantize_model(model, QuantSpec()), recording_outputs(model, {s - 1 for s in starts}) as outs:
@@ -60,7 +60,7 @@ def score_requests_together(model, requests: Sequence[Request], specs: Sequence[
                             shards: Collection[int] | None = None, progress=None,
                             hold_bytes: int = HOLD_BYTES) -> list[np.ndarray]:
     """Per spec of ``specs`` (each with its ``calibrations`` entry, or None), the summed log-probabilities (N, C)
-    :func:`~outlierscope.eval.scorer.score_requests` gives inside ``quantize_model(model, spec, block_rows,
+    ``score_requests`` gives inside ``quantize_model(model, spec, block_rows,
     calibration)`` in ``layout`` with ``batch_size`` (and ``shards``), computed batch by batch for every spec together
     (module docstring). ``progress(n)`` after each batch: the items that every spec has scored."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
@@ -86,7 +86,7 @@ def score_requests_together(model, requests: Sequence[Request], specs: Sequence[
 
 def _record_trunk(model, rows: list[dict], layers: set[int], block_rows: int | None) -> dict:
     """The unquantized forward of one batch's rows (in the context an unquantized cell scores in) up to the highest
-    of ``layers``: each one's output, as :func:`~outlierscope.hooks.prefix.replaying` takes it."""
+    of ``layers``: each one's output, as ``replaying`` takes it."""
     with quantize_model(model, QuantSpec(), block_rows), recording_outputs(model, layers) as outs, \
             attention_stages(model, unchanged_logits), stopping_after(model, max(layers)):
         gathered_hidden(model, rows)
@@ -97,9 +97,9 @@ def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str]
                       shard: Shard | None = None, world: World | None = None, options: EvalOptions | None = None,
                       **option_kwargs) -> list[EvalResult | None]:
     """``evaluate(model, quant=spec, items=items, task=task, ...)`` for each spec of ``specs``, computed in one pass
-    (:func:`score_requests_together`): each result's scores, predictions and settings are those ``evaluate`` gives
+    (``score_requests_together``): each result's scores, predictions and settings are those ``evaluate`` gives
     for the spec alone; its ``seconds`` the pass's wall time shared equally. The specs must take one layout
-    (``options.layout``, else :func:`~outlierscope.eval.evaluate.layout_for` each). ``shard`` and ``world`` as in
+    (``options.layout``, else ``layout_for`` each). ``shard`` and ``world`` as in
     ``evaluate`` (rank 0 gets the results, the other ranks Nones; a partial shard gives partial results)."""
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)

@@ -1,6 +1,6 @@
 """How running text is cut into scored windows: the three protocols that perplexity tables are computed with.
 
-A :class:`Window` is one forward: ``input_ids`` (T,) and the ``targets`` that its logits at positions ``first ..
+A ``Window`` is one forward: ``input_ids`` (T,) and the ``targets`` that its logits at positions ``first ..
 first + n - 1`` predict (``logits[first + j]`` scores ``targets[j]``, the token after position ``first + j``), with
 the document it belongs to (``doc``; -1 for text joined across documents). Protocols::
 
@@ -117,7 +117,7 @@ def lmeval_windows(tokenizer, docs: Sequence[str], max_len: int) -> list[Window]
 
 
 def protocol_windows(protocol: str, tokenizer, docs: Sequence[str], length: int) -> list[Window]:
-    """The windows of ``protocol`` (:data:`PROTOCOLS`) over ``docs``; ``length``: gptq's seq_len, llamacpp's ctx,
+    """The windows of ``protocol`` (``PROTOCOLS``) over ``docs``; ``length``: gptq's seq_len, llamacpp's ctx,
     lmeval's max_length."""
     if protocol not in PROTOCOLS:
         raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", protocol)

@@ -1,6 +1,6 @@
 """An attention function for transformers' ``AttentionInterface`` that exposes the logits.
 
-No forward is monkey-patched: inside :func:`attention_stages` a model is switched (with
+No forward is monkey-patched: inside ``attention_stages`` a model is switched (with
 ``set_attn_implementation``) to a uniquely named attention function, registered together
 with a boolean mask function in ``AttentionMaskInterface``; both are unregistered and the
 original implementation is restored in ``finally``.
@@ -127,7 +127,7 @@ class Tap:
 
 
 def as_stage(stage: Stage | Callable) -> Stage:
-    """A :class:`Stage`; a plain ``f(ctx, logits)`` is a non-observing stage without a reduction."""
+    """A ``Stage``; a plain ``f(ctx, logits)`` is a non-observing stage without a reduction."""
     return stage if isinstance(stage, Stage) else Stage(apply=stage, name=getattr(stage, "__name__", "stage"))
 
 BLOCK_BYTES = 256 * 2**20  # default budget of one block's float32 logits (B, H, t, S)
@@ -205,7 +205,7 @@ def _token_valid(mask: torch.Tensor | None, B: int, T: int, S: int, device) -> t
 
 def diff_lambda(module: nn.Module) -> torch.Tensor:
     """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does (its float32 sums are
-    float64 for a float64 model, as :mod:`~outlierscope.models.float64` makes the forward's)."""
+    float64 for a float64 model, as ``float64`` makes the forward's)."""
     dtype = module.lambda_q1.dtype
     acc = torch.promote_types(dtype, torch.float32)
     l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=acc)).to(dtype)
@@ -347,7 +347,7 @@ class _AttentionFunction:
         return query, key, value, q_mean, k_mean
 
     def _token_valid(self, mask, B: int, T: int, S: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """:func:`_token_valid` of a call, computed once per mask (every layer of a forward gets the same mask, and a
+        """``_token_valid`` of a call, computed once per mask (every layer of a forward gets the same mask, and a
         call both transforms and taps q/k/v)."""
         memo = self._token_memo
         if memo is not None and memo[0] is mask and memo[1] == (B, T, S):

@@ -6,7 +6,7 @@
 A reducer is any callable ``reducer(obs: Observation)``; to keep data past its call it keeps copies, not ``obs.x``
 itself (the next batch would overwrite a view). A logits map is still handed over in memory of its own, masked only
 after the call, unless every reducer declares ``keeps_observations = False`` (the library's
-:class:`~outlierscope.analysis.outliers.OutlierStats` does): the map is then masked in place, one copy per layer less.
+``OutlierStats`` does): the map is then masked in place, one copy per layer less.
 Every hook handle is removed and the attention implementation restored in ``finally``,
 also when the forward raises.
 """
@@ -50,7 +50,7 @@ class Observation:
 
 @dataclass
 class Capture:
-    """Handle returned by :func:`capture`."""
+    """Handle returned by ``capture``."""
 
     points: list[Point]
     sequences: int = 0
@@ -92,7 +92,7 @@ def _output_tensor(output) -> torch.Tensor | None:
 
 def _module_targets(model: nn.Module, points: list[Point]) -> list[tuple[nn.Module, str, Point]]:
     """(module, "input"|"output", point) for every point observed by a module hook: module inputs and outputs,
-    ``lm_head.input`` and the point kinds whose entry names a hook (:data:`~outlierscope.hooks.points.POINT_KINDS`)."""
+    ``lm_head.input`` and the point kinds whose entry names a hook (``POINT_KINDS``)."""
     modules = dict(model.named_modules())
     layers = decoder_layers(model)
     out = []
@@ -136,7 +136,7 @@ class _Emitter:
             r(obs)
 
     def tokens(self, p: Point, x: torch.Tensor | None) -> None:
-        """A module's tensor, observed as (B, T, C) (:func:`_token_layout`)."""
+        """A module's tensor, observed as (B, T, C) (``_token_layout``)."""
         if x is None:
             raise OutlierscopeError(f"{p.name}: the module got or returned no tensor; choose another point")
         x, valid = _token_layout(p, x, self.cap._padding)
@@ -167,14 +167,14 @@ class _Emitter:
 @contextlib.contextmanager
 def capture(model: nn.Module, points: Sequence[str] | str | None = None, reducers=None,
             block_rows: int | None = None, preset: str | None = None) -> Iterator[Capture]:
-    """Observe ``points`` (names or patterns; and the points of a :data:`~outlierscope.hooks.points.PRESETS` name)
+    """Observe ``points`` (names or patterns; and the points of a ``PRESETS`` name)
     of ``model`` during forwards inside the block; see module docstring. Neither given: Table 5's two kinds.
 
     ``block_rows``: query rows per attention block (maps are then observed block by block).
 
     Any model whose attention goes through transformers' ``AttentionInterface`` can be observed, an encoder
     (BERT) too: its valid entries are what its own mask allows (bidirectional). Scoring is another matter:
-    :func:`~outlierscope.eval.evaluate` refuses a model that is not causal."""
+    ``evaluate`` refuses a model that is not causal."""
     if points is None:
         points = DEFAULT_POINTS if preset is None else ()
     resolved = resolve_points(model, points, preset)

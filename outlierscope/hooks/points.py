@@ -1,8 +1,8 @@
-"""Named observation points of a decoder-only model: one table of point kinds (:data:`POINT_KINDS`), each
+"""Named observation points of a decoder-only model: one table of point kinds (``POINT_KINDS``), each
 ``layers.{i}.<kind>``, plus every submodule's input and output (``layers.{i}.<module path>.input``) and
-``lm_head.input``. Patterns use ``*``; an unknown name fails with the closest valid ones; :data:`PRESETS` name sets of
-points. The model's structure is found, never assumed from a class name (:func:`decoder_layers`,
-:func:`attention_layers`, :func:`trunk`): in a hybrid model only its attention layers have the ``attn.*`` points."""
+``lm_head.input``. Patterns use ``*``; an unknown name fails with the closest valid ones; ``PRESETS`` name sets of
+points. The model's structure is found, never assumed from a class name (``decoder_layers``,
+``attention_layers``, ``trunk``): in a hybrid model only its attention layers have the ``attn.*`` points."""
 
 from __future__ import annotations
 
@@ -21,16 +21,17 @@ from outlierscope.errors import OutlierscopeError
 class PointKind:
     """One kind of observation point, ``layers.{i}.<name>``.
 
-    name: the kind's name (``attn.logits``).
-    observes: what it observes, in words (its shape and valid entries).
-    shape: ``map`` (batch, heads, queries, keys) or ``tokens`` (batch, tokens, channels).
-    tap: where it is observed: ``logits`` (the attention function's logits stage), ``attention`` (a tap inside the
-        attention function) or ``module`` (a module hook: :attr:`hook`).
-    table5: one of the paper's Table 5 kinds (the default points).
-    attention: whether only attention layers have it.
-    has: whether a layer has it, given its attention module and whether the model is a Diff model (None: every
-        layer it applies to).
-    hook: for a module tap, (module, ``input`` or ``output``) of a decoder layer."""
+    Attributes:
+        name: the kind's name (``attn.logits``).
+        observes: what it observes, in words (its shape and valid entries).
+        shape: ``map`` (batch, heads, queries, keys) or ``tokens`` (batch, tokens, channels).
+        tap: where it is observed: ``logits`` (the attention function's logits stage), ``attention`` (a tap inside the
+            attention function) or ``module`` (a module hook: ``hook``).
+        table5: one of the paper's Table 5 kinds (the default points).
+        attention: whether only attention layers have it.
+        has: whether a layer has it, given its attention module and whether the model is a Diff model (None: every
+            layer it applies to).
+        hook: for a module tap, (module, ``input`` or ``output``) of a decoder layer."""
 
     name: str
     observes: str
@@ -66,14 +67,15 @@ POINT_KINDS = (
               "valid tokens only", tap="module", table5=True, attention=False,
               hook=lambda block: (block, "output")),
 )
-"""Every kind of observation point ``layers.{i}.<kind>``, one :class:`PointKind` each."""
+"""Every kind of observation point ``layers.{i}.<kind>``, one ``PointKind`` each."""
 KIND = {k.name: k for k in POINT_KINDS}
 
 
 def register_point_kind(kind: PointKind) -> PointKind:
     """Add a module-tapped point kind (``tap="module"`` with its ``hook``) to the table; returns it.
 
-    kind: the new kind (a kind tapped inside the attention function also needs its tap there)."""
+    Args:
+        kind: the new kind (a kind tapped inside the attention function also needs its tap there)."""
     global POINT_KINDS
     if kind.name in KIND or kind.tap != "module" or kind.hook is None:
         raise ValueError(f"point kind {kind.name!r}: expected a new name, tap='module' and a hook")
@@ -83,9 +85,10 @@ def register_point_kind(kind: PointKind) -> PointKind:
 
 
 def unregister_point_kind(name: str) -> None:
-    """Remove a kind :func:`register_point_kind` added.
+    """Remove a kind ``register_point_kind`` added.
 
-    name: its name."""
+    Args:
+        name: its name."""
     global POINT_KINDS
     POINT_KINDS = tuple(k for k in POINT_KINDS if k.name != name)
     KIND.pop(name)
@@ -116,12 +119,12 @@ PRESETS = {p.name: p for p in (
     PointPreset("smoothquant", (), linear_inputs=True,
                 help="the input of every nn.Linear (decoder layers and LM head); exports act_scales.pt"),
 )}
-"""Named sets of points (``outlierscope profile --preset NAME``), each a :class:`PointPreset`."""
+"""Named sets of points (``outlierscope profile --preset NAME``), each a ``PointPreset``."""
 
 
 @dataclass(frozen=True)
 class Point:
-    """One observation point of a model: its name, its layer and kind (a :data:`POINT_KINDS` name,
+    """One observation point of a model: its name, its layer and kind (a ``POINT_KINDS`` name,
     ``<module path>.input|output`` or ``lm_head.input``), and for a module point the module's full name and whether it
     is an ``nn.Linear``."""
 
@@ -262,7 +265,7 @@ def _unknown(model: nn.Module, pat: str, names: list[str]) -> OutlierscopeError:
 
 
 def resolve_points(model: nn.Module, patterns=(), preset: str | None = None) -> list[Point]:
-    """Expand point names/patterns (and a :data:`PRESETS` name); unknown names fail with the closest valid names."""
+    """Expand point names/patterns (and a ``PRESETS`` name); unknown names fail with the closest valid names."""
     if isinstance(patterns, str):
         patterns = [patterns]
     valid = all_points(model)

@@ -10,7 +10,7 @@ Layers below ``s`` compute in the quantized forward exactly what they computed i
 weights, the same attention function, nothing of ``spec`` applies to them), so the result is the same bytes as the
 whole forward. A recorded output changed in place since (its version counter moved: a later layer wrote into its
 input) is not replayed: that forward runs whole. While replaying, decoder layers ``0 .. s - 1`` of the model's
-``ModuleList`` are :class:`_Replay` modules that return the recorded output (whatever they are given); the originals
+``ModuleList`` are ``_Replay`` modules that return the recorded output (whatever they are given); the originals
 are put back in ``finally``.
 Memory: one recorded output (B, T, D) per distinct start, for one batch.
 """
@@ -68,7 +68,7 @@ def _version(out) -> int:
 @contextlib.contextmanager
 def replaying(model: nn.Module, start: int, recorded: tuple | None) -> Iterator[bool]:
     """While inside, decoder layers ``0 .. start - 1`` are not run: each returns layer ``start - 1``'s output of
-    the same batch (``recorded``: :func:`recording_outputs`' entry). Yields whether it replays: not for ``start`` 0,
+    the same batch (``recorded``: ``recording_outputs``' entry). Yields whether it replays: not for ``start`` 0,
     no record, or a record changed in place since."""
     if start == 0 or recorded is None or _version(recorded[0]) != recorded[1]:
         yield False
@@ -87,13 +87,13 @@ def replaying(model: nn.Module, start: int, recorded: tuple | None) -> Iterator[
 
 
 class _Stop(Exception):
-    """Raised by :func:`stopping_after`'s hook to end a forward."""
+    """Raised by ``stopping_after``'s hook to end a forward."""
 
 
 @contextlib.contextmanager
 def stopping_after(model: nn.Module, layer: int) -> Iterator[None]:
     """While inside, a forward ends after decoder layer ``layer`` (a forward hook raises, the context catches it):
-    a recording forward (:func:`recording_outputs`) runs no layer above the last it records. The code after the
+    a recording forward (``recording_outputs``) runs no layer above the last it records. The code after the
     forward inside the context does not run; the hook is removed in ``finally``."""
     handle = decoder_layers(model)[layer].register_forward_hook(lambda mod, args, out: _raise_stop())
     try:

@@ -10,10 +10,10 @@ or in Python::
     from outlierscope.lmeval import OutlierscopeLM
     lm_eval.simple_evaluate(model=OutlierscopeLM("pair-tiny:diff", bits=4), tasks=["hellaswag_local"], ...)
 
-:class:`~outlierscope.lmeval.adapter.OutlierscopeLM` is lm-eval's Hugging Face model (``HFLM``) whose
-forwards and generations run inside :func:`~outlierscope.quant.apply.quantize_model`; the model
-comes from :func:`~outlierscope.models.loading.load_model` (preset roles, HF directories, fetched
-models). :func:`~outlierscope.lmeval.tasks.write_task_yamls` writes task YAMLs that point lm-eval's
+``OutlierscopeLM`` is lm-eval's Hugging Face model (``HFLM``) whose
+forwards and generations run inside ``quantize_model``; the model
+comes from ``load_model`` (preset roles, HF directories, fetched
+models). ``write_task_yamls`` writes task YAMLs that point lm-eval's
 own tasks at the data ``outlierscope data fetch`` cached, for offline use.
 
 Importing this package does not import lm-eval; the names below load it on first use and say how to

@@ -2,7 +2,7 @@
 
 Every forward (``_model_call``: loglikelihood, rolling loglikelihood) and every generation
 (``_model_generate``: queries of length 1 against the growing key cache) runs inside
-:func:`~outlierscope.quant.apply.quantize_model` with the spec of ``model_args``; 16 bits goes
+``quantize_model`` with the spec of ``model_args``; 16 bits goes
 through the same attention function unquantized.
 
 Its design in full: the developer guide's internals page (docs/develop/internals.md).
@@ -28,7 +28,7 @@ from outlierscope.quant.weights.calibration import calibration_for
 
 
 def make_spec(bits, format: str | None = None, granularity: str | None = None, layers=None) -> QuantSpec:
-    """A :class:`QuantSpec` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
+    """A ``QuantSpec`` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
     lm-eval splits its arguments at commas). ``format`` None: ``int``; ``granularity`` None: ``per_tensor``."""
     bits = _as_int("bits", bits, "an integer number of bits (16 = unquantized)")
     return build_spec(bits, str(format or "int"), str(granularity or "per_tensor"), _layers(layers))
@@ -99,17 +99,17 @@ def _key(tokens) -> bytes:
 
 @register_model("outlierscope")
 class OutlierscopeLM(HFLM):
-    """lm-eval's ``hf`` model, loaded by :func:`~outlierscope.models.loading.load_model`, with quantized attention.
+    """lm-eval's ``hf`` model, loaded by ``load_model``, with quantized attention.
 
     ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
     file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
-    :func:`~outlierscope.models.loading.load_model`. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    :class:`~outlierscope.quant.specs.spec.QuantSpec` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
+    ``load_model``. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
+    ``QuantSpec`` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
     ``outlierscope recipes``; a spec text from Python: attention and linear parts), with ``layers`` if given (a spec
     with SmoothQuant or static scales runs its calibration pass once, when the model loads); ``attn_block``: query rows per attention block; ``dtype``,
     ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
     these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
-    (:func:`~outlierscope.hooks.capture.capture`), after quantization: the reducers see what the model
+    (``capture``), after quantization: the reducers see what the model
     uses. Other keywords go to ``HFLM`` (``batch_size``, ``max_length``, ...).
     """
 

@@ -1,7 +1,7 @@
 """What can be checked of a model without reading its weights, before any expensive step: config.json, a causal LM
 architecture, custom code trusted or not, weight files and their safetensors headers against the config, a
 checkpoint's quantization_config and the packages it needs, GPTQ/AWQ packed tensors, the tokenizer's size. The checks
-are run, in order and on what is read once, by :func:`outlierscope.models.record.inspect_model`."""
+are run, in order and on what is read once, by ``outlierscope.models.record.inspect_model``."""
 
 from __future__ import annotations
 
@@ -62,7 +62,7 @@ def _check_auto_map(spec: str, path: Path, cfg_json: dict, known: bool, trust_re
 
 
 def preview_config(spec: str):
-    """``spec``'s config where reading it is cheap but :func:`check_model` is not: a ``.gguf`` file's, from its
+    """``spec``'s config where reading it is cheap but ``check_model`` is not: a ``.gguf`` file's, from its
     metadata (check_model converts the file: minutes for a real model); None for any other spec (check_model reads
     those in seconds). Runs check their specs against it first, so a spec that does not fit fails before the
     conversion."""
@@ -135,7 +135,7 @@ def _missing_packages(quant: dict | None) -> tuple[str | None, list[str]]:
 
 def _check_quantization_packages(path: Path, quant: dict | None, shapes: dict) -> None:
     """A checkpoint saved quantized whose loader is not installed: one line naming the packages, before any work (a
-    second model of a run is checked before the first one's cells). ``shapes``: :func:`header_shapes`."""
+    second model of a run is checked before the first one's cells). ``shapes``: ``header_shapes``."""
     method, missing = _missing_packages(quant)
     if missing and method in ("gptq", "awq"):  # without their kernels: decoded (or one line naming what is needed)
         packed_scheme(quant)
@@ -153,7 +153,7 @@ def _check_quantization_packages(path: Path, quant: dict | None, shapes: dict) -
 
 
 def _decodes_packed(quant: dict | None) -> bool:
-    """A GPTQ/AWQ checkpoint that outlierscope decodes itself (:mod:`outlierscope.models.packed`): the packages
+    """A GPTQ/AWQ checkpoint that outlierscope decodes itself (``outlierscope.models.packed``): the packages
     transformers would load it with (GPT-QModel's kernels) are not installed."""
     return packed_scheme(quant) is not None and bool(_missing_packages(quant)[1])
 
@@ -170,11 +170,11 @@ def _check_bnb_state(path: Path, quant: dict, shapes: dict) -> None:
 
 
 def _check_weight_headers(path: Path, config, shapes: dict, meta) -> None:
-    """What :func:`_check_loading_info` refuses at load time, read from the safetensors headers before anything
+    """What ``_check_loading_info`` refuses at load time, read from the safetensors headers before anything
     loads (a second model of a run is checked before the first one's cells): a tensor the model needs that no file
     holds, a shape the config does not expect. Only where the files name the tensors as the model does (at least
     90% of them): a checkpoint that transformers converts on loading (renamed or fused tensors) is left to load.
-    ``shapes``: :func:`header_shapes`; ``meta``: the model on the meta device (None without safetensors)."""
+    ``shapes``: ``header_shapes``; ``meta``: the model on the meta device (None without safetensors)."""
     if not shapes:
         return
     want = {k: tuple(v.shape) for k, v in meta.state_dict().items()}

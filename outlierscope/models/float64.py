@@ -6,7 +6,7 @@ inverse frequencies with ``torch.arange(..., dtype=torch.float)`` and its angles
 routers take ``softmax(..., dtype=torch.float)``, DiffLlama's lambda a ``sum(..., dtype=torch.float32)``. In a float64
 model those casts round the values to float32 and back (about 3e-5 nats per token on SmolLM2).
 
-:class:`Float64Mode` is a ``TorchFunctionMode`` that widens each such request made by the model's code::
+``Float64Mode`` is a ``TorchFunctionMode`` that widens each such request made by the model's code::
 
     t.float()                 -> t.double()
     t.to(torch.float32)       -> t.to(torch.float64)       (also .to(device, dtype), .to(dtype=...), .type(...))
@@ -69,7 +69,7 @@ def is_float64(model) -> bool:
 
 @contextlib.contextmanager
 def float64_model(model) -> Iterator[None]:
-    """Inside: a float64 ``model``'s forwards are float64 in every operation of its own code (:class:`Float64Mode`);
+    """Inside: a float64 ``model``'s forwards are float64 in every operation of its own code (``Float64Mode``);
     any other model's forwards are unchanged (nothing is entered)."""
     if model is None or not is_float64(model):
         yield
@@ -85,6 +85,6 @@ def build_options(dtype: str) -> dict:
 
 
 def float64_build(dtype: str):
-    """The context a model of ``dtype`` is built in: :class:`Float64Mode` for ``float64`` (its construction-time
+    """The context a model of ``dtype`` is built in: ``Float64Mode`` for ``float64`` (its construction-time
     buffers become float64 values), else nothing."""
     return Float64Mode() if dtype == "float64" else contextlib.nullcontext()

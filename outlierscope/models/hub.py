@@ -69,7 +69,7 @@ def resolve_hub(spec: str, trust_remote_code: bool = False) -> HubModel:
 
 @functools.lru_cache(maxsize=64)
 def _resolve(spec: str, trust_remote_code: bool, endpoint: str, cache_dir: str, offline: bool) -> HubModel:
-    """:func:`resolve_hub` for these settings (the arguments are the cache's key)."""
+    """``resolve_hub`` for these settings (the arguments are the cache's key)."""
     hs = {"endpoint": endpoint, "cache_dir": cache_dir, "offline": offline}
     repo_id, revision = parse_hub_id(spec)
     patterns = FILES + (["*.py"] if trust_remote_code else [])

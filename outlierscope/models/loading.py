@@ -1,14 +1,14 @@
 """Load a model by spec: a local HF directory (sharded or not) or ``.gguf`` file, a bundled preset role
 (``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face Hub id (``Qwen/Qwen2.5-7B@main``).
 
-Only a Hub id reaches the network, through ``huggingface_hub`` (:mod:`outlierscope.models.hub`); every
+Only a Hub id reaches the network, through ``huggingface_hub`` (``outlierscope.models.hub``); every
 ``from_pretrained`` then reads local files (``local_files_only=True``). Importing this module changes no environment
 variable and no logging level; ``load_model`` quiets transformers' loading messages only while it runs.
 
-The steps live in their own modules: :mod:`~outlierscope.models.resolve` (spec -> directory),
-:mod:`~outlierscope.models.checks` (what is checked before the weights load), :mod:`~outlierscope.models.placement`
-(device, dtype, the shared run settings), :mod:`~outlierscope.models.compressed` and
-:mod:`~outlierscope.models.packed` (quantized checkpoints); their public names are importable from here too.
+The steps live in their own modules: ``resolve`` (spec -> directory),
+``checks`` (what is checked before the weights load), ``placement``
+(device, dtype, the shared run settings), ``compressed`` and
+``packed`` (quantized checkpoints); their public names are importable from here too.
 """
 
 from __future__ import annotations
@@ -144,7 +144,7 @@ class LoadedModel:
 
     def weights_sha256(self) -> str:
         """sha256 over the model's safetensors/bin files (sorted by name): identifies the exact weights (read once
-        per :class:`ModelRecord`)."""
+        per ``ModelRecord``)."""
         if self.record is not None:
             return self.record.weights_sha256
         return sha256_files(sorted(self.path.glob("*.safetensors")) or sorted(self.path.glob("*.bin")))
@@ -178,7 +178,7 @@ def _embedding_rows(model) -> int | None:
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
                device_map: str | dict | None = None, trust_remote_code: bool = False,
                record: ModelRecord | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec (:func:`resolve_model`: a directory, a ``.gguf`` file, a preset
+    """Load a causal LM and its tokenizer from a spec (``resolve_model``: a directory, a ``.gguf`` file, a preset
     role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``), in eval mode. Only a Hub id reaches the network
     (``huggingface_hub``, with the user's endpoint, cache, token and ``HF_HUB_OFFLINE``); the files are then
     read with ``local_files_only``. ``trust_remote_code``: run Python code shipped with the model (off by default).
@@ -186,7 +186,7 @@ def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager
     ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` (the
     checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16`` or ``float16``.
     ``device_map``: accelerate's placement (``"auto"`` spreads a model too large for one GPU over the
-    GPUs, then the CPU); it replaces ``device``. ``record``: the spec's :func:`inspect_model` (made here when not
+    GPUs, then the CPU); it replaces ``device``. ``record``: the spec's ``inspect_model`` (made here when not
     given); its config and tokenizer are used as read, and only the weights are read now."""
     import torch
 
@@ -234,7 +234,7 @@ def _from_pretrained(record: ModelRecord, dtype: str, attn_implementation: str, 
 
 
 def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k: int, config=None) -> None:
-    """The arguments of :func:`generate`, checked before a model loads (``config``: also against its context)."""
+    """The arguments of ``generate``, checked before a model loads (``config``: also against its context)."""
     if not prompt:
         raise ParamError("prompt", "a non-empty string", prompt)
     if max_new_tokens <= 0:
@@ -254,7 +254,7 @@ def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature
     """Sample a continuation (seeded); ``temperature=0`` is greedy.
 
     A prompt that leaves no room in the model's context for ``max_new_tokens`` is cut from the left, and
-    ``warn`` (default: :func:`warnings.warn`) is told how many tokens were dropped."""
+    ``warn`` (default: ``warnings.warn``) is told how many tokens were dropped."""
 
     import torch
 

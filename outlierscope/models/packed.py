@@ -84,7 +84,7 @@ def awq_weight(qweight, qzeros, scales, bits: int, group_size: int) -> torch.Ten
 
 
 def packed_scheme(quant: dict | None) -> str | None:
-    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one :func:`decode_into` reads, None for any
+    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one ``decode_into`` reads, None for any
     other method; a GPTQ/AWQ layout it cannot read is one line naming what can (GPT-QModel's kernels)."""
     method = (quant or {}).get("quant_method")
     if method not in ("gptq", "awq"):
@@ -120,7 +120,7 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 
 def read_tensor(files: dict[str, Path], key: str):
-    """Tensor ``key`` from the file :func:`tensor_files` maps it to (None where no file holds it)."""
+    """Tensor ``key`` from the file ``tensor_files`` maps it to (None where no file holds it)."""
     from safetensors import safe_open
 
     if key not in files:
@@ -130,7 +130,7 @@ def read_tensor(files: dict[str, Path], key: str):
 
 
 def packed_names(files: dict[str, Path]) -> list[str]:
-    """The module names of a checkpoint's packed linears (those with a ``qweight``), from :func:`tensor_files`."""
+    """The module names of a checkpoint's packed linears (those with a ``qweight``), from ``tensor_files``."""
     return sorted(k[: -len(".qweight")] for k in files if k.endswith(".qweight"))
 
 
@@ -176,7 +176,7 @@ def check_packed(path: Path, quant: dict, shapes: dict[str, tuple[int, ...]], li
 def decode_into(model, path: Path, quant: dict, files: dict[str, Path]) -> None:
     """Write each packed linear's dequantized weight into ``model`` (built from the config without its
     quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is
-    one layer's codes. ``files``: :func:`tensor_files` of ``path``."""
+    one layer's codes. ``files``: ``tensor_files`` of ``path``."""
     method = packed_scheme(quant)
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
     for name in packed_names(files):

@@ -64,7 +64,7 @@ def _is_device(device: str) -> bool:
 
 def check_placement(device: str, dtype: str, device_map, attn_block: int | None, fused: bool = False) -> None:
     """Validate the run-placement settings that profile and sweep share (before anything loads). ``fused``
-    (:mod:`outlierscope.quant.numerics.fused`) is refused where the model would run on a GPU."""
+    (``outlierscope.quant.numerics.fused``) is refused where the model would run on a GPU."""
     check_dtype(dtype)
     if not _is_device(device):
         raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
@@ -122,7 +122,7 @@ def model_device(model) -> str:
 
 
 def context_length(model) -> int:
-    """The model's (or a config's) context in tokens, from the first of :data:`CONTEXT_NAMES` its config states; a
+    """The model's (or a config's) context in tokens, from the first of ``CONTEXT_NAMES`` its config states; a
     config that states none is a one-line error (guessing would index past the position table)."""
     config = getattr(model, "config", model)
     cfg = getattr(config, "text_config", None) or config

@@ -1,6 +1,6 @@
-"""A model inspected once: :func:`inspect_model` reads what a model spec is (where it led, config.json, the config
+"""A model inspected once: ``inspect_model`` reads what a model spec is (where it led, config.json, the config
 transformers builds from it, the checkpoint's quantization scheme and packed layout, the safetensors headers, the
-tokenizer and its files' digest), runs every check that needs no weights, and returns one :class:`ModelRecord`.
+tokenizer and its files' digest), runs every check that needs no weights, and returns one ``ModelRecord``.
 The checks, the loader (``load_model(..., record=)``), the text windows, the cells' identity and the run records
 take it from there; nothing reads the config or the tokenizer again.
 
@@ -43,7 +43,7 @@ from outlierscope.models.resolve import ModelSource, resolve_model
 
 @dataclass(frozen=True, eq=False)
 class ModelRecord:
-    """What a model spec is, as :func:`inspect_model` read it once (no weights loaded)."""
+    """What a model spec is, as ``inspect_model`` read it once (no weights loaded)."""
 
     spec: str  # as the user gave it
     source: ModelSource  # where it led (directory, preset, fetched model, Hub snapshot, converted GGUF)
@@ -156,6 +156,6 @@ def inspect_model(spec: str, trust_remote_code: bool = False) -> ModelRecord:
 
 
 def check_model(spec: str, trust_remote_code: bool = False):
-    """``(source, config)`` of :func:`inspect_model` (its record has the rest)."""
+    """``(source, config)`` of ``inspect_model`` (its record has the rest)."""
     record = inspect_model(spec, trust_remote_code)
     return record.source, record.config

@@ -1,6 +1,6 @@
 """From a spec to a model directory: a local HF directory or ``.gguf`` file (converted once), a bundled preset role
 (``pair-tiny:diff``), a fetched model (``smollm2-135m``) or a Hugging Face Hub id (``ORG/NAME[@REVISION]``, the only
-spec that reaches the network, through :mod:`outlierscope.models.hub`)."""
+spec that reaches the network, through ``outlierscope.models.hub``)."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def bundled_specs() -> list[str]:
 @dataclass(frozen=True)
 class ModelSource:
     """Where a model spec led: its kind, its directory and what identifies the exact weights beyond the files'
-    digest (a Hub commit; a GGUF file's sha256 and quantization types). Run records carry :meth:`record`."""
+    digest (a Hub commit; a GGUF file's sha256 and quantization types). Run records carry ``record``."""
 
     spec: str  # as the user gave it
     kind: str  # directory, preset, fetched, hub or gguf
@@ -36,7 +36,7 @@ class ModelSource:
 
 
 def resolve_spec(spec: str, trust_remote_code: bool = False) -> Path:
-    """The model directory of a spec (see :func:`resolve_model`)."""
+    """The model directory of a spec (see ``resolve_model``)."""
     return resolve_model(spec, trust_remote_code).path
 
 

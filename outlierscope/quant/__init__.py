@@ -1,4 +1,4 @@
-"""Post-training quantization: one spec type (:class:`~outlierscope.quant.specs.spec.QuantSpec`) for attention (logits,
+"""Post-training quantization: one spec type (``QuantSpec``) for attention (logits,
 q/k/v, P), linear layers (inputs and weights) and bitsandbytes weights, applied by one ``quantize_model``."""
 
 import importlib

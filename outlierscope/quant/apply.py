@@ -1,7 +1,7 @@
 """Apply quantization to a model: attention (logits, q/k/v, P), linear layers' inputs and weights (our primitives),
 and weights through bitsandbytes.
 
-What quantization does to attention is measured in :mod:`outlierscope.analysis.attention_error`."""
+What quantization does to attention is measured in ``outlierscope.analysis.attention_error``."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def check_spec(spec: QuantSpec | str, config) -> None:
 
 
 def absmax_reduction(lq: LogitsQuant):
-    """A :class:`~outlierscope.hooks.attention.Stage` ``reduce`` for blocked attention: a scale over query rows
+    """A ``Stage`` ``reduce`` for blocked attention: a scale over query rows
     (per_head, per_tensor) is the absmax over all blocks of rows; None for a scale that stays in a block."""
     if not lq.spans_rows:
         return None
@@ -89,7 +89,7 @@ def _qkv_transform(spec: QuantSpec):
 
 
 def attention_stage(spec: QuantSpec) -> Stage:
-    """One :class:`~outlierscope.hooks.attention.Stage` that does everything ``spec`` asks inside attention: q/k/v
+    """One ``Stage`` that does everything ``spec`` asks inside attention: q/k/v
     transforms and quantization, logits quantization (with its reduction over blocks: the stage's own, looked up by
     this stage), P quantization."""
     lq = logits_quant(spec)
@@ -111,25 +111,25 @@ def attention_stage(spec: QuantSpec) -> Stage:
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
                    hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[QuantSpec]:
-    """Quantize ``model`` as ``spec`` (a :class:`~outlierscope.quant.specs.spec.QuantSpec`, its text or a recipe name) says:
+    """Quantize ``model`` as ``spec`` (a ``QuantSpec``, its text or a recipe name) says:
     attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
     smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
-    :mod:`outlierscope.quant.linears.schemes`) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
-    :func:`~outlierscope.quant.weights.calibration.calibrate`'s, for a spec with ``smooth`` or static activation scales.
-    ``linear_error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that receives each quantized
+    ``outlierscope.quant.linears.schemes``) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
+    ``calibrate``'s, for a spec with ``smooth`` or static activation scales.
+    ``linear_error``: a ``LinearErrorStats`` that receives each quantized
     linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
     context is entered, and the result held until the context ends (memory: one more copy of those weights in the
     model's dtype; the originals are untouched); False quantizes it again at every forward and holds at most one
     linear's copy at a time; None (the default): held on the CPU, and on a GPU where the copies take at most half its
-    free memory (:func:`~outlierscope.quant.linears.schemes.holds_fit`). The same values either way. ``held``: (a
-    :class:`~outlierscope.quant.linears.schemes.HeldWeights`, a key naming ``spec`` with ``calibration``): the quantized
+    free memory (``holds_fit``). The same values either way. ``held``: (a
+    ``HeldWeights``, a key naming ``spec`` with ``calibration``): the quantized
     weights kept beyond the context, within the holder's budget, for the next context of the same key (a perplexity
     run's next batch).
 
     For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
-    [H/2, H)). Composes with :func:`outlierscope.hooks.capture`: stages and hooks run in the order the
+    [H/2, H)). Composes with ``outlierscope.hooks.capture``: stages and hooks run in the order the
     contexts were entered, so ``quantize_model`` outside ``capture`` profiles the quantized model.
-    ``block_rows``: query rows per attention block (see :mod:`outlierscope.hooks.attention`); per_head
+    ``block_rows``: query rows per attention block (see ``outlierscope.hooks.attention``); per_head
     and per_tensor logit scales then take a first pass over the blocks for the absmax: same result
     (q, k and v are quantized once per call, whole; P per row, inside its block).
     Everything is restored in ``finally``.

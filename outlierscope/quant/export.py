@@ -173,7 +173,7 @@ def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
 
 def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
     """An llm-compressor recipe (``oneshot(model, recipe=...)``): SmoothQuant when the spec smooths, then the
-    quantization with the same scheme, ignore list and KV cache scheme as :func:`quantization_config`."""
+    quantization with the same scheme, ignore list and KV cache scheme as ``quantization_config``."""
     modifiers = {}
     if (smooth := spec.get(Smooth)) is not None:
         modifiers["SmoothQuantModifier"] = {"smoothing_strength": smooth.alpha}
@@ -279,7 +279,7 @@ def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) 
 
 
 def packed_differences(qconfig: dict) -> list[str]:
-    """How a GPTQ / AWQ checkpoint and the RTN emulation of its scheme (:func:`spec_from_packed_config`) differ."""
+    """How a GPTQ / AWQ checkpoint and the RTN emulation of its scheme (``spec_from_packed_config``) differ."""
     method = qconfig["quant_method"]
     if method == "gptq":
         notes = ["weights: GPTQ rounds the input columns one after another and moves each column's rounding error "

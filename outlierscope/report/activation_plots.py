@@ -1,7 +1,7 @@
 """Figures of the tables of every observation point (``channels``, ``sinks``, ``massive_recurrence``): per-channel
 max |x| per layer, attention-sink mass per layer and head, where massive activations sit; and of the attention
 recipes of a sweep (``recipe_damage``). Seaborn, as
-:mod:`outlierscope.report.plots`; each function takes DataFrames and returns a matplotlib ``Figure``."""
+``outlierscope.report.plots``; each function takes DataFrames and returns a matplotlib ``Figure``."""
 
 from __future__ import annotations
 
@@ -98,7 +98,7 @@ def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
 
 def _interval_figure(panels: list[tuple[str, pd.DataFrame, str]], value: str, colors: dict, title: str,
                      scale: float = 1.0) -> plt.Figure:
-    """One panel per (task, rows, x label) of :func:`_interval_bars` of ``rows[value]``, side by side."""
+    """One panel per (task, rows, x label) of ``_interval_bars`` of ``rows[value]``, side by side."""
     from outlierscope.data.tasks import task_label
 
     n_labels = len({lb for _, rows, _ in panels for lb in rows["label"]})
@@ -191,8 +191,8 @@ def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
 
 
 def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> plt.Figure | None:
-    """Recipe x layer heatmap of the attention error pooled over heads (:func:`~outlierscope.report.tables.
-    attention_error_layers`; log colour scale), one panel per model and task."""
+    """Recipe x layer heatmap of the attention error pooled over heads (``
+    attention_error_layers``; log colour scale), one panel per model and task."""
     from outlierscope.data.tasks import task_label
     from outlierscope.report.tables import attention_error_layers as pooled
 
@@ -249,7 +249,7 @@ def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean"
 
 
 def linear_error_vs_outliers(joined: pd.DataFrame, schemes: list[str] | None = None) -> plt.Figure | None:
-    """:func:`~outlierscope.report.tables.linear_error_vs_outliers`: each quantized linear's mean relative output
+    """``linear_error_vs_outliers``: each quantized linear's mean relative output
     error against its input's largest |x| over the median |x| (the profile's), one point per layer and linear, a
     colour per linear kind, a panel per model and scheme (``schemes``: those, in order; default all): whether the
     linears whose inputs hold outliers are the ones a scheme breaks."""

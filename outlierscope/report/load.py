@@ -84,12 +84,13 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
                record: dict | None = None, what: str = "run") -> pd.DataFrame | None:
     """A validated CSV result table; None when absent (or legitimately empty); a one-line error when damaged.
 
-    path: the table.
-    required: its columns.
-    numeric: the columns that hold numbers only.
-    may_be_empty: whether a table without rows is legitimate.
-    record: the record of the run that wrote it; the table must match the digest it lists.
-    what: the run's kind, for the error."""
+    Args:
+        path: the table.
+        required: its columns.
+        numeric: the columns that hold numbers only.
+        may_be_empty: whether a table without rows is legitimate.
+        record: the record of the run that wrote it; the table must match the digest it lists.
+        what: the run's kind, for the error."""
     if not path.exists():
         return None
     if record is not None:

@@ -1,5 +1,5 @@
 """``outlierscope plot`` and ``report``: figures and a markdown report from a run directory
-(read and validated by :func:`~outlierscope.report.load.load_run`). Figures go to ``RUN_DIR/figures``.
+(read and validated by ``load_run``). Figures go to ``RUN_DIR/figures``.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class ClippedTextWarning(UserWarning):
 
 def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
     """``out/stem.png`` (and .svg), each written atomically; the figure is closed in any case. Text cut off at the
-    figure's edge is a :class:`ClippedTextWarning` (the tests turn it into an error for every committed report)."""
+    figure's edge is a ``ClippedTextWarning`` (the tests turn it into an error for every committed report)."""
     import warnings
 
     import matplotlib.pyplot as plt

@@ -21,7 +21,7 @@ def _model_kinds(run) -> dict[str, str]:
 
 def outcome_paragraph(run) -> str:
     """Plain-words statement of the measured outcome, generated from the numbers of ``run`` (a
-    :class:`~outlierscope.report.load.RunResults`: its ``tables`` and ``profile_meta``)."""
+    ``RunResults``: its ``tables`` and ``profile_meta``)."""
     kinds = _model_kinds(run)
     sentences = []
     t5 = run.tables.get("table5")

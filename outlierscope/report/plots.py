@@ -131,7 +131,7 @@ MAIN_POINTS = ("attn.logits", "hidden", "attn.k", "attn.probs", "mlp.down_proj.i
 
 
 def main_points(df: pd.DataFrame, column: str = "point") -> pd.DataFrame:
-    """A run with every point has dozens of kinds: its panels then show :data:`MAIN_POINTS` (the tables keep all)."""
+    """A run with every point has dozens of kinds: its panels then show ``MAIN_POINTS`` (the tables keep all)."""
     if df[column].nunique() <= len(MAIN_POINTS):
         return df
     return df[df[column].isin(MAIN_POINTS)]
@@ -330,7 +330,7 @@ def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|", h
 
 def attention_error_heads(heads: pd.DataFrame, value: str = "kl_mean") -> plt.Figure:
     """Heatmap over layers (rows) and heads (columns) of one attention-error column of ``attn_error.csv``
-    (:meth:`~outlierscope.analysis.attention_error.AttentionErrorStats.table`), e.g. the mean KL per row."""
+    (``table``), e.g. the mean KL per row."""
     grid = heads.pivot(index="layer", columns="head", values=value)  # (layers, heads)
     fig, ax = plt.subplots(figsize=(min(2 + 0.35 * grid.shape[1], 14), min(1.5 + 0.3 * grid.shape[0], 12)),
                            layout="constrained")

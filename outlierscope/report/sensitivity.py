@@ -1,4 +1,4 @@
-"""A sensitivity run's tables as markdown (:mod:`outlierscope.runs.sensitivity` writes them), and read back from its
+"""A sensitivity run's tables as markdown (``outlierscope.runs.sensitivity`` writes them), and read back from its
 files so that ``sensitivity.md`` can be re-rendered from ``sensitivity.json``, ``sensitivity.csv`` and ``greedy.csv``."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def quantized_said(settings: dict) -> str:
 
 
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> str:
-    """Markdown of a sensitivity run (:mod:`outlierscope.runs.sensitivity`): the settings, the layers by harm with
+    """Markdown of a sensitivity run (``outlierscope.runs.sensitivity``): the settings, the layers by harm with
     their attention error and outlier ratio, every greedy try, and the rank correlation."""
     if rank_by_of(record["settings"]).on_text:
         return _text_markdown(record, table, tries, kinds)
@@ -103,7 +103,7 @@ def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], k
 
 
 def _text_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None) -> str:
-    """:func:`sensitivity_markdown` of a run ranked on running text (metric kld or ppl)."""
+    """``sensitivity_markdown`` of a run ranked on running text (metric kld or ppl)."""
     s, rb, t = record["settings"], rank_by_of(record["settings"]), record["rank_by"]
     final = record["final"]
     reach = ("at most" if final["within_tolerance"] else "NOT within") + f" {s['tolerance']} {rb.unit}"

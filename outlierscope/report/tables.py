@@ -54,7 +54,7 @@ def headline_metric(metrics) -> str:
 
 def sweep_table(table: pd.DataFrame) -> str:
     """Markdown: one row per (task,) model and bit width with acc, acc_norm (stderr), the change of the headline
-    metric (:func:`headline_metric`) vs 16 bits with CI, McNemar p and flip rate, the mean |Δscore|."""
+    metric (``headline_metric``) vs 16 bits with CI, McNemar p and flip rate, the mean |Δscore|."""
     table = with_task(table)
     from outlierscope.data.tasks import task_label
 
@@ -165,7 +165,7 @@ def key_channels_markdown(channels: pd.DataFrame, n: int = 8) -> str:
 def attention_error_layers(attn_error: pd.DataFrame) -> pd.DataFrame:
     """A sweep's ``attn_error.csv`` (per model, task, cell label, layer and head) pooled over heads per layer:
     row-weighted mean KL, top-key change rate and output error, the maxima
-    (:func:`~outlierscope.analysis.attention_error.pool_heads` per cell)."""
+    (``pool_heads`` per cell)."""
     from outlierscope.analysis.attention_error import pool_heads
 
     keys = ["model", "task", "bits", "label"]
@@ -192,7 +192,7 @@ def attention_error_markdown(attn_error: pd.DataFrame) -> str:
 
 
 def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
-    """The summary table of :func:`attention_error_markdown` from the per-layer pooled rows."""
+    """The summary table of ``attention_error_markdown`` from the per-layer pooled rows."""
     from outlierscope.analysis.attention_error import pool_rows
     from outlierscope.data.tasks import task_label
 
@@ -247,7 +247,7 @@ def linear_error_summary(linear_error: pd.DataFrame) -> pd.DataFrame:
 
 
 def linear_error_markdown(linear_error: pd.DataFrame) -> str:
-    """:func:`linear_error_summary` as a markdown table (kinds by their last name: q_proj, down_proj, ...)."""
+    """``linear_error_summary`` as a markdown table (kinds by their last name: q_proj, down_proj, ...)."""
     from outlierscope.data.tasks import task_label
 
     t = linear_error_summary(linear_error)

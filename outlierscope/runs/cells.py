@@ -1,4 +1,4 @@
-"""Evaluation cells: one :func:`~outlierscope.eval.evaluate` run, named by what its numbers depend on and cached in
+"""Evaluation cells: one ``evaluate`` run, named by what its numbers depend on and cached in
 ``cells/`` (``<cell>.csv`` per item, ``<cell>.json`` settings and metrics, written last: it marks the cell complete;
 side tables such as ``<cell>.attn_error.csv`` before it). ``sweep`` and ``sensitivity`` share this identity and cache:
 a rerun reads back every complete cell whose settings match and computes the others.
@@ -99,7 +99,7 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
 def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
                  compute: Callable[[list[int]], list[EvalResult | None]], log=print, shard: Shard | None = None,
                  world: World | None = None) -> list[tuple[EvalResult | None, str]]:
-    """:func:`cached_cell` of several cells whose missing ones are computed together: ``compute(indices)`` -> their
+    """``cached_cell`` of several cells whose missing ones are computed together: ``compute(indices)`` -> their
     results in that order (every rank calls it; rank 0's are written). Returns (result, cell id) per cell, in order;
     the other ranks get None for a result."""
     shard, world = shard or Shard(), world or World()
@@ -145,7 +145,7 @@ def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str
 
 
 def check_claim(cells_dir: Path, name: str, res: EvalResult | None) -> None:
-    """:class:`~outlierscope.io.Damaged` unless the record of ``name`` (a cell or its part) holds the settings the
+    """``Damaged`` unless the record of ``name`` (a cell or its part) holds the settings the
     cell id in ``name`` is the digest of."""
     cid = name.partition(".")[0]
     claimed = res.extra.get("cell") if res is not None else None

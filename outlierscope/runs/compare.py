@@ -261,7 +261,7 @@ def _check_previous_text(out: Path, s: CompareSettings, force: bool) -> None:
 
 def _compare_text(s: CompareSettings, out: Path, specs: list[str], qconfig: dict | None, records: dict, log,
                   force: bool) -> pd.DataFrame:
-    """metric text: the text pairs (:func:`~outlierscope.runs.compare_text.compare_on_text`), the table, the
+    """metric text: the text pairs (``compare_on_text``), the table, the
     figures and the record."""
     from outlierscope.runs.compare_text import compare_on_text
     from outlierscope.runs.perplexity import perplexity_markdown, write_figures

@@ -32,7 +32,7 @@ UNQUANTIZED = QuantSpec()
 def text_windows(s, records: dict | None = None, log=print) -> dict:
     """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's tokenizer
     must give the same windows (else its tokens and the float model's are not the same events). ``records``:
-    model -> its :func:`~outlierscope.models.record.inspect_model`, where the caller has it (made here otherwise)."""
+    model -> its ``inspect_model``, where the caller has it (made here otherwise)."""
     from outlierscope.models.loading import inspect_model
     from outlierscope.runs.perplexity import prepare_windows, windows_said
 
@@ -62,9 +62,9 @@ def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict
 
 def compare_on_text(s, out: Path, specs: list[str], records: dict | None = None,
                     log=print) -> tuple[pd.DataFrame, dict, dict]:
-    """The text pairs of ``s`` (:class:`~outlierscope.runs.compare.CompareSettings` with metric text) into
+    """The text pairs of ``s`` (``CompareSettings`` with metric text) into
     ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it
-    (``records``: :func:`text_windows`'). Returns the table, what the record says of the text and the models, and
+    (``records``: ``text_windows``'). Returns the table, what the record says of the text and the models, and
     each row's per-token KL divergence (label -> values, for the figure)."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World

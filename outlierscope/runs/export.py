@@ -1,5 +1,5 @@
 """A study's answer as the input of the tools that build the deployed model: an llm-compressor recipe and the
-matching compressed-tensors ``quantization_config`` (:mod:`outlierscope.quant.export`).
+matching compressed-tensors ``quantization_config`` (``outlierscope.quant.export``).
 
     spec, model, keep = what the run chose      # sensitivity: its quant and the layers its greedy keeps;
                                                 #   sweep: the one --quant of its cells you pick; or given directly

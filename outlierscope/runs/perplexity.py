@@ -184,7 +184,7 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
 
 def prepare_windows(s, record):
     """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the window length
-    and the windows cut by the model's tokenizer (``record``: its :func:`~outlierscope.models.record.inspect_model`):
+    and the windows cut by the model's tokenizer (``record``: its ``inspect_model``):
     everything the tokenizer alone decides, checked before any weights load."""
     from outlierscope.data.running_text import load_text
 
@@ -206,7 +206,7 @@ def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> d
 def _prepare(s: PerplexitySettings, log, device: str, record=None):
     """The model, its text and windows, what every cell shares, and the tokenizer's record. Everything but the
     weights is checked first (the specs against the config, the text and its windows with the tokenizer alone), on
-    the model inspected once (``record``: the caller's :func:`~outlierscope.models.record.inspect_model`, if any)."""
+    the model inspected once (``record``: the caller's ``inspect_model``, if any)."""
     from outlierscope.models.loading import inspect_model, load_model
     from outlierscope.quant.apply import check_spec
 
@@ -247,8 +247,8 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
     on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks).
 
     An ``out`` holding a run (or this shard's record) with other settings is refused unless ``force``; a second run
-    of the same shard into ``out`` while one is running is refused at once (:func:`~outlierscope.io.run_lock`).
-    ``record``: the model's :func:`~outlierscope.models.record.inspect_model` where the caller made it already."""
+    of the same shard into ``out`` while one is running is refused at once (``run_lock``).
+    ``record``: the model's ``inspect_model`` where the caller made it already."""
     import contextlib
 
     from outlierscope.io import run_lock
@@ -312,7 +312,7 @@ def check_previous(out: Path, s: PerplexitySettings, force: bool, shard: Shard) 
 
 def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[dict]) -> None:
     """A --shard run's record (``perplexity.shard-i-of-N.json``): its settings and the part files it owns, for
-    :func:`merge_perplexity`."""
+    ``merge_perplexity``."""
     owned = owned_shards(shard, World())  # every rank's parts of this shard
     write_record(out / f"perplexity.{shard.tag}.json",
                {"settings": asdict(s), "shard": [shard.index, shard.count],

@@ -155,7 +155,7 @@ def _sweep_gold(sweep_dir: Path, model: str) -> tuple[str, dict[str, np.ndarray]
 def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: str | Path, seed: int = 0) -> dict:
     """Spearman's rho between the schemes' mean KLD in a perplexity run and their mean gold log-likelihood change in
     a sweep of the same model (the schemes both ran, by spec text), with its window-and-item bootstrap interval
-    (:func:`~outlierscope.analysis.agreement.rank_agreement`); writes rank_agreement.csv/.md/.json into ``out``."""
+    (``rank_agreement``); writes rank_agreement.csv/.md/.json into ``out``."""
     from outlierscope.analysis.agreement import rank_agreement
     from outlierscope.analysis.kld import window_blocks
 

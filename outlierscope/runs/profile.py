@@ -136,7 +136,7 @@ def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
 @torch.no_grad()
 def diff_lambdas(model) -> list[tuple[float, float]]:
     """(lambda_init, lambda_full) per layer of a DiffLlama model, as its forward computes lambda
-    (:func:`~outlierscope.hooks.attention.diff_lambda`); empty for other models."""
+    (``diff_lambda``); empty for other models."""
     out = []
     for layer in decoder_layers(model):
         a = getattr(layer, "self_attn", None)
@@ -154,10 +154,10 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
     ``tokenizer``) and return its statistics. Keyword ``overrides`` replace fields of ``settings``
     (e.g. ``tokens=20_000``).
 
-    Data parallel (:mod:`outlierscope.parallel`): batch ``b`` belongs to virtual shard ``b % 16``; a process
+    Data parallel (``outlierscope.parallel``): batch ``b`` belongs to virtual shard ``b % 16``; a process
     streams the batches of its shards (``shard``, and its rank of ``world``), with their global sequence
     numbers; under ``torchrun`` rank 0 gets the merged statistics (the other ranks None); a partial
-    ``shard`` returns its part (:func:`merge_profile` combines the saved parts). Any split gives the bytes of
+    ``shard`` returns its part (``merge_profile`` combines the saved parts). Any split gives the bytes of
     a single process."""
     from tqdm.auto import tqdm
 
@@ -222,7 +222,7 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
 def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None = None,
             progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
     """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
-    ``shard`` writes ``profile.shard-i-of-N.pt`` for :func:`merge_profile`)."""
+    ``shard`` writes ``profile.shard-i-of-N.pt`` for ``merge_profile``)."""
     from outlierscope.models.loading import inspect_model, load_model, meta_model
 
     if not specs:

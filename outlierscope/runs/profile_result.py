@@ -1,4 +1,4 @@
-"""What a profile returns: :class:`ProfileResult`, the statistics of one or more profiled models, their tables and how
+"""What a profile returns: ``ProfileResult``, the statistics of one or more profiled models, their tables and how
 they are written (``save``: every table and ``profile.json``; ``save_shard``: a partial profile's part)."""
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Pa
     """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused.
 
     Under ``torchrun`` (``world=World.from_env()``) every rank profiles and scores its virtual shards
-    (:mod:`outlierscope.parallel`), rank 0 writes the tables, figures, report and ``reproduce.json`` and returns the
+    (``outlierscope.parallel``), rank 0 writes the tables, figures, report and ``reproduce.json`` and returns the
     report's path (the other ranks None): with one thread per process, the bytes of one process (``make reproduce``
     runs so, one process per core). ``s.check``: every setting, model and task checked, nothing run (None)."""
     from outlierscope.data.tasks import task_label

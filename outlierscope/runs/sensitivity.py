@@ -287,7 +287,7 @@ def _with_attention_error(table: pd.DataFrame, base: EvalResult, out: Path | Non
 
 
 def _with_outlier_ratio(run: _Run, table: pd.DataFrame) -> pd.DataFrame:
-    """Each layer's outlier ratio (the largest top-1 / median |x| over its :func:`outlier_points`, from a short
+    """Each layer's outlier ratio (the largest top-1 / median |x| over its ``outlier_points``, from a short
     profile), and the rank of its harm (1 = most harmful)."""
     from outlierscope.runs.profile import ProfileSettings, profile_model
 

@@ -1,7 +1,7 @@
-"""A sensitivity study's cells: its state (:class:`_Run`: the model, items, settings, cell cache), how each cell is
-named (:func:`cell_settings`) and computed (one by one, the one-layer item cells together from the unquantized
-prefix, the text cells per token), and each cell's change against the unquantized one (:func:`change`,
-:func:`text_change`). The study's steps are in :mod:`outlierscope.runs.sensitivity`."""
+"""A sensitivity study's cells: its state (``_Run``: the model, items, settings, cell cache), how each cell is
+named (``cell_settings``) and computed (one by one, the one-layer item cells together from the unquantized
+prefix, the text cells per token), and each cell's change against the unquantized one (``change``,
+``text_change``). The study's steps are in ``outlierscope.runs.sensitivity``."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ class _Run:
     base: EvalResult | None = None  # the unquantized cell (gold_ll; the text cells hold their base per token)
 
     def changes(self, cells: list[tuple[str, QuantSpec | None, QuantSpec | None]]) -> list[dict] | None:
-        """Each (role, spec, keep)'s change against the unquantized model (:func:`change`, or :func:`text_change` of
+        """Each (role, spec, keep)'s change against the unquantized model (``change``, or ``text_change`` of
         its text cell; the text cells of one call share each batch's unquantized trunk). None where this process
         computed only its parts (a partial --shard run)."""
         if not self.rank_by.on_text:
@@ -89,8 +89,8 @@ class _Run:
     def item_cells(self, cells: list[tuple[str, QuantSpec | None, QuantSpec | None]]) -> list[EvalResult]:
         """Each (role, spec, keep)'s item cell: those whose spec changes only layers >= s > 0 (one-layer cells; no
         ``keep``), when there are several, in one pass that shares each batch's unquantized trunk
-        (:func:`~outlierscope.eval.together.evaluate_together`: the same results as one by one); the others one by
-        one (:meth:`cell`)."""
+        (``evaluate_together``: the same results as one by one); the others one by
+        one (``cell``)."""
         from outlierscope.eval.perplexity import prefix_start
 
         joint = [n for n, (_, spec, keep) in enumerate(cells) if keep is None and spec and prefix_start(spec) > 0]
@@ -102,7 +102,7 @@ class _Run:
                 for res, (role, spec, keep) in zip(out, cells)]
 
     def cells_together(self, cells: list[tuple[str, QuantSpec]]) -> list[EvalResult]:
-        """The item cells of (role, spec) pairs, the missing ones computed together (:meth:`item_cells`)."""
+        """The item cells of (role, spec) pairs, the missing ones computed together (``item_cells``)."""
         from outlierscope.eval.together import evaluate_together
         from outlierscope.runs.cells import cached_cells
 

@@ -1,6 +1,6 @@
 """What a finished sensitivity study writes: ``sensitivity.json`` (settings, ranking, the suggestion and its
 verification, rank correlations, cells), ``sensitivity.csv``, ``greedy.csv``, ``kinds.csv``, ``sensitivity.md``, the
-figures, and the summary line on the console. ``run``: the study's state (:mod:`outlierscope.runs.sensitivity`)."""
+figures, and the summary line on the console. ``run``: the study's state (``outlierscope.runs.sensitivity``)."""
 
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def _record(run, table: pd.DataFrame, order: list[int], keep: list[int], tries: 
 
 
 def _ranking_stability(run) -> list[dict]:
-    """How many windows the per-layer ranking needs (:func:`~outlierscope.analysis.agreement.ranking_stability` of
+    """How many windows the per-layer ranking needs (``ranking_stability`` of
     the one-layer text cells' per-window harm: KLD sums, or NLL change sums for ppl)."""
     from outlierscope.analysis.agreement import ranking_stability
     from outlierscope.analysis.kld import window_blocks

@@ -1,5 +1,5 @@
 """The settings of a per-layer sensitivity study (``outlierscope sensitivity``), one frozen dataclass: every field a
-CLI flag of the same name, checked on construction, written to the study's record (:class:`SensitivitySettings`)."""
+CLI flag of the same name, checked on construction, written to the study's record (``SensitivitySettings``)."""
 
 from __future__ import annotations
 
@@ -147,8 +147,8 @@ class SensitivitySettings:
                                  "granularity; keep_bits stays the logits' axis)", getattr(self, name))
 
     def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
-        """The quantization of ``layers`` (None: all): :attr:`quant` when given, else the logits at ``bits`` (default:
-        :attr:`bits`; ``keep_bits`` for the kept layers are always the logits')."""
+        """The quantization of ``layers`` (None: all): ``quant`` when given, else the logits at ``bits`` (default:
+        ``bits``; ``keep_bits`` for the kept layers are always the logits')."""
         if self.quant is not None and bits is None:
             return QuantSpec.parse(self.quant).with_layers(layers)
         return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)

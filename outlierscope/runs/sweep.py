@@ -1,4 +1,4 @@
-"""Quantization sweep over bit widths (Figure 8): every cell is one :func:`~outlierscope.eval.evaluate` run.
+"""Quantization sweep over bit widths (Figure 8): every cell is one ``evaluate`` run.
 
 For each model, task and setting (bits, format, granularity, weights) a cell records the task's
 metrics (acc, and acc_norm where lm-eval reports it) with their standard errors, and against the same model at 16 bits (unquantized): the accuracy
@@ -7,7 +7,7 @@ of items whose choice changed) and the mean |score change|; optionally the langu
 on held-out text. Each cell is written atomically when it finishes; a rerun skips cells whose
 settings match and recomputes those whose settings changed. A directory that holds a sweep with
 other settings is refused unless ``force=True``. Under ``torchrun``, or split into ``--shard i/N`` runs
-merged by :func:`merge_sweep`, the cells and tables are byte-identical to a single process's.
+merged by ``merge_sweep``, the cells and tables are byte-identical to a single process's.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
     device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
     does not enter: blocked and unblocked attention give the same numbers. A quantized cell's batch size does when it
     is not the default 32 (cells at 32 keep their ids): its per-item scores depend on it by float32 rounding
-    (:mod:`outlierscope.eval.scorer`); an unquantized cell's differ by ~1e-5 nats at most and keep their ids."""
+    (``outlierscope.eval.scorer``); an unquantized cell's differ by ~1e-5 nats at most and keep their ids."""
     ident = spec.is_identity
     out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.columns.format,
            "granularity": None if ident else spec.columns.granularity, "layers": list(spec.layers) if spec.layers else None,
@@ -66,7 +66,7 @@ def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSetting
 
 
 def _requests_once(lm, items):
-    """A function returning the items' requests (:func:`~outlierscope.eval.requests.build_requests`), built at its
+    """A function returning the items' requests (``build_requests``), built at its
     first call (the first cell of a model and task that runs) and shared by the others: tokenising all of HellaSwag
     takes seconds, a cached cell needs none."""
     from functools import cache
@@ -78,8 +78,8 @@ def _requests_once(lm, items):
 
 def _load_or_run_cell(lm, items, requests, spec: QuantSpec, s: SweepSettings, text_seqs, settings: dict,
                       cells_dir: Path, progress: bool, log, shard: Shard, world: World) -> tuple[EvalResult | None, str]:
-    """A sweep cell through the shared cache (:func:`~outlierscope.runs.cells.cached_cell`); ``requests()``: the items'
-    requests (:func:`_requests_once`). With ``attn_error`` in the settings, ``cells/<cell>.attn_error.csv`` (per layer
+    """A sweep cell through the shared cache (``cached_cell``); ``requests()``: the items'
+    requests (``_requests_once``). With ``attn_error`` in the settings, ``cells/<cell>.attn_error.csv`` (per layer
     and head) is written with the cell and put in ``res.extra["attn_error_table"]``."""
     task = settings.get("task", "hellaswag")
     label = cell_label(spec, {"quantization_config": lm.quantization_config()})
@@ -122,7 +122,7 @@ def check_previous(out: Path, settings: dict, force: bool, shard: Shard | None =
 def check_models(s: SweepSettings, records: dict | None = None) -> dict:
     """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs. GGUF
     files' specs are checked against their metadata first, before any conversion (minutes each). Returns each
-    model's :class:`~outlierscope.models.record.ModelRecord` (``records``: those the caller made already)."""
+    model's ``ModelRecord`` (``records``: those the caller made already)."""
     for m in s.models:  # every GGUF file first: a conversion takes minutes
         if (config := preview_config(m)) is not None:
             check_specs(m, s.specs(), config)
@@ -134,7 +134,7 @@ def check_models(s: SweepSettings, records: dict | None = None) -> dict:
 
 def check_inputs(s: SweepSettings, records: dict | None = None) -> dict:
     """Every model and file a sweep of ``s`` reads, checked before its first cell: the models and specs
-    (:func:`check_models`), the text of ``text`` packed as each model's cells pack it, the text of ``kld_text`` cut
+    (``check_models``), the text of ``text`` packed as each model's cells pack it, the text of ``kld_text`` cut
     into each model's windows. Returns each model's record."""
     records = check_models(s, records)
     if s.text:
@@ -167,12 +167,12 @@ def check_specs(model: str, specs, config) -> None:
 def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
           shard: Shard | None = None, world: World | None = None, records: dict | None = None) -> SweepResult | None:
     """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv). ``records``:
-    model -> its :func:`~outlierscope.models.record.inspect_model`, where the caller made it already.
+    model -> its ``inspect_model``, where the caller made it already.
 
-    Data parallel (:mod:`outlierscope.parallel`): under ``torchrun`` pass ``world=World.from_env()``: every rank
+    Data parallel (``outlierscope.parallel``): under ``torchrun`` pass ``world=World.from_env()``: every rank
     scores its share of each cell, rank 0 writes the cells and tables and gets the result (the others None).
     A partial ``shard`` writes its part of each cell (``cells/<cell>.shard-i-of-N.*``) and
-    ``sweep.shard-i-of-N.json`` and returns None; :func:`merge_sweep` combines the shards. The numbers do not
+    ``sweep.shard-i-of-N.json`` and returns None; ``merge_sweep`` combines the shards. The numbers do not
     depend on the split."""
     from outlierscope.models.loading import load_model
 
@@ -244,7 +244,7 @@ def _check_text_cells(s: SweepSettings, records: dict) -> None:
 
 
 def _text_metrics(s: SweepSettings, out: Path, log, world: World, records: dict) -> dict:
-    """Each model's perplexity run of every cell on ``kld_text`` (:meth:`SweepSettings.kld_settings`, resumable) in
+    """Each model's perplexity run of every cell on ``kld_text`` (``SweepSettings.kld_settings``, resumable) in
     ``out/text/<model>``, and ``text.csv``: their tables with a model column. Returns model -> its directory."""
     from outlierscope.runs.perplexity import perplexity
 

@@ -1,5 +1,5 @@
 """The settings of a sweep (``outlierscope sweep``), one frozen dataclass: every field a CLI flag of the same name,
-checked on construction, written to the run's record (:class:`SweepSettings`)."""
+checked on construction, written to the run's record (``SweepSettings``)."""
 
 from __future__ import annotations
 
@@ -181,7 +181,7 @@ class SweepSettings:
 
     def spec_of(self, cell: dict) -> QuantSpec:
         """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits): the one of
-        :meth:`specs` that ran it, with its recipe name."""
+        ``specs`` that ran it, with its recipe name."""
         if cell.get("quant"):
             ran = (sp for sp in self.specs() if str(sp) == cell["quant"])
             return next(ran, None) or QuantSpec.parse(cell["quant"])

@@ -1,6 +1,6 @@
 """A sweep's tables from its cells: the tidy ``sweep.csv`` (one row per model, task, setting and metric, with the
 change against the model's 16-bit cell), ``attn_error.csv``, ``linear_error.csv``, ``gold_ll.csv`` and the record
-(:class:`SweepResult`). Shared by a run, :func:`~outlierscope.runs.sweep.tabulate_sweep` and the merge of shards."""
+(``SweepResult``). Shared by a run, ``tabulate_sweep`` and the merge of shards."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("
 
 def cell_label(spec: QuantSpec, source: dict | None = None) -> str:
     """A cell's label in tables and on the console: the spec's, except the 16-bit cell of a checkpoint saved quantized
-    (``source``: its :meth:`~outlierscope.models.loading.LoadedModel.provenance`, or the run record's entry), which
+    (``source``: its ``provenance``, or the run record's entry), which
     is no emulation on top of that checkpoint's own quantization, not an unquantized model."""
     saved = (source or {}).get("quantization_config")
     if spec.is_identity and saved:
@@ -51,7 +51,7 @@ def cell_label(spec: QuantSpec, source: dict | None = None) -> str:
 def _tidy_rows(model: str, task: str, spec: QuantSpec, label: str, s: SweepSettings, metrics: dict, info: dict,
                cid: str) -> list[dict]:
     """One row per metric (value, stderr, change vs 16 bits with its interval and McNemar p); ``info``: the
-    task's :func:`task_record` (its items and chance level go in every row: the table stands alone)."""
+    task's ``task_record`` (its items and chance level go in every row: the table stands alone)."""
     rows = []
     for m, v in metrics.items():
         if m.endswith(("_stderr", "_ci_low", "_ci_high", "_mcnemar_p", "_delta")):
@@ -99,7 +99,7 @@ def task_record(task: str, items: list) -> dict:
 def _tabulate(s: SweepSettings, cells: list[tuple[str, str, QuantSpec, str, EvalResult]], tasks: dict, out: Path,
               **record_extra) -> SweepResult:
     """The sweep's tables from its cells (model, task, spec, cell id, result), each (model, task)'s 16-bit cell
-    first. ``tasks``: :func:`task_record` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
+    first. ``tasks``: ``task_record`` per task. A one-task sweep also keeps ``n_items``, ``items_sha256``
     and ``chance`` at the record's top level (where they were before sweeps had several tasks)."""
     rows, cell_index, base, errors, lin_errors = [], [], None, [], []
     sources = record_extra.get("model_sources") or {}

@@ -43,7 +43,7 @@ def cell_settings(ident: dict, spec: QuantSpec, batch_size: int, logprobs: str =
 
 def read_cell(cells: Path, cid: str, settings: dict | None = None) -> TokenScores:
     """The cell ``cid`` in ``cells``: its record's seal, its settings (``settings`` where given, else those its name
-    is the digest of) and its values' digest checked; :class:`~outlierscope.io.Damaged` otherwise."""
+    is the digest of) and its values' digest checked; ``Damaged`` otherwise."""
     from outlierscope.io import check_files, check_seal
 
     meta = cells / f"{cid}.json"
@@ -87,7 +87,7 @@ def _save_cell(cells: Path, settings: dict, tokens: TokenScores, stats: dict) ->
 
 def _read_part(path: Path) -> TokenScores:
     """One virtual shard's part of a cell, its digest and identity checked: the cell and virtual shard its name says,
-    with the settings that cell's id is the digest of (:class:`~outlierscope.io.Damaged` otherwise)."""
+    with the settings that cell's id is the digest of (``Damaged`` otherwise)."""
     from outlierscope.io import read_checked_ident
 
     ident, payload = read_checked_ident(path)
@@ -133,7 +133,7 @@ def _write_part(cells: Path, settings: dict, v: int, tokens: TokenScores) -> Non
 
 def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: int, attn_block: int | None,
             ref_specs: list[QuantSpec] | None = None, calibration_dir=None, logprobs: str = "float64"):
-    """``score(indices, shard)``: the :class:`TokenScores` of ``specs[indices]`` on one virtual shard's windows,
+    """``score(indices, shard)``: the ``TokenScores`` of ``specs[indices]`` on one virtual shard's windows,
     against the unquantized model, or (``ref``: another model, or this one in the noise arithmetic) against ``ref``
     under ``ref_specs`` (default: the same spec). ``calibration_dir``: where GPTQ/AWQ keep their calibrated layers."""
     from outlierscope.quant.weights.calibration import calibration_for
@@ -154,9 +154,9 @@ def _scorer(lm, ref, windows: list[Window], specs: list[QuantSpec], batch_size: 
 
 def _pair_scorer(models: dict, windows: list[Window], pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
                  batch_size: int, attn_block: int | None, calibration_dir=None, logprobs: str = "float64"):
-    """``score(indices, shard)``: the :class:`TokenScores` of ``pairs[indices]`` (each ``((model key, spec) of the
+    """``score(indices, shard)``: the ``TokenScores`` of ``pairs[indices]`` (each ``((model key, spec) of the
     base, (model key, spec) of the other)``, ``models``: key -> loaded model) on one virtual shard's windows, each
-    distinct forward once per batch (:func:`~outlierscope.eval.perplexity.score_sides`)."""
+    distinct forward once per batch (``score_sides``)."""
     from outlierscope.eval.perplexity import Side, score_sides
     from outlierscope.quant.weights.calibration import calibration_for
 
@@ -192,7 +192,7 @@ def _in_passes(group, sides: int = 1):
 
 def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, ...], log=print) -> None:
     """Every missing part (one virtual shard of the windows) of each cell: the unit of resume and of --shard.
-    ``score``: :func:`_scorer`'s (the unquantized model runs once per shard for the specs that still need it).
+    ``score``: ``_scorer``'s (the unquantized model runs once per shard for the specs that still need it).
     Without a terminal (a log file), one line per shard says where the run is."""
     import sys
 
@@ -222,12 +222,12 @@ class CellRun:
     shard: Shard = field(default_factory=Shard)
     world: World = field(default_factory=World)
     log: object = print
-    logprobs: str = "float64"  # how each NLL is taken (:data:`~outlierscope.eval.perplexity.LOGPROBS`)
+    logprobs: str = "float64"  # how each NLL is taken (``LOGPROBS``)
 
 
 def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
                 kind: str = "", ref_specs: list[QuantSpec] | None = None) -> list[TokenScores] | None:
-    """Each spec's :class:`TokenScores` on ``windows`` (:func:`cells_of`). ``ref_model``: None for cells against
+    """Each spec's ``TokenScores`` on ``windows`` (``cells_of``). ``ref_model``: None for cells against
     the unquantized model, else what loads the reference model (called only when a cell is missing): the model in
     another arithmetic (noise-floor cells) or another model, under ``ref_specs`` (default: each spec)."""
 
@@ -242,7 +242,7 @@ def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: Ce
 
 def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
                settings: list[dict], c: CellRun, kind: str = "") -> list[TokenScores] | None:
-    """Each pair's :class:`TokenScores` on ``windows`` (:func:`cells_of`): ``((model key, spec) of the base,
+    """Each pair's ``TokenScores`` on ``windows`` (``cells_of``): ``((model key, spec) of the base,
     (model key, spec) of the other)``, ``models``: key -> loaded model; every distinct forward of the missing
     cells runs once per batch."""
 

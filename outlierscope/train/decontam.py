@@ -19,7 +19,7 @@ def ngrams(ws: list[str], n: int):
 
 
 class NgramIndex:
-    """The n-grams of each item's segments (context, endings); :meth:`scan` records the items a text hits."""
+    """The n-grams of each item's segments (context, endings); ``scan`` records the items a text hits."""
 
     def __init__(self, segments: dict[int, list[str]], n: int = 13):
         self.n = n

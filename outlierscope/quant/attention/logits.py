@@ -1,6 +1,6 @@
 """The paper's dynamic absmax quantization of attention logits, as a tensor operator: the ``logits=`` part of a
-:class:`~outlierscope.quant.specs.spec.QuantSpec` with its layers (:func:`logits_quant`), applied to (B, H, T, S) logits
-with their valid mask. Pure tensor work lives in :mod:`outlierscope.quant.numerics.primitives`."""
+``QuantSpec`` with its layers (``logits_quant``), applied to (B, H, T, S) logits
+with their valid mask. Pure tensor work lives in ``outlierscope.quant.numerics.primitives``."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ class LogitsQuant:
         return 2 in GRANULARITY_DIMS[self.granularity]
 
     def absmax(self, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """The absmax this scale is made of, (B, 1|H, 1|T, 1): max it over blocks of rows, then :meth:`__call__`."""
+        """The absmax this scale is made of, (B, 1|H, 1|T, 1): max it over blocks of rows, then ``__call__``."""
         if valid is not None:
             valid = valid.expand_as(logits)
         return absmax(logits, GRANULARITY_DIMS[self.granularity], valid)
@@ -50,7 +50,7 @@ class LogitsQuant:
     def __call__(self, logits: torch.Tensor, valid: torch.Tensor | None, amax: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize logits (B, H, T, S) with their valid mask; returns a new tensor.
 
-        ``amax``: the absmax to scale with (from :meth:`absmax` over all blocks of rows); None: these logits' own."""
+        ``amax``: the absmax to scale with (from ``absmax`` over all blocks of rows); None: these logits' own."""
         return quantize_logits(logits, valid, self, amax)
 
 
@@ -61,7 +61,7 @@ def _bnb(logits, valid, lq: LogitsQuant, amax=None) -> bool:
 @fusable(eager_if=_bnb, dynamic=True)
 def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: LogitsQuant,
                     amax: torch.Tensor | None = None) -> torch.Tensor:
-    """:meth:`LogitsQuant.__call__`: compiled inside :func:`~outlierscope.quant.numerics.fused.fused_kernels` (the
+    """``LogitsQuant.__call__``: compiled inside ``fused_kernels`` (the
     same bytes), bitsandbytes' rows always eager."""
     if valid is not None:
         valid = valid.expand_as(logits)
@@ -73,7 +73,7 @@ def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: Logits
 
 
 def logits_quant(spec) -> LogitsQuant | None:
-    """The operator of a :class:`~outlierscope.quant.specs.spec.QuantSpec`'s ``logits=`` part, in its layers; None
+    """The operator of a ``QuantSpec``'s ``logits=`` part, in its layers; None
     without one."""
     p = spec.part("logits")
     if p is None:

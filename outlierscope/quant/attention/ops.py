@@ -1,5 +1,5 @@
 """Tensor operations of attention quantization (pure: no state, never mutate the input): quantize q/k/v (B, H, T, d)
-and probabilities (B, H, t, S) at a :class:`~outlierscope.quant.specs.parts.TensorQuant`'s granularity, and the
+and probabilities (B, H, t, S) at a ``TensorQuant``'s granularity, and the
 transforms that are exact in full precision (K and Q smoothing, a random-sign Hadamard rotation).
 
 Valid tokens (``valid``: (B, T), False for padding) never enter a scale, a mean or a block's max, and come back
@@ -53,7 +53,7 @@ def _from_start(fn, x: torch.Tensor, valid: torch.Tensor, start: torch.Tensor | 
 
 
 def _from_first_real(fn, x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """:func:`_from_start` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T): token groups counted from each
+    """``_from_start`` for q/k/v ``x`` (B, H, T, d) and ``valid`` (B, T): token groups counted from each
     sequence's first real token."""
     return _from_start(fn, x, valid, first_real(valid), 2, 1)
 

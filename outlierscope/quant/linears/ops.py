@@ -1,7 +1,7 @@
 """Tensor operations of linear-layer quantization (pure: no state, never mutate the input).
 
 * ``quantize_activation(x, valid, tq, outlier_cols)``: a linear's input (B, T, C) quantized-dequantized per a
-  :class:`~outlierscope.quant.specs.parts.TensorQuant` ``a=`` part: ``per_token`` (C values of a token), ``per_group:G``
+  ``TensorQuant`` ``a=`` part: ``per_token`` (C values of a token), ``per_group:G``
   (G consecutive channels of a token), ``per_tensor`` (a sequence's valid tokens), ``static`` (one given absmax),
   MX / NVFP4 blocks along C (NVFP4's per-tensor scale: the sequence's absmax). Padding (``valid`` False) never enters a
   scale and comes back unchanged. ``outlier_cols`` (B, 1, C): columns kept in full precision and left out of the
@@ -135,9 +135,9 @@ def _base_order(d: int) -> tuple[int, int | None]:
 
 def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H / sqrt(d)`` (QuaRot's randomized Hadamard:
-    :func:`~outlierscope.quant.attention.ops.random_sign_hadamard`): H Sylvester's for a power of 2 (the same matrix as
-    :func:`outlierscope.quant.attention.ops.hadamard`), else ``kron(Paley's H_m, Sylvester's H_2^k)``. The dense form of
-    :func:`rotation_factors` (which is what a ``rotate:`` spec computes with)."""
+    ``random_sign_hadamard``): H Sylvester's for a power of 2 (the same matrix as
+    ``outlierscope.quant.attention.ops.hadamard``), else ``kron(Paley's H_m, Sylvester's H_2^k)``. The dense form of
+    ``rotation_factors`` (which is what a ``rotate:`` spec computes with)."""
     m, q = _base_order(d)
     h = sylvester(d // m)
     if q is not None:
@@ -147,7 +147,7 @@ def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None)
 
 @dataclass(frozen=True, eq=False)
 class Rotation:
-    """:func:`rotation`'s matrix ``R = diag(signs) . kron(A, B) / sqrt(d)`` kept as its two +-1 factors, A (m, m) and
+    """``rotation``'s matrix ``R = diag(signs) . kron(A, B) / sqrt(d)`` kept as its two +-1 factors, A (m, m) and
     B (k, k), d = m k. ``x @ R`` is ``A^T (X B)`` for X, a row of x as (m, k): d (m + k) multiply-adds a row instead of
     d^2 (SmolLM2's 576 = 36 x 16 and 1536 = 12 x 128: 11x fewer each), the way QuaRot's kernels apply a non-power-of-2
     Hadamard (a transform of the 2^k part, then the m x m matrix). Its sums run in another order than the dense
@@ -160,7 +160,7 @@ class Rotation:
     _on: dict = field(default_factory=dict, repr=False)  # (dtype, device) -> (signs, A^T, B) there
 
     def matrix(self, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
-        """The dense (d, d) matrix: :func:`rotation`'s bytes."""
+        """The dense (d, d) matrix: ``rotation``'s bytes."""
         return (self.signs[:, None] * torch.kron(self.outer, self.inner) / math.sqrt(self.d)).to(dtype=dtype, device=device)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ class Rotation:
 
 
 def rotation_factors(d: int, seed: int) -> Rotation:
-    """:func:`rotation`'s matrix as its factors (:class:`Rotation`): A Paley's H_m and B Sylvester's H_2^k, or, for a
+    """``rotation``'s matrix as its factors (``Rotation``): A Paley's H_m and B Sylvester's H_2^k, or, for a
     power of 2, two Sylvester matrices of about sqrt(d) each (Sylvester's H_2^(a+b) is kron(H_2^a, H_2^b))."""
     m, q = _base_order(d)
     if q is None:

@@ -1,5 +1,5 @@
 """Quantize the ``nn.Linear`` layers of a model's decoder layers: their inputs and weights, with SmoothQuant, a Hadamard
-rotation or LLM.int8's decomposition (the ``a=``/``w=`` parts of :class:`~outlierscope.quant.specs.spec.QuantSpec`).
+rotation or LLM.int8's decomposition (the ``a=``/``w=`` parts of ``QuantSpec``).
 
 What one quantized linear computes, per forward (pseudo-code; ``s`` SmoothQuant's factors, ``H`` the rotation)::
 
@@ -59,7 +59,7 @@ def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict
 
 
 class HeldWeights:
-    """Quantized weights held across :func:`quantize_linears` contexts (a perplexity run enters a spec's context once
+    """Quantized weights held across ``quantize_linears`` contexts (a perplexity run enters a spec's context once
     per batch): per (owner, linear name) the original weight's key and the quantized copy, while the bytes held stay
     within ``budget`` bytes; a weight beyond it is quantized at each context entry as without a holder. ``owner``
     names one spec with its calibration (the caller's key); the original weight's identity, storage, dtype and device
@@ -86,7 +86,7 @@ class _Once(nn.Module):
     """A parametrization computed once from the untouched weight and held (``cache``) while the weight is the same:
     the same tensor object, storage, dtype, device and in-place version (``Tensor._version``). A weight changed in any
     of these ways (``model.double()``, ``.to(device)``, an in-place update) is quantized again. ``cache=False``:
-    computed at every access (no held copy). :meth:`compute` is the transform."""
+    computed at every access (no held copy). ``compute`` is the transform."""
 
     holder: tuple | None = None  # (HeldWeights, its key for this weight): set before registration; kept beyond the
     # context too
@@ -296,11 +296,11 @@ def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration
                      error=None, hold_weights: bool | None = None,
                      held: tuple | None = None) -> Iterator[list[LinearSite]]:
     """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
-    ``linears`` and ``layers`` say (module docstring); ``calibration``: :func:`calibrate`'s, when
-    :func:`needs_calibration`; ``error``: a :class:`~outlierscope.analysis.linear_error.LinearErrorStats` that also
+    ``linears`` and ``layers`` say (module docstring); ``calibration``: ``calibrate``'s, when
+    ``needs_calibration``; ``error``: a ``LinearErrorStats`` that also
     receives each quantized linear's relative output error. ``hold_weights``: each weight quantized once, when the
-    context is entered (False: at every forward; None: where the copies fit, :func:`holds_fit`); ``held``: (a
-    :class:`HeldWeights`, a key naming this spec and its calibration) to keep them beyond the context, for the next
+    context is entered (False: at every forward; None: where the copies fit, ``holds_fit``); ``held``: (a
+    ``HeldWeights``, a key naming this spec and its calibration) to keep them beyond the context, for the next
     context of the same key. Yields the quantized sites.
     Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
     sites = linear_sites(model, spec) if spec.has_linear else []

@@ -1,6 +1,6 @@
-"""The linear layers a spec quantizes (:class:`LinearSite`: each ``nn.Linear`` of the decoder layers that
+"""The linear layers a spec quantizes (``LinearSite``: each ``nn.Linear`` of the decoder layers that
 ``linears:`` and ``layers:`` choose, the LM head when named), which of them read the same input, and what a spec's
-calibration holds (:class:`Calibration`); the recording hooks of a calibration pass."""
+calibration holds (``Calibration``); the recording hooks of a calibration pass."""
 
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ def _max_positions(model: nn.Module) -> int | None:
 
 def token_local(spec: QuantSpec) -> bool:
     """Whether every linear's output at a token depends on that token alone (no per-sequence statistic): then a
-    context's choices may share its prefix (:func:`~outlierscope.eval.evaluate.layout_for`)."""
+    context's choices may share its prefix (``layout_for``)."""
     a = spec.part("a")
     return spec.outlier_threshold is None and (a is None or a.granularity in ("per_token", "per_group", "static")
                                                or isinstance(a.fmt, Block) and not a.fmt.global_scale)

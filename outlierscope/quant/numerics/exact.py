@@ -36,14 +36,14 @@ def random_sign_hadamard(h: torch.Tensor, seed: int, dtype: torch.dtype, device)
 
 
 def random_signs(d: int, seed: int) -> torch.Tensor:
-    """The (d,) float64 signs +-1 that ``seed`` draws for :func:`random_sign_hadamard`."""
+    """The (d,) float64 signs +-1 that ``seed`` draws for ``random_sign_hadamard``."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 2, (d,), generator=g, dtype=torch.float64) * 2 - 1
 
 
 def hadamard(d: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
     """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H_d / sqrt(d)`` (Sylvester's H_d, signs drawn
-    from ``seed``: :func:`random_sign_hadamard`); ``d`` must be a power of 2."""
+    from ``seed``: ``random_sign_hadamard``); ``d`` must be a power of 2."""
     if d < 1 or d & (d - 1):
         raise OutlierscopeError(f"a Hadamard rotation needs a power-of-2 head_dim, got {d}; leave out hadamard")
     return random_sign_hadamard(sylvester(d), seed, dtype, device)

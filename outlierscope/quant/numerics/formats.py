@@ -144,7 +144,7 @@ def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -
 
 
 def asym_minmax(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, bits: int) -> torch.Tensor:
-    """:func:`asym_quant` between each granule's min and max over ``dims`` among ``valid`` entries (None: all);
+    """``asym_quant`` between each granule's min and max over ``dims`` among ``valid`` entries (None: all);
     invalid entries and granules with none valid come back unchanged."""
     if valid is None:
         valid = torch.ones_like(x, dtype=torch.bool)

@@ -2,9 +2,9 @@
 
 A quantizer such as NVFP4 or MX is a chain of a dozen elementwise passes over the tensor (absolute values, block
 maxima, a division, a rounding built from comparisons, a product, dtype copies), each reading and writing the whole
-tensor. Inside :func:`fused_kernels` the functions marked :func:`fusable` (``quantize_activation`` and
-``quantize_weight`` of :mod:`outlierscope.quant.linears.ops`; attention's ``quantize_tokens`` and ``quantize_probs``
-of :mod:`outlierscope.quant.attention.ops` and the paper's ``quantize_logits``) run as one compiled graph each, which
+tensor. Inside ``fused_kernels`` the functions marked ``fusable`` (``quantize_activation`` and
+``quantize_weight`` of ``outlierscope.quant.linears.ops``; attention's ``quantize_tokens`` and ``quantize_probs``
+of ``outlierscope.quant.attention.ops`` and the paper's ``quantize_logits``) run as one compiled graph each, which
 inductor turns into a few loops over the data::
 
     with fused_kernels():                  # or a run's ``fused=True`` (``--fused``)
@@ -61,7 +61,7 @@ def fusing() -> bool:
 
 
 def fusable(fn=None, *, eager_if=None, dynamic: bool | None = None):
-    """``fn`` as it is, or compiled (``torch.compile``) inside :func:`fused_kernels`. Where ``fn`` is already being
+    """``fn`` as it is, or compiled (``torch.compile``) inside ``fused_kernels``. Where ``fn`` is already being
     traced (one fusable function calling another) it runs as it is, inlined into the caller's graph. The eager
     function stays reachable as ``.eager``. Used as ``@fusable`` or ``@fusable(...)``: ``eager_if``, a predicate of
     ``fn``'s arguments under which it always runs eagerly (nothing to compile); ``dynamic``, ``torch.compile``'s
@@ -70,7 +70,7 @@ def fusable(fn=None, *, eager_if=None, dynamic: bool | None = None):
 
     A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
     mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
-    inputs of that dtype in this process (:func:`fallbacks` lists them). Known: inductor 2.13 cannot generate the C++
+    inputs of that dtype in this process (``fallbacks`` lists them). Known: inductor 2.13 cannot generate the C++
     of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses. Inputs off the CPU
     (``fused_kernels`` used directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a
     warning."""

@@ -1,7 +1,7 @@
-"""Every number format a spec names, as one registered object (:class:`Format`): its name and bit widths, its kind,
+"""Every number format a spec names, as one registered object (``Format``): its name and bit widths, its kind,
 block size and nominal bits, the targets and granularities it takes, the arithmetic it quantizes with and what
-compressed-tensors writes for it. Consumers look a format up (:func:`format_named`, :func:`read_format`); no module
-outside :mod:`outlierscope.quant.numerics` compares format names."""
+compressed-tensors writes for it. Consumers look a format up (``format_named``, ``read_format``); no module
+outside ``outlierscope.quant.numerics`` compares format names."""
 
 from __future__ import annotations
 
@@ -28,19 +28,20 @@ ATTENTION_INPUTS = ("q", "k", "v", "probs")  # the matmul inputs inside attentio
 class Format:
     """One number format.
 
-    name: its name in a spec's text (``int``: ``int4``, ``int8``...; ``e4m3``; ``mxfp4``).
-    summary: one line for the reference and ``outlierscope recipes``.
-    targets: the targets it applies to.
-    bits: the bit widths its text takes (``(2, 8)``: ``int2`` to ``int8``); None: a fixed width (``nominal``).
-    logits_bits: the widest width on logits (the paper's axis runs to 16 = unquantized).
-    nominal: bits per element of a fixed-width format.
-    integer: whether it rounds onto an integer grid (what GPTQ and AWQ round weights on).
-    ct_kv: whether compressed-tensors writes it as a KV cache (at 8 bits).
-    ct: compressed-tensors' ``QuantizationArgs`` fields of the format (None: it has no such format).
-    ct_read: the fields that read back as this format (a checkpoint's config; None: only ``ct``'s).
-    outside: what is said of a target it does not take.
-    identity: keys the identity of a cell whose spec uses the format gains (where its arithmetic changed, so that
-        cells computed before are never read back as today's)."""
+    Attributes:
+        name: its name in a spec's text (``int``: ``int4``, ``int8``...; ``e4m3``; ``mxfp4``).
+        summary: one line for the reference and ``outlierscope recipes``.
+        targets: the targets it applies to.
+        bits: the bit widths its text takes (``(2, 8)``: ``int2`` to ``int8``); None: a fixed width (``nominal``).
+        logits_bits: the widest width on logits (the paper's axis runs to 16 = unquantized).
+        nominal: bits per element of a fixed-width format.
+        integer: whether it rounds onto an integer grid (what GPTQ and AWQ round weights on).
+        ct_kv: whether compressed-tensors writes it as a KV cache (at 8 bits).
+        ct: compressed-tensors' ``QuantizationArgs`` fields of the format (None: it has no such format).
+        ct_read: the fields that read back as this format (a checkpoint's config; None: only ``ct``'s).
+        outside: what is said of a target it does not take.
+        identity: keys the identity of a cell whose spec uses the format gains (where its arithmetic changed, so that
+            cells computed before are never read back as today's)."""
 
     name: str
     summary: str
@@ -138,7 +139,7 @@ class Grid(Format):
         return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, self.grid)), None
 
     def round(self, x, params: tuple, bits: int):
-        """``x`` onto the grid of ``params`` (:meth:`scale_params`'s, broadcastable)."""
+        """``x`` onto the grid of ``params`` (``scale_params``'s, broadcastable)."""
 
         return fake_quant(x, params[0], bits, self.grid)
 
@@ -179,7 +180,7 @@ class ZeroPoint(Format):
         return zero_point_params(w, bits, dims)
 
     def round(self, x, params: tuple, bits: int):
-        """``x`` onto the grid of ``params`` (:meth:`scale_params`'s, broadcastable)."""
+        """``x`` onto the grid of ``params`` (``scale_params``'s, broadcastable)."""
 
         return zero_point_quant(x, params[0], params[1], bits)
 
@@ -189,10 +190,11 @@ class Block(Format):
     """A block format: ``block`` consecutive elements along the last dim share a scale (OCP MX; NVFP4 under a
     per-tensor global scale: ``global_scale``).
 
-    block: elements per block.
-    global_scale: whether a per-tensor amax scales the block scales (NVFP4).
-    ocp_of: for an MX format compressed-tensors writes with its own scale rounding, the OCP format it differs from.
-    ct_dynamic: compressed-tensors' fields for dynamic activations (NVFP4: local block scales)."""
+    Attributes:
+        block: elements per block.
+        global_scale: whether a per-tensor amax scales the block scales (NVFP4).
+        ocp_of: for an MX format compressed-tensors writes with its own scale rounding, the OCP format it differs from.
+        ct_dynamic: compressed-tensors' fields for dynamic activations (NVFP4: local block scales)."""
 
     block: int = 32
     global_scale: bool = False
@@ -237,7 +239,8 @@ FORMATS: dict[str, Format] = {}
 def register_format(fmt: Format) -> Format:
     """Add ``fmt`` to the registry (a name already there is an error); returns it.
 
-    fmt: the format."""
+    Args:
+        fmt: the format."""
     if fmt.name in FORMATS:
         raise ValueError(f"format {fmt.name!r} is registered already")
     FORMATS[fmt.name] = fmt
@@ -247,7 +250,8 @@ def register_format(fmt: Format) -> Format:
 def format_named(name: str) -> Format:
     """The registered format ``name``; a one-line error with the near names otherwise.
 
-    name: the format's name (``int``, ``e4m3``, ``mxfp4``)."""
+    Args:
+        name: the format's name (``int``, ``e4m3``, ``mxfp4``)."""
     if name in FORMATS:
         return FORMATS[name]
     import difflib
@@ -260,7 +264,8 @@ def format_named(name: str) -> Format:
 def read_format(text: str) -> tuple[Format, int | None]:
     """(format, bits) of a format as a spec writes it (``int4`` -> int, 4; ``e4m3`` -> e4m3, None).
 
-    text: the format's text."""
+    Args:
+        text: the format's text."""
     if text in FORMATS and FORMATS[text].bits is None:
         return FORMATS[text], None
     stem = text.rstrip("0123456789")
@@ -296,7 +301,8 @@ def format_of_ct_args(args: dict) -> tuple[Format, int | None]:
     """(format, bits) of compressed-tensors ``QuantizationArgs`` fields: the block format whose fields they hold, else
     the format whose ``ct_read`` fields they hold; a one-line error otherwise.
 
-    args: the fields (``num_bits``, ``type``, ``symmetric``, ``group_size``, ``strategy``)."""
+    Args:
+        args: the fields (``num_bits``, ``type``, ``symmetric``, ``group_size``, ``strategy``)."""
     keys = ("num_bits", "type", "group_size", "strategy")
     for f in FORMATS.values():
         if isinstance(f, Block) and f.ct is not None and all(args.get(k) == f.ct.get(k) for k in keys):

@@ -1,6 +1,6 @@
-"""The settings of the weight algorithms a spec names: ``gptq[:KEY=VALUE,...]`` (:class:`GPTQConfig`) and
-``awq[:KEY=VALUE,...]`` (:class:`AWQConfig`), with their text form; the algorithms themselves are
-:mod:`outlierscope.quant.weights.gptq` and :mod:`outlierscope.quant.weights.awq`."""
+"""The settings of the weight algorithms a spec names: ``gptq[:KEY=VALUE,...]`` (``GPTQConfig``) and
+``awq[:KEY=VALUE,...]`` (``AWQConfig``), with their text form; the algorithms themselves are
+``outlierscope.quant.weights.gptq`` and ``outlierscope.quant.weights.awq``."""
 
 from __future__ import annotations
 
@@ -65,16 +65,18 @@ SEQUENTIAL = ("subset", "layer")  # GPT-QModel's true_sequential; llm-compressor
 class GPTQConfig(WeightAlgorithm):
     """GPTQ (Frantar et al., 2022) rounding of the ``w=`` part, layer after layer: a spec's ``gptq[:KEY=VALUE,...]``.
 
-    damp: a fraction of the Hessian's mean diagonal added to it.
-    order: the column order (:func:`~outlierscope.quant.weights.gptq.column_order`: none, desc, gar).
-    block: columns per lazy batch.
-    static: group scales from the weights before any update (llm-compressor's).
-    sequential: ``subset`` (each group of linears that reads one input, calibrated after the rounded ones before it:
-        GPT-QModel's true_sequential) or ``layer`` (one pass per layer: llm-compressor's sequential pipeline).
-    samples: calibration sequences.
-    seqlen: tokens per calibration sequence.
     The defaults are the paper's; GPT-QModel 7.6's are ``damp=0.05,order=gar``, llm-compressor 0.14's (actorder
-    static) ``order=desc,static,sequential=layer``."""
+    static) ``order=desc,static,sequential=layer``.
+
+    Attributes:
+        damp: a fraction of the Hessian's mean diagonal added to it.
+        order: the column order (``column_order``: none, desc, gar).
+        block: columns per lazy batch.
+        static: group scales from the weights before any update (llm-compressor's).
+        sequential: ``subset`` (each group of linears that reads one input, calibrated after the rounded ones before
+            it: GPT-QModel's true_sequential) or ``layer`` (one pass per layer: llm-compressor's sequential pipeline).
+        samples: calibration sequences.
+        seqlen: tokens per calibration sequence."""
 
     damp: float = 0.01
     order: str = "none"
@@ -137,14 +139,16 @@ class GPTQConfig(WeightAlgorithm):
 class AWQConfig(WeightAlgorithm):
     """AWQ (Lin et al., 2023) scaling and clipping of the ``w=`` part, layer after layer: a spec's ``awq[:KEY=VALUE]``.
 
-    grid: the scale ratios tried.
-    duo: 1, scales from activations and weights; 0, from activations only.
-    clip: 1, search each group's clipping bound.
-    shrink: the largest fraction a bound may shrink by.
-    clip_tokens: calibration tokens the clipping search reads.
-    samples: calibration sequences.
-    seqlen: tokens per calibration sequence.
-    The defaults are AutoAWQ's (128 x 512 tokens)."""
+    The defaults are AutoAWQ's (128 x 512 tokens).
+
+    Attributes:
+        grid: the scale ratios tried.
+        duo: 1, scales from activations and weights; 0, from activations only.
+        clip: 1, search each group's clipping bound.
+        shrink: the largest fraction a bound may shrink by.
+        clip_tokens: calibration tokens the clipping search reads.
+        samples: calibration sequences.
+        seqlen: tokens per calibration sequence."""
 
     grid: int = 20
     duo: int = 1

@@ -1,5 +1,5 @@
-"""One tensor's quantization (:class:`TensorQuant`: target, format, granularity), its text ``TARGETS=FORMAT[/G[:N]]``,
-and layer lists: the parts a :class:`~outlierscope.quant.specs.spec.QuantSpec` is made of (the formats and granularities
+"""One tensor's quantization (``TensorQuant``: target, format, granularity), its text ``TARGETS=FORMAT[/G[:N]]``,
+and layer lists: the parts a ``QuantSpec`` is made of (the formats and granularities
 are described there)."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ MAX_LAYERS = 1 << 16  # no index reaches it (the deepest models have a few hundr
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
     """``"0-3"``, ``"0,2,5"`` or ``"0-1,4"`` -> sorted layer indices; None/"all" -> every layer. Indices are below
-    :data:`MAX_LAYERS` (checked before a range is built); the model's own count is checked where it is known."""
+    ``MAX_LAYERS`` (checked before a range is built); the model's own count is checked where it is known."""
     if text is None or text == "all":
         return None
     out: set[int] = set()
@@ -54,7 +54,7 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def layers_option(text: str) -> tuple[int, ...] | None:
-    """:func:`parse_layers` for a setting given as text (the command line): a malformed list is a one-line error."""
+    """``parse_layers`` for a setting given as text (the command line): a malformed list is a one-line error."""
     try:
         return parse_layers(text)
     except ValueError as e:
@@ -67,7 +67,7 @@ def _kind(target: str) -> str:
 
 @dataclass(frozen=True)
 class TensorQuant:
-    """One tensor's quantization: a registered ``format`` (:mod:`outlierscope.quant.numerics.registry`) with its
+    """One tensor's quantization: a registered ``format`` (``outlierscope.quant.numerics.registry``) with its
     ``bits`` where it takes a width, its ``granularity`` and the granularity's ``size`` (tokens per block, channels
     per group, tokens per channel group)."""
 
@@ -125,7 +125,8 @@ _PART = re.compile(r"^(?P<targets>[a-z,+]+)=(?P<fmt>[a-z0-9_-]+)(?:/(?P<gran>[a-
 def parse_part(text: str) -> list[TensorQuant]:
     """The parts of one ``TARGETS=FORMAT[/GRANULARITY[:N]]`` item (``kv`` is ``k`` and ``v``).
 
-    text: the item."""
+    Args:
+        text: the item."""
     m = _PART.match(text)
     if not m:
         raise OutlierscopeError(f"cannot read {text!r}: expected TARGETS=FORMAT[/GRANULARITY[:N]], e.g. k=int4/per_group:32")

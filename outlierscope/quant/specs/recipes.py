@@ -1,6 +1,6 @@
 """The named recipes: what low-bit attention kernels, KV caches and linear-layer schemes quantize, as the text of a
-:class:`~outlierscope.quant.specs.spec.QuantSpec` (``QuantSpec.parse(name)``), with the source each follows and what the
-emulation does not model. Data only: the spec type and its parser are :mod:`outlierscope.quant.specs.spec`.
+``QuantSpec`` (``QuantSpec.parse(name)``), with the source each follows and what the
+emulation does not model. Data only: the spec type and its parser are ``outlierscope.quant.specs.spec``.
 """
 
 from __future__ import annotations
@@ -103,5 +103,5 @@ RECIPES = {r.name: r for r in (
 )}
 """Named recipes by name: low-bit attention as kernels do it (SageAttention, FA3 FP8, KIVI, MX, NVFP4) and linear
 schemes as servers quantize them (W8A8, SmoothQuant, W4A8, W4A4 rotated, FP8, MXFP4, NVFP4, LLM.int8); each a
-:class:`Recipe` with its spec text and the source it follows. ``QuantSpec.parse(name)`` builds its spec."""
+``Recipe`` with its spec text and the source it follows. ``QuantSpec.parse(name)`` builds its spec."""
 

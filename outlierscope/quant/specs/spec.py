@@ -1,6 +1,6 @@
-"""What to quantize: :class:`QuantSpec`, one frozen spec for everything the toolkit quantizes, with one text form and
-one parser (the grammar: the guide's "Spec language" page). Its tensor parts (:class:`TensorQuant`) name a format per
-quantized tensor; its transforms (:mod:`outlierscope.quant.specs.transforms`) what happens first and where. Its text is
+"""What to quantize: ``QuantSpec``, one frozen spec for everything the toolkit quantizes, with one text form and
+one parser (the grammar: the guide's "Spec language" page). Its tensor parts (``TensorQuant``) name a format per
+quantized tensor; its transforms (``outlierscope.quant.specs.transforms``) what happens first and where. Its text is
 its identity: ``QuantSpec.parse(str(spec)) == spec``, and a cell's settings are derived from it."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ T = TypeVar("T", bound=Transform)
 
 
 def _logits_part(bits, format, granularity, backend) -> TensorQuant | None:
-    """The logits part of the paper's form (:meth:`QuantSpec.logits`); None at 16 bits."""
+    """The logits part of the paper's form (``QuantSpec.logits``); None at 16 bits."""
     fmt, gran, backend = format or "int", granularity or "per_tensor", backend or "torch"
     if fmt not in logits_formats():  # a typo is an error at 16 bits too, where these settings do not apply
         raise ParamError("format", f"one of {', '.join(logits_formats())}", fmt)
@@ -72,11 +72,11 @@ class Columns(NamedTuple):
 class QuantSpec:
     """Everything a model is quantized with.
 
-    parts: one :class:`TensorQuant` per quantized tensor, in target order.
+    parts: one ``TensorQuant`` per quantized tensor, in target order.
     transforms: the typed transforms (smoothing, rotations, LLM.int8's decomposition, GPTQ, AWQ, the calibration
         source, the linears and layers it applies to), in the canonical text's order.
     name: the recipe it came from (not part of its identity).
-    The constructor takes tensor parts and transforms alike in ``parts``; :meth:`logits` builds the paper's form."""
+    The constructor takes tensor parts and transforms alike in ``parts``; ``logits`` builds the paper's form."""
 
     parts: tuple[TensorQuant, ...] = ()
     transforms: tuple[Transform, ...] = ()
@@ -101,14 +101,15 @@ class QuantSpec:
 
     @classmethod
     def logits(cls, bits: int, format: str = "int", granularity: str = "per_tensor", backend: str = "torch",
-               layers=None) -> QuantSpec:
+               layers: tuple[int, ...] | None = None) -> QuantSpec:
         """The paper's form: the attention logits quantized with dynamic absmax (16 bits: unquantized).
 
-        bits: 2..16 (16 = unquantized; FP8 formats: 8).
-        format: ``int``, ``e4m3`` or ``e5m2``.
-        granularity: ``per_tensor``, ``per_head`` or ``per_row``.
-        backend: ``torch``, or ``bitsandbytes`` (its int8 rows: bits 8, per_row).
-        layers: the layers quantized (None: every layer)."""
+        Args:
+            bits: 2..16 (16 = unquantized; FP8 formats: 8).
+            format: ``int``, ``e4m3`` or ``e5m2``.
+            granularity: ``per_tensor``, ``per_head`` or ``per_row``.
+            backend: ``torch``, or ``bitsandbytes`` (its int8 rows: bits 8, per_row).
+            layers: the layers quantized (None: every layer)."""
         part = _logits_part(bits, format, granularity, backend)
         if part is None:
             return cls()
@@ -204,7 +205,7 @@ class QuantSpec:
     @property
     def has_linear(self) -> bool:
         """Whether our emulation does anything to the linear layers (an a/w part, or a transform of them);
-        bitsandbytes' weights are :attr:`weights_mode`."""
+        bitsandbytes' weights are ``weights_mode``."""
         return any(p.target in LINEAR_TARGETS for p in self.without_weights().parts) or \
             any(t.linears for t in self.transforms)
 
@@ -214,7 +215,7 @@ class QuantSpec:
 
     @property
     def is_logits_only(self) -> bool:
-        """The paper's form: a logits part or nothing (:meth:`logits`), with no other part or transform than
+        """The paper's form: a logits part or nothing (``logits``), with no other part or transform than
         ``layers:``."""
         return all(p.target == "logits" for p in self.parts) and all(isinstance(t, Layers) for t in self.transforms)
 
@@ -225,7 +226,7 @@ class QuantSpec:
 
     @property
     def columns(self) -> Columns:
-        """Its columns in a sweep table (:class:`Columns`)."""
+        """Its columns in a sweep table (``Columns``)."""
         if not self.is_logits_only:
             return Columns(self.bits, KERNEL_FORMAT, str(self))
         if not self.parts:
@@ -245,7 +246,7 @@ class QuantSpec:
 
     @property
     def label(self) -> str:
-        """Tables and the console: the recipe's name, else :attr:`description`."""
+        """Tables and the console: the recipe's name, else ``description``."""
         return self.name or self.description
 
     def __str__(self) -> str:
@@ -258,10 +259,11 @@ class QuantSpec:
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """A spec from its text, a recipe's name (:data:`~outlierscope.quant.specs.recipes.RECIPES`), or recipe names
+        """A spec from its text, a recipe's name (``RECIPES``), or recipe names
         and parts joined by ``;``.
 
-        text: the spec's text."""
+        Args:
+            text: the spec's text."""
         text = text.strip()
         if not text:
             raise OutlierscopeError("empty quantization spec: give a recipe name (see `outlierscope recipes`), a spec "
@@ -309,7 +311,7 @@ def _unknown_recipe(item: str, text: str):
 
 def build_spec(bits: int, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
     """The paper's settings (a sweep's ``--bits``, ``--format``, ``--granularity``, ``--layers``) as a spec:
-    :meth:`QuantSpec.logits` (unquantized for 16 bits: format, granularity and layers do not apply; a typo in them is
+    ``QuantSpec.logits`` (unquantized for 16 bits: format, granularity and layers do not apply; a typo in them is
     still an error)."""
     return QuantSpec.logits(bits, format, granularity, layers=None if bits == UNQUANTIZED_BITS else layers)
 

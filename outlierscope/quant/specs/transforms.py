@@ -1,7 +1,7 @@
-"""The transforms a spec names beside its tensor parts, each one typed part (:class:`Transform`) that carries its text
+"""The transforms a spec names beside its tensor parts, each one typed part (``Transform``) that carries its text
 key, its parser, its validation and its cross-checks with the rest of the spec; registered by key
-(:func:`register_transform`). A transform found by type may act inside attention (:meth:`Transform.qk`) and on each
-quantized linear (:meth:`Transform.linear_input`, :meth:`Transform.linear_weight`)."""
+(``register_transform``). A transform found by type may act inside attention (``Transform.qk``) and on each
+quantized linear (``Transform.linear_input``, ``Transform.linear_weight``)."""
 
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class Transform:
     def parse(cls, arg: str | None, text: str) -> Transform:
         """The transform of ``key:arg`` (``arg`` None: the key alone).
 
-        arg: the text after ``key:``.
-        text: the whole spec's text, for errors."""
+        Args:
+            arg: the text after ``key:``.
+            text: the whole spec's text, for errors."""
         raise NotImplementedError
 
     def check(self, spec) -> None:
@@ -63,7 +64,7 @@ class Transform:
         return q, k
 
     def linear_input(self, x):
-        """A quantized linear's input (..., I) before it is quantized (with :meth:`linear_weight`: y unchanged)."""
+        """A quantized linear's input (..., I) before it is quantized (with ``linear_weight``: y unchanged)."""
         return x
 
     def linear_weight(self, w):
@@ -77,7 +78,7 @@ TRANSFORMS: dict[str, type[Transform]] = {}
 def register_transform(cls: type[Transform]) -> type[Transform]:
     """Add the transform type ``cls`` to the registry by its key (a key already there is an error); returns it.
 
-    cls: a :class:`Transform` subclass with its own ``key``."""
+    cls: a ``Transform`` subclass with its own ``key``."""
     if not cls.key or cls.key in TRANSFORMS:
         raise ValueError(f"transform key {cls.key!r} is empty or registered already")
     TRANSFORMS[cls.key] = cls
@@ -87,7 +88,8 @@ def register_transform(cls: type[Transform]) -> type[Transform]:
 def summary(kind: type[Transform]) -> str:
     """The first line of a transform type's docstring.
 
-    kind: a registered transform type."""
+    Args:
+        kind: a registered transform type."""
     return (kind.__doc__ or kind.key).strip().splitlines()[0]
 
 
@@ -122,7 +124,8 @@ class SmoothK(Transform):
 class SmoothQ(Transform):
     """Q minus its per-channel mean over blocks of rows, the mean's product with k added back (SageAttention2's).
 
-    rows: query rows per block (the attention stage adds ``mean_q . k^T`` back in full precision)."""
+    Attributes:
+        rows: query rows per block (the attention stage adds ``mean_q . k^T`` back in full precision)."""
 
     rows: int
     key, rank, attention = "smooth_q", 11, True
@@ -164,7 +167,8 @@ class _Seeded(Transform):
 class Hadamard(_Seeded):
     """A random-sign Hadamard rotation of q and k along head_dim (exact: the rotation is orthonormal).
 
-    seed: draws the signs."""
+    Attributes:
+        seed: draws the signs."""
 
     seed: int
     key, rank, attention, qk_rank = "hadamard", 12, True, 0
@@ -182,7 +186,8 @@ class Hadamard(_Seeded):
 class Smooth(Transform):
     """SmoothQuant's migration of each linear's input scale into its weight.
 
-    alpha: the migration strength, 0..1."""
+    Attributes:
+        alpha: the migration strength, 0..1."""
 
     alpha: float
     key, rank, linears = "smooth", 30, True
@@ -207,7 +212,8 @@ class Smooth(Transform):
 class Rotate(_Seeded):
     """A random-sign Hadamard rotation of each quantized linear's input (and weight): QuaRot's.
 
-    seed: draws the signs."""
+    Attributes:
+        seed: draws the signs."""
 
     seed: int
     key, rank, linears = "rotate", 31, True
@@ -249,7 +255,8 @@ class _Threshold(Transform):
 class Outliers(_Threshold):
     """LLM.int8's decomposition, the paper's rule: the outlier columns leave the quantization and its scales.
 
-    threshold: the magnitude that makes a column an outlier (6.0)."""
+    Attributes:
+        threshold: the magnitude that makes a column an outlier (6.0)."""
 
     threshold: float
     key, rank = "outliers", 32
@@ -260,7 +267,8 @@ class Outliers(_Threshold):
 class BnbOutliers(_Threshold):
     """LLM.int8's decomposition, bitsandbytes' rule: only the outlier elements leave the row scales.
 
-    threshold: the magnitude that makes a column an outlier (6.0)."""
+    Attributes:
+        threshold: the magnitude that makes a column an outlier (6.0)."""
 
     threshold: float
     key, rank = "bnb_outliers", 33
@@ -271,7 +279,8 @@ class BnbOutliers(_Threshold):
 class Calib(Transform):
     """What smoothing, static activation scales, GPTQ and AWQ calibrate on.
 
-    source: ``hellaswag``, a text file or an ``act_scales.pt``."""
+    Attributes:
+        source: ``hellaswag``, a text file or an ``act_scales.pt``."""
 
     source: str
     key, rank = "calib", 40
@@ -302,7 +311,8 @@ class Calib(Transform):
 class Linears(Transform):
     """The linears of a decoder layer that are quantized (module-path patterns; default: every ``nn.Linear``).
 
-    patterns: paths or ``*`` patterns (``self_attn.*``, ``mlp.down_proj``, ``lm_head``)."""
+    Attributes:
+        patterns: paths or ``*`` patterns (``self_attn.*``, ``mlp.down_proj``, ``lm_head``)."""
 
     patterns: tuple[str, ...]
     key, rank = "linears", 50
@@ -330,7 +340,8 @@ class Linears(Transform):
 class Layers(Transform):
     """The decoder layers a spec applies to (default: every layer).
 
-    indices: layer indices (sorted, each once, below ``MAX_LAYERS``)."""
+    Attributes:
+        indices: layer indices (sorted, each once, below ``MAX_LAYERS``)."""
 
     indices: tuple[int, ...]
     key, rank = "layers", 60

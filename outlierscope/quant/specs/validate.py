@@ -1,5 +1,5 @@
-"""The checks of a :class:`~outlierscope.quant.specs.spec.QuantSpec` as a whole, at construction: each target once, each
-transform's cross-checks with the rest of the spec (:meth:`~outlierscope.quant.specs.transforms.Transform.check`), and
+"""The checks of a ``QuantSpec`` as a whole, at construction: each target once, each
+transform's cross-checks with the rest of the spec (``check``), and
 bitsandbytes' weights alone. A part's own checks are its constructor's."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ BNB_ALONE = ("smooth", "rotate", "outliers", "bnb_outliers", "linears", "calib")
 def check_spec_parts(spec) -> None:
     """One-line errors where the parts of ``spec`` do not fit together.
 
-    spec: a just-built spec (its parts in target order, its transforms in canonical order)."""
+    Args:
+        spec: a just-built spec (its parts in target order, its transforms in canonical order)."""
     seen = [p.target for p in spec.parts]
     dup = sorted({t for t in seen if seen.count(t) > 1})
     if dup:

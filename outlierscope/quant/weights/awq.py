@@ -94,8 +94,8 @@ def clip_errors(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor]
 def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
                 grid: int = 20, shrink: float = 0.5, tokens: int = 512, rows: int | None = None) -> torch.Tensor:
     """AWQ's clipping search (module docstring): the bound (O, groups) of each row's group of ``w`` (O, I), in ``w``'s
-    dtype: the shrink step of least :func:`clip_errors` (the first of equal ones; none finite: no shrink). The
-    arguments are :func:`clip_errors`'."""
+    dtype: the shrink step of least ``clip_errors`` (the first of equal ones; none finite: no shrink). The
+    arguments are ``clip_errors``'."""
     top, errs = clip_errors(w, x, quant, group, grid, shrink, tokens, rows)  # (O, I/G), (S, O, I/G)
     best, least = top.clone(), torch.full_like(top, 1e9)
     for i in range(errs.shape[0]):

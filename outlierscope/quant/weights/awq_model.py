@@ -65,7 +65,7 @@ def _recording(modules: dict[str, nn.Module]) -> Iterator[dict[str, list]]:
 
 @contextlib.contextmanager
 def _holding(modules: list[nn.Linear]) -> Iterator[list[Fixed]]:
-    """Each module's weight replaced by a :class:`Fixed` whose tensor the caller sets; removed in ``finally``."""
+    """Each module's weight replaced by a ``Fixed`` whose tensor the caller sets; removed in ``finally``."""
     held = []
     try:
         for m in modules:
@@ -202,10 +202,10 @@ def _clip(path: str, w: torch.Tensor, s: torch.Tensor | None, x: torch.Tensor, s
 
 def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
               checkpoint_dir=None, alone: bool = False) -> dict[str, AWQWeight]:
-    """AWQ of the linears ``sites`` (:func:`~outlierscope.quant.linears.sites.linear_sites` of ``spec``), calibrated layer
+    """AWQ of the linears ``sites`` (``linear_sites`` of ``spec``), calibrated layer
     after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it; ``alone``: each layer as if it alone were quantized, :func:`layerwise`). Returns full
-    module name -> :class:`AWQWeight`; the model is as it was."""
+    a rerun continues after it; ``alone``: each layer as if it alone were quantized, ``layerwise``). Returns full
+    module name -> ``AWQWeight``; the model is as it was."""
     if spec.awq is None:
         raise OutlierscopeError(f"{spec}: no awq in the spec; add awq (e.g. w=int4/per_group:128; awq)")
     part = spec.part("w")

@@ -1,8 +1,8 @@
 """What a linear spec's calibration reads and computes: SmoothQuant's and static activation scales (a calibration
 pass over text, or a SmoothQuant ``act_scales.pt``), GPTQ's and AWQ's layer-by-layer calibration
-(:mod:`~outlierscope.quant.weights.gptq_model`, :mod:`~outlierscope.quant.weights.awq_model`), the record of what
-it read, and every check of a spec against a model made before the first forward (:func:`check_linear_shapes`,
-:func:`check_calibration`)."""
+(``gptq_model``, ``awq_model``), the record of what
+it read, and every check of a spec against a model made before the first forward (``check_linear_shapes``,
+``check_calibration``)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from outlierscope.quant.specs.transforms import Rotate
 
 @torch.no_grad()
 def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None) -> Calibration:
-    """The calibration ``spec`` needs (:func:`needs_calibration`): per-channel max |x| of every quantized linear's
+    """The calibration ``spec`` needs (``needs_calibration``): per-channel max |x| of every quantized linear's
     input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
     endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
     SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward). GPTQ and AWQ
@@ -64,7 +64,7 @@ def _layerwise_calibration(model: nn.Module, tokenizer, spec: QuantSpec, sites: 
                            checkpoint_dir=None) -> Calibration:
     """GPTQ's rounded weights or AWQ's scales and clipping bounds of the quantized linears ``sites``, calibrated layer
     after layer on ``samples`` sequences of ``spec.calib`` (default: LAMBADA's last passages)
-    (:func:`~outlierscope.quant.weights.gptq_model.gptq_model`, :func:`~outlierscope.quant.weights.awq_model.awq_model`)."""
+    (``gptq_model``, ``awq_model``)."""
     from outlierscope.quant.weights.sequential import DEFAULT_CALIB, calibration_sequences
 
     ctx = _max_positions(model)
@@ -85,7 +85,7 @@ def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint
     """For a study that quantizes one layer at a time (``sensitivity``'s ``only_i`` cells): the GPTQ / AWQ calibration
     of ``spec`` restricted to each layer of ``layers`` (``layers:i``), all in one pass (each layer on the outputs of
     the float layers below it, as ``layers:i`` alone calibrates it), saved in ``checkpoint_dir`` where
-    :func:`calibrate` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
+    ``calibrate`` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
     without GPTQ or AWQ."""
     from outlierscope.quant.weights.sequential import calibration_sequences
 
@@ -129,14 +129,14 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
 
 
 def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
-    """:func:`calibration_record` of each spec that calibrates (label -> record), for a run's record."""
+    """``calibration_record`` of each spec that calibrates (label -> record), for a run's record."""
     ctx = _max_positions(model)
     recs = {QuantSpec.of(spec).label: calibration_record(spec, tokenizer, ctx) for spec in specs}
     return {k: v for k, v in recs.items() if v is not None}
 
 
 def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
-    """What :func:`~outlierscope.quant.apply.quantize_model` needs besides ``spec``: the calibration pass of a spec
+    """What ``quantize_model`` needs besides ``spec``: the calibration pass of a spec
     with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
     forward). Every process computes the same (it reads the same text)."""
     spec = QuantSpec.of(spec)
@@ -178,7 +178,7 @@ def check_linear_shapes(spec: QuantSpec, config) -> None:
     """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
     weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
     in_features, a rotation of each in_features, and the ``calib:`` source against those linears
-    (:func:`check_calibration`). A config transformers cannot build is left to the first forward."""
+    (``check_calibration``). A config transformers cannot build is left to the first forward."""
     from outlierscope.models.quiet import quiet_transformers
 
     try:

@@ -73,7 +73,7 @@ def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint"
                   block_size: int = 128, damp: float = 0.01, order: str = "none",
                   static_groups: bool = False) -> GPTQResult:
     """GPTQ of a weight ``w`` (O, I) with the Hessian ``h`` (I, I) of its inputs (module docstring); ``group``: input
-    columns per scale (None: one scale per output row); ``order``: :func:`column_order`'s. Neither input is
+    columns per scale (None: one scale per output row); ``order``: ``column_order``'s. Neither input is
     changed."""
     grid = FORMATS.get(fmt)
     if grid is None or not grid.integer or grid.bits is None:

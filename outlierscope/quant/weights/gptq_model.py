@@ -45,7 +45,7 @@ __all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_mode
 class RoundedWeight:
     """A linear's GPTQ weight: ``codes`` (O, I) int8 (zint: uint8, 0 .. 2^bits - 1), ``scale`` (O, groups) float32
     (float64 for a float64 model), ``g_idx`` (I,) each column's group, ``zero`` (O, groups) a zint grid's integer zero
-    points (else None); :meth:`weight` is (codes - zero) x their scale, bit for bit the weight GPTQ produced."""
+    points (else None); ``weight`` is (codes - zero) x their scale, bit for bit the weight GPTQ produced."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -116,10 +116,10 @@ def _gptq_layer(spec: QuantSpec):
 
 def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
                checkpoint_dir=None, alone: bool = False) -> dict[str, RoundedWeight]:
-    """GPTQ of the linears ``sites`` (:func:`~outlierscope.quant.linears.sites.linear_sites` of ``spec``), calibrated layer
+    """GPTQ of the linears ``sites`` (``linear_sites`` of ``spec``), calibrated layer
     after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it; ``alone``: each layer as if it alone were quantized, :func:`layerwise`). Returns full
-    module name -> :class:`RoundedWeight`; the model is as it was."""
+    a rerun continues after it; ``alone``: each layer as if it alone were quantized, ``layerwise``). Returns full
+    module name -> ``RoundedWeight``; the model is as it was."""
     if spec.gptq is None:
         raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
     return layerwise(model, seqs, spec, sites, "gptq", _gptq_layer(spec),

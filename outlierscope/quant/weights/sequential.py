@@ -1,5 +1,5 @@
-"""The machinery of layer-by-layer calibration shared by GPTQ and AWQ (:mod:`~outlierscope.quant.weights.gptq_model`,
-:mod:`~outlierscope.quant.weights.awq_model`): the calibration sequences, decoder layer 0's inputs (the forward stopped there),
+"""The machinery of layer-by-layer calibration shared by GPTQ and AWQ (``gptq_model``,
+``awq_model``): the calibration sequences, decoder layer 0's inputs (the forward stopped there),
 one layer run on every sequence, the next layer's inputs, the groups of linears reading one input tensor, and a
 rounded weight held in place by a parametrization while the pass goes on.
 """
@@ -36,7 +36,7 @@ class _Stop(Exception):
 
 def calibration_sequences(tokenizer, source: str | None, cfg, ctx: int | None) -> torch.Tensor:
     """``cfg.samples`` sequences of ``cfg.seqlen`` tokens (at most the model's ``ctx``) of ``source`` (default
-    :data:`DEFAULT_CALIB`), packed with EOS between documents: (N, T) int64. A text too short for one sequence is an
+    ``DEFAULT_CALIB``), packed with EOS between documents: (N, T) int64. A text too short for one sequence is an
     error naming it; one that gives fewer than ``cfg.samples`` sequences a warning (the calibration reads those)."""
     import warnings
 
@@ -137,7 +137,7 @@ def linear_calls(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[t
 
 
 def subsets_of(calls: list[tuple[str, int]]) -> list[list[str]]:
-    """:func:`linear_calls`' linears in call order, those reading one input tensor together (q/k/v, gate/up); a linear
+    """``linear_calls``' linears in call order, those reading one input tensor together (q/k/v, gate/up); a linear
     called again is placed by its first call."""
     out: list[list[str]] = []
     placed: set[str] = set()
