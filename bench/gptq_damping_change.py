@@ -36,9 +36,9 @@ def differ(a: dict, b: dict) -> tuple[int, int]:
 def main() -> None:
     from outlierscope.io import git_commit, machine
     from outlierscope.models.loading import load_model
-    from outlierscope.quant import gptq as G
     from outlierscope.quant.linears.sites import linear_sites
     from outlierscope.quant.specs.spec import QuantSpec
+    from outlierscope.quant.weights import gptq as G
     from outlierscope.quant.weights.sequential import calibration_sequences
 
     model, specs = sys.argv[1], sys.argv[2:]

@@ -79,8 +79,8 @@ def test_each_layer_alone_in_one_pass_equals_its_own_calibration(tmp_path, monke
     the float64 sequential calibration of that layer alone written here; each layer is saved where the calibration of
     ``layers:i`` finds it, which then runs no forward and rounds nothing (seen failing with the next inputs taken
     through the rounded layer)."""
-    from outlierscope.quant import sequential
     from outlierscope.quant.weights import gptq_model as gm
+    from outlierscope.quant.weights import sequential
 
     model = _llama()
     seqs = torch.randint(1, 300, (4, 24), generator=torch.Generator().manual_seed(3))

@@ -34,3 +34,16 @@ def test_the_root_holds_what_a_notebook_needs():
         assert name in outlierscope.__all__ and getattr(outlierscope, name) is not None
     with pytest.raises(AttributeError, match="did you mean load_model"):
         outlierscope.load_modle  # noqa: B018
+
+
+def test_nothing_in_the_repository_imports_an_old_path():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    old = "|".join(p for p in OLD_PATHS if not p.startswith("_"))
+    pattern = re.compile(rf"from outlierscope\.quant import ({old})\b|outlierscope\.quant\.({old})\b(?!\.)")
+    users = [f"{p.relative_to(root)}:{n}" for folder in ("outlierscope", "tests", "bench", "references", "notebooks")
+             for p in (root / folder).rglob("*.py") for n, line in enumerate(p.read_text().splitlines(), 1)
+             if pattern.search(line) and p.name != "test_moved.py"]
+    assert not users, users
