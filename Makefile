@@ -13,7 +13,7 @@ RUN = OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc-per-node $(NPROC) -
 REAL_MODEL ?= smollm2-135m
 REAL_ARGS ?= --seq-len 512 --tokens 10000 --limit 50
 
-.PHONY: install data reproduce test lint docs bench notebooks lmeval-venv lmeval-compare llmc-venv gptq-venv clean
+.PHONY: install data reproduce test lint docs docs-check bench notebooks lmeval-venv lmeval-compare llmc-venv gptq-venv clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,11 @@ lint: install
 # --strict: a broken link, a missing page or include, an unrenderable docstring is an error
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# the built site read in a real browser: headless Chromium (Debian's: apt-get install chromium) over every page
+# reachable from the navigation, on localhost (tools/check_site.py)
+docs-check: docs
+	$(BIN)/python tools/check_site.py
 
 # the real model too: tests/models/test_smollm2_checkpoint.py compares a W8A8 checkpoint of it with the emulation
 test: install data lint docs

@@ -8,6 +8,19 @@ GUIDE = ROOT / "docs" / "guide"
 
 
 def manual() -> str:
-    """README.md, then each guide page (sorted by name), joined by blank lines."""
+    """README.md, then each guide page (sorted by name), joined by blank lines; in code blocks, a command continued
+    with ``\\`` is one line and a line that is only a comment is left out (the pages wrap commands to their width)."""
     pages = [ROOT / "README.md", *sorted(GUIDE.glob("*.md"))]
-    return "\n\n".join(p.read_text() for p in pages)
+    return "\n\n".join(commands_joined(p.read_text()) for p in pages)
+
+
+def commands_joined(text: str) -> str:
+    """``text`` with its code blocks' continued lines joined and their comment-only lines left out."""
+    out, fence = [], False
+    for line in text.replace("\\\n", " ").split("\n"):
+        if line.strip().startswith("```"):
+            fence = not fence
+        elif fence and line.lstrip().startswith("#"):
+            continue
+        out.append(line)
+    return "\n".join(out)

@@ -88,7 +88,7 @@ def _tour_and_openings() -> list[str]:
             if "```" in head:
                 block = head.split("```")[1].split("\n", 1)  # (language tag or "", the lines)
                 lines += block[1].replace("\\\n", " ").strip().splitlines()  # continued lines joined
-    return lines
+    return [line for line in lines if not line.lstrip().startswith("#")]  # a comment line is no command
 
 
 def test_tour_and_opening_commands_parse():

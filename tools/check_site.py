@@ -82,15 +82,15 @@ def check_search(browser, root: str, problems: list[str]) -> None:
     for words, want in SEARCHES.items():
         page = browser.new_page(viewport={"width": WIDTH, "height": HEIGHT})
         page.goto(root, wait_until="networkidle")
-        for _ in range(5):  # a query typed before the search index loads gets no results: typed again
-            page.fill("input.md-search__input", "")
-            page.fill("input.md-search__input", words)
+        page.click("input.md-search__input")  # opens the search; typing then runs it, keystroke by keystroke
+        for _ in range(3):
+            page.keyboard.type(words, delay=30)
             try:
                 page.wait_for_function("() => /matching/.test(document.querySelector('.md-search-result__meta')"
-                                       "?.textContent || '')", timeout=3000)
+                                       "?.textContent || '')", timeout=10000)
                 break
-            except PlaywrightTimeout:
-                continue
+            except PlaywrightTimeout:  # the index was still loading: typed again
+                page.fill("input.md-search__input", "")
         first = page.eval_on_selector(".md-search-result__item a", "a => a.href") \
             if page.query_selector(".md-search-result__item a") else ""
         got = urlparse(urldefrag(first)[0]).path.lstrip("/")

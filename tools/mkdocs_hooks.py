@@ -10,7 +10,7 @@ import re
 MARKER = re.compile(r"^\{\{ (settings|recipes)(?: ([\w.]+))? \}\}$", re.M)
 STUDIES = ("activations/", "checkpoints/", "linear/", "perplexity/", "recipes/", "reproduction/", "sensitivity/",
            "smollm2/", "suite/", "weights/")  # generated run directories (not in the navigation)
-BOOST = {"guide/": 5, "index.md": 5, "develop/": 1.5}  # search weight by page: a task's guide page before the API
+BOOST = {"guide/": 5, "index.md": 5, "develop/": 1.5, "api/": 0.5}  # search weight by page: a task's guide page first
 
 
 def _cell(value) -> str:

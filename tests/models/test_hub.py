@@ -298,3 +298,50 @@ def source_gguf(tmp_path, monkeypatch):
     cfg = PairConfig(name="gguf-readme", vocab_size=len(tok), n_layers=2, hidden_size=32, n_heads=4, seq_len=512)
     model = cfg.build("transformer", seed=0).eval()
     return write_gguf(tmp_path / "model.Q4_K_M.gguf", model, tok, {"attn_v": gguf.GGMLQuantizationType.Q8_0})
+
+
+def _quick_start():
+    """The home page's quick start: its command lines (argv) and its notebook snippet."""
+    import shlex
+
+    from tests.manual import commands_joined
+
+    text = commands_joined((Path(__file__).resolve().parents[2] / "docs" / "index.md").read_text())
+    section = text.split("## Quick start on your own model", 1)[1].split("\n## ", 1)[0]
+    blocks = section.split("```")[1::2]
+    commands = [shlex.split(line.split("#", 1)[0]) for b in blocks for line in b.splitlines()
+                if line.startswith("outlierscope ")]
+    snippet = next(b.removeprefix("python\n") for b in blocks if b.startswith("python"))
+    return [c[1:] for c in commands], snippet
+
+
+def test_the_quick_start_runs(dirs, tmp_path, monkeypatch, hellaswag_cached):
+    """The home page's three steps as written, on a tiny model served under its Hub name (sizes made small: tokens,
+    items, bits): the profile and the sweep exit 0, and the notebook snippet draws Figure 8 from the sweep's directory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    d, _ = dirs
+    commands, snippet = _quick_start()
+    assert [c[0] for c in commands] == ["profile", "sweep"]
+    model = commands[0][commands[0].index("--model") + 1]
+    server = HubServer({model: Repo.from_dir(d["whole"], {"main": SHA_MAIN})}).start()
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.chdir(tmp_path)  # runs/... as written, under the test's directory
+    try:
+        set_hub(monkeypatch, server.url, tmp_path / "hf-cache", offline=False)
+        for argv in commands:
+            small = ["--tokens", "256", "--seq-len", "32"] if argv[0] == "profile" else ["--sample", "3"]
+            if "--bits" in argv:
+                i = argv.index("--bits")
+                argv[i + 1: i + 5] = ["16", "4"]
+            if "--sample" in argv:
+                i = argv.index("--sample")
+                del argv[i: i + 2]
+            assert main([*argv, *small]) == 0, argv
+        ns: dict = {}
+        exec(snippet, ns)  # noqa: S102 - the page's own snippet, as a reader runs it
+        fig = ns["plots"].figure8(ns["run"]["sweep"])
+        assert isinstance(fig, matplotlib.figure.Figure) and fig.axes
+    finally:
+        server.stop()

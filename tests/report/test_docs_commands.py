@@ -21,7 +21,7 @@ def _commands(folder: str, letter: str) -> list[list[str]]:
 
     after = manual().split(f"The committed results under `docs/{folder}/` were made by these commands", 1)[1]
     q = re.search(rf"\(`{letter}` = `(.*?)`;", after, re.S).group(1).replace("\n", " ")
-    block = after.split("```")[1]
+    block = after.split("```")[1].split("\n", 1)[1]  # after the fence's language and attributes
     return [shlex.split(line.replace(f" {letter} ", f" {q} ").split("#")[0]) for line in block.strip().splitlines()]
 
 
