@@ -71,6 +71,7 @@ def check_anchors(links: dict[str, list[str]], anchors: dict[str, set], root: st
     for src, targets in links.items():
         for t in targets:
             base, frag = urldefrag(t)
+            base = base.removesuffix("index.html")  # a directory and its index.html are one page
             if frag and base in anchors and frag not in anchors[base]:
                 problems.append(f"{src.removeprefix(root) or 'index'}: broken anchor {t.removeprefix(root)}")
 
