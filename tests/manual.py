@@ -1,5 +1,6 @@
-"""The manual's text, for the tests that run or check what it says: the README and every page of the documentation
-site's guide (docs/guide/), in that order. A test finds its block by the words around it, wherever the block lives."""
+"""The manual's text, for the tests that run or check what it says: the README, every page of the documentation
+site's guide (docs/guide/) and each study's records page (docs/*/README.md), in that order. A test finds its block
+by the words around it, wherever the block lives."""
 
 from pathlib import Path
 
@@ -8,9 +9,9 @@ GUIDE = ROOT / "docs" / "guide"
 
 
 def manual() -> str:
-    """README.md, then each guide page (sorted by name), joined by blank lines; in code blocks, a command continued
-    with ``\\`` is one line and a line that is only a comment is left out (the pages wrap commands to their width)."""
-    pages = [ROOT / "README.md", *sorted(GUIDE.glob("*.md"))]
+    """README.md, each guide page, then each study page (each sorted by name), joined by blank lines; in code blocks,
+    a command continued with ``\\`` is one line and a comment-only line is left out (the pages wrap their commands)."""
+    pages = [ROOT / "README.md", *sorted(GUIDE.glob("*.md")), *sorted((ROOT / "docs").glob("*/README.md"))]
     return "\n\n".join(commands_joined(p.read_text()) for p in pages)
 
 

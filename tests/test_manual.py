@@ -114,3 +114,4 @@ def test_tour_and_opening_commands_parse():
             build_parser().parse_args(argv[1:])
         except SystemExit:
             pytest.fail(f"the CLI refuses: {line}")
+
