@@ -237,7 +237,9 @@ def test_a_spec_with_two_linears_survives_lmeval_model_args():
 
 def test_make_spec_from_strings():
     s = make_spec("6", "int", "per_head", "0+2-3")
-    assert s.bits == 6 and s.granularity == "per_head" and s.layers == (0, 2, 3)
+    part = s.part("logits")
+    assert (part.bits, part.granularity, s.layers) == (6, "per_head", (0, 2, 3))
+    assert str(s) == "logits=int6/per_head; layers:0,2,3"
     assert make_spec(16).is_identity
 
 
