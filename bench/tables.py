@@ -24,7 +24,6 @@ TOP_README = HERE.parent / "README.md"  # the project's README: one summary tabl
 PAGES = (README, REFERENCES, COST_PAGE, TOP_README)  # every file that holds generated tables
 
 
-
 def _lmeval_rows(choices: str) -> list:
     """The rows every bench/eval_vs_lmeval.py table shares: agreement with lm-eval and batch sizes."""
     return [

@@ -117,11 +117,9 @@ def test_quant_subpackages_import_downward(path):
             f"quant/{rel}:{line} imports {module} (rank {QUANT_RANK[other]}) from quant/{own} (rank {QUANT_RANK[own]})")
 
 
-
-
 def test_the_code_speaks_of_the_present():
     """No issue numbers in the package (its history is git's), no module docstring longer than a summary (manuals are
-    docs pages: docs/develop/internals.md), no test named after a review round."""
+    docs pages: docs/develop/internals.md), no test named after a review round, no hole of blank lines where code was."""
     import re
 
     refs = [f"{p.relative_to(PKG)}:{n}" for p in MODULES for n, line in enumerate(p.read_text().splitlines(), 1)
@@ -134,3 +132,6 @@ def test_the_code_speaks_of_the_present():
     named = [str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
              if "review" in p.name or re.search(r"def test_\w*review", p.read_text())]
     assert not named, named
+    holes = [f"{p.relative_to(PKG.parent)}:{m.start()}" for p in [*MODULES, *tests.rglob("*.py")]
+             if (m := re.search(r"\n(?:[ \t]*\n){3,}", p.read_text()))]
+    assert not holes, f"more than two blank lines in a row: {holes}"

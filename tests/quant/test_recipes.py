@@ -413,8 +413,6 @@ def test_blocked_attention_gives_the_same_result():
     torch.testing.assert_close(blocked[mask.bool()], one[mask.bool()], rtol=1e-9, atol=1e-9)
 
 
-
-
 @pytest.mark.parametrize("fmt,bits", [("int", 4), ("asym", 3), ("e4m3", None)])
 @pytest.mark.parametrize("gran,size", [("per_block", 3), ("per_channel", 4), ("per_channel", None), ("per_group", 4),
                                        ("per_token", None), ("per_head", None)])

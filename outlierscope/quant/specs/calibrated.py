@@ -132,8 +132,6 @@ class GPTQConfig(WeightAlgorithm):
         return cls(**kw)
 
 
-
-
 @register_transform
 @dataclass(frozen=True)
 class AWQConfig(WeightAlgorithm):
