@@ -85,3 +85,12 @@ def tiny_pair(tmp_path_factory):
         tok.save_pretrained(d)
         dirs[role] = d
     return dirs
+
+
+@pytest.fixture()
+def bad_texts(tmp_path):
+    """Three texts a run must refuse in one line: Latin-1 bytes, a directory named .txt, a file that is no parquet."""
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
+    (tmp_path / "dir.txt").mkdir()
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
+    return tmp_path

@@ -101,14 +101,6 @@ def test_a_malformed_dataset_name_fails_before_any_request(source, msg):
         load_text(source)
 
 
-@pytest.fixture()
-def bad_texts(tmp_path):
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    (tmp_path / "dir.txt").mkdir()
-    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
-    return tmp_path
-
-
 @pytest.mark.parametrize("name, says", [("latin1.txt", "is not UTF-8 text"), ("dir.txt", "a directory, not a file"),
                                         ("broken.parquet", "cannot be read as parquet")])
 def test_unreadable_running_text_is_one_line(bad_texts, name, says):

@@ -479,14 +479,6 @@ def test_a_directory_where_a_cell_file_goes_is_one_line_before_any_work(tmp_path
     assert not list((tmp_path / "p" / "cells").glob("*.part-*")) and not (tmp_path / "p" / "perplexity.json").exists()
 
 
-@pytest.fixture()
-def bad_texts(tmp_path):
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    (tmp_path / "dir.txt").mkdir()
-    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
-    return tmp_path
-
-
 @pytest.mark.parametrize("name", ["latin1.txt", "broken.parquet"])
 def test_perplexity_with_an_unreadable_text_exits_before_loading(bad_texts, name, capsys, tmp_path):
     rc = main(["perplexity", "--model", "pair-tiny:diff", "--text", str(bad_texts / name), "--out", str(tmp_path / "o")])

@@ -696,14 +696,6 @@ def test_a_directory_where_a_cell_file_goes_is_one_line_before_the_cell(tiny_pai
     assert sorted(p.name for p in (out / "cells").iterdir()) == [f"{cid}.csv"]
 
 
-@pytest.fixture()
-def bad_texts(tmp_path):
-    (tmp_path / "latin1.txt").write_bytes("caf\xe9 au lait\n".encode("latin-1"))
-    (tmp_path / "dir.txt").mkdir()
-    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really parquet")
-    return tmp_path
-
-
 def test_sweep_kld_text_is_read_before_any_item_cell(bad_texts, capsys, tmp_path):
     out = tmp_path / "sweep"
     rc = main(["sweep", "--model", "pair-tiny:diff", "--bits", "16", "8", "--limit", "4", "--kld-text",
