@@ -110,3 +110,18 @@ def test_every_command_parses(page):
             build_parser().parse_args(shlex.split(line)[1:])
         except SystemExit:
             pytest.fail(f"{page.name}: the CLI refuses: {line}")
+
+
+def test_home_tables_are_rows_of_their_records():
+    """Each table on the home page sits under a ``<!-- rows from: PATH -->`` comment and is rows of that committed
+    file, verbatim (no number typed by hand)."""
+    source, tables = None, 0
+    for line in (ROOT / "docs" / "index.md").read_text().splitlines():
+        if m := re.match(r"<!-- rows from: (\S+) -->", line):
+            source, tables = (ROOT / m.group(1)).read_text().splitlines(), tables + 1
+        elif line.startswith("|"):
+            assert source is not None, f"a home table row with no record named above it: {line}"
+            assert line in source, f"not a row of its record: {line}"
+        elif line.strip():
+            source = None
+    assert tables == 2
