@@ -19,8 +19,15 @@ KIND_MARKERS = {"first": "o", "delimiter": "s", "other": "^"}
 
 
 def channel_heatmap(channels: pd.DataFrame, point: str, stat: str = "absmax") -> plt.Figure | None:
-    """Layer x channel heatmap of ``stat`` (log colour scale), one panel per model: which channels carry the
-    outliers of ``point`` in which layers (KIVI quantizes keys per channel for this picture)."""
+    """Layer x channel heatmap of `stat` (log colour scale), one panel per model: which channels carry the outliers.
+
+    Args:
+        channels: a profile's `channels` table.
+        point: the point kind drawn, e.g. `attn.k`.
+        stat: the column drawn.
+
+    Returns:
+        The figure; None when the profile has no row of `point`."""
     d = channels[channels["point"] == point]
     if d.empty:
         return None
@@ -43,7 +50,11 @@ def channel_heatmap(channels: pd.DataFrame, point: str, stat: str = "absmax") ->
 
 
 def sink_heatmap(sinks: pd.DataFrame, stat: str = "mass_first") -> plt.Figure:
-    """Layer x head heatmap of the mean attention mass on key position 0, one panel per model and point."""
+    """Layer x head heatmap of the mean attention mass on key position 0, one panel per model and point.
+
+    Args:
+        sinks: a profile's `sinks` table.
+        stat: the column drawn."""
     panels = [(f"{_short(m)}: {p}", g.pivot(index="layer", columns="head", values=stat))
               for (m, p), g in sinks.groupby(["model", "point"], sort=False)]
     fig, axes = plt.subplots(1, len(panels), figsize=(2.4 + 2.6 * len(panels), 3.6), layout="constrained", squeeze=False)
@@ -60,8 +71,13 @@ def sink_heatmap(sinks: pd.DataFrame, stat: str = "mass_first") -> plt.Figure:
 
 
 def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
-    """Where massive activations sit: (layer, channel) per point, marker by position kind (first token, delimiter,
-    other), size by the share of sequences that have one there."""
+    """Where massive activations sit: (layer, channel) per point, sized by the share of sequences that have one.
+
+    Args:
+        recurrence: a profile's `massive_recurrence` table.
+
+    Returns:
+        The figure (markers by position kind: first token, delimiter, other); None without rows."""
     if recurrence.empty:
         return None
     points = list(dict.fromkeys(recurrence["point"]))
@@ -83,8 +99,13 @@ def massive_locations(recurrence: pd.DataFrame) -> plt.Figure | None:
 
 
 def recipe_damage(sweep: pd.DataFrame) -> plt.Figure | None:
-    """Per attention recipe (``sweep --quant``): the change of the headline metric vs 16 bits with its 95% interval,
-    one panel per task, models side by side. None without recipe rows."""
+    """Per attention recipe, the change of the headline metric against 16 bits with its 95% interval.
+
+    Args:
+        sweep: a sweep's table with `--quant` rows.
+
+    Returns:
+        One panel per task, models side by side; None without recipe rows."""
     d = sweep[recipe_rows(sweep)]
     if d.empty:
         return None
@@ -130,9 +151,13 @@ def _interval_bars(ax, rows: pd.DataFrame, value: str, colors: dict, scale: floa
 
 
 def gold_ll_changes(gold: pd.DataFrame) -> plt.Figure | None:
-    """A sweep's ``gold_ll.csv``: per quantized setting the mean change of the gold choice's log-likelihood (nats)
-    with its 95% paired interval, one panel per task, models side by side (where accuracy sits at chance, this
-    still moves). None without rows."""
+    """Per quantized cell, the mean change of the gold choice's log-likelihood with its 95% paired interval.
+
+    Args:
+        gold: a sweep's `gold_ll` table.
+
+    Returns:
+        One panel per task, models side by side (it moves where accuracy sits at chance); None without rows."""
     if gold.empty:
         return None
     ends = gold[["ci_low", "ci_high", "delta_gold_ll"]].abs().to_numpy()
@@ -150,10 +175,14 @@ SYMLOG_NATS = 0.01  # gold_ll's linear range around 0 on a symlog axis (nats)
 
 
 def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
-    """Figure 8 with a line per attention recipe: the headline metric against bits, one panel per task and model.
-    The paper's logits axis is the black line through its bit widths; each recipe (``sweep --quant``) is a line from
-    the unquantized point at 16 bits to its own point at the fewest bits any of its tensors use. None without recipe
-    rows."""
+    """Figure 8 with a line per attention recipe: the headline metric against bits, per task and model.
+
+    Args:
+        sweep: a sweep's table with `--quant` rows.
+
+    Returns:
+        The paper's logits axis as the black line, each recipe a line from 16 bits to the fewest bits any of its
+        tensors use; None without recipe rows."""
     from outlierscope.data.tasks import task_label
 
     recipes = recipe_rows(sweep)
@@ -191,8 +220,14 @@ def recipe_lines(sweep: pd.DataFrame) -> plt.Figure | None:
 
 
 def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> plt.Figure | None:
-    """Recipe x layer heatmap of the attention error pooled over heads (``
-    attention_error_layers``; log colour scale), one panel per model and task."""
+    """Recipe x layer heatmap of the attention error pooled over heads (log colour scale), per model and task.
+
+    Args:
+        attn_error: a sweep's `attn_error` table.
+        value: the column drawn, e.g. `kl_mean`.
+
+    Returns:
+        The figure; None without rows."""
     from outlierscope.data.tasks import task_label
     from outlierscope.report.tables import attention_error_layers as pooled
 
@@ -221,9 +256,14 @@ def attention_error_layers(attn_error: pd.DataFrame, value: str = "kl_mean") -> 
 
 
 def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean") -> plt.Figure | None:
-    """Per linear scheme (``sweep --quant w8a8 --attn-error``): a linear x layer heatmap of each quantized linear's
-    relative output error ``||x W^T - x~ W~^T|| / ||x W^T||`` (mean over real tokens; log colour scale), one panel per
-    model, task and scheme: where a scheme breaks."""
+    """Linear x layer heatmap of each quantized linear's relative output error, per model, task and scheme.
+
+    Args:
+        linear_error: a sweep's `linear_error` table (`--attn-error` with a linear scheme).
+        value: the column drawn: `rel_err_mean` is ||x W^T - x~ W~^T|| / ||x W^T|| over real tokens.
+
+    Returns:
+        The figure (log colour scale); None without rows."""
     from outlierscope.data.tasks import task_label
 
     vals = linear_error[value].to_numpy()
@@ -249,10 +289,14 @@ def linear_error_heatmap(linear_error: pd.DataFrame, value: str = "rel_err_mean"
 
 
 def linear_error_vs_outliers(joined: pd.DataFrame, schemes: list[str] | None = None) -> plt.Figure | None:
-    """``linear_error_vs_outliers``: each quantized linear's mean relative output
-    error against its input's largest |x| over the median |x| (the profile's), one point per layer and linear, a
-    colour per linear kind, a panel per model and scheme (``schemes``: those, in order; default all): whether the
-    linears whose inputs hold outliers are the ones a scheme breaks."""
+    """Each quantized linear's relative output error against its input's top-1 / median |x|.
+
+    Args:
+        joined: `report.tables.linear_error_vs_outliers`'s table (a sweep's linear errors beside a profile's ratios).
+        schemes: the schemes to draw, in order; all by default.
+
+    Returns:
+        A panel per model and scheme, a colour per linear kind; None without rows."""
     d = joined if schemes is None else joined[joined["label"].isin(schemes)]
     if d.empty:
         return None

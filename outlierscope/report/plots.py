@@ -81,8 +81,14 @@ def logit_rows(sweep: pd.DataFrame) -> pd.DataFrame:
 
 
 def figure8(sweep: pd.DataFrame, metric: str = "acc_norm") -> plt.Figure | None:
-    """Zero-shot accuracy against the bit width of the attention logits (the paper's Figure 8): one panel per task
-    that reports ``metric``, each with its chance level. None when no task reports ``metric``."""
+    """Zero-shot accuracy against the bit width of the attention logits: the paper's Figure 8.
+
+    Args:
+        sweep: a sweep's table (`run["sweep"]`, or `SweepResult.table`).
+        metric: the accuracy to draw (`acc_norm` or `acc`).
+
+    Returns:
+        One panel per task that reports `metric`, each with its chance level; None when no task reports it."""
     from outlierscope.data.tasks import task_label
 
     sweep = logit_rows(sweep)
@@ -138,7 +144,10 @@ def main_points(df: pd.DataFrame, column: str = "point") -> pd.DataFrame:
 
 
 def table5_bars(table5: pd.DataFrame) -> plt.Figure:
-    """Table 5 as grouped bars on a log scale: k-th largest |x| and median, per model and activation type."""
+    """Table 5 as grouped bars on a log scale: the k-th largest |x| and the median, per model and activation type.
+
+    Args:
+        table5: a profile's Table 5 (`run["table5"]`, or `ProfileResult.table5`)."""
     table5 = main_points(table5)
     long = table5.melt(id_vars=["model", "activation"], value_vars=[c for c, _ in STAT_COLUMNS], var_name="stat",
                        value_name="value")
@@ -160,7 +169,10 @@ def table5_bars(table5: pd.DataFrame) -> plt.Figure:
 
 
 def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
-    """Top-1, top-3 and median |x| per layer for each model (as in Sun et al. 2024)."""
+    """Top-1, top-3 and median |x| per layer for each model, as in Sun et al. 2024.
+
+    Args:
+        per_layer: a profile's `per_layer` table."""
     per_layer = main_points(per_layer)
     kinds, fig, axes, colors = _kind_panels(per_layer, "point")
     styles = {"top1": ("-", "o"), "top3": ("--", "s"), "median": (":", "^")}
@@ -182,7 +194,11 @@ def per_layer_lines(per_layer: pd.DataFrame) -> plt.Figure:
 
 
 def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
-    """Layer x head heatmap of max |logit|; a Diff model shows map 1 and map 2 side by side."""
+    """Layer x head heatmap of the largest |logit|; a Diff model shows map 1 and map 2 side by side.
+
+    Args:
+        per_head: a profile's `per_head` table.
+        stat: the column drawn."""
     panels = []
     for model, g in per_head.groupby("model", sort=False):
         if g["map"].fillna("").astype(str).str.startswith("map").any():
@@ -205,7 +221,10 @@ def head_heatmap(per_head: pd.DataFrame, stat: str = "max") -> plt.Figure:
 
 
 def histograms(hist: pd.DataFrame) -> plt.Figure:
-    """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid."""
+    """Log-log density of |x| (all layers and heads pooled) for logits and hidden states, models overlaid.
+
+    Args:
+        hist: a profile's `histograms` table."""
     hist = main_points(hist)
     kinds, fig, axes, colors = _kind_panels(hist, "point")
     for ax, kind in zip(axes[0], kinds):
@@ -233,7 +252,10 @@ def histograms(hist: pd.DataFrame) -> plt.Figure:
 
 
 def lambda_per_layer(lam: pd.DataFrame) -> plt.Figure:
-    """Learned lambda and lambda_init per layer of the Diff models."""
+    """Learned lambda and lambda_init per layer of the Diff models.
+
+    Args:
+        lam: a profile's `lambda` table."""
     fig, ax = plt.subplots(figsize=(5.6, 3.6), layout="constrained")
     colors = _colors(lam["model"])
     for model, g in lam.groupby("model", sort=False):
@@ -250,8 +272,10 @@ def lambda_per_layer(lam: pd.DataFrame) -> plt.Figure:
 
 
 def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
-    """Flip rate of the headline metric's choices and mean |score change| vs 16 bits (and LM loss when present),
-    per model: one row of panels per task."""
+    """Flip rate and mean |score change| against 16 bits (and the LM loss when present), per model and task.
+
+    Args:
+        sweep: a sweep's table (`run["sweep"]`)."""
     from outlierscope.data.tasks import task_label
 
     tasks = by_task(logit_rows(sweep))
@@ -290,9 +314,14 @@ def quantization_damage(sweep: pd.DataFrame) -> plt.Figure:
 
 def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention logits", what: str = "|logit|",
                      column: str = "delta_gold_ll", label: str = "Δ mean gold log-likelihood (nats)") -> plt.Figure:
-    """Per layer: the damage of quantizing only that layer (its ``column``: by default the mean change of the gold
-    log-likelihood; ``label``: it in words), and beside it the layer's top-1 / median ``what`` (its outlier
-    statistic); ``quantized`` says what each layer gets (the title)."""
+    """Per layer, the damage of quantizing only that layer, beside the layer's outlier statistic.
+
+    Args:
+        table: a sensitivity study's `sensitivity.csv`.
+        quantized: what each layer gets, in words (the title).
+        what: the quantity whose top-1 / median is the outlier statistic.
+        column: the damage column.
+        label: the damage in words (the axis)."""
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6), layout="constrained")
     c = sns.color_palette(PALETTE, 3)
     a.bar(table["layer"], table[f"only_{column}"], color=c[0], label="only this layer quantized")
@@ -314,8 +343,15 @@ def sensitivity_bars(table: pd.DataFrame, quantized: str = "quantized attention 
 
 def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|", harm_sign: int = -1,
                        column: str = "delta_gold_ll", label: str = "Δ mean gold log-likelihood (nats)") -> plt.Figure:
-    """Scatter across layers: harm (``harm_sign`` x the layer-alone ``column``, ``label`` in words) of quantizing the
-    layer alone against its top-1 / median ``what``."""
+    """Scatter across layers: the harm of quantizing a layer alone against its top-1 / median `what`.
+
+    Args:
+        table: a sensitivity study's `sensitivity.csv`.
+        rho: the Spearman correlation to print in the title.
+        what: the quantity whose top-1 / median is the outlier statistic.
+        harm_sign: -1 where a negative `column` is harm (a log-likelihood change), 1 where a positive one is (a KLD).
+        column: the layer-alone damage column.
+        label: the damage in words (the axis)."""
     fig, ax = plt.subplots(figsize=(5.2, 4), layout="constrained")
     harm = harm_sign * table[f"only_{column}"]
     ax.scatter(table["outlier_ratio"], harm, color=sns.color_palette(PALETTE, 1)[0])
@@ -329,8 +365,11 @@ def damage_vs_outliers(table: pd.DataFrame, rho: float, what: str = "|logit|", h
 
 
 def attention_error_heads(heads: pd.DataFrame, value: str = "kl_mean") -> plt.Figure:
-    """Heatmap over layers (rows) and heads (columns) of one attention-error column of ``attn_error.csv``
-    (``table``), e.g. the mean KL per row."""
+    """Heatmap over layers (rows) and heads (columns) of one column of `attn_error.csv`.
+
+    Args:
+        heads: one cell's rows of an `attn_error.csv` (one row per layer and head).
+        value: the column drawn, e.g. `kl_mean`."""
     grid = heads.pivot(index="layer", columns="head", values=value)  # (layers, heads)
     fig, ax = plt.subplots(figsize=(min(2 + 0.35 * grid.shape[1], 14), min(1.5 + 0.3 * grid.shape[0], 12)),
                            layout="constrained")
