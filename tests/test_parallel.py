@@ -401,8 +401,12 @@ def test_make_reproduce_checks_nproc_first(nproc):
 
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    r = subprocess.run(["make", "reproduce", f"NPROC={nproc}"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    # as a user runs it: not inside another make (`make test` sets MAKELEVEL, which adds directory lines)
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKELEVEL", "MAKEFLAGS", "MFLAGS", "MAKEOVERRIDES")}
+    r = subprocess.run(["make", "reproduce", f"NPROC={nproc}"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                       env=env)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and f"NPROC must be a whole number of processes >= 1, got '{nproc}'" in r.stderr
-    dry = subprocess.run(["make", "-n", "reproduce", "NPROC=3"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    dry = subprocess.run(["make", "-n", "reproduce", "NPROC=3"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env=env)
     assert dry.returncode == 0 and "--nproc-per-node 3 -m outlierscope reproduce" in dry.stdout
