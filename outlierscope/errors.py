@@ -15,7 +15,12 @@ class ParamError(OutlierscopeError, ValueError):
     """A bad value of one Python parameter: ``f"{param} must be {expected}, got {got!r}"``.
 
     Library code names the parameter; the CLI re-renders the message with its flag (``renamed``).
-    """
+
+    Args:
+        param: the parameter's name.
+        expected: what it must be.
+        got: the value received.
+        hint: the fix, where the message alone does not say it."""
 
     def __init__(self, param: str, expected: str, got, hint: str = ""):
         self.param, self.expected, self.got, self.hint = param, expected, got, hint

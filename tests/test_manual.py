@@ -77,6 +77,50 @@ def test_every_public_name_has_a_docstring():
     assert not empty, f"public names without a docstring: {empty}"
 
 
+def _documented_names(obj) -> list[str] | None:
+    """The names an API entry's docstring must list, in order: a function's parameters, a dataclass's fields, a
+    class's own ``__init__`` parameters; None where there are none."""
+    import dataclasses
+    import inspect
+
+    if inspect.isclass(obj):
+        if dataclasses.is_dataclass(obj):
+            names = [f.name for f in dataclasses.fields(obj) if f.init and not f.name.startswith("_")]
+        elif "__init__" in vars(obj):
+            names = list(inspect.signature(obj.__init__).parameters)[1:]
+        else:
+            return None
+    elif inspect.isfunction(obj) or callable(obj) and hasattr(obj, "__wrapped__"):
+        names = [p for p in inspect.signature(obj).parameters if p not in ("self", "cls")]
+    else:
+        return None
+    return names or None
+
+
+def test_every_api_entry_documents_each_parameter():
+    """Each function and class of the API reference (but the settings classes, rendered as generated tables) lists
+    every parameter or field in its Args / Attributes section, in signature order, as griffe parses it."""
+    import importlib
+
+    griffe = pytest.importorskip("griffe")
+    pkg = griffe.load("outlierscope", search_paths=[str(ROOT)])
+    text = "\n".join(p.read_text() for p in sorted(API.glob("*.md")))
+    tables = set(re.findall(r"\{\{ settings ([\w.]+) \}\}", text))
+    wrong = []
+    for t in _api_targets():
+        module, name = t.rsplit(".", 1)
+        obj = getattr(importlib.import_module(module), name, None)
+        want = None if t in tables or obj is None else _documented_names(obj)
+        if want is None:
+            continue
+        doc = pkg[t.removeprefix("outlierscope.")].docstring
+        sections = doc.parse("google", warn_missing_types=False) if doc else []
+        got = [p.name.lstrip("*") for s in sections if s.kind.value in ("parameters", "attributes") for p in s.value]
+        if got != want:
+            wrong.append(f"{t}: documents {got}, takes {want}")
+    assert not wrong, "\n".join(wrong)
+
+
 def _tour_and_openings() -> list[str]:
     """The README's tour lines and each guide page's opening command (the first code block after its question)."""
     lines = README.read_text().split("## A short tour", 1)[1].split("```")[1].strip().splitlines()

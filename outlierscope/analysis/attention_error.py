@@ -77,9 +77,14 @@ def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Te
 
 
 class AttentionErrorStats:
-    """Per (layer, head) sums, maxima and counts of ``attention_row_errors`` over every row seen, kept per virtual
-    shard (``outlierscope.parallel``; ``set_shard`` before each batch): the shards' float64 sums are added in
-    shard order only at the end, so 1 process, N processes and N ``--shard`` runs give the same bytes."""
+    """Per (layer, head): counts, sums and maxima of each attention row's error, kept per virtual shard.
+
+    The shards' float64 sums are added in shard order only at the end, so 1 process, N processes and N ``--shard``
+    runs give the same bytes; ``set_shard`` before each batch.
+
+    Args:
+        n_layers: the model's decoder layers.
+        n_heads: attention heads per layer; None: from the first observation."""
 
     FIELDS = ("rows", "changed", "kl_sum", "kl_max", "rel_sum", "rel_max")
     SHARD_COLUMNS = ["vshard", "layer", "head", *FIELDS]
@@ -229,20 +234,24 @@ def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
 @contextlib.contextmanager
 def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
                             block_rows: int | None = None) -> Iterator:
-    """Stream into ``stats`` (``AttentionErrorStats``) what quantizing with ``spec`` does to each layer's
-    attention, without changing the model: an observing stage quantizes copies and compares. Entered before
-    ``quantize_model`` with the same spec, it measures each layer against the
-    unquantized attention of the same forward (same layer input)::
+    """Measure what quantizing with a spec does to each layer's attention, without changing the model.
+
+    An observing stage quantizes copies and compares. Entered before ``quantize_model`` with the same spec, it
+    measures each layer against the unquantized attention of the same forward (same layer input)::
 
         stats = AttentionErrorStats(n_layers, n_heads)
         with measure_attention_error(model, spec, stats), quantize_model(model, spec):
             model(input_ids=ids, attention_mask=mask)
 
-    ``spec`` (a ``QuantSpec``, its text or a recipe name): the paper's logits part
-    alone (the logits before the soft cap, quantized and compared: ``_logit_stage``), or q, k, v and P with their
-    transforms (``_kernel_stage``); one that quantizes the logits and q/k/v/P together is refused (measure the
-    two parts separately). Linear parts and bitsandbytes weights are not measured here (they act outside attention).
-    """
+    Args:
+        model: the model to observe.
+        spec: a ``QuantSpec``, its text or a recipe name: the paper's logits part alone, or q, k, v and P with their
+            transforms (not both; linear parts and bitsandbytes weights act outside attention and are not measured).
+        stats: the ``AttentionErrorStats`` that receives the errors.
+        block_rows: query rows per attention block; None: whole.
+
+    Yields:
+        None; the errors stream into ``stats``."""
     spec = measured_spec(spec)
     lq = logits_quant(spec)
     stage = _logit_stage(lq, stats, spec.label) if spec.is_logits_only else _kernel_stage(spec, stats)

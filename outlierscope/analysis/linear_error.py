@@ -18,7 +18,11 @@ from outlierscope.parallel import VIRTUAL_SHARDS
 
 
 class LinearErrorStats:
-    """Per (layer, linear) the number of real tokens, the sum and the maximum of their relative output errors."""
+    """Per (layer, linear): the number of real tokens, and the sum and maximum of their relative output errors.
+
+    Args:
+        n_layers: the model's decoder layers.
+        linears: the names of the quantized linears in a layer (``mlp.down_proj``, ...)."""
 
     FIELDS = ("rows", "rel_sum", "rel_max")
     SHARD_COLUMNS = ["vshard", "layer", "k", "linear", *FIELDS]  # k: the linear's index (its order in the layer)

@@ -310,18 +310,27 @@ def _check_finite(obs: Observation, rowmax: torch.Tensor) -> None:
 
 
 class OutlierStats:
-    """Streaming statistics of every observed point of one model; call it with observations.
+    """Streaming statistics of every observed point of one model: a reducer to call with observations.
 
-    One reducer per point kind in ``by_kind``: ``LogitStats`` for maps (logits, probabilities), ``TokenStats``
-    for (B, T, C) tensors (``HiddenStats`` for hidden states); Table 5's two exist from the start, the others
-    are made at their first observation. Probability maps also feed a ``SinkStats`` (``sinks``).
-    ``merge`` adds the statistics of other data of the same model (data-parallel shards).
+    One reducer per point kind in ``by_kind``: ``LogitStats`` for maps (logits, probabilities), ``TokenStats`` for
+    ``(B, T, C)`` tensors (``HiddenStats`` for hidden states); Table 5's two exist from the start, the others are made
+    at their first observation. Probability maps also feed a ``SinkStats`` (``sinks``). ``merge`` adds the statistics
+    of other data of the same model (data-parallel shards), exactly.
 
-    ``sink_k``: key positions counted as the sink; ``massive_abs`` / ``massive_rel``: the massive-activation
-    thresholds (|x| above both, the second times the layer's median |x|); ``massive_cap``: exceedances kept per point
-    kind; ``delimiters``: token ids whose massive activations are labelled ``delimiter``; ``compile``: run the
-    per-element passes compiled (``outlierscope.analysis.kernels``: the same statistics, faster; sums differ
-    from the uncompiled ones within float32 rounding)."""
+    Args:
+        n_layers: the model's decoder layers.
+        n_heads: attention heads per layer.
+        hidden_size: the hidden states' channels.
+        seq_len: tokens per sequence.
+        k: the largest values kept per point kind (at least Table 5's ranks).
+        layer_k: the largest values kept per layer.
+        bins: the log-spaced histogram bins; None: ``LogBins()``.
+        sink_k: key positions counted as the attention sink.
+        massive_abs: a massive activation's |x| threshold.
+        massive_rel: its second threshold, times the layer's median |x|.
+        massive_cap: exceedances kept per point kind.
+        delimiters: token ids whose massive activations are labelled ``delimiter``.
+        compile: run the per-element passes compiled (the same statistics; sums within float32 rounding)."""
 
     keeps_observations = False  # each call reduces its observation before returning (capture may then mask in place)
 

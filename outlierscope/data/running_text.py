@@ -146,7 +146,17 @@ class RunningText:
 
 
 def load_text(source: str = DEFAULT_TEXT) -> RunningText:
-    """The documents of ``source`` (module docstring); an empty one is an error."""
+    """The documents of a running-text source, with their digest.
+
+    Args:
+        source: ``lambada`` (shipped with the task data), ``PATH.txt``, ``PATH.jsonl[.xz|.gz]``, ``PATH.parquet``
+            (a ``text`` field or column) or a Hub dataset ``ORG/NAME:CONFIG:SPLIT``.
+
+    Returns:
+        The ``RunningText``: its documents and the record that names them.
+
+    Raises:
+        OutlierscopeError: an unknown or unreadable source, non-UTF-8 text, or no documents."""
     if source == DEFAULT_TEXT:
         docs, kind = _lambada_docs(), "lambada"
     elif Path(source).exists():

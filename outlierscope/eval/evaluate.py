@@ -122,12 +122,15 @@ def lm_loss(model, seqs, batch_size: int) -> float:
 
 @dataclass
 class EvalResult:
-    """Per-item results of one evaluation and its exact settings.
+    """Per-item results of one evaluation and the exact settings that made them.
 
-    ``items``: one row per item (``item_columns``: summed log-likelihood and token count of each choice,
-    acc and acc_norm predictions); ``metrics``: acc, acc_norm with standard errors (and ``lm_loss``);
-    ``settings``: what produced it (quantization, layout, items digest, batch size).
-    """
+    Attributes:
+        items: one row per item (``item_columns``: each choice's summed log-likelihood and token count, the acc and
+            acc_norm predictions).
+        metrics: acc and acc_norm with their standard errors (and ``lm_loss``).
+        settings: what produced it (quantization, layout, the items' digest, batch size).
+        seconds: the evaluation's wall time.
+        extra: side tables (``{key}_table``) and the cell's identity, where a sweep adds them."""
 
     items: pd.DataFrame
     metrics: dict
@@ -244,17 +247,24 @@ def model_and_tokenizer(model, tokenizer):
 
 @dataclass(frozen=True)
 class EvalOptions:
-    """How an evaluation runs: sequences per forward, query rows per attention block, the layout of the sequences,
-    and the progress bar. Only the batch size can change a score: unquantized by float32 rounding (~1e-5 nats), and
-    quantized by more where such a rounding crosses a quantizer's rounding boundary (``outlierscope.eval.scorer``);
-    ``batch_size=1`` scores each sequence in a forward of its own, exactly batch-invariant."""
+    """How an evaluation runs; only the batch size can change a score.
 
-    batch_size: int = 32  # sequences per forward; quantized scores depend on it by float32 rounding (1: exactly none)
-    block_rows: int | None = None  # query rows per attention block (None: from a 256 MiB budget); same scores
-    layout: str | None = None  # "separate" or "shared"; None: layout_for(quant)
+    Attributes:
+        batch_size: sequences per forward; ``1`` scores each sequence alone, exactly batch-invariant (larger batches
+            differ by float32 rounding, which can cross a quantizer's rounding boundary).
+        block_rows: query rows per attention block; None: from a 256 MiB budget. The same scores either way.
+        layout: ``"separate"`` (one sequence per context and choice) or ``"shared"`` (a context's choices share its
+            prefix; exact only where each attention row depends on its own keys); None: ``layout_for(quant)``.
+        progress: show a progress bar.
+        desc: the progress bar's label; None: the task's name.
+        calibration_dir: GPTQ/AWQ: each calibrated layer is saved there and a rerun continues; None: not kept."""
+
+    batch_size: int = 32
+    block_rows: int | None = None
+    layout: str | None = None
     progress: bool = True
-    desc: str | None = None  # the progress bar's label (None: the task's name)
-    calibration_dir: str | None = None  # GPTQ/AWQ: each calibrated layer saved there, a rerun continues (None: not kept)
+    desc: str | None = None
+    calibration_dir: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -285,34 +295,33 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
              text_seqs=None, attn_error=None, attn_error_spec=None, linear_error=None, shard: Shard | None = None,
              world: World | None = None, requests: list[Request] | None = None,
              options: EvalOptions | None = None, **option_kwargs) -> EvalResult | None:
-    """Zero-shot accuracy of ``model`` (a ``LoadedModel`` or a causal LM module with its ``tokenizer``) on ``task``
-    (HellaSwag or a zero-shot task of ``outlierscope.data.tasks``), scored as lm-evaluation-harness 0.4.13 scores
-    it, quantized by ``quant`` (a ``QuantSpec`` or its text: a recipe name such as ``"w8a8"`` or ``"kivi-2bit"``,
-    or parts such as ``"a=int8/per_token; w=int4/per_group:64"``; None: unquantized).
+    """Zero-shot accuracy of a model on a task, scored as lm-evaluation-harness 0.4.13 scores it.
 
-    Items: ``items`` as given (HellaSwag items or task rows), else the cached validation set of ``task`` (HellaSwag:
-    or the file ``data``), all or the first ``limit`` or ``sample`` drawn with ``seed``. Any number of choices;
-    per-item columns ``score0..`` padded with NaN. ``requests``: the items' tokenised requests when the caller has
-    them (``build_requests`` of the same items, tokenizer and lm-eval max length; a
-    sweep builds them once for every cell of a model and task), checked to be those items'; None: built here.
-    ``text_seqs`` (N, T) token ids: also the mean LM loss on them. How it runs: ``options`` (``EvalOptions``:
-    batch size, attention block rows, layout, progress bar), or its fields as keywords (``batch_size=8, progress=False``); only the batch size can change a score (float32 rounding;
-    see ``EvalOptions``). ``layout``: ``"separate"``
-    (one sequence per context and choice) or ``"shared"`` (a context's choices share its prefix; exact only when
-    each attention row depends on its own keys: unquantized or per_row); None: ``layout_for`` ``quant``.
-    ``attn_error``: an ``AttentionErrorStats`` that also receives, per
-    layer and head, what ``quant`` does to the attention of every scored sequence (per virtual shard: with ``world``
-    rank 0's gets every rank's; with a partial ``shard``, this shard's, to merge with the others'). ``attn_error_spec``:
-    measure this spec instead of ``quant``, without applying it (each layer's error on the unquantized input).
-    ``linear_error``: a ``LinearErrorStats`` that receives each quantized
-    linear's relative output error (per virtual shard, gathered as ``attn_error``).
-    Non-finite log-likelihoods are an error naming the first such item.
+    Args:
+        model: a ``LoadedModel``, or a causal LM module (with ``tokenizer``).
+        tokenizer: the module's tokenizer; None with a ``LoadedModel``.
+        quant: a ``QuantSpec``, its text (``"a=int8/per_token; w=int4/per_group:64"``) or a recipe name; None: unquantized.
+        task: ``hellaswag`` or a zero-shot task of ``outlierscope.data.tasks``.
+        items: the items to score (HellaSwag items or task rows); None: the task's cached validation set.
+        limit: score the first ``limit`` items.
+        sample: score ``sample`` items drawn with ``seed``.
+        seed: the seed of ``sample``.
+        data: a HellaSwag validation file to read instead of the cached one.
+        text_seqs: (N, T) token ids whose mean LM loss is also reported.
+        attn_error: an ``AttentionErrorStats`` that receives, per layer and head, what ``quant`` does to attention.
+        attn_error_spec: measure this spec into ``attn_error`` instead of ``quant``, without applying it.
+        linear_error: a ``LinearErrorStats`` that receives each quantized linear's relative output error.
+        shard: score only this share of the virtual shards (``EvalResult.is_partial``; ``merge_results`` joins parts).
+        world: the ``torchrun`` processes; each scores its shards and rank 0 gets the whole result.
+        requests: the items' tokenised requests (``build_requests``), checked to be these items' and tokenizer's.
+        options: an ``EvalOptions`` (batch size, attention block rows, layout, progress bar).
+        **option_kwargs: ``EvalOptions`` fields as keywords (``batch_size=8, progress=False``).
 
-    Data parallel (``outlierscope.parallel``): with ``world`` (processes of ``torchrun``) each rank
-    scores its virtual shards and rank 0 gets the whole result (the other ranks get None); with a partial
-    ``shard`` the result is partial (``EvalResult.is_partial``: NaN scores elsewhere) and
-    ``merge_results`` combines the parts. Any split gives the scores of a single process.
-    """
+    Returns:
+        The ``EvalResult`` (per-item scores and the task's metrics); None on ranks other than 0.
+
+    Raises:
+        OutlierscopeError: a model that is not causal, a spec that does not fit it, or a non-finite log-likelihood."""
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)
     opt = eval_options(options, option_kwargs)

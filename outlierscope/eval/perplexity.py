@@ -39,8 +39,15 @@ F64_ROWS = 32  # rows per float64 block of a spec's values: its (F64_ROWS, V) te
 
 @dataclass
 class TokenScores:
-    """One spec's values at every scored token, in window order: ``window`` (int64), ``nll``, ``nll_base``, ``kld``,
-    ``p_diff`` (float64) and ``same_top`` (bool), each (N,)."""
+    """One spec's values at every scored token, in window order; each array is ``(N,)``.
+
+    Attributes:
+        window: the window of each token (int64).
+        nll: its negative log-likelihood under the spec.
+        nll_base: its negative log-likelihood under the base.
+        kld: KL(base || spec) of the next-token distributions.
+        same_top: whether both put the same token first (bool).
+        p_diff: ``exp(-nll) - exp(-nll_base)``."""
 
     window: np.ndarray
     nll: np.ndarray
@@ -196,13 +203,26 @@ def score_windows(model, windows: Sequence[Window], specs: Sequence[QuantSpec], 
                   calibrations: Sequence | None = None, block_rows: int | None = None,
                   shards: Collection[int] | None = None, progress=None, logprobs: str = "float64",
                   hold_bytes: int = HOLD_BYTES) -> list[TokenScores]:
-    """Each spec's ``TokenScores`` over ``windows`` (in their order; batch k of ``batch_size`` consecutive
-    windows belongs to virtual shard ``shard_of(k)``: with ``shards``, only theirs): ``score_sides`` with every
-    spec against the unquantized model. The unquantized model runs once per batch, through the same attention
-    function as the quantized ones (so a spec that quantizes nothing has KL divergence 0 exactly, and is not run
-    again), and its log-probabilities are computed once per block of positions for every spec whose LM head is not
-    quantized; ``calibrations``: each spec's ``calibration_for``; ``hold_bytes``:
-    ``score_sides``'."""
+    """Each spec's ``TokenScores`` over the windows, against the unquantized model as the base.
+
+    The unquantized model runs once per batch, through the same attention function as the quantized ones (a spec
+    that quantizes nothing has KLD 0 exactly), and its log-probabilities are computed once for every spec whose LM
+    head is not quantized.
+
+    Args:
+        model: the model.
+        windows: the ``Window`` list (``protocol_windows``).
+        specs: the specs to score.
+        batch_size: windows per forward.
+        calibrations: each spec's ``calibration_for`` (None: none needed).
+        block_rows: query rows per attention block; None: whole.
+        shards: score only the batches of these virtual shards (batch k is in ``shard_of(k)``); None: all.
+        progress: called as ``progress(k)`` after the k-th batch.
+        logprobs: how each NLL is taken from the logits (``LOGPROBS``); the KLD is float64 either way.
+        hold_bytes: the budget for quantized weights kept from batch to batch; the same values either way.
+
+    Returns:
+        One ``TokenScores`` per spec."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     base = Side("model", QuantSpec())
     pairs = [(base, Side("model", spec, cal)) for spec, cal in zip(specs, calibrations)]
@@ -229,8 +249,12 @@ def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
 
 @dataclass(frozen=True, eq=False)
 class Side:
-    """One forward of a pair of ``score_sides``: ``model`` (a key of its models) under ``spec``, with the
-    spec's ``calibration`` (``calibration_for``'s, or None)."""
+    """One forward of a pair of ``score_sides``.
+
+    Attributes:
+        model: the key of its model in ``score_sides``' models.
+        spec: the spec it runs under.
+        calibration: the spec's ``calibration_for``, or None."""
 
     model: str
     spec: QuantSpec
@@ -246,19 +270,27 @@ class Side:
 def score_sides(models: dict, windows: Sequence[Window], pairs: Sequence[tuple[Side, Side]], batch_size: int = 1,
                 block_rows: int | None = None, shards: Collection[int] | None = None,
                 progress=None, logprobs: str = "float64", hold_bytes: int = HOLD_BYTES) -> list[TokenScores]:
-    """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base (``kld``
-    = KL(base || other), ``nll_base`` the base's). ``models``: key -> model; they must share the tokenizer the
-    windows were made with. Each distinct side runs once per batch however many pairs hold it (a checkpoint against
-    the float model and against n emulations on it: n + 2 forwards), and a base's log-probabilities are computed
-    once per block of positions for every pair that shares it. An ``other`` that quantizes the LM head is scored
-    inside its own context (its head exists only there); a base that does is refused. ``progress(k)`` after the
-    k-th batch. ``logprobs``: how each NLL is taken from the logits (``LOGPROBS``, ``_nll``; the KLD and
-    the rest in float64 either way). ``hold_bytes``: the sides' quantized weights are kept from batch to batch, in
-    order of first use, while their bytes together stay within it (memory: up to that much besides the model; the
-    rest is quantized again at each batch); the same values either way. A side that quantizes only layers >= s
-    (``layers:``; sensitivity's one-layer cells) starts from the unquantized side's output of layer s - 1 in the
-    same batch (``prefix_start``, ``outlierscope.hooks.prefix``): the same bytes, the layers below not run
-    again; memory: one (B, T, D) tensor per distinct start, for the batch."""
+    """Token by token, for each pair ``(base, other)``: ``other``'s forward against ``base``'s as the base.
+
+    Each distinct side runs once per batch however many pairs hold it, and a base's log-probabilities are computed
+    once for every pair that shares it. An ``other`` that quantizes the LM head is scored inside its own context; a
+    base that does is refused. A side that quantizes only layers >= s starts from the unquantized side's output of
+    layer s - 1 in the same batch (the same bytes, the layers below not run again).
+
+    Args:
+        models: key -> model; they share the tokenizer the windows were made with.
+        windows: the ``Window`` list.
+        pairs: ``(base, other)`` pairs of ``Side``; ``kld`` is KL(base || other), ``nll_base`` the base's.
+        batch_size: windows per forward.
+        block_rows: query rows per attention block; None: whole.
+        shards: score only the batches of these virtual shards; None: all.
+        progress: called as ``progress(k)`` after the k-th batch.
+        logprobs: how each NLL is taken from the logits (``LOGPROBS``); the KLD is float64 either way.
+        hold_bytes: the sides' quantized weights are kept from batch to batch, in order of first use, within this
+            many bytes; the rest is quantized again at each batch. The same values either way.
+
+    Returns:
+        One ``TokenScores`` per pair."""
     if logprobs not in LOGPROBS:
         raise ParamError("logprobs", f"one of {', '.join(LOGPROBS)}", logprobs)
     sides = _sides(pairs)
@@ -365,11 +397,25 @@ def score_pairs(model, ref_model, windows: Sequence[Window], specs: Sequence[Qua
                 ref_specs: Sequence[QuantSpec], batch_size: int = 1, calibrations: Sequence | None = None,
                 ref_calibrations: Sequence | None = None, block_rows: int | None = None,
                 shards: Collection[int] | None = None) -> list[TokenScores]:
-    """Two models compared token by token: for each j, ``model`` under ``specs[j]`` against ``ref_model`` under
-    ``ref_specs[j]`` as the base (``kld`` = KL(ref || model); ``nll_base`` the reference's): ``score_sides``
-    with two models. The noise floor (one spec, two arithmetics) and a real quantized checkpoint against its
-    emulation (the checkpoint unquantized as the base) are both such pairs; a reference spec shared by several pairs
-    runs once per batch."""
+    """Two models compared token by token: ``model`` under ``specs[j]`` against ``ref_model`` under ``ref_specs[j]``.
+
+    The noise floor (one spec, two arithmetics) and a quantized checkpoint against its emulation are such pairs; a
+    reference spec shared by several pairs runs once per batch.
+
+    Args:
+        model: the compared model.
+        ref_model: the reference (the base: ``kld`` is KL(ref || model), ``nll_base`` the reference's).
+        windows: the ``Window`` list.
+        specs: the compared model's spec of each pair.
+        ref_specs: the reference's spec of each pair.
+        batch_size: windows per forward.
+        calibrations: each spec's ``calibration_for`` (None: none needed).
+        ref_calibrations: each reference spec's.
+        block_rows: query rows per attention block; None: whole.
+        shards: score only the batches of these virtual shards; None: all.
+
+    Returns:
+        One ``TokenScores`` per pair."""
     if len(ref_specs) != len(specs):
         raise OutlierscopeError(f"{len(specs)} specs and {len(ref_specs)} reference specs; give one of each per pair")
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)

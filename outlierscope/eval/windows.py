@@ -28,8 +28,13 @@ GPTQ_SEPARATOR = "\n\n"
 
 @dataclass(frozen=True)
 class Window:
-    """One forward of ``input_ids`` whose logits at positions ``first .. first + len(targets) - 1`` predict
-    ``targets`` (each the token after its position); ``doc``: its document (lmeval), -1 when the text was joined."""
+    """One forward whose logits at positions ``first .. first + len(targets) - 1`` predict ``targets``.
+
+    Attributes:
+        input_ids: the forward's token ids.
+        targets: the scored tokens, each the token after its position.
+        first: the position of the first scored logit.
+        doc: its document (lmeval); -1 when the text was joined."""
 
     input_ids: tuple[int, ...]
     targets: tuple[int, ...]
@@ -117,8 +122,17 @@ def lmeval_windows(tokenizer, docs: Sequence[str], max_len: int) -> list[Window]
 
 
 def protocol_windows(protocol: str, tokenizer, docs: Sequence[str], length: int) -> list[Window]:
-    """The windows of ``protocol`` (``PROTOCOLS``) over ``docs``; ``length``: gptq's seq_len, llamacpp's ctx,
-    lmeval's max_length."""
+    """The windows a perplexity protocol scores over a text.
+
+    Args:
+        protocol: ``gptq`` (the documents joined, cut in windows), ``lmeval`` (each document, rolling) or
+            ``llamacpp`` (the joined text in context windows, the second half of each scored).
+        tokenizer: the model's tokenizer.
+        docs: the text's documents.
+        length: gptq's seq_len, lmeval's max_length or llamacpp's ctx.
+
+    Returns:
+        The ``Window`` list, in order."""
     if protocol not in PROTOCOLS:
         raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", protocol)
     if length < 2:

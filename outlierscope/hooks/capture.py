@@ -30,13 +30,16 @@ from outlierscope.models.float64 import float64_model
 class Observation:
     """One tensor passing an observation point.
 
-    ``x``: a map (logits, probabilities) (B, H, T, S) or a token tensor (hidden states, q/k/v, module inputs and
-    outputs) (B, T, C); ``valid``: bool, broadcastable to ``x`` for maps ((B, 1|H, T, S)) and (B, T) for token
-    tensors. ``seq_offset`` is the global index of the batch's first sequence (counted over forwards inside the
-    capture). For maps, ``query_offset`` is the key position of ``x``'s first query row (S - T for a whole call;
-    blocked attention passes blocks). ``ids``: the token ids (B, T) of a token tensor's tokens when the forward
-    got ``input_ids`` (None otherwise); ``n_heads``: a map's heads, or the heads of q/k/v's channels.
-    """
+    Attributes:
+        point: the point it passed.
+        x: a map (logits, probabilities) ``(B, H, T, S)``, or a token tensor (hidden states, q/k/v, module inputs and
+            outputs) ``(B, T, C)``.
+        valid: bool, ``(B, 1|H, T, S)`` for maps and ``(B, T)`` for token tensors: the entries that count.
+        seq_offset: the global index of the batch's first sequence, counted over forwards inside the capture.
+        n_heads: a map's heads, or the heads of q/k/v's channels.
+        is_diff: a DiffLlama map, whose heads [0, H/2) and [H/2, H) are the two maps of one logits tensor.
+        query_offset: for maps, the key position of ``x``'s first query row (S - T for a whole call; blocks differ).
+        ids: the token ids ``(B, T)`` of a token tensor's tokens when the forward got ``input_ids``; else None."""
 
     point: Point
     x: torch.Tensor
@@ -167,14 +170,23 @@ class _Emitter:
 @contextlib.contextmanager
 def capture(model: nn.Module, points: Sequence[str] | str | None = None, reducers=None,
             block_rows: int | None = None, preset: str | None = None) -> Iterator[Capture]:
-    """Observe ``points`` (names or patterns; and the points of a ``PRESETS`` name)
-    of ``model`` during forwards inside the block; see module docstring. Neither given: Table 5's two kinds.
+    """Observe named points of a model during the forwards inside the block, streamed into reducers.
 
-    ``block_rows``: query rows per attention block (maps are then observed block by block).
+    Any model whose attention goes through transformers' ``AttentionInterface`` can be observed, an encoder (BERT)
+    too: its valid entries are what its own mask allows. Every hook is removed in ``finally``.
 
-    Any model whose attention goes through transformers' ``AttentionInterface`` can be observed, an encoder
-    (BERT) too: its valid entries are what its own mask allows (bidirectional). Scoring is another matter:
-    ``evaluate`` refuses a model that is not causal."""
+    Args:
+        model: the model to observe.
+        points: point names or patterns (``"layers.*.attn.logits"``); None: Table 5's two kinds (or only ``preset``'s).
+        reducers: a callable ``reducer(obs: Observation)``, or a list of them, fed each observed tensor.
+        block_rows: query rows per attention block (maps are then observed block by block); None: whole.
+        preset: the name of a ``PRESETS`` group of points, added to ``points``.
+
+    Yields:
+        The ``Capture``: the resolved points and the number of sequences seen.
+
+    Raises:
+        OutlierscopeError: an unknown point name (with "did you mean")."""
     if points is None:
         points = DEFAULT_POINTS if preset is None else ()
     resolved = resolve_points(model, points, preset)

@@ -90,15 +90,24 @@ def state_dict_sha256(model) -> str:
 
 @dataclass
 class LoadedModel:
-    """A model, its tokenizer and where they came from."""
+    """A model, its tokenizer and where they came from, as ``load_model`` returns them.
+
+    Attributes:
+        spec: the spec it was loaded from.
+        path: its directory.
+        model: the causal LM module, in eval mode.
+        tokenizer: its tokenizer.
+        source: where the spec led; None for a model built in Python.
+        decoded: a GPTQ/AWQ checkpoint whose packed weights were decoded: what was decoded; else None.
+        record: what ``inspect_model`` read of it (config, tokenizer, digests)."""
 
     spec: str
     path: Path
     model: object
     tokenizer: object
-    source: ModelSource | None = None  # where the spec led (None: built in Python, not loaded by spec)
-    decoded: dict | None = None  # a GPTQ/AWQ checkpoint whose packed weights outlierscope decoded (models.packed)
-    record: ModelRecord | None = None  # what inspect_model read of it (config, tokenizer, digests): read once
+    source: ModelSource | None = None
+    decoded: dict | None = None
+    record: ModelRecord | None = None
 
     @property
     def name(self) -> str:
@@ -178,16 +187,25 @@ def _embedding_rows(model) -> int | None:
 def load_model(spec: str, dtype: str = "auto", attn_implementation: str = "eager", device: str = "auto",
                device_map: str | dict | None = None, trust_remote_code: bool = False,
                record: ModelRecord | None = None) -> LoadedModel:
-    """Load a causal LM and its tokenizer from a spec (``resolve_model``: a directory, a ``.gguf`` file, a preset
-    role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``), in eval mode. Only a Hub id reaches the network
-    (``huggingface_hub``, with the user's endpoint, cache, token and ``HF_HUB_OFFLINE``); the files are then
-    read with ``local_files_only``. ``trust_remote_code``: run Python code shipped with the model (off by default).
+    """Load a causal LM and its tokenizer, in eval mode; only a Hub id reaches the network.
 
-    ``device``: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``. ``dtype``: ``auto`` (the
-    checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16`` or ``float16``.
-    ``device_map``: accelerate's placement (``"auto"`` spreads a model too large for one GPU over the
-    GPUs, then the CPU); it replaces ``device``. ``record``: the spec's ``inspect_model`` (made here when not
-    given); its config and tokenizer are used as read, and only the weights are read now."""
+    A Hub id is fetched with ``huggingface_hub`` (the user's endpoint, cache, token and ``HF_HUB_OFFLINE``); the files
+    are then read with ``local_files_only``.
+
+    Args:
+        spec: a directory, a ``.gguf`` file, a preset role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``.
+        dtype: ``auto`` (the checkpoint's bf16/fp16 on CUDA, float32 on the CPU), ``float32``, ``bfloat16``,
+            ``float16`` or ``float64``.
+        attn_implementation: transformers' attention for plain forwards (``capture`` and ``quantize_model`` route
+            attention through their own while active).
+        device: ``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``.
+        device_map: accelerate's placement (``"auto"`` spreads a large model over the GPUs, then the CPU); replaces
+            ``device``.
+        trust_remote_code: run Python code shipped with the model.
+        record: the spec's ``inspect_model``, when the caller made it; its config and tokenizer are used as read.
+
+    Returns:
+        The ``LoadedModel``: the model, its tokenizer and its record."""
     import torch
 
     check_dtype(dtype)
@@ -251,10 +269,22 @@ def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k
 
 def generate(lm: LoadedModel, prompt: str, max_new_tokens: int = 60, temperature: float = 0.8, top_k: int = 40,
              seed: int = 0, warn=None) -> str:
-    """Sample a continuation (seeded); ``temperature=0`` is greedy.
+    """Sample a continuation of a prompt, seeded.
 
-    A prompt that leaves no room in the model's context for ``max_new_tokens`` is cut from the left, and
-    ``warn`` (default: ``warnings.warn``) is told how many tokens were dropped."""
+    A prompt that leaves no room in the model's context for ``max_new_tokens`` is cut from the left, and ``warn`` is
+    told how many tokens were dropped.
+
+    Args:
+        lm: the ``LoadedModel``.
+        prompt: the text to continue.
+        max_new_tokens: tokens to add.
+        temperature: the sampling temperature; 0 is greedy.
+        top_k: sample among the ``top_k`` most likely tokens.
+        seed: the sampling seed.
+        warn: where a cut prompt is said; None: ``warnings.warn``.
+
+    Returns:
+        The continuation's text."""
 
     import torch
 

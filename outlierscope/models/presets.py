@@ -23,22 +23,43 @@ sweep or reproduce run takes when none is named."""
 
 @dataclass(frozen=True)
 class PairConfig:
-    """Architecture and training recipe of a matched pair (gpt-fast ``ModelArgs`` style)."""
+    """Architecture and training recipe of a matched Transformer / Diff Transformer pair (gpt-fast ``ModelArgs`` style).
+
+    Attributes:
+        name: the pair's name (``pair-tiny``, ...).
+        vocab_size: the tokenizer's vocabulary.
+        n_layers: decoder layers.
+        hidden_size: the hidden states' channels.
+        n_heads: attention heads (DiffLlama: ``n_heads / 2`` differential heads).
+        n_kv_heads: key/value heads; -1: ``n_heads``.
+        intermediate_size: the SwiGLU width; -1: 8/3 of ``hidden_size``, rounded up to a multiple of 32.
+        seq_len: tokens per training sequence.
+        rope_theta: the rotary base.
+        rms_norm_eps: RMSNorm's epsilon.
+        tie_word_embeddings: share the input embedding and the LM head.
+        initializer_range: the weights' initial standard deviation.
+        lambda_std_dev: the standard deviation of DiffLlama's initial lambda vectors.
+        batch_size: training sequences per step (both roles).
+        lr: the peak learning rate.
+        min_lr_ratio: the cosine schedule's floor, as a fraction of ``lr``.
+        warmup_steps: linear warm-up steps.
+        weight_decay: AdamW's weight decay.
+        grad_clip: the gradient norm's clip.
+        betas: AdamW's betas."""
 
     name: str
     vocab_size: int = 8192
     n_layers: int = 4
     hidden_size: int = 128
     n_heads: int = 4
-    n_kv_heads: int = -1  # -1: same as n_heads (derived)
-    intermediate_size: int = -1  # -1: SwiGLU 8/3 * hidden rounded up to a multiple of 32 (derived)
+    n_kv_heads: int = -1
+    intermediate_size: int = -1
     seq_len: int = 256
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     initializer_range: float = 0.02
     lambda_std_dev: float = 0.1
-    # training recipe (shared by both roles)
     batch_size: int = 16
     lr: float = 3e-3
     min_lr_ratio: float = 0.1

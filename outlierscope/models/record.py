@@ -43,15 +43,25 @@ from outlierscope.models.resolve import ModelSource, resolve_model
 
 @dataclass(frozen=True, eq=False)
 class ModelRecord:
-    """What a model spec is, as ``inspect_model`` read it once (no weights loaded)."""
+    """What a model spec is, as ``inspect_model`` read it once (no weights loaded).
 
-    spec: str  # as the user gave it
-    source: ModelSource  # where it led (directory, preset, fetched model, Hub snapshot, converted GGUF)
+    Attributes:
+        spec: the spec as the user gave it.
+        source: where it led (a directory, preset, fetched model, Hub snapshot or converted GGUF).
+        trust_remote_code: whether the model's own code may run.
+        config_json: config.json as stored.
+        config: transformers' config built from it.
+        quantization: a checkpoint saved quantized: its checked ``quantization_config``; else None.
+        shapes: every tensor's shape, from the safetensors headers.
+        tokenizer: the tokenizer, checked against the vocabulary."""
+
+    spec: str
+    source: ModelSource
     trust_remote_code: bool
-    config_json: dict  # config.json as stored
-    config: object  # transformers' config built from it
-    quantization: dict | None  # a checkpoint saved quantized: its quantization_config (checked)
-    shapes: dict  # every tensor's shape from the safetensors headers
+    config_json: dict
+    config: object
+    quantization: dict | None
+    shapes: dict
     tokenizer: object
 
     @property
@@ -132,11 +142,21 @@ def _check_weight_files(path: Path, source: ModelSource) -> None:
 
 
 def inspect_model(spec: str, trust_remote_code: bool = False) -> ModelRecord:
-    """Everything about ``spec`` that can be read and checked without its weights, read once: the directory (or
-    preset, fetched model, Hub snapshot, converted GGUF), config.json, a causal LM architecture transformers knows
-    (or custom code the user trusts), weight files and their headers against the config, a quantized checkpoint's
-    packages and packed layout, the tokenizer against the vocabulary. Runs call it for every model before their
-    first expensive step (for a Hub id this is the download) and hand the record on."""
+    """Read and check everything about a model that needs no weights, once; runs hand the record on.
+
+    Reads the directory (or preset, fetched model, Hub snapshot, converted GGUF), config.json, the architecture
+    (transformers' own, or custom code the user trusts), the weight files' headers against the config, a quantized
+    checkpoint's packages and packed layout, and the tokenizer against the vocabulary. For a Hub id this is the download.
+
+    Args:
+        spec: a directory, a ``.gguf`` file, a preset role, a fetched model or a Hub id ``ORG/NAME[@REVISION]``.
+        trust_remote_code: run Python code shipped with the model.
+
+    Returns:
+        The ``ModelRecord``: source, config, weight files, quantization and tokenizer, as read.
+
+    Raises:
+        OutlierscopeError: the first thing that does not fit, in one line."""
     source = resolve_model(spec, trust_remote_code)
     path = source.path
     cfg_json = _read_config_json(path)

@@ -111,29 +111,31 @@ def attention_stage(spec: QuantSpec) -> Stage:
 def quantize_model(model: nn.Module, spec: QuantSpec | str, block_rows: int | None = None,
                    calibration: Calibration | None = None, linear_error=None,
                    hold_weights: bool | None = None, held: tuple | None = None) -> Iterator[QuantSpec]:
-    """Quantize ``model`` as ``spec`` (a ``QuantSpec``, its text or a recipe name) says:
-    attention (the paper's logits, after scaling, before soft-capping, masking and softmax; q, k, v and P with
-    smoothing and rotations), linear layers (inputs and weights, with SmoothQuant, rotations, LLM.int8; see
-    ``outlierscope.quant.linears.schemes``) and bitsandbytes weights (``w=bnb-int8``/``w=bnb-nf4``). ``calibration``:
-    ``calibrate``'s, for a spec with ``smooth`` or static activation scales.
-    ``linear_error``: a ``LinearErrorStats`` that receives each quantized
-    linear's relative output error. ``hold_weights``: each quantized linear's weight is quantized once, when the
-    context is entered, and the result held until the context ends (memory: one more copy of those weights in the
-    model's dtype; the originals are untouched); False quantizes it again at every forward and holds at most one
-    linear's copy at a time; None (the default): held on the CPU, and on a GPU where the copies take at most half its
-    free memory (``holds_fit``). The same values either way. ``held``: (a
-    ``HeldWeights``, a key naming ``spec`` with ``calibration``): the quantized
-    weights kept beyond the context, within the holder's budget, for the next context of the same key (a perplexity
-    run's next batch).
+    """Quantize a model as a spec says, inside the block; everything is restored in ``finally``.
 
-    For DiffLlama both maps are quantized together (they are one logits tensor, heads [0, H/2) and
-    [H/2, H)). Composes with ``outlierscope.hooks.capture``: stages and hooks run in the order the
-    contexts were entered, so ``quantize_model`` outside ``capture`` profiles the quantized model.
-    ``block_rows``: query rows per attention block (see ``outlierscope.hooks.attention``); per_head
-    and per_tensor logit scales then take a first pass over the blocks for the absmax: same result
-    (q, k and v are quantized once per call, whole; P per row, inside its block).
-    Everything is restored in ``finally``.
-    """
+    Attention (the paper's logits after scaling, before soft-capping, masking and softmax; q, k, v and P, with
+    smoothing and rotations), linear layers (inputs and weights, SmoothQuant, rotations, LLM.int8, GPTQ, AWQ) and
+    bitsandbytes weights. DiffLlama's two maps are quantized together, as one logits tensor. Entered outside
+    ``capture``, it profiles the quantized model (stages run in the order the contexts were entered).
+
+    Args:
+        model: the model to quantize (never changed outside the block).
+        spec: a ``QuantSpec``, its text or a recipe name.
+        block_rows: query rows per attention block; per-head and per-tensor logit scales then take a first pass over
+            the blocks for the absmax. The same result either way.
+        calibration: ``calibrate``'s result, for a spec with ``smooth`` or static activation scales.
+        linear_error: a ``LinearErrorStats`` that receives each quantized linear's relative output error.
+        hold_weights: quantize each linear's weight once on entry and hold it (one more copy in the model's dtype);
+            False: again at every forward; None: held on the CPU, and on a GPU where the copies fit half its free
+            memory. The same values either way.
+        held: ``(HeldWeights, key)``: keep the quantized weights beyond the block, within the holder's budget, for the
+            next block with the same key.
+
+    Yields:
+        The spec, parsed.
+
+    Raises:
+        OutlierscopeError: a spec that does not fit the model (layers, group sizes, rotations)."""
     spec = QuantSpec.of(spec)
     check_layers(spec, len(decoder_layers(model)), attention_layers(model) if _touches_attention(spec) else None)
     # 16 bits too goes through the same attention function (nothing quantized), for identical arithmetic

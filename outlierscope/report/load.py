@@ -54,7 +54,16 @@ MAY_BE_EMPTY = {"outlier_features", "massive_activations", "per_head", "per_chan
 
 @dataclass
 class RunResults:
-    """The tables of a run directory by stem (``table5``, ``per_layer``, ..., ``sweep``) and its records."""
+    """The tables and records of a run directory, as ``load_run`` reads them: ``run["sweep"]``, ``run["table5"]`` ...
+
+    Attributes:
+        root: the run directory.
+        profile_dir: where its profile is (None: none).
+        sweep_dir: where its sweep is (None: none).
+        tables: table stem (``table5``, ``per_layer``, ..., ``sweep``) -> its DataFrame.
+        profile_meta: the profile's record (``profile.json``).
+        sweep_meta: the sweep's record (``sweep.json``).
+        cells: sweep cell id -> its per-item scores and predictions."""
 
     root: Path
     profile_dir: Path | None = None
@@ -62,7 +71,7 @@ class RunResults:
     tables: dict[str, pd.DataFrame] = field(default_factory=dict)
     profile_meta: dict | None = None
     sweep_meta: dict | None = None
-    cells: dict[str, pd.DataFrame] = field(default_factory=dict)  # sweep cell id -> per-item scores and predictions
+    cells: dict[str, pd.DataFrame] = field(default_factory=dict)
 
     def outcome(self) -> str:
         """The measured outcome in plain words (the report's first paragraph)."""
@@ -155,8 +164,16 @@ def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
 
 
 def load_run(run_dir: str | Path) -> RunResults:
-    """Every table and record of a profile, sweep or reproduce output directory, each table checked against the
-    digest its run's record lists."""
+    """Every table and record of a profile, sweep or reproduce output directory, each checked against its record's digest.
+
+    Args:
+        run_dir: the run's output directory.
+
+    Returns:
+        The ``RunResults``: ``run["sweep"]``, ``run["table5"]``, ... and the records.
+
+    Raises:
+        OutlierscopeError: a missing directory, or a table or record that does not match its digest."""
     root = Path(run_dir)
     if not root.is_dir():
         raise OutlierscopeError(f"run directory not found: {root}; pass the output directory of a profile, sweep or reproduce run")

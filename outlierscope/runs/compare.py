@@ -212,10 +212,20 @@ def check_source(s: CompareSettings, real_meta, float_meta) -> None:
 
 def compare_quant(s: CompareSettings, out: str | Path, progress: bool = True, log=print,
                   force: bool = False) -> pd.DataFrame:
-    """Run (or resume) both sweeps into ``out/real`` and ``out/emulated`` (metric text: the text cells into
-    ``out/cells``) and write the paired comparison. Everything is checked before the first cell: both models, that
-    the float one is the checkpoint's source, each emulation against it, and earlier results in ``out`` (replaced
-    only with ``force``)."""
+    """Run (or resume) a quantized checkpoint's sweep beside its emulation on the float model, and pair them.
+
+    Both models, that the float one is the checkpoint's source, each emulation and earlier results in ``out`` are
+    checked before the first cell.
+
+    Args:
+        s: the comparison's settings.
+        out: the output directory: ``real/``, ``emulated/`` (and ``cells/`` for a metric text), then the paired table.
+        progress: show progress bars.
+        log: where progress lines go.
+        force: replace a run with other settings in ``out``.
+
+    Returns:
+        The paired comparison table."""
     git_commit()  # the checkout as the run found it (read once per process): before any record is written
     real = inspect_model(s.real, s.trust_remote_code)  # each model read once; its record is handed on
     real_meta = meta_model(real.config, s.trust_remote_code)

@@ -236,19 +236,23 @@ def _noise_model(s: PerplexitySettings, lm):
 
 def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard | None = None,
                world: World | None = None, force: bool = False, record=None) -> pd.DataFrame | None:
-    """Run (or resume) ``s`` into ``out``: ``cells/``, ``perplexity.csv``, ``perplexity.md``, ``figures/``
-    (kld_distribution, nll_and_kld) and ``perplexity.json`` (settings, the text's record, the windows, the model's
-    source, versions, machine, commit). Returns the table.
+    """Run (or resume) a perplexity and KLD study into ``out``: cells, tables, figures and the sealed record.
 
-    Work is saved per virtual shard of the windows (``cells/<cell>.part-VV-of-16.npz``): an interrupted run resumes
-    at the shard it was in. With ``shard`` (``--shard i/N``) only that share's parts are computed; the run that finds
-    every part in ``out`` (the last shard to finish, or any later run) assembles the cells and writes the tables;
-    until then None is returned. Under torchrun (``world=World.from_env()``) every rank computes its virtual shards
-    on its own device and rank 0, once all have written their parts, assembles and writes (None on other ranks).
+    Work is saved per virtual shard of the windows, so an interrupted run resumes at its shard; the run that finds
+    every part assembles the cells and writes ``perplexity.csv``, ``perplexity.md``, ``figures/`` and
+    ``perplexity.json``. A second run of the same shard into ``out`` while one runs is refused at once.
 
-    An ``out`` holding a run (or this shard's record) with other settings is refused unless ``force``; a second run
-    of the same shard into ``out`` while one is running is refused at once (``run_lock``).
-    ``record``: the model's ``inspect_model`` where the caller made it already."""
+    Args:
+        s: the study's settings.
+        out: the output directory.
+        log: where progress lines go.
+        shard: compute only this share's parts (``--shard i/N``).
+        world: the ``torchrun`` processes (``World.from_env()``); rank 0 assembles and writes.
+        force: replace a run (or this shard's record) with other settings in ``out``.
+        record: the model's ``inspect_model``, where the caller made it already.
+
+    Returns:
+        The table (one row per spec); None until every part is there, and on ranks other than 0."""
     import contextlib
 
     from outlierscope.io import run_lock

@@ -150,15 +150,23 @@ def diff_lambdas(model) -> list[tuple[float, float]]:
 def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None, *, name: str | None = None,
                   progress: bool = True, shard: Shard | None = None, world: World | None = None,
                   **overrides) -> ProfileResult | None:
-    """Stream ``settings.tokens`` tokens of text through ``model`` (a ``LoadedModel``, or a module with its
-    ``tokenizer``) and return its statistics. Keyword ``overrides`` replace fields of ``settings``
-    (e.g. ``tokens=20_000``).
+    """Stream text through a model and return its outlier statistics, exactly mergeable over processes.
 
-    Data parallel (``outlierscope.parallel``): batch ``b`` belongs to virtual shard ``b % 16``; a process
-    streams the batches of its shards (``shard``, and its rank of ``world``), with their global sequence
-    numbers; under ``torchrun`` rank 0 gets the merged statistics (the other ranks None); a partial
-    ``shard`` returns its part (``merge_profile`` combines the saved parts). Any split gives the bytes of
-    a single process."""
+    Batch ``b`` belongs to virtual shard ``b % 16``; any split over processes or ``--shard`` jobs gives the bytes of
+    one process (see the GPUs guide).
+
+    Args:
+        model: a ``LoadedModel``, or a module (with ``tokenizer``).
+        tokenizer: the module's tokenizer; None with a ``LoadedModel``.
+        settings: the profile's settings; None: ``ProfileSettings()``.
+        name: the model's name in the result; None: the model's spec or class.
+        progress: show a progress bar.
+        shard: stream only this share of the virtual shards and return its part (``merge_profile`` joins parts).
+        world: the ``torchrun`` processes; rank 0 gets the merged statistics.
+        **overrides: fields of ``settings`` to replace (``tokens=20_000``).
+
+    Returns:
+        The ``ProfileResult``; None on ranks other than 0."""
     from tqdm.auto import tqdm
 
     try:
@@ -221,8 +229,18 @@ def profile_model(model, tokenizer=None, settings: ProfileSettings | None = None
 
 def profile(specs: list[str], settings: ProfileSettings, out: str | Path | None = None,
             progress: bool = True, shard: Shard | None = None, world: World | None = None) -> ProfileResult | None:
-    """Load and profile each model spec; with ``out``, write the results there (rank 0 alone; a partial
-    ``shard`` writes ``profile.shard-i-of-N.pt`` for ``merge_profile``)."""
+    """Load and profile each model spec, and write the results.
+
+    Args:
+        specs: model specs (``pair-tiny:diff``, a directory, a Hub id ...).
+        settings: the profile's settings.
+        out: the output directory (rank 0 writes); None: nothing written.
+        progress: show progress bars.
+        shard: profile only this share and write ``profile.shard-i-of-N.pt`` for ``merge_profile``.
+        world: the ``torchrun`` processes.
+
+    Returns:
+        The ``ProfileResult`` of every model (this shard's part for a partial ``shard``); None on ranks other than 0."""
     from outlierscope.models.loading import inspect_model, load_model, meta_model
 
     if not specs:

@@ -50,12 +50,16 @@ def _concat(frames: list[pd.DataFrame]) -> pd.DataFrame:
 
 @dataclass
 class ProfileResult:
-    """Statistics of one or more profiled models: ``stats`` (the reducers), ``facts`` (what ran, per model),
-    ``settings``; ``tables`` builds every tidy DataFrame, ``save`` writes them with ``profile.json``."""
+    """Statistics of one or more profiled models; ``tables`` builds every tidy DataFrame, ``save`` writes them.
+
+    Attributes:
+        stats: model name -> its ``OutlierStats``.
+        facts: model name -> what ran (its source, tokens, sequences, processes, seconds ...).
+        settings: the run's ``ProfileSettings``."""
 
     stats: dict[str, OutlierStats]
     facts: dict[str, dict]
-    settings: Any  # the run's ProfileSettings (outlierscope.runs.profile, which builds this result)
+    settings: Any
     _digests: dict[str, Callable[[], str]] = field(default_factory=dict, repr=False)
 
     @property

@@ -63,12 +63,19 @@ class ReproduceSettings:
 
 
 def reproduce(s: ReproduceSettings, log=print, world: World | None = None) -> Path | None:
-    """Profile, sweep, plot and report into ``s.out``; returns the report's path. Completed sweep cells are reused.
+    """Profile, sweep, plot and report the paper's Table 5 and Figure 8 into ``s.out``; completed cells are reused.
 
-    Under ``torchrun`` (``world=World.from_env()``) every rank profiles and scores its virtual shards
-    (``outlierscope.parallel``), rank 0 writes the tables, figures, report and ``reproduce.json`` and returns the
-    report's path (the other ranks None): with one thread per process, the bytes of one process (``make reproduce``
-    runs so, one process per core). ``s.check``: every setting, model and task checked, nothing run (None)."""
+    Under ``torchrun`` with one thread per process (as ``make reproduce`` runs, one process per core) the bytes are
+    those of one process.
+
+    Args:
+        s: the reproduction's settings; with ``s.check``, every setting, model and task is checked and nothing run.
+        log: where progress lines go.
+        world: the ``torchrun`` processes (``World.from_env()``); rank 0 writes the tables, figures, report and
+            ``reproduce.json``.
+
+    Returns:
+        The report's path; None with ``s.check`` and on ranks other than 0."""
     from outlierscope.data.tasks import task_label
     from outlierscope.models.loading import bundled_specs
     from outlierscope.report.markdown import write_report

@@ -85,16 +85,24 @@ def greedy_keep(order: list[int], layers: list[int], within) -> tuple[list[int],
 
 def sensitivity(s: SensitivitySettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
                 shard: Shard | None = None, world: World | None = None) -> dict | None:
-    """Run (or resume) the layer sensitivity of ``s.model`` into ``out``: ``sensitivity.csv`` (per layer),
-    ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and head), ``sensitivity.json``
-    (settings, ranking, suggestion, rank correlation, the cell of each evaluation), ``sensitivity.md`` (all of it
-    as tables) and ``figures/``. A directory that holds a run with other settings is refused unless ``force``.
-    Returns the record (None on the ranks other than 0).
+    """Run (or resume) a layer sensitivity study of ``s.model`` into ``out``: which layers a spec harms most.
 
-    ``world`` (torchrun): every cell, the greedy's tries too, is split over the processes as a sweep's cells are, and
-    rank 0 writes. A partial ``shard`` (``--shard i/N``, no communication) computes its share of the unquantized and
-    per-layer cells and writes ``sensitivity.shard-i-of-N.json``; ``outlierscope merge`` combines the shards' cells,
-    and a run without ``shard`` then reads them and runs the greedy's few tries. Any split gives the same bytes."""
+    Writes ``sensitivity.csv`` (per layer), ``greedy.csv`` (each tried assignment), ``attn_error.csv`` (per layer and
+    head), ``sensitivity.md``, ``figures/`` and the sealed ``sensitivity.json`` (settings, ranking, suggestion, rank
+    correlation, each evaluation's cell). Any split over processes or ``--shard`` jobs gives the same bytes.
+
+    Args:
+        s: the study's settings.
+        out: the output directory.
+        progress: show progress bars.
+        log: where progress lines go.
+        force: replace a run with other settings in ``out``.
+        shard: compute only this share of the unquantized and per-layer cells and write
+            ``sensitivity.shard-i-of-N.json`` (``outlierscope merge`` joins them; a whole run then finishes).
+        world: the ``torchrun`` processes; every cell, the greedy's tries too, is split over them and rank 0 writes.
+
+    Returns:
+        The record; None for a partial ``shard`` and on ranks other than 0."""
     out = Path(out)
     shard, world = shard or Shard(), world or World()
     main = world.is_main

@@ -166,14 +166,23 @@ def check_specs(model: str, specs, config) -> None:
 
 def sweep(s: SweepSettings, out: str | Path, progress: bool = True, log=print, force: bool = False,
           shard: Shard | None = None, world: World | None = None, records: dict | None = None) -> SweepResult | None:
-    """Run (or resume) a sweep into ``out``; returns the tidy result table (also written as sweep.csv). ``records``:
-    model -> its ``inspect_model``, where the caller made it already.
+    """Run (or resume) a sweep into ``out``: one cell per model, spec and task, then the tables and figures.
 
-    Data parallel (``outlierscope.parallel``): under ``torchrun`` pass ``world=World.from_env()``: every rank
-    scores its share of each cell, rank 0 writes the cells and tables and gets the result (the others None).
-    A partial ``shard`` writes its part of each cell (``cells/<cell>.shard-i-of-N.*``) and
-    ``sweep.shard-i-of-N.json`` and returns None; ``merge_sweep`` combines the shards. The numbers do not
-    depend on the split."""
+    Any split over processes or ``--shard`` jobs gives the same numbers (see the GPUs guide).
+
+    Args:
+        s: the sweep's settings.
+        out: the output directory.
+        progress: show progress bars.
+        log: where progress lines go.
+        force: replace a run with other settings in ``out``.
+        shard: score only this share of each cell and write ``sweep.shard-i-of-N.json`` for ``merge_sweep``.
+        world: the ``torchrun`` processes (``World.from_env()``); rank 0 writes the cells and tables.
+        records: model spec -> its ``inspect_model``, where the caller made it already.
+
+    Returns:
+        The ``SweepResult`` (``.table``: one row per model, task, bit width and metric; also ``sweep.csv``); None for
+        a partial ``shard`` and on ranks other than 0."""
     from outlierscope.models.loading import load_model
 
     shard, world = shard or Shard(), world or World()

@@ -67,12 +67,18 @@ def _tidy_rows(model: str, task: str, spec: QuantSpec, label: str, s: SweepSetti
 
 @dataclass
 class SweepResult:
-    """A finished sweep: the tidy table (one row per model, task, bit width and metric) and the run record."""
+    """A finished sweep: its tidy table and its run record.
+
+    Attributes:
+        table: one row per model, task, bit width and metric (``sweep.csv``).
+        record: the sealed run record (``sweep.json``).
+        out: the run's output directory.
+        side: the side tables where measured (``attn_error``, ``linear_error``, ``gold_ll``)."""
 
     table: pd.DataFrame
     record: dict
     out: Path
-    side: dict[str, pd.DataFrame] = field(default_factory=dict)  # attn_error, linear_error, gold_ll: where measured
+    side: dict[str, pd.DataFrame] = field(default_factory=dict)
 
     def markdown(self) -> str:
         """One row per model and bit width: acc, acc_norm (stderr), change vs 16 bits with CI, McNemar p, flips."""

@@ -27,25 +27,24 @@ _FUSED = contextvars.ContextVar("outlierscope_fused_kernels", default=False)
 
 
 # graphs a fusable function may compile inside fused_kernels (one per quantizer part and dtype, shapes dynamic):
-# dynamo's default of 8 would fall back to eager from the ninth scheme of a study on
+# dynamo's default of 8 would fall back to eager from a study's ninth scheme on
 RECOMPILE_LIMIT = 256
 
 
 @contextlib.contextmanager
 def fused_kernels(enabled: bool = True):
-    """Within the block, the quantizers (``quantize_activation``, ``quantize_weight``: every linear scheme's ``a=`` and
-    ``w=`` parts; ``quantize_tokens``, ``quantize_probs``, ``quantize_logits``: attention's q/k/v, P and logits parts
-    but bitsandbytes') run compiled by ``torch.compile`` when ``enabled``: the same bytes as eager on the CPU (tested on
-    every scheme), each chain of elementwise passes one fused loop (what it saves: bench/README's cost section);
-    seconds of compiling at each scheme's first call. A run's ``fused=True`` (``--fused``) enters it; refused
-    on a GPU (see the module). Restored on exit, also on error; dynamo's recompile limit is raised to
-    ``RECOMPILE_LIMIT`` meanwhile.
+    """Within the block, run the quantizers compiled by ``torch.compile``: the same bytes as eager on the CPU.
 
-    Example::
+    Every linear scheme's ``a=`` and ``w=`` parts and attention's q/k/v, P and logits parts (not bitsandbytes') run
+    as one fused loop per chain of elementwise passes, after seconds of compiling at each scheme's first call. A run's
+    ``fused=True`` (``--fused``) enters it; it is refused on a GPU. Dynamo's recompile limit is raised to
+    ``RECOMPILE_LIMIT`` meanwhile and restored on exit::
 
-        with fused_kernels(), quantize_model(model, QuantSpec.parse("nvfp4")):
+        with fused_kernels(), quantize_model(model, QuantSpec.of("nvfp4")):
             model(ids)
-    """
+
+    Args:
+        enabled: False runs the block eager (a run's ``fused=False``)."""
     token = _FUSED.set(bool(enabled))
     limits = {"recompile_limit": RECOMPILE_LIMIT, "accumulated_recompile_limit": RECOMPILE_LIMIT}
     try:

@@ -68,13 +68,34 @@ def absmax(x: torch.Tensor, dims, valid: torch.Tensor | None = None) -> torch.Te
 
 
 def absmax_scale(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
-    """Absmax scale over ``dims`` (keepdim) among ``valid`` entries; zero where nothing is valid."""
+    """The absmax scale of ``x`` over ``dims`` (keepdim) among valid entries; zero where nothing is valid.
+
+    Args:
+        x: the tensor.
+        bits: the format's width.
+        dims: the dimensions that share a scale.
+        valid: bool, broadcastable to ``x``: the entries that count; None: all.
+        fmt: the grid (``int``, ``fint`` or an FP8 format).
+
+    Returns:
+        ``max|x| / qmax(bits, fmt)``, in float32 at least."""
     return absmax(x, dims, valid) / qmax(bits, fmt)
 
 
 def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int",
                valid: torch.Tensor | None = None) -> torch.Tensor:
-    """Quantize-dequantize ``x`` with ``scale`` (broadcastable); returns a new tensor in ``x``'s dtype."""
+    """Quantize-dequantize ``x`` with ``scale``; a new tensor in ``x``'s dtype, ``x`` untouched.
+
+    Args:
+        x: the tensor.
+        scale: the scale, broadcastable to ``x``; where it is not a normal float, ``x`` comes back unchanged.
+        bits: the format's width (16: unquantized, a copy).
+        fmt: the grid: ``int`` (symmetric, round half to even), ``fint`` (the full two's-complement range) or an FP8
+            format.
+        valid: bool, broadcastable to ``x``: the entries to quantize (the others come back unchanged); None: all.
+
+    Returns:
+        The dequantized tensor."""
     check_bits(bits, fmt)
     if bits == UNQUANTIZED_BITS:
         return x.clone()

@@ -67,9 +67,14 @@ def _kind(target: str) -> str:
 
 @dataclass(frozen=True)
 class TensorQuant:
-    """One tensor's quantization: a registered ``format`` (``outlierscope.quant.numerics.registry``) with its
-    ``bits`` where it takes a width, its ``granularity`` and the granularity's ``size`` (tokens per block, channels
-    per group, tokens per channel group)."""
+    """One tensor's quantization, as one part of a spec's text (``k=int4/per_token``).
+
+    Attributes:
+        target: the tensor (``logits``, ``q``, ``k``, ``v``, ``probs``; a linear's input ``a`` and weight ``w``).
+        format: a registered format (``outlierscope.quant.numerics.registry``).
+        bits: its width, where the format takes one.
+        granularity: what shares a scale (``per_tensor``, ``per_token``, ``per_group``, ...).
+        size: the granularity's size (tokens per block, channels per group, tokens per channel group)."""
 
     target: str
     format: str

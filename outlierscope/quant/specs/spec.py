@@ -70,13 +70,16 @@ class Columns(NamedTuple):
 
 @dataclass(frozen=True, init=False)
 class QuantSpec:
-    """Everything a model is quantized with.
+    """Everything a model is quantized with; its text round-trips (``parse(str(spec)) == spec``).
 
-    parts: one ``TensorQuant`` per quantized tensor, in target order.
-    transforms: the typed transforms (smoothing, rotations, LLM.int8's decomposition, GPTQ, AWQ, the calibration
-        source, the linears and layers it applies to), in the canonical text's order.
-    name: the recipe it came from (not part of its identity).
-    The constructor takes tensor parts and transforms alike in ``parts``; ``logits`` builds the paper's form."""
+    Build one from text with ``QuantSpec.of("k=int4/per_token; w=int4/per_group:128")``, or the paper's form with
+    ``QuantSpec.logits(bits=4)``. The constructor takes tensor parts and transforms alike in ``parts``.
+
+    Attributes:
+        parts: one ``TensorQuant`` per quantized tensor, in target order.
+        transforms: the typed transforms (smoothing, rotations, LLM.int8's decomposition, GPTQ, AWQ, the calibration
+            source, the linears and layers it applies to), in the canonical text's order.
+        name: the recipe it came from (not part of its identity)."""
 
     parts: tuple[TensorQuant, ...] = ()
     transforms: tuple[Transform, ...] = ()

@@ -24,12 +24,16 @@ def _is_number(v) -> bool:
 
 @dataclass(frozen=True)
 class Transform:
-    """A spec's transform: its text is ``key`` or ``key:ARG``.
+    """A spec's transform, one typed part whose text is ``key`` or ``key:ARG``; subclasses set the class attributes.
 
-    Class attributes: ``key`` (its text key), ``bare`` (whether the key alone is its text), ``rank`` (its place in
-    a spec's canonical text), ``attention`` / ``linears`` (whether it changes anything there by itself),
-    ``identity`` (keys the identity of a cell computed with it gains), ``qk_rank`` (its place among the q/k
-    transforms of the attention stage: the rotation first, then smoothing centres the rotated k)."""
+    Attributes:
+        key: its text key.
+        bare: whether the key alone is its text.
+        rank: its place in a spec's canonical text.
+        attention: whether it changes attention by itself.
+        linears: whether it changes linear layers by itself.
+        identity: keys the identity of a cell computed with it gains.
+        qk_rank: its place among the q/k transforms of the attention stage (the rotation first, then smoothing)."""
 
     key: ClassVar[str] = ""
     bare: ClassVar[bool] = False
@@ -76,9 +80,16 @@ TRANSFORMS: dict[str, type[Transform]] = {}
 
 
 def register_transform(cls: type[Transform]) -> type[Transform]:
-    """Add the transform type ``cls`` to the registry by its key (a key already there is an error); returns it.
+    """Add a transform type to the registry by its key.
 
-    cls: a ``Transform`` subclass with its own ``key``."""
+    Args:
+        cls: a ``Transform`` subclass with its own, new ``key``.
+
+    Returns:
+        ``cls``, so that it can be used as a class decorator.
+
+    Raises:
+        ValueError: an empty key, or one registered already."""
     if not cls.key or cls.key in TRANSFORMS:
         raise ValueError(f"transform key {cls.key!r} is empty or registered already")
     TRANSFORMS[cls.key] = cls

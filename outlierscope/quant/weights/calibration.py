@@ -136,9 +136,18 @@ def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
 
 
 def calibration_for(model: nn.Module, tokenizer, spec, checkpoint_dir=None) -> Calibration | None:
-    """What ``quantize_model`` needs besides ``spec``: the calibration pass of a spec
-    with SmoothQuant or static activation scales, else None. Checks the ``linears`` patterns first (before any
-    forward). Every process computes the same (it reads the same text)."""
+    """What ``quantize_model`` needs besides a spec: the calibration of a spec with SmoothQuant or static scales.
+
+    The ``linears`` patterns are checked first, before any forward; every process computes the same.
+
+    Args:
+        model: the model to calibrate.
+        tokenizer: its tokenizer (the calibration text is tokenized with it).
+        spec: a ``QuantSpec``, its text or a recipe name.
+        checkpoint_dir: GPTQ/AWQ: each calibrated layer is saved there and a rerun continues; None: not kept.
+
+    Returns:
+        The ``Calibration``; None when the spec needs none."""
     spec = QuantSpec.of(spec)
     if not spec.has_linear:
         return None
