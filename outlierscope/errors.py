@@ -27,10 +27,17 @@ class ParamError(OutlierscopeError, ValueError):
         super().__init__(self.render(param))
 
     def render(self, name: str) -> str:
+        """The message with the parameter called ``name``.
+
+        Args:
+            name: how the caller spells the parameter."""
         return f"{name} must be {self.expected}, got {self.got!r}" + (f"; {self.hint}" if self.hint else "")
 
     def renamed(self, names: dict[str, str]) -> str:
-        """The message with the parameter called as in ``names`` (e.g. ``{"batch_size": "--batch-size"}``)."""
+        """The message with the parameter called as in ``names``.
+
+        Args:
+            names: parameter -> its name for the caller (``{"batch_size": "--batch-size"}``)."""
         return self.render(names.get(self.param, self.param))
 
 

@@ -97,20 +97,40 @@ def _documented_names(obj) -> list[str] | None:
     return names or None
 
 
-def test_every_api_entry_documents_each_parameter():
-    """Each function and class of the API reference (but the settings classes, rendered as generated tables) lists
-    every parameter or field in its Args / Attributes section, in signature order, as griffe parses it."""
+def _rendered_entries() -> list[tuple[str, object]]:
+    """Each function and class the API reference renders, and the public methods of the classes it renders with
+    their members; the settings classes (generated tables) and constants left out."""
     import importlib
+    import inspect
 
-    griffe = pytest.importorskip("griffe")
-    pkg = griffe.load("outlierscope", search_paths=[str(ROOT)])
     text = "\n".join(p.read_text() for p in sorted(API.glob("*.md")))
     tables = set(re.findall(r"\{\{ settings ([\w.]+) \}\}", text))
-    wrong = []
+    no_members = set(re.findall(r"^::: ([\w.]+)\n(?:    .*\n)*?      members: false", text, re.M))
+    out = []
     for t in _api_targets():
         module, name = t.rsplit(".", 1)
         obj = getattr(importlib.import_module(module), name, None)
-        want = None if t in tables or obj is None else _documented_names(obj)
+        if t in tables or obj is None or not callable(obj):
+            continue
+        out.append((t, obj))
+        if inspect.isclass(obj) and t not in no_members:
+            for m, v in vars(obj).items():
+                f = v.__func__ if isinstance(v, (classmethod, staticmethod)) else v
+                if not m.startswith("_") and inspect.isfunction(f):
+                    out.append((f"{t}.{m}", f))
+    return out
+
+
+def test_every_api_entry_documents_each_parameter():
+    """Each rendered function, class and method lists every parameter or field in its Args / Attributes section, in
+    signature order, as griffe parses it."""
+    griffe = pytest.importorskip("griffe")
+    pkg = griffe.load("outlierscope", search_paths=[str(ROOT)])
+    entries = _rendered_entries()
+    assert len(entries) > 100
+    wrong = []
+    for t, obj in entries:
+        want = _documented_names(obj)
         if want is None:
             continue
         doc = pkg[t.removeprefix("outlierscope.")].docstring

@@ -105,7 +105,10 @@ class AttentionErrorStats:
                           for f in self.FIELDS}
 
     def set_shard(self, shard: int) -> None:
-        """The virtual shard the next rows belong to (the batch's: ``shard_of(batch)``)."""
+        """Set the virtual shard the next rows belong to (the batch's: ``shard_of(batch)``).
+
+        Args:
+            shard: 0 .. VIRTUAL_SHARDS - 1."""
         self.shard = shard
 
     def __getattr__(self, name: str):
@@ -118,7 +121,16 @@ class AttentionErrorStats:
     def update(self, layer: int, ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
                value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
                quant_value: torch.Tensor | None = None) -> None:
-        """Add the rows of one block (``attention_row_errors`` of the arguments) to ``layer``."""
+        """Add the rows of one attention block of a layer (``attention_row_errors`` of the arguments).
+
+        Args:
+            layer: the decoder layer.
+            ref: the unquantized logits ``(B, H, t, S)``.
+            quant: the quantized logits, the same shape.
+            valid: bool ``(B, 1|H, t, S)``: the entries that count.
+            value: the values ``(B, H, S, d)``, for the output's relative error; None: not measured.
+            quant_probs: the probabilities a kernel multiplies after quantizing P; None: ``softmax(quant)``.
+            quant_value: the values it multiplies after quantizing V; None: ``value``."""
         if self.n_heads is None:
             self._allocate(ref.shape[1])
         e = {k: t.cpu() for k, t in attention_row_errors(ref, quant, valid, value, quant_probs, quant_value).items()}
@@ -134,8 +146,13 @@ class AttentionErrorStats:
             at["rel_max"][s, layer] = torch.maximum(at["rel_max"][s, layer], e["rel_out"].amax((0, 2)))
 
     def merge(self, other: AttentionErrorStats) -> AttentionErrorStats:
-        """Add ``other``'s rows: other virtual shards of the same run (exact: each shard's numbers come from one
-        side, the other's are zero), or other data (counts and maxima exact, sums float64)."""
+        """Add another's rows: other virtual shards of the same run (exact), or other data (sums in float64).
+
+        Args:
+            other: statistics of the same layers and heads.
+
+        Returns:
+            self."""
         if other.n_heads is None:
             return self
         if self.n_heads is None:
@@ -159,7 +176,11 @@ class AttentionErrorStats:
 
     @classmethod
     def from_shard_tables(cls, tables: list[pd.DataFrame], n_layers: int) -> AttentionErrorStats:
-        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined."""
+        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined.
+
+        Args:
+            tables: the parts' shard tables.
+            n_layers: the model's decoder layers."""
         st = cls(n_layers)
         rows = pd.concat([t for t in tables if len(t)], ignore_index=True) if any(len(t) for t in tables) else None
         if rows is None:

@@ -35,12 +35,21 @@ class LinearErrorStats:
         self.shard = 0
 
     def set_shard(self, shard: int) -> None:
-        """The virtual shard the next tokens belong to (the batch's: ``shard_of(batch)``)."""
+        """Set the virtual shard the next tokens belong to (the batch's: ``shard_of(batch)``).
+
+        Args:
+            shard: 0 .. VIRTUAL_SHARDS - 1."""
         self.shard = shard
 
     def update(self, layer: int, linear: str, ref: torch.Tensor, out: torch.Tensor, valid: torch.Tensor | None) -> None:
-        """Add the tokens of one forward of ``linear`` in ``layer``: ``ref`` and ``out`` (..., out_features), ``valid``
-        (the leading dims, bool) or None (every token)."""
+        """Add the tokens of one forward of a linear.
+
+        Args:
+            layer: the decoder layer.
+            linear: the linear's name (one of ``linears``).
+            ref: the unquantized output ``(..., out_features)``.
+            out: the quantized output, the same shape.
+            valid: bool over the leading dims: the real tokens; None: every token."""
         r = ref.double().reshape(-1, ref.shape[-1])  # (N, O)
         err = (out.double().reshape(r.shape) - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(torch.finfo(torch.float64).tiny)
         keep = torch.ones_like(err, dtype=torch.bool) if valid is None else valid.reshape(-1).to(err.device)
@@ -51,7 +60,13 @@ class LinearErrorStats:
         at["rel_max"][s, layer, k] = torch.maximum(at["rel_max"][s, layer, k], err.max() if err.numel() else err.sum())
 
     def merge(self, other: LinearErrorStats) -> LinearErrorStats:
-        """Add ``other``'s tokens (other virtual shards of the same run: exact)."""
+        """Add another's tokens: other virtual shards of the same run, exactly.
+
+        Args:
+            other: statistics of the same layers and linears.
+
+        Returns:
+            self."""
         if (other.n_layers, other.linears) != (self.n_layers, self.linears):
             raise ValueError(f"shapes differ: ({self.n_layers}, {self.linears}) vs ({other.n_layers}, {other.linears})")
         for f, t in self.per_shard.items():
@@ -68,7 +83,11 @@ class LinearErrorStats:
 
     @classmethod
     def from_shard_tables(cls, tables: list[pd.DataFrame], n_layers: int) -> LinearErrorStats:
-        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined."""
+        """The statistics of ``shard_table`` parts (disjoint virtual shards) combined.
+
+        Args:
+            tables: the parts' shard tables.
+            n_layers: the model's decoder layers."""
         rows = pd.concat([t for t in tables if len(t)], ignore_index=True) if any(len(t) for t in tables) else None
         names = dict(zip(rows["k"], rows["linear"])) if rows is not None else {}
         linears = [names.get(k, f"unseen_{k}") for k in range(1 + max(names, default=-1))]

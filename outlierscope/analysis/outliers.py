@@ -353,6 +353,12 @@ class OutlierStats:
 
     @classmethod
     def for_model(cls, model, seq_len: int, **kw) -> OutlierStats:
+        """Statistics sized for a model's config (layers, heads, hidden size).
+
+        Args:
+            model: a transformers model (a multimodal one's ``text_config`` is read).
+            seq_len: tokens per sequence.
+            **kw: the other arguments of ``OutlierStats``."""
         c = getattr(model.config, "text_config", None) or model.config
         return cls(c.num_hidden_layers, c.num_attention_heads, c.hidden_size, seq_len, **kw)
 
@@ -379,7 +385,10 @@ class OutlierStats:
             self.sinks[kind](obs)
 
     def set_shard(self, shard: int) -> None:
-        """The virtual shard (0..VIRTUAL_SHARDS-1) of the data that follows (profile sets it per batch)."""
+        """Set the virtual shard of the data that follows (profile sets it per batch).
+
+        Args:
+            shard: 0 .. VIRTUAL_SHARDS - 1."""
         if not 0 <= shard < VIRTUAL_SHARDS:
             raise ParamError("shard", f"in 0..{VIRTUAL_SHARDS - 1}", shard)
         self._shard = shard
@@ -405,7 +414,13 @@ class OutlierStats:
         return stats
 
     def merge(self, other: OutlierStats) -> OutlierStats:
-        """Add ``other``'s statistics (same model and settings) into this one; returns self."""
+        """Add another's statistics (same model and settings) into this one, exactly.
+
+        Args:
+            other: the statistics of other data.
+
+        Returns:
+            self."""
         self.order += [k for k in getattr(other, "order", []) if k not in self.order]
         for mine, theirs in ((self.by_kind, other.by_kind), (self.sinks, other.sinks)):
             for kind, st in theirs.items():
@@ -464,12 +479,22 @@ class OutlierStats:
         return [k for k in self.kinds() if k not in MAP_KINDS]
 
     def median(self, kind: str, layer: int | None = None, head: int | None = None) -> float:
+        """The median |x| of a point kind, from its histogram.
+
+        Args:
+            kind: the point kind (``attn.logits``, ``hidden``, ...).
+            layer: only this layer; None: every layer.
+            head: only this head; None: every head."""
         h = self.hist[kind]
         h = h if layer is None else h[layer : layer + 1]
         h = h if head is None else h[:, head : head + 1]
         return self.bins.quantile(h.sum((0, 1)).numpy(), 0.5)
 
     def count(self, kind: str) -> int:
+        """The number of valid entries a point kind has seen.
+
+        Args:
+            kind: the point kind."""
         return int(self.hist[kind].sum())
 
     def table5(self) -> pd.DataFrame:
@@ -572,6 +597,14 @@ class OutlierStats:
         return out
 
     def topk_frame(self, kind: str) -> pd.DataFrame:
+        """The largest |x| of a point kind with their locations, one row each.
+
+        Args:
+            kind: the point kind.
+
+        Returns:
+            Columns ``value`` and the location (layer, head, seq, query, key for maps; layer, channel, seq, token for
+            token tensors); empty when the kind was not seen."""
         if not self.seen[kind]:
             return pd.DataFrame()
         top = self.top[kind]
@@ -630,7 +663,10 @@ class OutlierStats:
         return [st.kind for st in self._tokens() if st.massive.overflowed]
 
     def massive_recurrence(self, massive: pd.DataFrame | None = None) -> pd.DataFrame:
-        """Where the massive activations recur; ``massive``: ``massive``'s table when the caller has it already."""
+        """Where the massive activations recur.
+
+        Args:
+            massive: ``massive()``'s table, when the caller has it already."""
         sequences = max((st.sequences for st in self._tokens()), default=0)
         return act.recurrence_frame(self.massive() if massive is None else massive, sequences)
 
@@ -645,8 +681,10 @@ class OutlierStats:
         return act.act_scales(self._tokens())
 
     def topk_points(self, maps: bool) -> pd.DataFrame:
-        """Top-k with locations of every map kind (``maps``) or token kind beyond Table 5's two, with a ``point``
-        column."""
+        """Top-k with locations of every map kind, or of every token kind beyond Table 5's two, with a ``point`` column.
+
+        Args:
+            maps: True for the map kinds, False for the token kinds."""
         frames = []
         for kind in self.kinds():
             if kind not in KINDS and (kind in MAP_KINDS) == maps:

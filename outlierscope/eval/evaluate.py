@@ -139,6 +139,13 @@ class EvalResult:
     extra: dict = field(default_factory=dict)
 
     def correct(self, metric: str) -> np.ndarray:
+        """Whether each item's prediction under a metric is its gold choice.
+
+        Args:
+            metric: ``acc`` or ``acc_norm``.
+
+        Returns:
+            A bool array, one entry per item."""
         return (self.items[METRICS[metric]] == self.items["label"]).to_numpy()
 
     def gold_loglik(self) -> np.ndarray:
@@ -147,8 +154,15 @@ class EvalResult:
         return scores[np.arange(len(scores)), self.items["label"].to_numpy()]
 
     def compare(self, base: EvalResult, seed: int = 0) -> dict:
-        """Paired change against ``base`` (same items, same order): per metric delta, 95% bootstrap interval,
-        McNemar p and flip rate, and the mean |change| of the per-choice log-likelihoods."""
+        """The paired change against ``base``, on the same items in the same order.
+
+        Args:
+            base: the result to compare with (the unquantized model's, usually).
+            seed: the bootstrap's seed.
+
+        Returns:
+            Per metric: the delta with its 95% bootstrap interval, McNemar's p and the flip rate; and the mean |change|
+            of the per-choice log-likelihoods."""
         if not np.array_equal(self.items["index"].to_numpy(), base.items["index"].to_numpy()):
             raise OutlierscopeError("the two evaluations are not of the same items in the same order; compare like with like")
         out = {}
@@ -173,8 +187,15 @@ class EvalResult:
         return {"settings": self.settings, "metrics": self.metrics, "seconds": self.seconds, **self.extra}
 
     def save(self, out: str | Path, name: str = "eval", vouch: tuple[str, ...] = ()) -> Path:
-        """Write ``{name}.csv`` (per item) and then ``{name}.json`` (settings, metrics, the sha256 of the csv and of the
-        files ``vouch`` names in ``out``, sealed: ``write_record``), each atomically."""
+        """Write ``{name}.csv`` (per item), then the sealed ``{name}.json`` (settings, metrics, digests), each atomically.
+
+        Args:
+            out: the directory.
+            name: the files' stem.
+            vouch: names of further files in ``out`` whose sha256 the record lists.
+
+        Returns:
+            The record's path."""
         out = Path(out)
         write_csv(out / f"{name}.csv", self.items)
         files = file_digests(out, (f"{name}.csv", *vouch))
@@ -182,9 +203,13 @@ class EvalResult:
         return out
 
     def save_cell(self, out: str | Path, name: str, settings: dict, tables: dict | None = None) -> None:
-        """Save as a run's cell: ``settings`` (its identity) in the record, each side table as
-        ``{name}.{key}.csv`` before the cell's json (which marks it complete and holds every file's digest), and the
-        tables in ``extra["{key}_table"]`` (as ``load_cell`` returns them)."""
+        """Save as a run's cell: the side tables first, then the cell's record, which marks it complete.
+
+        Args:
+            out: the cells' directory.
+            name: the cell's file stem.
+            settings: the cell's identity, stored in its record.
+            tables: side tables, key -> DataFrame, written as ``{name}.{key}.csv`` and kept in ``extra["{key}_table"]``."""
         self.extra["cell"] = settings
         for key, df in (tables or {}).items():
             write_csv(Path(out) / f"{name}.{key}.csv", df)
@@ -194,9 +219,19 @@ class EvalResult:
 
     @classmethod
     def load_cell(cls, out: str | Path, name: str, settings: dict, tables: tuple[str, ...] = ()) -> EvalResult | None:
-        """A complete cell saved by ``save_cell`` with exactly these ``settings`` and side ``tables`` (read into
-        ``extra["{key}_table"]``); None otherwise (the caller computes it). A cell whose files do not match their
-        digests is ``Damaged``."""
+        """A complete cell saved by ``save_cell`` with exactly these settings and side tables.
+
+        Args:
+            out: the cells' directory.
+            name: the cell's file stem.
+            settings: the identity the cell must have.
+            tables: the keys of the side tables to read into ``extra["{key}_table"]``.
+
+        Returns:
+            The result; None when there is no such complete cell (the caller computes it).
+
+        Raises:
+            Damaged: a cell whose files do not match their digests."""
         res = cls.load(out, name)
         if res is None or res.extra.get("cell") != settings:
             return None
@@ -209,9 +244,17 @@ class EvalResult:
 
     @classmethod
     def load(cls, out: str | Path, name: str = "eval") -> EvalResult | None:
-        """Read back a result written by ``save``: None when it is absent (no json: never finished);
-        ``Damaged`` when its record's seal or a file's digest does not match (a record written
-        before digests, without ``record_sha256``, is checked by its structure only: columns and item count)."""
+        """Read back a result written by ``save``.
+
+        Args:
+            out: the directory.
+            name: the files' stem.
+
+        Returns:
+            The result; None when it is absent (no record: never finished).
+
+        Raises:
+            Damaged: a record whose seal, or a file whose digest, does not match."""
         out = Path(out)
         meta_path, items_path = out / f"{name}.json", out / f"{name}.csv"
         if not meta_path.exists():

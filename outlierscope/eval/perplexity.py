@@ -60,19 +60,31 @@ class TokenScores:
         return len(self.window)
 
     def summary(self, seed: int = 0) -> dict:
-        """llama.cpp's statistics of these tokens (PPL, ln PPL ratio, KLD mean and percentiles, same top token, RMS
-        dp, each with its uncertainty) and the NLL change and mean KLD with 95% intervals over whole windows
-        (``outlierscope.analysis.kld.summary``)."""
+        """llama.cpp's statistics of these tokens, and the NLL change and mean KLD with 95% intervals over whole windows.
+
+        Args:
+            seed: the bootstrap's seed.
+
+        Returns:
+            PPL, ln PPL ratio, KLD mean and percentiles, same top token and RMS dp, each with its uncertainty
+            (``outlierscope.analysis.kld.summary``)."""
         from outlierscope.analysis.kld import summary
 
         return summary(self, seed)
 
     def save(self, path: str | Path) -> None:
+        """Write the arrays as a compressed ``.npz``.
+
+        Args:
+            path: a file name or a binary file."""
         np.savez_compressed(path, **{k: getattr(self, k) for k in ("window", "same_top", *FLOATS)})
 
     @classmethod
     def load(cls, path) -> TokenScores:
-        """What ``save`` wrote to ``path`` (a file name or a binary file)."""
+        """What ``save`` wrote.
+
+        Args:
+            path: a file name or a binary file."""
         with np.load(path) as z:
             return cls(**{k: z[k] for k in ("window", "same_top", *FLOATS)})
 
@@ -86,13 +98,20 @@ class TokenScores:
 
     @classmethod
     def from_bytes(cls, data: bytes) -> TokenScores:
+        """What ``to_bytes`` returned.
+
+        Args:
+            data: the bytes ``save`` writes."""
         import io
 
         return cls.load(io.BytesIO(data))
 
     @classmethod
     def concat(cls, parts: Sequence[TokenScores]) -> TokenScores:
-        """Parts of disjoint windows into one, in window order (a stable sort: tokens keep their order)."""
+        """Parts of disjoint windows joined into one, in window order (a stable sort: tokens keep their order).
+
+        Args:
+            parts: the parts, in any order."""
         whole = {k: np.concatenate([getattr(p, k) for p in parts]) for k in ("window", "same_top", *FLOATS)}
         order = np.argsort(whole["window"], kind="stable")
         return cls(**{k: v[order] for k, v in whole.items()})

@@ -123,10 +123,13 @@ class LoadedModel:
         return self.path.name
 
     def provenance(self, weights_sha256: str | None = None) -> dict:
-        """What a run record says of the model: the spec as given, its kind, the Hub commit or GGUF details, and the
-        sha256 of the weight files (``weights_sha256`` when the caller has it already); for a checkpoint saved
-        quantized (compressed-tensors, GPTQ, AWQ, bitsandbytes) its ``quantization_config`` as transformers read it:
-        the scheme, the modules it ignores, the KV-cache scheme."""
+        """What a run record says of the model.
+
+        The spec as given, its kind, the Hub commit or GGUF details, the weight files' sha256, and for a checkpoint
+        saved quantized its ``quantization_config`` as transformers read it.
+
+        Args:
+            weights_sha256: the weights' digest, when the caller has it already; None: computed here."""
         base = self.source.record() if self.source is not None else {"given": self.spec, "kind": "module"}
         quant = self.quantization_config()
         return {**base, "weights_sha256": weights_sha256 or self.weights_sha256(),

@@ -88,6 +88,10 @@ class PairConfig:
 
     @classmethod
     def from_name(cls, name: str) -> PairConfig:
+        """The preset pair of a name.
+
+        Args:
+            name: a key of ``PRESETS`` (``pair-tiny``, ...); an unknown one is refused with the closest names."""
         if name not in PRESETS:
             close = difflib.get_close_matches(name, PRESETS, n=3, cutoff=0.3)
             hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -101,6 +105,10 @@ class PairConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> PairConfig:
+        """The config a record stored (``asdict``); keys that are not init fields are ignored.
+
+        Args:
+            d: the stored fields."""
         init = {f.name for f in fields(cls) if f.init}
         kw = {k: v for k, v in d.items() if k in init}
         if "betas" in kw:
@@ -108,7 +116,10 @@ class PairConfig:
         return cls(**kw)
 
     def hf_config(self, role: str):
-        """The transformers config of one role: ``LlamaConfig`` or ``DiffLlamaConfig``."""
+        """The transformers config of one role.
+
+        Args:
+            role: ``transformer`` (``LlamaConfig``) or ``diff`` (``DiffLlamaConfig``)."""
         from transformers import DiffLlamaConfig, LlamaConfig
 
         common = dict(
@@ -138,7 +149,11 @@ class PairConfig:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
     def build(self, role: str, seed: int = 0):
-        """A freshly initialised model of one role; both roles share every non-lambda weight for a seed."""
+        """A freshly initialised model of one role; both roles share every non-lambda weight for a seed.
+
+        Args:
+            role: ``transformer`` or ``diff``.
+            seed: the initialisation's seed."""
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -153,7 +168,10 @@ class PairConfig:
         return model
 
     def n_params(self, role: str) -> int:
-        """Exact parameter count (tied embeddings counted once), computed from the shapes."""
+        """The exact parameter count (tied embeddings counted once), computed from the shapes.
+
+        Args:
+            role: ``transformer`` or ``diff``."""
         d, L, ff, V = self.hidden_size, self.n_layers, self.intermediate_size, self.vocab_size
         q = self.n_heads * self.head_dim
         kv = self.n_kv_heads * self.head_dim

@@ -103,7 +103,11 @@ class ModelRecord:
         return config
 
     def check_for(self, spec: str, trust_remote_code: bool) -> None:
-        """Refuse a record made for another spec or another ``trust_remote_code``."""
+        """Refuse a record made for another spec or another ``trust_remote_code``.
+
+        Args:
+            spec: the spec the caller loads.
+            trust_remote_code: the caller's setting."""
         if (spec, trust_remote_code) != (self.spec, self.trust_remote_code):
             raise ParamError("record", f"the record of {spec} with trust_remote_code={trust_remote_code}",
                              f"{self.spec} with trust_remote_code={self.trust_remote_code}",

@@ -103,7 +103,14 @@ class ProfileResult:
         return table5_markdown(self.table5, self.facts)
 
     def save_shard(self, out: str | Path, shard: Shard) -> Path:
-        """A partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: the statistics, facts and settings."""
+        """Write a partial profile (``--shard i/N``) as ``profile.shard-i-of-N.pt``: statistics, facts and settings.
+
+        Args:
+            out: the directory.
+            shard: the shard it holds.
+
+        Returns:
+            The file's path."""
         facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
         path = Path(out) / f"profile.{shard.tag}.pt"
         save_torch_checked(path, {"stats": {n: st.state() for n, st in self.stats.items()}, "facts": facts,
@@ -123,8 +130,15 @@ class ProfileResult:
             torch.save(a, stage / ("act_scales.pt" if len(scales) == 1 else f"act_scales.{slug}.pt"))
 
     def save(self, out: str | Path) -> Path:
-        """Write every table into ``out``: staged in a temporary directory, then moved in file by file
-        (each rename atomic), ``profile.json`` last. Weights are hashed here, not while profiling."""
+        """Write every table, staged and moved in file by file (each rename atomic), the sealed ``profile.json`` last.
+
+        Weights are hashed here, not while profiling.
+
+        Args:
+            out: the directory.
+
+        Returns:
+            The directory."""
         facts = {n: {**f, "weights_sha256": f.get("weights_sha256") or self._digests[n]()} for n, f in self.facts.items()}
         with output_dir(out) as out:
             stage = Path(tempfile.mkdtemp(prefix=".profile-", dir=out))

@@ -85,8 +85,13 @@ class SweepResult:
         return sweep_table(self.table)
 
     def save(self, out: str | Path) -> Path:
-        """Write ``sweep.csv`` and the side tables, then ``sweep.json`` with their digests (and ``text.csv``'s, which
-        the run's text cells wrote before)."""
+        """Write ``sweep.csv`` and the side tables, then the sealed ``sweep.json`` with every table's digest.
+
+        Args:
+            out: the directory.
+
+        Returns:
+            The directory."""
         out = Path(out)
         write_csv(out / "sweep.csv", self.table)
         for name, df in self.side.items():

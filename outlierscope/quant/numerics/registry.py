@@ -60,20 +60,35 @@ class Format:
     static = False  # takes a static scale (a calibrated absmax)
 
     def text(self, bits: int | None) -> str:
-        """The format as a spec writes it: ``int4``, ``e4m3``."""
+        """The format as a spec writes it: ``int4``, ``e4m3``.
+
+        Args:
+            bits: the width, for a format that takes one."""
         return f"{self.name}{bits}" if self.bits is not None else self.name
 
     def nominal_bits(self, bits: int | None) -> int:
-        """Bits per element."""
+        """Bits per element.
+
+        Args:
+            bits: the width, for a format that takes one."""
         return bits if self.bits is not None else self.nominal
 
     def words(self, bits: int | None) -> str:
-        """The format in a table's words: ``4-bit int``."""
+        """The format in a table's words: ``4-bit int``.
+
+        Args:
+            bits: the width, for a format that takes one."""
         return f"{self.nominal_bits(bits)}-bit {self.name}"
 
     def check(self, target: str, bits: int | None, granularity: str | None) -> None:
-        """One-line errors for a target, width or granularity the format does not take (the granularity's own
-        rules, per target, are the part's)."""
+        """One-line errors for a target, width or granularity the format does not take.
+
+        The granularity's own rules, per target, are the part's.
+
+        Args:
+            target: the tensor (``k``, ``w``, ...).
+            bits: the width given (None: none).
+            granularity: the granularity given."""
         if target not in self.targets:
             raise OutlierscopeError(f"{target}: " + (self.outside or f"{self.name} applies to "
                                                      f"{' and '.join(t + '=' for t in self.targets)} only"))
@@ -90,16 +105,33 @@ class Format:
             raise OutlierscopeError(f"{target}: static scales need a symmetric format (int or FP8)")
 
     def quantize(self, x, dims: tuple, valid, bits: int | None):
-        """``x`` quantized-dequantized with one scale per granule (the reduced ``dims``), ``valid`` entries only."""
+        """``x`` quantized-dequantized with one scale per granule, valid entries only.
+
+        Args:
+            x: the tensor.
+            dims: the dimensions each granule reduces.
+            valid: bool, broadcastable to ``x``; None: all.
+            bits: the width, for a format that takes one."""
         raise OutlierscopeError(f"{self.name} has no emulation over granules; it brings its own kernels")
 
     def quantize_static(self, x, amax, bits: int | None, valid=None):
-        """``x`` quantized-dequantized with the scale of a given absmax ``amax`` (``valid`` entries only)."""
+        """``x`` quantized-dequantized with the scale of a given absmax, valid entries only.
+
+        Args:
+            x: the tensor.
+            amax: the calibrated absmax.
+            bits: the width, for a format that takes one.
+            valid: bool, broadcastable to ``x``; None: all."""
         raise OutlierscopeError(f"{self.name}: static scales need a symmetric format (int or FP8)")
 
     def ct_args(self, part) -> dict:
-        """compressed-tensors' fields of this format for ``part`` (a ``TensorQuant``; its granularity's fields are the
-        exporter's); a one-line error for a format it does not write, naming the spelling it does."""
+        """compressed-tensors' fields of this format for a part (its granularity's fields are the exporter's).
+
+        Args:
+            part: the ``TensorQuant``.
+
+        Raises:
+            OutlierscopeError: a format compressed-tensors does not write, naming the spellings it does."""
         if self.ct is None:
             raise OutlierscopeError(f"{part}: compressed-tensors has no {self.name} format (it takes fintN, zintN, e4m3, "
                                     f"{', '.join(f.name for f in FORMATS.values() if isinstance(f, Block) and f.ct)}); "

@@ -119,25 +119,46 @@ class QuantSpec:
         return cls((part, *([Layers(tuple(layers))] if layers is not None else [])))
 
     def part(self, target: str) -> TensorQuant | None:
-        """The tensor part of ``target``, or None."""
+        """The tensor part of a target.
+
+        Args:
+            target: ``logits``, ``q``, ``k``, ``v``, ``probs``, ``a`` or ``w``.
+
+        Returns:
+            The ``TensorQuant``, or None."""
         return next((p for p in self.parts if p.target == target), None)
 
     def get(self, kind: type[T]) -> T | None:
-        """The transform of type ``kind``, or None."""
+        """The transform of a type.
+
+        Args:
+            kind: a ``Transform`` subclass (``Smooth``, ``Gptq``, ...).
+
+        Returns:
+            The transform, or None."""
         return next((t for t in self.transforms if isinstance(t, kind)), None)
 
     def with_part(self, part: TensorQuant | Transform) -> QuantSpec:
-        """This spec with ``part`` in place of its part of the same target or transform type (or added)."""
+        """This spec with a part in place of its part of the same target or transform type, or added.
+
+        Args:
+            part: a ``TensorQuant`` or a ``Transform``."""
         same = (lambda p: isinstance(p, TensorQuant) and p.target == part.target) if isinstance(part, TensorQuant) \
             else (lambda t: type(t) is type(part))
         return QuantSpec((*(p for p in (*self.parts, *self.transforms) if not same(p)), part), name=self.name)
 
     def with_layers(self, layers) -> QuantSpec:
-        """This spec on ``layers`` (indices; None: every layer)."""
+        """This spec on some decoder layers only.
+
+        Args:
+            layers: layer indices; None: every layer."""
         return self.without(Layers) if layers is None else self.with_part(Layers(tuple(layers)))
 
     def without(self, kind: type[Transform]) -> QuantSpec:
-        """This spec without its transform of type ``kind``."""
+        """This spec without its transform of a type.
+
+        Args:
+            kind: a ``Transform`` subclass."""
         return QuantSpec((*self.parts, *(t for t in self.transforms if not isinstance(t, kind))), name=self.name)
 
     @property
@@ -172,6 +193,10 @@ class QuantSpec:
         return self.get(AWQConfig)
 
     def applies_to(self, layer: int) -> bool:
+        """Whether the spec quantizes a decoder layer.
+
+        Args:
+            layer: the layer's index."""
         return self.layers is None or layer in self.layers
 
     @property
@@ -187,7 +212,10 @@ class QuantSpec:
         return w.format.removeprefix(BNB_PREFIX) if w is not None and isinstance(w.fmt, Kernel) else "none"
 
     def with_weights(self, mode: str) -> QuantSpec:
-        """This spec with bitsandbytes' ``mode`` weights (``int8``, ``nf4``; ``none``: unchanged)."""
+        """This spec with bitsandbytes weights.
+
+        Args:
+            mode: ``int8`` or ``nf4``; ``none``: the spec unchanged."""
         if mode == "none":
             return self
         fmt = FORMATS.get(BNB_PREFIX + str(mode))
@@ -257,7 +285,10 @@ class QuantSpec:
 
     @classmethod
     def of(cls, spec: QuantSpec | str | None) -> QuantSpec:
-        """``spec`` itself, or parsed from its text or a recipe name; None: unquantized."""
+        """A spec from what a caller may pass.
+
+        Args:
+            spec: a ``QuantSpec`` (returned as it is), its text or a recipe name; None: unquantized."""
         return cls() if spec is None else cls.parse(spec) if isinstance(spec, str) else spec
 
     @classmethod

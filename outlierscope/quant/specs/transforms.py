@@ -61,18 +61,33 @@ class Transform:
         raise NotImplementedError
 
     def check(self, spec) -> None:
-        """One-line errors where this transform does not fit the rest of ``spec``."""
+        """One-line errors where this transform does not fit the rest of a spec.
+
+        Args:
+            spec: the ``QuantSpec`` it is part of."""
 
     def qk(self, q, k, q_valid, k_valid):
-        """q (B, H, T, d) and k (B, KV, S, d) transformed before they are quantized, exactly (q k^T unchanged)."""
+        """q and k transformed before they are quantized, exactly (``q k^T`` unchanged); the default returns them.
+
+        Args:
+            q: the queries ``(B, H, T, d)``.
+            k: the keys ``(B, KV, S, d)``.
+            q_valid: bool ``(B, T)``: the real query tokens.
+            k_valid: bool ``(B, S)``: the real key tokens."""
         return q, k
 
     def linear_input(self, x):
-        """A quantized linear's input (..., I) before it is quantized (with ``linear_weight``: y unchanged)."""
+        """A quantized linear's input before it is quantized (with ``linear_weight``: the output unchanged).
+
+        Args:
+            x: the input ``(..., I)``."""
         return x
 
     def linear_weight(self, w):
-        """A quantized linear's weight (O, I) before it is quantized."""
+        """A quantized linear's weight before it is quantized.
+
+        Args:
+            w: the weight ``(O, I)``."""
         return w
 
 
