@@ -187,7 +187,7 @@ class EvalResult:
         return {"settings": self.settings, "metrics": self.metrics, "seconds": self.seconds, **self.extra}
 
     def save(self, out: str | Path, name: str = "eval", vouch: tuple[str, ...] = ()) -> Path:
-        """Write ``{name}.csv`` (per item), then the sealed ``{name}.json`` (settings, metrics, digests), each atomically.
+        """Write ``{name}.csv`` (per item), then the sealed ``{name}.json`` (settings, metrics, digests), atomically.
 
         Args:
             out: the directory.
@@ -209,7 +209,7 @@ class EvalResult:
             out: the cells' directory.
             name: the cell's file stem.
             settings: the cell's identity, stored in its record.
-            tables: side tables, key -> DataFrame, written as ``{name}.{key}.csv`` and kept in ``extra["{key}_table"]``."""
+            tables: side tables, key -> DataFrame: written as ``{name}.{key}.csv``, kept in ``extra["{key}_table"]``."""
         self.extra["cell"] = settings
         for key, df in (tables or {}).items():
             write_csv(Path(out) / f"{name}.{key}.csv", df)

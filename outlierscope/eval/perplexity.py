@@ -60,7 +60,7 @@ class TokenScores:
         return len(self.window)
 
     def summary(self, seed: int = 0) -> dict:
-        """llama.cpp's statistics of these tokens, and the NLL change and mean KLD with 95% intervals over whole windows.
+        """llama.cpp's statistics of these tokens, and the NLL change and mean KLD with 95% intervals over windows.
 
         Args:
             seed: the bootstrap's seed.
