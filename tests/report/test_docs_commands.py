@@ -1,6 +1,6 @@
-"""The commands the README says made docs/recipes/ and docs/linear/ are the ones that made them: each line of the
-README's command block, parsed by the CLI's own parser, gives exactly the settings its directory's record holds, and
-every record under the directory has its line."""
+"""The commands a study page says made its committed results are the ones that made them: each line of the page's
+command block, parsed by the CLI's own parser, gives exactly the settings its directory's record holds, and every
+record under the directory has its line."""
 
 import json
 import os
@@ -169,3 +169,30 @@ def test_readme_commands_made_docs_perplexity():
     recorded = {p.resolve() for p in (ROOT / "docs" / "perplexity").rglob("*.json")
                 if p.name in ("perplexity.json", "compare.json", "rank_agreement.json")}
     assert recorded and made == recorded and not snaps
+
+
+def test_smollm2_commands_give_the_recorded_settings():
+    """docs/smollm2/: each profile and sweep line of its page gives exactly the settings its record holds (settings
+    added after the run at their defaults), and every record under the directory has its line."""
+    from outlierscope.cli import build_parser
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.runs.sweep import SweepSettings
+    from outlierscope.settings import from_cli
+
+    page = (ROOT / "docs" / "smollm2" / "README.md").read_text()
+    block = page.split("## The commands", 1)[1].split("```")[1].split("\n", 1)[1]
+    classes = {"sweep": SweepSettings, "profile": ProfileSettings}
+    made = set()
+    for line in block.replace("\\\n", " ").strip().splitlines():
+        argv = shlex.split(line)
+        assert argv[0] == "outlierscope", argv
+        if argv[1] == "report":
+            continue
+        a = build_parser().parse_args(argv[1:])
+        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
+        record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
+        assert settings == _at_defaults(classes[argv[1]], settings, record), a.out
+        made.add((ROOT / a.out).resolve())
+    recorded = {p.parent.resolve() for p in (ROOT / "docs" / "smollm2").rglob("*.json")
+                if p.name in ("sweep.json", "profile.json")}
+    assert recorded and made == recorded
