@@ -196,3 +196,33 @@ def test_smollm2_commands_give_the_recorded_settings():
     recorded = {p.parent.resolve() for p in (ROOT / "docs" / "smollm2").rglob("*.json")
                 if p.name in ("sweep.json", "profile.json")}
     assert recorded and made == recorded
+
+
+@pytest.mark.parametrize("folder", ["sensitivity", "suite", "activations"])
+def test_study_table_commands_give_the_recorded_settings(folder):
+    """docs/sensitivity/, docs/suite/, docs/activations/: each row of the page's table names a directory and the
+    command that made it (its output DIR or RUN); the command gives exactly the settings the directory's record holds
+    (settings added after the run at their defaults), and every record under the folder has its row."""
+    from outlierscope.cli import build_parser
+    from outlierscope.runs.profile import ProfileSettings
+    from outlierscope.runs.sensitivity import SensitivitySettings
+    from outlierscope.runs.sweep import SweepSettings
+    from outlierscope.settings import from_cli
+
+    classes = {"sweep": SweepSettings, "profile": ProfileSettings, "sensitivity": SensitivitySettings}
+    page = (ROOT / "docs" / folder / "README.md").read_text()
+    made = set()
+    for directory, cells in re.findall(r"^\| `([\w.-]+)/` \|(.*)$", page, re.M):
+        command = re.search(r"`(outlierscope [^`]+)`", cells)
+        assert command, f"{folder}/{directory}: its row names no command"
+        out = f"docs/{folder}/{directory}"
+        argv = [out if word in ("DIR", "RUN") else word for word in shlex.split(command.group(1))]
+        a = build_parser().parse_args(argv[1:])
+        assert a.out == out
+        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))
+        record = json.loads((ROOT / out / f"{argv[1]}.json").read_text())["settings"]
+        assert settings == _at_defaults(classes[argv[1]], settings, record), out
+        made.add((ROOT / out).resolve())
+    recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
+                if p.name in ("sweep.json", "profile.json", "sensitivity.json")}
+    assert recorded and made == recorded
