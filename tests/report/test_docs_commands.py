@@ -32,26 +32,33 @@ def _at_defaults(cls, settings: dict, record: dict) -> dict:
     return {**{k: json.loads(json.dumps(defaults[k])) for k in settings.keys() - record.keys()}, **record}
 
 
-@pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S"), ("weights", "W")])
-def test_readme_commands_give_the_recorded_settings(folder, letter):
+def _recorded_settings_made(argv: list[str]) -> Path:
+    """Parse a sweep, sensitivity or profile command with the CLI's own parser, check that it gives exactly the
+    settings its output directory's record holds, and return that directory."""
     from outlierscope.cli import build_parser
+    from outlierscope.runs.profile import ProfileSettings
     from outlierscope.runs.sensitivity import SensitivitySettings
     from outlierscope.runs.sweep import SweepSettings
     from outlierscope.settings import from_cli
 
-    classes = {"sweep": SweepSettings, "sensitivity": SensitivitySettings}
-    made = set()
-    for argv in _commands(folder, letter):
-        assert argv[0] == "outlierscope", argv
-        if argv[1] == "report":
-            continue
-        a = build_parser().parse_args(argv[1:])
-        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
-        record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
-        assert settings == _at_defaults(classes[argv[1]], settings, record), a.out
-        made.add((ROOT / a.out).resolve())
-    recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
-                if p.name in ("sweep.json", "sensitivity.json")}
+    classes = {"sweep": SweepSettings, "sensitivity": SensitivitySettings, "profile": ProfileSettings}
+    assert argv[0] == "outlierscope", argv
+    a = build_parser().parse_args(argv[1:])
+    settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
+    record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
+    assert settings == _at_defaults(classes[argv[1]], settings, record), a.out
+    return (ROOT / a.out).resolve()
+
+
+def _recorded_dirs(folder: str, *names: str) -> set[Path]:
+    """The directories under docs/``folder`` that hold a record of one of ``names``."""
+    return {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json") if p.name in names}
+
+
+@pytest.mark.parametrize("folder,letter", [("recipes", "Q"), ("linear", "S"), ("weights", "W")])
+def test_readme_commands_give_the_recorded_settings(folder, letter):
+    made = {_recorded_settings_made(argv) for argv in _commands(folder, letter) if argv[1] != "report"}
+    recorded = _recorded_dirs(folder, "sweep.json", "sensitivity.json")
     assert recorded and made == recorded
 
 
@@ -174,27 +181,11 @@ def test_readme_commands_made_docs_perplexity():
 def test_smollm2_commands_give_the_recorded_settings():
     """docs/smollm2/: each profile and sweep line of its page gives exactly the settings its record holds (settings
     added after the run at their defaults), and every record under the directory has its line."""
-    from outlierscope.cli import build_parser
-    from outlierscope.runs.profile import ProfileSettings
-    from outlierscope.runs.sweep import SweepSettings
-    from outlierscope.settings import from_cli
-
     page = (ROOT / "docs" / "smollm2" / "README.md").read_text()
     block = page.split("## The commands", 1)[1].split("```")[1].split("\n", 1)[1]
-    classes = {"sweep": SweepSettings, "profile": ProfileSettings}
-    made = set()
-    for line in block.replace("\\\n", " ").strip().splitlines():
-        argv = shlex.split(line)
-        assert argv[0] == "outlierscope", argv
-        if argv[1] == "report":
-            continue
-        a = build_parser().parse_args(argv[1:])
-        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))  # as a record holds them
-        record = json.loads((ROOT / a.out / f"{argv[1]}.json").read_text())["settings"]
-        assert settings == _at_defaults(classes[argv[1]], settings, record), a.out
-        made.add((ROOT / a.out).resolve())
-    recorded = {p.parent.resolve() for p in (ROOT / "docs" / "smollm2").rglob("*.json")
-                if p.name in ("sweep.json", "profile.json")}
+    lines = [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines()]
+    made = {_recorded_settings_made(argv) for argv in lines if argv[1] != "report"}
+    recorded = _recorded_dirs("smollm2", "sweep.json", "profile.json")
     assert recorded and made == recorded
 
 
@@ -203,13 +194,6 @@ def test_study_table_commands_give_the_recorded_settings(folder):
     """docs/sensitivity/, docs/suite/, docs/activations/: each row of the page's table names a directory and the
     command that made it (its output DIR or RUN); the command gives exactly the settings the directory's record holds
     (settings added after the run at their defaults), and every record under the folder has its row."""
-    from outlierscope.cli import build_parser
-    from outlierscope.runs.profile import ProfileSettings
-    from outlierscope.runs.sensitivity import SensitivitySettings
-    from outlierscope.runs.sweep import SweepSettings
-    from outlierscope.settings import from_cli
-
-    classes = {"sweep": SweepSettings, "profile": ProfileSettings, "sensitivity": SensitivitySettings}
     page = (ROOT / "docs" / folder / "README.md").read_text()
     made = set()
     for directory, cells in re.findall(r"^\| `([\w.-]+)/` \|(.*)$", page, re.M):
@@ -217,12 +201,7 @@ def test_study_table_commands_give_the_recorded_settings(folder):
         assert command, f"{folder}/{directory}: its row names no command"
         out = f"docs/{folder}/{directory}"
         argv = [out if word in ("DIR", "RUN") else word for word in shlex.split(command.group(1))]
-        a = build_parser().parse_args(argv[1:])
-        assert a.out == out
-        settings = json.loads(json.dumps(asdict(from_cli(classes[argv[1]], vars(a)))))
-        record = json.loads((ROOT / out / f"{argv[1]}.json").read_text())["settings"]
-        assert settings == _at_defaults(classes[argv[1]], settings, record), out
+        assert _recorded_settings_made(argv) == (ROOT / out).resolve(), f"{folder}/{directory}: its command's --out"
         made.add((ROOT / out).resolve())
-    recorded = {p.parent.resolve() for p in (ROOT / "docs" / folder).rglob("*.json")
-                if p.name in ("sweep.json", "profile.json", "sensitivity.json")}
+    recorded = _recorded_dirs(folder, "sweep.json", "profile.json", "sensitivity.json")
     assert recorded and made == recorded
