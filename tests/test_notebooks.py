@@ -41,3 +41,20 @@ def test_notebook_runs(path, tmp_path, monkeypatch):
     assert images, "the notebook should show at least one figure"
     if any("OS_NB_OUT" in c.source or "OS_NB_RUN" in c.source for c in nb.cells):  # those that run something write it
         assert os.listdir(tmp_path)
+
+
+def test_markdown_cells_are_prose():
+    """No markdown cell holds code (a cell whose text is a Python call would render as a stray line of text)."""
+    import ast
+
+    def is_code(text: str) -> bool:
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            return False
+        return any(isinstance(n, ast.Call) for n in ast.walk(tree))
+
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        stray = [c.source for c in nb.cells if c.cell_type == "markdown" and is_code(c.source)]
+        assert not stray, f"{path.name}: markdown cells that are code: {stray}"
