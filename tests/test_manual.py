@@ -101,6 +101,7 @@ def _rendered_entries() -> list[tuple[str, object]]:
     """Each function and class the API reference renders, and the public methods of the classes it renders with
     their members; the settings classes (generated tables) and constants left out."""
     import importlib
+    import importlib.util
     import inspect
 
     text = "\n".join(p.read_text() for p in sorted(API.glob("*.md")))
@@ -110,6 +111,12 @@ def _rendered_entries() -> list[tuple[str, object]]:
     for t in _api_targets():
         module, name = t.rsplit(".", 1)
         obj = getattr(importlib.import_module(module), name, None)
+        if obj is None and importlib.util.find_spec(t) is not None:
+            obj = importlib.import_module(t)
+        if inspect.ismodule(obj):  # a module renders its functions
+            out += [(f"{t}.{n}", f) for n, f in vars(obj).items()
+                    if not n.startswith("_") and inspect.isfunction(f) and f.__module__ == t]
+            continue
         if t in tables or obj is None or not callable(obj):
             continue
         out.append((t, obj))

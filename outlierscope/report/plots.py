@@ -39,9 +39,15 @@ def _fit(text: str, width_in: float, fontsize: float) -> str:
 
 
 def clipped_texts(fig: plt.Figure) -> list[str]:
-    """What of ``fig`` reaches past its canvas once laid out (a label or title cut off at the edge): the title (or
-    class) of each axes, figure text and legend whose drawn extent leaves the figure by more than a pixel. Ticks
-    outside an axis' view are not drawn and not counted."""
+    """What of a figure reaches past its canvas once laid out: a label or title cut off at the edge.
+
+    Ticks outside an axis' view are not drawn and not counted.
+
+    Args:
+        fig: the figure, drawn here.
+
+    Returns:
+        The title (or class) of each axes, figure text and legend whose extent leaves the figure by more than a pixel."""
     fig.canvas.draw()
     renderer, box = fig.canvas.get_renderer(), fig.bbox
     out = []
@@ -54,6 +60,10 @@ def clipped_texts(fig: plt.Figure) -> list[str]:
 
 
 def bits_label(b: int) -> str:
+    """A bit width as the figures' axes write it: ``16`` is "16 (unquantized)".
+
+    Args:
+        b: the bit width."""
     return "16\n(unquantized)" if int(b) == 16 else str(int(b))
 
 
@@ -76,7 +86,10 @@ def _task_grid(n: int, w: float = 4.4, h: float = 3.4):
 
 
 def logit_rows(sweep: pd.DataFrame) -> pd.DataFrame:
-    """The rows of the logits' bit-width axis (an attention recipe's rows, format ``attn``, have their own figure)."""
+    """The rows of the logits' bit-width axis (an attention recipe's rows have their own figure).
+
+    Args:
+        sweep: a sweep's table."""
     return sweep[~recipe_rows(sweep)]
 
 
@@ -137,7 +150,11 @@ MAIN_POINTS = ("attn.logits", "hidden", "attn.k", "attn.probs", "mlp.down_proj.i
 
 
 def main_points(df: pd.DataFrame, column: str = "point") -> pd.DataFrame:
-    """A run with every point has dozens of kinds: its panels then show ``MAIN_POINTS`` (the tables keep all)."""
+    """The rows of ``MAIN_POINTS`` when a run has more kinds than those (the tables keep all).
+
+    Args:
+        df: a table with a point column.
+        column: the point column's name."""
     if df[column].nunique() <= len(MAIN_POINTS):
         return df
     return df[df[column].isin(MAIN_POINTS)]
