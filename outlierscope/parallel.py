@@ -35,7 +35,11 @@ VIRTUAL_SHARDS = 16  # fixed: the most processes (times --shard N) that get work
 
 @dataclass(frozen=True)
 class Shard:
-    """Share ``index`` of ``count`` of a run's virtual shards (``--shard i/N``)."""
+    """One share of a run's virtual shards (``--shard i/N``).
+
+    Attributes:
+        index: which share, 0 .. count - 1.
+        count: how many shares, 1 .. 16."""
 
     index: int = 0
     count: int = 1
@@ -48,7 +52,10 @@ class Shard:
 
     @classmethod
     def parse(cls, text: str | None) -> Shard:
-        """``"1/4"`` -> Shard(1, 4); None -> the whole run."""
+        """A shard from its text.
+
+        Args:
+            text: ``"i/N"`` (``"1/4"`` is Shard(1, 4)); None: the whole run."""
         if text is None:
             return cls()
         try:
@@ -68,7 +75,12 @@ class Shard:
 
 @dataclass(frozen=True)
 class World:
-    """This process's place among the processes of a run (rank 0 of 1 without a launcher)."""
+    """This process's place among the processes of a run (rank 0 of 1 without a launcher).
+
+    Attributes:
+        rank: this process's rank.
+        size: the number of processes.
+        local_rank: its rank on this node (its GPU)."""
 
     rank: int = 0
     size: int = 1
@@ -95,7 +107,10 @@ class World:
         return self.rank == 0
 
     def device(self, device: str) -> str:
-        """``cuda``/``auto`` on a multi-process run: this process's own GPU, ``cuda:LOCAL_RANK``."""
+        """The device this process runs on: ``cuda`` or ``auto`` on a multi-process run is its own GPU, ``cuda:LOCAL_RANK``.
+
+        Args:
+            device: the run's device setting."""
         if self.size > 1 and device in ("cuda", "auto"):
             import torch
 
@@ -108,7 +123,13 @@ class World:
         return device
 
     def gather(self, obj) -> list | None:
-        """Every rank's ``obj`` at rank 0 in rank order (None on the other ranks); ``[obj]`` alone."""
+        """Every rank's object at rank 0, in rank order.
+
+        Args:
+            obj: this rank's object (picklable).
+
+        Returns:
+            The list on rank 0 (``[obj]`` alone); None on the other ranks."""
         if self.size == 1:
             return [obj]
         import torch.distributed as dist
@@ -118,7 +139,10 @@ class World:
         return out
 
     def broadcast(self, obj):
-        """Rank 0's ``obj`` on every rank."""
+        """Rank 0's object on every rank.
+
+        Args:
+            obj: rank 0's object (the others' is ignored)."""
         if self.size == 1:
             return obj
         import torch.distributed as dist
@@ -178,7 +202,14 @@ def local_processes() -> int:
 
 
 def owned_shards(shard: Shard, world: World) -> tuple[int, ...]:
-    """The virtual shards this process computes: those of ``shard``, then every ``world.size``-th of them."""
+    """The virtual shards this process computes: those of ``shard``, then every ``world.size``-th of them.
+
+    Args:
+        shard: the run's ``--shard``.
+        world: the run's processes.
+
+    Raises:
+        OutlierscopeError: shards times processes beyond the 16 virtual shards."""
     if shard.count * world.size > VIRTUAL_SHARDS:
         raise OutlierscopeError(f"{shard.count} shard(s) x {world.size} process(es) exceed the {VIRTUAL_SHARDS} virtual "
                                 f"shards a run is cut into; use at most {VIRTUAL_SHARDS} in all")
@@ -187,13 +218,24 @@ def owned_shards(shard: Shard, world: World) -> tuple[int, ...]:
 
 
 def shard_of(batch: int) -> int:
-    """The virtual shard of the ``batch``-th batch of a run."""
+    """The virtual shard of a run's batch.
+
+    Args:
+        batch: the batch's index in the run."""
     return batch % VIRTUAL_SHARDS
 
 
 def find_shards(dirs, stem: str, suffix: str, what: str) -> list[Path]:
-    """The files ``{stem}.shard-i-of-N{suffix}`` of one split found in ``dirs``, in shard order i = 0..N-1
-    (the first found of each); one-line errors when there are none, several splits, or missing shards."""
+    """The shard files of one split found in some directories, in shard order (the first found of each).
+
+    Args:
+        dirs: the directories to look in.
+        stem: the files' stem: ``{stem}.shard-i-of-N{suffix}``.
+        suffix: the files' suffix.
+        what: the command that writes them, for the errors.
+
+    Raises:
+        OutlierscopeError: none found, several splits, or missing shards, in one line."""
     pattern = re.compile(rf"^{re.escape(stem)}\.shard-(\d+)-of-(\d+){re.escape(suffix)}$")
     found: dict[tuple[int, int], Path] = {}
     for d in map(Path, dirs):

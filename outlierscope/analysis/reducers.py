@@ -17,8 +17,15 @@ from outlierscope.analysis.kernels import bin_index, bin_table, power_sums
 
 
 def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """The k largest entries of ``absm`` (invalid entries set to -1) with their locations; among equal
-    values the first in flat (row-major) order, so the result never depends on how ties fall."""
+    """The k largest entries of a tensor with their locations; ties go to the first in flat (row-major) order.
+
+    Args:
+        absm: |x|, with invalid entries set to -1.
+        k: how many.
+        coord_fn: maps the entries' multi-indices ``(N, ndim)`` to location rows.
+
+    Returns:
+        ``(values (N,), locations (N, n_loc))``, N <= k."""
     S = absm.shape[-1]
     flat_rows = absm.reshape(-1, S)  # (R, S)
     return row_candidates(flat_rows.amax(-1), lambda rows: flat_rows[rows], absm.shape, k, coord_fn)
@@ -26,13 +33,18 @@ def dense_candidates(absm: torch.Tensor, k: int, coord_fn) -> tuple[torch.Tensor
 
 def row_candidates(rowmax: torch.Tensor, row_values, shape: tuple[int, ...], k: int,
                    coord_fn) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dense_candidates`` of a tensor of ``shape`` given its row maxima ``rowmax`` (``shape[:-1]``) and
-    ``row_values(rows)``: the |x| (-1 where invalid) of the flat rows ``rows`` (R,) as (R, S).
+    """``dense_candidates`` of a tensor given its row maxima and a way to read rows, in two exact stages.
 
-    Two stages, exact: the k largest entries lie in the rows (last dim) whose maximum is at least the
-    k-th largest row maximum, so those rows are kept (in order) and the entries are picked inside them:
-    every entry above the k-th largest value, then entries equal to it in flat order.
-    """
+    The k largest entries lie in the rows whose maximum is at least the k-th largest row maximum, so those rows are
+    kept (in order) and the entries picked inside them: every entry above the k-th largest value, then the entries
+    equal to it in flat order.
+
+    Args:
+        rowmax: the maximum of each row (last dim), shaped ``shape[:-1]``.
+        row_values: ``row_values(rows)``: the |x| (-1 where invalid) of the flat rows ``rows (R,)`` as ``(R, S)``.
+        shape: the tensor's shape.
+        k: how many.
+        coord_fn: maps multi-indices ``(N, ndim)`` to location rows."""
     S = shape[-1]
     rowmax = rowmax.reshape(-1)  # (R,)
     kr = min(k, rowmax.numel())
@@ -53,11 +65,16 @@ def row_candidates(rowmax: torch.Tensor, row_values, shape: tuple[int, ...], k: 
 
 
 class TopK:
-    """Exact running top-k of values, each with an integer location row (e.g. layer, head, seq, query, key).
+    """Exact running top-k of values, each with an integer location row (layer, head, seq, query, key ...).
 
-    Ties are broken by location, compared field by field in the order ``tie`` (default: as stored). Give
-    the order in which ``dense_candidates`` meets the entries of one observation (its flat order)
-    after the fields that differ between observations, and any split of a stream merges exactly."""
+    Ties are broken by location, compared field by field in the order ``tie``. Give the order in which
+    ``dense_candidates`` meets the entries of one observation (its flat order) after the fields that differ between
+    observations, and any split of a stream merges exactly.
+
+    Args:
+        k: how many values to keep.
+        n_loc: the fields of a location row.
+        tie: the order in which location fields break ties; None: as stored."""
 
     def __init__(self, k: int, n_loc: int, tie: tuple[int, ...] | None = None):
         if k <= 0:
@@ -70,7 +87,11 @@ class TopK:
         self.locs = torch.empty(0, n_loc, dtype=torch.int64)
 
     def update(self, values: torch.Tensor, locs: torch.Tensor) -> None:
-        """Merge candidate ``values`` (N,) with their locations (N, n_loc)."""
+        """Merge candidate values with their locations.
+
+        Args:
+            values: ``(N,)``.
+            locs: ``(N, n_loc)``."""
         v = torch.cat([self.values, values.double().cpu()])
         loc = torch.cat([self.locs, locs.cpu()])
         # larger value first, then smaller location (fields in tie order): deterministic under ties
@@ -80,26 +101,43 @@ class TopK:
         self.values, self.locs = v, loc
 
     def update_dense(self, absx: torch.Tensor, valid: torch.Tensor, coord_fn) -> None:
-        """Candidates from a dense tensor: the top-k valid entries of ``absx``; ``coord_fn(idx)`` maps
-        their multi-indices (N, ndim) to location rows."""
+        """Merge the top-k valid entries of a dense tensor.
+
+        Args:
+            absx: |x|.
+            valid: bool, broadcastable to ``absx``.
+            coord_fn: maps the entries' multi-indices ``(N, ndim)`` to location rows."""
         self.update(*dense_candidates(absx.masked_fill(~valid, -1.0), self.k, coord_fn))
 
     def merge(self, other: TopK) -> None:
-        """Add ``other``'s values: the result is the top-k of both streams, ties broken by location (exact)."""
+        """Add another stream's values: the top-k of both, ties broken by location (exact).
+
+        Args:
+            other: a top-k with the same location fields."""
         if other.locs.shape[1] != self.locs.shape[1]:
             raise ValueError(f"cannot merge a top-k with {other.locs.shape[1]} location fields into one with {self.locs.shape[1]}")
         self.update(other.values, other.locs)
 
     def kth(self, k: int) -> float:
-        """The k-th largest value (1-based), NaN if fewer than k values were seen."""
+        """The k-th largest value; NaN if fewer than k values were seen.
+
+        Args:
+            k: 1-based rank."""
         return float(self.values[k - 1]) if len(self.values) >= k else math.nan
 
 
 @dataclass(frozen=True)
 class LogBins:
-    """Log-spaced bins of |x|: bin 0 holds |x| < lo (zeros too), bins 1..n hold [lo r^(i-1), lo r^i),
-    bin n+1 holds |x| >= lo r^n (>= hi); edges are lo r^i rounded to float32, |x| is compared as float32. The median estimate is a bin's geometric centre, so its relative error is
-    at most sqrt(r) - 1 (0.4988% for r = 1.01) for values in [lo, hi)."""
+    """Log-spaced bins of |x|, compared in float32; the median's relative error is at most ``sqrt(ratio) - 1``.
+
+    Bin 0 holds |x| < lo (zeros too), bins 1..n hold [lo r^(i-1), lo r^i), bin n+1 holds |x| >= lo r^n (>= hi); the
+    edges are lo r^i rounded to float32. A quantile is its bin's geometric centre: within 0.4988% for r = 1.01, for
+    values in [lo, hi).
+
+    Attributes:
+        lo: the first edge.
+        hi: the last edge (at most).
+        ratio: the ratio r of consecutive edges."""
 
     lo: float = 1e-8
     hi: float = 1e8
@@ -117,12 +155,20 @@ class LogBins:
         return math.sqrt(self.ratio) - 1
 
     def table(self, device="cpu") -> tuple[torch.Tensor, int]:
-        """The lookup table of ``index`` on ``device`` and its shift (``bin_table``)."""
+        """The lookup table of ``index`` and its shift (``bin_table``).
+
+        Args:
+            device: where the table lives."""
         return bin_table(self.lo, self.ratio, self.n, str(device))
 
     def index(self, absx: torch.Tensor) -> torch.Tensor:
-        """Bin of each |x| (int32, same shape): the number of float32 edges ``lo r^j`` (j = 0..n) at or below
-        float32(|x|), exact whatever computes it (``outlierscope.analysis.kernels.bin_index``)."""
+        """The bin of each |x|: the number of float32 edges ``lo r^j`` at or below float32(|x|), exact on any device.
+
+        Args:
+            absx: |x|.
+
+        Returns:
+            int32, the shape of ``absx``."""
         return bin_index(absx, *self.table(absx.device))
 
     def edges(self) -> np.ndarray:
@@ -130,6 +176,10 @@ class LogBins:
         return np.concatenate([[0.0], self.lo * self.ratio ** np.arange(self.n + 1)])
 
     def centre(self, i: int) -> float:
+        """A bin's geometric centre (0 for bin 0, ``hi`` for the last).
+
+        Args:
+            i: the bin."""
         if i == 0:
             return 0.0
         if i == self.n + 1:
@@ -137,7 +187,14 @@ class LogBins:
         return self.lo * self.ratio ** (i - 0.5)
 
     def quantile(self, counts: np.ndarray, q: float) -> float:
-        """Estimate of the lower q-quantile (the value of rank ceil(q n)) from bin counts."""
+        """An estimate of the lower q-quantile (the value of rank ceil(q n)) from bin counts.
+
+        Args:
+            counts: the count of each bin.
+            q: the quantile, in (0, 1].
+
+        Returns:
+            The bin's centre; NaN when nothing was counted."""
         total = counts.sum()
         if total == 0:
             return math.nan
@@ -154,21 +211,26 @@ def _float_sums(t: torch.Tensor, dim: int, rest: tuple[int, ...]) -> torch.Tenso
 
 
 def masked_mean(x: torch.Tensor, valid: torch.Tensor, dim: int, rest: tuple[int, ...], n: torch.Tensor) -> torch.Tensor:
-    """Mean of the valid entries of ``x`` per group (``n`` of them), reduced over ``dim`` and ``rest`` as
-    ``_float_sums``; rounded to x's dtype (so that a shift is exactly representable there), as float64."""
+    """The mean of the valid entries of ``x`` per group, rounded to x's dtype (a shift exact there), as float64.
+
+    Args:
+        x: the tensor.
+        valid: bool, broadcastable to ``x``.
+        dim: the dim summed in x's dtype.
+        rest: further dims (before ``dim``) summed in float64.
+        n: the valid entries per group."""
     return (_float_sums(torch.where(valid, x, 0.0), dim, rest).reshape(n.shape) / n.clamp_min(1)).to(x.dtype).double()
 
 
 class Moments:
-    """Moments of x per group (e.g. per layer and head), streamed: count, shifted power sums, max |x|.
+    """Moments of x per group (per layer and head, say), streamed: count, shifted power sums, max |x|.
 
-    The power sums are of ``x - shift``, where ``shift`` is each group's mean in the first batch that has valid
-    entries for it (``centre``): with the data centred, the sums do not cancel catastrophically when a group
-    has a large mean. Powers are summed along one row (the last reduced dim) in float32, and those row sums are
-    added in float64 on the host, across batches; float64 input stays float64 throughout. The bound on a row's
-    float32 sum is in ``outlierscope.analysis.kernels`` (which computes the row sums of a profile in one pass;
-    ``update`` is the same arithmetic for any tensor, uncompiled).
-    """
+    The power sums are of ``x - shift``, ``shift`` being each group's mean in its first batch with valid entries:
+    centred, the sums do not cancel catastrophically for a group with a large mean. Powers are summed along one row
+    in float32 and the row sums added in float64 on the host; float64 input stays float64 throughout.
+
+    Args:
+        shape: the groups' shape."""
 
     def __init__(self, shape: tuple[int, ...]):
         self.count = torch.zeros(shape, dtype=torch.float64)
@@ -177,26 +239,39 @@ class Moments:
         self.maxabs = torch.zeros(shape, dtype=torch.float64)
 
     def centre(self, row: int, n: torch.Tensor, mean_fn) -> torch.Tensor:
-        """The shifts (float64) of row ``row``'s groups for a batch with ``n`` valid entries per group: a group seen
-        for the first time is centred on this batch's mean, ``mean_fn()`` (called only then; a value of x's dtype)."""
+        """The shifts (float64) of a row's groups; a group seen for the first time is centred on this batch's mean.
+
+        Args:
+            row: the row (the layer, say).
+            n: the batch's valid entries per group.
+            mean_fn: returns the batch's mean per group (a value of x's dtype); called only for new groups."""
         new = (self.count[row] == 0) & (n > 0)
         if new.any():
             self.shift[row] = torch.where(new, mean_fn(), self.shift[row])
         return self.shift[row]
 
     def add(self, row: int, n: torch.Tensor, sums: torch.Tensor, maxabs: torch.Tensor) -> None:
-        """Add a batch of row ``row``: ``n`` valid entries per group, ``sums`` (4, groups) float64 of (x - shift)^k
-        about ``centre``'s shifts, ``maxabs`` per group."""
+        """Add a batch of a row's sums.
+
+        Args:
+            row: the row.
+            n: the valid entries per group.
+            sums: ``(4, groups)`` float64 sums of ``(x - shift)^k`` about ``centre``'s shifts.
+            maxabs: max |x| per group."""
         self.count[row] += n
         self.sums[:, row] += sums
         self.maxabs[row] = torch.maximum(self.maxabs[row], maxabs.double().cpu())
 
     def update(self, x: torch.Tensor, valid: torch.Tensor, dims: tuple[int, ...], row: int,
                maxabs: torch.Tensor | None = None) -> None:
-        """Add the valid entries of ``x``, reduced over ``dims``, into row ``row`` (e.g. the layer).
+        """Add the valid entries of ``x``, reduced over ``dims``, into a row.
 
-        ``valid`` broadcasts to ``x`` (a compact mask is cheaper than an expanded one); ``maxabs`` is
-        the reduced max |x| if the caller already has it."""
+        Args:
+            x: the tensor.
+            valid: bool, broadcastable to ``x`` (a compact mask is cheaper than an expanded one).
+            dims: the dims reduced; the last of them is summed in float32.
+            row: the row (the layer, say).
+            maxabs: the reduced max |x|, when the caller has it."""
         last = max(dims)  # summed in float32
         rest = tuple(d for d in dims if d != last)
         xw = x if x.dtype in (torch.float32, torch.float64) else x.float()
@@ -211,8 +286,12 @@ class Moments:
         self.add(row, n, sums, m)
 
     def merge(self, other: Moments) -> None:
-        """Add ``other``'s data (same groups): its power sums are re-centred on this shift by the binomial
-        expansion (exact up to float64 rounding); groups new here take the other's shift and sums as they are."""
+        """Add another's data of the same groups, re-centred on this shift by the binomial expansion (float64 rounding).
+
+        Groups new here take the other's shift and sums as they are.
+
+        Args:
+            other: moments of the same shape."""
         if other.count.shape != self.count.shape:
             raise ValueError(f"cannot merge moments of shape {tuple(other.count.shape)} into {tuple(self.count.shape)}")
         fresh = self.count == 0
@@ -236,7 +315,15 @@ class Moments:
 
     @staticmethod
     def describe(count, s1, s2, s3, s4, shift=0.0) -> dict:
-        """mean, std (population), Pearson kurtosis m4/m2^2 (3 for a Gaussian) from sums of (x - shift)^k."""
+        """Mean, standard deviation (population) and Pearson kurtosis m4/m2^2 (3 for a Gaussian) from shifted sums.
+
+        Args:
+            count: entries per group.
+            s1: sums of ``(x - shift)``.
+            s2: sums of its squares.
+            s3: sums of its cubes.
+            s4: sums of its fourth powers.
+            shift: the shift of the sums."""
         count = np.asarray(count, dtype=np.float64)
         with np.errstate(invalid="ignore", divide="ignore"):
             d = s1 / count  # mean of the shifted data
@@ -248,9 +335,15 @@ class Moments:
 
 
 class Exceedances:
-    """Every value above ``threshold`` with its location, kept exactly up to ``cap`` of them (then the ``cap``
-    largest, ties broken by location, and ``total`` tells how many there were): the same for any split of the
-    stream. Candidates are buffered and pruned to the cap only when the buffer outgrows it."""
+    """Every value above a threshold with its location, kept exactly up to a cap: the same for any split of the stream.
+
+    Beyond the cap the ``cap`` largest are kept (ties broken by location) and ``total`` says how many there were.
+    Candidates are buffered and pruned to the cap only when the buffer outgrows it.
+
+    Args:
+        threshold: the value to exceed.
+        cap: the most values kept.
+        n_loc: the fields of a location row."""
 
     def __init__(self, threshold: float, cap: int, n_loc: int):
         self.threshold, self.cap = threshold, cap
@@ -260,7 +353,11 @@ class Exceedances:
         self._n_pending = 0
 
     def update(self, values: torch.Tensor, locs: torch.Tensor) -> None:
-        """Add candidates (already above the threshold): ``values`` (N,), ``locs`` (N, n_loc)."""
+        """Add candidates, already above the threshold.
+
+        Args:
+            values: ``(N,)``.
+            locs: ``(N, n_loc)``."""
         if values.numel() == 0:
             return
         self.total += values.numel()
@@ -275,6 +372,10 @@ class Exceedances:
             self._pending, self._n_pending = [], 0
 
     def merge(self, other: Exceedances) -> None:
+        """Add another stream's exceedances (exact).
+
+        Args:
+            other: exceedances with the same cap and location fields."""
         other.flush()
         self.flush()
         self.top.merge(other.top)

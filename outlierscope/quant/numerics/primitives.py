@@ -28,6 +28,14 @@ GRIDS = ("int", *FP8_FORMATS, "fint")  # the grids of absmax quantization ("fint
 
 
 def check_bits(bits: int, fmt: str = "int") -> None:
+    """Refuse a grid or width absmax quantization does not take.
+
+    Args:
+        bits: the width: 2..16 for ``int`` and ``fint``, 8 for an FP8 format (16: unquantized).
+        fmt: the grid (``GRIDS``).
+
+    Raises:
+        ValueError: naming what was expected and what was received."""
     if fmt not in GRIDS:
         raise ValueError(f"format must be one of {', '.join(GRIDS)}, got {fmt!r}")
     if fmt in ("int", "fint") and (not isinstance(bits, int) or isinstance(bits, bool) or not 2 <= bits <= UNQUANTIZED_BITS):
@@ -37,7 +45,11 @@ def check_bits(bits: int, fmt: str = "int") -> None:
 
 
 def qmax(bits: int, fmt: str = "int") -> float:
-    """What absmax maps to on the grid: its largest magnitude (``fint``: the middle of its asymmetric range)."""
+    """What absmax maps to on the grid: its largest magnitude (``fint``: the middle of its asymmetric range).
+
+    Args:
+        bits: the width.
+        fmt: the grid (``GRIDS``)."""
     check_bits(bits, fmt)
     if fmt == "int":
         return float(2 ** (bits - 1) - 1)
@@ -47,9 +59,13 @@ def qmax(bits: int, fmt: str = "int") -> float:
 
 
 def every(mask: torch.Tensor) -> bool:
-    """Whether every entry of ``mask`` holds, for skipping a mask that changes nothing (the common case); False
-    while ``torch.compile`` traces (``fused_kernels``): the masked form gives the same bytes and the graph does not
-    break on reading a tensor's value."""
+    """Whether every entry of a mask holds, to skip a mask that changes nothing (the common case).
+
+    False while ``torch.compile`` traces (``fused_kernels``): the masked form gives the same bytes and the graph does
+    not break on reading a tensor's value.
+
+    Args:
+        mask: a bool tensor."""
     return not torch.compiler.is_compiling() and bool(mask.all())
 
 
@@ -58,9 +74,14 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def absmax(x: torch.Tensor, dims, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """max |x| over ``dims`` (keepdim) among ``valid`` entries, in float32 at least; zero where nothing is valid.
+    """max |x| over ``dims`` (keepdim) among valid entries, in float32 at least; zero where nothing is valid.
 
-    Max is exact, so the absmax of a tensor equals the max of its blocks' absmax (blocked attention)."""
+    Max is exact, so the absmax of a tensor equals the max of its blocks' absmax (blocked attention).
+
+    Args:
+        x: the tensor.
+        dims: the dimensions reduced.
+        valid: bool, broadcastable to ``x``: the entries that count; None: all."""
     a = x.to(_work_dtype(x)).abs()  # a new tensor: the in-place fill below never touches x
     if valid is not None:
         a.masked_fill_(~valid, 0.0)
@@ -120,7 +141,14 @@ def fake_quant(x: torch.Tensor, scale: torch.Tensor, bits: int, fmt: str = "int"
 
 
 def quantize_absmax(x: torch.Tensor, bits: int, dims, valid: torch.Tensor | None = None, fmt: str = "int") -> torch.Tensor:
-    """``fake_quant(x, absmax_scale(x, ...))``: dynamic absmax quantization over ``dims``."""
+    """Dynamic absmax quantization over ``dims``: ``fake_quant(x, absmax_scale(x, ...))``.
+
+    Args:
+        x: the tensor (never changed).
+        bits: the width (16: a copy, unquantized).
+        dims: the dimensions that share a scale.
+        valid: bool, broadcastable to ``x``: the entries that count and are quantized; None: all.
+        fmt: the grid (``GRIDS``)."""
     if bits == UNQUANTIZED_BITS:
         check_bits(bits, fmt)
         return x.clone()
