@@ -92,6 +92,8 @@ def unregister_point_kind(name: str) -> None:
     global POINT_KINDS
     POINT_KINDS = tuple(k for k in POINT_KINDS if k.name != name)
     KIND.pop(name)
+
+
 KINDS = tuple(k.name for k in POINT_KINDS if k.table5)  # Table 5's two kinds (the defaults)
 ATTN_TAPS = tuple(k.name for k in POINT_KINDS if k.tap == "attention")  # observed inside the attention function
 ATTN_KINDS = tuple(k.name for k in POINT_KINDS if k.attention)
@@ -102,8 +104,14 @@ LM_HEAD = "lm_head.input"
 
 @dataclass(frozen=True)
 class PointPreset:
-    """A named set of points: ``patterns``, and ``linear_inputs``: the input of every ``nn.Linear`` of the decoder
-    layers and the LM head (what SmoothQuant calibrates)."""
+    """A named set of points.
+
+    Attributes:
+        name: the preset's name (``--preset``).
+        patterns: point names or patterns.
+        linear_inputs: also the input of every ``nn.Linear`` of the decoder layers and the LM head (what SmoothQuant
+            calibrates).
+        help: one line for ``--help`` and the docs."""
 
     name: str
     patterns: tuple[str, ...]
@@ -124,15 +132,20 @@ PRESETS = {p.name: p for p in (
 
 @dataclass(frozen=True)
 class Point:
-    """One observation point of a model: its name, its layer and kind (a ``POINT_KINDS`` name,
-    ``<module path>.input|output`` or ``lm_head.input``), and for a module point the module's full name and whether it
-    is an ``nn.Linear``."""
+    """One observation point of a model.
+
+    Attributes:
+        name: its name (``layers.3.attn.logits``).
+        layer: its decoder layer.
+        kind: a ``POINT_KINDS`` name, ``<module path>.input|output`` or ``lm_head.input``.
+        module: a module point's module, by its full name in the model (``model.layers.3.mlp.down_proj``).
+        linear: whether a module point's module is an ``nn.Linear``."""
 
     name: str
     layer: int
-    kind: str  # one of ATTN_KINDS, "hidden", "<module path>.input|output" or LM_HEAD
-    module: str | None = None  # module points: the module's full name in the model (model.layers.3.mlp.down_proj)
-    linear: bool = False  # module points: the module is an nn.Linear
+    kind: str
+    module: str | None = None
+    linear: bool = False
 
     @property
     def is_map(self) -> bool:
@@ -140,6 +153,11 @@ class Point:
 
 
 def point_name(layer: int, kind: str) -> str:
+    """The name of a layer's point: ``layers.{layer}.{kind}``.
+
+    Args:
+        layer: the decoder layer.
+        kind: the point kind (``attn.logits``, ``hidden``, ...)."""
     return f"layers.{layer}.{kind}"
 
 
@@ -147,8 +165,13 @@ _ATTN_NAMES = ("attn", "self_attn", "attention", "self_attention")
 
 
 def attention_module(block: nn.Module) -> nn.Module | None:
-    """The block's attention module (by transformers' naming, or the ``scaling`` attribute that attention modules
-    going through the interface carry); None for a state-space, convolution or linear-attention block."""
+    """A block's attention module, by transformers' naming or the ``scaling`` attribute of interface attention.
+
+    Args:
+        block: a decoder layer.
+
+    Returns:
+        The module; None for a state-space, convolution or linear-attention block."""
     for name, m in block.named_modules():
         if name and (name.rsplit(".", 1)[-1] in _ATTN_NAMES or hasattr(m, "scaling")):
             return m
@@ -161,11 +184,18 @@ def _routes_through_interface(module: nn.Module) -> bool:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's list of decoder layers, found from its structure: the shallowest ``ModuleList`` of
-    ``num_hidden_layers`` blocks of which at least one holds an attention module (``model.layers``,
-    ``transformer.h``, ``model.decoder.layers``, ``gpt_neox.layers``, ...; in a hybrid model the other blocks
-    are state-space or convolution layers). A model whose attention does not go through transformers'
-    ``AttentionInterface`` (Bloom, MPT; Falcon before transformers 5.25) is refused, naming that reason."""
+    """The model's list of decoder layers, found from its structure.
+
+    The shallowest ``ModuleList`` of ``num_hidden_layers`` blocks of which at least one holds an attention module
+    (``model.layers``, ``transformer.h``, ``model.decoder.layers``, ``gpt_neox.layers``, ...; in a hybrid model the
+    other blocks are state-space or convolution layers).
+
+    Args:
+        model: the model.
+
+    Raises:
+        OutlierscopeError: a model whose attention does not go through transformers' ``AttentionInterface`` (Bloom,
+            MPT; Falcon before transformers 5.25), naming that reason."""
     cfg = getattr(model, "config", None)
     cfg = getattr(cfg, "text_config", None) or cfg
     n = getattr(cfg, "num_hidden_layers", None)
@@ -185,15 +215,20 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def attention_layers(model: nn.Module) -> list[int]:
-    """Indices (the model's own) of the decoder layers that hold an attention module: all of them except in
-    hybrid models."""
+    """The indices (the model's own) of the decoder layers that hold attention: all of them except in hybrid models.
+
+    Args:
+        model: the model."""
     return [i for i, b in enumerate(decoder_layers(model)) if attention_module(b) is not None]
 
 
 def trunk(model: nn.Module) -> nn.Module:
-    """The module that maps token ids to the last hidden states (before the LM head), found structurally:
-    ``model.base_model`` where it is a proper submodule, else the direct child that holds the decoder layers
-    (Llama4ForCausalLM names its trunk ``model`` but its ``base_model_prefix`` otherwise)."""
+    """The module that maps token ids to the last hidden states (before the LM head), found structurally.
+
+    ``model.base_model`` where it is a proper submodule, else the direct child that holds the decoder layers.
+
+    Args:
+        model: the model."""
     base = getattr(model, "base_model", model)
     if base is not model:
         return base
@@ -209,7 +244,13 @@ _OUT_PROJ = ("o_proj", "out_proj", "c_proj", "dense", "wo")
 
 
 def output_projection(attn: nn.Module) -> tuple[str, nn.Module] | None:
-    """The attention module's output projection (its direct child named o_proj, out_proj, c_proj, dense or wo)."""
+    """The attention module's output projection: its direct child named o_proj, out_proj, c_proj, dense or wo.
+
+    Args:
+        attn: the attention module.
+
+    Returns:
+        ``(name, module)``, or None."""
     for name, m in attn.named_children():
         if name in _OUT_PROJ:
             return name, m
@@ -217,6 +258,10 @@ def output_projection(attn: nn.Module) -> tuple[str, nn.Module] | None:
 
 
 def is_diff(model: nn.Module) -> bool:
+    """Whether the model is a DiffLlama (its maps come in pairs).
+
+    Args:
+        model: the model."""
     return getattr(getattr(model, "config", None), "model_type", None) == "diffllama"
 
 
@@ -225,7 +270,13 @@ def _prefix(model: nn.Module, target: nn.Module) -> str:
 
 
 def lm_head(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(full name, module) of the LM head, or None for a model without one."""
+    """The LM head.
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``(full name, module)``, or None for a model without one."""
     get = getattr(model, "get_output_embeddings", None)
     head = get() if get is not None else None
     return (_prefix(model, head), head) if isinstance(head, nn.Module) else None
@@ -244,7 +295,10 @@ def _layer_points(i: int, block: nn.Module, prefix: str, attention: bool, diff: 
 
 
 def all_points(model: nn.Module) -> list[Point]:
-    """Every observation point of ``model``, layer by layer, then ``lm_head.input``."""
+    """Every observation point of a model, layer by layer, then ``lm_head.input``.
+
+    Args:
+        model: the model."""
     layers = decoder_layers(model)
     attn, prefix, diff = set(attention_layers(model)), _prefix(model, layers), is_diff(model)
     points = [p for i, b in enumerate(layers) for p in _layer_points(i, b, prefix, i in attn, diff)]
@@ -265,7 +319,15 @@ def _unknown(model: nn.Module, pat: str, names: list[str]) -> OutlierscopeError:
 
 
 def resolve_points(model: nn.Module, patterns=(), preset: str | None = None) -> list[Point]:
-    """Expand point names/patterns (and a ``PRESETS`` name); unknown names fail with the closest valid names."""
+    """The points that names and patterns (and a preset) select, in the model's order.
+
+    Args:
+        model: the model.
+        patterns: point names or ``fnmatch`` patterns (``layers.*.attn.logits``).
+        preset: a ``PRESETS`` name whose points are added.
+
+    Raises:
+        OutlierscopeError: an unknown name or preset, with the closest valid names."""
     if isinstance(patterns, str):
         patterns = [patterns]
     valid = all_points(model)

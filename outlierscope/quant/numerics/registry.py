@@ -141,11 +141,17 @@ class Format:
 
 @dataclass(frozen=True)
 class Grid(Format):
-    """A symmetric absmax grid: the restricted integer grid (``int``: absmax / (2^(b-1) - 1)), the full-range one
-    (``fint``: compressed-tensors' and torchao's), or an FP8 format (``e4m3``, ``e5m2``)."""
+    """A symmetric absmax grid: the restricted integer grid, the full-range one, or an FP8 format.
 
-    grid: str = "int"  # the grid's name in outlierscope.quant.numerics.primitives
-    restricted: bool = False  # the restricted integer grid, which compressed-tensors does not write
+    The restricted ``int`` scales by absmax / (2^(b-1) - 1); the full-range ``fint`` is compressed-tensors' and
+    torchao's; ``e4m3`` and ``e5m2`` are FP8.
+
+    Attributes:
+        grid: the grid's name in ``outlierscope.quant.numerics.primitives``.
+        restricted: the restricted integer grid, which compressed-tensors does not write."""
+
+    grid: str = "int"
+    restricted: bool = False
 
     static = True
 
@@ -165,14 +171,22 @@ class Grid(Format):
         return fake_quant(x, scale, self._bits(bits), self.grid, valid)
 
     def scale_params(self, w, bits: int, dims: tuple):
-        """Each granule's (scale, None) over ``dims`` (keepdim); a granule of zeros takes absmax 1."""
+        """Each granule's ``(scale, None)`` for GPTQ and AWQ; a granule of zeros takes absmax 1.
 
+        Args:
+            w: the weight.
+            bits: the width.
+            dims: the dims each granule reduces (keepdim)."""
         s = absmax_scale(w, bits, dims, fmt=self.grid)
         return torch.where(s > 0, s, torch.ones_like(s) / qmax(bits, self.grid)), None
 
     def round(self, x, params: tuple, bits: int):
-        """``x`` onto the grid of ``params`` (``scale_params``'s, broadcastable)."""
+        """``x`` onto the grid of given parameters.
 
+        Args:
+            x: the tensor.
+            params: ``scale_params``'s, broadcastable to ``x``.
+            bits: the width."""
         return fake_quant(x, params[0], bits, self.grid)
 
     def ct_args(self, part):
@@ -207,13 +221,21 @@ class ZeroPoint(Format):
         return zero_point_quant(x, *zero_point_params(x, bits, dims), bits)
 
     def scale_params(self, w, bits: int, dims: tuple):
-        """Each granule's (scale, zero point) over ``dims`` (keepdim)."""
+        """Each granule's ``(scale, zero point)`` for GPTQ and AWQ.
 
+        Args:
+            w: the weight.
+            bits: the width.
+            dims: the dims each granule reduces (keepdim)."""
         return zero_point_params(w, bits, dims)
 
     def round(self, x, params: tuple, bits: int):
-        """``x`` onto the grid of ``params`` (``scale_params``'s, broadcastable)."""
+        """``x`` onto the grid of given parameters.
 
+        Args:
+            x: the tensor.
+            params: ``scale_params``'s, broadcastable to ``x``.
+            bits: the width."""
         return zero_point_quant(x, params[0], params[1], bits)
 
 
@@ -235,10 +257,12 @@ class Block(Format):
 
     granular = False
 
-
     def blocks(self, x, amax=None):
-        """``x`` quantized-dequantized in blocks along its last dim (zero-padded to whole blocks, then cut back);
-        ``amax``: the per-tensor absmax of a global scale, broadcasting to ``x`` without its last dim."""
+        """``x`` quantized-dequantized in blocks along its last dim (zero-padded to whole blocks, then cut back).
+
+        Args:
+            x: the tensor.
+            amax: the per-tensor absmax of a global scale (NVFP4), broadcasting to ``x`` without its last dim."""
         xp = pad_to(x, -1, self.block)
         out = nvfp4_quant(xp, amax) if self.global_scale else mx_quant(xp, self.name)
         return out[..., : x.shape[-1]]
@@ -254,10 +278,12 @@ class Block(Format):
 
 @dataclass(frozen=True)
 class Kernel(Format):
-    """A library's own quantized kernels (bitsandbytes' ``Linear8bitLt`` / ``Linear4bit``, its int8 rows): run by the
-    library, not emulated here."""
+    """A library's own quantized kernels (bitsandbytes' ``Linear8bitLt``, ``Linear4bit``), run by it, not emulated.
 
-    grid: str | None = None  # the grid it computes on where it is one (bitsandbytes' int8 rows: int)
+    Attributes:
+        grid: the grid it computes on, where it is one (bitsandbytes' int8 rows: ``int``)."""
+
+    grid: str | None = None
 
     granular = False
 
@@ -310,7 +336,10 @@ def read_format(text: str) -> tuple[Format, int | None]:
 
 
 def spelling(fmt: Format) -> str:
-    """The format as a spec writes it: ``int2..int8``, ``e4m3``."""
+    """The format as a spec writes it, with its range of widths: ``int2..int8``, ``e4m3``.
+
+    Args:
+        fmt: the format."""
     return f"{fmt.name}{fmt.bits[0]}..{fmt.name}{fmt.bits[1]}" if fmt.bits else fmt.name
 
 
