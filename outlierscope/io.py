@@ -24,7 +24,13 @@ def _umask() -> int:
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; on success it is renamed onto ``path``."""
+    """A temporary path beside ``path`` for the block; on success it is renamed onto ``path`` (else removed).
+
+    Args:
+        path: the file to write.
+
+    Yields:
+        The temporary path."""
     path = Path(path)
     check_file_targets([path])
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -41,7 +47,10 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def check_file_targets(paths: Iterable[str | os.PathLike]) -> None:
-    """A one-line error if a directory stands where one of ``paths`` (files outlierscope writes) goes."""
+    """Refuse, in one line, a directory standing where a file outlierscope writes goes.
+
+    Args:
+        paths: the files about to be written."""
     for p in paths:
         if Path(p).is_dir():
             raise OutlierscopeError(f"{p} is a directory where outlierscope writes a file; move it away or choose "
@@ -49,11 +58,21 @@ def check_file_targets(paths: Iterable[str | os.PathLike]) -> None:
 
 
 def write_text(path: str | os.PathLike, text: str) -> None:
+    """Write UTF-8 text atomically.
+
+    Args:
+        path: the file.
+        text: its content."""
     with atomic_path(path) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
 
 def write_json(path: str | os.PathLike, obj) -> None:
+    """Write an object as indented JSON, atomically (unsealed: ``write_record`` seals).
+
+    Args:
+        path: the file.
+        obj: a JSON-serialisable object (others are written as their ``str``)."""
     write_text(path, json.dumps(obj, indent=2, sort_keys=False, default=str) + "\n")
 
 
@@ -68,20 +87,33 @@ class Damaged(OutlierscopeError):
 
 
 def json_sha256(obj) -> str:
-    """sha256 of ``obj``'s canonical JSON (sorted keys, no spaces; what a JSON file reads back as)."""
+    """The sha256 of an object's canonical JSON: sorted keys, no spaces (what a JSON file reads back as).
+
+    Args:
+        obj: a JSON-serialisable object."""
     blob = json.dumps(json.loads(json.dumps(obj, default=str)), sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def sealed(obj: dict) -> dict:
-    """``obj`` with ``SEAL`` (its content's digest) appended."""
+    """A record with ``SEAL`` (the digest of its content) appended as its last key.
+
+    Args:
+        obj: the record."""
     body = {k: v for k, v in obj.items() if k != SEAL}
     return {**body, SEAL: json_sha256(body)}
 
 
 def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
-    """``obj`` (a record read from ``path``) without its seal, after checking the seal against its content; a record
-    without one is ``Damaged`` when ``required`` (else it is returned as read: written before seals)."""
+    """A record read back, without its seal, after checking the seal against its content.
+
+    Args:
+        obj: the record as read.
+        path: where it was read, for the error.
+        required: a record without a seal is ``Damaged``; False: returned as read.
+
+    Raises:
+        Damaged: a seal that does not match, or none where one is required."""
     if not isinstance(obj, dict) or SEAL not in obj:
         if required:
             raise Damaged(f"{path}: no {SEAL}: written by an older outlierscope or not by outlierscope")
@@ -93,7 +125,11 @@ def check_seal(obj, path: str | os.PathLike, required: bool = True) -> dict:
 
 
 def write_record(path: str | os.PathLike, obj: dict) -> None:
-    """Write a record (a JSON object outlierscope reads back) sealed with its digest (``check_seal``)."""
+    """Write a record (a JSON object outlierscope reads back) sealed with its digest, atomically.
+
+    Args:
+        path: the file.
+        obj: the record."""
     write_json(path, sealed(obj))
 
 
@@ -132,13 +168,26 @@ def vouched(record: dict, directory: str | os.PathLike, name: str, what: str = "
 
 
 def file_digests(directory: str | os.PathLike, names: Iterable[str]) -> dict[str, str]:
-    """name -> sha256 of each file ``directory/name``: what a record lists of the files it vouches for."""
+    """The sha256 of each file a record vouches for.
+
+    Args:
+        directory: where the files are.
+        names: their names.
+
+    Returns:
+        name -> sha256."""
     return {n: sha256_file(Path(directory) / n) for n in names}
 
 
 def check_files(directory: str | os.PathLike, digests: dict[str, str]) -> None:
-    """Each file of ``digests`` (name -> sha256) present in ``directory`` with that digest; else ``Damaged``
-    naming the first that is not."""
+    """Check that each file a record lists is present with its digest.
+
+    Args:
+        directory: where the files are.
+        digests: name -> sha256.
+
+    Raises:
+        Damaged: naming the first file missing or changed."""
     for name, want in digests.items():
         path = Path(directory) / name
         if not path.is_file():
@@ -179,14 +228,28 @@ def _checked_body(path: Path) -> tuple[bool, bytes]:
 
 
 def read_checked(path: str | os.PathLike) -> bytes:
-    """The payload of a file written by ``write_checked``, its digest checked; ``Damaged`` otherwise."""
+    """The payload of a file written by ``write_checked``, its digest checked.
+
+    Args:
+        path: the file.
+
+    Raises:
+        Damaged: a file cut, changed or not written by outlierscope."""
     has_ident, body = _checked_body(Path(path))
     return body.partition(b"\n")[2] if has_ident else body
 
 
 def read_checked_ident(path: str | os.PathLike) -> tuple[dict, bytes]:
-    """(identity, payload) of a file written by ``write_checked`` with ``ident``, its digest checked;
-    ``Damaged`` otherwise, also for a file that carries no identity."""
+    """The identity and payload of a file written by ``write_checked`` with ``ident``, its digest checked.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``(identity, payload)``.
+
+    Raises:
+        Damaged: a file cut, changed, not written by outlierscope, or carrying no identity."""
     path = Path(path)
     has_ident, body = _checked_body(path)
     line, _, payload = body.partition(b"\n")
@@ -200,7 +263,11 @@ def read_checked_ident(path: str | os.PathLike) -> tuple[dict, bytes]:
 
 
 def save_torch_checked(path: str | os.PathLike, obj) -> None:
-    """``torch.save(obj)`` into a checked file (``write_checked``)."""
+    """``torch.save`` an object into a checked file (``write_checked``).
+
+    Args:
+        path: the file.
+        obj: tensors and plain containers only (what ``load_torch_checked`` reads back)."""
     import io as _io
 
     import torch
@@ -211,8 +278,13 @@ def save_torch_checked(path: str | os.PathLike, obj) -> None:
 
 
 def load_torch_checked(path: str | os.PathLike):
-    """What ``save_torch_checked`` saved, its digest checked (``Damaged`` otherwise); tensors and plain
-    containers only (``weights_only=True``): a file holding other objects is refused, never unpickled."""
+    """What ``save_torch_checked`` saved, its digest checked, read with ``weights_only=True`` (never unpickled).
+
+    Args:
+        path: the file.
+
+    Raises:
+        Damaged: a changed file, or one holding objects other than tensors and plain containers."""
     import io as _io
 
     import torch
@@ -221,14 +293,24 @@ def load_torch_checked(path: str | os.PathLike):
 
 
 def write_csv(path: str | os.PathLike, df) -> None:
-    """Write a pandas DataFrame as CSV atomically."""
+    """Write a pandas DataFrame as CSV, atomically.
+
+    Args:
+        path: the file.
+        df: the table."""
     with atomic_path(path) as tmp:
         df.to_csv(tmp, index=False)
 
 
 @contextlib.contextmanager
 def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """Yield a fresh temporary directory beside ``path``; on success it replaces ``path`` (see ``replace_dir``)."""
+    """A fresh temporary directory beside ``path`` for the block; on success it replaces ``path`` (``replace_dir``).
+
+    Args:
+        path: the directory to write.
+
+    Yields:
+        The temporary directory."""
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     if tmp.exists():
@@ -243,7 +325,11 @@ def atomic_dir(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
-    """Swap a fully written ``tmp_dir`` into place of ``final_dir`` (old copy kept until the swap is done)."""
+    """Swap a fully written directory into place, the old copy kept until the swap is done.
+
+    Args:
+        tmp_dir: the written directory.
+        final_dir: where it goes."""
     old = final_dir.with_name(final_dir.name + ".old")
     if old.exists():
         shutil.rmtree(old)
@@ -255,12 +341,18 @@ def replace_dir(tmp_dir: Path, final_dir: Path) -> None:
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-    """Hex sha256 of one file, read in 1 MiB blocks."""
+    """The hex sha256 of one file, read in 1 MiB blocks.
+
+    Args:
+        path: the file."""
     return sha256_files([path])
 
 
 def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
-    """Hex sha256 of the concatenated bytes of ``paths``, in the order given."""
+    """The hex sha256 of the concatenated bytes of files, in the order given.
+
+    Args:
+        paths: the files."""
     h = hashlib.sha256()
     for p in paths:
         with open(p, "rb") as f:
@@ -270,7 +362,14 @@ def sha256_files(paths: Iterable[str | os.PathLike]) -> str:
 
 
 def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a bad line is a one-line error naming ``where`` and the line."""
+    """``(line number, object)`` for each non-blank line of a JSON-lines text.
+
+    Args:
+        lines: the lines.
+        where: the file's name, for the errors.
+
+    Raises:
+        OutlierscopeError: a line that is not a JSON object, naming ``where`` and the line."""
     lineno = 0
     try:
         for lineno, line in enumerate(lines, 1):
@@ -290,8 +389,16 @@ def iter_jsonl(lines: Iterable[str], where: str) -> Iterator[tuple[int, dict]]:
 
 def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "run record",
                 sealed_only: bool = False) -> dict:
-    """A JSON object written by outlierscope, with ``keys``, its seal checked (``write_record``; a record written
-    before seals is read as it is unless ``sealed_only``); a damaged or foreign file is a one-line error."""
+    """A JSON object written by outlierscope, its seal checked.
+
+    Args:
+        path: the file.
+        keys: keys it must hold.
+        what: what it is, for the errors (``run record``, ``cell record`` ...).
+        sealed_only: refuse a record without a seal; False: one written before seals is read as it is.
+
+    Raises:
+        OutlierscopeError: a missing, damaged or foreign file, in one line."""
     path = Path(path)
     try:
         obj = json.loads(path.read_text(encoding="utf-8"))
@@ -315,8 +422,16 @@ def read_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "
 
 
 def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: str = "shard file") -> dict:
-    """A dict saved with ``save_torch_checked``, with ``keys``; a truncated, changed or foreign file, or one that
-    holds objects other than tensors and plain containers (a pickle that could run code), is a one-line error."""
+    """A dict saved with ``save_torch_checked``, holding ``keys``.
+
+    Args:
+        path: the file.
+        keys: keys it must hold.
+        what: what it is, for the errors.
+
+    Raises:
+        OutlierscopeError: a cut, changed or foreign file, or one holding objects other than tensors and plain
+            containers (a pickle that could run code), in one line."""
     import pickle
 
     path = Path(path)
@@ -338,10 +453,16 @@ def read_torch_record(path: str | os.PathLike, keys: Iterable[str] = (), what: s
 
 @contextlib.contextmanager
 def output_dir(path: str | os.PathLike) -> Iterator[Path]:
-    """A writable output directory for the block; if the block fails, every directory made during it that is
-    still empty is removed again (a failed run leaves no empty ``--out`` or ``cells/`` behind). The checkout's
-    commit is read on entry, before the block writes: a record written inside it does not count the block's own
-    earlier files (an output directory in docs/) as changes."""
+    """A writable output directory for the block; if the block fails, the directories it made and left empty go again.
+
+    The checkout's commit is read on entry, before the block writes: a record written inside it does not count the
+    block's own earlier files (an output directory in docs/) as changes.
+
+    Args:
+        path: the directory.
+
+    Yields:
+        The directory."""
     git_commit()
     path = Path(path)
     before = {path, *path.parents} if path.exists() else set(path.parents)
@@ -362,9 +483,15 @@ def output_dir(path: str | os.PathLike) -> Iterator[Path]:
 
 @contextlib.contextmanager
 def run_lock(out: str | os.PathLike, tag: str = "whole", what: str = "run") -> Iterator[None]:
-    """Hold ``out/.outlierscope-TAG.lock`` (an exclusive ``flock``, released when the block ends or the process dies;
-    the file is removed on release) for the block: a second run of the same ``tag`` (the whole run, or one
-    ``--shard``) into ``out`` while the first holds it is a one-line error at once, before it writes anything."""
+    """Hold ``out/.outlierscope-TAG.lock`` (an exclusive ``flock``) for the block; released at its end or the process's.
+
+    A second run of the same tag into ``out`` while the first holds it is a one-line error at once, before it writes
+    anything.
+
+    Args:
+        out: the run's output directory.
+        tag: the whole run (``whole``) or one ``--shard``'s tag.
+        what: the command, for the error."""
     import fcntl
 
     path = Path(out) / f".outlierscope-{tag}.lock"
@@ -398,7 +525,13 @@ def run_lock(out: str | os.PathLike, tag: str = "whole", what: str = "run") -> I
 
 
 def ensure_writable_dir(path: str | os.PathLike) -> Path:
-    """Create ``path`` if needed and check that files can be written in it."""
+    """Create a directory if needed and check that files can be written in it.
+
+    Args:
+        path: the directory.
+
+    Raises:
+        OutlierscopeError: one that cannot be written, in one line."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -455,8 +588,13 @@ def git_commit() -> str | None:
 
 
 def tree_state(root: Path) -> str | None:
-    """``HEAD`` of the git checkout ``root``, with ``+changes`` if a tracked file outside ``OUTPUTS`` differs
-    from it; None outside git."""
+    """``HEAD`` of a git checkout, with ``+changes`` if a tracked file outside ``OUTPUTS`` differs from it.
+
+    Args:
+        root: the checkout.
+
+    Returns:
+        The state; None outside git."""
     import subprocess
 
     outside = ["--", ":(top)", *(f":(top,exclude){d}" for d in OUTPUTS)]  # paths from the checkout's top

@@ -149,11 +149,11 @@ def _module_entries(module: str) -> list[tuple[str, object]]:
     return out
 
 
-# the examples to imitate (numerics primitives, the reducers, parallel) and the extension points (the format and
+# the examples to imitate (numerics primitives, the reducers, parallel, io) and the extension points (the format and
 # transform registries, the point table): every public name documented, rendered or not
 FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.analysis.reducers", "outlierscope.parallel",
                     "outlierscope.quant.numerics.registry", "outlierscope.quant.specs.transforms",
-                    "outlierscope.hooks.points")
+                    "outlierscope.hooks.points", "outlierscope.io")
 
 
 def test_every_api_entry_documents_each_parameter():
