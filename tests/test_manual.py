@@ -153,7 +153,8 @@ def _module_entries(module: str) -> list[tuple[str, object]]:
 # transform registries, the point table): every public name documented, rendered or not
 FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.analysis.reducers", "outlierscope.parallel",
                     "outlierscope.quant.numerics.registry", "outlierscope.quant.specs.transforms",
-                    "outlierscope.hooks.points", "outlierscope.io")
+                    "outlierscope.hooks.points", "outlierscope.io", "outlierscope.eval.evaluate",
+                    "outlierscope.eval.requests")
 
 
 def test_every_api_entry_documents_each_parameter():

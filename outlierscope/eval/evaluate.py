@@ -47,15 +47,23 @@ METRICS = {"acc": "pred", "acc_norm": "pred_norm"}  # metric -> prediction colum
 
 
 def item_columns(n_choices: int) -> list[str]:
-    """Columns of a per-item table: index, label, score and token count per choice, pred, pred_norm."""
+    """The columns of a per-item table: index, label, score and token count per choice, pred, pred_norm.
+
+    Args:
+        n_choices: the most choices an item has."""
     return ["index", "label", *[f"score{j}" for j in range(n_choices)], *[f"tokens{j}" for j in range(n_choices)],
             "pred", "pred_norm"]
 
 
 def layout_for(spec: QuantSpec) -> str:
-    """Prefix sharing is exact only when each attention row depends on its own keys alone (the logits per_row; q/k/v
-    scales and smoothing span tokens: separate) and each linear's output at a token on that token alone (per-token,
-    per-group, static and MX activations, and bitsandbytes' weights; not per-sequence scales or outlier columns)."""
+    """The layout a spec is scored in: ``shared`` only where sharing a context's prefix is exact, else ``separate``.
+
+    Sharing is exact when each attention row depends on its own keys alone (the logits per_row; q/k/v scales and
+    smoothing span tokens) and each linear's output at a token on that token alone (per-token, per-group, static and
+    MX activations and bitsandbytes' weights; not per-sequence scales or outlier columns).
+
+    Args:
+        spec: the spec."""
     core = spec.without_weights()  # bitsandbytes' linears quantize a token's activations alone
     if core.is_identity:
         return "shared"
@@ -70,8 +78,12 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
                  data: str | None = None, task: str = "hellaswag") -> list:
     """The validation items to score: all, the first ``limit``, or ``sample`` drawn at random with ``seed``.
 
-    ``task``: ``hellaswag`` (items of ``data`` or the cached set) or a zero-shot task of
-    ``outlierscope.data.tasks`` (its rows as ``TaskDoc``)."""
+    Args:
+        limit: the first this many.
+        sample: this many drawn at random (kept in order).
+        seed: the draw's seed.
+        data: a HellaSwag validation file instead of the cached set.
+        task: ``hellaswag`` or a zero-shot task of ``outlierscope.data.tasks`` (its rows as ``TaskDoc``)."""
     if limit is not None and sample is not None:
         raise OutlierscopeError("limit and sample exclude each other; pass one")
     if task == "hellaswag":
@@ -87,9 +99,15 @@ def select_items(limit: int | None = None, sample: int | None = None, seed: int 
 
 def subset_items(items: list, limit: int | None = None, sample: int | None = None, seed: int = 0,
                  at_most: bool = False) -> list:
-    """All ``items``, the first ``limit``, or ``sample`` drawn at random with ``seed`` (kept in order).
-    ``at_most``: a ``limit``/``sample`` above ``len(items)`` takes them all (a suite's small tasks) instead of
-    raising."""
+    """All items, the first ``limit``, or ``sample`` drawn at random with ``seed`` (kept in order).
+
+    Args:
+        items: the items.
+        limit: the first this many.
+        sample: this many drawn at random.
+        seed: the draw's seed.
+        at_most: a ``limit`` or ``sample`` above ``len(items)`` takes them all (a suite's small tasks) instead of
+            raising."""
     if at_most:
         limit, sample = (None if v is None or v >= len(items) else v for v in (limit, sample))
     for name, v in (("limit", limit), ("sample", sample)):
@@ -104,7 +122,12 @@ def subset_items(items: list, limit: int | None = None, sample: int | None = Non
 
 
 def lm_loss(model, seqs, batch_size: int) -> float:
-    """Mean next-token loss (nats/token) over packed sequences (N, T)."""
+    """The mean next-token loss (nats per token) over packed sequences.
+
+    Args:
+        model: the model.
+        seqs: token ids ``(N, T)``.
+        batch_size: sequences per forward."""
     import torch
 
     total, n = 0.0, 0
@@ -281,6 +304,11 @@ class EvalResult:
 
 
 def model_and_tokenizer(model, tokenizer):
+    """The module and tokenizer of what ``evaluate`` was given.
+
+    Args:
+        model: a ``LoadedModel``, or a module.
+        tokenizer: the module's tokenizer (None: the ``LoadedModel``'s)."""
     if isinstance(model, LoadedModel):
         return model.model, tokenizer or model.tokenizer
     if tokenizer is None:
@@ -317,7 +345,11 @@ class EvalOptions:
 
 
 def eval_options(options: EvalOptions | None, kwargs: dict) -> EvalOptions:
-    """``options``, or one made of ``EvalOptions`` fields given as keywords (``batch_size=8``)."""
+    """The ``EvalOptions`` of an evaluation: the one given, or one made of its fields given as keywords.
+
+    Args:
+        options: an ``EvalOptions``, or None.
+        kwargs: ``EvalOptions`` fields as keywords (``batch_size=8``); an unknown one is refused with the closest."""
     if options is not None and kwargs:
         raise ParamError("options", "either an EvalOptions or its fields as keywords, not both", sorted(kwargs))
     try:
@@ -396,8 +428,16 @@ def evaluate(model, tokenizer=None, *, quant: QuantSpec | str | None = None, tas
 
 
 def finished(part: EvalResult, shard: Shard, world: World, desc: str) -> EvalResult | None:
-    """This process's ``part`` as the caller's result: with several processes, rank 0 gathers and combines every
-    rank's (the others get None); a partial ``shard`` stays partial; a whole one gets predictions and metrics."""
+    """This process's part as the caller's result.
+
+    Args:
+        part: the scores of this process's virtual shards.
+        shard: a partial shard's result stays partial; a whole one gets predictions and metrics.
+        world: with several processes rank 0 gathers and combines every rank's part.
+        desc: the task's label, for the metrics.
+
+    Returns:
+        The result; None on ranks other than 0."""
     if world.size > 1:
         parts = world.gather(part)
         if not world.is_main:
@@ -410,7 +450,11 @@ def finished(part: EvalResult, shard: Shard, world: World, desc: str) -> EvalRes
 
 
 def checked_layout(spec: QuantSpec, layout: str | None) -> str:
-    """``layout``, or ``layout_for`` ``spec`` when None; ``shared`` only where the spec allows it."""
+    """The layout to score in, refused where the spec does not allow it.
+
+    Args:
+        spec: the spec.
+        layout: ``separate``, ``shared``, or None: ``layout_for(spec)``."""
     layout = layout or layout_for(spec)
     if layout == "shared" and layout_for(spec) != "shared":
         raise ParamError("layout", f"'separate' or, for {spec.label} logits, {layout_for(spec)!r}", layout)
@@ -418,7 +462,15 @@ def checked_layout(spec: QuantSpec, layout: str | None) -> str:
 
 
 def result_settings(model, spec: QuantSpec, layout: str, items, opt: EvalOptions, task: str) -> dict:
-    """What an evaluation's scores depend on, as its result records them."""
+    """What an evaluation's scores depend on, as its result records them.
+
+    Args:
+        model: the scored module.
+        spec: its spec.
+        layout: the layout.
+        items: the scored items.
+        opt: the options.
+        task: the task's name."""
     return {"quant": spec.label, "bits": spec.bits, "format": None if spec.is_identity else spec.columns.format,
             "granularity": None if spec.is_identity else spec.columns.granularity,
             "layers": list(spec.layers) if spec.layers else None, "layout": layout, "n_items": len(items),
@@ -456,6 +508,16 @@ def _score(model, requests, spec: QuantSpec, settings: dict, opt: EvalOptions, t
 
 
 def partial_result(requests, scores: np.ndarray, loss, settings: dict, wall: float, own, layout: str) -> EvalResult:
+    """One process's scores as a partial ``EvalResult`` (predictions and metrics come when the parts are combined).
+
+    Args:
+        requests: the scored requests.
+        scores: ``(N, choices)`` summed log-likelihoods (NaN for the requests of other shards).
+        loss: the LM loss, where this process computed it.
+        settings: what produced the scores.
+        wall: seconds taken.
+        own: the virtual shards this process scored.
+        layout: the layout."""
     df = pd.DataFrame({"index": [r.index for r in requests], "label": [r.label for r in requests]})
     for j in range(scores.shape[1]):
         df[f"score{j}"] = scores[:, j]
@@ -521,7 +583,11 @@ def _complete(part: EvalResult, desc: str) -> EvalResult:
 
 
 def merge_results(parts: list[EvalResult], desc: str = "hellaswag") -> EvalResult:
-    """Combine the partial results of ``evaluate(..., shard=Shard(i, N))`` for i = 0..N-1 into the whole result."""
+    """Combine the partial results of ``evaluate(..., shard=Shard(i, N))`` for i = 0..N-1 into the whole result.
+
+    Args:
+        parts: every shard's result.
+        desc: the task's label, for the metrics."""
     if not parts:
         raise ParamError("parts", "at least one partial result", parts)
     return _complete(_combine(parts), desc)

@@ -23,13 +23,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Request:
-    """One item's token ids: the context (shared by the 4 choices) and each choice's continuation.
+    """One item's token ids: the context and each choice's continuation.
 
-    ``inputs[j]`` is what the model reads for choice j: ``(ctx + cont_j)[-(max_length + 1):][:-1]``
-    (lm-eval's left truncation); the continuation's log-probabilities are read at its last
-    ``len(conts[j])`` positions. Any number of choices; a task with one context per choice
-    (WinoGrande's partial scoring) sets ``ctxs``.
-    """
+    The model reads ``inputs(j)`` for choice j, ``(ctx + cont_j)[-(max_length + 1):][:-1]`` (lm-eval's left
+    truncation); the continuation's log-probabilities are read at its last ``len(conts[j])`` positions.
+
+    Attributes:
+        index: the item's index in its task.
+        label: the gold choice.
+        ctx: the context shared by the choices.
+        conts: each choice's continuation.
+        choice_chars: each choice's length in characters (acc_norm's divisor).
+        max_length: lm-eval's max length.
+        ctxs: one context per choice (WinoGrande's partial scoring); None: ``ctx`` for all."""
 
     index: int
     label: int
@@ -37,12 +43,20 @@ class Request:
     conts: tuple[tuple[int, ...], ...]
     choice_chars: tuple[int, ...]
     max_length: int
-    ctxs: tuple[tuple[int, ...], ...] | None = None  # one context per choice (WinoGrande); None: ``ctx`` for all
+    ctxs: tuple[tuple[int, ...], ...] | None = None
 
     def context(self, j: int) -> tuple[int, ...]:
+        """The token ids of a choice's context.
+
+        Args:
+            j: the choice."""
         return self.ctx if self.ctxs is None else self.ctxs[j]
 
     def inputs(self, j: int) -> list[int]:
+        """A choice's forward as lm-eval cuts it: of context + continuation, the last ``max_length + 1`` but the last.
+
+        Args:
+            j: the choice."""
         return list(self.context(j) + self.conts[j])[-(self.max_length + 1) :][:-1]
 
     @property
@@ -51,8 +65,11 @@ class Request:
 
 
 def lmeval_max_length(model, tokenizer=None) -> int:
-    """lm-eval's ``resolve_max_length``: n_positions, max_position_embeddings, n_ctx, tokenizer, 2048 (``model``: a
-    model or its config)."""
+    """lm-eval's ``resolve_max_length``: n_positions, max_position_embeddings, n_ctx, the tokenizer's, else 2048.
+
+    Args:
+        model: a model or its config.
+        tokenizer: the tokenizer (its ``model_max_length``)."""
     config = getattr(model, "config", model)
     cfg = getattr(config, "text_config", None) or config
     for attr in ("n_positions", "max_position_embeddings", "n_ctx"):
@@ -66,7 +83,11 @@ def lmeval_max_length(model, tokenizer=None) -> int:
 
 
 def move_trailing_space(context: str, continuation: str) -> tuple[str, str]:
-    """lm-eval's ``_encode_pair``: trailing whitespace of the context moves to the front of the continuation."""
+    """lm-eval's ``_encode_pair``: the context's trailing whitespace moves to the front of the continuation.
+
+    Args:
+        context: the context's text.
+        continuation: the continuation's text."""
     n_spaces = len(context) - len(context.rstrip())
     if n_spaces == 0:
         return context, continuation
@@ -74,7 +95,10 @@ def move_trailing_space(context: str, continuation: str) -> tuple[str, str]:
 
 
 class Encoder:
-    """lm-eval's ``tok_encode`` / ``_encode_pair`` for a causal model (tokenizer's default special tokens)."""
+    """lm-eval's ``tok_encode`` and ``_encode_pair`` for a causal model (the tokenizer's default special tokens).
+
+    Args:
+        tokenizer: the model's tokenizer."""
 
     def __init__(self, tokenizer):
         self.tok = tokenizer
@@ -82,12 +106,21 @@ class Encoder:
         self.prefix_str = tokenizer.decode(self.prefix_id) if self.prefix_id is not None else None
 
     def encode(self, text: str) -> list[int]:
+        """lm-eval's ``tok_encode``: special tokens added unless the text starts with the prefix token's text.
+
+        Args:
+            text: the text."""
         kw = {}
         if self.prefix_str and text.startswith(self.prefix_str):
             kw["add_special_tokens"] = False
         return self.tok.encode(text, **kw)
 
     def pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        """lm-eval's ``_encode_pair``: the context's ids, and the continuation's (what the whole adds after them).
+
+        Args:
+            context: the context's text (empty: the prefix token is the context).
+            continuation: the continuation's text."""
         if context == "":
             cont = self.tok.encode(continuation, add_special_tokens=False)
             return ([self.prefix_id], cont) if self.prefix_id != cont[0] else (cont[:1], cont[1:])
@@ -97,7 +130,10 @@ class Encoder:
         return ctx, whole[len(ctx) :]
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """``encode`` of many texts in one batched tokenizer call per special-token setting."""
+        """``encode`` of many texts, one batched tokenizer call per special-token setting.
+
+        Args:
+            texts: the texts."""
         no_special = [bool(self.prefix_str) and t.startswith(self.prefix_str) for t in texts]
         out: list = [None] * len(texts)
         for flag in (False, True):
@@ -109,7 +145,10 @@ class Encoder:
         return out
 
     def pairs(self, pairs: Sequence[tuple[str, str]]) -> list[tuple[list[int], list[int]]]:
-        """``pair`` of many (context, continuation): the same ids, each distinct text encoded once, batched."""
+        """``pair`` of many (context, continuation): the same ids, each distinct text encoded once, batched.
+
+        Args:
+            pairs: ``(context, continuation)`` texts."""
         split = []  # (context, context + continuation) after moving trailing spaces, None for an empty context
         for context, continuation in pairs:
             if context == "":
@@ -130,8 +169,13 @@ class Encoder:
 
 
 class Requests(list):
-    """The requests of some items (a list of ``Request``), with what they were built from: the items' digest
-    (``items_digest``), the tokenizer's (``tokenizer_digest``) and the lm-eval max length."""
+    """The requests of some items (a list of ``Request``), with what they were built from.
+
+    Args:
+        requests: the ``Request`` list.
+        items_sha256: the items' digest (``items_digest``).
+        tokenizer_sha256: the tokenizer's (``tokenizer_digest``).
+        max_length: lm-eval's max length."""
 
     def __init__(self, requests, items_sha256: str, tokenizer_sha256: str, max_length: int):
         super().__init__(requests)
@@ -139,8 +183,10 @@ class Requests(list):
 
 
 def items_digest(items) -> str:
-    """sha256 of the items' content (``item.digest_fields()``: HellaSwag's fields, a task row's requests, gold and
-    choice lengths)."""
+    """The sha256 of the items' content (``item.digest_fields()``).
+
+    Args:
+        items: HellaSwag items (their fields) or task rows (their requests, gold and choice lengths)."""
     h = hashlib.sha256()
     for it in items:
         h.update(json.dumps(it.digest_fields()).encode())
@@ -148,8 +194,11 @@ def items_digest(items) -> str:
 
 
 def tokenizer_digest(tokenizer) -> str:
-    """sha256 of what a tokenizer encodes with: a fast tokenizer's whole definition (vocabulary, merges, normalizer,
-    special tokens), else its vocabulary and special tokens, else (an object with neither) the object itself."""
+    """The sha256 of what a tokenizer encodes with.
+
+    Args:
+        tokenizer: a fast tokenizer (its whole definition), else one with a vocabulary (it and the special tokens),
+            else any object (the object itself)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is not None:
         blob = backend.to_str()
@@ -162,8 +211,16 @@ def tokenizer_digest(tokenizer) -> str:
 
 
 def build_requests(items, tokenizer, max_length: int) -> Requests:
-    """Requests of any items (HellaSwag items, task rows: each ``item.doc()``; any number of choices, shared or
-    per-choice contexts), tokenised by lm-eval's rules; a context shared by every choice is kept once (``ctx``)."""
+    """The requests of any items, tokenised by lm-eval's rules; a context shared by every choice is kept once.
+
+    Args:
+        items: HellaSwag items or task rows (each ``item.doc()``; any number of choices, shared or per-choice
+            contexts).
+        tokenizer: the model's tokenizer.
+        max_length: lm-eval's max length (``lmeval_max_length``).
+
+    Returns:
+        The ``Requests`` (a list of ``Request``), carrying the digests of the items and the tokenizer."""
     docs = [it.doc() for it in items]
     enc = Encoder(tokenizer)
     encoded = enc.pairs([r for doc in docs for r in doc.requests])
@@ -207,8 +264,11 @@ def check_requests(requests: Sequence[Request], items, tokenizer, max_length: in
 
 
 def predictions(scores, choice_chars):
-    """acc and acc_norm predictions from (N, C) summed log-probs (NaN where an item has fewer choices); first
-    maximum wins ties."""
+    """The acc and acc_norm predictions from summed log-likelihoods; the first maximum wins ties.
+
+    Args:
+        scores: ``(N, C)`` summed log-probabilities (NaN where an item has fewer choices).
+        choice_chars: each item's choices' lengths in characters (acc_norm's divisor)."""
     import numpy as np
 
     scores = np.asarray(scores, dtype=np.float64)
