@@ -154,7 +154,8 @@ def _module_entries(module: str) -> list[tuple[str, object]]:
 FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.analysis.reducers", "outlierscope.parallel",
                     "outlierscope.quant.numerics.registry", "outlierscope.quant.specs.transforms",
                     "outlierscope.hooks.points", "outlierscope.io", "outlierscope.eval.evaluate",
-                    "outlierscope.eval.requests")
+                    "outlierscope.eval.requests", "outlierscope.eval.scorer", "outlierscope.eval.windows",
+                    "outlierscope.eval.perplexity")
 
 
 def test_every_api_entry_documents_each_parameter():

@@ -119,7 +119,13 @@ class TokenScores:
 
 def token_values(logits_q: torch.Tensor, logits_b: torch.Tensor, targets: torch.Tensor,
                  logprobs: str = "float64") -> dict[str, torch.Tensor]:
-    """The per-token values (module docstring) of logits (n, V) of the quantized and the unquantized model."""
+    """The per-token values (NLL, base NLL, KLD, same top, p diff) of the quantized and the unquantized logits.
+
+    Args:
+        logits_q: the quantized model's logits ``(n, V)``.
+        logits_b: the unquantized model's ``(n, V)``.
+        targets: each row's target token ``(n,)``.
+        logprobs: how each NLL is taken from the logits (``LOGPROBS``)."""
     return _values(logits_q, _base(logits_b, targets, logprobs=logprobs), targets, logprobs)
 
 
@@ -212,7 +218,10 @@ def _compare(heads: Sequence, hqs: Sequence[torch.Tensor], head_b, hb: torch.Ten
 
 
 def quantizes_head(spec: QuantSpec) -> bool:
-    """Whether ``spec`` quantizes the LM head (``linears:lm_head``)."""
+    """Whether a spec quantizes the LM head (``linears:lm_head``).
+
+    Args:
+        spec: the spec."""
     from outlierscope.quant.linears.sites import HEAD
 
     return HEAD in (spec.linears or ())
@@ -259,9 +268,21 @@ def _owned_batches(n: int, batch_size: int, shards: Collection[int] | None) -> l
 def score_noise(model, ref_model, windows: Sequence[Window], specs: Sequence[QuantSpec], batch_size: int = 1,
                 calibrations: Sequence | None = None, ref_calibrations: Sequence | None = None,
                 block_rows: int | None = None, shards: Collection[int] | None = None) -> list[TokenScores]:
-    """The numerical noise floor of each spec: its ``TokenScores`` computed by ``model`` against the same spec
-    computed by ``ref_model`` (the same weights in other arithmetic, e.g. float64) as the base, so ``kld`` is
-    KL(ref || model) of one scheme under two arithmetics (``score_pairs`` with each spec on both sides)."""
+    """The numerical noise floor of each spec: the spec under one arithmetic against itself under another.
+
+    ``kld`` is KL(ref || model) of one scheme computed by two models with the same weights (float32 and float64,
+    say): ``score_pairs`` with each spec on both sides.
+
+    Args:
+        model: the model in the arithmetic measured.
+        ref_model: the same weights in the reference arithmetic (the base).
+        windows: the ``Window`` list.
+        specs: the specs.
+        batch_size: windows per forward.
+        calibrations: each spec's ``calibration_for`` for ``model`` (None: none needed).
+        ref_calibrations: each spec's for ``ref_model``.
+        block_rows: query rows per attention block; None: whole.
+        shards: score only the batches of these virtual shards; None: all."""
     return score_pairs(model, ref_model, windows, specs, specs, batch_size, calibrations, ref_calibrations,
                        block_rows, shards)
 
@@ -378,8 +399,10 @@ def _trunks(models: dict, sides: dict[tuple, Side], rows: list[dict], block_rows
 
 
 def prefix_start(spec: QuantSpec) -> int:
-    """The first decoder layer ``spec`` changes: ``min(spec.layers)``, or 0 where it changes any other (no
-    ``layers``; bitsandbytes weights, which every layer takes; the LM head)."""
+    """The first decoder layer a spec changes: ``min(spec.layers)``, or 0 where it changes anything else.
+
+    Args:
+        spec: the spec (without ``layers``, with bitsandbytes weights or quantizing the LM head: 0)."""
     if spec.layers is None or spec.weights_mode != "none" or quantizes_head(spec):
         return 0
     return min(spec.layers)
@@ -453,11 +476,17 @@ def _scores(parts: list[dict]) -> TokenScores:
 
 def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Sequence[str],
                      logprobs: str = "float64") -> dict:
-    """lm-evaluation-harness 0.4.13's metrics of a ``loglikelihood_rolling`` task (its wikitext) from the per-token
-    values of lmeval windows: per document the log-likelihood (``document_loglikelihoods``; 0 for an empty one),
-    its words (``len(re.split(r"\\s+", doc))``) and UTF-8 bytes; word_perplexity = exp(-sum ll / sum words),
-    byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte = -sum ll / sum bytes / ln 2. Of the quantized model
-    and (``*_base``) of the unquantized one."""
+    """lm-evaluation-harness 0.4.13's metrics of a ``loglikelihood_rolling`` task (its wikitext), from token values.
+
+    Per document the log-likelihood (0 for an empty one), its words (``len(re.split(r"\\s+", doc))``) and UTF-8
+    bytes; word_perplexity = exp(-sum ll / sum words), byte_perplexity = exp(-sum ll / sum bytes), bits_per_byte =
+    -sum ll / sum bytes / ln 2; of the quantized model and (``*_base``) of the unquantized one.
+
+    Args:
+        tokens: the per-token values of lmeval windows.
+        windows: those windows.
+        docs: the documents.
+        logprobs: ``float64``, or ``lmeval`` to add as lm-eval does."""
     import math
     import re
 
@@ -474,9 +503,14 @@ def document_metrics(tokens: TokenScores, windows: Sequence[Window], docs: Seque
 
 def document_loglikelihoods(tokens: TokenScores, windows: Sequence[Window], n_docs: int,
                             logprobs: str = "float64") -> np.ndarray:
-    """Each document's log-likelihood under the quantized model (lm-eval's loglikelihood_rolling result): the sum of
-    its tokens' log-likelihoods, in float64; with ``logprobs="lmeval"`` as lm-eval adds them: each window's in
-    float32 (a torch sum of its tokens in order), the windows' in Python floats."""
+    """Each document's log-likelihood under the quantized model (lm-eval's ``loglikelihood_rolling`` result).
+
+    Args:
+        tokens: the per-token values of lmeval windows.
+        windows: those windows.
+        n_docs: the number of documents.
+        logprobs: ``float64`` (each document's tokens summed in float64), or ``lmeval`` (as lm-eval adds them: each
+            window's in float32, in order, the windows' in Python floats)."""
     return _document_sums(tokens.nll, tokens, windows, n_docs, logprobs)
 
 

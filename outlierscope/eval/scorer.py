@@ -32,14 +32,24 @@ HEAD_ROWS = 256  # continuation positions per LM-head block (measured best on th
 
 
 def unchanged_logits(ctx, logits):
-    """The logits stage that changes nothing: the unquantized path through our attention."""
+    """The logits stage that changes nothing: the unquantized path through our attention.
+
+    Args:
+        ctx: the call's ``LogitContext``.
+        logits: the scaled logits ``(B, H, t, S)``."""
     return logits
 
 
 def lm_head(model, frozen: bool = False):
-    """The model's LM head as a function of the last hidden states (with its logit scale and soft cap). ``frozen``:
-    of the weights the head holds now, whatever a quantization context later puts in its place (the unquantized
-    head of a KL divergence, computed inside the quantized model's context)."""
+    """The model's LM head as a function of the last hidden states, with its logit scale and soft cap.
+
+    Args:
+        model: the causal LM.
+        frozen: use the weights the head holds now, whatever a quantization context later puts in its place (the
+            unquantized head of a KL divergence, computed inside the quantized model's context).
+
+    Raises:
+        OutlierscopeError: a model without output embeddings."""
     head = model.get_output_embeddings()
     if head is None:
         raise OutlierscopeError(f"{type(model).__name__} has no output embeddings (LM head); expected a causal LM")
@@ -61,9 +71,15 @@ def lm_head(model, frozen: bool = False):
 
 
 def gathered_hidden(model, rows: list[dict]) -> tuple[torch.Tensor, list[tuple[int, int]], list[int]]:
-    """Run one right-padded batch through the trunk; each row dict has ids, pos, mask (L x L bool or None: causal)
-    and gathers [(positions, targets)]. Returns the last hidden states at every gathered position (N, D), each
-    position's owner (row, gather) and target, in row and gather order."""
+    """Run one right-padded batch through the trunk and gather the last hidden states at the scored positions.
+
+    Args:
+        model: the causal LM.
+        rows: one dict per row: ``ids``, ``pos``, ``mask`` (an L x L bool tree mask, or None: causal) and ``gathers``
+            ``[(positions, targets)]``.
+
+    Returns:
+        ``(hidden (N, D), owners [(row, gather)], targets)``, in row and gather order."""
     L = max(len(r["ids"]) for r in rows)
     B = len(rows)
     ids = torch.zeros(B, L, dtype=torch.long)
@@ -94,7 +110,12 @@ def gathered_hidden(model, rows: list[dict]) -> tuple[torch.Tensor, list[tuple[i
 
 
 def score_rows(model, head, rows: list[dict]) -> list[np.ndarray]:
-    """Summed log-probabilities of each row's gathers (one padded batch)."""
+    """The summed log-probabilities of each row's gathers, for one padded batch.
+
+    Args:
+        model: the causal LM.
+        head: ``lm_head(model)``.
+        rows: the batch's rows (``batch_rows``)."""
     h, owner, tgt = gathered_hidden(model, rows)
     tgt_t = torch.tensor(tgt, device=h.device)
     # The LM head and log-softmax in blocks of rows: the (rows, V) logits stay in cache (about 2x faster on CPU).
@@ -142,19 +163,18 @@ def _separate_row(req: Request, j: int) -> dict:
 @torch.no_grad()
 def score_requests(model, requests: Sequence[Request], layout: str = "shared", batch_size: int = 32,
                    progress=None, shards: Collection[int] | None = None, on_batch=None) -> np.ndarray:
-    """Summed log-probabilities (N, C) of each item's continuations, in the order of ``requests`` (C: the most
-    choices of an item; NaN where an item has fewer).
+    """The summed log-probabilities ``(N, C)`` of each item's continuations, in request order (NaN past its choices).
 
-    ``layout`` is ``shared`` or ``separate`` (see module docstring); items that lm-eval truncates, and
-    items with one context per choice, always use ``separate``. ``batch_size`` counts (context, ending) sequences per forward: a shared
-    row holds an item's 4, so shared forwards take ``batch_size // 4`` rows (long tree-masked rows
-    run faster in small batches). ``progress(n_items)`` is called as items finish.
-
-    ``shards``: compute only the batches of these virtual shards (batch ``b`` is in shard
-    ``b % VIRTUAL_SHARDS``, ``outlierscope.parallel``); the other scores are NaN. The batches are
-    the same whatever the shards, so every score equals the one a whole run computes. ``on_batch(k)`` is called
-    before the forward of batch ``k`` (its virtual shard is ``shard_of(k)``).
-    """
+    Args:
+        model: the causal LM.
+        requests: the items' requests.
+        layout: ``shared`` (a context's choices in one tree-masked row) or ``separate``; items lm-eval truncates and
+            items with one context per choice are always separate.
+        batch_size: (context, ending) sequences per forward; a shared row counts its item's choices.
+        progress: called as ``progress(n_items)`` as items finish.
+        shards: compute only the batches of these virtual shards (the other scores NaN); the batches are the same
+            whatever the shards, so every score equals a whole run's.
+        on_batch: called as ``on_batch(k)`` before the forward of batch ``k`` (virtual shard ``shard_of(k)``)."""
     numbered = plan_batches(requests, layout, batch_size, shards)
     scores = empty_scores(requests)
     head = lm_head(model)
@@ -170,8 +190,16 @@ def score_requests(model, requests: Sequence[Request], layout: str = "shared", b
 
 def plan_batches(requests: Sequence[Request], layout: str, batch_size: int,
                  shards: Collection[int] | None = None) -> list[tuple[int, list[tuple]]]:
-    """The numbered batches (k, [(length, item index, choice or None), ...]) ``score_requests`` runs: the same
-    whatever ``shards`` keeps (batch k is in virtual shard ``shard_of(k)``)."""
+    """The numbered batches ``score_requests`` runs, the same whatever ``shards`` keeps.
+
+    Args:
+        requests: the items' requests.
+        layout: ``shared`` or ``separate``.
+        batch_size: sequences per forward.
+        shards: keep only the batches of these virtual shards (batch k is in ``shard_of(k)``); None: all.
+
+    Returns:
+        ``[(k, [(length, item index, choice or None), ...])]``."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if batch_size <= 0:
@@ -194,17 +222,29 @@ def plan_batches(requests: Sequence[Request], layout: str, batch_size: int,
 
 
 def empty_scores(requests: Sequence[Request]) -> np.ndarray:
-    """(N, C) NaN: C the most choices of an item."""
+    """An ``(N, C)`` array of NaN, C the most choices of an item.
+
+    Args:
+        requests: the items' requests."""
     return np.full((len(requests), max((len(r.conts) for r in requests), default=0)), np.nan)
 
 
 def batch_rows(requests: Sequence[Request], batch: list[tuple]) -> list[dict]:
-    """The rows (ids, positions, mask, gathers) of one planned batch."""
+    """The rows (ids, positions, mask, gathers) of one planned batch.
+
+    Args:
+        requests: the items' requests.
+        batch: one batch of ``plan_batches``."""
     return [_shared_row(requests[i]) if j is None else _separate_row(requests[i], j) for _, i, j in batch]
 
 
 def fill_scores(scores: np.ndarray, batch: list[tuple], values: list[np.ndarray]) -> None:
-    """Put one batch's summed log-probabilities (``score_rows``) in their items' places."""
+    """Put one batch's summed log-probabilities in their items' places.
+
+    Args:
+        scores: the ``(N, C)`` scores, filled in place.
+        batch: the batch.
+        values: ``score_rows``' values for it."""
     for (_, i, j), v in zip(batch, values):
         if j is None:
             scores[i, : len(v)] = v
@@ -213,7 +253,12 @@ def fill_scores(scores: np.ndarray, batch: list[tuple], values: list[np.ndarray]
 
 
 class BatchProgress:
-    """Calls ``progress(n)`` with the number of items whose every row has been scored, after each batch."""
+    """Calls ``progress(n)`` with the number of items whose every row has been scored, after each batch.
+
+    Args:
+        requests: the items' requests.
+        numbered: ``plan_batches``' batches.
+        progress: the callback; None: none."""
 
     def __init__(self, requests: Sequence[Request], numbered: list[tuple[int, list[tuple]]], progress=None):
         self.progress = progress
@@ -221,6 +266,10 @@ class BatchProgress:
         self.need = np.bincount([u[1] for _, b in numbered for u in b], minlength=len(requests))  # rows per item
 
     def batch_done(self, batch: list[tuple]) -> None:
+        """Count a scored batch and report the items it finished.
+
+        Args:
+            batch: the batch."""
         for _, i, _ in batch:
             self.done[i] += 1
         if self.progress is not None:

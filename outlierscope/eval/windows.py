@@ -43,8 +43,12 @@ class Window:
 
 
 def gptq_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
-    """GPTQ's eval_ppl: the documents joined with "\\n\\n", tokenized once, ``numel // length`` windows (its
-    seqlen)."""
+    """GPTQ's ``eval_ppl``: the documents joined with two newlines, tokenized once, cut in ``numel // length`` windows.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        docs: the documents.
+        length: GPTQ's seqlen."""
     ids = tokenizer(GPTQ_SEPARATOR.join(docs))["input_ids"]
     n = len(ids) // length
     if n == 0:
@@ -56,14 +60,22 @@ def gptq_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
 
 
 def adds_bos(tokenizer) -> bool:
-    """Whether the tokenizer puts a BOS first when it adds special tokens (llama.cpp's ``add_bos``)."""
+    """Whether the tokenizer puts a BOS first when it adds special tokens (llama.cpp's ``add_bos``).
+
+    Args:
+        tokenizer: the tokenizer."""
     bos = tokenizer.bos_token_id
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
     return bos is not None and bool(ids) and ids[0] == bos
 
 
 def llamacpp_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window]:
-    """llama-perplexity: chunks of ``length`` tokens (its n_ctx) of the whole text, the second half of each scored."""
+    """llama-perplexity: chunks of ``length`` tokens of the whole text, the second half of each scored.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        docs: the documents, joined.
+        length: llama-perplexity's n_ctx (at least 4, at most half the text)."""
     ctx = length
     if ctx < 4:
         raise ParamError("length", ">= 4 (llama-perplexity scores the second half of each chunk)", ctx)
@@ -84,7 +96,13 @@ def llamacpp_windows(tokenizer, docs: Sequence[str], length: int) -> list[Window
 
 
 def lmeval_prefix_token(tokenizer) -> int:
-    """lm-eval's HFLM.prefix_token_id: the BOS token, else the EOS token."""
+    """lm-eval's ``HFLM.prefix_token_id``: the BOS token, else the EOS token.
+
+    Args:
+        tokenizer: the tokenizer.
+
+    Raises:
+        OutlierscopeError: a tokenizer with neither."""
     tok = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if tok is None:
         raise OutlierscopeError("the tokenizer has neither a BOS nor an EOS token: lm-eval's rolling windows need one "
@@ -93,8 +111,15 @@ def lmeval_prefix_token(tokenizer) -> int:
 
 
 def rolling_windows(tokens: list[int], prefix: int, max_len: int) -> list[tuple[list[int], list[int]]]:
-    """lm-eval's ``get_rolling_token_windows(tokens, prefix, max_len, context_len=1)`` then ``make_disjoint_window``:
-    (context, continuation) pairs whose continuations cover ``tokens`` once."""
+    """lm-eval's ``get_rolling_token_windows(..., context_len=1)`` then ``make_disjoint_window``.
+
+    Args:
+        tokens: a document's token ids.
+        prefix: the prefix token the first window conditions on.
+        max_len: lm-eval's max length.
+
+    Returns:
+        ``(context, continuation)`` pairs whose continuations cover ``tokens`` once."""
     if not tokens:
         return []
     out, done = [], min(max_len, len(tokens))
@@ -109,8 +134,14 @@ def rolling_windows(tokens: list[int], prefix: int, max_len: int) -> list[tuple[
 
 
 def lmeval_windows(tokenizer, docs: Sequence[str], max_len: int) -> list[Window]:
-    """lm-eval's loglikelihood_rolling, per document: each (context, continuation) pair as one forward of
-    ``(context + continuation)[-(max_len + 1):][:-1]`` scoring the continuation."""
+    """lm-eval's ``loglikelihood_rolling``, per document: each window one forward scoring its continuation.
+
+    Each (context, continuation) pair is the forward ``(context + continuation)[-(max_len + 1):][:-1]``.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        docs: the documents.
+        max_len: lm-eval's max length."""
     prefix = lmeval_prefix_token(tokenizer)
     out = []
     for d, doc in enumerate(docs):
