@@ -11,14 +11,21 @@ from outlierscope.analysis.outliers import TABLE5_RANKS
 
 
 def recipe_rows(sweep: pd.DataFrame) -> pd.Series:
-    """True for a sweep table's recipe rows (``sweep --quant``: format ``attn``, a spec beyond the paper's logits);
-    the logits' rows and tables from before recipes: False."""
+    """Which rows of a sweep table are recipe rows (``sweep --quant``: format ``attn``, beyond the paper's logits).
+
+    Args:
+        sweep: a sweep's table (one without a format column has none)."""
     from outlierscope.quant.specs.parts import KERNEL_FORMAT
 
     return sweep["format"].eq(KERNEL_FORMAT) if "format" in sweep else pd.Series(False, index=sweep.index)
 
 
 def table5_markdown(df: pd.DataFrame, facts: dict) -> str:
+    """Table 5 as markdown: the k-th largest |x| and the median per model and kind, after a paragraph on what they are.
+
+    Args:
+        df: a profile's ``table5`` table.
+        facts: model -> what ran (its ``tokens``)."""
     head = "| Model | Activation Type | " + " | ".join(f"Top-{r}" for r in TABLE5_RANKS) + " | Median |"
     lines = [head, "|" + "---|" * (len(TABLE5_RANKS) + 3)]
     for _, r in df.iterrows():
@@ -38,23 +45,37 @@ FLIP_METRIC = {"acc": "flip_rate", "acc_norm": "flip_rate_norm"}  # metric -> it
 
 
 def with_task(sweep: pd.DataFrame) -> pd.DataFrame:
-    """A sweep table with its ``task`` column: a table built by hand, or from before tasks, is HellaSwag's."""
+    """A sweep table with its ``task`` column (a table built by hand, or without tasks, is HellaSwag's).
+
+    Args:
+        sweep: a sweep's table."""
     return sweep if "task" in sweep else sweep.assign(task="hellaswag")
 
 
 def by_task(sweep: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
-    """(task, its rows) in table order."""
+    """``(task, its rows)`` in table order.
+
+    Args:
+        sweep: a sweep's table."""
     return list(with_task(sweep).groupby("task", sort=False))
 
 
 def headline_metric(metrics) -> str:
-    """The metric a task is read by: acc_norm where the task reports it (HellaSwag, ARC, ...), else acc."""
+    """The metric a task is read by: acc_norm where the task reports it (HellaSwag, ARC, ...), else acc.
+
+    Args:
+        metrics: the metrics the task reports."""
     return "acc_norm" if "acc_norm" in set(metrics) else "acc"
 
 
 def sweep_table(table: pd.DataFrame) -> str:
-    """Markdown: one row per (task,) model and bit width with acc, acc_norm (stderr), the change of the headline
-    metric (``headline_metric``) vs 16 bits with CI, McNemar p and flip rate, the mean |Δscore|."""
+    """A sweep as markdown: one row per (task,) model and bit width, with the change of the headline metric vs 16 bits.
+
+    Each row: acc, acc_norm (stderr), the change of ``headline_metric`` with its 95% interval, McNemar p, the flip
+    rate and the mean |change| of the scores (and the LM loss where measured).
+
+    Args:
+        table: a sweep's table."""
     table = with_task(table)
     from outlierscope.data.tasks import task_label
 
@@ -90,7 +111,10 @@ def sweep_table(table: pd.DataFrame) -> str:
 
 
 def sinks_markdown(sinks: pd.DataFrame) -> str:
-    """Mean attention mass on key 0 per layer (mean over heads, and the largest head), a column per model and point."""
+    """The mean attention mass on key 0 per layer (mean over heads, and the largest head), a column per model and point.
+
+    Args:
+        sinks: a profile's ``sinks`` table."""
     cols = list(dict.fromkeys(zip(sinks["model"], sinks["point"])))
     g = sinks.groupby(["model", "point", "layer"])["mass_first"]
     mean, top = g.mean(), g.max()
@@ -103,7 +127,11 @@ def sinks_markdown(sinks: pd.DataFrame) -> str:
 
 
 def recurrence_markdown(rec: pd.DataFrame, n: int = 12) -> str:
-    """The ``n`` (point, layer, channel, position kind) of massive activations found in the most sequences."""
+    """The (point, layer, channel, position kind) of massive activations found in the most sequences, as markdown.
+
+    Args:
+        rec: a profile's ``massive_recurrence`` table.
+        n: rows shown."""
     top = rec.sort_values(["sequences", "point", "layer", "channel"], ascending=[False, True, True, True]).head(n)
     lines = ["| model | point | layer | channel | position | sequences (share) | occurrences |", "|---|---|---|---|---|---|---|"]
     for r in top.itertuples():
@@ -122,8 +150,14 @@ def _writer_rank(point: str) -> int:
 
 
 def massive_origin(rec: pd.DataFrame) -> pd.DataFrame:
-    """Per model, the hidden-state channel whose massive activation on the first token recurs in the most sequences,
-    and the first (layer, point) of the residual stream that carries it (from ``massive_recurrence``)."""
+    """Per model, the hidden channel whose massive activation on the first token recurs most, and where it starts.
+
+    Args:
+        rec: a profile's ``massive_recurrence`` table.
+
+    Returns:
+        One row per model: the channel, its share of sequences, the first (layer, point) of the residual stream that
+        carries it, and the layers whose hidden states hold it."""
     rows = []
     for model, g in rec.groupby("model", sort=False):
         first = g[(g["position_kind"] == "first") & (g["point"] == "hidden")]
@@ -142,6 +176,10 @@ def massive_origin(rec: pd.DataFrame) -> pd.DataFrame:
 
 
 def origin_markdown(origins: pd.DataFrame) -> str:
+    """``massive_origin``'s table as markdown.
+
+    Args:
+        origins: ``massive_origin``'s table."""
     lines = ["| model | hidden channel | sequences with it | first carried by | in the hidden states of layers |",
              "|---|---|---|---|---|"]
     for r in origins.itertuples():
@@ -151,7 +189,11 @@ def origin_markdown(origins: pd.DataFrame) -> str:
 
 
 def key_channels_markdown(channels: pd.DataFrame, n: int = 8) -> str:
-    """The key channels (``attn.k``) whose max |x| stands out most from their layer's median channel max."""
+    """The key channels (``attn.k``) whose max |x| stands out most from their layer's median channel max, as markdown.
+
+    Args:
+        channels: a profile's ``channels`` table.
+        n: rows per model."""
     k = channels[channels["point"] == "attn.k"].copy()
     k["ratio"] = k["absmax"] / k.groupby(["model", "layer"])["absmax"].transform("median")
     top = k.sort_values("ratio", ascending=False).groupby("model", sort=False).head(n)
@@ -163,9 +205,13 @@ def key_channels_markdown(channels: pd.DataFrame, n: int = 8) -> str:
 
 
 def attention_error_layers(attn_error: pd.DataFrame) -> pd.DataFrame:
-    """A sweep's ``attn_error.csv`` (per model, task, cell label, layer and head) pooled over heads per layer:
-    row-weighted mean KL, top-key change rate and output error, the maxima
-    (``pool_heads`` per cell)."""
+    """A sweep's ``attn_error.csv`` pooled over heads, per layer (``pool_heads`` per cell).
+
+    Args:
+        attn_error: per model, task, cell, layer and head.
+
+    Returns:
+        Per model, task, cell and layer: the row-weighted mean KL, top-key change rate and output error, the maxima."""
     from outlierscope.analysis.attention_error import pool_heads
 
     keys = ["model", "task", "bits", "label"]
@@ -176,9 +222,13 @@ def attention_error_layers(attn_error: pd.DataFrame) -> pd.DataFrame:
 
 
 def attention_error_markdown(attn_error: pd.DataFrame) -> str:
-    """Per model, task and cell: the query rows measured, the mean KL over all rows, the layer with the largest mean
-    KL, the share of rows whose top key changes and the mean relative output error; then per model and task the
-    mean KL per layer (layers as rows, cells as columns)."""
+    """The attention error as markdown: per cell a summary, then per model and task the mean KL per layer and cell.
+
+    Each cell's summary: the query rows measured, the mean KL over all rows, the layer with the largest mean KL, the
+    share of rows whose top key changes and the mean relative output error.
+
+    Args:
+        attn_error: a sweep's ``attn_error.csv``."""
     from outlierscope.data.tasks import task_label
 
     layers = attention_error_layers(attn_error)
@@ -213,9 +263,12 @@ def _attention_error_summary(layers: pd.DataFrame) -> list[str]:
 
 
 def gold_ll_markdown(gold: pd.DataFrame) -> str:
-    """A sweep's ``gold_ll.csv``: per model, task and quantized setting the mean change of the gold choice's
-    log-likelihood (nats) with its 95% paired interval and, for the models after the first, that change minus the
-    first model's (paired by item)."""
+    """The mean change of the gold choice's log-likelihood per model, task and setting, with its 95% paired interval.
+
+    For the models after the first, also that change minus the first model's, paired by item.
+
+    Args:
+        gold: a sweep's ``gold_ll.csv``."""
     from outlierscope.data.tasks import task_label
 
     first = gold["model"].iloc[0]
@@ -231,9 +284,14 @@ def gold_ll_markdown(gold: pd.DataFrame) -> str:
 
 
 def linear_error_summary(linear_error: pd.DataFrame) -> pd.DataFrame:
-    """A sweep's ``linear_error.csv`` per model, task and scheme: the token-weighted mean relative output error over
-    every quantized linear, the (layer, linear) with the largest mean and its value, the largest single token's
-    error, and the mean per linear kind (columns named by the kind)."""
+    """A sweep's linear errors per model, task and scheme.
+
+    Args:
+        linear_error: a sweep's ``linear_error.csv``.
+
+    Returns:
+        The token-weighted mean relative output error over every quantized linear, the (layer, linear) with the largest
+        mean and its value, the largest single token's error, and the mean per linear kind (a column each)."""
     keys = ["model", "task", "label"]
     rows = []
     for k, g in linear_error.groupby(keys, sort=False):
@@ -247,7 +305,10 @@ def linear_error_summary(linear_error: pd.DataFrame) -> pd.DataFrame:
 
 
 def linear_error_markdown(linear_error: pd.DataFrame) -> str:
-    """``linear_error_summary`` as a markdown table (kinds by their last name: q_proj, down_proj, ...)."""
+    """``linear_error_summary`` as markdown (kinds by their last name: q_proj, down_proj, ...).
+
+    Args:
+        linear_error: a sweep's ``linear_error.csv``."""
     from outlierscope.data.tasks import task_label
 
     t = linear_error_summary(linear_error)
@@ -263,11 +324,15 @@ def linear_error_markdown(linear_error: pd.DataFrame) -> str:
 
 def linear_error_vs_outliers(linear_error: pd.DataFrame, per_layer: pd.DataFrame,
                              int8_features: pd.DataFrame | None = None) -> pd.DataFrame:
-    """A sweep's ``linear_error.csv`` beside a profile's statistics of the same inputs (``profile --points
-    'layers.*.**'``: the point ``{linear}.input`` of each layer): per model, scheme, layer and linear the error, the
-    input's largest |x| (``top1``), its median |x| and their ratio, and with ``int8_features`` the number of LLM.int8
-    feature channels (|x| >= 6) of that input in that layer. Rows whose input the profile did not observe are left
-    out."""
+    """A sweep's linear errors beside a profile's statistics of the same inputs, per model, scheme, layer and linear.
+
+    Rows whose input the profile did not observe (``profile --points 'layers.*.**'`` observes each ``{linear}.input``)
+    are left out.
+
+    Args:
+        linear_error: a sweep's ``linear_error.csv``.
+        per_layer: the profile's ``per_layer`` table: the input's largest |x| (``top1``), its median, their ratio.
+        int8_features: the profile's ``int8_features``: the LLM.int8 feature channels (|x| >= 6) of each input."""
     stats = per_layer.assign(linear=per_layer["point"].str.removesuffix(".input"))[
         ["model", "layer", "linear", "top1", "median"]]
     out = linear_error.merge(stats[per_layer["point"].str.endswith(".input")], on=["model", "layer", "linear"])
