@@ -44,9 +44,15 @@ from outlierscope.quant.specs.transforms import BnbOutliers, Rotate, Smooth, Tra
 
 
 def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict[str, torch.Tensor]:
-    """Per linear name, SmoothQuant's factors (in_features,) (float64, CPU): shared by a group of linears reading the
-    same input, from its calibrated max |x| and the largest |W_ij| per input channel over the group; linears that read
-    an input of their own get none."""
+    """Per linear, SmoothQuant's factors ``(in_features,)`` (float64, CPU), shared by the linears that read one input.
+
+    From the input's calibrated max |x| and the largest |W_ij| per input channel over the group; a linear that reads
+    an input of its own gets none.
+
+    Args:
+        sites: the quantized linears.
+        calib: the calibration (its groups and max |x|).
+        alpha: SmoothQuant's migration strength."""
     by_name = {s.name: s for s in sites}
     out = {}
     for group in calib.groups:
@@ -59,22 +65,36 @@ def smoothing(sites: list[LinearSite], calib: Calibration, alpha: float) -> dict
 
 
 class HeldWeights:
-    """Quantized weights held across ``quantize_linears`` contexts (a perplexity run enters a spec's context once
-    per batch): per (owner, linear name) the original weight's key and the quantized copy, while the bytes held stay
-    within ``budget`` bytes; a weight beyond it is quantized at each context entry as without a holder. ``owner``
-    names one spec with its calibration (the caller's key); the original weight's identity, storage, dtype and device
-    guard the rest. Not its in-place version (torch bumps it at each registration of a parametrization): the model's
-    weights must not be changed in place while a holder is used (a perplexity run never does)."""
+    """Quantized weights held across ``quantize_linears`` contexts (a perplexity run enters a spec's context per batch).
+
+    Per (owner, linear name): the original weight's key and the quantized copy, while the bytes held stay within the
+    budget; a weight beyond it is quantized at each entry as without a holder. The owner names one spec with its
+    calibration (the caller's key); the weight's identity, storage, dtype and device guard the rest, not its in-place
+    version: the model's weights must not change in place while a holder is used (a perplexity run never does).
+
+    Args:
+        budget: the most bytes held."""
 
     def __init__(self, budget: int):
         self.budget, self.used = budget, 0
         self._held: dict = {}
 
     def get(self, key: tuple, wkey: tuple) -> torch.Tensor | None:
+        """The held copy of a weight, if it is the one held for this key.
+
+        Args:
+            key: ``(owner, linear name)``.
+            wkey: the original weight's key."""
         held = self._held.get(key)
         return held[1] if held is not None and held[0] == wkey else None
 
     def offer(self, key: tuple, wkey: tuple, w: torch.Tensor) -> None:
+        """Hold a quantized copy for a key, in place of the one held before, if it fits the budget.
+
+        Args:
+            key: ``(owner, linear name)``.
+            wkey: the original weight's key.
+            w: the quantized copy."""
         old = self._held.pop(key, None)
         self.used -= 0 if old is None else old[1].nbytes
         if self.used + w.nbytes <= self.budget:
@@ -254,10 +274,14 @@ HOLD_FRACTION = 0.5  # hold_weights=None: held where the copies take at most thi
 
 
 def holds_fit(sites: list[LinearSite], free=None) -> bool:
-    """``hold_weights=None``'s choice: whether a held copy of each quantized linear's weight fits. On the CPU: yes;
-    on a CUDA device: when the quantized linears' weights on it take at most ``HOLD_FRACTION`` of its free memory
-    (``free(device)``: bytes; default ``torch.cuda.mem_get_info``); elsewhere (offloaded ``meta`` weights, other
-    accelerators): no, quantized at every forward."""
+    """``hold_weights=None``'s choice: whether a held copy of each quantized linear's weight fits.
+
+    On the CPU: yes; on a CUDA device: when the quantized linears' weights on it take at most ``HOLD_FRACTION`` of its
+    free memory; elsewhere (offloaded ``meta`` weights, other accelerators): no, quantized at every forward.
+
+    Args:
+        sites: the quantized linears.
+        free: ``free(device)``: its free bytes; None: ``torch.cuda.mem_get_info``."""
     need: dict = {}
     for s in sites:
         w = s.module.weight
@@ -295,14 +319,21 @@ def _check_linear_spec(spec: QuantSpec, calibration: Calibration | None, sites: 
 def quantize_linears(model: nn.Module, spec: QuantSpec, calibration: Calibration | None = None,
                      error=None, hold_weights: bool | None = None,
                      held: tuple | None = None) -> Iterator[list[LinearSite]]:
-    """Quantize the linear layers as ``spec``'s ``a=``/``w=`` parts, ``smooth``, ``rotate``, ``outliers``,
-    ``linears`` and ``layers`` say (module docstring); ``calibration``: ``calibrate``'s, when
-    ``needs_calibration``; ``error``: a ``LinearErrorStats`` that also
-    receives each quantized linear's relative output error. ``hold_weights``: each weight quantized once, when the
-    context is entered (False: at every forward; None: where the copies fit, ``holds_fit``); ``held``: (a
-    ``HeldWeights``, a key naming this spec and its calibration) to keep them beyond the context, for the next
-    context of the same key. Yields the quantized sites.
-    Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged."""
+    """Quantize the linear layers as a spec's ``a=`` / ``w=`` parts and transforms say, inside the block.
+
+    Every hook and parametrization is removed in ``finally``: the model's weights are the same tensors, unchanged.
+
+    Args:
+        model: the model.
+        spec: the spec (its linear parts, ``smooth``, ``rotate``, ``outliers``, ``linears``, ``layers``).
+        calibration: ``calibrate``'s result, where ``needs_calibration``.
+        error: a ``LinearErrorStats`` that receives each quantized linear's relative output error.
+        hold_weights: quantize each weight once on entry (False: at every forward; None: where the copies fit,
+            ``holds_fit``).
+        held: ``(HeldWeights, key)``: keep the quantized weights beyond the block for the next with the same key.
+
+    Yields:
+        The quantized linears' sites."""
     sites = linear_sites(model, spec) if spec.has_linear else []
     if not sites:
         yield sites
