@@ -35,7 +35,10 @@ def _ct():
 
 
 def tensor_args(p: TensorQuant) -> dict:
-    """compressed-tensors' ``QuantizationArgs`` fields of one ``a=``/``w=`` part (or ``k``/``v`` of a KV cache)."""
+    """compressed-tensors' ``QuantizationArgs`` fields of one ``a=`` / ``w=`` part (or ``k`` / ``v`` of a KV cache).
+
+    Args:
+        p: the part."""
     dynamic = p.target == "a" and p.granularity != "static"
     fmt = p.fmt
     args = fmt.ct_args(p)
@@ -51,8 +54,16 @@ def tensor_args(p: TensorQuant) -> dict:
 
 
 def kv_cache_args(spec: QuantSpec) -> dict | None:
-    """The ``kv_cache_scheme`` of a spec whose attention parts are exactly a KV cache's: ``k`` and ``v`` in one
-    format, per_tensor or per_head (None when it quantizes nothing inside attention)."""
+    """The ``kv_cache_scheme`` of a spec whose attention parts are exactly a KV cache's.
+
+    Args:
+        spec: the spec: ``k`` and ``v`` in one 8-bit format (fint8 or e4m3), per_tensor or per_head.
+
+    Returns:
+        The scheme's fields; None when the spec quantizes nothing inside attention.
+
+    Raises:
+        OutlierscopeError: attention parts no KV cache scheme states."""
     if not spec.has_attention:
         return None
     k, v = spec.part("k"), spec.part("v")
@@ -70,7 +81,10 @@ def kv_cache_args(spec: QuantSpec) -> dict | None:
 
 
 def check_exportable(spec: QuantSpec) -> None:
-    """Refuse what compressed-tensors and llm-compressor's quantization cannot state, before any model is read."""
+    """Refuse, before any model is read, what compressed-tensors and llm-compressor cannot state.
+
+    Args:
+        spec: the spec to export."""
     if spec.get(Rotate) is not None:
         raise OutlierscopeError(f"{spec}: rotate:SEED has no compressed-tensors form that reproduces it (llm-compressor's "
                                 "QuIP/SpinQuant modifiers rotate differently); export the spec without it")
@@ -106,7 +120,13 @@ def check_exportable(spec: QuantSpec) -> None:
 
 
 def linear_scheme(spec: QuantSpec) -> dict | None:
-    """The ``QuantizationScheme`` of the quantized linears (targets, weights, input_activations), or None."""
+    """The ``QuantizationScheme`` of the quantized linears (targets, weights, input activations).
+
+    Args:
+        spec: the spec.
+
+    Returns:
+        The scheme's fields; None without a ``w=`` part."""
     w, a = spec.part("w"), spec.part("a")
     if w is None:
         return None
@@ -114,8 +134,13 @@ def linear_scheme(spec: QuantSpec) -> dict | None:
 
 
 def ignore_list(model: nn.Module, quantized: set[str]) -> list[str]:
-    """Every ``nn.Linear`` of ``model`` not in ``quantized`` (full module names): a decoder layer none of whose
-    linears is quantized as one ``re:`` pattern, the others by name, in module order."""
+    """Every ``nn.Linear`` of a model that is not quantized, as compressed-tensors' ignore list, in module order.
+
+    A decoder layer none of whose linears is quantized is one ``re:`` pattern; the others are named.
+
+    Args:
+        model: the model.
+        quantized: the full names of the quantized linears."""
     names = {id(m): n for n, m in model.named_modules()}
     linears = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
     ignore, whole = [], set()
@@ -128,7 +153,10 @@ def ignore_list(model: nn.Module, quantized: set[str]) -> list[str]:
 
 
 def differences(spec: QuantSpec) -> list[str]:
-    """How the emulation of ``spec`` and the real scheme built from the export differ."""
+    """How the emulation of a spec and the real scheme built from its export differ, one note each.
+
+    Args:
+        spec: the exported spec."""
     notes = ["weights: the emulation rounds to nearest (RTN), as llm-compressor's QuantizationModifier; a "
              "GPTQModifier or AWQModifier in its place would correct the rounding error"] if spec.gptq is None else [
         f"weights: GPTQ as llm-compressor's GPTQModifier computes it (static group scales, one pass per layer, "
@@ -157,7 +185,11 @@ def differences(spec: QuantSpec) -> list[str]:
 
 
 def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
-    """The ``quantization_config`` of config.json for ``spec`` (validated by compressed-tensors' own classes)."""
+    """The ``quantization_config`` of config.json for a spec, validated by compressed-tensors' own classes.
+
+    Args:
+        spec: the spec.
+        ignore: the ignore list (``ignore_list``)."""
     ctq = _ct()
     from compressed_tensors.compressors.format import infer_module_format
 
@@ -172,8 +204,14 @@ def quantization_config(spec: QuantSpec, ignore: list[str]) -> dict:
 
 
 def recipe(spec: QuantSpec, ignore: list[str]) -> dict:
-    """An llm-compressor recipe (``oneshot(model, recipe=...)``): SmoothQuant when the spec smooths, then the
-    quantization with the same scheme, ignore list and KV cache scheme as ``quantization_config``."""
+    """An llm-compressor recipe (``oneshot(model, recipe=...)``) for a spec.
+
+    SmoothQuant where the spec smooths, then the quantization (GPTQ where it has ``gptq``) with the scheme, ignore
+    list and KV cache scheme of ``quantization_config``.
+
+    Args:
+        spec: the spec.
+        ignore: the ignore list."""
     modifiers = {}
     if (smooth := spec.get(Smooth)) is not None:
         modifiers["SmoothQuantModifier"] = {"smoothing_strength": smooth.alpha}
@@ -201,8 +239,13 @@ def _format_from_args(args: dict) -> tuple[str, bool]:
 
 
 def part_text(target: str, args: dict) -> str:
-    """One ``a=``/``w=`` part (or ``kv=``) of a spec from compressed-tensors ``QuantizationArgs`` fields; symmetric
-    int on compressed-tensors' own full-range grid (``fint``)."""
+    """One part of a spec (``a=``, ``w=`` or ``kv=``) from compressed-tensors ``QuantizationArgs`` fields.
+
+    Symmetric integers are written on compressed-tensors' own full-range grid (``fint``).
+
+    Args:
+        target: ``a``, ``w`` or ``kv``.
+        args: the ``QuantizationArgs`` fields."""
     fmt, block = _format_from_args(args)
     if block:
         return f"{target}={fmt}"
@@ -241,9 +284,17 @@ def _scope(model: nn.Module, quantized: set[str]) -> str:
 
 
 def spec_from_config(qconfig: dict, model: nn.Module) -> QuantSpec:
-    """The spec that emulates a checkpoint's compressed-tensors ``quantization_config`` on its float weights: one
-    config group of ``Linear`` targets (weights, input activations), the modules its ignore list leaves quantized
-    in ``model`` (a meta model will do), the KV cache scheme. Refused in one line when it has no such form."""
+    """The spec that emulates a checkpoint's compressed-tensors ``quantization_config`` on its float weights.
+
+    One config group of ``Linear`` targets (weights, input activations), on the modules its ignore list leaves
+    quantized, and the KV cache scheme.
+
+    Args:
+        qconfig: the checkpoint's ``quantization_config``.
+        model: the model (a meta model will do), for the module names.
+
+    Raises:
+        OutlierscopeError: a config with no such form, in one line."""
     from compressed_tensors.utils.match import match_named_modules
 
     groups = list((qconfig.get("config_groups") or {}).values())
@@ -268,9 +319,14 @@ def _packed_symmetric(qconfig: dict) -> bool:
 
 
 def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) -> QuantSpec:
-    """The RTN emulation of a GPTQ / AWQ checkpoint's weights on its float weights: the same bits, groups and grid
-    (symmetric: fintB, GPTQ's scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1]; with zero points: asymB),
-    on the linears the checkpoint holds ``packed`` (their module names)."""
+    """The RTN emulation of a GPTQ / AWQ checkpoint's weights on its float weights: the same bits, groups and grid.
+
+    Symmetric: fintB (GPTQ's scale 2 absmax / (2^b - 1) onto [-2^(b-1), 2^(b-1) - 1]); with zero points: asymB.
+
+    Args:
+        qconfig: the checkpoint's ``quantization_config``.
+        model: the model, for the module names.
+        packed: the names of the linears the checkpoint holds packed."""
     bits, group = int(qconfig["bits"]), int(qconfig.get("group_size") or -1)
     sym = _packed_symmetric(qconfig)
     gran = f"per_group:{group}" if group > 0 else "per_channel"
@@ -279,7 +335,10 @@ def spec_from_packed_config(qconfig: dict, model: nn.Module, packed: list[str]) 
 
 
 def packed_differences(qconfig: dict) -> list[str]:
-    """How a GPTQ / AWQ checkpoint and the RTN emulation of its scheme (``spec_from_packed_config``) differ."""
+    """How a GPTQ / AWQ checkpoint and the RTN emulation of its scheme differ, one note each.
+
+    Args:
+        qconfig: the checkpoint's ``quantization_config``."""
     method = qconfig["quant_method"]
     if method == "gptq":
         notes = ["weights: GPTQ rounds the input columns one after another and moves each column's rounding error "
