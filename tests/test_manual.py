@@ -156,7 +156,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.hooks.points", "outlierscope.io", "outlierscope.eval.evaluate",
                     "outlierscope.eval.requests", "outlierscope.eval.scorer", "outlierscope.eval.windows",
                     "outlierscope.eval.perplexity", "outlierscope.data.tasks", "outlierscope.report.tables",
-                    "outlierscope.quant.linears.schemes", "outlierscope.quant.export")
+                    "outlierscope.quant.linears.schemes", "outlierscope.quant.export",
+                    "outlierscope.quant.weights.sequential")
 
 
 def test_every_api_entry_documents_each_parameter():

@@ -20,7 +20,10 @@ DEFAULT_CALIB = LAMBADA_TAIL  # LAMBADA's test passages from the last one back (
 
 
 class Fixed(nn.Module):
-    """The parametrization ``W -> a given tensor``: a rounded weight in place while the pass goes on."""
+    """The parametrization ``W -> a given tensor``: a rounded weight in place while a calibration pass goes on.
+
+    Args:
+        w: the weight to put in place."""
 
     def __init__(self, w: torch.Tensor):
         super().__init__()
@@ -35,9 +38,19 @@ class _Stop(Exception):
 
 
 def calibration_sequences(tokenizer, source: str | None, cfg, ctx: int | None) -> torch.Tensor:
-    """``cfg.samples`` sequences of ``cfg.seqlen`` tokens (at most the model's ``ctx``) of ``source`` (default
-    ``DEFAULT_CALIB``), packed with EOS between documents: (N, T) int64. A text too short for one sequence is an
-    error naming it; one that gives fewer than ``cfg.samples`` sequences a warning (the calibration reads those)."""
+    """The calibration sequences: ``cfg.samples`` of ``cfg.seqlen`` tokens of a text, packed with EOS between documents.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        source: the text (``calib:SOURCE``); None: ``DEFAULT_CALIB``.
+        cfg: the ``GPTQConfig`` or ``AWQConfig`` (samples, seqlen).
+        ctx: the model's context length, which caps seqlen; None: none.
+
+    Returns:
+        ``(N, T)`` int64; fewer than ``cfg.samples`` sequences with a warning when the text gives fewer.
+
+    Raises:
+        OutlierscopeError: a text too short for one sequence, naming it."""
     import warnings
 
     from outlierscope.data.text import pack_sequences, text_documents
@@ -57,7 +70,11 @@ def calibration_sequences(tokenizer, source: str | None, cfg, ctx: int | None) -
 
 
 def layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict]]:
-    """Every sequence's (args, kwargs) of decoder layer 0, the forward stopped there."""
+    """Every sequence's ``(args, kwargs)`` of decoder layer 0, the forward stopped there.
+
+    Args:
+        model: the model.
+        seqs: token ids ``(N, T)``."""
     layer0, got = decoder_layers(model)[0], []
 
     def pre(mod, args, kwargs):
@@ -79,7 +96,11 @@ def layer_inputs(model: nn.Module, seqs: torch.Tensor) -> list[tuple[tuple, dict
 
 
 def run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
-    """The layer's hidden-state output for each input."""
+    """The layer's hidden-state output for each input.
+
+    Args:
+        layer: a decoder layer.
+        inputs: ``(args, kwargs)`` of each sequence."""
     outs = []
     for args, kwargs in inputs:
         with float64_model(layer):
@@ -89,8 +110,12 @@ def run_layer(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[torch.
 
 
 def run_until(layer: nn.Module, inputs: list[tuple[tuple, dict]], modules: list[nn.Module]) -> None:
-    """The layer run on each input only as far as every module of ``modules`` has run once (the rest of its forward
-    skipped: what a pass that records those modules' inputs needs)."""
+    """Run the layer on each input only until every module of ``modules`` has run once (the rest skipped).
+
+    Args:
+        layer: a decoder layer.
+        inputs: ``(args, kwargs)`` of each sequence.
+        modules: the modules whose inputs a pass records."""
     seen: set[int] = set()
 
     def post(mod, args, out):
@@ -113,8 +138,11 @@ def run_until(layer: nn.Module, inputs: list[tuple[tuple, dict]], modules: list[
 
 
 def next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tuple[tuple, dict]]:
-    """The next layer's inputs: this layer's outputs in the hidden states' place (positional or ``hidden_states``),
-    the rest (positions, mask) as they were."""
+    """The next layer's inputs: this layer's outputs in the hidden states' place, the rest (positions, mask) kept.
+
+    Args:
+        layer: a decoder layer.
+        inputs: its ``(args, kwargs)`` of each sequence."""
     out = []
     for h, (args, kwargs) in zip(run_layer(layer, inputs), inputs):
         out.append(((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h}))
@@ -122,8 +150,15 @@ def next_inputs(layer: nn.Module, inputs: list[tuple[tuple, dict]]) -> list[tupl
 
 
 def linear_calls(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[tuple[str, int]]:
-    """The calls of the layer's linears (path -> module) in the order one forward of ``first`` makes them: (path, the
-    identity of the input tensor it read), a linear called twice listed twice."""
+    """The calls of a layer's linears in the order one forward makes them; a linear called twice is listed twice.
+
+    Args:
+        layer: a decoder layer.
+        linears: path -> module.
+        first: one input ``(args, kwargs)``.
+
+    Returns:
+        ``(path, the identity of the input tensor it read)`` per call."""
     calls: list[tuple[str, int]] = []
     seen: list[torch.Tensor] = []  # the inputs, held so that no later tensor takes their memory and identity
     handles = [m.register_forward_pre_hook(lambda mod, args, p=p: calls.append((p, id(args[0]))) or seen.append(args[0]))
@@ -137,8 +172,10 @@ def linear_calls(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[t
 
 
 def subsets_of(calls: list[tuple[str, int]]) -> list[list[str]]:
-    """``linear_calls``' linears in call order, those reading one input tensor together (q/k/v, gate/up); a linear
-    called again is placed by its first call."""
+    """The linears in call order, those reading one input tensor together (q/k/v, gate/up); a repeat keeps its place.
+
+    Args:
+        calls: ``linear_calls``' calls."""
     out: list[list[str]] = []
     placed: set[str] = set()
     for i, (p, x) in enumerate(calls):
@@ -153,8 +190,12 @@ def subsets_of(calls: list[tuple[str, int]]) -> list[list[str]]:
 
 
 def input_subsets(layer: nn.Module, linears: dict[str, nn.Linear], first: tuple[tuple, dict]) -> list[list[str]]:
-    """The layer's linears (path -> module) in the order its forward calls them, those reading one input tensor
-    together (q/k/v, gate/up), found by one forward of ``first``."""
+    """A layer's linears in the order its forward calls them, those reading one input tensor together (q/k/v, gate/up).
+
+    Args:
+        layer: a decoder layer.
+        linears: path -> module.
+        first: one input ``(args, kwargs)``, run once to find them."""
     return subsets_of(linear_calls(layer, linears, first))
 
 
@@ -219,17 +260,29 @@ def _save_layers(path, key: str, layers: dict) -> None:
 @torch.no_grad()
 def layerwise(model: nn.Module, seqs: torch.Tensor, spec, sites: list, kind: str, calibrate_layer, weight_of,
               result_type, progress: bool = True, checkpoint_dir=None, alone: bool = False) -> dict:
-    """A layer-by-layer calibration (GPTQ's and AWQ's): layer 0's inputs for every sequence of ``seqs`` (N, T); for each
-    decoder layer holding linears of ``sites``, ``calibrate_layer(layer, linears, inputs, fix)`` -> path -> result
-    (``fix(module, weight)`` holds a weight in place from then on; a result it did not fix is held at
-    ``weight_of(result, module)``); then the next layer's inputs through the quantized layer. With
-    ``checkpoint_dir`` every finished layer is saved (``result_type``'s fields) and a rerun continues after the last
-    one saved (no forward at all when every layer is). Returns full module name -> result; the model is as it was
-    (every parametrization removed).
+    """A layer-by-layer calibration (GPTQ's and AWQ's); the model comes back as it was.
 
-    ``alone``: each layer as if it alone were quantized (what ``layers:i`` calibrates: its inputs through the float
-    layers below it), all in one pass: the next layer's inputs through the float layer, each layer saved where the
-    calibration of ``layers:i`` finds it. A study of one layer at a time then costs L layer passes, not L^2 / 2."""
+    Layer 0's inputs are recorded for every sequence; each decoder layer holding linears of ``sites`` is calibrated,
+    then the next layer's inputs run through the quantized layer. With ``checkpoint_dir`` every finished layer is
+    saved and a rerun continues after the last one saved (no forward at all when every layer is).
+
+    Args:
+        model: the model.
+        seqs: calibration token ids ``(N, T)``.
+        spec: the spec.
+        sites: the quantized linears.
+        kind: ``gptq`` or ``awq``, for the progress bar and the saved files.
+        calibrate_layer: ``calibrate_layer(layer, linears, inputs, fix)`` -> path -> result; ``fix(module, weight)``
+            holds a weight in place from then on.
+        weight_of: ``weight_of(result, module)``: the weight a result it did not fix is held at.
+        result_type: the result's class (its fields are what a checkpoint saves).
+        progress: show a progress bar.
+        checkpoint_dir: where finished layers are saved; None: not kept.
+        alone: each layer as if it alone were quantized (what ``layers:i`` calibrates: inputs through the float layers
+            below), all in one pass of L layers instead of L^2 / 2.
+
+    Returns:
+        Full module name -> result."""
     from torch.nn.utils import parametrize
     from tqdm.auto import tqdm
 
