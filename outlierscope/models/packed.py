@@ -35,8 +35,14 @@ PACKED_SUFFIXES = (".qweight", ".qzeros", ".scales", ".g_idx")
 
 
 def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
-    """The ``bits``-wide unsigned codes packed in int32 ``words`` along ``dim``, lowest bits first, as int32: the
-    dim grows by 32 / bits. Widths that do not divide 32 (3) run as one bit stream across the words."""
+    """The unsigned codes packed in int32 words along a dim, lowest bits first, as int32: the dim grows by 32 / bits.
+
+    Widths that do not divide 32 (3) run as one bit stream across the words.
+
+    Args:
+        words: the int32 words.
+        bits: the codes' width.
+        dim: the packed dim."""
     if words.dtype != torch.int32:
         raise OutlierscopeError(f"packed weights must be int32 words, got {words.dtype}")
     w = words.movedim(dim, -1).to(torch.int64) & 0xFFFFFFFF  # (..., n) unsigned
@@ -54,7 +60,16 @@ def unpack_codes(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
 
 
 def gptq_weight(qweight, qzeros, scales, g_idx, bits: int, group_size: int, v1: bool) -> torch.Tensor:
-    """A GPTQ linear's weight (out, in) in float32 (exact: a small integer times a float16 scale)."""
+    """A GPTQ linear's weight ``(out, in)`` in float32 (exact: a small integer times a float16 scale).
+
+    Args:
+        qweight: the packed codes ``(in * bits / 32, out)``.
+        qzeros: the packed zero points ``(groups, out * bits / 32)``.
+        scales: the scales ``(groups, out)``.
+        g_idx: each input channel's group (act order); None: contiguous groups.
+        bits: the codes' width.
+        group_size: input channels per group (-1: one group).
+        v1: GPTQ's v1 format, which stores zero - 1 in each field."""
     q = unpack_codes(qweight, bits, 0)  # (in, out)
     z = unpack_codes(qzeros, bits, 1)[:, : scales.shape[1]]  # (groups, out)
     if v1:  # v1 stores zero - 1 in each field (GPT-QModel reads it back field by field, modulo 2**bits)
@@ -67,7 +82,14 @@ def gptq_weight(qweight, qzeros, scales, g_idx, bits: int, group_size: int, v1: 
 
 
 def awq_weight(qweight, qzeros, scales, bits: int, group_size: int) -> torch.Tensor:
-    """An AWQ (gemm) linear's weight (out, in) in float32."""
+    """An AWQ (gemm) linear's weight ``(out, in)`` in float32.
+
+    Args:
+        qweight: the packed codes ``(in, out / 8)``, AWQ's field order.
+        qzeros: the packed zero points ``(groups, out / 8)``.
+        scales: the scales ``(groups, out)``.
+        bits: the codes' width (4).
+        group_size: input channels per group (-1: one group)."""
     if bits != 4:
         raise OutlierscopeError(f"AWQ gemm checkpoints hold 4-bit weights; this one says bits={bits}")
     inverse = torch.tensor(AWQ_ORDER).argsort()  # field of each output column within its 8
@@ -84,8 +106,16 @@ def awq_weight(qweight, qzeros, scales, bits: int, group_size: int) -> torch.Ten
 
 
 def packed_scheme(quant: dict | None) -> str | None:
-    """``"gptq"`` / ``"awq"`` when a checkpoint's ``quantization_config`` is one ``decode_into`` reads, None for any
-    other method; a GPTQ/AWQ layout it cannot read is one line naming what can (GPT-QModel's kernels)."""
+    """Which packed format a checkpoint's ``quantization_config`` is, where ``decode_into`` reads it.
+
+    Args:
+        quant: the ``quantization_config``, or None.
+
+    Returns:
+        ``"gptq"`` or ``"awq"``; None for any other method.
+
+    Raises:
+        OutlierscopeError: a GPTQ / AWQ layout it cannot read, naming what can (GPT-QModel's kernels)."""
     method = (quant or {}).get("quant_method")
     if method not in ("gptq", "awq"):
         return None
@@ -106,7 +136,10 @@ def packed_scheme(quant: dict | None) -> str | None:
 
 
 def tensor_files(path: Path) -> dict[str, Path]:
-    """Which safetensors file holds each tensor (the index of a sharded checkpoint, else the single file)."""
+    """Which safetensors file holds each tensor: the index of a sharded checkpoint, else the files' own keys.
+
+    Args:
+        path: the checkpoint's directory."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
@@ -120,7 +153,11 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 
 def read_tensor(files: dict[str, Path], key: str):
-    """Tensor ``key`` from the file ``tensor_files`` maps it to (None where no file holds it)."""
+    """A tensor from the file ``tensor_files`` maps it to; None where no file holds it.
+
+    Args:
+        files: ``tensor_files``' map.
+        key: the tensor's name."""
     from safetensors import safe_open
 
     if key not in files:
@@ -130,17 +167,30 @@ def read_tensor(files: dict[str, Path], key: str):
 
 
 def packed_names(files: dict[str, Path]) -> list[str]:
-    """The module names of a checkpoint's packed linears (those with a ``qweight``), from ``tensor_files``."""
+    """The module names of a checkpoint's packed linears: those with a ``qweight``.
+
+    Args:
+        files: tensor name -> anything (``tensor_files``' map, or the headers' shapes)."""
     return sorted(k[: -len(".qweight")] for k in files if k.endswith(".qweight"))
 
 
 def packed_modules(path: Path) -> list[str]:
-    """The module names of the packed linears of the checkpoint at ``path``."""
+    """The module names of the packed linears of a checkpoint.
+
+    Args:
+        path: the checkpoint's directory."""
     return packed_names(tensor_files(path))
 
 
 def expected_shapes(method: str, bits: int, group: int, out_f: int, in_f: int) -> dict[str, tuple[int, ...]]:
-    """The packed tensors a GPTQ / AWQ (gemm) linear of weight (out_f, in_f) holds, by suffix, and their shapes."""
+    """The packed tensors a GPTQ / AWQ (gemm) linear holds, by suffix, and their shapes.
+
+    Args:
+        method: ``gptq`` or ``awq``.
+        bits: the codes' width.
+        group: input channels per group (-1: one group).
+        out_f: the linear's output features.
+        in_f: its input features."""
     groups = -(-in_f // (group if group > 0 else in_f))  # ceil: GPTQ's last group may be short
     if method == "gptq":
         return {".qweight": (in_f * bits // 32, out_f), ".qzeros": (groups, out_f * bits // 32), ".scales": (groups, out_f)}
@@ -148,10 +198,16 @@ def expected_shapes(method: str, bits: int, group: int, out_f: int, in_f: int) -
 
 
 def check_packed(path: Path, quant: dict, shapes: dict[str, tuple[int, ...]], linears: dict[str, tuple[int, int]]) -> None:
-    """Every packed linear's tensors (``shapes``: name -> shape from the safetensors headers) against the config's
-    bits and group size and the model's linear (``linears``: name -> (out, in)), before anything loads: a missing
-    tensor or a shape that another group size or bit width would give is one line (a wrong group size would
-    otherwise decode wrong weights silently)."""
+    """Check every packed linear's tensors against the config and the model before anything loads.
+
+    A missing tensor, or a shape another group size or bit width would give, is one line (a wrong group size would
+    otherwise decode wrong weights silently).
+
+    Args:
+        path: the checkpoint's directory, for the errors.
+        quant: its ``quantization_config`` (bits, group size).
+        shapes: tensor name -> shape, from the safetensors headers.
+        linears: the model's linears: name -> ``(out, in)``."""
     method = packed_scheme(quant)
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
     for name in packed_names(shapes):
@@ -174,9 +230,13 @@ def check_packed(path: Path, quant: dict, shapes: dict[str, tuple[int, ...]], li
 
 
 def decode_into(model, path: Path, quant: dict, files: dict[str, Path]) -> None:
-    """Write each packed linear's dequantized weight into ``model`` (built from the config without its
-    quantization_config, so those linears are plain ``nn.Linear``), module by module: memory beyond the model is
-    one layer's codes. ``files``: ``tensor_files`` of ``path``."""
+    """Write each packed linear's dequantized weight into a model, module by module (memory: one layer's codes).
+
+    Args:
+        model: built from the config without its quantization_config, so those linears are plain ``nn.Linear``.
+        path: the checkpoint's directory.
+        quant: its ``quantization_config``.
+        files: ``tensor_files(path)``."""
     method = packed_scheme(quant)
     bits, group = int(quant.get("bits", 4)), int(quant.get("group_size", -1) or -1)
     for name in packed_names(files):
