@@ -157,7 +157,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.eval.requests", "outlierscope.eval.scorer", "outlierscope.eval.windows",
                     "outlierscope.eval.perplexity", "outlierscope.data.tasks", "outlierscope.report.tables",
                     "outlierscope.quant.linears.schemes", "outlierscope.quant.export",
-                    "outlierscope.quant.weights.sequential", "outlierscope.models.packed")
+                    "outlierscope.quant.weights.sequential", "outlierscope.models.packed",
+                    "outlierscope.models.fetch")
 
 
 def test_every_api_entry_documents_each_parameter():

