@@ -31,8 +31,13 @@ SPECS_PER_PASS = 16  # specs scored together: each holds one batch's hidden stat
 
 
 def cell_settings(ident: dict, spec: QuantSpec, batch_size: int, logprobs: str = "float64") -> dict:
-    """A perplexity cell's identity: what every cell of the run shares (``ident``), the spec's text and (when not
-    float64) how its NLL is taken."""
+    """A perplexity cell's identity: what every cell of the run shares, the spec's text and how its NLL is taken.
+
+    Args:
+        ident: what every cell of the run shares (model, text, windows ...).
+        spec: the cell's spec.
+        batch_size: windows per forward (part of a quantized cell's identity: it can change the scores).
+        logprobs: how each NLL is taken; recorded when not ``float64``."""
     out = {**ident, "bits": spec.bits, "quant": str(spec), **revised(spec)}
     if logprobs != "float64":
         out["logprobs"] = logprobs
@@ -42,8 +47,15 @@ def cell_settings(ident: dict, spec: QuantSpec, batch_size: int, logprobs: str =
 
 
 def read_cell(cells: Path, cid: str, settings: dict | None = None) -> TokenScores:
-    """The cell ``cid`` in ``cells``: its record's seal, its settings (``settings`` where given, else those its name
-    is the digest of) and its values' digest checked; ``Damaged`` otherwise."""
+    """A cell read back: its record's seal, its settings and its values' digest checked.
+
+    Args:
+        cells: the cells' directory.
+        cid: the cell's id.
+        settings: the settings it must have; None: those its id is the digest of.
+
+    Raises:
+        Damaged: a cell whose files do not hold what was written."""
     from outlierscope.io import check_files, check_seal
 
     meta = cells / f"{cid}.json"
@@ -212,8 +224,17 @@ def _compute_parts(score, settings: list[dict], cells: Path, owned: tuple[int, .
 
 @dataclass(frozen=True)
 class CellRun:
-    """How a set of text cells is computed: into ``cells`` with ``batch_size`` and ``attn_block``, ``seed`` for the
-    summaries, this process's ``shard`` and ``world``, ``log`` (rank 0's lines)."""
+    """How a set of text cells is computed.
+
+    Attributes:
+        cells: the cells' directory.
+        batch_size: windows per forward.
+        attn_block: query rows per attention block; None: whole.
+        seed: the summaries' bootstrap seed.
+        shard: this job's ``--shard``.
+        world: the ``torchrun`` processes.
+        log: rank 0's progress lines.
+        logprobs: how each NLL is taken (``LOGPROBS``)."""
 
     cells: Path
     batch_size: int = 1
@@ -222,14 +243,23 @@ class CellRun:
     shard: Shard = field(default_factory=Shard)
     world: World = field(default_factory=World)
     log: object = print
-    logprobs: str = "float64"  # how each NLL is taken (``LOGPROBS``)
+    logprobs: str = "float64"
 
 
 def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: CellRun, ref_model=None,
                 kind: str = "", ref_specs: list[QuantSpec] | None = None) -> list[TokenScores] | None:
-    """Each spec's ``TokenScores`` on ``windows`` (``cells_of``). ``ref_model``: None for cells against
-    the unquantized model, else what loads the reference model (called only when a cell is missing): the model in
-    another arithmetic (noise-floor cells) or another model, under ``ref_specs`` (default: each spec)."""
+    """Each spec's ``TokenScores`` on the windows (``cells_of``), against the unquantized model or a reference.
+
+    Args:
+        lm: the ``LoadedModel``.
+        windows: the ``Window`` list.
+        specs: the specs.
+        settings: each cell's identity (``cell_settings``).
+        c: how the cells are computed.
+        ref_model: None for cells against the unquantized model; else a function loading the reference (the model in
+            another arithmetic, or another model), called only when a cell is missing.
+        kind: a word for the log line (``noise-floor``, ...).
+        ref_specs: the reference's spec of each cell; None: each spec itself."""
 
     def scorer(todo: list[int]):
         ref = ref_model() if ref_model is not None else None
@@ -242,9 +272,15 @@ def token_cells(lm, windows, specs: list[QuantSpec], settings: list[dict], c: Ce
 
 def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], tuple[str, QuantSpec]]],
                settings: list[dict], c: CellRun, kind: str = "") -> list[TokenScores] | None:
-    """Each pair's ``TokenScores`` on ``windows`` (``cells_of``): ``((model key, spec) of the base,
-    (model key, spec) of the other)``, ``models``: key -> loaded model; every distinct forward of the missing
-    cells runs once per batch."""
+    """Each pair's ``TokenScores`` on the windows (``cells_of``); every distinct forward of the missing cells runs once.
+
+    Args:
+        models: key -> loaded model.
+        windows: the ``Window`` list.
+        pairs: ``((model key, spec) of the base, (model key, spec) of the other)``.
+        settings: each cell's identity.
+        c: how the cells are computed.
+        kind: a word for the log line."""
 
     def scorer(todo: list[int]):
         return _pair_scorer(models, windows, [pairs[i] for i in todo], c.batch_size, c.attn_block,
@@ -254,9 +290,16 @@ def pair_cells(models: dict, windows, pairs: list[tuple[tuple[str, QuantSpec], t
 
 
 def cells_of(settings: list[dict], c: CellRun, scorer, kind: str = "") -> list[TokenScores] | None:
-    """The cells ``settings``: read back when complete, else computed per virtual shard (this process's,
-    resumable) by ``scorer(missing indices)``'s ``score`` and assembled by rank 0 once every part is there.
-    Returns the cells on rank 0 when all are complete, else None."""
+    """Cells read back when complete, else computed per virtual shard (resumable) and assembled from every part.
+
+    Args:
+        settings: each cell's identity.
+        c: how the cells are computed.
+        scorer: ``scorer(missing indices)``, whose ``score`` computes a shard's parts.
+        kind: a word for the log line.
+
+    Returns:
+        The cells on rank 0 when all are complete; else None."""
     have = [_load_cell(c.cells, st, c.log) for st in settings]
     todo = [i for i, h in enumerate(have) if h is None]
     check_file_targets(p for i in todo for p in _files(c.cells, settings[i]))  # before any part is scored
