@@ -158,7 +158,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.eval.perplexity", "outlierscope.data.tasks", "outlierscope.report.tables",
                     "outlierscope.quant.linears.schemes", "outlierscope.quant.export",
                     "outlierscope.quant.weights.sequential", "outlierscope.models.packed",
-                    "outlierscope.models.fetch", "outlierscope.runs.text_cells")
+                    "outlierscope.models.fetch", "outlierscope.runs.text_cells",
+                    "outlierscope.quant.numerics.formats")
 
 
 def test_every_api_entry_documents_each_parameter():

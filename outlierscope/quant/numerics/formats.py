@@ -15,6 +15,12 @@ from outlierscope.quant.numerics.primitives import FP8_FORMATS, every
 
 @dataclass(frozen=True)
 class Minifloat:
+    """A small floating-point element format (OCP's FP8, FP6, FP4), by its exponent and mantissa bits.
+
+    Attributes:
+        ebits: exponent bits.
+        mbits: mantissa bits.
+        max_normal: its largest finite value."""
     ebits: int
     mbits: int
     max_normal: float
@@ -51,12 +57,15 @@ def _work(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_minifloat(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """``x`` rounded to the nearest ``fmt`` value (ties to even), saturating at +-max_normal; returns a new tensor.
+    """``x`` rounded to the nearest value of a minifloat format (ties to even), saturating at +-max_normal.
 
-    The same values three ways, the cheapest that applies: FP8 of float32 input by torch's cast after clamping to
-    +-max_normal (round to nearest even; float64 input would round twice, through float32); E2M1 with its three
-    spacings from two comparisons (0.5 below 2, 1 below 4, 2 above: saturation clamps the rest); else the spacing
-    ``2^(max(floor(log2 |x|), emin) - mbits)`` from ``frexp``."""
+    The same values three ways, the cheapest that applies: FP8 of float32 input by torch's cast after clamping; E2M1
+    with its three spacings from two comparisons; else the spacing ``2^(max(floor(log2 |x|), emin) - mbits)`` from
+    ``frexp``.
+
+    Args:
+        x: the tensor.
+        fmt: a ``MINIFLOATS`` name."""
     f = MINIFLOATS[fmt]
     w = _work(x)
     if fmt in FP8_FORMATS and w.dtype == torch.float32:
@@ -80,7 +89,11 @@ def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
 
 
 def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    """Quantize-dequantize ``x`` in the MX format ``fmt`` (blocks along the last dim); a new tensor."""
+    """Quantize-dequantize ``x`` in an MX format, in blocks along the last dim; a new tensor.
+
+    Args:
+        x: the tensor.
+        fmt: an ``MX_FORMATS`` name (``ct-`` variants: compressed-tensors' scale rounding)."""
     elem, block = MX_FORMATS[fmt]
     w = _blocks(_work(x), block)  # (..., n, 32)
     amax = w.abs().amax(-1, keepdim=True)  # (..., n, 1)
@@ -104,10 +117,18 @@ def mx_quant(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 def nvfp4_scales(x: torch.Tensor, tensor_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4's scales of ``x`` (blocks of 16 along the last dim), in compressed-tensors' float32 order: the global
-    scale ``gs = 448 * 6 / tensor_amax`` (..., 1, 1; 1 where the amax is 0) and each block's E4M3 scale
-    ``e4m3(gs * (amax_block / 6))`` (..., n, 1), converted as NVIDIA's hardware does (round to nearest, satfinite,
-    E4M3 subnormals down to 2^-9 kept; 0 where it rounds to zero), returned as float32."""
+    """NVFP4's scales of ``x`` (blocks of 16 along the last dim), in compressed-tensors' float32 order.
+
+    The global scale ``gs = 448 * 6 / tensor_amax`` (1 where the amax is 0) and each block's E4M3 scale
+    ``e4m3(gs * (amax_block / 6))``, converted as NVIDIA's hardware does (round to nearest, satfinite, E4M3
+    subnormals down to 2^-9 kept; 0 where it rounds to zero).
+
+    Args:
+        x: the tensor.
+        tensor_amax: the per-tensor absmax, broadcastable to ``x`` without its last dim.
+
+    Returns:
+        ``(gs (..., 1, 1), block scales (..., n, 1))``, float32."""
     w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16): NVFP4's scales are float32 arithmetic
     amax = tensor_amax.float()[..., None, None]  # (..., 1, 1)
     gs = (E4M3_MAX * E2M1_MAX) / amax
@@ -117,10 +138,14 @@ def nvfp4_scales(x: torch.Tensor, tensor_amax: torch.Tensor) -> tuple[torch.Tens
 
 
 def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
-    """Quantize-dequantize ``x`` in NVFP4 (blocks of 16 along the last dim) under the per-tensor ``tensor_amax``
-    (broadcastable to ``x`` without its last dim, e.g. one per sequence); a new tensor. As compressed-tensors'
-    fake quantization: each block's effective scale ``s / gs``, elements ``e2m1(x / (s / gs))``, back as
-    ``q * (s / gs)``. A block whose scale rounds to zero comes back zero."""
+    """Quantize-dequantize ``x`` in NVFP4 as compressed-tensors' fake quantization; a new tensor.
+
+    Each block's effective scale is ``s / gs``; its elements ``e2m1(x / (s / gs))`` come back as ``q * (s / gs)``. A
+    block whose scale rounds to zero comes back zero.
+
+    Args:
+        x: the tensor (blocks of 16 along its last dim).
+        tensor_amax: the per-tensor absmax, broadcastable to ``x`` without its last dim (one per sequence, say)."""
     w = _blocks(x.float(), NVFP4_BLOCK)  # (..., n, 16)
     gs, s = nvfp4_scales(x, tensor_amax)
     eff = s / gs  # (..., n, 1)
@@ -132,8 +157,16 @@ def nvfp4_quant(x: torch.Tensor, tensor_amax: torch.Tensor) -> torch.Tensor:
 
 
 def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """Asymmetric integer quantization onto ``2^bits`` levels between ``lo`` and ``hi`` (broadcastable): scale
-    ``(hi - lo) / (2^bits - 1)``, ``q = round((x - lo) / scale)``, back as ``q * scale + lo``; a new tensor."""
+    """Asymmetric integer quantization onto ``2^bits`` levels between ``lo`` and ``hi``; a new tensor.
+
+    Scale ``(hi - lo) / (2^bits - 1)``, ``q = round((x - lo) / scale)``, back as ``q * scale + lo``; where the scale is
+    zero ``x`` comes back unchanged.
+
+    Args:
+        x: the tensor.
+        bits: the width.
+        lo: the range's low end, broadcastable to ``x``.
+        hi: its high end."""
     w = _work(x)
     levels = 2**bits - 1
     scale = (hi - lo).to(w.dtype) / levels
@@ -144,8 +177,14 @@ def asym_quant(x: torch.Tensor, bits: int, lo: torch.Tensor, hi: torch.Tensor) -
 
 
 def asym_minmax(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, bits: int) -> torch.Tensor:
-    """``asym_quant`` between each granule's min and max over ``dims`` among ``valid`` entries (None: all);
-    invalid entries and granules with none valid come back unchanged."""
+    """``asym_quant`` between each granule's min and max among valid entries.
+
+    Args:
+        x: the tensor.
+        valid: bool, broadcastable to ``x``; None: all. Invalid entries, and granules with none valid, come back
+            unchanged.
+        dims: the dims each granule reduces.
+        bits: the width."""
     if valid is None:
         valid = torch.ones_like(x, dtype=torch.bool)
     big = torch.finfo(x.dtype).max
@@ -157,7 +196,12 @@ def asym_minmax(x: torch.Tensor, valid: torch.Tensor | None, dims: tuple, bits: 
 
 
 def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
-    """``x`` zero-padded along ``dim`` to a multiple of ``multiple`` (itself when it is one)."""
+    """``x`` zero-padded along a dim to a multiple of a size (itself when it is one).
+
+    Args:
+        x: the tensor.
+        dim: the dim.
+        multiple: the size."""
     extra = -x.shape[dim] % multiple
     if not extra:
         return x
@@ -167,10 +211,19 @@ def pad_to(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
 
 
 def zero_point_params(x: torch.Tensor, bits: int, dims) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``zint`` grid over ``dims`` (keepdim), as GPT-QModel's ``Quantizer.find_params`` with ``sym=False`` (and
-    compressed-tensors' asymmetric int): the range ``[min(min x, 0), max(max x, 0)]`` (all zero: ``[-1, 1]``) onto
-    ``0 .. 2^bits - 1``: scale ``(hi - lo) / (2^bits - 1)``, integer zero point ``round(-lo / scale)``; float32 at
-    least (float64 for float64)."""
+    """The ``zint`` grid, as GPT-QModel's ``Quantizer.find_params`` with ``sym=False`` computes it.
+
+    The range ``[min(min x, 0), max(max x, 0)]`` (all zero: ``[-1, 1]``) onto ``0 .. 2^bits - 1``: scale
+    ``(hi - lo) / (2^bits - 1)``, integer zero point ``round(-lo / scale)``; float32 at least (float64 for float64).
+    compressed-tensors' asymmetric int is the same grid.
+
+    Args:
+        x: the tensor.
+        bits: the width.
+        dims: the dims each granule reduces (keepdim).
+
+    Returns:
+        ``(scale, zero point)``."""
     w = _work(x)
     lo = w.amin(dims, keepdim=True).clamp(max=0)
     hi = w.amax(dims, keepdim=True).clamp(min=0)
@@ -181,7 +234,12 @@ def zero_point_params(x: torch.Tensor, bits: int, dims) -> tuple[torch.Tensor, t
 
 
 def zero_point_quant(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """``scale * (clamp(round(x / scale) + zero, 0, 2^bits - 1) - zero)`` (GPT-QModel's ``quantize``), in ``x``'s
-    dtype; a new tensor."""
+    """``scale * (clamp(round(x / scale) + zero, 0, 2^bits - 1) - zero)`` (GPT-QModel's ``quantize``), in x's dtype.
+
+    Args:
+        x: the tensor.
+        scale: ``zero_point_params``' scale.
+        zero: its zero point.
+        bits: the width."""
     q = torch.clamp(torch.round(_work(x) / scale) + zero, 0, 2**bits - 1)
     return (scale * (q - zero)).to(x.dtype)
