@@ -159,7 +159,7 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.quant.linears.schemes", "outlierscope.quant.export",
                     "outlierscope.quant.weights.sequential", "outlierscope.models.packed",
                     "outlierscope.models.fetch", "outlierscope.runs.text_cells",
-                    "outlierscope.quant.numerics.formats")
+                    "outlierscope.quant.numerics.formats", "outlierscope.train.loop")
 
 
 def test_every_api_entry_documents_each_parameter():

@@ -40,7 +40,11 @@ PRECISIONS = ("auto", "fp32", "bf16")
 
 
 def resolve_precision(device: str, precision: str) -> str:
-    """``auto`` is bf16 autocast on CUDA and fp32 on CPU; fp32 and bf16 are taken as given."""
+    """The training precision: ``auto`` is bf16 autocast on CUDA and fp32 on the CPU; fp32 and bf16 as given.
+
+    Args:
+        device: ``cpu`` or ``cuda``.
+        precision: ``auto``, ``fp32`` or ``bf16``."""
     if precision not in PRECISIONS:
         raise ParamError("precision", f"one of {', '.join(PRECISIONS)}", precision)
     if precision == "auto":
@@ -49,7 +53,11 @@ def resolve_precision(device: str, precision: str) -> str:
 
 
 def autocast_for(device: str, precision: str):
-    """The autocast context of the forward pass: bf16 autocast (weights, grads and optimizer stay fp32) or none."""
+    """The forward pass's autocast: bf16 (weights, gradients and optimizer stay fp32), or none.
+
+    Args:
+        device: the device type.
+        precision: ``fp32`` or ``bf16``."""
     import torch
 
     return torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -57,13 +65,35 @@ def autocast_for(device: str, precision: str):
 
 @dataclass(frozen=True)
 class TrainArgs:
+    """The settings of one training run of a matched pair (``outlierscope train``).
+
+    Attributes:
+        preset: the pair's ``PairConfig`` preset.
+        corpus: the training text files.
+        tokens: training tokens per model.
+        out: the run's directory.
+        val_corpus: held-out text files for the validation loss.
+        device: ``cpu`` or ``cuda``.
+        precision: ``auto`` (bf16 autocast on CUDA, fp32 on the CPU), ``fp32`` or ``bf16``.
+        seed: the seed of the initialisation and the data order.
+        resume: continue the run in ``out``.
+        eval_every: steps between validation losses.
+        val_tokens: held-out tokens.
+        log_every: steps between log lines.
+        ckpt_minutes: minutes between checkpoints.
+        tokenizer_chars: characters the BPE tokenizer is trained on.
+        stop_at_step: stop (resumably) at this step.
+        time_limit_minutes: stop (resumably) after this long.
+        threads: torch's CPU threads; None: its default.
+        command: the command line, for the record.
+        extra: settings a caller adds (not recorded)."""
     preset: str
     corpus: tuple[str, ...]
     tokens: int
     out: str
     val_corpus: tuple[str, ...] = ()
     device: str = "cpu"
-    precision: str = "auto"  # auto: bf16 autocast on cuda, fp32 on cpu
+    precision: str = "auto"
     seed: int = 0
     resume: bool = False
     eval_every: int = 250
@@ -132,7 +162,15 @@ def _hardware(device: str) -> str:
 
 
 def prepare(args: TrainArgs, cfg: PairConfig, out: Path) -> dict:
-    """Tokenizer, token files and decontamination of a new run; returns the run record."""
+    """The tokenizer, token files and decontamination of a new run.
+
+    Args:
+        args: the run's settings.
+        cfg: the pair's config.
+        out: the run's directory.
+
+    Returns:
+        The run record."""
     from outlierscope.data.hellaswag import hellaswag_path, load_hellaswag
 
     if next(iter_documents(list(args.corpus)), None) is None:
@@ -260,7 +298,13 @@ class _Pair:
 
 
 def train(args: TrainArgs) -> dict:
-    """Train (or resume) both models of a preset; returns a summary dict."""
+    """Train (or resume) both models of a preset on the same batches.
+
+    Args:
+        args: the run's settings.
+
+    Returns:
+        A summary: the steps done and planned, the wall time, why it stopped, the directory."""
     import torch
     import transformers
     from tqdm.auto import tqdm
