@@ -159,7 +159,9 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.quant.linears.schemes", "outlierscope.quant.export",
                     "outlierscope.quant.weights.sequential", "outlierscope.models.packed",
                     "outlierscope.models.fetch", "outlierscope.runs.text_cells",
-                    "outlierscope.quant.numerics.formats", "outlierscope.train.loop")
+                    "outlierscope.quant.numerics.formats", "outlierscope.train.loop",
+                    "outlierscope.quant.linears.ops", "outlierscope.quant.attention.ops",
+                    "outlierscope.quant.attention.logits", "outlierscope.quant.numerics.exact")
 
 
 def test_every_api_entry_documents_each_parameter():

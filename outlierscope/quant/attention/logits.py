@@ -24,8 +24,14 @@ GRANULARITY_DIMS = {
 
 @dataclass(frozen=True)
 class LogitsQuant:
-    """Absmax quantization of logits to ``bits`` of ``format`` (``int``, or FP8 ``e4m3``/``e5m2`` at 8) with one scale
-    per ``granularity``, in ``layers`` (None: all); ``bnb``: bitsandbytes' ``int8_vectorwise_quant`` (int8 per row)."""
+    """Absmax quantization of the attention logits (the paper's), with one scale per granule.
+
+    Attributes:
+        bits: the width.
+        format: ``int``, or an FP8 format (``e4m3``, ``e5m2``) at 8 bits.
+        granularity: ``per_tensor``, ``per_head`` or ``per_row``.
+        layers: the decoder layers quantized; None: all.
+        bnb: bitsandbytes' ``int8_vectorwise_quant`` (int8 per row) instead."""
 
     bits: int
     format: str
@@ -34,6 +40,10 @@ class LogitsQuant:
     bnb: bool = False
 
     def applies_to(self, layer: int) -> bool:
+        """Whether a decoder layer's logits are quantized.
+
+        Args:
+            layer: the layer's index."""
         return self.layers is None or layer in self.layers
 
     @property
@@ -42,7 +52,11 @@ class LogitsQuant:
         return 2 in GRANULARITY_DIMS[self.granularity]
 
     def absmax(self, logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-        """The absmax this scale is made of, (B, 1|H, 1|T, 1): max it over blocks of rows, then ``__call__``."""
+        """The absmax this scale is made of, ``(B, 1|H, 1|T, 1)``: max it over blocks of rows, then call.
+
+        Args:
+            logits: ``(B, H, t, S)``.
+            valid: bool, broadcastable to the logits; None: all."""
         if valid is not None:
             valid = valid.expand_as(logits)
         return absmax(logits, GRANULARITY_DIMS[self.granularity], valid)
@@ -61,8 +75,13 @@ def _bnb(logits, valid, lq: LogitsQuant, amax=None) -> bool:
 @fusable(eager_if=_bnb, dynamic=True)
 def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: LogitsQuant,
                     amax: torch.Tensor | None = None) -> torch.Tensor:
-    """``LogitsQuant.__call__``: compiled inside ``fused_kernels`` (the
-    same bytes), bitsandbytes' rows always eager."""
+    """``LogitsQuant.__call__``: compiled inside ``fused_kernels`` (the same bytes); bitsandbytes' rows always eager.
+
+    Args:
+        logits: ``(B, H, t, S)``.
+        valid: bool, broadcastable to the logits; None: all.
+        lq: the operator.
+        amax: the absmax to scale with (over all blocks of rows); None: these logits' own."""
     if valid is not None:
         valid = valid.expand_as(logits)
     if lq.bnb:
@@ -73,8 +92,10 @@ def quantize_logits(logits: torch.Tensor, valid: torch.Tensor | None, lq: Logits
 
 
 def logits_quant(spec) -> LogitsQuant | None:
-    """The operator of a ``QuantSpec``'s ``logits=`` part, in its layers; None
-    without one."""
+    """The operator of a spec's ``logits=`` part, in its layers; None without one.
+
+    Args:
+        spec: the ``QuantSpec``."""
     p = spec.part("logits")
     if p is None:
         return None
@@ -82,7 +103,14 @@ def logits_quant(spec) -> LogitsQuant | None:
 
 
 def bnb_int8_rowwise(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
-    """Absmax int8 per row (last dim) through ``bitsandbytes.functional.int8_vectorwise_quant``."""
+    """Absmax int8 per row (last dim) through ``bitsandbytes.functional.int8_vectorwise_quant``.
+
+    Args:
+        x: the tensor.
+        valid: bool, broadcastable to ``x`` (invalid entries enter no scale); None: all.
+
+    Raises:
+        OutlierscopeError: on CUDA, values beyond float16's range (bitsandbytes' kernel reads float16)."""
     import bitsandbytes.functional as F
 
     w = x.float() if valid is None else x.float().masked_fill(~valid, 0.0)

@@ -27,7 +27,10 @@ from outlierscope.quant.specs.parts import TensorQuant
 
 
 def first_real(valid: torch.Tensor) -> torch.Tensor:
-    """(B,) index of each row's first True of ``valid`` (B, T); 0 for a row with none."""
+    """The index of each row's first True (0 for a row with none): ``(B,)``.
+
+    Args:
+        valid: bool ``(B, T)``."""
     return valid.to(torch.int8).argmax(-1)
 
 
@@ -101,7 +104,10 @@ def _block_format(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torc
 
 
 def groups_tokens(tq: TensorQuant) -> bool:
-    """Whether ``tq`` groups consecutive tokens (its result depends on where the groups start)."""
+    """Whether a part groups consecutive tokens (its result then depends on where the groups start).
+
+    Args:
+        tq: the q/k/v part."""
     if isinstance(tq.fmt, Block):
         return tq.target == "v"
     return tq.granularity in ("per_block", "per_channel") and tq.size is not None
@@ -109,8 +115,15 @@ def groups_tokens(tq: TensorQuant) -> bool:
 
 @fusable(dynamic=True)  # shape-generic from the first call: see outlierscope.quant.numerics.fused
 def quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
-    """q, k or v (B, H, T, d) quantized-dequantized per ``tq``; ``valid`` (B, T). A new tensor in ``x``'s dtype.
-    Groups of tokens start at each sequence's first real token."""
+    """q, k or v quantized-dequantized per a part; groups of tokens start at each sequence's first real token.
+
+    Args:
+        x: ``(B, H, T, d)``.
+        valid: bool ``(B, T)``.
+        tq: the ``q=`` / ``k=`` / ``v=`` part.
+
+    Returns:
+        A new tensor in x's dtype."""
     if groups_tokens(tq):
         return _from_first_real(lambda x_, v_: _quantize_tokens(x_, v_, tq), x, valid)
     return _quantize_tokens(x, valid, tq)
@@ -129,9 +142,16 @@ def _quantize_tokens(x: torch.Tensor, valid: torch.Tensor, tq: TensorQuant) -> t
 
 @fusable(dynamic=True)
 def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_start: torch.Tensor | None = None) -> torch.Tensor:
-    """Probabilities (B, H, t, S) quantized-dequantized per ``tq``: ``per_row`` (absmax over a row's keys),
-    ``static`` (scale 1 / the format's max: P <= 1), or a block format along the keys, its blocks counted from each
-    sequence's first real key ``key_start`` (B,) (None: key 0)."""
+    """Probabilities quantized-dequantized per a ``probs=`` part.
+
+    ``per_row``: absmax over a row's keys; ``static``: scale 1 / the format's max (P <= 1); a block format: blocks
+    along the keys, counted from each sequence's first real key.
+
+    Args:
+        p: the probabilities ``(B, H, t, S)``.
+        valid: bool, broadcastable to ``p``.
+        tq: the part.
+        key_start: ``(B,)`` each sequence's first real key; None: key 0."""
     valid = valid.expand_as(p)
     if isinstance(tq.fmt, Block):
         def blocks(p_, v_):
@@ -144,9 +164,15 @@ def quantize_probs(p: torch.Tensor, valid: torch.Tensor, tq: TensorQuant, key_st
 
 
 def smooth_q(q: torch.Tensor, valid: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q - m, m): m the per-channel mean of q over blocks of ``rows`` consecutive rows (valid rows only, counted from
-    each sequence's first real row), per head, broadcast back to (B, H, T, d). SageAttention2 adds m . k^T back in
-    full precision, so this too is exact."""
+    """SageAttention2's q smoothing: ``(q - m, m)``, m the per-channel mean of q over blocks of rows, per head.
+
+    Means over valid rows only, blocks counted from each sequence's first real row, broadcast back to
+    ``(B, H, T, d)``. SageAttention2 adds ``m . k^T`` back in full precision, so this too is exact.
+
+    Args:
+        q: the queries ``(B, H, T, d)``.
+        valid: bool ``(B, T)``.
+        rows: rows per block."""
     m = _from_first_real(lambda q_, v_: _block_means(q_, v_, rows), q, valid)
     return q - m, m
 

@@ -38,10 +38,16 @@ def _grouped(x: torch.Tensor, size: int, what: str) -> torch.Tensor:
 def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQuant,
                         outlier_cols: torch.Tensor | None = None, static_amax: torch.Tensor | None = None,
                         scale_skip: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` (B, T, C) quantized-dequantized per ``tq`` (an ``a=`` part); ``valid`` (B, T) or None (all valid); a new
-    tensor in ``x``'s dtype. ``static_amax``: the calibrated absmax of ``a=.../static``. ``outlier_cols`` come back
-    unquantized and, unless ``scale_skip`` (B, T, C) names the entries left out of the scales instead (bitsandbytes'
-    rule: the outlier elements alone), enter no scale."""
+    """A linear's input quantized-dequantized per an ``a=`` part; a new tensor in x's dtype.
+
+    Args:
+        x: the input ``(B, T, C)``.
+        valid: bool ``(B, T)``: the real tokens; None: all.
+        tq: the ``a=`` part.
+        outlier_cols: ``(B, 1, C)`` channels that come back unquantized and enter no scale (LLM.int8's decomposition).
+        static_amax: the calibrated absmax of ``a=.../static``.
+        scale_skip: ``(B, T, C)`` entries left out of the scales instead of the outlier columns (bitsandbytes' rule:
+            the outlier elements alone)."""
     B, T, C = x.shape
     v = None  # every entry real and quantized: no mask to build or apply (the common token-local case)
     if valid is not None or outlier_cols is not None:
@@ -68,7 +74,11 @@ def quantize_activation(x: torch.Tensor, valid: torch.Tensor | None, tq: TensorQ
 
 @fusable
 def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
-    """A weight (O, I) quantized-dequantized per ``tq`` (a ``w=`` part); a new tensor in ``w``'s dtype."""
+    """A weight quantized-dequantized per a ``w=`` part; a new tensor in w's dtype.
+
+    Args:
+        w: the weight ``(O, I)``.
+        tq: the ``w=`` part (per_channel, per_group, per_tensor or a block format)."""
     fmt = tq.fmt
     if isinstance(fmt, Block):
         return fmt.blocks(w, w.abs().amax()[None] if fmt.global_scale else None)
@@ -78,15 +88,26 @@ def quantize_weight(w: torch.Tensor, tq: TensorQuant) -> torch.Tensor:
 
 
 def smooth_scales(act_max: torch.Tensor, weight_max: torch.Tensor, alpha: float) -> torch.Tensor:
-    """SmoothQuant's per-input-channel factors ``max|X_j|^alpha / max|W_j|^(1 - alpha)`` (computed in float64, clamped
-    at 1e-5 as smoothquant's ``smooth_ln_fcs``; applied in the model's dtype); a channel never seen nonzero gets 1."""
+    """SmoothQuant's per-input-channel factors ``max|X_j|^alpha / max|W_j|^(1 - alpha)``, in float64.
+
+    Clamped at 1e-5 as smoothquant's ``smooth_ln_fcs``; a channel never seen nonzero gets 1.
+
+    Args:
+        act_max: max |X_j| per input channel, from calibration.
+        weight_max: max |W_ij| per input channel.
+        alpha: the migration strength."""
     a = act_max.double().clamp(min=1e-5)
     s = (a.pow(alpha) / weight_max.double().clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
     return torch.where(act_max > 0, s, torch.ones_like(s))
 
 
 def outlier_columns(x: torch.Tensor, valid: torch.Tensor | None, threshold: float) -> torch.Tensor:
-    """(B, 1, C): the input channels of each sequence where some valid token has |x| >= ``threshold``."""
+    """The input channels of each sequence where some valid token has |x| >= threshold: ``(B, 1, C)`` bool.
+
+    Args:
+        x: the input ``(B, T, C)``.
+        valid: bool ``(B, T)``; None: all.
+        threshold: LLM.int8's outlier threshold."""
     a = x.abs() >= threshold  # (B, T, C)
     if valid is not None:
         a = a & valid[..., None]
@@ -134,10 +155,16 @@ def _base_order(d: int) -> tuple[int, int | None]:
 
 
 def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """A (d, d) orthonormal random-sign Hadamard matrix ``diag(signs) . H / sqrt(d)`` (QuaRot's randomized Hadamard:
-    ``random_sign_hadamard``): H Sylvester's for a power of 2 (the same matrix as
-    ``outlierscope.quant.attention.ops.hadamard``), else ``kron(Paley's H_m, Sylvester's H_2^k)``. The dense form of
-    ``rotation_factors`` (which is what a ``rotate:`` spec computes with)."""
+    """A ``(d, d)`` orthonormal random-sign Hadamard matrix ``diag(signs) . H / sqrt(d)``: QuaRot's randomized one.
+
+    H is Sylvester's for a power of 2 (the matrix of ``hadamard``), else ``kron(Paley's H_m, Sylvester's H_2^k)``. The
+    dense form of ``rotation_factors``, which is what a ``rotate:`` spec computes with.
+
+    Args:
+        d: the size.
+        seed: the signs' seed.
+        dtype: the matrix's dtype.
+        device: its device."""
     m, q = _base_order(d)
     h = sylvester(d // m)
     if q is not None:
@@ -147,25 +174,37 @@ def rotation(d: int, seed: int, dtype: torch.dtype = torch.float32, device=None)
 
 @dataclass(frozen=True, eq=False)
 class Rotation:
-    """``rotation``'s matrix ``R = diag(signs) . kron(A, B) / sqrt(d)`` kept as its two +-1 factors, A (m, m) and
-    B (k, k), d = m k. ``x @ R`` is ``A^T (X B)`` for X, a row of x as (m, k): d (m + k) multiply-adds a row instead of
-    d^2 (SmolLM2's 576 = 36 x 16 and 1536 = 12 x 128: 11x fewer each), the way QuaRot's kernels apply a non-power-of-2
-    Hadamard (a transform of the 2^k part, then the m x m matrix). Its sums run in another order than the dense
-    product's: equal to it in float64 up to rounding (tested), not bit for bit in float32."""
+    """``rotation``'s matrix ``R = diag(signs) . kron(A, B) / sqrt(d)`` kept as its two +-1 factors, d = m k.
+
+    ``x @ R`` is ``A^T (X B)`` for X a row of x as ``(m, k)``: d (m + k) multiply-adds a row instead of d^2 (SmolLM2's
+    576 = 36 x 16: 11x fewer), as QuaRot's kernels apply a non-power-of-2 Hadamard. Its sums run in another order than
+    the dense product's: equal to it in float64 up to rounding (tested), not bit for bit in float32.
+
+    Attributes:
+        d: the size.
+        signs: ``(d,)`` float64 +-1, the seed's, on the input side.
+        outer: A ``(m, m)`` float64 +-1: Paley's, or Sylvester's for a power of 2.
+        inner: B ``(k, k)`` float64 +-1: Sylvester's."""
 
     d: int
-    signs: torch.Tensor  # (d,) float64 +-1, the seed's (on the input side)
-    outer: torch.Tensor  # A (m, m) float64 +-1: Paley's, or Sylvester's for a power of 2
-    inner: torch.Tensor  # B (k, k) float64 +-1: Sylvester's
+    signs: torch.Tensor
+    outer: torch.Tensor
+    inner: torch.Tensor
     _on: dict = field(default_factory=dict, repr=False)  # (dtype, device) -> (signs, A^T, B) there
 
     def matrix(self, dtype: torch.dtype = torch.float64, device=None) -> torch.Tensor:
-        """The dense (d, d) matrix: ``rotation``'s bytes."""
+        """The dense ``(d, d)`` matrix: ``rotation``'s bytes.
+
+        Args:
+            dtype: its dtype.
+            device: its device."""
         return (self.signs[:, None] * torch.kron(self.outer, self.inner) / math.sqrt(self.d)).to(dtype=dtype, device=device)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        """``x @ R`` along x's last dim (d), in float32 at least (float64 for float64 ``x``), back in ``x``'s dtype; a
-        new tensor."""
+        """``x @ R`` along x's last dim, in float32 at least (float64 for float64), back in x's dtype; a new tensor.
+
+        Args:
+            x: the tensor ``(..., d)``."""
         work = torch.float64 if x.dtype == torch.float64 else torch.float32
         key = (work, x.device)
         if key not in self._on:
@@ -178,8 +217,13 @@ class Rotation:
 
 
 def rotation_factors(d: int, seed: int) -> Rotation:
-    """``rotation``'s matrix as its factors (``Rotation``): A Paley's H_m and B Sylvester's H_2^k, or, for a
-    power of 2, two Sylvester matrices of about sqrt(d) each (Sylvester's H_2^(a+b) is kron(H_2^a, H_2^b))."""
+    """``rotation``'s matrix as its factors: A Paley's H_m and B Sylvester's H_2^k, or two Sylvester matrices.
+
+    For a power of 2 the factors are two Sylvester matrices of about sqrt(d) each (H_2^(a+b) is kron(H_2^a, H_2^b)).
+
+    Args:
+        d: the size.
+        seed: the signs' seed."""
     m, q = _base_order(d)
     if q is None:
         m = 2 ** ((d.bit_length() - 1) // 2)  # 2^floor(log2(d) / 2)
