@@ -161,7 +161,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.models.fetch", "outlierscope.runs.text_cells",
                     "outlierscope.quant.numerics.formats", "outlierscope.train.loop",
                     "outlierscope.quant.linears.ops", "outlierscope.quant.attention.ops",
-                    "outlierscope.quant.attention.logits", "outlierscope.quant.numerics.exact")
+                    "outlierscope.quant.attention.logits", "outlierscope.quant.numerics.exact",
+                    "outlierscope.hooks.attention", "outlierscope.analysis.kld")
 
 
 def test_every_api_entry_documents_each_parameter():

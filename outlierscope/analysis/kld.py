@@ -28,7 +28,10 @@ KLD_PERCENTILES = (99.9, 99.0, 95.0, 90.0, 10.0, 5.0, 1.0, 0.1)
 
 
 def mean_and_uncertainty(x: np.ndarray) -> tuple[float, float]:
-    """llama.cpp's mean and its uncertainty (0 for 10 values or fewer)."""
+    """llama.cpp's mean and its uncertainty (0 for 10 values or fewer).
+
+    Args:
+        x: the values."""
     n = len(x)
     if n < 1:
         return 0.0, 0.0
@@ -45,7 +48,11 @@ def _covariance(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def percentile(sorted_values: np.ndarray, fraction: float) -> float:
-    """llama.cpp's percentile of sorted values: linear between the neighbours of fraction x (n - 1)."""
+    """llama.cpp's percentile of sorted values: linear between the neighbours of fraction x (n - 1).
+
+    Args:
+        sorted_values: the values, sorted.
+        fraction: the percentile as a fraction."""
     if fraction <= 0:
         return float(sorted_values[0])
     if fraction >= 1:
@@ -62,8 +69,10 @@ def _median(v: np.ndarray) -> float:
 
 
 def perplexity_stats(tokens) -> dict:
-    """PPL of both models, the ln ratio with its uncertainty and the correlation (llama.cpp's "Perplexity
-    statistics")."""
+    """llama.cpp's "Perplexity statistics": the PPL of both models, the ln ratio with its uncertainty, the correlation.
+
+    Args:
+        tokens: the ``TokenScores``."""
     (m, u), (mb, ub) = mean_and_uncertainty(tokens.nll), mean_and_uncertainty(tokens.nll_base)
     cov = _covariance(tokens.nll, tokens.nll_base)
     ratio_u = math.sqrt(max(u * u + ub * ub - 2 * cov, 0.0))
@@ -75,7 +84,10 @@ def perplexity_stats(tokens) -> dict:
 
 
 def kld_stats(tokens) -> dict:
-    """KL divergence, token probability and same-top statistics (llama.cpp's other two blocks)."""
+    """llama.cpp's KL divergence, token probability and same-top statistics.
+
+    Args:
+        tokens: the ``TokenScores``."""
     kld = np.sort(tokens.kld)
     mean, unc = mean_and_uncertainty(tokens.kld)
     out = {"kld_mean": mean, "kld_unc": unc, "kld_max": float(kld[-1]), "kld_median": _median(kld),
@@ -92,15 +104,22 @@ def kld_stats(tokens) -> dict:
 
 
 def window_blocks(tokens) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per window (in window order): its token count, sum of nll - nll_base, sum of kld."""
+    """Per window (in window order): its token count, its sum of nll - nll_base, its sum of KLD.
+
+    Args:
+        tokens: the ``TokenScores``."""
     ids, start, count = np.unique(tokens.window, return_index=True, return_counts=True)
     d, k = tokens.nll - tokens.nll_base, tokens.kld
     return count, np.add.reduceat(d, start), np.add.reduceat(k, start)
 
 
 def block_intervals(tokens, seed: int = 0, reps: int = BOOTSTRAP_REPS) -> dict:
-    """95% percentile-bootstrap intervals over windows of the mean NLL change and the mean KL divergence (both
-    token-weighted: resampled windows' sums over their tokens)."""
+    """95% percentile-bootstrap intervals over windows of the mean NLL change and the mean KLD, token-weighted.
+
+    Args:
+        tokens: the ``TokenScores``.
+        seed: the bootstrap's seed.
+        reps: resamples."""
     count, d, k = window_blocks(tokens)
     rng = np.random.default_rng(seed)
     idx = rng.integers(0, len(count), size=(reps, len(count)))  # (reps, windows)
@@ -112,15 +131,28 @@ def block_intervals(tokens, seed: int = 0, reps: int = BOOTSTRAP_REPS) -> dict:
 
 
 def summary(tokens, seed: int = 0) -> dict:
-    """Everything above for one spec's tokens."""
+    """Every statistic above for one spec's tokens: llama.cpp's blocks and the bootstrap intervals over windows.
+
+    Args:
+        tokens: the ``TokenScores``.
+        seed: the bootstrap's seed."""
     return {**perplexity_stats(tokens), **kld_stats(tokens), **block_intervals(tokens, seed)}
 
 
 def paired_runs(a, b, seed: int = 0, reps: int = BOOTSTRAP_REPS) -> dict:
-    """Two models' values on the same windows (``a``, ``b``: e.g. the Transformer and the Diff model, each against
-    its own unquantized self under one scheme), paired by window: each model's mean NLL change and mean KLD
-    (token-weighted), the differences b - a and the ratio of mean KLDs b / a, with 95% percentile-bootstrap intervals
-    over windows (the same windows resampled for both). The windows must hold the same numbers of tokens."""
+    """Two models' values on the same windows, paired by window, with 95% percentile-bootstrap intervals over windows.
+
+    Each model's mean NLL change and mean KLD (token-weighted), the differences b - a and the ratio of mean KLDs
+    b / a; the same windows are resampled for both.
+
+    Args:
+        a: one model's ``TokenScores`` (the Transformer against its unquantized self under a scheme, say).
+        b: the other's on the same windows (the Diff model's).
+        seed: the bootstrap's seed.
+        reps: resamples.
+
+    Raises:
+        ValueError: windows that differ (another tokenizer, text or protocol)."""
     count_a, d_a, k_a = window_blocks(a)
     count_b, d_b, k_b = window_blocks(b)
     if not np.array_equal(np.unique(a.window), np.unique(b.window)) or not np.array_equal(count_a, count_b):

@@ -31,20 +31,34 @@ _PREFIX = "outlierscope-"
 
 @dataclass
 class LogitContext:
-    """What a stage learns about the logits it gets."""
+    """What a stage learns about the logits it gets.
+
+    Attributes:
+        module: the attention module.
+        layer: its decoder layer.
+        valid: bool ``(B, 1|H, T, S)``: causal, not padding, inside the window.
+        n_heads: the logits' heads.
+        is_diff: a DiffLlama call (both maps of each differential head in one tensor).
+        q_start: the block's first query row among the call's ``q_total`` rows.
+        q_total: the call's query rows; None: this block is all of them.
+        state: Stage -> its reduction over all blocks; None when there is one block.
+        value: the call's values ``(B, H, S, d)``, repeated per query head.
+        scaling: the call's logit scale (the logits are ``(q @ k^T) * scaling``).
+        softcap: the model's logit soft cap, applied after the stages.
+        key_start: ``(B,)`` each sequence's first real key (left padding; blocks along keys start there)."""
 
     module: nn.Module
     layer: int
-    valid: torch.Tensor  # (B, 1 or H, T, S) bool: causal, not padding, inside the window
+    valid: torch.Tensor
     n_heads: int
     is_diff: bool
-    q_start: int = 0  # index of the block's first query row among the call's q_total rows
-    q_total: int | None = None  # query rows of the whole call (None: this block is all of them)
-    state: dict | None = None  # Stage -> its reduction over all blocks; None when there is one block
-    value: torch.Tensor | None = None  # (B, H, S, d): the call's values, repeated per query head
-    scaling: float = 1.0  # the call's logit scale (the logits are (q @ k^T) * scaling)
-    softcap: float | None = None  # the model's logit soft cap, applied after the stages
-    key_start: torch.Tensor | None = None  # (B,) each sequence's first real key (left padding; blocks along keys start there)
+    q_start: int = 0
+    q_total: int | None = None
+    state: dict | None = None
+    value: torch.Tensor | None = None
+    scaling: float = 1.0
+    softcap: float | None = None
+    key_start: torch.Tensor | None = None
 
     @property
     def query_offset(self) -> int:
@@ -53,24 +67,36 @@ class LogitContext:
         return self.q_start + self.valid.shape[-1] - total
 
     def reduced(self, stage: Stage) -> torch.Tensor | None:
-        """``stage.reduce`` over all blocks of rows of this call (elementwise max); None when the call is one block
-        (the stage then reduces its own logits) or the stage reduced nothing for this layer."""
+        """``stage.reduce`` over all blocks of rows of this call (elementwise max).
+
+        Args:
+            stage: the stage.
+
+        Returns:
+            The reduction; None when the call is one block (the stage reduces its own logits) or nothing was reduced."""
         return None if self.state is None else self.state.get(stage)
 
 
 @dataclass(eq=False, frozen=True)
 class Stage:
-    """One step of the attention function, run on every block of logits (B, H, t, S) in the order stages were added.
+    """One step of the attention function, run on every block of logits ``(B, H, t, S)`` in the order stages were added.
 
-    ``apply(ctx, logits)`` returns the logits or a new tensor and never modifies its input; it must be
-    deterministic (a block may be recomputed and applied again). ``observes``: the stage hands the tensor to
-    user code (it then returns its input unchanged, and the attention function runs it once per layer, not again
-    in DiffLlama's second call); ``keeps``: that user code may keep the tensor past its call, so the attention
-    function never masks it in place (a copy of every block); False for code that only reduces it before it
-    returns (the library's reducers: ``keeps_observations = False``). ``reduce(ctx, logits)``: for a
-    stage that needs a reduction over all query rows (an absmax scale per head or per tensor), the block's
-    reduction (or None for a layer it leaves alone); the stage reads the max over blocks as
-    ``ctx.reduced(self)``. Stages are compared by identity (each is a key of ``ctx.state``)."""
+    Stages are compared by identity (each is a key of ``ctx.state``).
+
+    Attributes:
+        apply: ``apply(ctx, logits)``: the logits or a new tensor, never its input changed; deterministic (a block may
+            be recomputed and applied again).
+        observes: it hands the tensor to user code (returning its input unchanged); run once per layer, not again in
+            DiffLlama's second call.
+        keeps: that user code may keep the tensor past its call, so it is never masked in place (a copy of every
+            block); False for code that only reduces it (the library's reducers).
+        reduce: ``reduce(ctx, logits)``: a block's reduction for a stage that needs one over all query rows (an absmax
+            per head or per tensor), None for a layer it leaves alone; the stage reads the max as ``ctx.reduced(self)``.
+        name: a name for errors.
+        taps: the kinds of ``Tap`` it asks for (``attn.q``, ``attn.probs`` ...).
+        tap: receives each ``Tap`` of those kinds.
+        qkv: ``qkv(ctx, query, key, value)``: the ``QKV`` the logits are computed from (quantized q/k/v).
+        probs: ``probs(ctx, p)``: the probabilities the values are multiplied with (quantized P)."""
 
     apply: Callable[[LogitContext, torch.Tensor], torch.Tensor]
     observes: bool = False
@@ -85,8 +111,14 @@ class Stage:
 
 @dataclass
 class QKVContext:
-    """What a stage's ``qkv`` learns about a call: its layer, valid query rows (B, T) and keys (B, S), and whether it
-    is DiffLlama's second call of the layer (same query and key, the other half of the values)."""
+    """What a stage's ``qkv`` learns about a call.
+
+    Attributes:
+        module: the attention module.
+        layer: its decoder layer.
+        q_valid: bool ``(B, T)``: the real query rows.
+        k_valid: bool ``(B, S)``: the keys a real query may attend to.
+        second: DiffLlama's second call of the layer (same query and key, the other half of the values)."""
 
     module: nn.Module
     layer: int
@@ -97,9 +129,17 @@ class QKVContext:
 
 @dataclass
 class QKV:
-    """A stage's ``qkv`` result: query (B, H, T, d), key and value (B, KV, S, d), and optionally ``q_mean`` (B, H, T, d)
-    with ``k_for_mean`` (B, KV, S, d): ``(q_mean @ k_for_mean^T) * scaling`` is added to the logits in full precision
-    (SageAttention2's Q-smoothing correction)."""
+    """A stage's ``qkv`` result.
+
+    ``(q_mean @ k_for_mean^T) * scaling`` is added to the logits in full precision (SageAttention2's Q-smoothing
+    correction).
+
+    Attributes:
+        query: ``(B, H, T, d)``.
+        key: ``(B, KV, S, d)``.
+        value: ``(B, KV, S, d)``.
+        q_mean: ``(B, H, T, d)``, the smoothing's mean; None: no correction.
+        k_for_mean: ``(B, KV, S, d)``, the keys it multiplies."""
 
     query: torch.Tensor
     key: torch.Tensor
@@ -112,10 +152,16 @@ class QKV:
 class Tap:
     """A tensor the attention function hands to a stage that asked for its kind (``Stage.taps``).
 
-    ``kind`` ``attn.q`` / ``attn.k`` / ``attn.v``: (B, T, heads * head_dim), keys and values before their heads are
-    repeated, with ``valid`` (B, T): real query rows (q), keys a real query may attend to (k, v). ``attn.probs``:
-    a block of probabilities (B, H, t, S) with ``valid`` as the logits'; ``attn.probs_diff``: the differential
-    map ``p1 - lambda p2`` (B, H/2, t, S), float32 at least. ``query_offset``: key position of the first query row."""
+    Attributes:
+        layer: the decoder layer.
+        kind: ``attn.q`` / ``attn.k`` / ``attn.v`` (``(B, T, heads * head_dim)``, keys and values before their heads
+            are repeated), ``attn.probs`` (a block ``(B, H, t, S)``) or ``attn.probs_diff`` (``p1 - lambda p2``,
+            ``(B, H/2, t, S)``, float32 at least).
+        x: the tensor.
+        valid: q: the real query rows ``(B, T)``; k, v: the keys a real query may attend to; maps: as the logits'.
+        n_heads: its heads.
+        query_offset: the key position of the first query row.
+        is_diff: a DiffLlama call."""
 
     layer: int
     kind: str
@@ -127,22 +173,36 @@ class Tap:
 
 
 def as_stage(stage: Stage | Callable) -> Stage:
-    """A ``Stage``; a plain ``f(ctx, logits)`` is a non-observing stage without a reduction."""
+    """A ``Stage``; a plain ``f(ctx, logits)`` is a non-observing stage without a reduction.
+
+    Args:
+        stage: a ``Stage`` or a function."""
     return stage if isinstance(stage, Stage) else Stage(apply=stage, name=getattr(stage, "__name__", "stage"))
 
 BLOCK_BYTES = 256 * 2**20  # default budget of one block's float32 logits (B, H, t, S)
 
 
 def block_rows(batch: int, heads: int, keys: int, block_bytes: int = BLOCK_BYTES) -> int:
-    """Query rows per block so that one block's float32 logits (B, H, rows, S) stay within ``block_bytes``."""
+    """Query rows per block so that one block's float32 logits ``(B, H, rows, S)`` stay within a budget.
+
+    Args:
+        batch: B.
+        heads: H.
+        keys: S.
+        block_bytes: the budget."""
     return max(1, block_bytes // (4 * batch * heads * max(keys, 1)))
 
 
 def attention_logits(q: torch.Tensor, key_t: torch.Tensor, scaling: float, q_mean: torch.Tensor | None = None,
                      k_mean_t: torch.Tensor | None = None) -> torch.Tensor:
-    """``(q @ key_t) * scaling`` (B, H, t, S) for queries ``q`` (B, H, t, d) and keys ``key_t`` (B, H, d, S) repeated per
-    query head, in key_t's dtype (float32 at least), plus SageAttention2's Q-smoothing correction
-    ``(q_mean @ k_mean_t) * scaling`` in full precision when ``q_mean`` (B, H, t, d) is given."""
+    """``(q @ key_t) * scaling`` in key_t's dtype (float32 at least), plus SageAttention2's correction where given.
+
+    Args:
+        q: queries ``(B, H, t, d)``.
+        key_t: keys repeated per query head, transposed: ``(B, H, d, S)``.
+        scaling: the logit scale.
+        q_mean: ``(B, H, t, d)``: adds ``(q_mean @ k_mean_t) * scaling`` in full precision.
+        k_mean_t: the keys it multiplies, ``(B, H, d, S)``."""
     if q.dtype != key_t.dtype:
         q = q.float()
     logits = torch.matmul(q, key_t).mul_(scaling)  # (B, H, t, S); same rounding as eager's `* scaling`
@@ -152,12 +212,21 @@ def attention_logits(q: torch.Tensor, key_t: torch.Tensor, scaling: float, q_mea
 
 
 def repeat_kv_t(key: torch.Tensor, heads: int) -> torch.Tensor:
-    """Keys (B, KV, S, d) repeated for ``heads`` query heads, float32 at least, transposed: (B, H, d, S)."""
+    """Keys repeated for the query heads, float32 at least, transposed: ``(B, H, d, S)``.
+
+    Args:
+        key: ``(B, KV, S, d)``.
+        heads: the query heads H."""
     k = repeat_kv(key, heads // key.shape[1])  # (B, H, S, d)
     return (k if k.dtype in (torch.float32, torch.float64) else k.float()).transpose(2, 3)
 
 
 def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """Keys or values repeated for grouped-query attention: ``(B, KV * n_rep, S, d)`` (transformers' ``repeat_kv``).
+
+    Args:
+        x: ``(B, KV, S, d)``.
+        n_rep: query heads per key/value head."""
     if n_rep == 1:
         return x
     b, h, s, d = x.shape
@@ -204,8 +273,10 @@ def _token_valid(mask: torch.Tensor | None, B: int, T: int, S: int, device) -> t
 
 
 def diff_lambda(module: nn.Module) -> torch.Tensor:
-    """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does (its float32 sums are
-    float64 for a float64 model, as ``float64`` makes the forward's)."""
+    """DiffLlama's ``lambda_full`` of one attention module, computed as its forward does (float64 for a float64 model).
+
+    Args:
+        module: a DiffLlama attention module."""
     dtype = module.lambda_q1.dtype
     acc = torch.promote_types(dtype, torch.float32)
     l1 = torch.exp(torch.sum(module.lambda_q1 * module.lambda_k1, dim=-1, dtype=acc)).to(dtype)
@@ -454,10 +525,13 @@ def _current_function(model: nn.Module):
 @contextlib.contextmanager
 def attention_stages(model: nn.Module, stage: Stage | Callable, block_rows: int | None = None,
                      block_bytes: int | None = None) -> Iterator[None]:
-    """Run ``model`` with its attention through our function, ``stage`` added after any active ones.
+    """Run the model with its attention through our function, a stage added after any active ones, inside the block.
 
-    ``block_rows``: query rows per block; ``block_bytes``: else the budget of one block's float32
-    logits (default 256 MiB). Unset, both are taken from an enclosing ``attention_stages``."""
+    Args:
+        model: the model (its attention must go through transformers' ``AttentionInterface``).
+        stage: a ``Stage`` or a function ``f(ctx, logits)``.
+        block_rows: query rows per block; None: from ``block_bytes`` or an enclosing ``attention_stages``.
+        block_bytes: the budget of one block's float32 logits (default 256 MiB)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
