@@ -162,7 +162,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.quant.numerics.formats", "outlierscope.train.loop",
                     "outlierscope.quant.linears.ops", "outlierscope.quant.attention.ops",
                     "outlierscope.quant.attention.logits", "outlierscope.quant.numerics.exact",
-                    "outlierscope.hooks.attention", "outlierscope.analysis.kld")
+                    "outlierscope.hooks.attention", "outlierscope.analysis.kld",
+                    "outlierscope.models.placement", "outlierscope.runs.cells")
 
 
 def test_every_api_entry_documents_each_parameter():

@@ -52,6 +52,10 @@ def trust_remote_code_option():
 
 
 def check_dtype(dtype: str) -> str:
+    """A dtype setting, checked.
+
+    Args:
+        dtype: one of ``DTYPES``."""
     if dtype not in DTYPES:
         raise ParamError("dtype", f"one of {', '.join(DTYPES)}", dtype)
     return dtype
@@ -63,8 +67,14 @@ def _is_device(device: str) -> bool:
 
 
 def check_placement(device: str, dtype: str, device_map, attn_block: int | None, fused: bool = False) -> None:
-    """Validate the run-placement settings that profile and sweep share (before anything loads). ``fused``
-    (``outlierscope.quant.numerics.fused``) is refused where the model would run on a GPU."""
+    """Validate the placement settings the runs share, before anything loads.
+
+    Args:
+        device: one of ``DEVICES``.
+        dtype: one of ``DTYPES``.
+        device_map: accelerate's placement (``auto``, ``balanced``, ..., or a dict); None: ``device``.
+        attn_block: query rows per attention block; None: from a 256 MiB budget.
+        fused: compiled quantizers (``fused_kernels``); refused where the model would run on a GPU."""
     check_dtype(dtype)
     if not _is_device(device):
         raise ParamError("device", f"one of {', '.join(DEVICES)}", device)
@@ -81,7 +91,10 @@ def check_placement(device: str, dtype: str, device_map, attn_block: int | None,
 
 
 def resolve_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when torch sees a GPU, else ``cpu``; ``cuda``/``cuda:N`` checked against the GPUs present."""
+    """The device a setting names: ``auto`` is ``cuda`` when torch sees a GPU, else ``cpu``.
+
+    Args:
+        device: one of ``DEVICES``; ``cuda`` and ``cuda:N`` are checked against the GPUs present."""
     import torch
 
     if not _is_device(device):
@@ -100,7 +113,12 @@ def resolve_device(device: str) -> str:
 
 
 def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
-    """``auto`` -> the checkpoint's bf16/fp16 on CUDA (``stored`` is config.json's dtype), float32 otherwise."""
+    """The dtype a setting names: ``auto`` is the checkpoint's bf16/fp16 on CUDA, float32 otherwise.
+
+    Args:
+        dtype: one of ``DTYPES``.
+        device: the resolved device.
+        stored: config.json's dtype."""
     check_dtype(dtype)
     if dtype != "auto":
         return dtype
@@ -110,20 +128,31 @@ def resolve_dtype(dtype: str, device: str, stored: str | None) -> str:
 
 
 def model_dtype(model) -> str:
-    """A model's dtype as a name (``float32``, ``bfloat16``, ...): the dtype of its first parameter."""
+    """A model's dtype as a name (``float32``, ``bfloat16``, ...): its first parameter's.
+
+    Args:
+        model: the model."""
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
 def model_device(model) -> str:
-    """Where a model's inputs go: the device of its input embeddings (the first layer under a device map)."""
+    """Where a model's inputs go: the device of its input embeddings (the first layer under a device map).
+
+    Args:
+        model: the model."""
     emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     p = emb.weight if emb is not None else next(model.parameters())
     return str(p.device)
 
 
 def context_length(model) -> int:
-    """The model's (or a config's) context in tokens, from the first of ``CONTEXT_NAMES`` its config states; a
-    config that states none is a one-line error (guessing would index past the position table)."""
+    """The model's context in tokens, from the first of ``CONTEXT_NAMES`` its config states.
+
+    Args:
+        model: a model or its config.
+
+    Raises:
+        OutlierscopeError: a config that states none (guessing would index past the position table)."""
     config = getattr(model, "config", model)
     cfg = getattr(config, "text_config", None) or config
     for attr in CONTEXT_NAMES:
@@ -135,7 +164,12 @@ def context_length(model) -> int:
 
 
 def resolve_seq_len(model, seq_len: int | None, default: int = 256) -> int:
-    """``seq_len`` checked against the model's context; None: min(context, ``default``)."""
+    """A sequence length checked against the model's context.
+
+    Args:
+        model: a model or its config.
+        seq_len: tokens per sequence; None: min(context, ``default``).
+        default: the length without one."""
     ctx = context_length(model)
     if seq_len is None:
         return min(ctx, default)

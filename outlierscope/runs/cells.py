@@ -29,16 +29,18 @@ SPEED_ONLY = ("fused", "attn_block")
 
 def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, force: bool, upgrade=dict,
                           cells: bool = True) -> None:
-    """Refuse to replace the tables of a run whose record holds other settings, or is damaged, unless ``force``.
+    """Refuse to replace the tables of a run whose record holds other settings, or is damaged, unless forced.
 
-    prev: the earlier run's record.
-    now: this run's settings as a record holds them (JSON values).
-    defaults: the settings' defaults (a setting an older record lacks counts as its default).
-    what: the run, for the error (``a sweep``, ``an export``).
-    force: replace them.
-    upgrade: the record's settings with today's keys.
-    cells: whether the run keeps cells, which are reused either way (said in the error).
-    ``SPEED_ONLY`` settings are not compared."""
+    ``SPEED_ONLY`` settings are not compared.
+
+    Args:
+        prev: the earlier run's record.
+        now: this run's settings as a record holds them (JSON values).
+        defaults: the settings' defaults (a setting an older record lacks counts as its default).
+        what: the run, for the error (``a sweep``, ``an export``).
+        force: replace them.
+        upgrade: the record's settings with today's keys.
+        cells: whether the run keeps cells, which are reused either way (said in the error)."""
     if force or not prev.exists():
         return
     reused = " (cells with matching settings are reused)" if cells else ""
@@ -56,17 +58,24 @@ def refuse_other_settings(prev: Path, now: dict, defaults: dict, what: str, forc
 
 
 def cell_id(settings: dict) -> str:
-    """``<model>_b<bits>_<10 hex digits of the settings' sha256>``: the same settings, the same name."""
+    """A cell's name: ``<model>_b<bits>_<10 hex digits of the settings' sha256>``; the same settings, the same name.
+
+    Args:
+        settings: the cell's identity."""
     blob = json.dumps(settings, sort_keys=True).encode()
     slug = f"{settings['model'].replace(':', '-').replace('/', '_')}_b{settings['bits']}"
     return f"{slug}_{hashlib.sha256(blob).hexdigest()[:10]}"
 
 
 def revised(*specs) -> dict:
-    """Keys a cell's identity gains where the arithmetic behind a spec's text changed, so that cells computed before
-    are never read back as today's: each format's and transform's ``identity`` (NVFP4's scales in compressed-tensors'
-    order of operations, a rotation's signs on its input side, ``rotate:``'s two Hadamard factors, GPTQ's damping as
-    the mean of a contiguous copy of the Hessian's diagonal)."""
+    """Keys a cell's identity gains where the arithmetic behind a spec's text changed: older cells are never read back.
+
+    Each format's and transform's ``identity`` (NVFP4's scales in compressed-tensors' order of operations, a
+    rotation's signs on its input side, ``rotate:``'s two Hadamard factors, GPTQ's damping as the mean of a contiguous
+    copy of the Hessian's diagonal).
+
+    Args:
+        *specs: the cell's specs."""
     keys = {}
     for sp in specs:
         for item in (*getattr(sp, "parts", ()), *getattr(sp, "transforms", ())):
@@ -77,9 +86,20 @@ def revised(*specs) -> dict:
 def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[EvalResult, dict | None]], desc: str,
                 log=print, tables: tuple[str, ...] = (), shard: Shard | None = None,
                 world: World | None = None) -> tuple[EvalResult | None, str]:
-    """The cell of ``settings`` (a shard's part for a partial ``shard``): read back when complete with these settings,
-    else ``compute()`` -> (result, side tables by name) on every rank and written atomically by rank 0 (the other
-    ranks get None). Returns (result, cell id); side tables come back in ``result.extra``."""
+    """A cell read back when complete with these settings, else computed on every rank and written atomically by rank 0.
+
+    Args:
+        cells_dir: the cells' directory.
+        settings: the cell's identity.
+        compute: ``compute()`` -> (result, side tables by name).
+        desc: the cell's label, for the log.
+        log: where progress lines go.
+        tables: the side tables it has.
+        shard: a partial shard's part of the cell.
+        world: the ``torchrun`` processes.
+
+    Returns:
+        ``(result, cell id)``; side tables in ``result.extra``; None for the result on ranks other than 0."""
     shard, world = shard or Shard(), world or World()
     cid = cell_id(settings)
     name = cid if shard.whole else f"{cid}.{shard.tag}"
@@ -99,9 +119,19 @@ def cached_cell(cells_dir: Path, settings: dict, compute: Callable[[], tuple[Eva
 def cached_cells(cells_dir: Path, settings: list[dict], descs: list[str],
                  compute: Callable[[list[int]], list[EvalResult | None]], log=print, shard: Shard | None = None,
                  world: World | None = None) -> list[tuple[EvalResult | None, str]]:
-    """``cached_cell`` of several cells whose missing ones are computed together: ``compute(indices)`` -> their
-    results in that order (every rank calls it; rank 0's are written). Returns (result, cell id) per cell, in order;
-    the other ranks get None for a result."""
+    """``cached_cell`` of several cells whose missing ones are computed together.
+
+    Args:
+        cells_dir: the cells' directory.
+        settings: each cell's identity.
+        descs: each cell's label.
+        compute: ``compute(indices)`` -> the missing cells' results in that order (every rank calls it).
+        log: where progress lines go.
+        shard: a partial shard's part of each cell.
+        world: the ``torchrun`` processes.
+
+    Returns:
+        ``(result, cell id)`` per cell, in order; None for a result on ranks other than 0."""
     shard, world = shard or Shard(), world or World()
     cids = [cell_id(st) for st in settings]
     names = [cid if shard.whole else f"{cid}.{shard.tag}" for cid in cids]
@@ -145,8 +175,15 @@ def _readable_cell(cells_dir: Path, name: str, settings: dict, tables: tuple[str
 
 
 def check_claim(cells_dir: Path, name: str, res: EvalResult | None) -> None:
-    """``Damaged`` unless the record of ``name`` (a cell or its part) holds the settings the
-    cell id in ``name`` is the digest of."""
+    """Check that a cell's record holds the settings its id is the digest of.
+
+    Args:
+        cells_dir: the cells' directory.
+        name: the cell's (or part's) file stem.
+        res: the result read back.
+
+    Raises:
+        Damaged: a record of another cell (swapped or renamed)."""
     cid = name.partition(".")[0]
     claimed = res.extra.get("cell") if res is not None else None
     try:
@@ -158,8 +195,12 @@ def check_claim(cells_dir: Path, name: str, res: EvalResult | None) -> None:
 
 
 def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dict]:
-    """One cell of a ``--shard`` run from its parts in ``dirs`` (shard i in ``dirs[i]/cells``): the whole result and
-    its side tables (the attention error, merged exactly from the parts' virtual shards)."""
+    """One cell of a ``--shard`` run from its parts: the whole result and its side tables (merged exactly).
+
+    Args:
+        cell: the cell's id.
+        dirs: the shards' run directories (shard i in ``dirs[i]/cells``).
+        desc: the cell's label."""
     from outlierscope.analysis.linear_error import LinearErrorStats
     from outlierscope.eval.evaluate import merge_results
 
@@ -192,5 +233,8 @@ def merged_cell(cell: str, dirs: list[Path], desc: str) -> tuple[EvalResult, dic
 
 
 def res_measured(res: EvalResult) -> bool:
-    """Whether a cell was computed with its errors measured (``attn_error`` in its settings)."""
+    """Whether a cell was computed with its errors measured (``attn_error`` in its settings).
+
+    Args:
+        res: the cell's result."""
     return bool(res.extra.get("cell", {}).get("attn_error"))
