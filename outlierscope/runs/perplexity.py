@@ -98,8 +98,10 @@ def text_batch_size_option():
 
 
 def check_text_fields(s) -> None:
-    """The text settings every text-scoring command shares (``protocol``, ``length``, ``max_windows`` and, where
-    present, ``text_batch_size`` of ``s``), checked before anything loads."""
+    """Check the text settings every text-scoring command shares, before anything loads.
+
+    Args:
+        s: settings with ``protocol``, ``length``, ``max_windows`` and, where present, ``text_batch_size``."""
     if s.protocol not in PROTOCOLS:
         raise ParamError("protocol", f"one of {', '.join(PROTOCOLS)}", s.protocol)
     for name, low in (("length", 2), ("max_windows", 1), ("text_batch_size", 1)):
@@ -170,8 +172,12 @@ class PerplexitySettings:
 
 
 def window_length(s: PerplexitySettings, config, tokenizer) -> int:
-    """The protocol's window length: given, or its default (gptq capped at the model's maximum; ``config``: the
-    model's config)."""
+    """The protocol's window length: the one given, or its default (gptq's capped at the model's maximum).
+
+    Args:
+        s: the settings.
+        config: the model's config.
+        tokenizer: its tokenizer."""
     from outlierscope.eval.requests import lmeval_max_length
 
     top = lmeval_max_length(config, tokenizer)
@@ -183,9 +189,14 @@ def window_length(s: PerplexitySettings, config, tokenizer) -> int:
 
 
 def prepare_windows(s, record):
-    """The text of ``s`` (any settings with ``text``, ``protocol``, ``length``, ``max_windows``), the window length
-    and the windows cut by the model's tokenizer (``record``: its ``inspect_model``):
-    everything the tokenizer alone decides, checked before any weights load."""
+    """The text, the window length and the windows, everything the tokenizer alone decides, before any weights load.
+
+    Args:
+        s: settings with ``text``, ``protocol``, ``length`` and ``max_windows``.
+        record: the model's ``inspect_model``.
+
+    Returns:
+        ``(text, length, windows)``."""
     from outlierscope.data.running_text import load_text
 
     text = load_text(s.text)
@@ -194,8 +205,15 @@ def prepare_windows(s, record):
 
 
 def text_ident(s, lm, text, length: int, windows, model: str | None = None) -> dict:
-    """What every text cell of a model (``model``, default ``s.model``) shares: weights, text, protocol, window
-    length and count, dtype (and the device type off the CPU)."""
+    """What every text cell of a model shares: weights, text, protocol, window length and count, dtype (and device).
+
+    Args:
+        s: the settings.
+        lm: the loaded model.
+        text: the ``RunningText``.
+        length: the window length.
+        windows: the windows.
+        model: the model's name; None: ``s.model``."""
     ident = {"model": model or s.model, "weights_sha256": lm.weights_sha256(), "text_sha256": text.sha256,
              "protocol": s.protocol, "length": length, "windows": len(windows), "dtype": lm.dtype}
     if lm.device.split(":")[0] != "cpu":
@@ -222,7 +240,13 @@ def _prepare(s: PerplexitySettings, log, device: str, record=None):
 
 
 def windows_said(s, text, length: int, windows) -> str:
-    """One line: the model, its windows, their length and scored tokens, and the text's source."""
+    """One line: the model, its windows, their length and scored tokens, and the text's source.
+
+    Args:
+        s: the settings.
+        text: the ``RunningText``.
+        length: the window length.
+        windows: the windows."""
     return (f"{s.model}: {len(windows)} {s.protocol} windows of {length} tokens, "
             f"{sum(len(w.targets) for w in windows):,} scored tokens of {text.source}")
 
@@ -305,9 +329,15 @@ def perplexity(s: PerplexitySettings, out: str | Path, log=print, shard: Shard |
 
 
 def check_previous(out: Path, s: PerplexitySettings, force: bool, shard: Shard) -> None:
-    """Refuse to replace the tables (or this shard's record) of a perplexity run with other settings in ``out``
-    unless ``force`` (cells with matching settings are reused either way); a setting an older record lacks counts
-    as its default."""
+    """Refuse to replace the tables (or this shard's record) of a perplexity run with other settings, unless forced.
+
+    Cells with matching settings are reused either way; a setting an older record lacks counts as its default.
+
+    Args:
+        out: the output directory.
+        s: this run's settings.
+        force: replace them.
+        shard: this run's shard."""
     prev = out / ("perplexity.json" if shard.whole else f"perplexity.{shard.tag}.json")
     now = json.loads(json.dumps(asdict(s)))
     defaults = json.loads(json.dumps(asdict(PerplexitySettings(model=s.model))))
@@ -325,10 +355,18 @@ def _write_shard(out: Path, s: PerplexitySettings, shard: Shard, settings: list[
 
 
 def merge_perplexity(dirs: list[str | Path], out: str | Path | None = None, log=print) -> Path:
-    """Gather the part files of the ``--shard i/N`` runs of one perplexity run (``perplexity.shard-i-of-N.json`` in
-    ``dirs``) into ``out/cells`` (default: the first directory); the same command without ``--shard`` then assembles
-    the cells and writes the tables, the bytes one process writes. Every record and part is checked before anything
-    is copied; a part already in ``out`` must hold the same bytes."""
+    """Gather the parts of the ``--shard i/N`` runs of one perplexity run into one directory's cells.
+
+    The same command without ``--shard`` then assembles the cells and writes the tables, the bytes one process writes.
+    Every record and part is checked before anything is copied; a part already there must hold the same bytes.
+
+    Args:
+        dirs: the directories holding the shards.
+        out: where the parts go; None: the first directory.
+        log: where progress lines go.
+
+    Returns:
+        The directory."""
     import shutil
 
     from outlierscope.io import atomic_path, read_record
@@ -365,7 +403,13 @@ def merge_perplexity(dirs: list[str | Path], out: str | Path | None = None, log=
 
 
 def write_figures(out: Path, table: pd.DataFrame, kld: dict, against: str = "the unquantized model") -> None:
-    """kld_distribution and nll_and_kld of a table of text cells (``kld``: label -> per-token KLD) into ``out``."""
+    """Draw ``kld_distribution`` and ``nll_and_kld`` of a table of text cells into a directory.
+
+    Args:
+        out: the figures' directory.
+        table: the text cells' table.
+        kld: label -> per-token KLD.
+        against: what the KLD is taken against, for the titles."""
     import matplotlib
 
     from outlierscope.io import ensure_writable_dir
@@ -400,10 +444,18 @@ def _noise_columns(tokens: TokenScores, seed: int) -> dict:
 
 
 def perplexity_markdown(table: pd.DataFrame, first: str = "spec") -> str:
-    """One row per spec, as llama.cpp's quantization tables are read: PPL and ln PPL ratio with llama.cpp's
-    uncertainties, the NLL change and the mean KLD with their 95% intervals over whole windows (llama.cpp's
-    per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens as independent: on the
-    pair about half as wide), the 99.9% KLD, same top token and RMS dp."""
+    """One row per spec, as llama.cpp's quantization tables are read.
+
+    PPL and ln PPL ratio with llama.cpp's uncertainties, the NLL change and the mean KLD with 95% intervals over
+    whole windows (llama.cpp's per-token uncertainty of the mean KLD, in the csv as kld_unc, treats a window's tokens
+    as independent: on the pair about half as wide), the 99.9% KLD, same top token and RMS dp.
+
+    Args:
+        table: the run's table.
+        first: the first column's heading.
+
+    Raises:
+        OutlierscopeError: an empty table."""
     if table.empty:
         raise OutlierscopeError("no spec was scored")
     noise = "noise_kld_mean" in table.columns

@@ -41,11 +41,21 @@ from outlierscope.runs.sweep_tables import SweepResult, _cell_entry, _tabulate, 
 
 def cell_settings(model: str, weights_sha: str, spec: QuantSpec, s: SweepSettings, items_sha: str, dtype: str,
                   device: str = "cpu", task: str = "hellaswag") -> dict:
-    """A cell's identity: what its numbers depend on. ``dtype`` and ``device`` are the loaded model's; the
-    device type enters only when it is not the CPU (so CPU cells keep their ids). The attention block size
-    does not enter: blocked and unblocked attention give the same numbers. A quantized cell's batch size does when it
-    is not the default 32 (cells at 32 keep their ids): its per-item scores depend on it by float32 rounding
-    (``outlierscope.eval.scorer``); an unquantized cell's differ by ~1e-5 nats at most and keep their ids."""
+    """A sweep cell's identity: what its numbers depend on.
+
+    The device type enters only off the CPU (CPU cells keep their ids); the attention block size never (blocked and
+    unblocked attention give the same numbers); a quantized cell's batch size when it is not the default 32 (its
+    scores depend on it by float32 rounding; an unquantized cell's differ by ~1e-5 nats at most and keep their ids).
+
+    Args:
+        model: the model's spec.
+        weights_sha: its weights' digest.
+        spec: the cell's spec.
+        s: the sweep's settings.
+        items_sha: the items' digest.
+        dtype: the loaded model's dtype.
+        device: its device.
+        task: the task."""
     ident = spec.is_identity
     out = {"model": model, "weights_sha256": weights_sha, "bits": spec.bits, "format": None if ident else spec.columns.format,
            "granularity": None if ident else spec.columns.granularity, "layers": list(spec.layers) if spec.layers else None,
@@ -112,17 +122,31 @@ def _load_or_run_cell(lm, items, requests, spec: QuantSpec, s: SweepSettings, te
 
 
 def check_previous(out: Path, settings: dict, force: bool, shard: Shard | None = None) -> None:
-    """Refuse to replace the sweep.csv (or shard record) of a sweep with other settings unless ``force``. A
-    setting that an older sweep.json lacks counts as equal when it has its default value now."""
+    """Refuse to replace the tables (or shard record) of a sweep with other settings in ``out``, unless forced.
+
+    A setting an older record lacks counts as equal when it has its default value now.
+
+    Args:
+        out: the output directory.
+        settings: this sweep's settings (``asdict``).
+        force: replace them.
+        shard: a partial shard (its own record); None: the whole run."""
     prev = out / ("sweep.json" if shard is None or shard.whole else f"sweep.{shard.tag}.json")
     refuse_other_settings(prev, json.loads(json.dumps(settings)), json.loads(json.dumps(asdict(SweepSettings()))),
                           "a sweep", force, _current_keys)
 
 
 def check_models(s: SweepSettings, records: dict | None = None) -> dict:
-    """Every model of ``s`` found, a causal LM, with the layers ``s`` quantizes: before the first cell runs. GGUF
-    files' specs are checked against their metadata first, before any conversion (minutes each). Returns each
-    model's ``ModelRecord`` (``records``: those the caller made already)."""
+    """Every model of a sweep found, a causal LM, with the layers it quantizes, before the first cell runs.
+
+    GGUF files' specs are checked against their metadata first, before any conversion (minutes each).
+
+    Args:
+        s: the sweep's settings.
+        records: model -> its ``inspect_model``, where the caller made it already.
+
+    Returns:
+        Each model's ``ModelRecord``."""
     for m in s.models:  # every GGUF file first: a conversion takes minutes
         if (config := preview_config(m)) is not None:
             check_specs(m, s.specs(), config)
@@ -133,9 +157,17 @@ def check_models(s: SweepSettings, records: dict | None = None) -> dict:
 
 
 def check_inputs(s: SweepSettings, records: dict | None = None) -> dict:
-    """Every model and file a sweep of ``s`` reads, checked before its first cell: the models and specs
-    (``check_models``), the text of ``text`` packed as each model's cells pack it, the text of ``kld_text`` cut
-    into each model's windows. Returns each model's record."""
+    """Every model and file a sweep reads, checked before its first cell.
+
+    The models and specs (``check_models``), the ``text`` packed as each model's cells pack it, the ``kld_text`` cut
+    into each model's windows.
+
+    Args:
+        s: the sweep's settings.
+        records: model -> its ``inspect_model``, where the caller made it already.
+
+    Returns:
+        Each model's ``ModelRecord``."""
     records = check_models(s, records)
     if s.text:
         for m in s.models:
@@ -154,8 +186,12 @@ def _text_seqs(s: SweepSettings, tokenizer, config):
 
 
 def check_specs(model: str, specs, config) -> None:
-    """Each spec fits ``config`` (its layers exist, its groups and blocks divide the shapes), or one line naming the
-    model."""
+    """Check that each spec fits a model's config (its layers exist, its groups and blocks divide the shapes).
+
+    Args:
+        model: the model's spec, named in the error.
+        specs: the specs.
+        config: its config."""
     for spec in specs:
         try:
             check_layers(spec, num_layers(config))
@@ -271,9 +307,14 @@ def _text_metrics(s: SweepSettings, out: Path, log, world: World, records: dict)
 
 
 def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
-    """The tables of a finished sweep, computed again from its record (``sweep.json``) and per-item cells into ``out``:
-    the same ``sweep.csv``, ``attn_error.csv``, ``linear_error.csv`` and ``gold_ll.csv`` as the run wrote (tested on
-    the committed docs/). No model runs."""
+    """A finished sweep's tables computed again from its record and per-item cells, no model run.
+
+    The same ``sweep.csv``, ``attn_error.csv``, ``linear_error.csv`` and ``gold_ll.csv`` as the run wrote (tested on
+    the committed docs/).
+
+    Args:
+        run_dir: the sweep's directory.
+        out: where the tables go."""
     run_dir = Path(run_dir)
     rec = read_record(run_dir / "sweep.json", ("settings", "cells"), "sweep record")
     s = SweepSettings.from_record(rec["settings"])
@@ -295,10 +336,14 @@ def tabulate_sweep(run_dir: str | Path, out: str | Path) -> SweepResult:
 
 
 def merge_sweep(dirs: list[str | Path], out: str | Path | None = None, log=print) -> SweepResult:
-    """Combine the shards of a sweep run with ``shard=Shard(i, N)`` (``--shard i/N``) for i = 0..N-1, found
-    in ``dirs``, into whole cells and tables in ``out`` (default: the first directory): the same files as
-    one process would write. Every part is read before anything is written: a missing or damaged part writes
-    nothing."""
+    """Combine the shards of a ``--shard i/N`` sweep into whole cells and tables: the files one process writes.
+
+    Every part is read before anything is written: a missing or damaged part writes nothing.
+
+    Args:
+        dirs: the directories holding the shards.
+        out: where the whole sweep goes; None: the first directory.
+        log: where progress lines go."""
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "sweep", ".json", "sweep")
     n = len(files)
