@@ -164,7 +164,8 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.quant.attention.logits", "outlierscope.quant.numerics.exact",
                     "outlierscope.hooks.attention", "outlierscope.analysis.kld",
                     "outlierscope.models.placement", "outlierscope.runs.cells",
-                    "outlierscope.runs.sweep", "outlierscope.runs.perplexity")
+                    "outlierscope.runs.sweep", "outlierscope.runs.perplexity",
+                    "outlierscope.analysis.kernels", "outlierscope.analysis.activations")
 
 
 def test_every_api_entry_documents_each_parameter():

@@ -25,9 +25,16 @@ HEAD_KINDS = ("attn.q", "attn.k", "attn.v", "attn.out")  # token kinds whose cha
 
 
 class SinkStats:
-    """Attention mass on the first key positions, per (layer, head), from probability maps (B, H, t, S): sums over
-    valid query rows of the mass on key 0 and on keys [0, ``sink_k``), and the rows counted; float64 sums kept per
-    virtual shard (merged in shard order)."""
+    """Attention mass on the first key positions per (layer, head), from probability maps; a reducer.
+
+    Sums over valid query rows of the mass on key 0 and on keys [0, ``sink_k``), and the rows counted; float64 sums
+    kept per virtual shard (merged in shard order).
+
+    Args:
+        n_layers: the model's decoder layers.
+        n_heads: heads per layer.
+        sink_k: the key positions counted as the sink.
+        kind: the probability point it reads (``attn.probs``)."""
 
     def __init__(self, n_layers: int, n_heads: int, sink_k: int = 4, kind: str = "attn.probs"):
         self.kind, self.sink_k, self.n_heads = kind, sink_k, n_heads
@@ -50,6 +57,10 @@ class SinkStats:
         self.rows[layer] += rows.sum((0, 2)).expand(x.shape[1]).cpu()
 
     def merge(self, other: SinkStats) -> None:
+        """Add another's sums (other data of the same model), exactly.
+
+        Args:
+            other: sink statistics of the same shape and ``sink_k``."""
         if other.sums.shape != self.sums.shape or other.sink_k != self.sink_k:
             raise ValueError(f"cannot merge sink statistics of shape {tuple(other.sums.shape)} (k={other.sink_k}) "
                              f"into {tuple(self.sums.shape)} (k={self.sink_k})")
@@ -80,7 +91,10 @@ def _layers(st) -> list[int]:
 
 
 def channels_frame(st) -> pd.DataFrame:
-    """The ``channels`` table of one token kind (a ``TokenStats``)."""
+    """The ``channels`` table of one token kind.
+
+    Args:
+        st: its ``TokenStats``."""
     sumabs = st.shard_sumabs.sum(0)  # in shard order: the same for any split
     frames = []
     for layer in _layers(st):
@@ -97,7 +111,10 @@ def channels_frame(st) -> pd.DataFrame:
 
 
 def positions_frame(st) -> pd.DataFrame:
-    """The ``positions`` table of one token kind."""
+    """The ``positions`` table of one token kind.
+
+    Args:
+        st: its ``TokenStats``."""
     pos_sum = st.shard_pos_sum.sum(0)
     frames = []
     for layer in _layers(st):
@@ -115,7 +132,13 @@ MASSIVE_COLUMNS = ["point", "layer", "seq", "token", "channel", "token_id", "pos
 
 
 def massive_frame(st, medians: dict[int, float], rel: float, delimiters: frozenset[int]) -> pd.DataFrame:
-    """Every recorded value above the absolute threshold that is also above ``rel`` x its layer's median |x|."""
+    """Every recorded value above the absolute threshold that is also above ``rel`` times its layer's median |x|.
+
+    Args:
+        st: the kind's ``TokenStats``.
+        medians: layer -> its median |x|.
+        rel: the relative threshold.
+        delimiters: token ids whose positions are labelled ``delimiter``."""
     st.massive.flush()
     top = st.massive.top
     if not len(top.values):
@@ -131,8 +154,11 @@ def massive_frame(st, medians: dict[int, float], rel: float, delimiters: frozens
 
 
 def recurrence_frame(massive: pd.DataFrame, sequences: int) -> pd.DataFrame:
-    """(point, layer, channel, position kind) of the massive activations: occurrences, sequences with one, and
-    their share of the ``sequences`` seen."""
+    """Where massive activations recur: per (point, layer, channel, position kind), occurrences and sequences.
+
+    Args:
+        massive: ``massive_frame``'s table.
+        sequences: the sequences seen (for the share)."""
     cols = ["point", "layer", "channel", "position_kind"]
     if massive.empty:
         return pd.DataFrame(columns=[*cols, "occurrences", "sequences", "share_of_sequences"])
@@ -143,8 +169,10 @@ def recurrence_frame(massive: pd.DataFrame, sequences: int) -> pd.DataFrame:
 
 
 def int8_frame(st) -> pd.DataFrame:
-    """LLM.int8 outlier features of one token kind: channels with |x| >= 6 on >= 6% of its tokens in >= 25% of the
-    kind's observed layers."""
+    """LLM.int8's outlier features of one token kind: channels with |x| >= 6 on >= 6% of tokens in >= 25% of layers.
+
+    Args:
+        st: the kind's ``TokenStats``."""
     layers = _layers(st)
     cols = ["point", "channel", "layers", "n_layers", "max_share_ge6", "linear"]
     if not layers:
@@ -160,8 +188,13 @@ def int8_frame(st) -> pd.DataFrame:
 
 
 def act_scales(token_stats) -> dict[str, torch.Tensor]:
-    """SmoothQuant's ``act_scales.pt`` (``generate_act_scales.py``): full module name of every observed
-    ``nn.Linear`` input -> its per-channel max |x| over the calibration tokens, float32 on the CPU."""
+    """SmoothQuant's ``act_scales.pt``: each observed ``nn.Linear`` input's per-channel max |x|, float32 on the CPU.
+
+    Args:
+        token_stats: the ``TokenStats`` of the observed kinds.
+
+    Returns:
+        Full module name -> max |x| per channel, in module order."""
     out = {}
     for st in token_stats:
         if not st.linear_input:

@@ -23,12 +23,18 @@ import torch
 
 @functools.lru_cache(maxsize=16)
 def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[torch.Tensor, int]:
-    """A lookup table for ``bin_index`` of the bins with the n + 1 float32 edges lo r^j (computed in float64,
-    then rounded), j = 0..n, and its shift ``s``.
+    """A lookup table for ``bin_index`` of the bins with the n + 1 float32 edges lo r^j, and its shift ``s``.
 
-    The bits of a float32 >= 0, read as an int32, order like the values. Cut them into cells of 2^s consecutive
-    bit patterns, narrow enough (s <= 23 + log2(r - 1)) to hold at most one edge: ``table[cell]`` is (the number of
-    edges below the cell) << (s + 1) | (the low s bits of the edge inside it, or 2^s if none)."""
+    The edges are computed in float64, then rounded. The bits of a float32 >= 0, read as an int32, order like the
+    values; cut into cells of 2^s consecutive bit patterns, narrow enough (s <= 23 + log2(r - 1)) to hold at most one
+    edge, ``table[cell]`` is (the number of edges below the cell) << (s + 1) | (the low s bits of the edge inside it,
+    or 2^s if none).
+
+    Args:
+        lo: the first edge.
+        ratio: r.
+        n: the number of bins.
+        device: where the table lives."""
     eb = (lo * ratio ** np.arange(n + 1, dtype=np.float64)).astype(np.float32).view(np.int32).astype(np.int64)
     for s in range(min(23, math.floor(23 + math.log2(ratio - 1))), 7, -1):  # tables of at most 2^23 entries
         start = np.arange(2 ** (31 - s), dtype=np.int64) << s  # first bit pattern of each cell
@@ -44,8 +50,12 @@ def bin_table(lo: float, ratio: float, n: int, device: str = "cpu") -> tuple[tor
 
 
 def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:
-    """Bin of each |x| in ``a`` (>= 0): the number of the edges of ``bin_table`` ``(table, s)`` at or below
-    float32(a), int32, exact (integer work only: the float's bits select a cell, one comparison inside it)."""
+    """The bin of each |x|: the number of edges at or below float32(|x|), int32, exact (integer work only).
+
+    Args:
+        a: |x| (>= 0).
+        table: ``bin_table``'s table.
+        s: its shift."""
     bits = a.float().view(torch.int32)
     cell = table[bits >> s]  # (below << (s + 1)) | the edge's low bits
     # 2 ** s, not 1 << s: compiled with dynamic shapes, s is symbolic, and torch 2.11's shape arithmetic cannot
@@ -54,23 +64,38 @@ def bin_index(a: torch.Tensor, table: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def power_sums(xs: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sums of xs^k, k = 1..4, along ``dim``, in xs's dtype: (4, *reduced shape)."""
+    """Sums of xs^k, k = 1..4, along a dim, in xs's dtype: ``(4, *reduced shape)``.
+
+    Args:
+        xs: the (shifted) values.
+        dim: the dim summed."""
     x2 = xs * xs
     return torch.stack([xs.sum(dim), x2.sum(dim), (x2 * xs).sum(dim), (x2 * x2).sum(dim)])
 
 
 def working(x: torch.Tensor) -> torch.Tensor:
-    """float32 for half types (sums in float32), float64 stays float64."""
+    """The dtype the statistics work in: float32 for half types (sums in float32), float64 stays float64.
+
+    Args:
+        x: the tensor."""
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
 def map_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int):
-    """One pass over a map ``x`` (B, H, T, S) with ``valid`` (bool, (B, 1|H, T, S)) and per-head ``shift`` (H,);
-    ``(table, s)``: ``bin_table`` of ``n`` bins.
+    """One pass over a map: its rows' maxima, every entry's bin and the rows' power sums.
 
-    Returns ``rowmax`` (B, H, T): max |x| over a row's valid entries (-1 if none); ``idx`` (B, H, T, S) int32: the
-    bin of |x| plus h (n + 3) for head h, or h (n + 3) + n + 2 (a sentinel) where invalid, for one bincount of
-    every head; ``sums`` (4, B, H, T): sums over a row's valid entries of (x - shift)^k, k = 1..4."""
+    Args:
+        x: the map ``(B, H, T, S)``.
+        valid: bool ``(B, 1|H, T, S)``.
+        shift: per head ``(H,)``: the power sums are of ``x - shift``.
+        table: ``bin_table``'s table.
+        s: its shift.
+        n: the number of bins.
+
+    Returns:
+        ``rowmax (B, H, T)``: max |x| over a row's valid entries (-1 if none); ``idx (B, H, T, S)`` int32: the bin of
+        |x| plus h (n + 3) for head h, h (n + 3) + n + 2 where invalid (one bincount for every head); ``sums (4, B, H,
+        T)``: sums over a row's valid entries of (x - shift)^k."""
     xw = working(x)
     H = x.shape[1]
     a = xw.abs()
@@ -83,13 +108,22 @@ def map_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: t
 
 def token_pass(x: torch.Tensor, valid: torch.Tensor, shift: torch.Tensor, table: torch.Tensor, s: int, n: int,
                big: float, huge: float, per_channel: bool):
-    """One pass over a token tensor ``x`` (B, T, C) with ``valid`` (bool, (B, T, 1)) and ``shift`` (C,) per channel
-    or (1,); ``(table, s)``: ``bin_table`` of ``n`` bins.
+    """One pass over a token tensor: token maxima, per-channel counts and maxima, every entry's bin and the power sums.
 
-    Returns ``rowmax`` (B, T): max |x| of a token (-1 if padding); per sequence and channel (B, C): ``chmax`` (max |x|
-    over valid tokens, -1 if none), ``n_big`` (|x| >= ``big``), ``n_huge`` (|x| > ``huge``), ``sumabs`` (sum |x|);
-    ``idx`` (B, T, C) int32: the bin of |x|, n + 2 (a sentinel) on padding; ``sums`` of (x - shift)^k, k = 1..4,
-    over valid tokens: (4, B, C) per channel (``per_channel``), else (4, B, T) per token."""
+    Args:
+        x: the tensor ``(B, T, C)``.
+        valid: bool ``(B, T, 1)``.
+        shift: ``(C,)`` per channel, or ``(1,)``.
+        table: ``bin_table``'s table.
+        s: its shift.
+        n: the number of bins.
+        big: LLM.int8's threshold (``n_big`` counts |x| >= big).
+        huge: the massive threshold (``n_huge`` counts |x| > huge).
+        per_channel: the power sums per channel; else per token.
+
+    Returns:
+        ``rowmax (B, T)`` (-1 on padding); per sequence and channel ``(B, C)``: ``chmax``, ``n_big``, ``n_huge``,
+        ``sumabs``; ``idx (B, T, C)`` int32 (n + 2 on padding); ``sums``: ``(4, B, C)`` or ``(4, B, T)``."""
     xw = working(x)
     a = xw.abs()
     am = torch.where(valid, a, -1.0)  # (B, T, C)
@@ -121,7 +155,11 @@ _compiled: dict = {}
 
 
 def kernel(fn, compiled: bool):
-    """``fn`` (one of this module's passes) compiled, or as it is."""
+    """One of this module's passes, compiled or as it is.
+
+    Args:
+        fn: the pass.
+        compiled: compile it (``torch.compile``, once per pass)."""
     if not compiled:
         return fn
     if fn not in _compiled:
