@@ -165,7 +165,10 @@ FULLY_DOCUMENTED = ("outlierscope.quant.numerics.primitives", "outlierscope.anal
                     "outlierscope.hooks.attention", "outlierscope.analysis.kld",
                     "outlierscope.models.placement", "outlierscope.runs.cells",
                     "outlierscope.runs.sweep", "outlierscope.runs.perplexity",
-                    "outlierscope.analysis.kernels", "outlierscope.analysis.activations")
+                    "outlierscope.analysis.kernels", "outlierscope.analysis.activations",
+                    "outlierscope.analysis.outliers", "outlierscope.analysis.attention_error",
+                    "outlierscope.analysis.paired", "outlierscope.analysis.agreement", "outlierscope.analysis.harm",
+                    "outlierscope.analysis.linear_error")
 
 
 def test_every_api_entry_documents_each_parameter():

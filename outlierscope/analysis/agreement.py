@@ -28,9 +28,16 @@ def _spearman_rows(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def rank_agreement(counts: np.ndarray, kld_sums: np.ndarray, gold_delta: np.ndarray, seed: int = 0,
                    reps: int = BOOTSTRAP_REPS) -> dict:
-    """``counts`` (W,) tokens per window, ``kld_sums`` (W, S) each scheme's KLD summed over a window's tokens,
-    ``gold_delta`` (I, S) each scheme's per-item gold log-likelihood change: rho (module docstring) and its 95%
-    percentile-bootstrap interval over windows and items resampled together (seeded)."""
+    """Spearman's rho of the schemes ranked by mean text KLD and by mean gold log-likelihood loss, with a 95% interval.
+
+    Windows and items are resampled together (seeded).
+
+    Args:
+        counts: ``(W,)`` tokens per window.
+        kld_sums: ``(W, S)`` each scheme's KLD summed over a window's tokens.
+        gold_delta: ``(I, S)`` each scheme's per-item gold log-likelihood change.
+        seed: the bootstrap's seed.
+        reps: resamples."""
     if kld_sums.shape[1] != gold_delta.shape[1] or kld_sums.shape[1] < 3:
         raise ValueError(f"rank agreement needs the same >= 3 schemes on both sides, got {kld_sums.shape[1]} and "
                          f"{gold_delta.shape[1]}")
@@ -53,11 +60,21 @@ STABILITY_FRACTIONS = (1 / 32, 1 / 16, 1 / 8, 1 / 4, 1 / 2, 1)
 
 def ranking_stability(counts: np.ndarray, sums: np.ndarray, seed: int = 0, reps: int = 200,
                       fractions=STABILITY_FRACTIONS) -> list[dict]:
-    """How much text a ranking needs. ``counts`` (W,) tokens per window, ``sums`` (W, C) each candidate's harm (e.g.
-    a layer's KLD) summed over a window's tokens. For each size n = fraction x W (at least 1, each once): ``reps``
-    draws of n windows with replacement (seeded), each candidate's token-weighted mean harm over them, and its
-    Spearman rho with the ranking on all W windows: the median and 5th percentile of rho, and the share of draws
-    whose most harmful candidate is the full text's. Rows in increasing n, with the mean number of tokens drawn."""
+    """How much text a ranking needs: rho with the full text's ranking over draws of fewer windows.
+
+    For each size n = fraction x W (at least 1, each once): ``reps`` draws of n windows with replacement, each
+    candidate's token-weighted mean harm over them, and its Spearman rho with the ranking on all W windows.
+
+    Args:
+        counts: ``(W,)`` tokens per window.
+        sums: ``(W, C)`` each candidate's harm (a layer's KLD, say) summed over a window's tokens.
+        seed: the draws' seed.
+        reps: draws per size.
+        fractions: the sizes as fractions of W.
+
+    Returns:
+        Rows in increasing n: the median and 5th percentile of rho, the share of draws whose most harmful candidate is
+        the full text's, the mean number of tokens drawn."""
     if sums.ndim != 2 or sums.shape[0] != len(counts) or sums.shape[1] < 2:
         raise ValueError(f"expected sums (windows, >= 2 candidates) matching {len(counts)} windows, got {sums.shape}")
     full = sums.sum(0) / counts.sum()  # (C,)

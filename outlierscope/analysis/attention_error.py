@@ -44,11 +44,22 @@ from outlierscope.quant.specs.spec import QuantSpec
 def attention_row_errors(ref: torch.Tensor, quant: torch.Tensor, valid: torch.Tensor,
                          value: torch.Tensor | None = None, quant_probs: torch.Tensor | None = None,
                          quant_value: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-    """Per-row errors of ``quant`` against ``ref``: logits (B, H, t, S); ``valid`` (B, 1|H, t, S) bool;
-    ``value`` (B, H, S, d) or None. Returns ``rows`` (B, H, t) bool (rows with a valid key) and, for them,
-    ``kl``, ``changed`` and (with ``value``) ``rel_out``; entries of other rows are 0. The quantized output is
-    ``softmax(quant) @ value``, or ``quant_probs @ quant_value`` for what a kernel multiplies after quantizing P and V
-    (each defaulting to the former's part)."""
+    """Per-row errors of quantized logits against the unquantized ones.
+
+    The quantized output is ``softmax(quant) @ value``, or ``quant_probs @ quant_value`` for what a kernel multiplies
+    after quantizing P and V.
+
+    Args:
+        ref: the unquantized logits ``(B, H, t, S)``.
+        quant: the quantized logits.
+        valid: bool ``(B, 1|H, t, S)``.
+        value: ``(B, H, S, d)``, for the output's relative error; None: not measured.
+        quant_probs: the probabilities a kernel multiplies after quantizing P; None: ``softmax(quant)``.
+        quant_value: the values it multiplies after quantizing V; None: ``value``.
+
+    Returns:
+        ``rows (B, H, t)`` bool (rows with a valid key) and, for them, ``kl``, ``changed`` (top key) and with
+        ``value`` ``rel_out``; 0 in other rows."""
     v = valid.expand_as(ref)
     rows = v.any(-1)  # (B, H, t)
     neg = torch.tensor(float("-inf"), dtype=torch.float64, device=ref.device)
@@ -231,9 +242,15 @@ def _ordered_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.DataFrame:
-    """Rows of a per layer and head ``table`` (``AttentionErrorStats.table``, or tables of it) pooled per
-    ``by``: the rows summed, the means weighted by rows, the maxima. A column missing in some pooled row (a cell
-    measured without the output error beside one with it) pools to NaN, not to a mean of the rows that have it."""
+    """Rows of a per layer and head table pooled: the rows summed, the means weighted by rows, the maxima.
+
+    A column missing in some pooled row (a cell measured without the output error beside one with it) pools to NaN,
+    not to a mean of the rows that have it.
+
+    Args:
+        table: ``AttentionErrorStats.table`` (or tables of it).
+        by: the columns to pool per.
+        sort: sort the groups."""
     if table.empty:
         return table
     cols = [c for c in _POOLED if c in table]
@@ -247,8 +264,10 @@ def pool_rows(table: pd.DataFrame, by: list[str], sort: bool = False) -> pd.Data
 
 
 def pool_heads(table: pd.DataFrame) -> pd.DataFrame:
-    """A per layer and head ``table`` (``AttentionErrorStats.table``) pooled over heads: ``pool_rows`` per
-    layer, in layer order."""
+    """A per layer and head table pooled over heads, in layer order.
+
+    Args:
+        table: ``AttentionErrorStats.table``."""
     return pool_rows(table, ["layer"], sort=True)
 
 
@@ -281,9 +300,15 @@ def measure_attention_error(model: nn.Module, spec: QuantSpec | str, stats,
 
 
 def measured_spec(spec: QuantSpec | str) -> QuantSpec:
-    """The attention part of ``spec`` that ``measure_attention_error`` measures (its linear parts and bitsandbytes
-    weights left out); one that quantizes the logits and q/k/v/P together is refused (call it before anything
-    expensive)."""
+    """The attention part of a spec that ``measure_attention_error`` measures (linear parts and bitsandbytes left out).
+
+    Call it before anything expensive.
+
+    Args:
+        spec: a ``QuantSpec``, its text or a recipe name.
+
+    Raises:
+        ParamError: a spec that quantizes the logits and q/k/v/P together."""
     spec = QuantSpec.of(spec).without_weights()
     if spec.part("logits") is not None and not spec.is_logits_only:
         raise ParamError("spec", "logits quantization or q/k/v/P quantization, not both, when the attention error is "

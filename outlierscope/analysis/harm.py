@@ -11,24 +11,38 @@ TEXT_METRICS = ("kld", "ppl")
 
 @dataclass(frozen=True)
 class RankBy:
-    """What a sensitivity run ranks layers by and bounds its greedy with: ``column`` of a cell's change against the
-    unquantized model, harm = ``harm_sign`` x it (> 0 hurts), ``tolerance`` in ``unit``."""
+    """What a sensitivity run ranks layers by and bounds its greedy with.
+
+    Attributes:
+        name: the metric's name (``--metric``).
+        column: the column of a cell's change against the unquantized model.
+        harm_sign: harm = ``harm_sign`` x the change (> 0 hurts).
+        unit: the tolerance's unit.
+        label: the column in words (tables and figures)."""
 
     name: str
     column: str
     harm_sign: int
     unit: str
-    label: str  # the column in words (tables and figures)
+    label: str
 
     @property
     def on_text(self) -> bool:
         return self.name in TEXT_METRICS
 
     def harm(self, value):
+        """The harm of a change (> 0 hurts).
+
+        Args:
+            value: the change."""
         return self.harm_sign * value
 
     def within(self, change: dict, tolerance: float) -> bool:
-        """A harm bound: at most ``tolerance`` (a gain of any size passes)."""
+        """Whether a change's harm is at most a tolerance (a gain of any size passes).
+
+        Args:
+            change: a cell's change (its ``column``).
+            tolerance: the bound."""
         return self.harm(change[self.column]) <= tolerance
 
 
@@ -40,5 +54,8 @@ RANK_BY = {"gold_ll": RankBy("gold_ll", "delta_gold_ll", -1, "nats of mean gold 
 
 
 def rank_by_of(settings: dict) -> RankBy:
-    """The ``RankBy`` of a sensitivity record's settings (records before the text metrics: gold_ll)."""
+    """The ``RankBy`` of a sensitivity record's settings (a record without a metric: gold_ll).
+
+    Args:
+        settings: the record's settings."""
     return RANK_BY[settings.get("metric", "gold_ll")]

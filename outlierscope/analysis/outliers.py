@@ -46,8 +46,13 @@ KIND_LABEL = {"attn.logits": "Attention Logits", "hidden": "Hidden States"}
 
 
 def pooled_moments(m: Moments, layer: int) -> dict:
-    """Moments of one layer pooled over its groups (heads or channels): raw moments about 0 combined
-    exactly from each group's shifted sums (binomial expansion, float64)."""
+    """Moments of one layer pooled over its groups (heads or channels), combined exactly from each group's shifted sums.
+
+    The raw moments about 0 follow from each group's sums of ``(x - shift)^k`` by the binomial expansion, in float64.
+
+    Args:
+        m: the layer's ``Moments``.
+        layer: the layer."""
     n = m.count[layer].numpy()
     c = m.shift[layer].numpy()
     s1, s2, s3, s4 = (m.sums[i, layer].numpy() for i in range(4))
@@ -120,7 +125,18 @@ class _KindStats:
 
 
 class LogitStats(_KindStats):
-    """Attention maps (logits, probabilities) (B, H, T, S): locations (layer, head, sequence, query, key); per-head histograms and moments."""
+    """Statistics of attention maps (logits, probabilities) ``(B, H, T, S)``, a reducer to call with observations.
+
+    Locations are (layer, head, sequence, query, key); histograms and moments are per head.
+
+    Args:
+        n_layers: the model's decoder layers.
+        n_heads: the maps' heads.
+        k: the largest values kept.
+        layer_k: the largest values kept per layer.
+        bins: the histogram's ``LogBins``.
+        kind: the point kind it reads.
+        compile: run the per-element passes compiled."""
 
     n_loc = 5
     tie = (2, 0, 1, 3, 4)  # (seq, layer, head, query, key): (b, h, t, s) is the flat order of one observation
@@ -164,11 +180,26 @@ class LogitStats(_KindStats):
 
 
 class TokenStats(_KindStats):
-    """Token tensors (B, T, C) (hidden states, q/k/v, module inputs and outputs): locations (layer, channel, sequence,
-    token); moments per layer (``channel_moments``: per layer and channel); per (layer, channel): max |x| and the
-    (sequence, token) where it first occurs, sum of |x| (per virtual shard), counts of |x| >= 6 and > 100; per
-    (layer, position): max and sum of each token's max |x|, tokens, tokens with a |x| >= 6; every value above
-    ``massive_abs`` with its token id (``Exceedances``, up to ``massive_cap``)."""
+    """Statistics of token tensors ``(B, T, C)`` (hidden states, q/k/v, module inputs and outputs), a reducer.
+
+    Locations are (layer, channel, sequence, token); moments per layer (per layer and channel with
+    ``channel_moments``). Per (layer, channel): max |x| and where it first occurs, sum of |x| (per virtual shard),
+    counts of |x| >= 6 and > 100; per (layer, position): max and sum of each token's max |x|, tokens, tokens with a
+    |x| >= 6; every value above ``massive_abs`` with its token id, up to ``massive_cap``.
+
+    Args:
+        n_layers: the model's decoder layers.
+        channels: C.
+        seq_len: tokens per sequence.
+        k: the largest values kept.
+        layer_k: the largest values kept per layer.
+        bins: the histogram's ``LogBins``.
+        kind: the point kind it reads.
+        channel_moments: moments per (layer, channel).
+        head_dim: q/k/v's head size, to name a channel's head and dim.
+        massive_abs: the massive activations' absolute threshold.
+        massive_cap: the most massive activations kept.
+        compile: run the per-element passes compiled."""
 
     n_loc = 4
     tie = (2, 0, 3, 1)  # (seq, layer, token, channel): (b, t, c) is the flat order of one observation
@@ -292,7 +323,16 @@ def _argmax_merge(cur: torch.Tensor, cur_at: torch.Tensor, new: torch.Tensor, ne
 
 
 class HiddenStats(TokenStats):
-    """Hidden states (B, T, C): ``TokenStats`` with moments per (layer, channel) (the ``per_channel`` table)."""
+    """Hidden states ``(B, T, C)``: ``TokenStats`` with moments per (layer, channel) (the ``per_channel`` table).
+
+    Args:
+        n_layers: the model's decoder layers.
+        hidden_size: C.
+        seq_len: tokens per sequence.
+        k: the largest values kept.
+        layer_k: the largest values kept per layer.
+        bins: the histogram's ``LogBins``.
+        **kw: the other arguments of ``TokenStats``."""
 
     def __init__(self, n_layers: int, hidden_size: int, seq_len: int, k: int, layer_k: int, bins: LogBins, **kw):
         super().__init__(n_layers, hidden_size, seq_len, k, layer_k, bins, kind="hidden", channel_moments=True, **kw)

@@ -17,7 +17,10 @@ BOOTSTRAP_REPS = 2000
 
 
 def mean_stderr(correct) -> tuple[float, float]:
-    """Mean and standard error (sample std with n-1, over sqrt(n)) of 0/1 outcomes."""
+    """The mean and standard error (sample std with n - 1, over sqrt(n)) of 0/1 outcomes.
+
+    Args:
+        correct: the outcomes."""
     c = np.asarray(correct, dtype=np.float64)
     if len(c) < 2:
         return float(c.mean()) if len(c) else float("nan"), float("nan")
@@ -25,7 +28,13 @@ def mean_stderr(correct) -> tuple[float, float]:
 
 
 def paired_bootstrap(a, b, reps: int = BOOTSTRAP_REPS, seed: int = 0) -> tuple[float, float]:
-    """95% percentile interval of mean(b - a) over items resampled with replacement (seeded)."""
+    """The 95% percentile interval of mean(b - a) over items resampled with replacement, seeded.
+
+    Args:
+        a: the reference's per-item values.
+        b: the other's, on the same items in the same order.
+        reps: resamples.
+        seed: the seed."""
     d = np.asarray(b, dtype=np.float64) - np.asarray(a, dtype=np.float64)
     rng = np.random.default_rng(seed)
     means = np.empty(reps)
@@ -38,7 +47,11 @@ def paired_bootstrap(a, b, reps: int = BOOTSTRAP_REPS, seed: int = 0) -> tuple[f
 
 
 def mcnemar_exact(a, b) -> float:
-    """Two-sided exact McNemar p-value for paired 0/1 outcomes (binomial test on discordant pairs)."""
+    """The two-sided exact McNemar p-value of paired 0/1 outcomes (a binomial test on the discordant pairs).
+
+    Args:
+        a: one evaluation's outcomes.
+        b: the other's, on the same items."""
     from scipy.stats import binomtest
 
     a, b = np.asarray(a, bool), np.asarray(b, bool)
@@ -50,7 +63,17 @@ def mcnemar_exact(a, b) -> float:
 
 
 def compare(base_correct, correct, base_pred, pred, seed: int = 0) -> dict:
-    """Change of one metric against a reference evaluation of the same items, in the same order."""
+    """The change of one metric against a reference evaluation of the same items, in the same order.
+
+    Args:
+        base_correct: the reference's per-item outcomes.
+        correct: this evaluation's.
+        base_pred: the reference's predictions.
+        pred: this evaluation's.
+        seed: the bootstrap's seed.
+
+    Returns:
+        ``delta``, its 95% interval (``ci_low``, ``ci_high``), ``mcnemar_p`` and the ``flip_rate`` of predictions."""
     base_correct, correct = np.asarray(base_correct, bool), np.asarray(correct, bool)
     lo, hi = paired_bootstrap(base_correct, correct, seed=seed)
     return {"delta": float(correct.mean() - base_correct.mean()), "ci_low": lo, "ci_high": hi,
@@ -59,8 +82,15 @@ def compare(base_correct, correct, base_pred, pred, seed: int = 0) -> dict:
 
 
 def mean_change(a, b, seed: int = 0) -> dict:
-    """mean(b - a) over items of a per-item score (e.g. the gold log-likelihood) and its 95% paired bootstrap
-    interval: ``{"delta", "ci_low", "ci_high"}``."""
+    """mean(b - a) of a per-item score (the gold log-likelihood, say) and its 95% paired bootstrap interval.
+
+    Args:
+        a: the reference's per-item scores.
+        b: the other's, on the same items.
+        seed: the bootstrap's seed.
+
+    Returns:
+        ``{"delta", "ci_low", "ci_high"}``."""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     lo, hi = paired_bootstrap(a, b, seed=seed)
     return {"delta": float((b - a).mean()), "ci_low": lo, "ci_high": hi}
