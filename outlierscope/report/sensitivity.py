@@ -13,8 +13,13 @@ from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
 
 
 def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict]]:
-    """(record, per-layer table, greedy tries) of a sensitivity run directory, as the run held them, each table
-    checked against the digest its record lists."""
+    """A sensitivity run directory as the run held it, each table checked against its record's digest.
+
+    Args:
+        run_dir: the directory.
+
+    Returns:
+        ``(record, per-layer table, greedy tries)``."""
     d = Path(run_dir)
     record = read_record(d / "sensitivity.json", ("settings", "final"), "sensitivity record")
     greedy = vouched(record, d, "greedy.csv", "sensitivity study")
@@ -23,7 +28,13 @@ def load_sensitivity(run_dir: str | Path) -> tuple[dict, pd.DataFrame, list[dict
 
 
 def load_kinds(run_dir: str | Path) -> pd.DataFrame | None:
-    """A linear scheme's per-kind table (``kinds.csv``: q_proj ... down_proj, each quantized alone), else None."""
+    """A linear scheme's per-kind table (``kinds.csv``: q_proj ... down_proj, each quantized alone), checked.
+
+    Args:
+        run_dir: the directory.
+
+    Returns:
+        The table; None when the study has none."""
     d = Path(run_dir)
     if not (d / "kinds.csv").exists():
         return None
@@ -32,7 +43,10 @@ def load_kinds(run_dir: str | Path) -> pd.DataFrame | None:
 
 
 def kept_as(keep_bits: int) -> str:
-    """How a sensitivity run's kept layers run: ``unquantized`` (16 bits) or ``at 8 bits``."""
+    """How a sensitivity run's kept layers run: ``unquantized`` (16 bits) or ``at 8 bits``.
+
+    Args:
+        keep_bits: the run's ``keep_bits``."""
     return "unquantized" if keep_bits == UNQUANTIZED_BITS else f"at {keep_bits} bits"
 
 
@@ -49,14 +63,21 @@ def _quant_said(settings: dict, quote: str = "`") -> str:
 
 
 def quantized_said(settings: dict) -> str:
-    """What each layer in turn gets, for a figure's title: ``quantized attention logits``, or the recipe or spec with
-    its canonical text in parentheses."""
+    """What each layer in turn gets, for a figure's title: quantized attention logits, or the recipe or spec.
+
+    Args:
+        settings: the run's settings."""
     return "quantized attention logits" if not settings.get("quant") else _quant_said(settings, quote="")
 
 
 def sensitivity_markdown(record: dict, table: pd.DataFrame, tries: list[dict], kinds: pd.DataFrame | None = None) -> str:
-    """Markdown of a sensitivity run (``outlierscope.runs.sensitivity``): the settings, the layers by harm with
-    their attention error and outlier ratio, every greedy try, and the rank correlation."""
+    """A sensitivity run as markdown: the settings, the layers by harm, every greedy try, the rank correlation.
+
+    Args:
+        record: the run's record.
+        table: its per-layer table.
+        tries: its greedy tries.
+        kinds: its per-kind table, where it has one."""
     if rank_by_of(record["settings"]).on_text:
         return _text_markdown(record, table, tries, kinds)
     s, metric = record["settings"], record["metric"]
@@ -154,7 +175,10 @@ LOGITS = ["layers.*.attn.logits"]
 
 
 def outliers_said(record: dict) -> str:
-    """What a sensitivity run's outlier ratio measures (its ``outlier_points``; records before them: the logits)."""
+    """What a sensitivity run's outlier ratio measures (its ``outlier_points``; without them: the logits).
+
+    Args:
+        record: the run's record."""
     points = record.get("outlier_points") or LOGITS
     if points == LOGITS:
         return "|logit|"

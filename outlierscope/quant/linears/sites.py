@@ -28,8 +28,13 @@ CALIB_SEQ_LEN, CALIB_TOKENS = 512, 4096  # the calibration pass: 8 packed sequen
 
 @dataclass(frozen=True)
 class LinearSite:
-    """One quantized linear: its decoder layer, its path inside the layer (``self_attn.q_proj``), its full name. The
-    LM head: path ``lm_head``, layer one past the last decoder layer."""
+    """One quantized linear.
+
+    Attributes:
+        layer: its decoder layer (the LM head: one past the last).
+        path: its path inside the layer (``self_attn.q_proj``; the LM head: ``lm_head``).
+        name: its full name in the model.
+        module: the ``nn.Linear``."""
 
     layer: int
     path: str
@@ -42,13 +47,22 @@ class LinearSite:
 
 
 def layer_linears(model: nn.Module) -> list[list[tuple[str, nn.Linear]]]:
-    """Per decoder layer, its ``nn.Linear`` modules as (path inside the layer, module)."""
+    """Per decoder layer, its ``nn.Linear`` modules as (path inside the layer, module).
+
+    Args:
+        model: the model."""
     return [[(p, m) for p, m in layer.named_modules() if isinstance(m, nn.Linear)] for layer in decoder_layers(model)]
 
 
 def linear_sites(model: nn.Module, spec: QuantSpec) -> list[LinearSite]:
-    """The linears ``spec`` quantizes: those of its layers whose path matches one of ``spec.linears`` (None: all), and
-    the LM head when a pattern is ``lm_head``; a pattern that matches nothing is an error with the closest paths."""
+    """The linears a spec quantizes: those of its layers whose path matches a ``linears`` pattern, and the LM head.
+
+    Args:
+        model: the model.
+        spec: the spec (``linears`` None: every linear of its layers; a pattern ``lm_head``: the LM head too).
+
+    Raises:
+        OutlierscopeError: a pattern that matches nothing, with the closest paths."""
     names = {id(m): n for n, m in model.named_modules()}
     per_layer = layer_linears(model)
     paths = sorted({p for layer in per_layer for p, _ in layer})
@@ -75,16 +89,25 @@ def linear_sites(model: nn.Module, spec: QuantSpec) -> list[LinearSite]:
 
 @dataclass(frozen=True)
 class Calibration:
-    """What a calibration pass saw: per linear (full name) its input's per-channel max |x| (float32, CPU), and the
-    groups of linears that read the same input tensor (each a tuple of names); ``source``: where it came from."""
+    """What a calibration pass saw.
+
+    Attributes:
+        act_max: linear (full name) -> its input's per-channel max |x| (float32, CPU).
+        groups: the groups of linears that read the same input tensor.
+        source: where the calibration text came from.
+        rounded: GPTQ: linear name -> its ``RoundedWeight``; AWQ: its ``AWQWeight``."""
 
     act_max: dict[str, torch.Tensor]
     groups: tuple[tuple[str, ...], ...]
     source: str
-    rounded: dict = field(default_factory=dict)  # gptq: linear name -> its RoundedWeight; awq: its AWQWeight
+    rounded: dict = field(default_factory=dict)
 
 
 def needs_calibration(spec: QuantSpec) -> bool:
+    """Whether a spec needs a calibration pass: SmoothQuant, static activation scales, GPTQ or AWQ.
+
+    Args:
+        spec: the spec."""
     a = spec.part("a")
     return spec.get(Smooth) is not None or (a is not None and a.granularity == "static") \
         or spec.calibrated_weights is not None
@@ -118,7 +141,11 @@ def _recording(sites: list[LinearSite], act_max: dict | None, seen: dict | None)
 
 @torch.no_grad()
 def input_groups(model: nn.Module, sites: list[LinearSite]) -> tuple[tuple[str, ...], ...]:
-    """The groups of ``sites`` that read the same input tensor (q/k/v, gate/up), found by one forward of two tokens."""
+    """The groups of linears that read the same input tensor (q/k/v, gate/up), found by one forward of two tokens.
+
+    Args:
+        model: the model.
+        sites: the quantized linears."""
     seen: dict = {}
     with _recording(sites, None, seen), float64_model(model):
         model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=next(model.parameters()).device))
@@ -134,8 +161,12 @@ def _max_positions(model: nn.Module) -> int | None:
 
 
 def token_local(spec: QuantSpec) -> bool:
-    """Whether every linear's output at a token depends on that token alone (no per-sequence statistic): then a
-    context's choices may share its prefix (``layout_for``)."""
+    """Whether every linear's output at a token depends on that token alone (no per-sequence statistic).
+
+    Then a context's choices may share its prefix (``layout_for``).
+
+    Args:
+        spec: the spec."""
     a = spec.part("a")
     return spec.outlier_threshold is None and (a is None or a.granularity in ("per_token", "per_group", "static")
                                                or isinstance(a.fmt, Block) and not a.fmt.global_scale)

@@ -16,9 +16,17 @@ CLIP_EPS_W, SCALE_EPS = 1e-6, 1e-4  # AutoAWQ's: the weight normalisation and th
 
 
 def weight_mean(weights: list[torch.Tensor], group: int | None) -> torch.Tensor:
-    """AWQ's per-input-channel weight magnitude of linears reading one input: each weight (O_k, I) normalised by its
-    quantization groups' max |W| (+1e-6), averaged over all their rows (I,), in the weights' dtype, float32 at least
-    (AutoAWQ: the weights' dtype; a float64 model's statistic is float64)."""
+    """AWQ's per-input-channel weight magnitude of the linears reading one input.
+
+    Each weight is normalised by its quantization groups' max |W| (+1e-6) and averaged over all their rows, in the
+    weights' dtype, float32 at least (AutoAWQ: the weights' dtype; a float64 model's statistic is float64).
+
+    Args:
+        weights: the linears' weights ``(O_k, I)``.
+        group: input channels per quantization group; None: the whole row.
+
+    Returns:
+        ``(I,)``."""
     dt = torch.promote_types(weights[0].dtype, torch.float32)
     w = torch.cat([x.to(dt) for x in weights])  # (sum O_k, I)
     rows, n_in = w.shape
@@ -29,8 +37,12 @@ def weight_mean(weights: list[torch.Tensor], group: int | None) -> torch.Tensor:
 
 
 def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: float) -> torch.Tensor:
-    """One grid point's scales (I,) in ``x_mean``'s dtype: duo (``w_mean`` given) or activation-only (module
-    docstring); a new tensor."""
+    """One grid point's scales ``(I,)``, duo (with the weights' magnitude) or activation-only; a new tensor.
+
+    Args:
+        x_mean: the inputs' per-channel mean |x|.
+        w_mean: ``weight_mean``'s; None: activation-only.
+        ratio: the grid point's exponent."""
     if w_mean is not None:
         s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + SCALE_EPS)).clamp(min=SCALE_EPS)
     else:
@@ -41,8 +53,17 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor | None, ratio: f
 
 def search_scale(x_mean: torch.Tensor, w_mean: torch.Tensor, loss: Callable[[torch.Tensor], float],
                  grid: int = 20, duo: bool = True) -> tuple[torch.Tensor, int, list[float]]:
-    """AWQ's grid search: the scales (I,) of least ``loss(scales)`` among ratios ``i / grid``, the index ``i`` of the
-    chosen ratio, and every ratio's loss. ``x_mean``/``w_mean`` in the dtype the scales are computed in."""
+    """AWQ's grid search over the ratios ``i / grid``: the scales of least loss.
+
+    Args:
+        x_mean: the inputs' per-channel mean |x|, in the dtype the scales are computed in.
+        w_mean: ``weight_mean``'s.
+        loss: ``loss(scales)``: the output error they give.
+        grid: the number of ratios.
+        duo: scales from both magnitudes; False: from the activations' alone.
+
+    Returns:
+        ``(scales (I,), the chosen ratio's index, every ratio's loss)``."""
     losses, best, best_i = [], None, -1
     for i in range(grid):
         s = candidate_scales(x_mean, w_mean if duo else None, i / grid)
@@ -64,12 +85,21 @@ CLIP_STEP_ELEMENTS = 2**21
 def clip_errors(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
                 grid: int = 20, shrink: float = 0.5, tokens: int = 512,
                 rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The errors AWQ's clipping search compares (module docstring) for the weight ``w`` (O, I) on its inputs ``x``
-    (N, I) (every (N // tokens)-th row read): each (row, group)'s largest |w| (O, I/G) and the mean squared output
-    error of every shrink step (S, O, I/G), S = ``shrink * grid``, in ``w``'s dtype. ``quant``: the weight quantizer
-    (O', I) -> (O', I) (a ``w=`` part); ``rows``: output rows per step (default: a product of about
-    ``CLIP_STEP_ELEMENTS``), speed and memory only: each row's sums over a group and means over the tokens reduce the
-    same elements in the same order whatever the step (tested)."""
+    """The errors AWQ's clipping search compares for a weight on its inputs.
+
+    Each (row, group)'s largest |w| ``(O, I/G)`` and the mean squared output error of every shrink step
+    ``(S, O, I/G)``, S = ``shrink * grid``, in w's dtype. ``rows`` is speed and memory only: each row's sums over a
+    group and means over the tokens reduce the same elements in the same order whatever the step (tested).
+
+    Args:
+        w: the weight ``(O, I)``.
+        x: its inputs ``(N, I)``, every (N // tokens)-th row read.
+        quant: the weight quantizer ``(O', I) -> (O', I)`` (a ``w=`` part).
+        group: input channels per group; None: the whole row.
+        grid: the grid's steps.
+        shrink: the largest fraction shrunk.
+        tokens: input rows read.
+        rows: output rows per step; None: about ``CLIP_STEP_ELEMENTS`` elements."""
     n_out, n_in = w.shape
     g = group or n_in
     x = x.reshape(-1, n_in)[:: max(1, x.reshape(-1, n_in).shape[0] // tokens)]  # (n, I)
@@ -93,9 +123,19 @@ def clip_errors(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor]
 
 def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor], torch.Tensor], group: int | None,
                 grid: int = 20, shrink: float = 0.5, tokens: int = 512, rows: int | None = None) -> torch.Tensor:
-    """AWQ's clipping search (module docstring): the bound (O, groups) of each row's group of ``w`` (O, I), in ``w``'s
-    dtype: the shrink step of least ``clip_errors`` (the first of equal ones; none finite: no shrink). The
-    arguments are ``clip_errors``'."""
+    """AWQ's clipping search: each row's group bound ``(O, groups)``, the shrink step of least ``clip_errors``.
+
+    The first of equal steps wins; with none finite, no shrink.
+
+    Args:
+        w: the weight ``(O, I)``.
+        x: its inputs ``(N, I)``.
+        quant: the weight quantizer.
+        group: input channels per group; None: the whole row.
+        grid: the grid's steps.
+        shrink: the largest fraction shrunk.
+        tokens: input rows read.
+        rows: output rows per step."""
     top, errs = clip_errors(w, x, quant, group, grid, shrink, tokens, rows)  # (O, I/G), (S, O, I/G)
     best, least = top.clone(), torch.full_like(top, 1e9)
     for i in range(errs.shape[0]):
@@ -106,7 +146,11 @@ def search_clip(w: torch.Tensor, x: torch.Tensor, quant: Callable[[torch.Tensor]
 
 
 def clip_groups(w: torch.Tensor, bound: torch.Tensor) -> torch.Tensor:
-    """``w`` (O, I) clamped to ``[-bound, bound]`` per (row, group) (``bound`` (O, groups)); a new tensor."""
+    """A weight clamped to ``[-bound, bound]`` per (row, group); a new tensor.
+
+    Args:
+        w: the weight ``(O, I)``.
+        bound: ``(O, groups)``."""
     n_out, n_in = w.shape
     b = bound.to(w.dtype).reshape(n_out, -1, 1)  # (O, I/G, 1)
     return torch.clamp(w.reshape(n_out, b.shape[1], -1), -b, b).reshape(n_out, n_in)  # (O, I/G, G) -> (O, I)

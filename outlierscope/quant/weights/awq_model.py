@@ -25,14 +25,22 @@ NO_CLIP = ("q_", "k_", "query", "key", "Wqkv")  # AutoAWQ's names of linears it 
 
 @dataclass(frozen=True)
 class AWQWeight:
-    """A linear's AWQ: ``scale`` (I,) in the model's dtype (its input divided by it, its weight's columns multiplied;
-    None: not scaled), ``clip`` (O, groups) the bound of each group of the scaled weight (None: not clipped)."""
+    """A linear's AWQ.
+
+    Attributes:
+        scale: ``(I,)`` in the model's dtype: its input divided by it, its weight's columns multiplied; None: not
+            scaled.
+        clip: ``(O, groups)`` the bound of each group of the scaled weight; None: not clipped."""
 
     scale: torch.Tensor | None
     clip: torch.Tensor | None
 
     def transform(self, w: torch.Tensor, part) -> torch.Tensor:
-        """``Q(clip(W s))``: the weight the scaled input meets (``part``: the spec's ``w=``), in ``w``'s dtype."""
+        """``Q(clip(W s))``: the weight the scaled input meets, in w's dtype.
+
+        Args:
+            w: the weight ``(O, I)``.
+            part: the spec's ``w=`` part."""
         if self.scale is not None:
             w = w * self.scale.to(w.device, w.dtype)  # (O, I) * (I,)
         if self.clip is not None:
@@ -40,7 +48,11 @@ class AWQWeight:
         return quantize_weight(w, part)
 
     def weight(self, w: torch.Tensor, part) -> torch.Tensor:
-        """``Q(clip(W s)) / s``: the same product on the unscaled input (the calibration pass's stand-in)."""
+        """``Q(clip(W s)) / s``: the same product on the unscaled input (the calibration pass's stand-in).
+
+        Args:
+            w: the weight ``(O, I)``.
+            part: the spec's ``w=`` part."""
         q = self.transform(w, part)
         return q if self.scale is None else q / self.scale.to(q.device, q.dtype)
 
@@ -90,9 +102,15 @@ def _same(a, b) -> bool:
 
 
 def batched(calls: list[tuple[tuple, dict]], size: int = 16) -> list[tuple[tuple, dict]]:
-    """The calls of one module merged ``size`` sequences at a time: their hidden states (the first positional argument
-    or ``hidden_states``, (1, T, C) each) stacked into (n, T, C), everything else taken from the first call, when it
-    is alike in every call (the packed calibration sequences share positions and mask); else the calls as they are."""
+    """A module's calls merged ``size`` sequences at a time, where everything but the hidden states is alike.
+
+    The hidden states (the first positional argument or ``hidden_states``, ``(1, T, C)`` each) are stacked into
+    ``(n, T, C)``, everything else taken from the first call (the packed calibration sequences share positions and
+    mask); else the calls as they are.
+
+    Args:
+        calls: the ``(args, kwargs)`` of each call.
+        size: sequences per merged call."""
     def hidden(call):
         args, kwargs = call
         return args[0] if args else kwargs.get("hidden_states")
@@ -202,10 +220,19 @@ def _clip(path: str, w: torch.Tensor, s: torch.Tensor | None, x: torch.Tensor, s
 
 def awq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
               checkpoint_dir=None, alone: bool = False) -> dict[str, AWQWeight]:
-    """AWQ of the linears ``sites`` (``linear_sites`` of ``spec``), calibrated layer
-    after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it; ``alone``: each layer as if it alone were quantized, ``layerwise``). Returns full
-    module name -> ``AWQWeight``; the model is as it was."""
+    """AWQ of a spec's linears, calibrated layer after layer; the model comes back as it was.
+
+    Args:
+        model: the model.
+        seqs: calibration token ids ``(N, T)``.
+        spec: the spec (with ``awq``).
+        sites: its quantized linears (``linear_sites``).
+        progress: show a progress bar.
+        checkpoint_dir: every finished layer is saved there and a rerun continues after it; None: not kept.
+        alone: each layer as if it alone were quantized (``layerwise``).
+
+    Returns:
+        Full module name -> ``AWQWeight``."""
     if spec.awq is None:
         raise OutlierscopeError(f"{spec}: no awq in the spec; add awq (e.g. w=int4/per_group:128; awq)")
     part = spec.part("w")

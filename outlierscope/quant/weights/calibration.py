@@ -35,11 +35,17 @@ from outlierscope.quant.specs.transforms import Rotate
 
 @torch.no_grad()
 def calibrate(model: nn.Module, tokenizer, spec: QuantSpec, checkpoint_dir=None) -> Calibration:
-    """The calibration ``spec`` needs (``needs_calibration``): per-channel max |x| of every quantized linear's
-    input over ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with their gold
-    endings, the first documents; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or read from a
-    SmoothQuant ``act_scales.pt``; and the groups of linears reading the same input (one short forward). GPTQ and AWQ
-    calibrate layer after layer (``checkpoint_dir``: each finished layer saved there, a rerun continues after it)."""
+    """The calibration a spec needs: each quantized linear's input per-channel max |x| and the groups reading one input.
+
+    The max |x| comes from ``CALIB_TOKENS`` tokens of ``spec.calib`` (``hellaswag``: the validation contexts with
+    their gold endings; or a .txt/.jsonl file) packed into sequences of ``CALIB_SEQ_LEN``, or from a SmoothQuant
+    ``act_scales.pt``. GPTQ and AWQ calibrate layer after layer.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        spec: the spec.
+        checkpoint_dir: GPTQ/AWQ: each finished layer is saved there and a rerun continues after it; None: not kept."""
     from outlierscope.data.text import pack_sequences, text_documents
 
     sites = linear_sites(model, spec)
@@ -82,11 +88,19 @@ def _layerwise_method(spec: QuantSpec):
 
 
 def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint_dir, progress: bool = True) -> None:
-    """For a study that quantizes one layer at a time (``sensitivity``'s ``only_i`` cells): the GPTQ / AWQ calibration
-    of ``spec`` restricted to each layer of ``layers`` (``layers:i``), all in one pass (each layer on the outputs of
-    the float layers below it, as ``layers:i`` alone calibrates it), saved in ``checkpoint_dir`` where
-    ``calibrate`` of each ``layers:i`` spec finds it: L layer passes instead of L^2 / 2. Nothing for a spec
-    without GPTQ or AWQ."""
+    """The GPTQ / AWQ calibration of a spec restricted to each layer in turn, all in one pass (L layers, not L^2 / 2).
+
+    For a study that quantizes one layer at a time (sensitivity's ``only_i`` cells): each layer on the outputs of the
+    float layers below it, as ``layers:i`` alone calibrates it, saved where ``calibrate`` of each ``layers:i`` spec
+    finds it. Nothing for a spec without GPTQ or AWQ.
+
+    Args:
+        model: the model.
+        tokenizer: its tokenizer.
+        spec: the spec.
+        layers: the layers.
+        checkpoint_dir: where each layer's calibration is saved.
+        progress: show a progress bar."""
     from outlierscope.quant.weights.sequential import calibration_sequences
 
     spec = QuantSpec.of(spec)
@@ -99,10 +113,18 @@ def calibrate_layers_alone(model: nn.Module, tokenizer, spec, layers, checkpoint
 
 
 def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
-    """What a spec's calibration reads, for a run's record (None: it reads nothing): the source as given (or its
-    default), the sha256 of its bytes (a file; ``lambada-tail``: LAMBADA's documents, the digest of the text record)
-    and, for GPTQ and AWQ, the sequences packed from it (no seed: the documents in order): samples, seqlen, tokens
-    and the sha256 of the token ids, which name the calibration exactly whatever the file."""
+    """What a spec's calibration reads, for a run's record.
+
+    The source as given (or its default) and the sha256 of its bytes, and for GPTQ and AWQ the sequences packed from
+    it: samples, seqlen, tokens and the sha256 of the token ids, which name the calibration exactly.
+
+    Args:
+        spec: the spec.
+        tokenizer: the model's tokenizer.
+        ctx: the model's context length; None: none.
+
+    Returns:
+        The record; None for a spec that reads nothing."""
     import hashlib
 
     from outlierscope.io import sha256_file
@@ -129,7 +151,15 @@ def calibration_record(spec, tokenizer, ctx: int | None = None) -> dict | None:
 
 
 def calibration_records(specs, model: nn.Module, tokenizer) -> dict:
-    """``calibration_record`` of each spec that calibrates (label -> record), for a run's record."""
+    """``calibration_record`` of each spec that calibrates, for a run's record.
+
+    Args:
+        specs: the specs.
+        model: the model (its context length).
+        tokenizer: its tokenizer.
+
+    Returns:
+        Spec label -> its record."""
     ctx = _max_positions(model)
     recs = {QuantSpec.of(spec).label: calibration_record(spec, tokenizer, ctx) for spec in specs}
     return {k: v for k, v in recs.items() if v is not None}
@@ -184,10 +214,15 @@ def _read_act_scales(path: str, sites: list[LinearSite]) -> dict[str, torch.Tens
 
 
 def check_linear_shapes(spec: QuantSpec, config) -> None:
-    """What the linear parts of ``spec`` need of the model, from its config (a model built on the meta device, no
-    weights): ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's
-    in_features, a rotation of each in_features, and the ``calib:`` source against those linears
-    (``check_calibration``). A config transformers cannot build is left to the first forward."""
+    """Check what a spec's linear parts need of a model, from its config alone (a meta model).
+
+    ``linears`` patterns that match, ``layers`` it has, group sizes dividing each quantized linear's in_features, a
+    rotation of each in_features, and the ``calib:`` source. A config transformers cannot build is left to the first
+    forward.
+
+    Args:
+        spec: the spec.
+        config: the model's config."""
     from outlierscope.models.quiet import quiet_transformers
 
     try:
@@ -211,10 +246,15 @@ def check_linear_shapes(spec: QuantSpec, config) -> None:
 
 
 def check_calibration(spec: QuantSpec, model: nn.Module) -> None:
-    """``calib:`` read before any forward (a mistake found after the 16-bit cell is a defect): a text file that exists,
-    is a file and holds text; an act_scales.pt that loads and has finite, non-negative scales of each quantized
-    linear's shape, not all zero for any (every smoothing factor would silently be 1: plain W8A8 under the
-    SmoothQuant label)."""
+    """Read ``calib:`` before any forward (a mistake found after the 16-bit cell is a defect).
+
+    A text file that exists and holds text; an ``act_scales.pt`` that loads, with finite, non-negative scales of each
+    quantized linear's shape, not all zero for any (every smoothing factor would be 1: plain W8A8 under the
+    SmoothQuant label).
+
+    Args:
+        spec: the spec.
+        model: the model (a meta model will do)."""
     if not needs_calibration(spec):
         return
     if (spec.gptq is not None or spec.awq is not None) and spec.calib is None:

@@ -16,9 +16,14 @@ from outlierscope.quant.specs.calibrated import ORDERS, SEQUENTIAL, GPTQConfig  
 
 @dataclass(frozen=True)
 class GPTQResult:
-    """``weight`` (O, I) on the grid (dequantized; float32, float64 for a float64 weight), ``scale`` (O, groups) in
-    group order (per-channel: one column), ``g_idx`` (I,) each input column's group, ``perm`` the processing order
-    of the columns (None: as they are), ``zero`` (O, groups) the integer zero points of a zint grid (else None)."""
+    """One linear's GPTQ.
+
+    Attributes:
+        weight: ``(O, I)`` on the grid, dequantized (float32; float64 for a float64 weight).
+        scale: ``(O, groups)`` in group order (per-channel: one column).
+        g_idx: ``(I,)`` each input column's group.
+        perm: the order the columns were processed in; None: as they are.
+        zero: ``(O, groups)`` the integer zero points of a zint grid; else None."""
 
     weight: torch.Tensor
     scale: torch.Tensor
@@ -28,10 +33,18 @@ class GPTQResult:
 
 
 def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """GPTQ's running Hessian after one batch ``x`` (B, T, I) of a layer's inputs (B sequences): ``h`` (I, I) float32
-    (None: the first batch) rescaled to the new count and ``2/n x^T x`` added, as GPT-QModel and llm-compressor keep
-    it (their ``add_batch`` / ``accumulate_hessian``, up to float32 rounding; float64 for float64 inputs). Returns a
-    new tensor and the count."""
+    """GPTQ's running Hessian after one batch of a layer's inputs, as GPT-QModel and llm-compressor keep it.
+
+    The Hessian is rescaled to the new count and ``2/n x^T x`` added (their ``add_batch`` / ``accumulate_hessian``, up
+    to float32 rounding; float64 for float64 inputs).
+
+    Args:
+        h: ``(I, I)`` float32; None: the first batch.
+        n: the count so far.
+        x: the batch ``(B, T, I)`` (B sequences).
+
+    Returns:
+        ``(a new Hessian, the new count)``."""
     B, n_in = x.shape[0], x.shape[-1]
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32  # float32 as the references; float64 for tests
     h = torch.zeros(n_in, n_in, dtype=dt, device=x.device) if h is None else h * (n / (n + B))
@@ -41,8 +54,14 @@ def hessian_update(h: torch.Tensor | None, n: int, x: torch.Tensor) -> tuple[tor
 
 
 def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
-    """The upper Cholesky factor of (H + damp mean(diag H) I)^-1, as GPT-QModel and llm-compressor compute it (a new
-    tensor; a Hessian that stays singular is an error naming the fix)."""
+    """The upper Cholesky factor of ``(H + damp mean(diag H) I)^-1``, as GPT-QModel and llm-compressor compute it.
+
+    Args:
+        h: the Hessian ``(I, I)`` (not changed).
+        damp: the damping fraction.
+
+    Raises:
+        OutlierscopeError: a Hessian that stays singular, naming the fix."""
     h = h.clone()
     h.diagonal().add_(damp * torch.mean(torch.diag(h)))  # the mean of a contiguous copy: GPT-QModel's summation order
     try:
@@ -53,10 +72,19 @@ def inverse_hessian_factor(h: torch.Tensor, damp: float) -> torch.Tensor:
 
 
 def column_order(diag: torch.Tensor, order: str, group: int | None) -> torch.Tensor | None:
-    """The order the columns are quantized in, from the Hessian's diagonal (I,): ``none`` (None: as they are),
-    ``desc`` (GPTQ's act order: decreasing diagonal; argsort, descending) or ``gar`` (GPT-QModel's group-aware
-    reordering, Gafni et al. 2025: the groups whole, by decreasing largest diagonal (a stable sort), each group's
-    columns by decreasing diagonal (a sort, descending); columns after the last whole group stay at the end)."""
+    """The order the columns are quantized in, from the Hessian's diagonal.
+
+    ``desc``: GPTQ's act order (decreasing diagonal); ``gar``: GPT-QModel's group-aware reordering (Gafni et al.
+    2025): the groups whole, by decreasing largest diagonal (a stable sort), each group's columns by decreasing
+    diagonal; columns after the last whole group stay at the end.
+
+    Args:
+        diag: the Hessian's diagonal ``(I,)``.
+        order: ``none``, ``desc`` or ``gar``.
+        group: input columns per group (``gar`` needs them).
+
+    Returns:
+        The permutation; None for ``none``."""
     if order == "none":
         return None
     if order == "desc":
@@ -72,9 +100,18 @@ def column_order(diag: torch.Tensor, order: str, group: int | None) -> torch.Ten
 def gptq_quantize(w: torch.Tensor, h: torch.Tensor, bits: int, fmt: str = "fint", group: int | None = None,
                   block_size: int = 128, damp: float = 0.01, order: str = "none",
                   static_groups: bool = False) -> GPTQResult:
-    """GPTQ of a weight ``w`` (O, I) with the Hessian ``h`` (I, I) of its inputs (module docstring); ``group``: input
-    columns per scale (None: one scale per output row); ``order``: ``column_order``'s. Neither input is
-    changed."""
+    """GPTQ of a weight with the Hessian of its inputs; neither input is changed.
+
+    Args:
+        w: the weight ``(O, I)``.
+        h: the Hessian ``(I, I)``.
+        bits: the width.
+        fmt: an integer grid (``integer_formats()``).
+        group: input columns per scale; None: one scale per output row.
+        block_size: columns per block of the lazy updates.
+        damp: the damping fraction.
+        order: ``column_order``'s.
+        static_groups: each group's scale from the weight before any update (GPT-QModel's ``static_groups``)."""
     grid = FORMATS.get(fmt)
     if grid is None or not grid.integer or grid.bits is None:
         raise OutlierscopeError(f"GPTQ grid must be one of {', '.join(integer_formats())}, got {fmt!r}")
