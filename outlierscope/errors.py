@@ -42,14 +42,21 @@ class ParamError(OutlierscopeError, ValueError):
 
 
 class Refused(OutlierscopeError):
-    """A refusal that passing one Python parameter overrides: ``template``'s ``{fix}`` reads ``param=True`` from the
-    library and the flag (``--force``) from the CLI (``renamed``)."""
+    """A refusal one Python parameter overrides: the library says ``param=True``, the CLI its flag (``--force``).
+
+    Args:
+        template: the message, with ``{fix}`` where the override is named.
+        param: the parameter that overrides it."""
 
     def __init__(self, template: str, param: str = "force"):
         self.template, self.param = template, param
         super().__init__(template.replace("{fix}", f"pass {param}=True"))
 
     def renamed(self, names: dict[str, str]) -> str:
+        """The message with the override called as in ``names``.
+
+        Args:
+            names: parameter -> its name for the caller (``{"force": "--force"}``)."""
         return self.template.replace("{fix}", f"pass {names.get(self.param, self.param)}")
 
 
@@ -57,13 +64,25 @@ SEED_LIMIT = 2**32  # numpy's seeds: 0 <= seed < 2**32
 
 
 def check_seed(seed, name: str = "seed") -> None:
-    """A seed numpy and torch both take: an int in [0, 2**32); else a ``ParamError`` naming ``name``."""
+    """Check a seed numpy and torch both take: an int in [0, 2**32).
+
+    Args:
+        seed: the seed.
+        name: the parameter's name, for the error.
+
+    Raises:
+        ParamError: naming ``name``."""
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < SEED_LIMIT:
         raise ParamError(name, f"an integer from 0 to {SEED_LIMIT - 1}", seed)
 
 
 def lookup(registry: dict, name: str, what: str):
-    """``registry[name]``, or a one-line error listing the names, with "did you mean" for near misses."""
+    """A registry's entry by name, or a one-line error listing the names, with "did you mean" for near misses.
+
+    Args:
+        registry: name -> entry.
+        name: the name.
+        what: what the registry holds, for the error."""
     if name in registry:
         return registry[name]
     import difflib

@@ -28,16 +28,26 @@ from outlierscope.quant.weights.calibration import calibration_for
 
 
 def make_spec(bits, format: str | None = None, granularity: str | None = None, layers=None) -> QuantSpec:
-    """A ``QuantSpec`` from lm-eval ``model_args`` values (strings or numbers; layers ``0-3`` or ``0+2+5``:
-    lm-eval splits its arguments at commas). ``format`` None: ``int``; ``granularity`` None: ``per_tensor``."""
+    """A ``QuantSpec`` of the paper's logits from lm-eval ``model_args`` values (strings or numbers).
+
+    Args:
+        bits: the width (16: unquantized).
+        format: None: ``int``.
+        granularity: None: ``per_tensor``.
+        layers: ``0-3`` or ``0+2+5`` (lm-eval splits its arguments at commas); None: all."""
     bits = _as_int("bits", bits, "an integer number of bits (16 = unquantized)")
     return build_spec(bits, str(format or "int"), str(granularity or "per_tensor"), _layers(layers))
 
 
 def attention_spec(quant: str, bits, layers, format=None, granularity=None) -> QuantSpec:
-    """``quant``: a recipe name or spec text (``sage2-int4``, ``w8a8; linears:self_attn.*+mlp.down_proj``: lm-eval
-    splits model_args at commas, so lists inside a spec take ``+``); with ``layers``, only those layers. Not together
-    with ``bits`` below 16, ``format`` or ``granularity`` (the logits' axis: a spec says its own)."""
+    """A recipe or spec text from ``model_args``, on some layers; not together with the logits' axis.
+
+    Args:
+        quant: a recipe name or spec text (``sage2-int4``; lists inside a spec take ``+``, lm-eval splits at commas).
+        bits: must be 16 (``bits`` below 16 is the logits' axis, not a spec's).
+        layers: only these layers; None: the spec's own.
+        format: must be None (a spec says its own).
+        granularity: must be None."""
     if _as_int("bits", bits, "an integer number of bits (16 = unquantized)") != 16:
         raise OutlierscopeError("pass bits (the logits' bit width) or quant (a recipe or spec), not both")
     given = [f"{k}={v}" for k, v in (("format", format), ("granularity", granularity)) if v is not None]
@@ -78,9 +88,20 @@ def _device(device) -> str:
 
 def model_args_spec(bits=16, format: str | None = None, granularity: str | None = None, layers=None, quant=None,
                     attn_block=None, dtype: str = "auto", device_map=None, **_) -> tuple:
-    """(spec, attention block rows) of the adapter's ``model_args``, checked without a model: what ``python -m
-    outlierscope.lmeval`` checks before lm-eval indexes its tasks. ``quant`` given empty (``quant=``) is an error,
-    not "unquantized"."""
+    """The spec and attention block rows of the adapter's ``model_args``, checked without a model.
+
+    What ``python -m outlierscope.lmeval`` checks before lm-eval indexes its tasks.
+
+    Args:
+        bits: the logits' width (16: unquantized).
+        format: the logits' format.
+        granularity: the logits' granularity.
+        layers: the layers quantized.
+        quant: a recipe or spec instead (empty is an error, not "unquantized").
+        attn_block: query rows per attention block.
+        dtype: the model's dtype.
+        device_map: accelerate's placement.
+        **_: the other ``model_args`` (checked by lm-eval)."""
     spec = make_spec(bits, format, granularity, layers)
     if quant is not None and str(quant).strip() in ("", "None"):
         raise ParamError("quant", "a recipe name (see `outlierscope recipes`), or leave quant out for bits/format/"
@@ -99,19 +120,27 @@ def _key(tokens) -> bytes:
 
 @register_model("outlierscope")
 class OutlierscopeLM(HFLM):
-    """lm-eval's ``hf`` model, loaded by ``load_model``, with quantized attention.
+    """lm-eval's ``hf`` model, loaded by ``load_model``, with quantized attention (``--model outlierscope``).
 
-    ``pretrained``: a Hub id (``Qwen/Qwen2.5-7B``, ``ORG/NAME@REVISION``), a Hugging Face directory, a ``.gguf``
-    file, a preset role (``pair-tiny:diff``) or a fetched model (``smollm2-135m``); ``trust_remote_code`` as in
-    ``load_model``. ``bits`` (16 = unquantized), ``format``, ``granularity``, ``layers``: the
-    ``QuantSpec`` (None: ``int``, ``per_tensor``); or ``quant``: a recipe (``quant=sage2-int4``, ``quant=w8a8``, see
-    ``outlierscope recipes``; a spec text from Python: attention and linear parts), with ``layers`` if given (a spec
-    with SmoothQuant or static scales runs its calibration pass once, when the model loads); ``attn_block``: query rows per attention block; ``dtype``,
-    ``device``, ``device_map``: as in ``load_model``. ``points`` and ``reducers`` (Python only): also stream
-    these observation points (e.g. ``["layers.*.attn.logits"]``) of every forward into the reducers
-    (``capture``), after quantization: the reducers see what the model
-    uses. Other keywords go to ``HFLM`` (``batch_size``, ``max_length``, ...).
-    """
+    A spec with SmoothQuant or static scales runs its calibration pass once, when the model loads.
+
+    Args:
+        pretrained: a Hub id (``ORG/NAME[@REVISION]``), a model directory, a ``.gguf`` file, a preset role or a fetched
+            model.
+        bits: the logits' width (16: unquantized).
+        format: the logits' format; None: ``int``.
+        granularity: the logits' granularity; None: ``per_tensor``.
+        layers: the layers quantized; None: all.
+        attn_block: query rows per attention block.
+        dtype: as in ``load_model``.
+        device: as in ``load_model``.
+        device_map: as in ``load_model``.
+        points: also stream these observation points of every forward into ``reducers`` (Python only), after
+            quantization: the reducers see what the model uses.
+        reducers: the reducers of ``points``.
+        trust_remote_code: as in ``load_model``.
+        quant: a recipe or spec instead of the logits' axis (``quant=sage2-int4``, ``quant=w8a8``).
+        **kwargs: ``HFLM``'s (``batch_size``, ``max_length``, ...)."""
 
     def __init__(self, pretrained, bits=16, format: str | None = None, granularity: str | None = None, layers=None,
                  attn_block: int | None = None, dtype: str = "auto", device: str | None = "auto",

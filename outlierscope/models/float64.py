@@ -62,15 +62,20 @@ class Float64Mode(TorchFunctionMode):
 
 
 def is_float64(model) -> bool:
-    """Whether ``model``'s floating parameters are float64."""
+    """Whether a model's floating parameters are float64.
+
+    Args:
+        model: the model."""
     p = next((p for p in model.parameters() if p.is_floating_point()), None)
     return p is not None and p.dtype == torch.float64
 
 
 @contextlib.contextmanager
 def float64_model(model) -> Iterator[None]:
-    """Inside: a float64 ``model``'s forwards are float64 in every operation of its own code (``Float64Mode``);
-    any other model's forwards are unchanged (nothing is entered)."""
+    """Inside, a float64 model's forwards are float64 in every operation of its own code; others are unchanged.
+
+    Args:
+        model: the model (None, or not float64: nothing is entered)."""
     if model is None or not is_float64(model):
         yield
         return
@@ -79,12 +84,16 @@ def float64_model(model) -> Iterator[None]:
 
 
 def build_options(dtype: str) -> dict:
-    """``from_pretrained``/``from_config`` options a model of ``dtype`` needs: float64 MoE experts run transformers'
-    eager loop (its default ``grouped_mm`` has no float64 kernel)."""
+    """The ``from_pretrained`` / ``from_config`` options a model of a dtype needs (float64 MoE experts run eager).
+
+    Args:
+        dtype: the model's dtype."""
     return {"experts_implementation": "eager"} if dtype == "float64" else {}
 
 
 def float64_build(dtype: str):
-    """The context a model of ``dtype`` is built in: ``Float64Mode`` for ``float64`` (its construction-time
-    buffers become float64 values), else nothing."""
+    """The context a model of a dtype is built in: ``Float64Mode`` for float64 (its buffers become float64), else none.
+
+    Args:
+        dtype: the model's dtype."""
     return Float64Mode() if dtype == "float64" else contextlib.nullcontext()

@@ -24,8 +24,12 @@ from outlierscope.quant.weights.calibration import check_linear_shapes
 
 
 def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = None) -> None:
-    """A one-line error when ``spec`` names layers the model does not have, or (``attention``: the indices of the
-    layers that hold attention, in a hybrid model) layers without attention."""
+    """Refuse, in one line, a spec naming layers the model does not have, or layers without attention.
+
+    Args:
+        spec: the spec.
+        n_layers: the model's decoder layers.
+        attention: in a hybrid model, the layers that hold attention; None: all."""
     if spec.layers is None:
         return
     if max(spec.layers) >= n_layers:
@@ -37,9 +41,14 @@ def check_layers(spec: QuantSpec, n_layers: int, attention: list[int] | None = N
 
 
 def check_spec(spec: QuantSpec | str, config) -> None:
-    """What a spec needs of the model's shape, from its config (before anything loads): group sizes that divide
-    head_dim, a power-of-2 head_dim for a Hadamard rotation; linear parts: ``linears`` patterns that match, group
-    sizes that divide each quantized linear's in_features, rotations of its order. The logits need nothing."""
+    """Check what a spec needs of the model's shape, from its config, before anything loads.
+
+    Group sizes that divide head_dim, a power-of-2 head_dim for a Hadamard rotation; linear parts: ``linears``
+    patterns that match, group sizes that divide each quantized linear's in_features, rotations of its order.
+
+    Args:
+        spec: a ``QuantSpec``, its text or a recipe name.
+        config: the model's config."""
     spec = QuantSpec.of(spec)
     if spec.has_linear:
         check_linear_shapes(spec, config)
@@ -57,8 +66,13 @@ def check_spec(spec: QuantSpec | str, config) -> None:
 
 
 def absmax_reduction(lq: LogitsQuant):
-    """A ``Stage`` ``reduce`` for blocked attention: a scale over query rows
-    (per_head, per_tensor) is the absmax over all blocks of rows; None for a scale that stays in a block."""
+    """A ``Stage`` ``reduce`` for blocked attention: a scale over query rows is the absmax over all blocks of rows.
+
+    Args:
+        lq: the logits operator.
+
+    Returns:
+        The reduction; None for a scale that stays in a block (per_row)."""
     if not lq.spans_rows:
         return None
     return lambda ctx, logits: lq.absmax(logits, ctx.valid) if lq.applies_to(ctx.layer) else None
@@ -89,9 +103,10 @@ def _qkv_transform(spec: QuantSpec):
 
 
 def attention_stage(spec: QuantSpec) -> Stage:
-    """One ``Stage`` that does everything ``spec`` asks inside attention: q/k/v
-    transforms and quantization, logits quantization (with its reduction over blocks: the stage's own, looked up by
-    this stage), P quantization."""
+    """One ``Stage`` that does everything a spec asks inside attention: q/k/v, the logits, P.
+
+    Args:
+        spec: the spec."""
     lq = logits_quant(spec)
     p = spec.part("probs")
     qkv_needed = any(spec.part(t) for t in ("q", "k", "v")) or any(t.attention for t in spec.transforms)

@@ -116,14 +116,28 @@ class CompareSettings:
                              self.device_map)
 
     def sweep_settings(self, model: str, quant: tuple[str, ...]) -> SweepSettings:
+        """The settings of one of the comparison's two sweeps.
+
+        Args:
+            model: the model swept (the checkpoint, or the float model).
+            quant: its specs (none for the checkpoint; the emulations for the float model)."""
         return SweepSettings(models=(model,), bits=(16,), quant=quant, tasks=self.tasks, sample=self.sample,
                              limit=self.limit, seed=self.seed, batch_size=self.batch_size, dtype=self.dtype,
                              device=self.device, device_map=self.device_map, trust_remote_code=self.trust_remote_code)
 
 
 def emulations(s: CompareSettings, record, meta) -> tuple[list[str], dict | None]:
-    """The specs to emulate (a compressed-tensors / GPTQ / AWQ checkpoint's own, read from its quantization_config, then
-    ``quant``) and that config. ``path``: the checkpoint's directory; ``meta``: it on the meta device."""
+    """The specs to emulate and the checkpoint's quantization config.
+
+    A compressed-tensors / GPTQ / AWQ checkpoint's own scheme, read from its ``quantization_config``, then ``quant``.
+
+    Args:
+        s: the comparison's settings.
+        record: the checkpoint's ``inspect_model``.
+        meta: its model on the meta device.
+
+    Returns:
+        ``(spec texts, the quantization config or None)``."""
     path, qconfig = record.path, record.quantization
     own, method = [], (qconfig or {}).get("quant_method")
     if method == "compressed-tensors":
@@ -150,7 +164,12 @@ def _cells(out: Path) -> dict[tuple[str, str], EvalResult]:
 
 
 def pair_row(a: EvalResult, b: EvalResult, seed: int) -> dict:
-    """b against a on the same items: predictions that differ, McNemar p, log-likelihood changes, gold change."""
+    """One evaluation against another on the same items: predictions that differ, McNemar p, log-likelihood changes.
+
+    Args:
+        a: the first evaluation.
+        b: the second.
+        seed: the bootstrap's seed."""
     cols = a.score_columns
     change = np.abs(b.items[cols].to_numpy() - a.items[cols].to_numpy())  # (N, choices); NaN: no such choice
     gold = mean_change(a.gold_loglik(), b.gold_loglik(), seed)
@@ -165,7 +184,14 @@ def pair_row(a: EvalResult, b: EvalResult, seed: int) -> dict:
 
 
 def compare_table(real: dict, emulated: dict, specs: list[str], tasks, seed: int) -> pd.DataFrame:
-    """Per task: float vs real, float vs each emulation, real vs each emulation (a = the first, b = the second)."""
+    """Per task: float vs real, float vs each emulation, real vs each emulation (a the first, b the second).
+
+    Args:
+        real: (task, ``16``) -> the checkpoint's evaluation.
+        emulated: (task, spec or ``16``) -> the float model's.
+        specs: the emulations' specs.
+        tasks: the tasks.
+        seed: the bootstrap's seed."""
     rows = []
     for task in tasks:
         base, r = emulated[(task, "16")], real[(task, "16")]
@@ -196,8 +222,14 @@ def _markdown(table: pd.DataFrame, record: dict) -> str:
 
 
 def check_source(s: CompareSettings, real_meta, float_meta) -> None:
-    """The float model is the checkpoint's source by shape: the same linears (names, out x in) and embeddings (both
-    models on the meta device); a checkpoint of another model gives meaningless pairs."""
+    """Check that the float model is the checkpoint's source by shape: the same linears and embeddings.
+
+    A checkpoint of another model gives meaningless pairs.
+
+    Args:
+        s: the comparison's settings (the models' names, for the error).
+        real_meta: the checkpoint's model on the meta device.
+        float_meta: the float model's."""
     from torch import nn
 
     def shapes(model):

@@ -55,8 +55,16 @@ def _cell(run: Path, cell: str) -> TokenScores:
 
 
 def check_pairable(rec_a: dict, rec_b: dict, a: Path, b: Path) -> None:
-    """One line naming the first setting in which the two runs' windows can differ: the text, the protocol, the
-    tokenizer (its files' digest, where both records hold one), the window length and counts."""
+    """Refuse, in one line, two perplexity runs whose windows can differ, naming the first setting that does.
+
+    The text, the protocol, the tokenizer (its files' digest, where both records hold one), the window length and
+    counts.
+
+    Args:
+        rec_a: the first run's record.
+        rec_b: the second's.
+        a: the first run's directory, for the error.
+        b: the second's."""
     tok_a, tok_b = ((r.get("tokenizer") or {}).get("files_sha256") for r in (rec_a, rec_b))
     if tok_a and tok_b and tok_a != tok_b:
         raise OutlierscopeError(f"{a} and {b} ran models with different tokenizers (files sha256 {tok_a[:12]} vs "
@@ -95,7 +103,16 @@ def _moved_less(stats: dict) -> str:
 
 
 def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int = 0) -> pd.DataFrame:
-    """Compare the perplexity runs in ``a`` and ``b`` (module docstring) into ``out``; returns the table."""
+    """Compare two perplexity runs of one text, each model against its own unquantized self, paired by window.
+
+    Args:
+        a: the first run's directory.
+        b: the second's.
+        out: where ``compare.csv``, ``compare.md`` and the record go.
+        seed: the bootstrap's seed.
+
+    Returns:
+        The table."""
     check_seed(seed)
     a, b, out = Path(a), Path(b), Path(out)
     (rec_a, table_a), (rec_b, table_b) = _run(a), _run(b)
@@ -112,7 +129,12 @@ def compare_perplexity(a: str | Path, b: str | Path, out: str | Path, seed: int 
 
 
 def compare_markdown(table: pd.DataFrame, name_a: str, name_b: str) -> str:
-    """One row per spec: each model's NLL change and mean KLD, the differences and the KLD ratio with intervals."""
+    """One row per spec: each model's NLL change and mean KLD, the differences and the KLD ratio with intervals.
+
+    Args:
+        table: ``compare_perplexity``'s table.
+        name_a: the first model's name.
+        name_b: the second's."""
     head = (f"a = {name_a}, b = {name_b}; each against its own unquantized model, paired by window (95% intervals "
             "over windows)\n\n| spec | ΔNLL a | ΔNLL b | b − a [95% CI] | KLD a | KLD b | KLD b / a [95% CI] | "
             "moved less |\n|---|---|---|---|---|---|---|---|\n")
@@ -153,9 +175,16 @@ def _sweep_gold(sweep_dir: Path, model: str) -> tuple[str, dict[str, np.ndarray]
 
 
 def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: str | Path, seed: int = 0) -> dict:
-    """Spearman's rho between the schemes' mean KLD in a perplexity run and their mean gold log-likelihood change in
-    a sweep of the same model (the schemes both ran, by spec text), with its window-and-item bootstrap interval
-    (``rank_agreement``); writes rank_agreement.csv/.md/.json into ``out``."""
+    """Spearman's rho of the schemes ranked by a perplexity run's mean KLD and by a sweep's gold log-likelihood loss.
+
+    The schemes both ran (by spec text), with the window-and-item bootstrap interval (``rank_agreement``); writes
+    rank_agreement.csv/.md/.json.
+
+    Args:
+        perplexity_dir: the perplexity run.
+        sweep_dir: a sweep of the same model.
+        out: where the files go.
+        seed: the bootstrap's seed."""
     from outlierscope.analysis.agreement import rank_agreement
     from outlierscope.analysis.kld import window_blocks
 
@@ -189,6 +218,13 @@ def rank_against_task(perplexity_dir: str | Path, sweep_dir: str | Path, out: st
 
 
 def agreement_markdown(frame: pd.DataFrame, summary: dict, model: str, task: str) -> str:
+    """The rank agreement as markdown: rho with its interval, then each scheme's mean KLD, harm and ranks.
+
+    Args:
+        frame: the schemes' table.
+        summary: rho, its interval and the counts.
+        model: the model's name.
+        task: the task's label."""
     head = (f"{model}: Spearman's rho between mean KLD (running text) and the {task} gold log-likelihood harm over "
             f"{summary['schemes']} schemes = {summary['spearman']:+.3f} [{summary['ci_low']:+.3f}, "
             f"{summary['ci_high']:+.3f}] (95%, {summary['windows']} windows and {summary['items']} items resampled)\n\n"

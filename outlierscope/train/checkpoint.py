@@ -25,7 +25,16 @@ LOG_FIELDS = ["role", "step", "tokens", "loss", "lr", "tokens_per_s", "wall_s", 
 
 
 def save_state(out: Path, models: dict, opts: dict, scheds: dict, step: int, wall: float, fed: dict) -> None:
-    """Everything ``--resume`` needs, swapped in as one directory (``state/``; the previous one stays until the swap)."""
+    """Everything ``--resume`` needs, swapped in as one directory (``state/``; the previous one stays until the swap).
+
+    Args:
+        out: the run's directory.
+        models: role -> model.
+        opts: role -> optimizer.
+        scheds: role -> scheduler.
+        step: the step reached.
+        wall: the wall seconds so far.
+        fed: role -> the digest of the data it was fed."""
     with atomic_dir(out / "state") as tmp:
         _write_state(tmp, models, opts, scheds, step, wall, fed)
 
@@ -49,8 +58,17 @@ def _write_state(tmp: Path, models: dict, opts: dict, scheds: dict, step: int, w
 
 
 def load_state(out: Path, models: dict, opts: dict, scheds: dict, fed: dict) -> tuple[int, float, dict]:
-    """(step, wall seconds, data digests) of the last checkpoint, loaded into the models, optimizers and schedulers;
-    (0, 0.0, ``fed``) when there is none."""
+    """The last checkpoint, loaded into the models, optimizers and schedulers.
+
+    Args:
+        out: the run's directory.
+        models: role -> model.
+        opts: role -> optimizer.
+        scheds: role -> scheduler.
+        fed: the data digests to return when there is none.
+
+    Returns:
+        ``(step, wall seconds, data digests)``; ``(0, 0.0, fed)`` without a checkpoint."""
     import torch
 
     state = out / "state"
@@ -88,6 +106,11 @@ def _read_role(path: Path) -> dict:
 
 
 def read_log(path: Path, upto_step: int) -> list[dict]:
+    """The training log's rows up to a step.
+
+    Args:
+        path: the log (``log.csv``).
+        upto_step: the last step kept."""
     if not path.exists():
         return []
     with open(path, newline="") as f:
@@ -95,6 +118,11 @@ def read_log(path: Path, upto_step: int) -> list[dict]:
 
 
 def write_log(path: Path, rows: list[dict]) -> None:
+    """Write the training log, atomically.
+
+    Args:
+        path: the log.
+        rows: its rows."""
     with atomic_path(path) as tmp, open(tmp, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=LOG_FIELDS)
         w.writeheader()
@@ -102,7 +130,17 @@ def write_log(path: Path, rows: list[dict]) -> None:
 
 
 def export_role(out: Path, role: str, model, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> None:
-    """Save one role as a Hugging Face directory with tokenizer and model card (atomically)."""
+    """Save one role as a Hugging Face directory with its tokenizer and model card, atomically.
+
+    Args:
+        out: the run's directory.
+        role: ``transformer`` or ``diff``.
+        model: the model.
+        run: the run record.
+        step: the step reached.
+        wall: the wall seconds.
+        rows: the training log's rows.
+        hardware: what it ran on, for the card."""
     with atomic_dir(out / role) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         load_tokenizer(out / "tokenizer.json").save_pretrained(tmp)
