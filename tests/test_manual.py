@@ -84,9 +84,10 @@ def _documented_names(obj) -> list[str] | None:
     import inspect
 
     if inspect.isclass(obj):
-        if dataclasses.is_dataclass(obj):  # its own fields (a base dataclass documents those it adds)
+        if dataclasses.is_dataclass(obj):  # its own fields (a base documents those it adds; an option, its help)
             based = {f.name for b in obj.__mro__[1:] if dataclasses.is_dataclass(b) for f in dataclasses.fields(b)}
-            names = [f.name for f in dataclasses.fields(obj) if f.init and f.name[0] != "_" and f.name not in based]
+            names = [f.name for f in dataclasses.fields(obj)
+                     if f.init and f.name[0] != "_" and f.name not in based and "cli" not in f.metadata]
         elif "__init__" in vars(obj):
             names = list(inspect.signature(obj.__init__).parameters)[1:]
         else:

@@ -58,7 +58,10 @@ POINT_FIGURES = [
 
 
 def sweep_tasks(run: RunResults) -> list[str]:
-    """The display names of a run's sweep tasks, in order (HellaSwag for sweeps that predate tasks)."""
+    """The display names of a run's sweep tasks, in order.
+
+    Args:
+        run: the run."""
     return [task_label(t) for t, _ in by_task(run.tables["sweep"])]
 
 
@@ -67,8 +70,16 @@ class ClippedTextWarning(UserWarning):
 
 
 def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
-    """``out/stem.png`` (and .svg), each written atomically; the figure is closed in any case. Text cut off at the
-    figure's edge is a ``ClippedTextWarning`` (the tests turn it into an error for every committed report)."""
+    """Write a figure as ``out/stem.png`` (and .svg), each atomically; the figure is closed in any case.
+
+    Text cut off at the figure's edge is a ``ClippedTextWarning`` (the tests make it an error for every committed
+    report).
+
+    Args:
+        fig: the figure.
+        out: the directory.
+        stem: the files' stem.
+        svg: also write an SVG."""
     import warnings
 
     import matplotlib.pyplot as plt
@@ -88,7 +99,14 @@ def save_figure(fig, out: Path, stem: str, svg: bool = False) -> Path:
 
 
 def render_figures(run: RunResults, svg: bool = False) -> tuple[list[tuple[str, Path]], list[str]]:
-    """Write every figure the run supports; returns (written [(title, png path)], skipped messages)."""
+    """Write every figure the run supports.
+
+    Args:
+        run: the run.
+        svg: also write SVGs.
+
+    Returns:
+        ``([(title, png path)], skipped messages)``."""
     from outlierscope.report import activation_plots, plots
 
     out = run.root / "figures"
@@ -176,7 +194,14 @@ def _points_section(run: RunResults) -> list[str]:
 
 
 def write_report(run_dir: str | Path, svg: bool = False) -> Path:
-    """Render figures and write ``report.md`` into the run directory."""
+    """Render the figures and write ``report.md`` into a run directory.
+
+    Args:
+        run_dir: the directory.
+        svg: also write SVGs.
+
+    Returns:
+        The report's path."""
     run = load_run(run_dir)
     written, skipped = render_figures(run, svg)
     parts = ["# outlierscope report", ""]

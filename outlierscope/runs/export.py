@@ -54,7 +54,13 @@ class ExportSettings:
 
 @dataclass(frozen=True)
 class Choice:
-    """What is exported: the spec, the model, the decoder layers left unquantized, where it came from."""
+    """What is exported.
+
+    Attributes:
+        spec: the spec.
+        model: the model.
+        keep: the decoder layers left unquantized.
+        source: where it came from (the run, its cell or suggestion)."""
 
     spec: QuantSpec
     model: str
@@ -114,7 +120,10 @@ def _from_sweep(s: ExportSettings, rec: dict) -> Choice:
 
 
 def choose(s: ExportSettings) -> Choice:
-    """The spec, model and kept layers ``s`` names (a run's record, or the settings themselves)."""
+    """The spec, model and kept layers the settings name: a run's record, or the settings themselves.
+
+    Args:
+        s: the export's settings."""
     if s.run is None:
         return Choice(QuantSpec.parse(s.quant), s.model)
     run = Path(s.run)
@@ -132,8 +141,16 @@ def _quantized_names(model, choice: Choice) -> set[str]:
 
 
 def export(s: ExportSettings, out: str | Path, log=print, force: bool = False) -> Path:
-    """Write ``recipe.yaml``, ``quantization_config.json`` and ``export.json`` into ``out``; returns ``out``. An
-    earlier export in ``out`` with other settings is replaced only with ``force``."""
+    """Write ``recipe.yaml``, ``quantization_config.json`` and the sealed ``export.json`` into a directory.
+
+    Args:
+        s: the export's settings.
+        out: the directory.
+        log: where progress lines go.
+        force: replace an earlier export with other settings.
+
+    Returns:
+        ``out``."""
     import yaml
 
     refuse_other_settings(Path(out) / "export.json", json.loads(json.dumps(dataclasses.asdict(s))), {}, "an export",

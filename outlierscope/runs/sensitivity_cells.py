@@ -24,12 +24,20 @@ from outlierscope.runs.sensitivity_settings import SensitivitySettings
 
 
 def gold_scores(res: EvalResult) -> np.ndarray:
-    """Each item's log-likelihood of its gold choice (N,)."""
+    """Each item's log-likelihood of its gold choice ``(N,)``.
+
+    Args:
+        res: the cell's result."""
     return res.gold_loglik()
 
 
 def change(res: EvalResult, base: EvalResult, metric: str) -> dict:
-    """Against ``base``: mean gold log-likelihood change (nats), the headline metric's change and flip rate."""
+    """A cell's change against the unquantized one: mean gold log-likelihood change (nats), metric change, flip rate.
+
+    Args:
+        res: the cell's result.
+        base: the unquantized cell's.
+        metric: the headline metric."""
     col = "pred_norm" if metric == "acc_norm" else "pred"
     return {"delta_gold_ll": float((gold_scores(res) - gold_scores(base)).mean()),
             f"delta_{metric}": float(res.metrics[metric] - base.metrics[metric]),
@@ -41,8 +49,11 @@ TEXT_CHANGE = ("kld_mean", "kld_ci_low", "kld_ci_high", "kld_p99.9", "ln_ppl_rat
 
 
 def text_change(tokens, seed: int) -> dict:
-    """A text cell's change against the unquantized model: mean KLD (95% interval over windows) and its 99.9%
-    point, ln PPL ratio (= the mean NLL change, with its interval), same top token."""
+    """A text cell's change against the unquantized model: mean KLD (with its interval) and 99.9% point, ln PPL ratio.
+
+    Args:
+        tokens: the cell's ``TokenScores``.
+        seed: the bootstrap's seed."""
     from outlierscope.analysis.kld import summary
 
     stats = summary(tokens, seed)
@@ -148,9 +159,14 @@ class _Run:
 
 def cell_settings(ident: dict, spec: QuantSpec | None, keep: QuantSpec | None, measure: QuantSpec | None,
                   batch_size: int) -> dict:
-    """A sensitivity cell's identity: ``ident`` (model, weights, task, items, dtype, layout) and the quantization:
-    ``spec`` (None: unquantized) with its layers, ``keep`` (the kept layers' logits), the spec whose attention error
-    is ``measure``d, and the batch size of a quantized cell when it is not the default."""
+    """A sensitivity cell's identity: what every cell shares and its quantization.
+
+    Args:
+        ident: model, weights, task, items, dtype, layout.
+        spec: the spec, with its layers; None: unquantized.
+        keep: the kept layers' spec.
+        measure: the spec whose attention error is measured.
+        batch_size: recorded for a quantized cell when it is not the default."""
     settings = {**ident, "bits": spec.bits if spec else UNQUANTIZED_BITS,
                 "quant": spec.description if spec else "16",  # the paper's logits in words, any other spec its text
                 "layers": list(spec.layers) if spec and spec.layers else None,

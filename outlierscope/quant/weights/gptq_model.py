@@ -43,9 +43,13 @@ __all__ = ["DEFAULT_CALIB", "RoundedWeight", "calibration_sequences", "gptq_mode
 
 @dataclass(frozen=True)
 class RoundedWeight:
-    """A linear's GPTQ weight: ``codes`` (O, I) int8 (zint: uint8, 0 .. 2^bits - 1), ``scale`` (O, groups) float32
-    (float64 for a float64 model), ``g_idx`` (I,) each column's group, ``zero`` (O, groups) a zint grid's integer zero
-    points (else None); ``weight`` is (codes - zero) x their scale, bit for bit the weight GPTQ produced."""
+    """A linear's GPTQ weight as codes and scales; ``weight`` is bit for bit the weight GPTQ produced.
+
+    Attributes:
+        codes: ``(O, I)`` int8 (zint: uint8, 0 .. 2^bits - 1).
+        scale: ``(O, groups)`` float32 (float64 for a float64 model).
+        g_idx: ``(I,)`` each column's group.
+        zero: ``(O, groups)`` a zint grid's integer zero points; else None."""
 
     codes: torch.Tensor
     scale: torch.Tensor
@@ -53,6 +57,11 @@ class RoundedWeight:
     zero: torch.Tensor | None = None
 
     def weight(self, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+        """The weight: (codes - zero) times their scale.
+
+        Args:
+            dtype: its dtype.
+            device: its device."""
         idx = self.g_idx.expand(self.codes.shape[0], -1)  # (O, I)
         s = self.scale.gather(1, idx)  # (O, I)
         q = self.codes.to(s.dtype) - (0 if self.zero is None else self.zero.gather(1, idx))
@@ -60,7 +69,12 @@ class RoundedWeight:
 
     @classmethod
     def of(cls, w: torch.Tensor, h: torch.Tensor, spec: QuantSpec) -> RoundedWeight:
-        """GPTQ of ``w`` (O, I) with the Hessian ``h`` as ``spec`` says (its ``w=`` part and ``gptq`` settings)."""
+        """GPTQ of a weight with the Hessian of its inputs, as a spec's ``w=`` part and ``gptq`` settings say.
+
+        Args:
+            w: the weight ``(O, I)``.
+            h: the Hessian ``(I, I)``.
+            spec: the spec."""
         part, cfg = spec.part("w"), spec.gptq
         fmt = part.format
         r = gptq_quantize(w, h, part.bits, fmt, part.size if part.granularity == "per_group" else None, cfg.block,
@@ -116,10 +130,19 @@ def _gptq_layer(spec: QuantSpec):
 
 def gptq_model(model: nn.Module, seqs: torch.Tensor, spec: QuantSpec, sites: list, progress: bool = True,
                checkpoint_dir=None, alone: bool = False) -> dict[str, RoundedWeight]:
-    """GPTQ of the linears ``sites`` (``linear_sites`` of ``spec``), calibrated layer
-    after layer on ``seqs`` (N, T) token ids (module docstring; ``checkpoint_dir``: every finished layer saved there,
-    a rerun continues after it; ``alone``: each layer as if it alone were quantized, ``layerwise``). Returns full
-    module name -> ``RoundedWeight``; the model is as it was."""
+    """GPTQ of a spec's linears, calibrated layer after layer; the model comes back as it was.
+
+    Args:
+        model: the model.
+        seqs: calibration token ids ``(N, T)``.
+        spec: the spec (with ``gptq``).
+        sites: its quantized linears (``linear_sites``).
+        progress: show a progress bar.
+        checkpoint_dir: every finished layer is saved there and a rerun continues after it; None: not kept.
+        alone: each layer as if it alone were quantized (``layerwise``).
+
+    Returns:
+        Full module name -> ``RoundedWeight``."""
     if spec.gptq is None:
         raise OutlierscopeError(f"{spec}: no gptq in the spec; add gptq (e.g. w=fint4/per_group:128; gptq)")
     return layerwise(model, seqs, spec, sites, "gptq", _gptq_layer(spec),
