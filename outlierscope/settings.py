@@ -27,15 +27,32 @@ from dataclasses import dataclass
 
 def option(default, help: str, *, flag: str | None = None, choices=None, metavar: str | None = None,
            repeat: bool = False, parse: Callable[[str], object] | None = None, exclusive: str | None = None):
-    """A dataclass field with its command-line description (see the module docstring)."""
+    """A settings field with its command-line description; the CLI flag is derived from it.
+
+    Args:
+        default: the field's default (``MISSING``: required).
+        help: the flag's help, and the field's documentation.
+        flag: the flag; None: ``--`` and the field's name with dashes.
+        choices: the values it takes.
+        metavar: the value's name in the help.
+        repeat: a list given by repeating the flag (else: several values after one flag).
+        parse: turns the command-line text into the field's value.
+        exclusive: a group of flags of which at most one may be given."""
     meta = {"help": help, "flag": flag, "choices": tuple(choices) if choices is not None else None, "metavar": metavar,
             "repeat": repeat, "parse": parse, "exclusive": exclusive}
     return dataclasses.field(default=default, metadata={"cli": meta})
 
 
 def check_defaults(settings, names, why: str) -> None:
-    """Each of ``names`` (fields of the frozen ``settings``) at its default, or a ParamError naming the first that is
-    not: ``why`` says what the settings measure instead (a field that would be silently unused)."""
+    """Refuse a setting that would be silently unused: each named field must be at its default.
+
+    Args:
+        settings: the frozen settings.
+        names: the fields.
+        why: what the settings measure instead, for the error.
+
+    Raises:
+        ParamError: naming the first field that is not at its default."""
     from outlierscope.errors import ParamError
 
     defaults = {f.name: f.default for f in dataclasses.fields(settings)}
@@ -46,12 +63,25 @@ def check_defaults(settings, names, why: str) -> None:
 
 @dataclass(frozen=True)
 class CliOption:
-    """How one settings field appears on the command line."""
+    """How one settings field appears on the command line.
 
-    name: str  # the field, also the argparse ``dest``
+    Attributes:
+        name: the field, also the argparse ``dest``.
+        flag: its flag.
+        kind: ``flag`` (a bool), ``list`` (a tuple) or ``value``.
+        type: the type of one value as parsed.
+        default: the field's default.
+        help: the help text.
+        choices: the values it takes.
+        metavar: the value's name in the help.
+        repeat: a list given by repeating the flag.
+        parse: turns the command-line text into the field's value.
+        exclusive: its group of mutually exclusive flags."""
+
+    name: str
     flag: str
-    kind: str  # "flag" (a bool), "list" (a tuple) or "value"
-    type: type  # of one value as parsed from the command line
+    kind: str
+    type: type
     default: object
     help: str
     choices: tuple | None
@@ -91,8 +121,12 @@ def cli_options(cls) -> list[CliOption]:
 
 
 def from_cli(cls, values: dict, **extra):
-    """``cls`` from parsed command-line ``values`` (by field name; None: not given, so the field's default);
-    ``extra`` overrides. A ``parse`` function's ``ValueError`` is raised as it is (it names the setting)."""
+    """Settings from parsed command-line values; a ``parse`` function's ``ValueError`` is raised as it is.
+
+    Args:
+        cls: the settings class.
+        values: parsed values by field name (None: not given, the field's default).
+        **extra: values that override."""
     kw = {}
     for o in cli_options(cls):
         v = values.get(o.name)

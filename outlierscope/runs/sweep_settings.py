@@ -158,7 +158,10 @@ class SweepSettings:
                              self.device_map)
 
     def kld_settings(self, model: str):
-        """The perplexity run of ``model`` on ``kld_text``: every spec of this sweep (its text), the same placement."""
+        """The perplexity run of a model on ``kld_text``: every spec of this sweep, the same placement.
+
+        Args:
+            model: the model."""
         from outlierscope.runs.perplexity import PerplexitySettings
 
         return PerplexitySettings(model=model, quant=tuple(str(sp) for sp in self.specs() if not sp.is_identity),
@@ -167,6 +170,10 @@ class SweepSettings:
                                   attn_block=self.attn_block, trust_remote_code=self.trust_remote_code)
 
     def spec(self, bits: int) -> QuantSpec:
+        """The paper's logits spec of a bit width, in this sweep's format, granularity and layers.
+
+        Args:
+            bits: the width."""
         return build_spec(bits, self.format, self.granularity, self.layers)
 
     def specs(self) -> list[QuantSpec]:
@@ -180,8 +187,10 @@ class SweepSettings:
         return out
 
     def spec_of(self, cell: dict) -> QuantSpec:
-        """The spec of a cell as a record lists it (``quant``: an attention spec's text; else its bits): the one of
-        ``specs`` that ran it, with its recipe name."""
+        """The spec of a cell as a record lists it: the one of ``specs`` that ran it, with its recipe name.
+
+        Args:
+            cell: the record's cell entry (``quant``: a spec's text; else its ``bits``)."""
         if cell.get("quant"):
             ran = (sp for sp in self.specs() if str(sp) == cell["quant"])
             return next(ran, None) or QuantSpec.parse(cell["quant"])
@@ -199,7 +208,10 @@ class SweepSettings:
 
     @classmethod
     def from_record(cls, settings: dict) -> SweepSettings:
-        """The settings as a sweep.json holds them (lists for tuples; ``task``: one task, before ``tasks``)."""
+        """The settings as a sweep.json holds them (lists for tuples; an older record's ``task``: one task).
+
+        Args:
+            settings: the record's settings."""
         return cls(**{k: tuple(v) if isinstance(v, list) and k in ("models", "bits", "layers", "tasks") else v
                       for k, v in _current_keys(settings).items()})
 

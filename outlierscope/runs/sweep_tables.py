@@ -21,8 +21,13 @@ from outlierscope.runs.sweep_settings import SweepSettings
 
 
 def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("acc", "acc_norm")) -> dict:
-    """The cell's ``metrics`` (the task's: lm-eval's acc-only tasks have no acc_norm), flat, with stderr, and
-    against ``base`` each metric's change."""
+    """A cell's metrics, flat, with their standard errors and, against the unquantized cell, each metric's change.
+
+    Args:
+        res: the cell's result.
+        base: its model's unquantized cell; None: no change.
+        seed: the bootstrap's seed.
+        metrics: the task's metrics (lm-eval's acc-only tasks have no acc_norm)."""
     cmp = res.compare(base, seed=seed) if base is not None else None
     out = {}
     for m in metrics:  # per metric: value, stderr, then its change (the row order of sweep.csv)
@@ -39,9 +44,13 @@ def cell_metrics(res: EvalResult, base: EvalResult | None, seed: int, metrics=("
 
 
 def cell_label(spec: QuantSpec, source: dict | None = None) -> str:
-    """A cell's label in tables and on the console: the spec's, except the 16-bit cell of a checkpoint saved quantized
-    (``source``: its ``provenance``, or the run record's entry), which
-    is no emulation on top of that checkpoint's own quantization, not an unquantized model."""
+    """A cell's label in tables and on the console: the spec's, or for a checkpoint saved quantized its own at 16 bits.
+
+    That 16-bit cell is no emulation on top of the checkpoint's own quantization, not an unquantized model.
+
+    Args:
+        spec: the cell's spec.
+        source: the model's ``provenance`` (or the run record's entry)."""
     saved = (source or {}).get("quantization_config")
     if spec.is_identity and saved:
         return f"16 (no emulation; saved {saved.get('quant_method', 'quantized')})"
@@ -102,7 +111,11 @@ class SweepResult:
 
 
 def task_record(task: str, items: list) -> dict:
-    """What a sweep records per task: display name, metrics, items, their digest and the chance level (%)."""
+    """What a sweep records per task: display name, metrics, items, their digest and the chance level (%).
+
+    Args:
+        task: the task.
+        items: its items."""
     return {"label": task_label(task), "metrics": list(task_metrics(task)), "n_items": len(items),
             "items_sha256": items_digest(items), "chance": chance_percent(items)}
 
@@ -158,10 +171,15 @@ GOLD_COLUMNS = ["model", "task", "label", "n_items", "delta_gold_ll", "ci_low", 
 
 
 def gold_ll_table(cells: list[tuple[str, str, QuantSpec, str, EvalResult]], seed: int) -> pd.DataFrame:
-    """Per quantized cell: the mean change of the gold choice's log-likelihood against its model's unquantized cell
-    (nats; < 0 hurts) with its 95% paired bootstrap interval, a measure that moves where accuracy sits at chance;
-    and that change minus the first model's change of the same task and setting, paired by item (the pair: Diff
-    minus Transformer; < 0: this model is hurt more), NaN for the first model."""
+    """Per quantized cell, the mean change of the gold choice's log-likelihood against its model's unquantized cell.
+
+    In nats (< 0 hurts), with its 95% paired bootstrap interval (a measure that moves where accuracy sits at chance);
+    and that change minus the first model's change of the same task and setting, paired by item (the pair: Diff minus
+    Transformer; < 0: this model is hurt more), NaN for the first model.
+
+    Args:
+        cells: ``(model, task, spec, cell id, result)`` of every cell.
+        seed: the bootstrap's seed."""
     base, change, rows = {}, {}, []
     for model, task, spec, _, res in cells:
         if spec.is_identity:

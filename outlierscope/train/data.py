@@ -14,7 +14,17 @@ from outlierscope.train.tokenizer import batched
 
 
 def tokenize_to_file(tokenizer, docs, path: Path, limit: int, on_doc=None) -> tuple[int, int]:
-    """Tokenize documents (EOS after each) into a uint16 file until ``limit`` tokens; returns (tokens, docs)."""
+    """Tokenize documents (EOS after each) into a uint16 file until a number of tokens, atomically.
+
+    Args:
+        tokenizer: the tokenizer.
+        docs: the documents.
+        path: the file.
+        limit: the tokens wanted.
+        on_doc: called with each document used (decontamination's scan).
+
+    Returns:
+        ``(tokens, documents)`` written."""
     n_tok = n_doc = 0
     with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for chunk in batched(docs, 64):
@@ -34,7 +44,16 @@ def tokenize_to_file(tokenizer, docs, path: Path, limit: int, on_doc=None) -> tu
 
 
 class PackedData:
-    """Sequences of ``seq_len + 1`` tokens packed from a token file; batch ``step`` is a pure function of the step."""
+    """Sequences of ``seq_len + 1`` tokens packed from a token file; a step's batch is a pure function of the step.
+
+    Args:
+        path: the token file.
+        seq_len: tokens per training sequence.
+        batch_size: sequences per batch.
+        seed: the permutation's seed (one permutation per epoch).
+
+    Raises:
+        OutlierscopeError: a corpus that gives fewer sequences than one batch."""
 
     def __init__(self, path: Path, seq_len: int, batch_size: int, seed: int):
         self.tokens = np.memmap(path, dtype=np.uint16, mode="r")
@@ -57,6 +76,10 @@ class PackedData:
         return self._perm
 
     def batch(self, step: int) -> np.ndarray:
+        """The batch of a step: its sequences in the epoch's seeded permutation.
+
+        Args:
+            step: the step."""
         idx = []
         for i in range(step * self.batch_size, (step + 1) * self.batch_size):
             epoch, j = divmod(i, self.n_seq)
@@ -64,7 +87,10 @@ class PackedData:
         return self._rows(idx)
 
     def in_order(self, i: int) -> np.ndarray:
-        """Batch ``i`` in file order (no permutation): validation sees the same sequences every time."""
+        """Batch ``i`` in file order (no permutation): validation sees the same sequences every time.
+
+        Args:
+            i: the batch."""
         return self._rows(range(i * self.batch_size, (i + 1) * self.batch_size))
 
     def _rows(self, idx) -> np.ndarray:

@@ -11,11 +11,17 @@ EOS_TOKEN = "<|endoftext|>"
 
 
 def train_bpe(documents: Iterable[str], vocab_size: int, max_chars: int = 50_000_000):
-    """Train a byte-level BPE on the first ``max_chars`` characters of ``documents``.
+    """Train a byte-level BPE on the first characters of some documents; ``<|endoftext|>`` gets id 0.
 
-    ``<|endoftext|>`` gets id 0 (it separates documents and pads). Returns a
-    ``PreTrainedTokenizerFast``.
-    """
+    It separates documents and pads.
+
+    Args:
+        documents: the documents.
+        vocab_size: the vocabulary's size.
+        max_chars: the characters read.
+
+    Returns:
+        A ``PreTrainedTokenizerFast``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -42,6 +48,10 @@ def train_bpe(documents: Iterable[str], vocab_size: int, max_chars: int = 50_000
 
 
 def wrap(tok):
+    """A trained ``tokenizers`` tokenizer as a ``PreTrainedTokenizerFast`` (EOS and pad ``<|endoftext|>``, no BOS).
+
+    Args:
+        tok: the ``tokenizers.Tokenizer``."""
     from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(
@@ -51,12 +61,21 @@ def wrap(tok):
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """A run's tokenizer from its ``tokenizer.json``.
+
+    Args:
+        path: the file."""
     from tokenizers import Tokenizer
 
     return wrap(Tokenizer.from_file(str(Path(path))))
 
 
 def batched(it: Iterable, n: int):
+    """An iterable in lists of ``n`` (the last shorter).
+
+    Args:
+        it: the iterable.
+        n: the list size."""
     it = iter(it)
     while chunk := list(itertools.islice(it, n)):
         yield chunk
