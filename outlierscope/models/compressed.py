@@ -19,9 +19,13 @@ from outlierscope.models.packed import read_tensor, tensor_files
 
 
 def decompress_now(model, path: Path) -> None:
-    """Decompress a compressed-tensors ``model`` loaded from ``path`` in place (nothing for other models). Each
-    quantized linear keeps compressed-tensors' own quantized forward (its activation scheme emulated); every weight
-    takes the model's dtype."""
+    """Decompress a compressed-tensors model in place; each quantized linear keeps compressed-tensors' own forward.
+
+    Its activation scheme is emulated; every weight takes the model's dtype. Nothing for other models.
+
+    Args:
+        model: the loaded model.
+        path: its directory."""
     quantizer = getattr(model, "hf_quantizer", None)
     if getattr(model, "ct_decompress_hook", None) is None or not hasattr(quantizer, "compressor"):
         return
@@ -35,8 +39,13 @@ def decompress_now(model, path: Path) -> None:
 
 
 def nvfp4_linears(model) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` whose weights are NVFP4 (E2M1 codes in groups of 16 with E4M3 scales and a float32
-    global scale), by name as the checkpoint's tensors are named."""
+    """The modules whose weights are NVFP4 (E2M1 codes in groups of 16, E4M3 scales, a float32 global scale).
+
+    Args:
+        model: the model.
+
+    Returns:
+        Name (as the checkpoint's tensors are named) -> module."""
     out = {}
     for name, module in model.named_modules():
         w = getattr(getattr(module, "quantization_scheme", None), "weights", None)
@@ -46,9 +55,14 @@ def nvfp4_linears(model) -> dict[str, torch.nn.Module]:
 
 
 def decode_nvfp4(modules: dict[str, torch.nn.Module], path: Path) -> None:
-    """Set each module's weight to its NVFP4 decode from the checkpoint's files under ``path`` (shards included):
+    """Set each module's weight to its NVFP4 decode from the checkpoint's files (shards included).
+
     compressed-tensors' ``dequantize`` of the unpacked E2M1 codes with ``weight_scale`` and ``weight_global_scale``,
-    in float32, then in the module's dtype."""
+    in float32, then in the module's dtype.
+
+    Args:
+        modules: ``nvfp4_linears``' modules.
+        path: the checkpoint's directory."""
     from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
     from compressed_tensors.quantization.lifecycle.forward import dequantize
 

@@ -34,16 +34,25 @@ PICKLE_FILES = ["*.bin", "pytorch_model.bin.index.json"]
 
 @dataclass(frozen=True)
 class HubModel:
-    """A resolved Hub model: where its snapshot lies and exactly which commit it is."""
+    """A resolved Hub model: where its snapshot lies and exactly which commit it is.
+
+    Attributes:
+        repo_id: ``ORG/NAME``.
+        revision: as the user asked; None: the default branch.
+        commit: the resolved commit sha.
+        path: the snapshot directory in the cache."""
 
     repo_id: str
-    revision: str | None  # as the user asked (None: the default branch)
-    commit: str  # the resolved commit sha
-    path: Path  # the snapshot directory in the cache
+    revision: str | None
+    commit: str
+    path: Path
 
 
 def parse_hub_id(spec: str) -> tuple[str, str | None] | None:
-    """``("ORG/NAME", "REV" or None)`` when ``spec`` is spelled as a Hub id, else None."""
+    """``("ORG/NAME", "REV" or None)`` when a spec is spelled as a Hub id, else None.
+
+    Args:
+        spec: the spec."""
     m = HUB_ID.match(spec)
     return (m["repo"], m["rev"]) if m else None
 
@@ -60,9 +69,12 @@ def hub_settings() -> dict:
 def resolve_hub(spec: str, trust_remote_code: bool = False) -> HubModel:
     """Download (or find in the cache) the snapshot of a Hub id; every failure is a one-line error.
 
-    Requests: a commit sha already in the cache needs none; a branch or tag needs one (which commit is it now?)
-    unless ``HF_HUB_OFFLINE`` is set; within one process a spec is resolved once (a run checks its models before
-    it loads them)."""
+    A commit sha already in the cache needs no request; a branch or tag needs one unless ``HF_HUB_OFFLINE`` is set;
+    within one process a spec is resolved once.
+
+    Args:
+        spec: ``ORG/NAME[@REVISION]``.
+        trust_remote_code: the model's own code may run."""
     hs = hub_settings()
     return _resolve(spec, trust_remote_code, hs["endpoint"], hs["cache_dir"], hs["offline"])
 

@@ -23,11 +23,16 @@ def bundled_specs() -> list[str]:
 
 @dataclass(frozen=True)
 class ModelSource:
-    """Where a model spec led: its kind, its directory and what identifies the exact weights beyond the files'
-    digest (a Hub commit; a GGUF file's sha256 and quantization types). Run records carry ``record``."""
+    """Where a model spec led, and what identifies the exact weights beyond the files' digest.
 
-    spec: str  # as the user gave it
-    kind: str  # directory, preset, fetched, hub or gguf
+    Attributes:
+        spec: as the user gave it.
+        kind: ``directory``, ``preset``, ``fetched``, ``hub`` or ``gguf``.
+        path: its directory.
+        detail: a Hub commit; a GGUF file's sha256 and quantization types."""
+
+    spec: str
+    kind: str
     path: Path
     detail: dict = field(default_factory=dict)
 
@@ -36,16 +41,23 @@ class ModelSource:
 
 
 def resolve_spec(spec: str, trust_remote_code: bool = False) -> Path:
-    """The model directory of a spec (see ``resolve_model``)."""
+    """The model directory of a spec (``resolve_model``).
+
+    Args:
+        spec: the spec.
+        trust_remote_code: the model's own code may run."""
     return resolve_model(spec, trust_remote_code).path
 
 
 def resolve_model(spec: str, trust_remote_code: bool = False) -> ModelSource:
-    """Map a spec to a model, in this order: an existing local directory (or ``.gguf`` file, converted once into the
-    cache), a preset role or fetchable model, then a Hugging Face Hub id ``ORG/NAME[@REVISION]`` (downloaded into
-    the Hub cache). A path that is not a model (no config.json, not a file) does not hide a preset role or fetchable
-    model of the same name (an output directory ``smollm2-135m/`` beside the command). Anything else is a one-line
-    error naming what is wrong."""
+    """Map a spec to a model: a local directory or ``.gguf`` file, a preset role or fetched model, then a Hub id.
+
+    A path that is not a model (no config.json, not a file) does not hide a preset role or fetchable model of the same
+    name. Anything else is a one-line error naming what is wrong.
+
+    Args:
+        spec: the spec.
+        trust_remote_code: the model's own code may run."""
     from outlierscope.models.hub import parse_hub_id, resolve_hub
 
     path = Path(spec).expanduser()
