@@ -24,7 +24,10 @@ def _open(path: Path):
 
 
 def check_corpus(paths: list[str | os.PathLike]) -> list[Path]:
-    """Validate corpus paths up front: they exist, have a known suffix and are not empty."""
+    """Validate corpus paths up front: they exist, have a known suffix and are not empty.
+
+    Args:
+        paths: the files."""
     if not paths:
         raise ParamError("corpus", "at least one file", list(paths))
     out = []
@@ -40,7 +43,10 @@ def check_corpus(paths: list[str | os.PathLike]) -> list[Path]:
 
 
 def iter_documents(paths: list[str | os.PathLike]) -> Iterator[str]:
-    """Yield documents one at a time (a jsonl line's ``text``, or a whole .txt file split on blank lines)."""
+    """The documents of some corpus files, one at a time: a jsonl line's ``text``, or a .txt file split on blank lines.
+
+    Args:
+        paths: the files."""
     for path in check_corpus(paths):
         is_jsonl = ".jsonl" in path.name
         try:

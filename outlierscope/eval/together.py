@@ -59,10 +59,19 @@ def score_requests_together(model, requests: Sequence[Request], specs: Sequence[
                             batch_size: int = 32, calibrations: Sequence | None = None, block_rows: int | None = None,
                             shards: Collection[int] | None = None, progress=None,
                             hold_bytes: int = HOLD_BYTES) -> list[np.ndarray]:
-    """Per spec of ``specs`` (each with its ``calibrations`` entry, or None), the summed log-probabilities (N, C)
-    ``score_requests`` gives inside ``quantize_model(model, spec, block_rows,
-    calibration)`` in ``layout`` with ``batch_size`` (and ``shards``), computed batch by batch for every spec together
-    (module docstring). ``progress(n)`` after each batch: the items that every spec has scored."""
+    """Per spec, the summed log-probabilities ``score_requests`` gives under it, computed batch by batch for all.
+
+    Args:
+        model: the causal LM.
+        requests: the items' requests.
+        specs: the specs.
+        layout: the one layout they all take.
+        batch_size: sequences per forward.
+        calibrations: each spec's ``calibration_for``; None: none needed.
+        block_rows: query rows per attention block.
+        shards: compute only the batches of these virtual shards.
+        progress: ``progress(n)`` after each batch: the items every spec has scored.
+        hold_bytes: the budget for quantized weights kept from batch to batch."""
     calibrations = list(calibrations) if calibrations is not None else [None] * len(specs)
     if len(calibrations) != len(specs):
         raise ValueError(f"calibrations must have one entry per spec ({len(specs)}), got {len(calibrations)}")
@@ -96,11 +105,20 @@ def _record_trunk(model, rows: list[dict], layers: set[int], block_rows: int | N
 def evaluate_together(model, tokenizer=None, *, specs: Sequence[QuantSpec | str], items, task: str = "hellaswag",
                       shard: Shard | None = None, world: World | None = None, options: EvalOptions | None = None,
                       **option_kwargs) -> list[EvalResult | None]:
-    """``evaluate(model, quant=spec, items=items, task=task, ...)`` for each spec of ``specs``, computed in one pass
-    (``score_requests_together``): each result's scores, predictions and settings are those ``evaluate`` gives
-    for the spec alone; its ``seconds`` the pass's wall time shared equally. The specs must take one layout
-    (``options.layout``, else ``layout_for`` each). ``shard`` and ``world`` as in
-    ``evaluate`` (rank 0 gets the results, the other ranks Nones; a partial shard gives partial results)."""
+    """``evaluate`` of each spec, computed in one pass; each result is the one ``evaluate`` gives for the spec alone.
+
+    Its ``seconds`` is the pass's wall time shared equally. The specs must take one layout.
+
+    Args:
+        model: a ``LoadedModel``, or a causal LM module.
+        tokenizer: the module's tokenizer.
+        specs: the specs.
+        items: the items.
+        task: the task.
+        shard: as in ``evaluate`` (a partial shard gives partial results).
+        world: as in ``evaluate`` (rank 0 gets the results, the other ranks Nones).
+        options: an ``EvalOptions``.
+        **option_kwargs: its fields as keywords."""
     model, tokenizer = model_and_tokenizer(model, tokenizer)
     check_causal(model)
     opt = eval_options(options, option_kwargs)

@@ -53,7 +53,11 @@ class Observation:
 
 @dataclass
 class Capture:
-    """Handle returned by ``capture``."""
+    """The handle ``capture`` yields.
+
+    Attributes:
+        points: the resolved points.
+        sequences: the sequences seen so far."""
 
     points: list[Point]
     sequences: int = 0
@@ -61,8 +65,13 @@ class Capture:
     _ids: torch.Tensor | None = field(default=None, repr=False)
 
     def ids_for(self, valid: torch.Tensor) -> torch.Tensor | None:
-        """The token ids (B, T) of a token tensor with validity ``valid`` (B, T): the last T of the forward's ids (a
-        forward with a cache observes its new tokens), or None when they do not line up (keys over a cache)."""
+        """The token ids of a token tensor's tokens: the last T of the forward's ids (a cached forward sees its new ones).
+
+        Args:
+            valid: the tensor's validity ``(B, T)``.
+
+        Returns:
+            ``(B, T)``, or None when they do not line up (keys over a cache)."""
         ids = self._ids
         if ids is None or ids.shape[0] != valid.shape[0] or ids.shape[1] < valid.shape[1]:
             return None

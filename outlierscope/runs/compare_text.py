@@ -30,9 +30,17 @@ UNQUANTIZED = QuantSpec()
 
 
 def text_windows(s, records: dict | None = None, log=print) -> dict:
-    """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's tokenizer
-    must give the same windows (else its tokens and the float model's are not the same events). ``records``:
-    model -> its ``inspect_model``, where the caller has it (made here otherwise)."""
+    """The text, the window length and the windows, cut by the float model's tokenizer; the checkpoint's must cut alike.
+
+    Else its tokens and the float model's are not the same events.
+
+    Args:
+        s: the comparison's settings.
+        records: model -> its ``inspect_model``, where the caller has it.
+        log: where progress lines go.
+
+    Raises:
+        ParamError: a float model whose tokenizer cuts the text otherwise."""
     from outlierscope.models.loading import inspect_model
     from outlierscope.runs.perplexity import prepare_windows, windows_said
 
@@ -47,9 +55,16 @@ def text_windows(s, records: dict | None = None, log=print) -> dict:
 
 
 def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict | None) -> dict:
-    """A text cell's identity: a perplexity cell's (``ident``: its model, text and windows; ``spec``), and the model
-    it is compared against when that is not its own unquantized self (``reference``: model, weights, spec), with
-    the batch size of any such pair (the checkpoint's own forward depends on it by float32 rounding)."""
+    """A text pair cell's identity: a perplexity cell's and the model it is compared against.
+
+    The batch size of any pair against another model enters too (the checkpoint's own forward depends on it by
+    float32 rounding).
+
+    Args:
+        ident: the cell's model, text and windows.
+        spec: its spec.
+        batch_size: windows per forward.
+        reference: model, weights and spec it is compared against; None: its own unquantized self."""
     from outlierscope.runs.text_cells import cell_settings
 
     out = cell_settings(ident, spec, batch_size)
@@ -62,10 +77,17 @@ def pair_settings(ident: dict, spec: QuantSpec, batch_size: int, reference: dict
 
 def compare_on_text(s, out: Path, specs: list[str], records: dict | None = None,
                     log=print) -> tuple[pd.DataFrame, dict, dict]:
-    """The text pairs of ``s`` (``CompareSettings`` with metric text) into
-    ``out/cells``, in compare-quant's order: float vs real, then per emulation float vs it and real vs it
-    (``records``: ``text_windows``'). Returns the table, what the record says of the text and the models, and
-    each row's per-token KL divergence (label -> values, for the figure)."""
+    """The text pairs of a comparison, in compare-quant's order: float vs real, then float and real vs each emulation.
+
+    Args:
+        s: the ``CompareSettings`` (metric text).
+        out: the run's directory (cells in ``out/cells``).
+        specs: the emulations.
+        records: ``text_windows``' records.
+        log: where progress lines go.
+
+    Returns:
+        ``(table, what the record says of the text and models, label -> per-token KLD)``."""
     from outlierscope.models.loading import load_model
     from outlierscope.parallel import World
     from outlierscope.runs.perplexity import text_ident

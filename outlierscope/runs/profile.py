@@ -108,7 +108,10 @@ class ProfileSettings:
 
 
 def default_points(preset: str | None) -> tuple[str, ...]:
-    """The points profiled when none are given: the paper's two, or none besides a preset's."""
+    """The points profiled when none are given: the paper's two, or none besides a preset's.
+
+    Args:
+        preset: the preset given, or None."""
     return DEFAULT_POINTS if preset is None else ()
 
 
@@ -135,8 +138,10 @@ def _quantized(module, tokenizer, quant: str | None, attn_block: int | None):
 
 @torch.no_grad()
 def diff_lambdas(model) -> list[tuple[float, float]]:
-    """(lambda_init, lambda_full) per layer of a DiffLlama model, as its forward computes lambda
-    (``diff_lambda``); empty for other models."""
+    """``(lambda_init, lambda_full)`` per layer of a DiffLlama model, as its forward computes lambda.
+
+    Args:
+        model: the model (not DiffLlama: empty)."""
     out = []
     for layer in decoder_layers(model):
         a = getattr(layer, "self_attn", None)
@@ -281,8 +286,11 @@ def _stats(state, path: Path) -> OutlierStats:
 
 
 def merge_profile(dirs: list[str | Path], out: str | Path | None = None) -> ProfileResult:
-    """Combine the ``profile.shard-i-of-N.pt`` files of a profile run with ``--shard i/N`` (i = 0..N-1) found in
-    ``dirs`` and write the whole profile to ``out`` (default: the first directory): the bytes of one process."""
+    """Combine the ``profile.shard-i-of-N.pt`` files of a ``--shard i/N`` profile into the whole: one process's bytes.
+
+    Args:
+        dirs: the directories holding the shards.
+        out: where the profile goes; None: the first directory."""
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "profile", ".pt", "profile")
     n = len(files)

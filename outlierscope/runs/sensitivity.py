@@ -55,14 +55,19 @@ from outlierscope.runs.sensitivity_settings import SensitivitySettings
 
 
 def greedy_keep(order: list[int], layers: list[int], within) -> tuple[list[int], list[dict]]:
-    """The fewest of the most harmful layers (``order``, most harmful first) to keep at higher precision such
-    that ``within(quantized_layers)`` returns ``(True, record)`` (``layers``: all the candidates, i.e. the
-    attention layers): keeping k = 0 and k = n_layers are tried
-    first, then a bisection over k (about log2(n_layers) evaluations, not n_layers: 7 for an 80-layer
-    model), which finds the fewest k when keeping more harmful layers never hurts. Returns (kept layers,
-    the records of every try, sorted by k; the one of the kept layers is the verification). When even
-    keeping every layer is not within (kept layers at 8 bits can miss), every layer is returned and its
-    record says ``within_tolerance`` False."""
+    """The fewest of the most harmful layers to keep at higher precision so that the rest stays within the bound.
+
+    k = 0 and k = all are tried first, then a bisection over k (about log2(n) evaluations: 7 for an 80-layer model),
+    which finds the fewest when keeping more harmful layers never hurts. When even keeping every layer is not within
+    (kept layers at 8 bits can miss), every layer is returned and its record says ``within_tolerance`` False.
+
+    Args:
+        order: the layers, most harmful first.
+        layers: every candidate (the attention layers).
+        within: ``within(quantized_layers)`` -> ``(bool, record)``.
+
+    Returns:
+        ``(kept layers, the records of every try, by k)``; the kept layers' is the verification."""
     tries, n_layers = {}, len(layers)
 
     def ok(k: int) -> bool:
@@ -163,10 +168,18 @@ def _write_shard(run: _Run, out: Path) -> None:
 
 
 def merge_sensitivity(dirs: list[str | Path], out: str | Path | None = None, log=print) -> Path:
-    """Combine the cells of the ``--shard i/N`` runs of one sensitivity study (``sensitivity.shard-i-of-N.json`` in
-    ``dirs``) into whole cells in ``out`` (default: the first directory), the files one process writes; then the
-    same command without ``--shard`` reads them and runs the greedy's tries. Every part is read before anything is
-    written."""
+    """Combine the cells of the ``--shard i/N`` runs of one sensitivity study into whole cells: one process's files.
+
+    The same command without ``--shard`` then reads them and runs the greedy's tries. Every part is read before
+    anything is written.
+
+    Args:
+        dirs: the directories holding the shards.
+        out: where the cells go; None: the first directory.
+        log: where progress lines go.
+
+    Returns:
+        The directory."""
     dirs = [Path(d) for d in dirs]
     files = find_shards(dirs, "sensitivity", ".json", "sensitivity")
     recs = [(f.parent, read_record(f, ("settings", "cells"), "sensitivity shard record")) for f in files]
@@ -185,9 +198,15 @@ def merge_sensitivity(dirs: list[str | Path], out: str | Path | None = None, log
 
 
 def check_previous(out: Path, s: SensitivitySettings, force: bool, shard: Shard | None = None) -> None:
-    """Refuse to replace the tables (or shard record) of a sensitivity run with other settings in ``out`` unless
-    ``force`` (its cells with matching settings are reused either way). A setting an older record lacks counts as its
-    default."""
+    """Refuse to replace the tables (or shard record) of a sensitivity run with other settings, unless forced.
+
+    Cells with matching settings are reused either way; a setting an older record lacks counts as its default.
+
+    Args:
+        out: the output directory.
+        s: this run's settings.
+        force: replace them.
+        shard: a partial shard (its own record); None: the whole run."""
     import json
 
     prev = out / ("sensitivity.json" if shard is None or shard.whole else f"sensitivity.{shard.tag}.json")
