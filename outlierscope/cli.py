@@ -601,6 +601,13 @@ def _flags(parser: argparse.ArgumentParser, command: str | None) -> dict[str, st
 def main(argv: list[str] | None = None) -> int:
     # quiet tokenizers and one-line warnings for the command line only: importing the library changes neither.
     # The Hub's settings (HF_HUB_OFFLINE, HF_ENDPOINT, HF_TOKEN, HF_HOME) are the user's: nothing is forced.
+    """The command line: parse, run the command, print; returns the exit status (2: bad input, 130: interrupted).
+
+    Tokenizers are quieted and warnings are one line for the command line only: importing the library changes
+    neither; the Hub's settings are the user's.
+
+    Args:
+        argv: the arguments; None: ``sys.argv[1:]``."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.formatwarning = lambda message, *args, **kwargs: \
         f"outlierscope: warning: {str(message).removeprefix('outlierscope: ')}\n"  # the library's own prefix once

@@ -104,7 +104,10 @@ def _base(hint) -> tuple[str, type]:
 
 
 def cli_options(cls) -> list[CliOption]:
-    """The command-line options of a settings dataclass, in field order (fields declared with ``option``)."""
+    """The command-line options of a settings dataclass, in field order (the fields declared with ``option``).
+
+    Args:
+        cls: the settings class."""
     hints = typing.get_type_hints(cls)
     out = []
     for f in dataclasses.fields(cls):

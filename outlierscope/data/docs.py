@@ -12,12 +12,18 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class TaskDoc:
-    """One row as requests: ``requests[j] = (context, continuation)`` for choice j."""
+    """One row of a task as requests.
+
+    Attributes:
+        index: the row's index.
+        requests: ``(context, continuation)`` for each choice.
+        gold: the gold choice.
+        choice_chars: each choice's length without the delimiter, for acc_norm."""
 
     index: int
     requests: tuple[tuple[str, str], ...]
     gold: int
-    choice_chars: tuple[int, ...]  # len(choice) without the delimiter, for acc_norm
+    choice_chars: tuple[int, ...]
 
     def json(self) -> dict:
         return {"doc_id": self.index, "requests": [list(r) for r in self.requests], "gold": self.gold}

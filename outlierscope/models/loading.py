@@ -77,7 +77,10 @@ from outlierscope.models.resolve import (  # noqa: F401 (re-exported)
 
 
 def state_dict_sha256(model) -> str:
-    """sha256 over the parameters and buffers of an in-memory model (name, dtype, shape and bytes, by name)."""
+    """The sha256 over the parameters and buffers of an in-memory model: name, dtype, shape and bytes, by name.
+
+    Args:
+        model: the model."""
     import torch
 
     h = hashlib.sha256()
@@ -255,7 +258,14 @@ def _from_pretrained(record: ModelRecord, dtype: str, attn_implementation: str, 
 
 
 def check_generation(prompt: str, max_new_tokens: int, temperature: float, top_k: int, config=None) -> None:
-    """The arguments of ``generate``, checked before a model loads (``config``: also against its context)."""
+    """Check ``generate``'s arguments before a model loads.
+
+    Args:
+        prompt: a non-empty text.
+        max_new_tokens: a positive number.
+        temperature: >= 0 (0: greedy).
+        top_k: >= 1.
+        config: the model's config, to check against its context; None: not checked."""
     if not prompt:
         raise ParamError("prompt", "a non-empty string", prompt)
     if max_new_tokens <= 0:

@@ -180,6 +180,10 @@ def inspect_model(spec: str, trust_remote_code: bool = False) -> ModelRecord:
 
 
 def check_model(spec: str, trust_remote_code: bool = False):
-    """``(source, config)`` of ``inspect_model`` (its record has the rest)."""
+    """``(source, config)`` of ``inspect_model`` (its record has the rest).
+
+    Args:
+        spec: the model spec.
+        trust_remote_code: the model's own code may run."""
     record = inspect_model(spec, trust_remote_code)
     return record.source, record.config

@@ -57,9 +57,17 @@ def _check_runs(model: nn.Module, mode: str) -> None:
 
 @contextlib.contextmanager
 def bnb_weights(model: nn.Module, mode: str) -> Iterator[nn.Module]:
-    """bitsandbytes ``mode`` weights (``int8``, ``nf4``; ``none``: nothing) in the decoder's linears while the context
-    lasts; the original modules are kept and put back in ``finally`` (their memory stays allocated meanwhile). Works
-    on x86 CPUs with bitsandbytes >= 0.47."""
+    """bitsandbytes weights in the decoder's linears while the context lasts; the originals are put back in ``finally``.
+
+    The original modules are kept meanwhile (their memory stays allocated). Works on x86 CPUs with bitsandbytes >=
+    0.47.
+
+    Args:
+        model: the model.
+        mode: ``int8`` or ``nf4``; ``none``: nothing.
+
+    Yields:
+        The model."""
     if mode not in WEIGHT_MODES:
         raise OutlierscopeError(f"weights must be one of {', '.join(WEIGHT_MODES)}, got {mode!r}")
     swapped = _swap_in(model, mode) if mode != "none" else []

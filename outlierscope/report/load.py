@@ -143,8 +143,13 @@ def read_table(path: Path, required: list[str], numeric: list[str], may_be_empty
 
 
 def check_sweep_rows(path: Path, sweep: pd.DataFrame) -> None:
-    """Every cell of a sweep table has all its rows (its task's metrics; a quantized cell also its flip rates and
-    mean |score change|) and every (task, model) its 16-bit reference: a table cut at a line end is refused."""
+    """Refuse a sweep table cut at a line end: every cell must have all its rows, every (task, model) its 16-bit row.
+
+    A cell's rows are its task's metrics, and for a quantized cell also its flip rates and mean |score change|.
+
+    Args:
+        path: the table's path, for the error.
+        sweep: the table."""
     from outlierscope.quant.numerics.names import UNQUANTIZED_BITS
     from outlierscope.report.tables import FLIP_METRIC
 

@@ -20,8 +20,10 @@ def _model_kinds(run) -> dict[str, str]:
 
 
 def outcome_paragraph(run) -> str:
-    """Plain-words statement of the measured outcome, generated from the numbers of ``run`` (a
-    ``RunResults``: its ``tables`` and ``profile_meta``)."""
+    """The measured outcome in plain words, generated from a run's numbers (the report's first paragraph).
+
+    Args:
+        run: the ``RunResults`` (its tables and profile record)."""
     kinds = _model_kinds(run)
     sentences = []
     t5 = run.tables.get("table5")
@@ -117,8 +119,13 @@ def _recipe_outcome(rows) -> list[str]:
 
 
 def quantized_heading(sweep) -> str:
-    """What a sweep table's quantized rows quantize, for its report section's heading: the attention logits (the
-    paper's bit widths), or what its ``--quant`` rows are besides (attention, the linear layers, both)."""
+    """What a sweep's quantized rows quantize, for its report section's heading.
+
+    The attention logits (the paper's bit widths), or what its ``--quant`` rows are besides (attention, the linear
+    layers, both).
+
+    Args:
+        sweep: the sweep's table."""
     from outlierscope.report.tables import recipe_rows
 
     rows = recipe_rows(sweep)

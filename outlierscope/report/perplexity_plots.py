@@ -14,8 +14,13 @@ KLD_FLOOR = 1e-8  # nats: the ECDF's left edge (a token whose distribution did n
 
 
 def kld_distribution(kld: dict[str, np.ndarray], against: str = "the unquantized model") -> plt.Figure:
-    """The empirical distribution of per-token KL divergence to ``against``, one line per spec (log x; values below
-    KLD_FLOOR drawn at it): the further right, the more a spec moves the next-token distribution."""
+    """The empirical distribution of per-token KLD, one line per spec (log x): the further right, the more a spec moves.
+
+    Values below ``KLD_FLOOR`` are drawn at it.
+
+    Args:
+        kld: label -> per-token KLD.
+        against: what the KLD is taken against, for the axis."""
     specs = {k: v for k, v in kld.items() if len(v) and np.any(v > 0)}
     fig, ax = plt.subplots(figsize=(7.2, 4.4), layout="constrained")
     colors = sns.color_palette(PALETTE, max(len(specs), 3))
@@ -32,8 +37,11 @@ def kld_distribution(kld: dict[str, np.ndarray], against: str = "the unquantized
 
 
 def nll_and_kld(table: pd.DataFrame, against: str = "the unquantized model") -> plt.Figure:
-    """Per spec: the mean NLL change against ``against`` and the mean KL divergence, each with its 95% interval from
-    resampled windows."""
+    """Per spec, the mean NLL change and the mean KLD, each with its 95% interval over resampled windows.
+
+    Args:
+        table: a perplexity run's table.
+        against: what they are taken against, for the axes."""
     rows = table[table["kld_max"] > 0].reset_index(drop=True)
     fig, axes = plt.subplots(1, 2, figsize=(9.0, 0.45 * max(len(rows), 3) + 1.4), layout="constrained", sharey=True)
     y = np.arange(len(rows))

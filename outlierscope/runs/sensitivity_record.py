@@ -25,8 +25,13 @@ from outlierscope.runs.sensitivity_settings import SensitivitySettings
 
 
 def written_files(s: SensitivitySettings, record: dict) -> list[str]:
-    """The files a finished study wrote into its directory, in the order a reader wants them: ``kinds.csv`` only for a
-    scheme with linear parts (``record["kinds"]``), ``attn_error.csv`` only where attention was measured."""
+    """The files a finished study wrote, in the order a reader wants them.
+
+    ``kinds.csv`` only for a scheme with linear parts, ``attn_error.csv`` only where attention was measured.
+
+    Args:
+        s: the study's settings.
+        record: its record."""
     return ["sensitivity.md", "sensitivity.csv", "greedy.csv", *(["kinds.csv"] if "kinds" in record else []),
             *(["attn_error.csv"] if s.attn_error and s.metric == "gold_ll" and _in_attention(s.spec()) else []),
             "sensitivity.json", "figures/"]
@@ -38,9 +43,14 @@ def _in_attention(spec) -> bool:
 
 
 def outlier_points(spec, model) -> tuple[str, ...]:
-    """The points whose top-1 / median |x| is a layer's outlier ratio: the attention logits when the spec quantizes
-    attention (or is the logits' bit width), the inputs of the decoder linears it quantizes when it has linear
-    parts (both for a mixed spec)."""
+    """The points whose top-1 / median |x| is a layer's outlier ratio in a sensitivity study.
+
+    The attention logits when the spec quantizes attention (or is the logits' bit width), the inputs of the decoder
+    linears it quantizes when it has linear parts (both for a mixed spec).
+
+    Args:
+        spec: the study's spec.
+        model: the model (a meta model will do)."""
     from outlierscope.quant.linears.sites import linear_sites
 
     linear = getattr(spec, "has_linear", False)

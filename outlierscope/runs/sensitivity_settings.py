@@ -147,8 +147,11 @@ class SensitivitySettings:
                                  "granularity; keep_bits stays the logits' axis)", getattr(self, name))
 
     def spec(self, layers=None, bits: int | None = None) -> QuantSpec:
-        """The quantization of ``layers`` (None: all): ``quant`` when given, else the logits at ``bits`` (default:
-        ``bits``; ``keep_bits`` for the kept layers are always the logits')."""
+        """The quantization of some layers: ``quant`` when given, else the logits at a width.
+
+        Args:
+            layers: the layers; None: all.
+            bits: the logits' width (the kept layers' ``keep_bits`` are always the logits'); None: ``bits``."""
         if self.quant is not None and bits is None:
             return QuantSpec.parse(self.quant).with_layers(layers)
         return build_spec(self.bits if bits is None else bits, self.format, self.granularity, layers)

@@ -19,6 +19,15 @@ def _precision_line(precision: str) -> str:
 
 
 def model_card(role: str, run: dict, step: int, wall: float, rows: list[dict], hardware: str) -> str:
+    """The model card (``README.md``) of a trained role: its architecture, data, optimizer, losses and status.
+
+    Args:
+        role: ``transformer`` or ``diff``.
+        run: the run record.
+        step: the step reached.
+        wall: the wall seconds.
+        rows: the training log's rows.
+        hardware: what it ran on."""
     cfg = PairConfig.from_dict(run["preset"])
     steps = run["steps"]
     tokens = step * run["tokens_per_step"]

@@ -60,19 +60,19 @@ def fusing() -> bool:
 
 
 def fusable(fn=None, *, eager_if=None, dynamic: bool | None = None):
-    """``fn`` as it is, or compiled (``torch.compile``) inside ``fused_kernels``. Where ``fn`` is already being
-    traced (one fusable function calling another) it runs as it is, inlined into the caller's graph. The eager
-    function stays reachable as ``.eager``. Used as ``@fusable`` or ``@fusable(...)``: ``eager_if``, a predicate of
-    ``fn``'s arguments under which it always runs eagerly (nothing to compile); ``dynamic``, ``torch.compile``'s
-    (None: a kernel specialised to the first shape, shape-generic ones after the first recompile; True: shape-generic
-    from the first call).
+    """``fn`` as it is, or compiled by ``torch.compile`` inside ``fused_kernels``: ``@fusable`` or ``@fusable(...)``.
 
-    A graph the compiler cannot build costs speed, never the run: the call is made again eagerly (a quantizer never
-    mutates its input, so the bytes are the eager ones), a warning says so, and from then on ``fn`` runs eagerly on
-    inputs of that dtype in this process (``fallbacks`` lists them). Known: inductor 2.13 cannot generate the C++
-    of ``frexp`` on float64 vectors, which the MX FP6 / FP8 element rounding of float64 runs uses. Inputs off the CPU
-    (``fused_kernels`` used directly on a GPU model; the runs refuse ``fused`` there) run eagerly the same way, with a
-    warning."""
+    Where ``fn`` is already being traced (one fusable function calling another) it runs inlined into the caller's
+    graph; the eager function stays reachable as ``.eager``. A graph the compiler cannot build costs speed, never the
+    run: the call is made again eagerly (a quantizer never mutates its input, so the bytes are the eager ones), with a
+    warning, and from then on ``fn`` runs eagerly on inputs of that dtype (``fallbacks`` lists them; known: inductor
+    2.13 cannot generate ``frexp`` on float64 vectors). Inputs off the CPU run eagerly the same way.
+
+    Args:
+        fn: the function.
+        eager_if: a predicate of ``fn``'s arguments under which it always runs eagerly (nothing to compile).
+        dynamic: ``torch.compile``'s (None: specialised to the first shape, shape-generic after the first recompile;
+            True: shape-generic from the first call)."""
     if fn is None:
         return functools.partial(fusable, eager_if=eager_if, dynamic=dynamic)
     compiled = []

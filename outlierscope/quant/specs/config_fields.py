@@ -20,8 +20,13 @@ def _fits(value, kind: str) -> bool:
 
 
 def check_field_types(cfg, name: str) -> None:
-    """Every field of the dataclass ``cfg`` holds a value of its annotated type (``int`` never a float or a bool,
-    ``float`` a finite number); else an error naming ``name:FIELD``, so that ``parse(str(cfg)) == cfg`` holds."""
+    """Check that every field of a config holds a value of its annotated type, so that ``parse(str(cfg)) == cfg``.
+
+    ``int`` is never a float or a bool; ``float`` is a finite number.
+
+    Args:
+        cfg: the config (``GPTQConfig``, ``AWQConfig``).
+        name: its key in the spec text, for the error (``name:FIELD``)."""
     for f in dataclasses.fields(cfg):
         value = getattr(cfg, f.name)
         if not _fits(value, str(f.type)):
@@ -30,6 +35,12 @@ def check_field_types(cfg, name: str) -> None:
 
 
 def check_repeat(name: str, text: str, key: str, seen: dict) -> None:
-    """A key of ``name:text`` already in ``seen`` is an error (the last would silently win)."""
+    """Refuse a key given twice in ``name:text`` (the last would silently win).
+
+    Args:
+        name: the part's key.
+        text: its text, for the error.
+        key: the key read.
+        seen: the keys read so far."""
     if key in seen:
         raise OutlierscopeError(f"{name}:{text} sets {key} twice; give each setting once")

@@ -26,8 +26,19 @@ MAX_LAYERS = 1 << 16  # no index reaches it (the deepest models have a few hundr
 
 
 def parse_layers(text: str | None) -> tuple[int, ...] | None:
-    """``"0-3"``, ``"0,2,5"`` or ``"0-1,4"`` -> sorted layer indices; None/"all" -> every layer. Indices are below
-    ``MAX_LAYERS`` (checked before a range is built); the model's own count is checked where it is known."""
+    """Layer indices from text: ``"0-3"``, ``"0,2,5"`` or ``"0-1,4"``; None or ``"all"``: every layer.
+
+    Indices are below ``MAX_LAYERS`` (checked before a range is built); the model's own count is checked where it is
+    known.
+
+    Args:
+        text: the text.
+
+    Returns:
+        The sorted indices; None for every layer.
+
+    Raises:
+        ValueError: a malformed list, naming the fix."""
     if text is None or text == "all":
         return None
     out: set[int] = set()
@@ -54,7 +65,10 @@ def parse_layers(text: str | None) -> tuple[int, ...] | None:
 
 
 def layers_option(text: str) -> tuple[int, ...] | None:
-    """``parse_layers`` for a setting given as text (the command line): a malformed list is a one-line error."""
+    """``parse_layers`` for a setting given on the command line: a malformed list is a one-line error.
+
+    Args:
+        text: the text."""
     try:
         return parse_layers(text)
     except ValueError as e:

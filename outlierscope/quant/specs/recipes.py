@@ -10,7 +10,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Recipe:
-    """A named kernel emulation: its spec text, the source it follows, and what the emulation does not model."""
+    """A named kernel emulation.
+
+    Attributes:
+        name: its name (``sage2-int4``, ...).
+        text: its spec text.
+        source: the source it follows.
+        not_modelled: what the emulation does not model."""
 
     name: str
     text: str

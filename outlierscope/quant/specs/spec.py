@@ -344,9 +344,16 @@ def _unknown_recipe(item: str, text: str):
 
 
 def build_spec(bits: int, format: str = "int", granularity: str = "per_tensor", layers=None) -> QuantSpec:
-    """The paper's settings (a sweep's ``--bits``, ``--format``, ``--granularity``, ``--layers``) as a spec:
-    ``QuantSpec.logits`` (unquantized for 16 bits: format, granularity and layers do not apply; a typo in them is
-    still an error)."""
+    """The paper's settings (a sweep's ``--bits``, ``--format``, ``--granularity``, ``--layers``) as a spec.
+
+    ``QuantSpec.logits``; 16 bits is unquantized, where format, granularity and layers do not apply (a typo in them is
+    still an error).
+
+    Args:
+        bits: the width.
+        format: the logits' format.
+        granularity: the logits' granularity.
+        layers: the layers quantized; None: all."""
     return QuantSpec.logits(bits, format, granularity, layers=None if bits == UNQUANTIZED_BITS else layers)
 
 
