@@ -87,9 +87,6 @@ def test_guide_pages_open_with_their_question_and_a_command():
 
 def _commands(page: Path) -> list[str]:
     """The ``outlierscope`` command lines of ``page``'s code blocks, continued lines joined, comments left out."""
-    import sys
-
-    sys.path.insert(0, str(ROOT))
     from tests.manual import commands_joined
 
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", commands_joined(page.read_text()), re.S | re.M)

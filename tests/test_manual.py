@@ -165,17 +165,20 @@ def test_every_public_name_documents_each_parameter():
 
 
 def _tour_and_openings() -> list[str]:
-    """The README's tour lines and each guide page's opening command (the first code block after its question)."""
-    lines = README.read_text().split("## A short tour", 1)[1].split("```")[1].strip().splitlines()
+    """The README's tour lines and each guide page's opening command (the first code block after its question),
+    continued lines joined and comment lines left out."""
+    from tests.manual import commands_joined
+
+    lines = commands_joined(README.read_text()).split("## A short tour", 1)[1].split("```")[1].strip().splitlines()
     for page in sorted((ROOT / "docs" / "guide").glob("*.md")):
-        text = page.read_text()
+        text = commands_joined(page.read_text())
         if "**The question:**" in text:
             after = text.split("**The question:**", 1)[1]
             head = after.split("\n## ", 1)[0]
             if "```" in head:
                 block = head.split("```")[1].split("\n", 1)  # (language tag or "", the lines)
-                lines += block[1].replace("\\\n", " ").strip().splitlines()  # continued lines joined
-    return [line for line in lines if not line.lstrip().startswith("#")]  # a comment line is no command
+                lines += block[1].strip().splitlines()
+    return lines
 
 
 def test_tour_and_opening_commands_parse():

@@ -181,9 +181,11 @@ def test_readme_commands_made_docs_perplexity():
 def test_smollm2_commands_give_the_recorded_settings():
     """docs/smollm2/: each profile and sweep line of its page gives exactly the settings its record holds (settings
     added after the run at their defaults), and every record under the directory has its line."""
-    page = (ROOT / "docs" / "smollm2" / "README.md").read_text()
+    from tests.manual import commands_joined
+
+    page = commands_joined((ROOT / "docs" / "smollm2" / "README.md").read_text())
     block = page.split("## The commands", 1)[1].split("```")[1].split("\n", 1)[1]
-    lines = [shlex.split(line) for line in block.replace("\\\n", " ").strip().splitlines()]
+    lines = [shlex.split(line) for line in block.strip().splitlines()]
     made = {_recorded_settings_made(argv) for argv in lines if argv[1] != "report"}
     recorded = _recorded_dirs("smollm2", "sweep.json", "profile.json")
     assert recorded and made == recorded
